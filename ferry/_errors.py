@@ -1,0 +1,56 @@
+"""What a caller of a ferry can get back besides its result (SPEC 2.6).
+
+Every ferry error derives from `FerryError`. `Closed` is also a `trio.ClosedResourceError`, so code
+that already handles trio's "used after close" keeps working. `Committed` is not an error: it is a
+value returned by `ProjectedWrite` when an input is durable but its view is not confirmed.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar, final
+
+import attrs
+import trio
+
+T = TypeVar("T")
+
+
+class FerryError(Exception):
+    """Root of every error a ferry raises to a caller."""
+
+
+@final
+class Rejected(FerryError):
+    """The waiting room was full (by count or by weight); nothing was sent. Back off and retry."""
+
+
+@final
+class Failed(FerryError):
+    """The batch call that carried this input raised; `__cause__` is its exception.
+
+    Every caller of that batch gets its own `Failed`. Retry if the write is idempotent.
+    """
+
+
+@final
+class BatchContractError(FerryError):
+    """The batch call returned a malformed output, or `extract` raised for this caller: a bug."""
+
+
+@final
+class Closed(FerryError, trio.ClosedResourceError):
+    """The ferry closed while this caller waited, or it was called after close."""
+
+
+@final
+@attrs.frozen
+class Committed(Generic[T]):
+    """The input is durable, but its view is not confirmed.
+
+    `provisional` is the answer the journal decided (for example the new balance or a refusal on
+    the merits); `cause` is the exception that kept the projection from confirming it. The key's
+    next batch, or `sweep()`, finishes the view: tell the client it was accepted, do not resubmit.
+    """
+
+    provisional: T
+    cause: BaseException = attrs.field(eq=False)
