@@ -37,6 +37,19 @@ class BatchContractError(FerryError):
     """The batch call returned a malformed output, or `extract` raised for this caller: a bug."""
 
 
+class InputError(FerryError):
+    """The batch call refused this one input as invalid; the other inputs of its batch are served.
+
+    A batch call signals it by returning an instance of `InputError` (or a subclass) in the input's
+    slot; the ferry raises it to that caller alone. `IdReused` is the one `ProjectedWrite` uses.
+    """
+
+
+@final
+class IdReused(InputError):
+    """An input id was submitted again with different content: a client bug, never retried."""
+
+
 @final
 class Closed(FerryError, trio.ClosedResourceError):
     """The ferry closed while this caller waited, or it was called after close."""
