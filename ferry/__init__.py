@@ -1,0 +1,44 @@
+"""ferry: many concurrent `await f(x)` calls become a few batched calls, on trio.
+
+`open_ferry` batches into `call(inputs)`; `open_per_key_ferry` batches per key into
+`call(key, inputs)` with at most one call in flight per key. See docs/guide.md.
+"""
+
+from __future__ import annotations
+
+from ._errors import BatchContractError as BatchContractError
+from ._errors import Closed as Closed
+from ._errors import Committed as Committed
+from ._errors import Failed as Failed
+from ._errors import FerryError as FerryError
+from ._errors import IdReused as IdReused
+from ._errors import InputError as InputError
+from ._errors import Rejected as Rejected
+from ._ferry import Ferry as Ferry
+from ._ferry import PerKeyFerry as PerKeyFerry
+from ._ferry import open_ferry as open_ferry
+from ._ferry import open_per_key_ferry as open_per_key_ferry
+from ._stats import FerryStatistics as FerryStatistics
+
+__all__ = [
+    "BatchContractError",
+    "Closed",
+    "Committed",
+    "Failed",
+    "Ferry",
+    "FerryError",
+    "FerryStatistics",
+    "IdReused",
+    "InputError",
+    "PerKeyFerry",
+    "Rejected",
+    "open_ferry",
+    "open_per_key_ferry",
+]
+
+# Tracebacks and reprs show the public names, not the private modules.
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("ferry._"):
+        _obj.__module__ = "ferry"
+del _name, _obj

@@ -1,0 +1,199 @@
+"""ferry figures of SPEC section 4, each against a baseline measured in the same run.
+
+The baseline batcher is the one a careful trio user would write by hand: an unbounded memory
+channel, one worker that drains up to 100 inputs per call, and one `trio.Event` per caller.
+Every figure is per input and includes spawning the caller tasks, for the ferry and the baseline
+alike, because "many concurrent callers" is what both serve.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import time
+from typing import Any
+
+import trio
+
+import ferry
+from tests.bench._harness import Row, paired
+
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+
+
+async def echo(xs: list[int]) -> list[int]:
+    return xs
+
+
+async def echo_key(key: int, xs: list[int]) -> list[int]:
+    return xs
+
+
+class _Slot:
+    __slots__ = ("event", "result")
+
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.result: Any = None
+
+
+async def _baseline(n: int) -> float:
+    send, recv = trio.open_memory_channel[tuple[int, _Slot]](math.inf)
+
+    async def worker() -> None:
+        while True:
+            first = await recv.receive()
+            batch = [first]
+            while len(batch) < 100:
+                try:
+                    batch.append(recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            outs = await echo([x for x, _ in batch])
+            for (_, slot), out in zip(batch, outs, strict=True):
+                slot.result = out
+                slot.event.set()
+
+    async def caller(i: int) -> None:
+        slot = _Slot()
+        send.send_nowait((i, slot))
+        await slot.event.wait()
+        assert slot.result == i
+
+    async with trio.open_nursery() as outer:
+        outer.start_soon(worker)
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as n_:
+            for i in range(n):
+                n_.start_soon(caller, i)
+        took = time.perf_counter() - t0
+        outer.cancel_scope.cancel()
+    return took / n
+
+
+async def _plain(n: int) -> float:
+    async with ferry.open_ferry(echo, max_batch_size=100) as f:
+
+        async def caller(i: int) -> None:
+            assert await f(i) == i
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as n_:
+            for i in range(n):
+                n_.start_soon(caller, i)
+        return (time.perf_counter() - t0) / n
+
+
+async def _per_key(n: int) -> float:
+    async with ferry.open_per_key_ferry(
+        echo_key, key=lambda x: x % 1000, max_batch_size=100, max_queueing=n
+    ) as f:
+
+        async def caller(i: int) -> None:
+            assert await f(i) == i
+
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as n_:
+            for i in range(n):
+                n_.start_soon(caller, i)
+        return (time.perf_counter() - t0) / n
+
+
+async def io_call(key: int, xs: list[int]) -> list[int]:
+    await trio.lowlevel.checkpoint()  # a real call waits on I/O at least once
+    return xs
+
+
+async def _direct(n: int) -> float:
+    async with ferry.open_per_key_ferry(io_call, key=lambda x: x) as f:
+        t0 = time.perf_counter()
+        for i in range(n):
+            await f(i)
+        took = (time.perf_counter() - t0) / n
+        assert f.stats().direct_calls == n
+        return took
+
+
+async def _plain_await(n: int) -> float:
+    t0 = time.perf_counter()
+    for i in range(n):
+        await io_call(i, [i])
+    return (time.perf_counter() - t0) / n
+
+
+async def _admission(waiting: int, extra: int = 2000) -> float:
+    """Seconds per admission of `extra` callers into a room already holding `waiting` inputs."""
+    async with ferry.open_ferry(
+        echo, max_batch_delay=1e6, max_batch_size=10**9, max_queueing=10**9
+    ) as f:
+        async with trio.open_nursery() as n_:
+            for i in range(waiting):
+                n_.start_soon(f, i)
+            await trio.testing.wait_all_tasks_blocked()
+            t0 = time.perf_counter()
+            for i in range(extra):
+                n_.start_soon(f, i)
+            await trio.testing.wait_all_tasks_blocked()
+            took = (time.perf_counter() - t0) / extra
+            n_.cancel_scope.cancel()
+    return took
+
+
+async def _empty_admission(extra: int = 2000) -> float:
+    return await _admission(0, extra)
+
+
+def _run(fn: Any, *args: Any) -> float:
+    gc.collect()
+    result: float = trio.run(fn, *args)
+    return result
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+async def _many_keys(total: int, chunk: int = 10_000) -> tuple[int, int, int]:
+    async with ferry.open_per_key_ferry(echo_key, key=lambda x: x, max_queueing=chunk) as f:
+        before = 0
+        for start in range(0, total, chunk):
+            async with trio.open_nursery() as n_:
+                for i in range(start, start + chunk):
+                    n_.start_soon(f, i)
+            if start == chunk:  # after a warm-up chunk, so allocator pools are primed
+                gc.collect()
+                before = _rss_kib()
+        gc.collect()
+        return before, _rss_kib(), f.stats().lanes
+
+
+def benchmarks() -> list[Row]:
+    rows: list[Row] = []
+    for n in (10_000, 100_000):
+        rounds = ROUNDS if n <= 10_000 else max(1, ROUNDS - 1)
+        s, b = paired(rounds, lambda n=n: _run(_plain, n), lambda n=n: _run(_baseline, n))
+        rows.append(Row(f"ferry plain, {n:,} callers, batch 100", s, b, 1.0))
+        s, b = paired(rounds, lambda n=n: _run(_per_key, n), lambda n=n: _run(_baseline, n))
+        rows.append(Row(f"ferry per-key over 1k keys, {n:,} callers", s, b, 1.5))
+    s, b = paired(ROUNDS, lambda: _run(_direct, 20_000), lambda: _run(_plain_await, 20_000))
+    rows.append(Row("direct call at idle vs awaiting call", s, b, 1.5, note="call checkpoints once"))
+    small = min(_run(_admission, 1_000) for _ in range(ROUNDS))
+    large = min(_run(_admission, 100_000) for _ in range(max(1, ROUNDS - 1)))
+    rows.append(Row("admission at 100k waiting vs 1k", large, small, 1.5))
+    before, after, lanes = trio.run(_many_keys, 1_000_000)
+    rows.append(
+        Row(
+            "RSS after 1M distinct keys vs after 20k",
+            after / 1e6,
+            before / 1e6,
+            1.1,
+            unit="KiB",
+            note=f"lanes={lanes} (must be 0); {before} KiB -> {after} KiB",
+        )
+    )
+    return rows

@@ -1,0 +1,734 @@
+"""Integration tests of the trio shell: every option, outcome, cancellation case and close.
+
+All deterministic: MockClock(autojump_threshold=0) (pytest-trio's `autojump_clock`
+fixture) and `wait_all_tasks_blocked`; no real sleeps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import ferry
+import stm
+
+
+class Recorder:
+    """A batch call that records every call and can be told to fail, hang or be slow."""
+
+    def __init__(self, *, delay: float = 0.0) -> None:
+        self.calls: list[tuple[Any, list[Any]]] = []
+        self.delay = delay
+        self.fail_on: set[Any] = set()
+        self.in_flight: Counter[Any] = Counter()
+        self.max_in_flight_per_key = 0
+        self.max_in_flight = 0
+        self.gate: trio.Event | None = None
+
+    async def per_key(self, key: Any, xs: list[Any]) -> list[Any]:
+        self.calls.append((key, list(xs)))
+        self.in_flight[key] += 1
+        self.max_in_flight_per_key = max(self.max_in_flight_per_key, self.in_flight[key])
+        self.max_in_flight = max(self.max_in_flight, sum(self.in_flight.values()))
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            if self.delay:
+                await trio.sleep(self.delay)
+            else:
+                await trio.lowlevel.checkpoint()
+            if any(x in self.fail_on for x in xs):
+                raise RuntimeError(f"boom {xs}")
+            return [("ok", x) for x in xs]
+        finally:
+            self.in_flight[key] -= 1
+
+    async def plain(self, xs: list[Any]) -> list[Any]:
+        return await self.per_key(None, xs)
+
+
+async def settle() -> None:
+    await trio.testing.wait_all_tasks_blocked()
+
+
+# ------------------------------------------------------------------------------------ options
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("max_batch_size", 0),
+        ("max_batch_size", 1.5),
+        ("max_batch_size", True),
+        ("max_batch_delay", -1),
+        ("max_batch_delay", math.nan),
+        ("max_batch_delay", math.inf),
+        ("max_in_flight_batches", 0),
+        ("max_queueing", -1),
+    ],
+)
+async def test_plain_options_are_checked_at_open(option: str, value: Any) -> None:
+    rec = Recorder()
+    with pytest.raises(ValueError, match=option):
+        async with ferry.open_ferry(rec.plain, **{option: value}):
+            pass  # pragma: no cover
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("max_batch_weight", 0),
+        ("max_batch_weight", -1.0),
+        ("max_queued_weight", math.nan),
+        ("max_queued_weight", 0),
+        ("direct_calls", 1),
+        ("rank", 3),
+        ("weight", "heavy"),
+        ("key", None),
+    ],
+)
+async def test_per_key_options_are_checked_at_open(option: str, value: Any) -> None:
+    rec = Recorder()
+    kwargs: dict[str, Any] = {"key": lambda x: x}
+    kwargs[option] = value
+    with pytest.raises(ValueError, match=option):
+        async with ferry.open_per_key_ferry(rec.per_key, **kwargs):
+            pass  # pragma: no cover
+
+
+# ------------------------------------------------------------------------------- plain ferry
+
+
+async def test_plain_batches_concurrent_callers(autojump_clock: trio.testing.MockClock) -> None:
+    rec = Recorder()
+    results: dict[int, Any] = {}
+    async with ferry.open_ferry(rec.plain, max_batch_size=4, max_in_flight_batches=1) as f:
+
+        async def one(i: int) -> None:
+            results[i] = await f(i)
+
+        async with trio.open_nursery() as n:
+            for i in range(10):
+                n.start_soon(one, i)
+    assert results == {i: ("ok", i) for i in range(10)}
+    sizes = [len(xs) for _, xs in rec.calls]
+    assert sum(sizes) == 10
+    assert max(sizes) == 4
+    assert len(rec.calls) <= 4  # batched, not one call each
+    s = f.stats()
+    assert (s.submitted, s.admitted, s.inputs_sent) == (10, 10, 10)
+    assert s.batches == len(rec.calls)
+    assert sum(size * n for size, n in s.batch_sizes.items()) == 10
+    assert (s.queued, s.busy, s.lanes, s.direct_calls) == (0, 0, 0, 0)
+
+
+async def test_plain_runs_several_batches_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    rec = Recorder(delay=1.0)
+    async with ferry.open_ferry(rec.plain, max_batch_size=2, max_in_flight_batches=3) as f:
+        async with trio.open_nursery() as n:
+            for i in range(6):
+                n.start_soon(f, i)
+    assert rec.max_in_flight == 3
+
+
+async def test_delay_holds_a_partial_batch_until_its_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    sent_at: list[float] = []
+
+    async def call(xs: list[int]) -> list[int]:
+        sent_at.append(trio.current_time())
+        return xs
+
+    async with ferry.open_ferry(call, max_batch_size=3, max_batch_delay=5.0) as f:
+        start = trio.current_time()
+        async with trio.open_nursery() as n:
+            n.start_soon(f, 1)
+            await trio.sleep(2.0)
+            n.start_soon(f, 2)
+        assert sent_at == [start + 5.0]  # the oldest input's submission + delay
+        async with trio.open_nursery() as n:
+            for i in range(3):  # a full batch goes at once
+                n.start_soon(f, i)
+        assert sent_at[-1] == start + 5.0
+    del rec
+
+
+async def test_rejected_when_room_is_full_and_nothing_is_sent(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    rec.gate = trio.Event()
+    outcomes: dict[int, Any] = {}
+    async with ferry.open_ferry(
+        rec.plain, max_batch_size=1, max_in_flight_batches=1, max_queueing=2
+    ) as f:
+
+        async def one(i: int) -> None:
+            try:
+                outcomes[i] = await f(i)
+            except ferry.Rejected as exc:
+                outcomes[i] = exc
+
+        async with trio.open_nursery() as n:
+            n.start_soon(one, 0)
+            await settle()  # 0 is in flight, holding the only worker
+            for i in (1, 2, 3):
+                n.start_soon(one, i)
+                await settle()
+            rec.gate.set()
+    assert isinstance(outcomes[3], ferry.Rejected)
+    assert [outcomes[i] for i in (0, 1, 2)] == [("ok", 0), ("ok", 1), ("ok", 2)]
+    assert all(xs != [3] for _, xs in rec.calls)
+    assert f.stats().rejected == 1
+
+
+async def test_failed_batch_gives_each_caller_failed_with_cause_and_ferry_goes_on(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    rec.fail_on = {1}
+    errors: list[BaseException] = []
+    async with ferry.open_ferry(rec.plain, max_batch_size=10, max_batch_delay=1.0) as f:
+
+        async def one(i: int) -> None:
+            try:
+                await f(i)
+            except ferry.Failed as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as n:
+            for i in range(3):
+                n.start_soon(one, i)
+        assert len(errors) == 3
+        assert len({id(e) for e in errors}) == 3  # each caller its own exception
+        assert all(isinstance(e.__cause__, RuntimeError) for e in errors)
+        assert isinstance(errors[0], ferry.FerryError)
+        assert await f(7) == ("ok", 7)  # not poisoned
+        assert f.stats().failed_batches == 1
+
+
+@pytest.mark.parametrize(
+    "output",
+    [lambda xs: xs[:-1], lambda xs: 42, lambda xs: "abc"],
+    ids=["short", "not-a-sequence", "a-string"],
+)
+async def test_malformed_output_is_a_batch_contract_error(
+    autojump_clock: trio.testing.MockClock, output: Any
+) -> None:
+    async def call(xs: list[int]) -> Any:
+        return output(xs)
+
+    async with ferry.open_ferry(call, max_batch_size=3, max_batch_delay=1.0) as f:
+        with trio.testing.RaisesGroup(ferry.BatchContractError, ferry.BatchContractError):
+            async with trio.open_nursery() as n:
+                n.start_soon(f, 1)
+                n.start_soon(f, 2)
+
+
+async def test_extract_maps_output_to_each_caller_and_its_errors_are_contract_errors(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def call(xs: list[int]) -> dict[int, str]:
+        return {x: f"v{x}" for x in xs if x != 3}
+
+    async with ferry.open_ferry(
+        call, max_batch_size=5, max_batch_delay=1.0, extract=lambda out, x: out[x]
+    ) as f:
+        got: dict[int, Any] = {}
+
+        async def one(i: int) -> None:
+            try:
+                got[i] = await f(i)
+            except ferry.BatchContractError as exc:
+                got[i] = exc
+
+        async with trio.open_nursery() as n:
+            for i in (1, 2, 3):
+                n.start_soon(one, i)
+    assert got[1] == "v1" and got[2] == "v2"
+    assert isinstance(got[3], ferry.BatchContractError)
+    assert isinstance(got[3].__cause__, KeyError)
+
+
+async def test_input_error_in_a_slot_is_raised_to_that_caller_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def call(xs: list[int]) -> list[Any]:
+        return [ferry.IdReused(f"id {x} reused") if x == 2 else x for x in xs]
+
+    async with ferry.open_ferry(call, max_batch_size=3, max_batch_delay=1.0) as f:
+        got: dict[int, Any] = {}
+
+        async def one(i: int) -> None:
+            try:
+                got[i] = await f(i)
+            except ferry.InputError as exc:
+                got[i] = exc
+
+        async with trio.open_nursery() as n:
+            for i in (1, 2, 3):
+                n.start_soon(one, i)
+    assert got[1] == 1 and got[3] == 3
+    assert isinstance(got[2], ferry.IdReused)
+
+
+# ------------------------------------------------------------------------------ cancellation
+
+
+async def test_cancelled_while_waiting_is_dropped_and_never_sent(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    async with ferry.open_ferry(rec.plain, max_batch_size=10, max_batch_delay=10.0) as f:
+        async with trio.open_nursery() as n:
+            with trio.CancelScope() as cs:
+                n.start_soon(f, 1)
+
+                async def doomed() -> None:
+                    with cs:
+                        await f(2)
+
+                n.start_soon(doomed)
+                await settle()
+                assert f.stats().queued == 2
+                cs.cancel()
+                await settle()
+                assert f.stats().queued == 1
+                assert f.stats().dropped == 1
+    assert rec.calls == [(None, [1])]
+    assert stm.statistics().waiters == 0
+
+
+async def test_cancelled_while_in_flight_stops_waiting_and_batch_runs_on(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder(delay=5.0)
+    got: list[Any] = []
+    async with ferry.open_ferry(rec.plain, max_batch_size=2, max_batch_delay=1.0) as f:
+        async with trio.open_nursery() as n:
+
+            async def keeper() -> None:
+                got.append(await f(1))
+
+            async def quitter() -> None:
+                with trio.move_on_after(3.0):  # the batch leaves at 1.0 and ends at 6.0
+                    await f(2)
+                got.append("quit")
+
+            n.start_soon(keeper)
+            n.start_soon(quitter)
+    assert got == ["quit", ("ok", 1)]
+    assert rec.calls == [(None, [1, 2])]
+
+
+async def test_await_is_a_checkpoint_on_every_path(autojump_clock: trio.testing.MockClock) -> None:
+    async def call(xs: list[int]) -> list[int]:
+        return xs
+
+    async with ferry.open_ferry(call, max_queueing=0) as f:
+        with trio.testing.assert_checkpoints(), pytest.raises(ferry.Rejected):
+            await f(1)
+    with trio.testing.assert_checkpoints(), pytest.raises(ferry.Closed):
+        await f(1)
+    async with ferry.open_ferry(call) as f:
+        with trio.testing.assert_checkpoints():
+            assert await f(1) == 1
+    async with ferry.open_per_key_ferry(lambda k, xs: call(xs), key=lambda x: x) as g:
+        with trio.testing.assert_checkpoints():
+            assert await g(1) == 1  # a direct call
+
+
+async def test_cancelled_before_admission_admits_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    async with ferry.open_ferry(rec.plain) as f:
+        with trio.CancelScope() as cs:
+            cs.cancel()
+            await f(1)
+        assert f.stats().submitted == 0
+    assert rec.calls == []
+
+
+# ------------------------------------------------------------------------------------- close
+
+
+async def test_close_answers_waiting_and_in_flight_callers_with_closed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    rec.gate = trio.Event()  # never set: the call hangs
+    got: dict[int, Any] = {}
+
+    async def one(f: ferry.Ferry[int, Any], i: int) -> None:
+        try:
+            got[i] = await f(i)
+        except ferry.Closed as exc:
+            got[i] = exc
+
+    async with (
+        trio.open_nursery() as n,
+        ferry.open_ferry(
+            rec.plain, max_batch_size=1, max_in_flight_batches=1, max_batch_delay=0
+        ) as f,
+    ):
+        for i in range(3):
+            n.start_soon(one, f, i)
+        await settle()
+        assert f.stats().busy == 1 and f.stats().queued == 2
+    assert all(isinstance(v, ferry.Closed) for v in got.values()) and len(got) == 3
+    assert isinstance(got[0], trio.ClosedResourceError)
+    s = f.stats()
+    assert (s.queued, s.busy, s.lanes) == (0, 0, 0)
+    assert stm.statistics().waiters == 0
+    with pytest.raises(ferry.Closed):
+        await f(9)
+
+
+async def test_closing_scope_cancelled_from_outside_still_answers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    rec.gate = trio.Event()
+    got: list[Any] = []
+
+    async def one(f: ferry.Ferry[int, Any], i: int) -> None:
+        try:
+            await f(i)
+        except ferry.Closed as exc:
+            got.append(exc)
+
+    async with trio.open_nursery() as n:
+        with trio.move_on_after(5.0):
+            async with ferry.open_ferry(rec.plain, max_batch_size=1, max_in_flight_batches=1) as f:
+                n.start_soon(one, f, 1)
+                n.start_soon(one, f, 2)
+                await trio.sleep_forever()
+    assert len(got) == 2
+
+
+async def test_failure_in_the_block_closes_the_ferry_and_propagates(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    with pytest.raises(KeyError):
+        async with ferry.open_ferry(rec.plain) as f:
+            raise KeyError("user bug")
+    with pytest.raises(ferry.Closed):
+        await f(1)
+
+
+# ----------------------------------------------------------------------------- per-key ferry
+
+
+async def test_one_call_in_flight_per_key_and_keys_run_in_parallel(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder(delay=1.0)
+    async with (
+        ferry.open_per_key_ferry(
+            rec.per_key, key=lambda x: x[0], max_batch_size=2, max_in_flight_batches=4
+        ) as f,
+        trio.open_nursery() as n,
+    ):
+        for k in "abc":
+            for i in range(5):
+                n.start_soon(f, (k, i))
+    assert rec.max_in_flight_per_key == 1
+    assert rec.max_in_flight >= 2
+    by_key: dict[str, list[int]] = defaultdict(list)
+    for key, xs in rec.calls:
+        by_key[key].extend(i for _, i in xs)
+    assert {k: sorted(v) for k, v in by_key.items()} == {k: list(range(5)) for k in "abc"}
+
+
+async def test_rank_orders_inputs_within_a_lane(autojump_clock: trio.testing.MockClock) -> None:
+    rec = Recorder()
+    async with (
+        ferry.open_per_key_ferry(
+            rec.per_key,
+            key=lambda x: "k",
+            rank=lambda x: -x,
+            max_batch_size=10,
+            max_batch_delay=1.0,
+            direct_calls=False,
+        ) as f,
+        trio.open_nursery() as n,
+    ):
+        for i in (3, 1, 4, 1, 5):
+            n.start_soon(f, i)
+            await settle()
+    assert rec.calls == [("k", [5, 4, 3, 1, 1])]
+
+
+async def test_weights_split_batches_and_a_heavy_input_goes_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    async with (
+        ferry.open_per_key_ferry(
+            rec.per_key,
+            key=lambda x: "k",
+            weight=lambda x: x,
+            max_batch_weight=5,
+            max_batch_delay=1.0,
+            max_in_flight_batches=1,
+            direct_calls=False,
+        ) as f,
+        trio.open_nursery() as n,
+    ):
+        for w in (2, 2, 2, 9, 1):
+            n.start_soon(f, w)
+            await settle()
+    assert [xs for _, xs in rec.calls] == [[2, 2], [2], [9], [1]]
+
+
+async def test_queued_weight_rejects_and_bad_weights_are_refused_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    rec.gate = trio.Event()
+    async with ferry.open_per_key_ferry(
+        rec.per_key,
+        key=lambda x: x[0],
+        weight=lambda x: x[1],
+        max_queued_weight=5,
+        max_batch_delay=10.0,
+    ) as f:
+        async with trio.open_nursery() as n:
+            n.start_soon(f, ("a", 4))
+            await settle()
+            with pytest.raises(ferry.Rejected):
+                await f(("b", 2))
+            for bad, exc in [
+                (-1, ValueError),
+                (math.nan, ValueError),
+                (math.inf, ValueError),
+                (6, ValueError),
+                ("1", TypeError),
+            ]:
+                with pytest.raises(exc, match="weight"):
+                    await f(("c", bad))
+            rec.gate.set()
+        s = f.stats()
+        assert s.submitted == 2 and s.rejected == 1
+
+
+async def test_key_errors_are_raised_at_once_and_nothing_is_admitted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+
+    def key(x: Any) -> Any:
+        if x == "boom":
+            raise LookupError("no key for boom")
+        return x
+
+    async with ferry.open_per_key_ferry(rec.per_key, key=key) as f:
+        with pytest.raises(TypeError, match="hashable"):
+            await f([1, 2])
+        with pytest.raises(LookupError, match="boom"):
+            await f("boom")
+        assert f.stats().submitted == 0
+    assert rec.calls == []
+
+
+async def test_ready_keys_are_served_first_come_first_served(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder(delay=1.0)
+    async with (
+        ferry.open_per_key_ferry(
+            rec.per_key,
+            key=lambda x: x[0],
+            max_in_flight_batches=1,
+            max_batch_size=1,
+            direct_calls=False,
+        ) as f,
+        trio.open_nursery() as n,
+    ):
+        for k in "abcd":
+            n.start_soon(f, (k, 1))
+            await settle()
+        n.start_soon(f, ("a", 2))  # a is busy/ready again: it goes to the back of the line
+        await settle()
+    assert [key for key, _ in rec.calls] == ["a", "b", "c", "d", "a"]
+
+
+# ------------------------------------------------------------------------------ direct calls
+
+
+async def test_idle_key_is_served_directly_while_every_worker_is_busy(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    hold_a1, hold_a2 = trio.Event(), trio.Event()
+
+    async def call(key: str, xs: list[Any]) -> list[Any]:
+        if xs == [("a", 1)]:
+            await hold_a1.wait()
+        if xs == [("a", 2)]:
+            await hold_a2.wait()
+        await trio.lowlevel.checkpoint()
+        return xs
+
+    async with (
+        ferry.open_per_key_ferry(
+            call, key=lambda x: x[0], max_in_flight_batches=1, direct_calls=True
+        ) as f,
+        trio.open_nursery() as n,
+    ):
+        n.start_soon(f, ("a", 1))  # idle key: a direct call
+        await settle()
+        n.start_soon(f, ("a", 2))  # key busy: waits in its lane
+        await settle()
+        hold_a1.set()
+        await settle()  # the only worker took ("a", 2) and hangs
+        s = f.stats()
+        assert (s.direct_calls, s.batches, s.busy) == (1, 1, 1)
+        assert await f(("fast", 1)) == ("fast", 1)
+        assert f.stats().direct_calls == 2
+        hold_a2.set()
+
+
+async def test_second_input_waits_for_the_direct_call_to_end_even_with_slow_cleanup(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    order: list[str] = []
+    in_flight = 0
+
+    async def call(key: str, xs: list[Any]) -> list[Any]:
+        nonlocal in_flight
+        in_flight += 1
+        assert in_flight == 1, "two calls in flight for one key"
+        try:
+            order.append(f"start {xs}")
+            await trio.sleep(1.0)
+            return xs
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(5.0)  # slow cleanup
+            order.append(f"end {xs}")
+            in_flight -= 1
+
+    async with ferry.open_per_key_ferry(call, key=lambda x: "k") as f, trio.open_nursery() as n:
+        n.start_soon(f, 1)
+        await settle()
+        assert f.stats().direct_calls == 1
+        n.start_soon(f, 2)
+    assert order == ["start [1]", "end [1]", "start [2]", "end [2]"]
+
+
+async def test_direct_call_is_cancelled_with_its_caller_and_key_released_after(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    seen: list[str] = []
+
+    async def call(key: str, xs: list[Any]) -> list[Any]:
+        try:
+            await trio.sleep_forever()
+        finally:
+            seen.append("cancelled")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async with ferry.open_per_key_ferry(call, key=lambda x: "k") as f:
+        with trio.move_on_after(1.0):
+            await f(1)
+        assert seen == ["cancelled"]
+        s = f.stats()
+        assert (s.busy, s.lanes) == (0, 0)
+
+
+async def test_direct_call_is_cancelled_by_close_and_caller_gets_closed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    got: list[Any] = []
+
+    async def call(key: str, xs: list[Any]) -> list[Any]:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def one(f: ferry.PerKeyFerry[int, Any]) -> None:
+        try:
+            await f(1)
+        except ferry.Closed as exc:
+            got.append(exc)
+
+    async with trio.open_nursery() as n, ferry.open_per_key_ferry(call, key=lambda x: "k") as f:
+        n.start_soon(one, f)
+        await settle()
+        assert f.stats().busy == 1
+    assert len(got) == 1
+    assert f.stats().busy == 0
+
+
+async def test_direct_call_failure_is_failed_with_cause(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def call(key: str, xs: list[Any]) -> list[Any]:
+        raise OSError("remote down")
+
+    async with ferry.open_per_key_ferry(call, key=lambda x: "k") as f:
+        with pytest.raises(ferry.Failed) as info:
+            await f(1)
+        assert isinstance(info.value.__cause__, OSError)
+        assert f.stats().failed_batches == 1
+
+
+# -------------------------------------------------------------------------------- statistics
+
+
+def test_stats_has_exactly_the_spec_fields() -> None:
+    import attrs
+
+    names = [a.name for a in attrs.fields(ferry.FerryStatistics)]
+    assert names == [
+        "queued",
+        "queued_weight",
+        "busy",
+        "lanes",
+        "ready",
+        "waiting",
+        "submitted",
+        "admitted",
+        "rejected",
+        "direct_calls",
+        "batches",
+        "inputs_sent",
+        "failed_batches",
+        "dropped",
+        "batch_sizes",
+    ]
+
+
+async def test_stats_gauges_for_per_key_lanes(autojump_clock: trio.testing.MockClock) -> None:
+    rec = Recorder()
+    rec.gate = trio.Event()
+    async with (
+        ferry.open_per_key_ferry(
+            rec.per_key,
+            key=lambda x: x[0],
+            weight=lambda x: 2.5,
+            max_batch_size=2,
+            max_batch_delay=10.0,
+            max_in_flight_batches=1,
+            direct_calls=False,
+        ) as f,
+        trio.open_nursery() as n,
+    ):
+        n.start_soon(f, ("a", 1))
+        n.start_soon(f, ("a", 2))  # full: ready, taken, hangs on the gate
+        n.start_soon(f, ("b", 1))  # partial: waiting
+        n.start_soon(f, ("c", 1))
+        n.start_soon(f, ("c", 2))  # full, but the only worker is busy: ready
+        await settle()
+        s = f.stats()
+        assert (s.lanes, s.busy, s.ready, s.waiting) == (3, 1, 1, 1)
+        assert (s.queued, s.queued_weight) == (3, 7.5)
+        rec.gate.set()
