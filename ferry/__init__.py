@@ -1,0 +1,1 @@
+"""ferry: batching of concurrent calls (the integrator fills in the public names)."""
