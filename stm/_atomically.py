@@ -1,0 +1,262 @@
+"""Running transactions: `atomically` (trio), `atomically_sync` (threads), `atomically_nowait`,
+and what a transaction function can call: `retry`, `check`, `or_else`, `after_commit`.
+
+All three runners share `_txn.attempt` (one synchronous attempt, committed if it wants to) and
+differ only in how they wait when an attempt retries:
+
+- `atomically` has the shape of `trio.Lock.acquire`: `checkpoint_if_cancelled()`, attempts run
+  synchronously, and either a commit followed by `cancel_shielded_checkpoint()` or a park in
+  `wait_task_rescheduled` whose abort_fn unregisters the waiter. Once it has parked it has already
+  been a checkpoint, so it returns straight after a later commit (as `Lock.acquire` does).
+- `atomically_sync` blocks its thread on a `threading.Lock` that the waking commit releases.
+- `atomically_nowait` raises `trio.WouldBlock` instead of waiting.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from types import CoroutineType
+from typing import Any, NoReturn, TypeVar, TypeVarTuple, Unpack
+
+import trio
+
+from . import _txn
+from ._errors import RetryWouldHangError
+from ._txn import (
+    COMMITTED,
+    CONFLICT,
+    MAX_CONFLICTS,
+    RETRY,
+    Retry,
+    ThreadWaiter,
+    TrioWaiter,
+    Txn,
+    _coroutine_error,
+    attempt,
+    check_not_nested,
+    current,
+    register,
+    run_effects,
+    unregister,
+)
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
+_tls = _txn._tls
+_checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+_cancel_shielded_checkpoint = trio.lowlevel.cancel_shielded_checkpoint
+_wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
+_Abort = trio.lowlevel.Abort
+
+
+def _hang_error() -> RetryWouldHangError:
+    return RetryWouldHangError(
+        "the transaction retried without reading any TVar and without a deadline, so no commit "
+        "could ever wake it: read the TVars the decision depends on, or pass retry(deadline=...)"
+    )
+
+
+async def atomically(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
+    """Run the synchronous `fn(*args)` as one transaction and return its result.
+
+    Always a checkpoint. If it raises `trio.Cancelled`, nothing was committed; once it has
+    committed it returns the result, never `Cancelled`. When `fn` calls `retry`, the task parks
+    until a commit writes a TVar that attempt read (or the retry deadline, on `trio.current_time()`,
+    passes) and then reruns `fn`; any enclosing cancel scope cancels the wait. `fn` may run more
+    than once. Exceptions from `fn` propagate (after a checkpoint) and discard its writes.
+
+    Raises `TypeError` if `fn` is an async function, `RetryWouldHangError` if `fn` retries having
+    read nothing and without a deadline, `NestedTransactionError` inside a transaction.
+    Cost without contention: one attempt plus, if it wrote, one short lock-held commit.
+    """
+    await _checkpoint_if_cancelled()
+    if _tls.txn is not None:
+        check_not_nested()
+    conflicts = 0
+    parked = False  # True once this call has been a checkpoint (it parked)
+    try:
+        while True:
+            txn = attempt(fn, args, conflicts >= MAX_CONFLICTS)
+            status = txn.status
+            if status == COMMITTED:
+                if txn.effects:
+                    run_effects(txn.effects)
+                break
+            if status == CONFLICT:
+                conflicts += 1
+                continue
+            conflicts = 0
+            deadline = txn.deadline
+            if deadline is None and not txn.reads:
+                raise _hang_error()
+            waiter = TrioWaiter()
+            if not register(txn, waiter):
+                continue
+            parked = True
+            await _park(waiter, deadline)
+            await _checkpoint_if_cancelled()
+    except BaseException:
+        if not parked:
+            await _cancel_shielded_checkpoint()
+        raise
+    if not parked:
+        await _cancel_shielded_checkpoint()
+    result: T = txn.result
+    return result
+
+
+async def _park(waiter: TrioWaiter, deadline: float | None) -> None:
+    def abort(_: object) -> trio.lowlevel.Abort:
+        if unregister(waiter):
+            waiter.parked = False
+            return _Abort.SUCCEEDED
+        return _Abort.FAILED  # a commit fired it: its reschedule is on the way
+
+    waiter.parked = True
+    if deadline is None:
+        await _wait_task_rescheduled(abort)
+    else:
+        with trio.move_on_at(deadline):
+            await _wait_task_rescheduled(abort)
+
+
+def atomically_sync(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
+    """Run the synchronous `fn(*args)` as one transaction, blocking this thread while it retries.
+
+    For plain threads and `trio.to_thread` workers (in a trio task, use `await atomically`). A
+    retry deadline is on `time.monotonic()`. Same errors as `atomically`; `KeyboardInterrupt`
+    while blocked unregisters the waiter and propagates.
+    """
+    check_not_nested()
+    conflicts = 0
+    while True:
+        txn = attempt(fn, args, conflicts >= MAX_CONFLICTS)
+        status = txn.status
+        if status == COMMITTED:
+            if txn.effects:
+                run_effects(txn.effects)
+            result: T = txn.result
+            return result
+        if status == CONFLICT:
+            conflicts += 1
+            continue
+        conflicts = 0
+        deadline = txn.deadline
+        if deadline is None:
+            if not txn.reads:
+                raise _hang_error()
+            timeout = -1.0
+        else:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                continue
+        waiter = ThreadWaiter()
+        if not register(txn, waiter):
+            continue
+        try:
+            woken = waiter.gate.acquire(timeout=timeout)
+        except BaseException:
+            unregister(waiter)
+            raise
+        if not woken:
+            unregister(waiter)
+
+
+def atomically_nowait(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
+    """Run the synchronous `fn(*args)` as one transaction without ever waiting for a retry.
+
+    Commits and returns the result, or raises `trio.WouldBlock` if `fn` retries (nothing is
+    committed then). Not a checkpoint; usable in a trio task, a thread, anywhere. It only waits for
+    the commit lock, which is held for short commits (or an irrevocable attempt's `fn`). Raises
+    `TypeError` if `fn` is async, `NestedTransactionError` inside a transaction.
+    """
+    if _tls.txn is not None:
+        check_not_nested()
+    conflicts = 0
+    while True:
+        txn = attempt(fn, args, conflicts >= MAX_CONFLICTS)
+        status = txn.status
+        if status == COMMITTED:
+            if txn.effects:
+                run_effects(txn.effects)
+            result: T = txn.result
+            return result
+        if status == RETRY:
+            raise trio.WouldBlock
+        conflicts += 1
+
+
+def retry(*, deadline: float | None = None) -> NoReturn:
+    """Abandon this attempt; the transaction blocks, then reruns from the start.
+
+    It reruns once a commit changes a TVar this attempt read, or once `deadline` passes (on the
+    runner's clock: `trio.current_time()` under `atomically`, `time.monotonic()` under
+    `atomically_sync`). Inside `or_else` it moves on to the next alternative instead.
+    Raises `NoTransactionError` outside a transaction.
+    """
+    txn = current()
+    if deadline is not None:
+        d = txn.deadline
+        if d is None or deadline < d:
+            txn.deadline = deadline
+    txn.doomed = RETRY
+    raise Retry
+
+
+def check(condition: object, *, deadline: float | None = None) -> None:
+    """`retry(deadline=deadline)` unless `condition` is true."""
+    if not condition:
+        retry(deadline=deadline)
+
+
+def or_else(first: Callable[[], T], second: Callable[[], T], *rest: Callable[[], T]) -> T:
+    """Return `first()`; if it retries, discard its writes and effects and try `second()`, etc.
+
+    If every alternative retries, the transaction retries, waiting on every TVar any of them read,
+    until the earliest deadline any of them gave. Raises `NoTransactionError` outside one.
+    """
+    txn = current()
+    for branch in (first, second, *rest[:-1]) if rest else (first,):
+        saved = dict(txn.writes)
+        n_effects = len(txn.effects) if txn.effects else 0
+        try:
+            result = branch()
+        except Retry:
+            _rollback(txn, saved, n_effects)
+            continue
+        if txn.doomed == RETRY:  # the branch swallowed its own retry
+            _rollback(txn, saved, n_effects)
+            continue
+        return _not_a_coroutine(result)
+    last = rest[-1] if rest else second
+    return _not_a_coroutine(last())
+
+
+def _rollback(txn: Txn, saved: dict[Any, Any], n_effects: int) -> None:
+    txn.doomed = None
+    txn.writes = saved
+    if txn.effects:
+        del txn.effects[n_effects:]
+
+
+def _not_a_coroutine(result: T) -> T:
+    if isinstance(result, CoroutineType):
+        raise _coroutine_error(result)
+    return result
+
+
+def after_commit(fn: Callable[[Unpack[Ts]], object], *args: *Ts) -> None:
+    """Run `fn(*args)` right after this transaction commits, and only if it does.
+
+    Effects run in the order registered, in the committing thread or task, outside the commit
+    lock and before `atomically` returns (before its final checkpoint). An attempt that reruns,
+    retries, raises, or an `or_else` alternative that retries, drops its effects. If an effect
+    raises, later ones are skipped and the exception propagates; the commit stands.
+    Raises `NoTransactionError` outside a transaction.
+    """
+    txn = current()
+    if txn.effects is None:
+        txn.effects = []
+    txn.effects.append((fn, args))
