@@ -80,6 +80,9 @@ class _Shell:
         self._workers = workers
         self._plain = plain
         self._room: stm.TVar[_lanes.Lanes[Any, _Entry]] = stm.TVar(_lanes.empty(limits))
+        # Not state: a doorbell the room's transitions ring when a sleeping worker may find work.
+        # Workers sleep on it alone, so admissions that change nothing for them wake nobody.
+        self._bell = stm.TVar(0)
         self._direct_scopes: set[trio.CancelScope] = set()
         self._closing = False
 
@@ -89,25 +92,40 @@ class _Shell:
         self, key: Any, entry: _Entry, weight: float, rank: Any, now: float
     ) -> _lanes.Admission:
         room = self._room
-        state, admission, item = _lanes.admit(
-            room.get(), key, entry, weight=weight, rank=rank, now=now
-        )
+        old = room.get()
+        state, admission, item = _lanes.admit(old, key, entry, weight=weight, rank=rank, now=now)
         room.set(state)
         entry.item = item
+        if state.n_ready > old.n_ready or state.n_waiting > old.n_waiting:
+            self._ring(old, state)
         return admission
 
     def _take_txn(self) -> _lanes.Batch[Any, _Entry]:
         room = self._room
         state, batch = _lanes.take(room.get(), trio.current_time())
         if batch is None:
-            stm.retry(deadline=_lanes.next_deadline(state))
-            raise AssertionError("unreachable")  # pragma: no cover
+            stm.retry()
         room.set(state)
+        if state.n_ready:  # more work than this worker: wake the others
+            self._bell.set(self._bell.get() + 1)
         return batch
+
+    def _sleep_txn(self, rung: int, deadline: float | None) -> None:
+        if self._bell.get() == rung and (deadline is None or trio.current_time() < deadline):
+            stm.retry(deadline=deadline)
 
     def _release_txn(self, key: Any, failed: bool) -> None:
         room = self._room
-        room.set(_lanes.release(room.get(), key, trio.current_time(), failed=failed))
+        old = room.get()
+        state = _lanes.release(old, key, trio.current_time(), failed=failed)
+        room.set(state)
+        if state.n_ready > old.n_ready or state.n_waiting > old.n_waiting:
+            self._ring(old, state)
+
+    def _ring(self, old: _lanes.Lanes[Any, _Entry], new: _lanes.Lanes[Any, _Entry]) -> None:
+        """Wake sleeping workers if a lane became ready or the earliest deadline moved up."""
+        if new.n_ready > old.n_ready or _lanes.next_deadline(new) != _lanes.next_deadline(old):
+            self._bell.set(self._bell.get() + 1)
 
     def _cancel_txn(self, key: Any, item: _lanes.Item[_Entry]) -> bool:
         room = self._room
@@ -183,9 +201,18 @@ class _Shell:
     # ---------------------------------------------------------------------------------- workers
 
     async def _worker(self) -> None:
-        take, release = self._take_txn, self._release_txn
+        room, bell, take, release = self._room, self._bell, self._take_txn, self._release_txn
         while True:
-            batch = await stm.atomically(take)
+            await trio.lowlevel.checkpoint()
+            try:
+                # Taking a batch and owning it are one step: nothing can cancel in between.
+                batch = stm.atomically_nowait(take)
+            except trio.WouldBlock:
+                # Nothing ready: sleep until the bell rings or the earliest deadline passes.
+                # No checkpoint since the failed take, so no ring can have been missed.
+                rung, deadline = bell.peek(), _lanes.next_deadline(room.peek())
+                await stm.atomically(self._sleep_txn, rung, deadline)
+                continue
             key = batch.key
             entries = [item.entry for item in batch.items]
             failed = False
@@ -254,8 +281,8 @@ class _Shell:
             queued_weight=0.0 if plain else state.weight,
             busy=state.busy,
             lanes=0 if plain else len(state.lanes),
-            ready=0 if plain else _lanes.ready_count(state),
-            waiting=0 if plain else _lanes.waiting_count(state),
+            ready=0 if plain else state.n_ready,
+            waiting=0 if plain else state.n_waiting,
             submitted=state.submitted,
             admitted=state.admitted,
             rejected=state.rejected,
@@ -299,12 +326,17 @@ def _close_out(entries: Sequence[_Entry]) -> None:
 @asynccontextmanager
 async def _lifetime(shell: _Shell, ferry: F) -> AsyncIterator[F]:
     """Own the workers for the `async with` block; close as SPEC 2.7 says when it ends."""
+    body_error: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:
             for _ in range(shell._workers):
                 nursery.start_soon(shell._worker)
             try:
                 yield ferry
+            except BaseException as exc:
+                # Re-raised below, outside the nursery, so the user's own exception is not
+                # wrapped in an ExceptionGroup.
+                body_error = exc
             finally:
                 # Workers first: each answers the callers it holds and releases its lane.
                 shell._closing = True
@@ -313,6 +345,8 @@ async def _lifetime(shell: _Shell, ferry: F) -> AsyncIterator[F]:
         shell._close_room()
         with trio.CancelScope(shield=True):
             await stm.atomically(shell._idle_txn)
+    if body_error is not None:
+        raise body_error
 
 
 # ---------------------------------------------------------------------------- option checking

@@ -37,7 +37,9 @@ def best_of(rounds: int, fn: Callable[[], float]) -> float:
     return min(fn() for _ in range(rounds))
 
 
-def paired(rounds: int, subject: Callable[[], float], baseline: Callable[[], float]) -> tuple[float, float]:
+def paired(
+    rounds: int, subject: Callable[[], float], baseline: Callable[[], float]
+) -> tuple[float, float]:
     """Alternate subject and baseline rounds so both see the same machine; best of each."""
     s: list[float] = []
     b: list[float] = []

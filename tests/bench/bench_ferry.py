@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import trio
+import trio.testing as trio_testing
 
 import ferry
 from tests.bench._harness import Row, paired
@@ -130,11 +131,11 @@ async def _admission(waiting: int, extra: int = 2000) -> float:
         async with trio.open_nursery() as n_:
             for i in range(waiting):
                 n_.start_soon(f, i)
-            await trio.testing.wait_all_tasks_blocked()
+            await trio_testing.wait_all_tasks_blocked()
             t0 = time.perf_counter()
             for i in range(extra):
                 n_.start_soon(f, i)
-            await trio.testing.wait_all_tasks_blocked()
+            await trio_testing.wait_all_tasks_blocked()
             took = (time.perf_counter() - t0) / extra
             n_.cancel_scope.cancel()
     return took
@@ -181,7 +182,9 @@ def benchmarks() -> list[Row]:
         s, b = paired(rounds, lambda n=n: _run(_per_key, n), lambda n=n: _run(_baseline, n))
         rows.append(Row(f"ferry per-key over 1k keys, {n:,} callers", s, b, 1.5))
     s, b = paired(ROUNDS, lambda: _run(_direct, 20_000), lambda: _run(_plain_await, 20_000))
-    rows.append(Row("direct call at idle vs awaiting call", s, b, 1.5, note="call checkpoints once"))
+    rows.append(
+        Row("direct call at idle vs awaiting call", s, b, 1.5, note="call checkpoints once")
+    )
     small = min(_run(_admission, 1_000) for _ in range(ROUNDS))
     large = min(_run(_admission, 100_000) for _ in range(max(1, ROUNDS - 1)))
     rows.append(Row("admission at 100k waiting vs 1k", large, small, 1.5))

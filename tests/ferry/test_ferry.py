@@ -226,7 +226,7 @@ async def test_malformed_output_is_a_batch_contract_error(
         return output(xs)
 
     async with ferry.open_ferry(call, max_batch_size=3, max_batch_delay=1.0) as f:
-        with trio.testing.RaisesGroup(ferry.BatchContractError, ferry.BatchContractError):
+        with pytest.RaisesGroup(ferry.BatchContractError, ferry.BatchContractError):
             async with trio.open_nursery() as n:
                 n.start_soon(f, 1)
                 n.start_soon(f, 2)
@@ -288,20 +288,20 @@ async def test_cancelled_while_waiting_is_dropped_and_never_sent(
     rec = Recorder()
     async with ferry.open_ferry(rec.plain, max_batch_size=10, max_batch_delay=10.0) as f:
         async with trio.open_nursery() as n:
-            with trio.CancelScope() as cs:
-                n.start_soon(f, 1)
+            cs = trio.CancelScope()
+            n.start_soon(f, 1)
 
-                async def doomed() -> None:
-                    with cs:
-                        await f(2)
+            async def doomed() -> None:
+                with cs:
+                    await f(2)
 
-                n.start_soon(doomed)
-                await settle()
-                assert f.stats().queued == 2
-                cs.cancel()
-                await settle()
-                assert f.stats().queued == 1
-                assert f.stats().dropped == 1
+            n.start_soon(doomed)
+            await settle()
+            assert f.stats().queued == 2
+            cs.cancel()
+            await settle()
+            assert f.stats().queued == 1
+            assert f.stats().dropped == 1
     assert rec.calls == [(None, [1])]
     assert stm.statistics().waiters == 0
 
@@ -325,7 +325,7 @@ async def test_cancelled_while_in_flight_stops_waiting_and_batch_runs_on(
             n.start_soon(keeper)
             n.start_soon(quitter)
     assert got == ["quit", ("ok", 1)]
-    assert rec.calls == [(None, [1, 2])]
+    assert [sorted(xs) for _, xs in rec.calls] == [[1, 2]]
 
 
 async def test_await_is_a_checkpoint_on_every_path(autojump_clock: trio.testing.MockClock) -> None:
@@ -340,7 +340,10 @@ async def test_await_is_a_checkpoint_on_every_path(autojump_clock: trio.testing.
     async with ferry.open_ferry(call) as f:
         with trio.testing.assert_checkpoints():
             assert await f(1) == 1
-    async with ferry.open_per_key_ferry(lambda k, xs: call(xs), key=lambda x: x) as g:
+    async def keyed(key: int, xs: list[int]) -> list[int]:
+        return xs
+
+    async with ferry.open_per_key_ferry(keyed, key=lambda x: x) as g:
         with trio.testing.assert_checkpoints():
             assert await g(1) == 1  # a direct call
 
