@@ -340,6 +340,7 @@ async def test_await_is_a_checkpoint_on_every_path(autojump_clock: trio.testing.
     async with ferry.open_ferry(call) as f:
         with trio.testing.assert_checkpoints():
             assert await f(1) == 1
+
     async def keyed(key: int, xs: list[int]) -> list[int]:
         return xs
 

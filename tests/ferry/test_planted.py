@@ -1,0 +1,65 @@
+"""The scenario checker of test_scenarios.py catches planted bugs in the shell."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+from hypothesis import find, settings
+
+import ferry._ferry as shell_module
+import stm
+from tests.ferry.test_scenarios import Options, Sub, check, options, run_scenario, submissions
+
+
+async def direct_releasing_early(self: Any, entry: Any) -> Any:
+    """Planted bug: the key is released before the direct call is over."""
+    key = entry.key
+    stm.atomically_nowait(self._release_txn, key, False)
+    output = await self._send(key, [entry.input])
+    return self._answers(output, [entry])[0].unwrap()
+
+
+def test_checker_catches_a_key_released_before_its_direct_call_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shell_module._Shell, "_direct", direct_releasing_early)
+    opts = Options(
+        max_batch_size=2,
+        max_batch_weight=math.inf,
+        max_batch_delay=0.0,
+        max_in_flight_batches=1,
+        max_queueing=4,
+        max_queued_weight=math.inf,
+        direct_calls=True,
+        ranked=False,
+    )
+    subs = [
+        Sub(i, at=i / 2, key=0, rank=0, weight=1, behaviour="ok", cancel_after=None) for i in (0, 1)
+    ]
+    with pytest.raises(AssertionError, match="two calls in flight"):
+        check(opts, subs, run_scenario(opts, subs, close_at=10.0))
+
+
+def test_hypothesis_finds_the_planted_bug_from_random_scenarios(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(shell_module._Shell, "_direct", direct_releasing_early)
+
+    def broken(case: tuple[Options, list[Sub]]) -> bool:
+        opts, subs = case
+        try:
+            check(opts, subs, run_scenario(opts, subs, close_at=30.0))
+        except AssertionError:
+            return True
+        return False
+
+    from hypothesis import strategies as st
+
+    found = find(
+        st.tuples(options, submissions()),
+        broken,
+        settings=settings(max_examples=500, database=None, deadline=None),
+    )
+    assert found is not None
