@@ -393,9 +393,9 @@ def test_records_are_frozen() -> None:
     with pytest.raises(AttributeError):
         s.queued = 5  # type: ignore[misc]
     with pytest.raises(AttributeError):
-        s.lanes["a"].count = 5
+        s.lanes["a"].count = 5  # type: ignore[misc]
     with pytest.raises(AttributeError):
-        item.weight = 3.0  # type: ignore[misc]
+        item.weight = 3.0
 
 
 @pytest.mark.parametrize(
