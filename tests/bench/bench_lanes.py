@@ -7,16 +7,17 @@
 
 from __future__ import annotations
 
+import importlib
 import time
 from typing import Any
 
-import pvectorc  # the C extension: pyrsistent must be using it (asserted below)
 import pyrsistent
 
 from ferry import _lanes as core
 from tests.bench._harness import Row, paired
 
-assert pyrsistent.pvector is pvectorc.pvector, "pyrsistent is not using its C extension"
+# pyrsistent must be using its C extension (pvectorc), not the pure-Python vector.
+assert importlib.import_module("pvectorc").pvector is pyrsistent.pvector, "pvectorc not in use"
 
 N_KEYS = 1000
 
