@@ -56,12 +56,19 @@ def per_op(n: int, fn: Callable[[], object]) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def _show(value: float, unit: str) -> str:
+    if unit == "us/op":  # values are kept in seconds per op
+        return f"{value * 1e6:>10.2f} us"
+    return f"{value:>10.4g} {unit}"
+
+
 def print_table(rows: list[Row]) -> None:
     width = max([len(r.name) for r in rows] + [10])
-    print(f"{'figure':<{width}}  {'value':>12}  {'baseline':>12}  {'ratio':>7}  {'target':>7}  ok")
+    print(f"{'figure':<{width}}  {'value':>13}  {'baseline':>13}  {'ratio':>7}  {'target':>7}  ok")
     for r in rows:
         mark = "yes" if r.ok else "NO"
+        value, baseline = _show(r.value, r.unit), _show(r.baseline, r.unit)
         print(
-            f"{r.name:<{width}}  {r.value * 1e6:>9.3f} {r.unit[:2]}  {r.baseline * 1e6:>9.3f} {r.unit[:2]}"
-            f"  {r.ratio:>6.2f}x  {r.target:>6.2f}x  {mark}  {r.note}"
+            f"{r.name:<{width}}  {value}  {baseline}  {r.ratio:>6.2f}x  {r.target:>6.2f}x"
+            f"  {mark:<3}  {r.note}"
         )
