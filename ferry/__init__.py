@@ -1,0 +1,1 @@
+"""ferry: coalesce many concurrent calls into batched calls (SPEC section 2)."""
