@@ -181,7 +181,6 @@ class ProjectedWrite(Generic[I]):
         answers: list[Any] = []
         for slot in out.slots:
             if isinstance(slot, IdReused):
-                self._stats["id_reused"] += 1
                 answers.append(slot)
                 continue
             if slot.seq <= p.projected_seq:
@@ -230,6 +229,7 @@ class ProjectedWrite(Generic[I]):
                 del self._cache[next(iter(self._cache))]
         self._stats["written"] += out.written
         self._stats["replayed"] += out.replayed
+        self._stats["id_reused"] += sum(isinstance(s, IdReused) for s in out.slots)
         return out
 
     async def _project_key(self, key: str, target: int | None, attempts: int) -> _Projected:

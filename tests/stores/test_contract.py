@@ -70,6 +70,7 @@ async def test_id_reused_is_a_per_input_error(make_store: StoreFactory) -> None:
     assert isinstance(other, IdReused)
     assert "'A'" in str(other)
     assert await journal_size(pw) == 2
+    assert pw.statistics().id_reused == 3
     assert await ledger.verify(pw) == []
 
 
