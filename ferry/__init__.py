@@ -19,18 +19,22 @@ from ._ferry import PerKeyFerry as PerKeyFerry
 from ._ferry import open_ferry as open_ferry
 from ._ferry import open_per_key_ferry as open_per_key_ferry
 from ._stats import FerryStatistics as FerryStatistics
+from .projected import FenceConflict as FenceConflict
+from .projected import ProjectedWrite as ProjectedWrite
 
 __all__ = [
     "BatchContractError",
     "Closed",
     "Committed",
     "Failed",
+    "FenceConflict",
     "Ferry",
     "FerryError",
     "FerryStatistics",
     "IdReused",
     "InputError",
     "PerKeyFerry",
+    "ProjectedWrite",
     "Rejected",
     "open_ferry",
     "open_per_key_ferry",
@@ -39,6 +43,6 @@ __all__ = [
 # Tracebacks and reprs show the public names, not the private modules.
 for _name in __all__:
     _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith("ferry._"):
+    if getattr(_obj, "__module__", "").startswith(("ferry._", "ferry.projected._")):
         _obj.__module__ = "ferry"
 del _name, _obj

@@ -1,0 +1,1 @@
+"""Runnable examples; each is run by a test."""

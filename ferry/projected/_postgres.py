@@ -1,0 +1,129 @@
+"""The PostgreSQL store: psycopg 3's blocking API on trio worker threads, a small own pool.
+
+psycopg's async API needs asyncio, so each connection is driven from a worker thread like the
+SQLite store. Statements are written with ``?`` placeholders (shared with SQLite) and rewritten to
+psycopg's ``%s`` once per statement text. A call cancelled mid-statement sends a cancel request
+(``cancel_safe``, on a helper thread so the trio thread never blocks) and the connection is closed
+afterwards instead of reused: a cancel request that arrives late could otherwise hit the next
+user's statement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar, final
+
+import trio
+
+from ._pool import ConnectionPool, _Use
+from ._types import Tx
+
+T = TypeVar("T")
+
+
+@functools.lru_cache(maxsize=512)
+def _to_pyformat(sql: str) -> str:
+    return sql.replace("%", "%%").replace("?", "%s")
+
+
+class _PgTx:
+    __slots__ = ("_conn", "_use")
+    dialect = "postgres"
+
+    def __init__(self, conn: Any, use: _Use) -> None:
+        self._conn = conn
+        self._use = use
+
+    @property
+    def connection(self) -> Any:
+        return self._conn
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        self._use.check()
+        cur = self._conn.execute(_to_pyformat(sql), params)
+        return cur.fetchall() if cur.description is not None else []
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        self._use.check()
+        with self._conn.cursor() as cur:
+            cur.executemany(_to_pyformat(sql), rows)
+
+
+class _PgDriver:
+    dialect = "postgres"
+    discard_after_cancel = True
+
+    def __init__(self, dsn: str, connect_timeout: float) -> None:
+        self._dsn = dsn
+        self._connect_timeout = connect_timeout
+
+    def connect(self) -> Any:
+        import psycopg
+
+        return psycopg.connect(
+            self._dsn, autocommit=False, connect_timeout=max(1, round(self._connect_timeout))
+        )
+
+    def begin(self, conn: Any) -> None:
+        pass  # psycopg opens a transaction with the first statement
+
+    def commit(self, conn: Any) -> None:
+        conn.commit()
+
+    def rollback(self, conn: Any) -> None:
+        conn.rollback()
+
+    def make_tx(self, conn: Any, use: _Use) -> Tx:
+        return _PgTx(conn, use)
+
+    def interrupt(self, conn: Any) -> None:
+        def cancel() -> None:
+            with contextlib.suppress(Exception):  # the connection is discarded anyway
+                conn.cancel_safe(timeout=5.0)
+
+        trio.lowlevel.start_thread_soon(cancel, lambda _: None)
+
+    def close(self, conn: Any) -> None:
+        conn.close()
+
+
+@final
+class PostgresStore:
+    """A journal store in PostgreSQL, for a fleet of processes sharing one database.
+
+    ``PostgresStore(dsn, *, connections=4, connect_timeout=10.0)``: at most `connections`
+    connections, opened on first use, each driven by one trio worker thread at a time. Needs
+    ``psycopg`` 3 (the ``postgres`` extra). Transactions run at READ COMMITTED; the journal logic
+    takes the key's row lock first, so that is enough. Use as ``async with PostgresStore(dsn) as
+    store:`` or call `aclose()`.
+    """
+
+    def __init__(self, dsn: str, *, connections: int = 4, connect_timeout: float = 10.0) -> None:
+        if not connect_timeout > 0:
+            raise ValueError(f"connect_timeout must be > 0, got {connect_timeout!r}")
+        self.dsn = dsn
+        self._pool = ConnectionPool(_PgDriver(dsn, connect_timeout), connections)
+
+    dialect = "postgres"
+
+    async def transact(self, fn: Callable[[Tx], T]) -> T:
+        """Run ``fn(tx)`` in one transaction on a worker thread (see `Store.transact`)."""
+        return await self._pool.transact(fn)
+
+    async def aclose(self) -> None:
+        """Wait for in-flight transactions, close every connection. Idempotent."""
+        await self._pool.aclose()
+
+    async def __aenter__(self) -> PostgresStore:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

@@ -1,0 +1,136 @@
+"""The SQLite store: stdlib `sqlite3`, one file, WAL mode, writers serialized by BEGIN IMMEDIATE.
+
+Each connection is used by one worker thread at a time (see `_pool`), so it is opened with
+``check_same_thread=False``. `interrupt()` is SQLite's own thread-safe way to stop a statement.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar, final
+
+from ._pool import ConnectionPool, _Use
+from ._types import Tx
+
+T = TypeVar("T")
+
+_SYNCHRONOUS = ("OFF", "NORMAL", "FULL", "EXTRA")
+
+
+class _SqliteTx:
+    __slots__ = ("_conn", "_use")
+    dialect = "sqlite"
+
+    def __init__(self, conn: sqlite3.Connection, use: _Use) -> None:
+        self._conn = conn
+        self._use = use
+
+    @property
+    def connection(self) -> sqlite3.Connection:
+        return self._conn
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        self._use.check()
+        cur = self._conn.execute(sql, params)
+        return cur.fetchall() if cur.description is not None else []
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        self._use.check()
+        self._conn.executemany(sql, rows)
+
+
+class _SqliteDriver:
+    dialect = "sqlite"
+    discard_after_cancel = False
+
+    def __init__(self, path: str, busy_timeout: float, synchronous: str) -> None:
+        self._path = path
+        self._busy_timeout = busy_timeout
+        self._synchronous = synchronous
+
+    def connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self._path,
+            timeout=self._busy_timeout,
+            isolation_level=None,
+            check_same_thread=False,
+        )
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={self._synchronous}")
+        return conn
+
+    def begin(self, conn: sqlite3.Connection) -> None:
+        conn.execute("BEGIN IMMEDIATE")
+
+    def commit(self, conn: sqlite3.Connection) -> None:
+        conn.execute("COMMIT")
+
+    def rollback(self, conn: sqlite3.Connection) -> None:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+
+    def make_tx(self, conn: sqlite3.Connection, use: _Use) -> Tx:
+        return _SqliteTx(conn, use)
+
+    def interrupt(self, conn: sqlite3.Connection) -> None:
+        conn.interrupt()
+
+    def close(self, conn: sqlite3.Connection) -> None:
+        conn.close()
+
+
+@final
+class SqliteStore:
+    """A journal store in one SQLite file: the embedded default, zero set-up.
+
+    ``SqliteStore(path, *, connections=2, busy_timeout=10.0, synchronous="FULL")``. Nothing is
+    opened until first use. Every transaction starts with ``BEGIN IMMEDIATE`` (writers queue on
+    SQLite's lock, waiting up to `busy_timeout` seconds), runs on a trio worker thread, and is
+    interrupted with ``Connection.interrupt()`` when its call is cancelled. `synchronous` is the
+    SQLite pragma: ``"FULL"`` (default) survives power loss, ``"NORMAL"`` only process crashes.
+    Several processes may share the file. Use as ``async with SqliteStore(path) as store:`` or
+    call `aclose()`.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        connections: int = 2,
+        busy_timeout: float = 10.0,
+        synchronous: str = "FULL",
+    ) -> None:
+        if sqlite3.sqlite_version_info < (3, 35, 0):  # pragma: no cover - depends on the build
+            raise RuntimeError(f"SQLite >= 3.35 is needed (RETURNING); {sqlite3.sqlite_version}")
+        if synchronous.upper() not in _SYNCHRONOUS:
+            raise ValueError(f"synchronous must be one of {_SYNCHRONOUS}, got {synchronous!r}")
+        if not busy_timeout >= 0:
+            raise ValueError(f"busy_timeout must be >= 0, got {busy_timeout!r}")
+        self.path = os.fspath(path)
+        self._pool = ConnectionPool(
+            _SqliteDriver(self.path, busy_timeout, synchronous.upper()), connections
+        )
+
+    dialect = "sqlite"
+
+    async def transact(self, fn: Callable[[Tx], T]) -> T:
+        """Run ``fn(tx)`` in one transaction on a worker thread (see `Store.transact`)."""
+        return await self._pool.transact(fn)
+
+    async def aclose(self) -> None:
+        """Wait for in-flight transactions, close every connection. Idempotent."""
+        await self._pool.aclose()
+
+    async def __aenter__(self) -> SqliteStore:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
