@@ -435,3 +435,35 @@ def test_limits_are_checked() -> None:
     with pytest.raises(AssertionError, match="per-key"):
         Limits(direct_calls=True, one_in_flight=False)
     assert Limits().max_batch_weight == math.inf
+
+
+def test_a_lane_that_never_empties_does_not_keep_what_was_taken() -> None:
+    """A plain room under steady load: its lane is never empty, yet memory stays bounded."""
+    state = core.empty(Limits(max_batch_size=10, one_in_flight=False))
+    for i in range(5):
+        state, _, _ = core.admit(state, None, ("first", i), now=0.0)
+    for round_ in range(2_000):
+        for i in range(10):
+            state, _, _ = core.admit(state, None, (round_, i), now=0.0)
+        state, batch = core.take(state, 0.0)
+        assert batch is not None and len(batch.items) == 10
+        state = core.release(state, None, 0.0)
+    lane = state.lanes[None]
+    assert lane.count == 5
+    assert len(lane.fifo) <= 4
+    core.check_invariants(state)
+
+
+def test_chunked_fifo_keeps_order_across_chunks_with_cancels() -> None:
+    state = core.empty(Limits(max_batch_size=1000, max_batch_delay=1.0))
+    items = []
+    for i in range(200):
+        state, _, item = core.admit(state, "k", i, now=0.0)
+        items.append(item)
+    for item in items[::3]:
+        state, dropped = core.cancel(state, "k", item)
+        assert dropped
+    core.check_invariants(state)
+    state, batch = core.take(state, 5.0)
+    assert batch is not None
+    assert [it.entry for it in batch.items] == [i for i in range(200) if i % 3]
