@@ -1,13 +1,18 @@
-# Every target builds its own virtualenv in .venv on first use.
+# Every target builds its own virtualenv in .venv on first use; `make test` also makes sure the
+# PostgreSQL server binaries are there (the test suite starts its own throwaway server).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+APT    := DEBIAN_FRONTEND=noninteractive apt-get
 
-.PHONY: test lint typecheck pytest demo bench clean
+.PHONY: test lint pytest demo bench clean postgres-binaries
 
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { \
+	  echo "venv unavailable: installing python3-venv with apt-get"; \
+	  rm -rf $(VENV); $(APT) update -qq && $(APT) install -y -qq python3-venv && \
+	  $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
@@ -19,13 +24,18 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check stm ferry tests examples
 	$(BIN)/mypy stm ferry examples tests
 
-pytest: $(STAMP)
+pytest: $(STAMP) postgres-binaries
 	$(BIN)/python -m pytest
+
+postgres-binaries:
+	@command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  echo "PostgreSQL server binaries missing: installing them with apt-get"; \
+	  $(APT) update -qq && $(APT) install -y -qq --no-install-recommends postgresql; }
 
 demo: $(STAMP)
 	$(BIN)/python examples/bank.py
 
-bench: $(STAMP)
+bench: $(STAMP) postgres-binaries
 	$(BIN)/python -m tests.bench
 
 clean:
