@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 
@@ -26,14 +26,14 @@ class Committed:
     """One committed transaction: what it read (first read of each key) and what it appended."""
 
     txn_id: int
-    reads: Mapping[Hashable, tuple[int, ...]]
-    appends: Mapping[Hashable, int]
+    reads: Mapping[int, tuple[int, ...]]
+    appends: Mapping[int, int]
 
 
-def anomalies(history: Sequence[Committed], final: Mapping[Hashable, tuple[int, ...]]) -> list[str]:
+def anomalies(history: Sequence[Committed], final: Mapping[int, tuple[int, ...]]) -> list[str]:
     """Everything wrong with `history` given the final value of every key; [] if serializable."""
     found: list[str] = []
-    writer: dict[tuple[Hashable, int], int] = {}
+    writer: dict[tuple[int, int], int] = {}
     for t in history:
         for key, element in t.appends.items():
             writer[key, element] = t.txn_id
