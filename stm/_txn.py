@@ -71,6 +71,10 @@ class _Local(threading.local):
 
 
 _tls: Final = _Local()
+_get_ident = threading.get_ident
+_current_task = trio.lowlevel.current_task
+_current_trio_token = trio.lowlevel.current_trio_token
+_reschedule = trio.lowlevel.reschedule
 
 
 class Retry(BaseException):
@@ -105,7 +109,6 @@ class Txn:
         "deadline",
         "doomed",
         "effects",
-        "irrevocable",
         "reads",
         "result",
         "rv",
@@ -119,7 +122,6 @@ class Txn:
     effects: list[tuple[Callable[..., object], tuple[Any, ...]]] | None
     deadline: float | None
     doomed: int | None
-    irrevocable: bool
     status: int
     result: Any
 
@@ -130,7 +132,6 @@ class Txn:
         self.effects = None
         self.deadline = None
         self.doomed = None
-        self.irrevocable = False
 
     def extend(self, tvar: TVar[Any]) -> tuple[int, Any]:
         """Move the snapshot forward to read `tvar`, or raise `Conflict` if it cannot.
@@ -262,7 +263,6 @@ def _attempt_irrevocable(fn: Callable[..., Any], args: tuple[Any, ...]) -> Txn:
     with _lock:
         _n_irrevocable += 1
         txn = Txn(_clock)
-        txn.irrevocable = True
         tls.txn = txn
         try:
             result = fn(*args)
@@ -330,10 +330,11 @@ class TrioWaiter(Waiter):
     __slots__ = ("parked", "task", "thread_id", "token")
 
     def __init__(self) -> None:
-        super().__init__()
-        self.task = trio.lowlevel.current_task()
-        self.token = trio.lowlevel.current_trio_token()
-        self.thread_id = threading.get_ident()
+        self.tvars = ()
+        self.fired = False
+        self.task = _current_task()
+        self.token = _current_trio_token()
+        self.thread_id = _get_ident()
         self.parked = False
 
     def wake(self, thread_id: int) -> None:
@@ -346,7 +347,14 @@ class TrioWaiter(Waiter):
         # The abort_fn may have run first and resumed the task itself: never reschedule twice.
         if self.parked:
             self.parked = False
-            trio.lowlevel.reschedule(self.task)
+            _reschedule(self.task)
+
+    def abort(self, _: object) -> trio.lowlevel.Abort:
+        """The abort_fn of the park: unregister, unless a commit fired us (then it must fail)."""
+        if unregister(self):
+            self.parked = False
+            return trio.lowlevel.Abort.SUCCEEDED
+        return trio.lowlevel.Abort.FAILED  # the reschedule is on its way
 
 
 class ThreadWaiter(Waiter):
@@ -383,9 +391,14 @@ def _take_waiters(ws: dict[Waiter, None], woken: list[Waiter] | None) -> list[Wa
 
 
 def _wake(woken: list[Waiter]) -> None:
-    me = threading.get_ident()
+    me = _get_ident()
     for w in woken:
-        w.wake(me)
+        if type(w) is TrioWaiter and w.thread_id == me:
+            if w.parked:  # same loop: reschedule directly
+                w.parked = False
+                _reschedule(w.task)
+        else:
+            w.wake(me)
 
 
 def register(txn: Txn, waiter: Waiter) -> bool:
