@@ -44,7 +44,7 @@ from ._txn import (
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
-_tls = _txn._tls
+_current = _txn.current_or_none
 _checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
 _cancel_shielded_checkpoint = trio.lowlevel.cancel_shielded_checkpoint
 _wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
@@ -71,7 +71,7 @@ async def atomically(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
     Cost without contention: one attempt plus, if it wrote, one short lock-held commit.
     """
     await _checkpoint_if_cancelled()
-    if _tls.txn is not None:
+    if _current() is not None:
         check_not_nested()
     conflicts = 0
     parked = False  # True once this call has been a checkpoint (it parked)
@@ -165,7 +165,7 @@ def atomically_nowait(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
     the commit lock, which is held for short commits (or an irrevocable attempt's `fn`). Raises
     `TypeError` if `fn` is async, `NestedTransactionError` inside a transaction.
     """
-    if _tls.txn is not None:
+    if _current() is not None:
         check_not_nested()
     conflicts = 0
     while True:
