@@ -244,8 +244,9 @@ def _commit(txn: Txn) -> bool:
                 if tv._state is not st:
                     return False
         new = _clock + 1
-        for tv, value in txn.writes.items():
-            tv._state = (new, value)
+        writes = txn.writes
+        for tv in writes:
+            tv._state = (new, writes[tv])
             if tv._waiters:
                 woken = _take_waiters(tv._waiters, woken)
         _clock = new
