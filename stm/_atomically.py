@@ -44,11 +44,10 @@ from ._txn import (
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
-_tls = _txn._tls
+_current = _txn.current_or_none
 _checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
 _cancel_shielded_checkpoint = trio.lowlevel.cancel_shielded_checkpoint
 _wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
-_Abort = trio.lowlevel.Abort
 
 
 def _hang_error() -> RetryWouldHangError:
@@ -72,7 +71,7 @@ async def atomically(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
     Cost without contention: one attempt plus, if it wrote, one short lock-held commit.
     """
     await _checkpoint_if_cancelled()
-    if _tls.txn is not None:
+    if _current() is not None:
         check_not_nested()
     conflicts = 0
     parked = False  # True once this call has been a checkpoint (it parked)
@@ -95,7 +94,11 @@ async def atomically(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
             if not register(txn, waiter):
                 continue
             parked = True
-            await _park(waiter, deadline)
+            waiter.parked = True
+            if deadline is None:
+                await _wait_task_rescheduled(waiter.abort)
+            else:
+                await _park_until(waiter, deadline)
             await _checkpoint_if_cancelled()
     except BaseException:
         if not parked:
@@ -107,19 +110,9 @@ async def atomically(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
     return result
 
 
-async def _park(waiter: TrioWaiter, deadline: float | None) -> None:
-    def abort(_: object) -> trio.lowlevel.Abort:
-        if unregister(waiter):
-            waiter.parked = False
-            return _Abort.SUCCEEDED
-        return _Abort.FAILED  # a commit fired it: its reschedule is on the way
-
-    waiter.parked = True
-    if deadline is None:
-        await _wait_task_rescheduled(abort)
-    else:
-        with trio.move_on_at(deadline):
-            await _wait_task_rescheduled(abort)
+async def _park_until(waiter: TrioWaiter, deadline: float) -> None:
+    with trio.move_on_at(deadline):
+        await _wait_task_rescheduled(waiter.abort)
 
 
 def atomically_sync(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
@@ -172,7 +165,7 @@ def atomically_nowait(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
     the commit lock, which is held for short commits (or an irrevocable attempt's `fn`). Raises
     `TypeError` if `fn` is async, `NestedTransactionError` inside a transaction.
     """
-    if _tls.txn is not None:
+    if _current() is not None:
         check_not_nested()
     conflicts = 0
     while True:
@@ -208,7 +201,13 @@ def retry(*, deadline: float | None = None) -> NoReturn:
 def check(condition: object, *, deadline: float | None = None) -> None:
     """`retry(deadline=deadline)` unless `condition` is true."""
     if not condition:
-        retry(deadline=deadline)
+        txn = current()
+        if deadline is not None:
+            d = txn.deadline
+            if d is None or deadline < d:
+                txn.deadline = deadline
+        txn.doomed = RETRY
+        raise Retry
 
 
 def or_else(first: Callable[[], T], second: Callable[[], T], *rest: Callable[[], T]) -> T:

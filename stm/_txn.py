@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from contextvars import ContextVar
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any, Final
 
@@ -66,11 +67,15 @@ RETRY: Final = 1
 CONFLICT: Final = 2
 
 
-class _Local(threading.local):
-    txn: Txn | None = None
-
-
-_tls: Final = _Local()
+# The running attempt of this thread (or trio task). A ContextVar rather than a threading.local:
+# `get()` is a cached C lookup, the cheapest ambient read there is, and TVar.get pays it.
+_current: Final[ContextVar[Txn | None]] = ContextVar("stm.current_transaction", default=None)
+current_or_none: Final = _current.get
+_set_current: Final = _current.set
+_get_ident = threading.get_ident
+_current_task = trio.lowlevel.current_task
+_current_trio_token = trio.lowlevel.current_trio_token
+_reschedule = trio.lowlevel.reschedule
 
 
 class Retry(BaseException):
@@ -105,7 +110,6 @@ class Txn:
         "deadline",
         "doomed",
         "effects",
-        "irrevocable",
         "reads",
         "result",
         "rv",
@@ -119,7 +123,6 @@ class Txn:
     effects: list[tuple[Callable[..., object], tuple[Any, ...]]] | None
     deadline: float | None
     doomed: int | None
-    irrevocable: bool
     status: int
     result: Any
 
@@ -130,7 +133,6 @@ class Txn:
         self.effects = None
         self.deadline = None
         self.doomed = None
-        self.irrevocable = False
 
     def extend(self, tvar: TVar[Any]) -> tuple[int, Any]:
         """Move the snapshot forward to read `tvar`, or raise `Conflict` if it cannot.
@@ -156,7 +158,7 @@ class Txn:
 
 
 def current() -> Txn:
-    txn = _tls.txn
+    txn = current_or_none()
     if txn is None:
         from ._errors import NoTransactionError
 
@@ -168,7 +170,7 @@ def current() -> Txn:
 
 
 def check_not_nested() -> None:
-    if _tls.txn is not None:
+    if current_or_none() is not None:
         from ._errors import NestedTransactionError
 
         raise NestedTransactionError(
@@ -188,9 +190,8 @@ def attempt(fn: Callable[..., Any], args: tuple[Any, ...], irrevocable: bool) ->
     global _n_read_only, _n_conflicts, _n_retries
     if irrevocable:
         return _attempt_irrevocable(fn, args)
-    tls = _tls
     txn = Txn(_clock)
-    tls.txn = txn
+    _set_current(txn)
     try:
         result = fn(*args)
     except Retry:
@@ -208,7 +209,7 @@ def attempt(fn: Callable[..., Any], args: tuple[Any, ...], irrevocable: bool) ->
             return txn
         raise
     finally:
-        tls.txn = None
+        _set_current(None)
     if isinstance(result, CoroutineType):
         raise _coroutine_error(result)
     if txn.doomed is not None:
@@ -243,8 +244,9 @@ def _commit(txn: Txn) -> bool:
                 if tv._state is not st:
                     return False
         new = _clock + 1
-        for tv, value in txn.writes.items():
-            tv._state = (new, value)
+        writes = txn.writes
+        for tv in writes:
+            tv._state = (new, writes[tv])
             if tv._waiters:
                 woken = _take_waiters(tv._waiters, woken)
         _clock = new
@@ -257,13 +259,11 @@ def _commit(txn: Txn) -> bool:
 def _attempt_irrevocable(fn: Callable[..., Any], args: tuple[Any, ...]) -> Txn:
     """Run `fn` holding the commit lock: nothing can commit meanwhile, so it cannot conflict."""
     global _clock, _n_commits, _n_read_only, _n_retries, _n_irrevocable
-    tls = _tls
     woken: list[Waiter] | None = None
     with _lock:
         _n_irrevocable += 1
         txn = Txn(_clock)
-        txn.irrevocable = True
-        tls.txn = txn
+        _set_current(txn)
         try:
             result = fn(*args)
         except Retry:
@@ -271,7 +271,7 @@ def _attempt_irrevocable(fn: Callable[..., Any], args: tuple[Any, ...]) -> Txn:
             _n_retries += 1
             return txn
         finally:
-            tls.txn = None
+            _set_current(None)
         if txn.doomed is not None:
             # Only a swallowed Retry can get here: nothing can conflict while we hold the lock.
             txn.status = RETRY
@@ -330,10 +330,11 @@ class TrioWaiter(Waiter):
     __slots__ = ("parked", "task", "thread_id", "token")
 
     def __init__(self) -> None:
-        super().__init__()
-        self.task = trio.lowlevel.current_task()
-        self.token = trio.lowlevel.current_trio_token()
-        self.thread_id = threading.get_ident()
+        self.tvars = ()
+        self.fired = False
+        self.task = _current_task()
+        self.token = _current_trio_token()
+        self.thread_id = _get_ident()
         self.parked = False
 
     def wake(self, thread_id: int) -> None:
@@ -346,7 +347,14 @@ class TrioWaiter(Waiter):
         # The abort_fn may have run first and resumed the task itself: never reschedule twice.
         if self.parked:
             self.parked = False
-            trio.lowlevel.reschedule(self.task)
+            _reschedule(self.task)
+
+    def abort(self, _: object) -> trio.lowlevel.Abort:
+        """The abort_fn of the park: unregister, unless a commit fired us (then it must fail)."""
+        if unregister(self):
+            self.parked = False
+            return trio.lowlevel.Abort.SUCCEEDED
+        return trio.lowlevel.Abort.FAILED  # the reschedule is on its way
 
 
 class ThreadWaiter(Waiter):
@@ -383,9 +391,14 @@ def _take_waiters(ws: dict[Waiter, None], woken: list[Waiter] | None) -> list[Wa
 
 
 def _wake(woken: list[Waiter]) -> None:
-    me = threading.get_ident()
+    me = _get_ident()
     for w in woken:
-        w.wake(me)
+        if type(w) is TrioWaiter and w.thread_id == me:
+            if w.parked:  # same loop: reschedule directly
+                w.parked = False
+                _reschedule(w.task)
+        else:
+            w.wake(me)
 
 
 def register(txn: Txn, waiter: Waiter) -> bool:
