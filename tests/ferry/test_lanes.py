@@ -459,6 +459,7 @@ def test_chunked_fifo_keeps_order_across_chunks_with_cancels() -> None:
     items = []
     for i in range(200):
         state, _, item = core.admit(state, "k", i, now=0.0)
+        assert item is not None
         items.append(item)
     for item in items[::3]:
         state, dropped = core.cancel(state, "k", item)
