@@ -93,7 +93,17 @@ class _Shell:
     ) -> _lanes.Admission:
         room = self._room
         old = room.get()
-        state, admission, item = _lanes.admit(old, key, entry, weight=weight, rank=rank, now=now)
+        try:
+            state, admission, item = _lanes.admit(
+                old, key, entry, weight=weight, rank=rank, now=now
+            )
+        except TypeError as exc:
+            if rank is None:
+                raise
+            raise TypeError(
+                f"rank(x) returned {rank!r}, which does not compare with the ranks already "
+                f"waiting for key {key!r}: {exc}"
+            ) from exc
         room.set(state)
         entry.item = item
         if state.n_ready > old.n_ready or state.n_waiting > old.n_waiting:
@@ -510,7 +520,11 @@ class PerKeyFerry(Generic[I, R]):
             raise TypeError(
                 f"key(x) must return a hashable value; got {type(key).__name__} for {x!r}"
             ) from None
-        rank = None if self._rank is None else self._rank(x)
+        rank = None
+        if self._rank is not None:
+            rank = self._rank(x)
+            if rank is None:
+                raise TypeError(f"rank(x) returned None for {x!r}; return a comparable value")
         w = 1.0 if self._weight is None else self._checked_weight(x)
         result: R = await self._shell._submit(x, key, w, rank)
         return result

@@ -736,3 +736,21 @@ async def test_stats_gauges_for_per_key_lanes(autojump_clock: trio.testing.MockC
         assert (s.lanes, s.busy, s.ready, s.waiting) == (3, 1, 1, 1)
         assert (s.queued, s.queued_weight) == (3, 7.5)
         rec.gate.set()
+
+
+async def test_bad_ranks_are_refused_clearly_and_nothing_is_admitted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    async with ferry.open_per_key_ferry(
+        rec.per_key, key=lambda x: "k", rank=lambda x: x, max_batch_delay=5.0
+    ) as f:
+        async with trio.open_nursery() as n:
+            n.start_soon(f, 1)
+            await settle()
+            with pytest.raises(TypeError, match="does not compare"):
+                await f("one")
+            with pytest.raises(TypeError, match="rank"):
+                await f(None)
+            assert f.stats().queued == 1
+    assert rec.calls == [("k", [1])]
