@@ -77,7 +77,7 @@ async def _baseline(n: int) -> float:
 
 
 async def _plain(n: int) -> float:
-    async with ferry.open_ferry(echo, max_batch_size=100) as f:
+    async with ferry.open_ferry(echo, max_batch_size=100, max_queueing=n) as f:
 
         async def caller(i: int) -> None:
             assert await f(i) == i
