@@ -57,7 +57,7 @@ def per_op(n: int, fn: Callable[[], object]) -> float:
 
 
 def _show(value: float, unit: str) -> str:
-    if unit == "us/op":  # values are kept in seconds per op
+    if unit.startswith("us/"):  # values are kept in seconds per op
         return f"{value * 1e6:>10.2f} us"
     return f"{value:>10.4g} {unit}"
 
