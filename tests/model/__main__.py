@@ -1,17 +1,20 @@
-"""`python -m tests.model [slow]`: run the model check and print states and time per bound."""
+"""`python -m tests.model [slow]`: run the core and shell model checks; states and time each."""
 
 from __future__ import annotations
 
 import sys
 
 from tests.model.checker import Checker
-from tests.model.configs import DEFAULT, SLOW
+from tests.model.configs import DEFAULT, SHELL_DEFAULT, SHELL_SLOW, SLOW
+from tests.model.shell import ShellChecker
 
 
 def main(argv: list[str]) -> int:
     configs = DEFAULT + (SLOW if "slow" in argv[1:] else [])
-    for config in configs:
-        r = Checker(config).run()
+    shell = SHELL_DEFAULT + (SHELL_SLOW if "slow" in argv[1:] else [])
+    reports = [Checker(c).run for c in configs] + [ShellChecker(c).run for c in shell]
+    for run in reports:
+        r = run()
         print(
             f"{r.states:9} states {r.transitions:9} steps {r.seconds:7.2f} s  {r.name}", flush=True
         )

@@ -1,0 +1,234 @@
+"""The shell's protocol model check on the default bounds, its planted bugs, and its fidelity."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+import stm
+from ferry import _lanes as core
+from ferry._ferry import _Entry, _Shell
+from ferry._lanes import Admission, Limits
+from tests.model.checker import Counterexample
+from tests.model.configs import SHELL_DEFAULT, SHELL_SLOW
+from tests.model.planted_shell import (
+    AbortKeepsInput,
+    AdmitRingsOnlyForReady,
+    AnswerIgnoresTask,
+    BellReadAfterCheckpoint,
+    CancelledWorkerForgetsCallers,
+    CloseWaitsBeforeCancellingDirectCalls,
+    ReleaseForgetsToRing,
+    TakeNeverRings,
+)
+from tests.model.shell import ShellChecker, ShellConfig, ShellProtocol
+
+DIRECT, WEIGHTS, DELAY, RANKED, PLAIN, HANG, NEVER_CLOSED = SHELL_DEFAULT
+
+
+@pytest.mark.parametrize("config", SHELL_DEFAULT, ids=lambda c: c.name)
+def test_shell_model_check(config: ShellConfig) -> None:
+    report = ShellChecker(config).run()
+    assert report.states > 1000  # the bounds really branch
+    print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", SHELL_SLOW, ids=lambda c: c.name)
+def test_shell_model_check_larger_bounds(config: ShellConfig) -> None:
+    report = ShellChecker(config).run()
+    print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
+
+
+def _counterexample(
+    config: ShellConfig, protocol: ShellProtocol, wakeups: str = "oversleep"
+) -> Counterexample:
+    with pytest.raises(Counterexample) as info:
+        ShellChecker(config, protocol, wakeups=wakeups).run()
+    print(f"\n{info.value}")
+    return info.value
+
+
+# ---- planted bugs ------------------------------------------------------------------------------
+
+
+def test_catches_release_that_forgets_to_ring_stuck() -> None:
+    found = _counterexample(DIRECT, ReleaseForgetsToRing(), wakeups="stuck")
+    assert found.message.startswith("lost wake-up: a lane ready at 0.0, every worker asleep")
+    assert found.trace == [
+        "caller 0 (a) admits at 0.0: CLAIMED",
+        "caller 2 (a) admits at 0.0: ADMITTED",
+        "worker 0 takes nothing, sleeps until None",
+        "worker 1 takes nothing, sleeps until None",
+        "direct call 0 (a) returns; key released",
+    ]
+
+
+def test_catches_release_that_forgets_to_ring_oversleep() -> None:
+    # With batches only (no direct calls) the releasing worker takes the lane itself, so nothing
+    # is stuck; but the other worker sleeps through the ready lane while it could serve it.
+    found = _counterexample(DELAY, ReleaseForgetsToRing())
+    assert "oversleeps" in found.message
+    assert any("releas" in step or "returns" in step for step in found.trace)
+
+
+def test_catches_lost_wakeup_at_quiescence() -> None:
+    # Without the wake-up properties, the never-closed bound ends with a caller never answered.
+    found = _counterexample(NEVER_CLOSED, AdmitRingsOnlyForReady(), wakeups="off")
+    assert "never got an outcome: parked" in found.message
+
+
+def test_catches_admission_that_rings_only_for_ready_lanes() -> None:
+    found = _counterexample(DELAY, AdmitRingsOnlyForReady(), wakeups="stuck")
+    assert found.message.startswith("lost wake-up: a lane due at 1.0")
+    assert found.trace == [
+        "worker 0 takes nothing, sleeps until None",
+        "worker 1 takes nothing, sleeps until None",
+        "caller 0 (a) admits at 0.0: ADMITTED",
+    ]
+
+
+def test_catches_bell_read_after_a_checkpoint() -> None:
+    found = _counterexample(DELAY, BellReadAfterCheckpoint(), wakeups="stuck")
+    assert found.message.startswith("lost wake-up: a lane ready at 0.0")
+    assert found.trace[-2:] == [
+        "worker 0 reads the bell, sleeps until None",
+        "worker 1 reads the bell, sleeps until None",
+    ]
+
+
+@pytest.mark.parametrize("config", [DIRECT, DELAY, PLAIN], ids=["direct", "delay", "plain"])
+def test_catches_abort_that_leaves_the_input_waiting(config: ShellConfig) -> None:
+    found = _counterexample(config, AbortKeepsInput())
+    assert "still waits in the room, its caller: cancelled" in found.message
+    assert found.trace[-1].endswith("cancelled: stops waiting")
+
+
+def test_catches_worker_answering_a_caller_that_stopped_waiting() -> None:
+    found = _counterexample(DELAY, AnswerIgnoresTask())
+    assert found.message == "caller 0 answered twice (('done', 'cancelled'), then result)"
+    assert found.trace == [
+        "caller 0 (a) admits at 0.0: ADMITTED",
+        "caller 2 (a) admits at 0.0: ADMITTED",
+        "worker 0 takes a:[0, 2] at 0.0",
+        "caller 0 (a) cancelled: stops waiting",
+        "worker 0 call a:[0, 2] returns  <-- fails here",
+    ]
+
+
+def test_catches_cancelled_worker_that_forgets_its_callers() -> None:
+    found = _counterexample(DELAY, CancelledWorkerForgetsCallers())
+    assert found.message == "caller 0 is parked but its input is in 0 places"
+    assert found.trace[-2:] == ["close begins", "worker 0 call a:[0, 2] is cancelled"]
+
+
+def test_catches_close_that_waits_before_cancelling_direct_calls() -> None:
+    found = _counterexample(HANG, CloseWaitsBeforeCancellingDirectCalls())
+    assert found.message == "caller 0 never got an outcome: direct"
+    assert found.trace[0] == "caller 0 (a) admits at 0.0: CLAIMED"
+    assert found.trace[-1] == "close drains"
+
+
+@pytest.mark.parametrize("config", [DIRECT, DELAY, PLAIN], ids=["direct", "delay", "plain"])
+def test_take_ring_is_not_needed_for_wakeups(config: ShellConfig) -> None:
+    """A finding, not a bug: every worker asleep when a take leaves lanes ready was already
+    rung (the lane became ready by a ringing admit or release) or is due (the take promoted lanes
+    whose deadline every sleeper's own deadline precedes). The ring only wakes them sooner."""
+    ShellChecker(config, TakeNeverRings()).run()
+
+
+def test_unplanted_shell_protocol_flags_are_on() -> None:
+    p = ShellProtocol()
+    assert p.abort_drops_input and p.answer_checks_task and p.cancelled_worker_answers
+    assert p.peek_without_checkpoint and p.close_cancels_direct_calls
+
+
+# ---- the model's ring conditions are the shell's ------------------------------------------------
+
+
+def test_ring_conditions_mirror_the_real_shell() -> None:
+    """Random walks through the real `_Shell` transactions: the bell rings exactly when the
+    model's predicates say so (and never on cancel), both ways seen for every transaction.
+
+    (With direct calls and zero delay an admission never rings: a new key is claimed and a busy
+    lane is not queued; in the plain room a release never rings: its lane stays queued.)
+    """
+    seen: set[tuple[str, bool]] = set()
+    for limits in (
+        Limits(max_batch_size=2, direct_calls=True),
+        Limits(max_batch_size=2, max_batch_delay=1.0),
+        Limits(max_batch_size=3, max_batch_delay=0.5, one_in_flight=False),
+    ):
+        _walk(limits, seen)
+    for txn in ("admit", "take", "release"):
+        assert (txn, True) in seen and (txn, False) in seen, (txn, seen)
+
+
+def test_mirror_check_sees_a_wrong_ring_condition() -> None:
+    with pytest.raises(AssertionError):
+        _walk(Limits(max_batch_size=2, direct_calls=True), set(), ReleaseForgetsToRing())
+    with pytest.raises(AssertionError):
+        _walk(Limits(max_batch_size=2, max_batch_delay=1.0), set(), AdmitRingsOnlyForReady())
+
+
+def _walk(limits: Limits, seen: set[tuple[str, bool]], proto: ShellProtocol | None = None) -> None:
+    proto = proto or ShellProtocol()
+    plain = not limits.one_in_flight
+    keys: list[Any] = [None] if plain else ["a", "b", "c"]
+
+    async def send(key: Any, inputs: list[Any]) -> Any:
+        raise AssertionError("not called")
+
+    async def main() -> None:
+        shell = _Shell(send, None, limits, 2, plain=plain)
+        room, bell = shell._room, shell._bell
+        rnd = random.Random(1234)
+        held: list[Any] = []  # keys with a call in flight (batch or direct)
+        waiting: list[_Entry] = []
+
+        def rung(before: int) -> bool:
+            return bell.peek() != before
+
+        for n in range(3000):
+            op = rnd.choice(["admit", "admit", "take", "release", "cancel", "tick"])
+            old, b0 = room.peek(), bell.peek()
+            if op == "admit":
+                key = rnd.choice(keys)
+                entry = _Entry(n, key)
+                now = trio.current_time()
+                got = stm.atomically_nowait(shell._admit_txn, key, entry, 1.0, None, now)
+                assert rung(b0) == proto.admit_rings(old, room.peek())
+                seen.add(("admit", rung(b0)))
+                if got is Admission.CLAIMED:
+                    held.append(key)
+                elif got is Admission.ADMITTED:
+                    waiting.append(entry)
+            elif op == "take":
+                try:
+                    batch = stm.atomically_nowait(shell._take_txn)
+                except trio.WouldBlock:
+                    assert room.peek() is old and not rung(b0)
+                    continue
+                assert rung(b0) == proto.take_rings(room.peek())
+                seen.add(("take", rung(b0)))
+                held.append(batch.key)
+            elif op == "release" and held:
+                key = held.pop(rnd.randrange(len(held)))
+                stm.atomically_nowait(shell._release_txn, key, False)
+                assert rung(b0) == proto.release_rings(old, room.peek())
+                seen.add(("release", rung(b0)))
+            elif op == "cancel" and waiting:
+                entry = waiting.pop(rnd.randrange(len(waiting)))
+                assert entry.item is not None
+                stm.atomically_nowait(shell._cancel_txn, entry.key, entry.item)
+                assert not rung(b0)
+            elif op == "tick":
+                clock.jump(0.25)
+            core.check_invariants(room.peek())
+
+    clock = trio.testing.MockClock()
+    trio.run(main, clock=clock)
