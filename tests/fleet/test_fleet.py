@@ -49,9 +49,8 @@ async def audit(dsn: str, tally: Tally, *, fencing: bool) -> list[str]:
     """Sweep (the services are stopped), then the full ledger oracle."""
     async with PostgresStore(dsn, connections=1) as store:
         pw = ledger.make_write(store, fencing=fencing)
-        for _ in range(3):  # a sweep skips nothing here; more rounds only if postings cascade
-            report = await pw.sweep()
-            if report.keys == 0:
+        for _ in range(3):  # one sweep finishes everything; the next confirms nothing is left
+            if (await pw.sweep()).keys == 0:
                 break
         return await ledger.verify(pw, acknowledged=tally.acknowledged, caught_up=True)
 
