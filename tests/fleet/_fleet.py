@@ -9,6 +9,7 @@ restarted: clients get a refused connection and retry.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -29,6 +30,13 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICE = ROOT / "examples" / "ledger_service.py"
 RETRY = ("failed", "rejected", "closed")
 ACK = ("ok", "refused", "committed")
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    """Linux: SIGKILL this service if the test process dies, so nothing is left running even
+    when the test run itself is killed. Elsewhere a no-op (the finally blocks still stop it)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class Service:
@@ -68,6 +76,7 @@ class Service:
                     *self.extra,
                 ],
                 stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
                 stdout=logfile,
                 stderr=subprocess.STDOUT,
                 cwd=ROOT,
