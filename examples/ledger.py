@@ -229,6 +229,7 @@ async def run(args: argparse.Namespace, store: Store, where: str) -> int:
         max_batch_delay=args.max_batch_delay,
         max_in_flight_batches=args.in_flight,
         max_queueing=args.max_queueing,
+        direct_calls=not args.no_direct_calls,
     ) as f:
         async with trio.open_nursery() as background:
             background.start_soon(pw.run_sweeper, 1.0)
@@ -310,6 +311,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--max-batch-delay", type=float, default=0.0)
     p.add_argument("--in-flight", type=int, default=4, help="max_in_flight_batches (default 4)")
     p.add_argument("--max-queueing", type=int, default=10_000)
+    p.add_argument(
+        "--no-direct-calls",
+        action="store_true",
+        help="batch every input, even for an idle key (more throughput under heavy load)",
+    )
     p.add_argument(
         "--faults",
         type=float,
