@@ -12,13 +12,14 @@ journal prefix. `verify` is the oracle the demo and the fleet test reuse.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
 
 from ferry.projected import (
     Decision,
+    JournalSnapshot,
     Json,
     Posting,
     ProjectedWrite,
@@ -140,13 +141,21 @@ def _read_view(view: Tx) -> dict[str, tuple[int, int]]:
     return {a: (b, n) for a, b, n in view.execute(f"SELECT account, balance, applied FROM {VIEW}")}
 
 
-async def verify(pw: ProjectedWrite[Op]) -> list[str]:
+async def verify(
+    pw: ProjectedWrite[Op],
+    *,
+    acknowledged: Mapping[str, tuple[Op, Json]] | None = None,
+    caught_up: bool = False,
+) -> list[str]:
     """The ledger oracle: problems found, empty when everything is exact.
 
     The journal audit (seqs 1..n per key, stored answers and states equal a replay of `decide`
     and `receive`, postings ingested exactly once), then the view: every account's row equals the
     fold of its journal up to its projected offset; no balance is negative; money is conserved
-    (deposits - withdrawals = balances + credits still in the inbox).
+    (deposits - withdrawals = balances + credits still in the inbox). With `acknowledged`
+    (input id -> (op, answer the client got)), also `check_acknowledged`; with `caught_up`
+    (after a final `sweep()`), also `check_caught_up`. Reads the store three times: call it
+    when nothing else writes.
     """
     problems = await pw.audit()
     snap = await pw.snapshot()
@@ -181,6 +190,58 @@ async def verify(pw: ProjectedWrite[Op]) -> list[str]:
             f"money not conserved: deposits - withdrawals = {deposited}, balances {held}"
             f" + credits in flight {in_flight}"
         )
+    if acknowledged is not None:
+        problems += check_acknowledged(snap, acknowledged)
+    if caught_up:
+        problems += check_caught_up(snap)
+    return problems
+
+
+def check_acknowledged(
+    snap: JournalSnapshot, acknowledged: Mapping[str, tuple[Op, Json]]
+) -> list[str]:
+    """Every acknowledged input is in the journal exactly once, under its account, with its
+    content and with the answer its client was given; no input id is in the journal twice.
+
+    `acknowledged` maps an input id to (the op, the answer the client got: the stored answer or a
+    `Committed`'s provisional one). Cost: O(journal + acknowledged).
+    """
+    problems: list[str] = []
+    where: dict[str, list[Record]] = {}
+    for records in snap.records.values():
+        for r in records:
+            if r.kind == "input":
+                where.setdefault(r.id, []).append(r)
+    for rid, found in where.items():
+        if len(found) > 1:
+            problems.append(
+                f"input {rid!r}: {len(found)} journal records"
+                f" (keys/seqs {[(r.key, r.seq) for r in found]})"
+            )
+    for rid, (op, answer) in acknowledged.items():
+        found = where.get(rid, [])
+        if not found:
+            problems.append(f"input {rid!r}: acknowledged with {answer!r}, not in the journal")
+            continue
+        r = found[0]
+        if r.key != op.account or r.content != op_content(op):
+            problems.append(f"input {rid!r}: journal holds {r.key!r} {r.content!r}, sent {op!r}")
+        if r.answer != answer:
+            problems.append(f"input {rid!r}: client was told {answer!r}, journal says {r.answer!r}")
+    return problems
+
+
+def check_caught_up(snap: JournalSnapshot) -> list[str]:
+    """After a final sweep: every key's view is projected to its last record and every posting
+    is ingested. O(keys + inbox)."""
+    problems = [
+        f"account {key!r}: projected to seq {row.projected_seq} of {row.last_seq}"
+        for key, row in snap.keys.items()
+        if row.projected_seq != row.last_seq
+    ]
+    problems += [
+        f"posting {pid!r}: not ingested" for pid, p in snap.inbox.items() if not p.ingested
+    ]
     return problems
 
 
@@ -188,6 +249,8 @@ __all__ = [
     "INITIAL",
     "VIEW",
     "Op",
+    "check_acknowledged",
+    "check_caught_up",
     "decide",
     "delta",
     "deposit",
