@@ -33,7 +33,7 @@ postgres-binaries:
 	  $(APT) update -qq && $(APT) install -y -qq --no-install-recommends postgresql; }
 
 demo: $(STAMP)
-	$(BIN)/python examples/bank.py
+	$(BIN)/python examples/ledger.py
 
 bench: $(STAMP) postgres-binaries
 	$(BIN)/python -m tests.bench
