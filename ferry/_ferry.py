@@ -91,7 +91,7 @@ class _Shell:
 
     def _admit_txn(
         self, key: Any, entry: _Entry, weight: float, rank: Any, now: float
-    ) -> _lanes.Admission:
+    ) -> tuple[_lanes.Admission, _lanes.Item[_Entry] | None]:
         room = self._room
         old = room.get()
         try:
@@ -106,10 +106,9 @@ class _Shell:
                 f"waiting for key {key!r}: {exc}"
             ) from exc
         room.set(state)
-        entry.item = item
         if state.n_ready > old.n_ready or state.n_waiting > old.n_waiting:
             self._ring(old, state)
-        return admission
+        return admission, item
 
     def _take_txn(self) -> _lanes.Batch[Any, _Entry]:
         room = self._room
@@ -161,7 +160,9 @@ class _Shell:
         entry = _Entry(x, key)
         # Submission times matter only for deadlines: with zero delay there are none.
         now = trio.current_time() if self._timed else 0.0
-        admission = stm.atomically_nowait(self._admit_txn, key, entry, weight, rank, now)
+        admission, entry.item = stm.atomically_nowait(
+            self._admit_txn, key, entry, weight, rank, now
+        )
         if admission is _lanes.Admission.ADMITTED:
             entry.task = trio.lowlevel.current_task()
             return await trio.lowlevel.wait_task_rescheduled(self._abort_fn(entry))

@@ -200,7 +200,9 @@ def _walk(limits: Limits, seen: set[tuple[str, bool]], proto: ShellProtocol | No
                 key = rnd.choice(keys)
                 entry = _Entry(n, key)
                 now = trio.current_time()
-                got = stm.atomically_nowait(shell._admit_txn, key, entry, 1.0, None, now)
+                got, entry.item = stm.atomically_nowait(
+                    shell._admit_txn, key, entry, 1.0, None, now
+                )
                 assert rung(b0) == proto.admit_rings(old, room.peek())
                 seen.add(("admit", rung(b0)))
                 if got is Admission.CLAIMED:
