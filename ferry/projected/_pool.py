@@ -33,7 +33,8 @@ import contextlib
 import threading
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Generic, Protocol, TypeVar
+from types import TracebackType
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 import outcome
 import trio
@@ -184,3 +185,28 @@ class ConnectionPool(Generic[C]):
             slots, self._free = self._free, []
             for slot in slots:
                 await trio.to_thread.run_sync(self._close_quietly, slot)
+
+
+class PooledStore:
+    """What both stores share: transactions on a `ConnectionPool`, and closing it."""
+
+    _pool: ConnectionPool[Any]
+
+    async def transact(self, fn: Callable[[Tx], T]) -> T:
+        """Run ``fn(tx)`` in one transaction on a worker thread (see `Store.transact`)."""
+        return await self._pool.transact(fn)
+
+    async def aclose(self) -> None:
+        """Wait for in-flight transactions, close every connection. Idempotent."""
+        await self._pool.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
-from types import TracebackType
+from collections.abc import Sequence
 from typing import Any, TypeVar, final
 
 import trio
 
-from ._pool import ConnectionPool, _Use
+from ._pool import ConnectionPool, PooledStore, _Use
 from ._types import Tx
 
 T = TypeVar("T")
@@ -91,7 +90,7 @@ class _PgDriver:
 
 
 @final
-class PostgresStore:
+class PostgresStore(PooledStore):
     """A journal store in PostgreSQL, for a fleet of processes sharing one database.
 
     ``PostgresStore(dsn, *, connections=4, connect_timeout=10.0)``: at most `connections`
@@ -108,22 +107,3 @@ class PostgresStore:
         self._pool = ConnectionPool(_PgDriver(dsn, connect_timeout), connections)
 
     dialect = "postgres"
-
-    async def transact(self, fn: Callable[[Tx], T]) -> T:
-        """Run ``fn(tx)`` in one transaction on a worker thread (see `Store.transact`)."""
-        return await self._pool.transact(fn)
-
-    async def aclose(self) -> None:
-        """Wait for in-flight transactions, close every connection. Idempotent."""
-        await self._pool.aclose()
-
-    async def __aenter__(self) -> PostgresStore:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import sqlite3
-from collections.abc import Callable, Sequence
-from types import TracebackType
+from collections.abc import Sequence
 from typing import Any, TypeVar, final
 
-from ._pool import ConnectionPool, _Use
+from ._pool import ConnectionPool, PooledStore, _Use
 from ._types import Tx
 
 T = TypeVar("T")
@@ -83,7 +82,7 @@ class _SqliteDriver:
 
 
 @final
-class SqliteStore:
+class SqliteStore(PooledStore):
     """A journal store in one SQLite file: the embedded default, zero set-up.
 
     ``SqliteStore(path, *, connections=2, busy_timeout=10.0, synchronous="FULL")``. Nothing is
@@ -115,22 +114,3 @@ class SqliteStore:
         )
 
     dialect = "sqlite"
-
-    async def transact(self, fn: Callable[[Tx], T]) -> T:
-        """Run ``fn(tx)`` in one transaction on a worker thread (see `Store.transact`)."""
-        return await self._pool.transact(fn)
-
-    async def aclose(self) -> None:
-        """Wait for in-flight transactions, close every connection. Idempotent."""
-        await self._pool.aclose()
-
-    async def __aenter__(self) -> SqliteStore:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
