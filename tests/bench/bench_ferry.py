@@ -126,6 +126,22 @@ async def _plain_await(n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
+async def slow_call(key: int, xs: list[int]) -> list[int]:
+    await trio.sleep(0.001)  # a typical database or service round trip
+    return xs
+
+
+async def _direct_slow(n: int, through_ferry: bool) -> float:
+    async with ferry.open_per_key_ferry(slow_call, key=lambda x: x) as f:
+        t0 = time.perf_counter()
+        for i in range(n):
+            if through_ferry:
+                await f(i)
+            else:
+                await slow_call(i, [i])
+        return (time.perf_counter() - t0) / n
+
+
 async def _with_echo_peer(n: int, through_ferry: bool) -> float:
     """A call that is one round trip to a peer over a local socket pair: a tiny remote call."""
     a, b = trio.socket.socketpair()
@@ -226,6 +242,8 @@ def benchmarks() -> list[Row]:
         run(_run, _with_echo_peer, 10_000, False),
     )
     rows.append(Row("direct call at idle vs awaiting call", s, b, 1.5, note="call = socket echo"))
+    s, b = paired(ROUNDS, run(_run, _direct_slow, 500, True), run(_run, _direct_slow, 500, False))
+    rows.append(Row("direct call at idle vs awaiting call", s, b, 1.5, note="call = 1 ms sleep"))
     small = min(_run(_admission, 1_000) for _ in range(ROUNDS))
     large = min(_run(_admission, 100_000) for _ in range(max(1, ROUNDS - 1)))
     rows.append(Row("admission at 100k waiting vs 1k", large, small, 1.5))
