@@ -52,15 +52,29 @@ _PLAIN_KEY = None  # the plain ferry's one room is a single lane under this key
 
 
 class _Entry:
-    """One caller. `task` is set while the caller is parked and nobody has answered it yet."""
+    """One caller. `task` is set while the caller is parked and nobody has answered it yet.
 
-    __slots__ = ("input", "item", "key", "task")
+    An entry is also its caller's abort function (`__call__`), so parking allocates nothing more.
+    """
 
-    def __init__(self, x: Any, key: Any) -> None:
+    __slots__ = ("input", "item", "key", "shell", "task")
+
+    def __init__(self, x: Any, key: Any, shell: _Shell) -> None:
         self.input = x
         self.key = key
+        self.shell = shell
         self.item: _lanes.Item[_Entry] | None = None
         self.task: trio.lowlevel.Task | None = None
+
+    def __call__(self, raise_cancel: Any) -> trio.lowlevel.Abort:
+        """The caller was cancelled while parked: it stops waiting, whether its input still
+        waits (dropped now, nothing is sent for it) or is in a batch in flight (which runs on
+        for the others)."""
+        self.task = None
+        item = self.item
+        if item is not None:
+            stm.atomically_nowait(self.shell._cancel_txn, self.key, item)
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 class _Shell:
@@ -157,7 +171,7 @@ class _Shell:
 
     async def _submit(self, x: Any, key: Any, weight: float, rank: Any) -> Any:
         await trio.lowlevel.checkpoint_if_cancelled()
-        entry = _Entry(x, key)
+        entry = _Entry(x, key, self)
         # Submission times matter only for deadlines: with zero delay there are none.
         now = trio.current_time() if self._timed else 0.0
         admission, entry.item = stm.atomically_nowait(
@@ -165,25 +179,13 @@ class _Shell:
         )
         if admission is _lanes.Admission.ADMITTED:
             entry.task = trio.lowlevel.current_task()
-            return await trio.lowlevel.wait_task_rescheduled(self._abort_fn(entry))
+            return await trio.lowlevel.wait_task_rescheduled(entry)
         if admission is _lanes.Admission.CLAIMED:
             return await self._direct(entry)
         await trio.lowlevel.cancel_shielded_checkpoint()
         if admission is _lanes.Admission.CLOSED:
             raise Closed("the ferry is closed")
         raise Rejected("the waiting room is full; back off and retry, or shed load")
-
-    def _abort_fn(self, entry: _Entry) -> Callable[[Any], trio.lowlevel.Abort]:
-        def abort(raise_cancel: Any) -> trio.lowlevel.Abort:
-            # Whether the input is still waiting (dropped now, nothing is sent for it) or already
-            # in a batch in flight (the batch runs on for the others), the caller stops waiting.
-            entry.task = None
-            item = entry.item
-            if item is not None:
-                stm.atomically_nowait(self._cancel_txn, entry.key, item)
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        return abort
 
     async def _direct(self, entry: _Entry) -> Any:
         """The caller claimed an idle key: send its input itself, in the ferry's scope."""

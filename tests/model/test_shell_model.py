@@ -198,7 +198,7 @@ def _walk(limits: Limits, seen: set[tuple[str, bool]], proto: ShellProtocol | No
             old, b0 = room.peek(), bell.peek()
             if op == "admit":
                 key = rnd.choice(keys)
-                entry = _Entry(n, key)
+                entry = _Entry(n, key, shell)
                 now = trio.current_time()
                 got, entry.item = stm.atomically_nowait(
                     shell._admit_txn, key, entry, 1.0, None, now
