@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # `dev` is quick for the edit-test loop; `ci` digs deeper and is what CI=true selects.
@@ -20,3 +23,27 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+# A test that hangs (say, a trio.run whose MockClock has no deadline left to jump to) must fail
+# the run quickly, not use up CI's time: pytest dumps every thread's traceback after
+# `faulthandler_timeout` (pyproject.toml), and this timer ends the process a minute later.
+# No test comes near either.
+_TEST_TIMEOUT = float(os.environ.get("TEST_TIMEOUT", "300"))
+
+
+def _give_up(name: str) -> None:
+    message = f"\n{name} ran for more than {_TEST_TIMEOUT:.0f} s: stopping the run\n"
+    os.write(2, message.encode())
+    os._exit(3)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    timer = threading.Timer(_TEST_TIMEOUT, _give_up, args=(item.nodeid,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
