@@ -47,6 +47,10 @@ MAX_CONFLICTS: Final = 8
 """Conflict reruns after which an attempt runs irrevocably (holding the commit lock)."""
 
 _lock = threading.Lock()
+# Bound methods, used as `_acquire(); try: ... finally: _release()` on the hot paths: about half
+# the cost of a `with _lock:` block on CPython 3.11.
+_acquire: Final = _lock.acquire
+_release: Final = _lock.release
 _clock: int = 0
 
 # Statistics. `_n_waiters` and `_n_commits` only change under `_lock` (exact); the others may
@@ -247,7 +251,8 @@ def _commit(txn: Txn) -> bool:
     """Validate and install a writing attempt; wake the waiters of what it wrote. Short, sync."""
     global _clock, _n_commits
     woken: list[dict[Waiter, None]] | None = None
-    with _lock:
+    _acquire()
+    try:
         if _clock != txn.rv and not _UNSAFE_SKIP_VALIDATION:
             for tv, st in txn.reads.items():
                 if tv._state is not st:
@@ -260,6 +265,8 @@ def _commit(txn: Txn) -> bool:
                 woken = _detach(tv, woken)
         _clock = new
         _n_commits += 1
+    finally:
+        _release()
     if woken is not None:
         _wake(woken)
     return True
@@ -421,6 +428,7 @@ def _wake(woken: list[dict[Waiter, None]]) -> None:
                 w.wake()
 
 
+@trio.lowlevel.enable_ki_protection
 def register(txn: Txn, waiter: Waiter) -> bool:
     """Register `waiter` on every TVar `txn` read, unless one of them changed since.
 
@@ -431,7 +439,8 @@ def register(txn: Txn, waiter: Waiter) -> bool:
     """
     global _n_waiters, _n_wakeups
     reads = txn.reads
-    with _lock:
+    _acquire()
+    try:
         if _clock != txn.rv:
             for tv, st in reads.items():
                 if tv._state is not st:
@@ -446,13 +455,17 @@ def register(txn: Txn, waiter: Waiter) -> bool:
         waiter.tvars = reads
         waiter.fired = False
         _n_waiters += len(reads)
+    finally:
+        _release()
     return True
 
 
+@trio.lowlevel.enable_ki_protection
 def unregister(waiter: Waiter) -> bool:
     """Take `waiter` off its TVars. False if a commit already fired it (its wake is on the way)."""
     global _n_waiters
-    with _lock:
+    _acquire()
+    try:
         if waiter.fired:
             return False
         for tv in waiter.tvars:
@@ -464,6 +477,8 @@ def unregister(waiter: Waiter) -> bool:
         _n_waiters -= len(waiter.tvars)
         waiter.fired = True
         return True
+    finally:
+        _release()
 
 
 def counters() -> tuple[int, int, int, int, int, int, int]:
