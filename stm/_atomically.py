@@ -173,18 +173,17 @@ def atomically_nowait(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
     """
     if _here.txn is not None:
         check_not_nested()
+    txn = attempt(fn, args, False)
     conflicts = 0
-    while True:
-        txn = attempt(fn, args, conflicts >= MAX_CONFLICTS)
-        status = txn.status
-        if status == COMMITTED:
-            if txn.effects:
-                run_effects(txn.effects)
-            result: T = txn.result
-            return result
-        if status == RETRY:
+    while txn.status != COMMITTED:
+        if txn.status == RETRY:
             raise trio.WouldBlock
         conflicts += 1
+        txn = attempt(fn, args, conflicts >= MAX_CONFLICTS)
+    if txn.effects:
+        run_effects(txn.effects)
+    result: T = txn.result
+    return result
 
 
 def retry(*, deadline: float | None = None) -> NoReturn:
@@ -195,7 +194,9 @@ def retry(*, deadline: float | None = None) -> NoReturn:
     `atomically_sync`). Inside `or_else` it moves on to the next alternative instead.
     Raises `NoTransactionError` outside a transaction.
     """
-    txn = current()
+    txn = _here.txn
+    if txn is None:
+        txn = current()  # raises NoTransactionError
     if deadline is not None:
         d = txn.deadline
         if d is None or deadline < d:
@@ -207,7 +208,9 @@ def retry(*, deadline: float | None = None) -> NoReturn:
 def check(condition: object, *, deadline: float | None = None) -> None:
     """`retry(deadline=deadline)` unless `condition` is true."""
     if not condition:
-        txn = current()
+        txn = _here.txn
+        if txn is None:
+            txn = current()  # raises NoTransactionError
         if deadline is not None:
             d = txn.deadline
             if d is None or deadline < d:

@@ -223,7 +223,7 @@ def attempt(fn: Callable[..., Any], args: tuple[Any, ...], irrevocable: bool) ->
         raise
     finally:
         here.txn = None
-    if isinstance(result, CoroutineType):
+    if type(result) is CoroutineType:  # (CoroutineType cannot be subclassed)
         raise _coroutine_error(result)
     if txn.doomed is not None:
         txn.status = txn.doomed
