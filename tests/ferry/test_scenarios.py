@@ -100,6 +100,18 @@ async def scenario(opts: Options, subs: list[Sub], close_at: float) -> Run:
         except ferry.Closed:
             got.append("closed")
 
+    # Everything ends by close_at plus the longest call; a scenario still running long after
+    # that is stuck, which is a failure, not a hang of the test suite.
+    with trio.move_on_after(close_at + 1000) as watchdog:
+        await _run_callers(opts, subs, close_at, call, caller, run)
+    if watchdog.cancelled_caught:
+        run.violations.append("the scenario never finished: a caller or a call is stuck")
+    return run
+
+
+async def _run_callers(
+    opts: Options, subs: list[Sub], close_at: float, call: Any, caller: Any, run: Run
+) -> None:
     async with trio.open_nursery() as callers:
         async with ferry.open_per_key_ferry(
             call,
@@ -118,7 +130,6 @@ async def scenario(opts: Options, subs: list[Sub], close_at: float) -> Run:
                 callers.start_soon(caller, f, sub)
             await trio.sleep_until(close_at)
         run.final = f.stats()
-    return run
 
 
 def check(opts: Options, subs: list[Sub], run: Run) -> None:
