@@ -14,6 +14,11 @@ from ._errors import NoTransactionError as NoTransactionError
 from ._errors import RetryWouldHangError as RetryWouldHangError
 from ._stats import STMStatistics as STMStatistics
 from ._stats import statistics as statistics
+from ._structures import TBQueue as TBQueue
+from ._structures import TMap as TMap
+from ._structures import TMVar as TMVar
+from ._structures import TQueue as TQueue
+from ._structures import TSemaphore as TSemaphore
 from ._tvar import TVar as TVar
 
 

@@ -7,7 +7,10 @@ differ only in how they wait when an attempt retries:
 - `atomically` has the shape of `trio.Lock.acquire`: `checkpoint_if_cancelled()`, attempts run
   synchronously, and either a commit followed by `cancel_shielded_checkpoint()` or a park in
   `wait_task_rescheduled` whose abort_fn unregisters the waiter. Once it has parked it has already
-  been a checkpoint, so it returns straight after a later commit (as `Lock.acquire` does).
+  been a checkpoint, so it returns straight after a later commit (as `Lock.acquire` does). A
+  woken task reruns `fn` without another cancel check, unless the abort_fn failed (a cancel came
+  after the commit fired the waiter, while the task was still parked): then it raises Cancelled.
+  One waiter serves every park of one call.
 - `atomically_sync` blocks its thread on a `threading.Lock` that the waking commit releases.
 - `atomically_nowait` raises `trio.WouldBlock` instead of waiting.
 """
@@ -44,7 +47,7 @@ from ._txn import (
 T = TypeVar("T")
 Ts = TypeVarTuple("Ts")
 
-_current = _txn.current_or_none
+_here = _txn.here
 _checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
 _cancel_shielded_checkpoint = trio.lowlevel.cancel_shielded_checkpoint
 _wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
@@ -71,10 +74,11 @@ async def atomically(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
     Cost without contention: one attempt plus, if it wrote, one short lock-held commit.
     """
     await _checkpoint_if_cancelled()
-    if _current() is not None:
+    if _here.txn is not None:
         check_not_nested()
     conflicts = 0
     parked = False  # True once this call has been a checkpoint (it parked)
+    waiter: TrioWaiter | None = None  # made at the first park, reused by later ones
     try:
         while True:
             txn = attempt(fn, args, conflicts >= MAX_CONFLICTS)
@@ -90,16 +94,18 @@ async def atomically(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
             deadline = txn.deadline
             if deadline is None and not txn.reads:
                 raise _hang_error()
-            waiter = TrioWaiter()
+            if waiter is None:
+                waiter = TrioWaiter()
             if not register(txn, waiter):
                 continue
             parked = True
-            waiter.parked = True
             if deadline is None:
                 await _wait_task_rescheduled(waiter.abort)
             else:
                 await _park_until(waiter, deadline)
-            await _checkpoint_if_cancelled()
+            if waiter.cancel_missed:  # cancelled after the commit fired it: no rerun
+                waiter.cancel_missed = False
+                await _checkpoint_if_cancelled()
     except BaseException:
         if not parked:
             await _cancel_shielded_checkpoint()
@@ -165,20 +171,19 @@ def atomically_nowait(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
     the commit lock, which is held for short commits (or an irrevocable attempt's `fn`). Raises
     `TypeError` if `fn` is async, `NestedTransactionError` inside a transaction.
     """
-    if _current() is not None:
+    if _here.txn is not None:
         check_not_nested()
+    txn = attempt(fn, args, False)
     conflicts = 0
-    while True:
-        txn = attempt(fn, args, conflicts >= MAX_CONFLICTS)
-        status = txn.status
-        if status == COMMITTED:
-            if txn.effects:
-                run_effects(txn.effects)
-            result: T = txn.result
-            return result
-        if status == RETRY:
+    while txn.status != COMMITTED:
+        if txn.status == RETRY:
             raise trio.WouldBlock
         conflicts += 1
+        txn = attempt(fn, args, conflicts >= MAX_CONFLICTS)
+    if txn.effects:
+        run_effects(txn.effects)
+    result: T = txn.result
+    return result
 
 
 def retry(*, deadline: float | None = None) -> NoReturn:
@@ -189,7 +194,9 @@ def retry(*, deadline: float | None = None) -> NoReturn:
     `atomically_sync`). Inside `or_else` it moves on to the next alternative instead.
     Raises `NoTransactionError` outside a transaction.
     """
-    txn = current()
+    txn = _here.txn
+    if txn is None:
+        txn = current()  # raises NoTransactionError
     if deadline is not None:
         d = txn.deadline
         if d is None or deadline < d:
@@ -201,7 +208,9 @@ def retry(*, deadline: float | None = None) -> NoReturn:
 def check(condition: object, *, deadline: float | None = None) -> None:
     """`retry(deadline=deadline)` unless `condition` is true."""
     if not condition:
-        txn = current()
+        txn = _here.txn
+        if txn is None:
+            txn = current()  # raises NoTransactionError
         if deadline is not None:
             d = txn.deadline
             if d is None or deadline < d:

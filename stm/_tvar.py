@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-_current = _txn.current_or_none
+_here = _txn.here
 _NO_TXN = (
     "TVar.{} was called outside a transaction: use it inside the function given to "
     "stm.atomically / atomically_sync / atomically_nowait, or read with TVar.peek()"
@@ -41,7 +41,7 @@ class TVar(Generic[T]):
 
     def get(self) -> T:
         """The value in this transaction's snapshot (or its own earlier write)."""
-        txn = _current()
+        txn = _here.txn
         if txn is None:
             raise NoTransactionError(_NO_TXN.format("get()"))
         writes = txn.writes
@@ -55,14 +55,14 @@ class TVar(Generic[T]):
 
     def set(self, value: T) -> None:
         """Write `value`; other transactions see it only once this one commits."""
-        txn = _current()
+        txn = _here.txn
         if txn is None:
             raise NoTransactionError(_NO_TXN.format("set()"))
         txn.writes[self] = value
 
     def modify(self, fn: Callable[[T], T]) -> None:
         """`set(fn(get()))`."""
-        txn = _current()
+        txn = _here.txn
         if txn is None:
             raise NoTransactionError(_NO_TXN.format("modify()"))
         self.set(fn(self.get()))

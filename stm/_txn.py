@@ -15,9 +15,11 @@ Design (TL2 with snapshot extension; see docs/adr/0001-stm-commit-protocol.md):
   publishes the clock last, takes the waiters of the written TVars off every TVar they wait on,
   releases the lock and only then wakes them. A read-only attempt never takes the lock: its
   snapshot is its serialization point.
-- Waiters register under the same lock after checking that nothing they read has changed, so a
-  commit either happened before (the check sees it and the attempt reruns at once) or after (the
-  commit sees the waiter). No wake-up is lost, and a commit only touches waiters of TVars it wrote.
+- Waiters register under the same lock after checking that nothing they read has changed
+  (nothing to check if the clock still equals `rv`), so a commit either happened before (the
+  check sees it and the attempt reruns at once) or after (the commit sees the waiter). No wake-up
+  is lost, and a commit only touches waiters of TVars it wrote: it detaches each written TVar's
+  waiter set whole and wakes those waiters after releasing the lock.
 - Starvation: after `MAX_CONFLICTS` conflict reruns an attempt runs irrevocably: it holds `_lock`
   while `fn` runs, so no commit can invalidate it.
 
@@ -32,8 +34,7 @@ address order would let disjoint commits proceed in parallel, at a higher cost p
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
-from contextvars import ContextVar
+from collections.abc import Callable, Collection
 from types import CoroutineType
 from typing import TYPE_CHECKING, Any, Final
 
@@ -46,6 +47,10 @@ MAX_CONFLICTS: Final = 8
 """Conflict reruns after which an attempt runs irrevocably (holding the commit lock)."""
 
 _lock = threading.Lock()
+# Bound methods, used as `_acquire(); try: ... finally: _release()` on the hot paths: about half
+# the cost of a `with _lock:` block on CPython 3.11.
+_acquire: Final = _lock.acquire
+_release: Final = _lock.release
 _clock: int = 0
 
 # Statistics. `_n_waiters` and `_n_commits` only change under `_lock` (exact); the others may
@@ -67,11 +72,19 @@ RETRY: Final = 1
 CONFLICT: Final = 2
 
 
-# The running attempt of this thread (or trio task). A ContextVar rather than a threading.local:
-# `get()` is a cached C lookup, the cheapest ambient read there is, and TVar.get pays it.
-_current: Final[ContextVar[Txn | None]] = ContextVar("stm.current_transaction", default=None)
-current_or_none: Final = _current.get
-_set_current: Final = _current.set
+# The running attempt of this thread. An attempt is synchronous, so a thread runs at most one at a
+# time and per-thread storage is enough for trio tasks too. A threading.local rather than a
+# ContextVar: reading it costs about 30 ns against 7, but setting it costs about 35 ns against 75
+# (a ContextVar set builds a new context mapping and a token), and every attempt sets it twice
+# while a typical transaction reads it two to four times. Nor does it follow a context copied into
+# another thread (`trio.to_thread`), where a ContextVar would carry the transaction along.
+class _Here(threading.local):
+    txn: Txn | None = None
+
+
+here: Final = _Here()
+
+
 _get_ident = threading.get_ident
 _current_task = trio.lowlevel.current_task
 _current_trio_token = trio.lowlevel.current_trio_token
@@ -158,7 +171,7 @@ class Txn:
 
 
 def current() -> Txn:
-    txn = current_or_none()
+    txn = here.txn
     if txn is None:
         from ._errors import NoTransactionError
 
@@ -170,7 +183,7 @@ def current() -> Txn:
 
 
 def check_not_nested() -> None:
-    if current_or_none() is not None:
+    if here.txn is not None:
         from ._errors import NestedTransactionError
 
         raise NestedTransactionError(
@@ -191,7 +204,7 @@ def attempt(fn: Callable[..., Any], args: tuple[Any, ...], irrevocable: bool) ->
     if irrevocable:
         return _attempt_irrevocable(fn, args)
     txn = Txn(_clock)
-    _set_current(txn)
+    here.txn = txn
     try:
         result = fn(*args)
     except Retry:
@@ -209,8 +222,8 @@ def attempt(fn: Callable[..., Any], args: tuple[Any, ...], irrevocable: bool) ->
             return txn
         raise
     finally:
-        _set_current(None)
-    if isinstance(result, CoroutineType):
+        here.txn = None
+    if type(result) is CoroutineType:  # (CoroutineType cannot be subclassed)
         raise _coroutine_error(result)
     if txn.doomed is not None:
         txn.status = txn.doomed
@@ -237,8 +250,9 @@ def attempt(fn: Callable[..., Any], args: tuple[Any, ...], irrevocable: bool) ->
 def _commit(txn: Txn) -> bool:
     """Validate and install a writing attempt; wake the waiters of what it wrote. Short, sync."""
     global _clock, _n_commits
-    woken: list[Waiter] | None = None
-    with _lock:
+    woken: list[dict[Waiter, None]] | None = None
+    _acquire()
+    try:
         if _clock != txn.rv and not _UNSAFE_SKIP_VALIDATION:
             for tv, st in txn.reads.items():
                 if tv._state is not st:
@@ -248,9 +262,11 @@ def _commit(txn: Txn) -> bool:
         for tv in writes:
             tv._state = (new, writes[tv])
             if tv._waiters:
-                woken = _take_waiters(tv._waiters, woken)
+                woken = _detach(tv, woken)
         _clock = new
         _n_commits += 1
+    finally:
+        _release()
     if woken is not None:
         _wake(woken)
     return True
@@ -259,11 +275,11 @@ def _commit(txn: Txn) -> bool:
 def _attempt_irrevocable(fn: Callable[..., Any], args: tuple[Any, ...]) -> Txn:
     """Run `fn` holding the commit lock: nothing can commit meanwhile, so it cannot conflict."""
     global _clock, _n_commits, _n_read_only, _n_retries, _n_irrevocable
-    woken: list[Waiter] | None = None
+    woken: list[dict[Waiter, None]] | None = None
     with _lock:
         _n_irrevocable += 1
         txn = Txn(_clock)
-        _set_current(txn)
+        here.txn = txn
         try:
             result = fn(*args)
         except Retry:
@@ -271,7 +287,7 @@ def _attempt_irrevocable(fn: Callable[..., Any], args: tuple[Any, ...]) -> Txn:
             _n_retries += 1
             return txn
         finally:
-            _set_current(None)
+            here.txn = None
         if txn.doomed is not None:
             # Only a swallowed Retry can get here: nothing can conflict while we hold the lock.
             txn.status = RETRY
@@ -288,7 +304,7 @@ def _attempt_irrevocable(fn: Callable[..., Any], args: tuple[Any, ...]) -> Txn:
         for tv, value in txn.writes.items():
             tv._state = (new, value)
             if tv._waiters:
-                woken = _take_waiters(tv._waiters, woken)
+                woken = _detach(tv, woken)
         _clock = new
         _n_commits += 1
     if woken is not None:
@@ -302,58 +318,58 @@ def run_effects(effects: list[tuple[Callable[..., object], tuple[Any, ...]]]) ->
 
 
 # --- waiters ---------------------------------------------------------------------------------
+#
+# Each TVar holds the waiters blocked on it in `_waiters`, an insertion-ordered dict used as a
+# set, or None. A commit that writes a TVar detaches that whole dict (one store, under `_lock`),
+# takes each of its waiters off the other TVars it waits on (nothing to do for the common waiter
+# on one TVar), and wakes the waiters of the detached dicts once the lock is released. No list
+# of waiters is built and no waiter is removed one by one from the TVar that was written.
 
 
 class Waiter:
     """A blocked transaction, registered on every TVar its last attempt read.
 
-    `fired` becomes True (under `_lock`) when a commit takes it off all its TVars; after that
-    nothing else may touch its registrations, and exactly one `wake()` follows.
+    Invariant (under `_lock`): while `fired` is False the waiter is a key of the `_waiters` dict
+    of every TVar in `tvars`. `fired` becomes True when a commit detaches it (then exactly one
+    `wake` follows, outside the lock) or when `unregister` takes it off; after that no TVar holds
+    it. Once its wait is over a waiter may be registered again (`register` resets it).
     """
 
     __slots__ = ("fired", "tvars")
 
-    tvars: Iterable[TVar[Any]]
+    tvars: Collection[TVar[Any]]
     fired: bool
 
-    def __init__(self) -> None:
-        self.tvars = ()
-        self.fired = False
-
-    def wake(self, thread_id: int) -> None:
+    def wake(self) -> None:
+        """Resume the blocked transaction. Called once per firing, by the committing thread."""
         raise NotImplementedError
 
 
 class TrioWaiter(Waiter):
-    """A trio task parked in `wait_task_rescheduled`. `parked` is only touched on its loop."""
+    """A trio task parked in `wait_task_rescheduled` on the loop running in thread `thread_id`.
 
-    __slots__ = ("parked", "task", "thread_id", "token")
+    A commit in that thread reschedules `task` directly (see `_wake`); any other thread goes
+    through `token.run_sync_soon`. The task is still parked when either runs: the abort_fn fails
+    once the waiter has fired, so only this wake-up can resume it. `cancel_missed` records that
+    it failed: the task was cancelled after the commit fired it, and must check for that itself.
+    """
+
+    __slots__ = ("cancel_missed", "task", "thread_id", "token")
 
     def __init__(self) -> None:
-        self.tvars = ()
-        self.fired = False
         self.task = _current_task()
         self.token = _current_trio_token()
         self.thread_id = _get_ident()
-        self.parked = False
+        self.cancel_missed = False
 
-    def wake(self, thread_id: int) -> None:
-        if thread_id == self.thread_id:
-            self.wake_on_loop()
-        else:
-            self.token.run_sync_soon(self.wake_on_loop)
-
-    def wake_on_loop(self) -> None:
-        # The abort_fn may have run first and resumed the task itself: never reschedule twice.
-        if self.parked:
-            self.parked = False
-            _reschedule(self.task)
+    def wake(self) -> None:
+        self.token.run_sync_soon(_reschedule, self.task)
 
     def abort(self, _: object) -> trio.lowlevel.Abort:
         """The abort_fn of the park: unregister, unless a commit fired us (then it must fail)."""
         if unregister(self):
-            self.parked = False
             return trio.lowlevel.Abort.SUCCEEDED
+        self.cancel_missed = True
         return trio.lowlevel.Abort.FAILED  # the reschedule is on its way
 
 
@@ -363,84 +379,106 @@ class ThreadWaiter(Waiter):
     __slots__ = ("gate",)
 
     def __init__(self) -> None:
-        super().__init__()
         self.gate = threading.Lock()
         self.gate.acquire()
 
-    def wake(self, thread_id: int) -> None:
+    def wake(self) -> None:
         self.gate.release()
 
 
-def _take_waiters(ws: dict[Waiter, None], woken: list[Waiter] | None) -> list[Waiter]:
-    """Under `_lock`: fire every waiter in `ws` and remove it from all the TVars it waits on."""
+def _detach(tv: TVar[Any], woken: list[dict[Waiter, None]] | None) -> list[dict[Waiter, None]]:
+    """Under `_lock`: fire every waiter of `tv`, taking it off every TVar it waits on.
+
+    Returns `woken` with `tv`'s detached waiter set appended, for `_wake` after the lock.
+    Cost: O(waiters of `tv`) plus O(other TVars) for each waiter that waits on several.
+    """
     global _n_waiters, _n_wakeups
-    if woken is None:
-        woken = []
-    for w in list(ws):
+    ws = tv._waiters
+    assert ws is not None
+    tv._waiters = None
+    registrations = len(ws)
+    for w in ws:
         w.fired = True
-        n = 0
-        for tv in w.tvars:
-            d = tv._waiters
-            assert d is not None
-            del d[w]
-            n += 1
-        _n_waiters -= n
-        _n_wakeups += 1
-        woken.append(w)
+        tvars = w.tvars
+        if len(tvars) > 1:
+            # Its other TVars are still attached: had one been detached, `w` would have fired
+            # then and been taken off `tv` too.
+            for other in tvars:
+                if other is not tv:
+                    d = other._waiters
+                    assert d is not None
+                    del d[w]
+            registrations += len(tvars) - 1
+    _n_waiters -= registrations
+    _n_wakeups += len(ws)
+    if woken is None:
+        return [ws]
+    woken.append(ws)
     return woken
 
 
-def _wake(woken: list[Waiter]) -> None:
+def _wake(woken: list[dict[Waiter, None]]) -> None:
+    """Outside `_lock`: wake every waiter detached by a commit (each fired exactly once)."""
     me = _get_ident()
-    for w in woken:
-        if type(w) is TrioWaiter and w.thread_id == me:
-            if w.parked:  # same loop: reschedule directly
-                w.parked = False
-                _reschedule(w.task)
-        else:
-            w.wake(me)
+    for ws in woken:
+        for w in ws:
+            if type(w) is TrioWaiter and w.thread_id == me:
+                _reschedule(w.task)  # on our own loop: no need to go through the token
+            else:
+                w.wake()
 
 
+@trio.lowlevel.enable_ki_protection
 def register(txn: Txn, waiter: Waiter) -> bool:
     """Register `waiter` on every TVar `txn` read, unless one of them changed since.
 
     Returns False (and registers nothing) if a read TVar changed: the caller reruns at once.
     Check and registration happen under `_lock`, so a commit is either seen by the check or
-    sees the waiter. Cost: O(reads).
+    sees the waiter. If the clock has not moved since the attempt's snapshot, nothing it read
+    can have changed and the check is skipped. Cost: O(reads).
     """
     global _n_waiters, _n_wakeups
     reads = txn.reads
-    with _lock:
-        for tv, st in reads.items():
-            if tv._state is not st:
-                _n_wakeups += 1
-                return False
+    _acquire()
+    try:
+        if _clock != txn.rv:
+            for tv, st in reads.items():
+                if tv._state is not st:
+                    _n_wakeups += 1
+                    return False
         for tv in reads:
             d = tv._waiters
             if d is None:
-                d = tv._waiters = {}
-            d[waiter] = None
+                tv._waiters = {waiter: None}
+            else:
+                d[waiter] = None
         waiter.tvars = reads
+        waiter.fired = False
         _n_waiters += len(reads)
+    finally:
+        _release()
     return True
 
 
+@trio.lowlevel.enable_ki_protection
 def unregister(waiter: Waiter) -> bool:
     """Take `waiter` off its TVars. False if a commit already fired it (its wake is on the way)."""
     global _n_waiters
-    with _lock:
+    _acquire()
+    try:
         if waiter.fired:
             return False
-        n = 0
         for tv in waiter.tvars:
             d = tv._waiters
             assert d is not None
             del d[waiter]
-            n += 1
-        _n_waiters -= n
-        waiter.tvars = ()
+            if not d:
+                tv._waiters = None
+        _n_waiters -= len(waiter.tvars)
         waiter.fired = True
         return True
+    finally:
+        _release()
 
 
 def counters() -> tuple[int, int, int, int, int, int, int]:
