@@ -208,15 +208,7 @@ def retry(*, deadline: float | None = None) -> NoReturn:
 def check(condition: object, *, deadline: float | None = None) -> None:
     """`retry(deadline=deadline)` unless `condition` is true."""
     if not condition:
-        txn = _here.txn
-        if txn is None:
-            txn = current()  # raises NoTransactionError
-        if deadline is not None:
-            d = txn.deadline
-            if d is None or deadline < d:
-                txn.deadline = deadline
-        txn.doomed = RETRY
-        raise Retry
+        retry(deadline=deadline)
 
 
 def or_else(first: Callable[[], T], second: Callable[[], T], *rest: Callable[[], T]) -> T:

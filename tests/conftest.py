@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests import pg
+
 # `dev` is quick for the edit-test loop; `ci` digs deeper and is what CI=true selects.
 settings.register_profile(
     "dev",
@@ -47,3 +49,16 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         yield
     finally:
         timer.cancel()
+
+
+# One throwaway PostgreSQL for the whole session (tests/pg.py), shared by the store contract
+# suite and the fleet test; skipped with a clear reason when the server binaries are missing.
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[pg.PgServer]:
+    server = pg.acquire()
+    if server is None:
+        pytest.skip(pg.SKIP_REASON)
+    try:
+        yield server
+    finally:
+        pg.release()

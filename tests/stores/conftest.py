@@ -1,24 +1,12 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
 from ferry.projected import PostgresStore, SqliteStore, Store
 from tests import pg
-
-
-@pytest.fixture(scope="session")
-def pg_server() -> Iterator[pg.PgServer]:
-    server = pg.acquire()
-    if server is None:
-        pytest.skip(pg.SKIP_REASON)
-    try:
-        yield server
-    finally:
-        pg.release()
-
 
 StoreFactory = Callable[[], Store]
 
