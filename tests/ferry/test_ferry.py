@@ -754,3 +754,33 @@ async def test_bad_ranks_are_refused_clearly_and_nothing_is_admitted(
                 await f(None)
             assert f.stats().queued == 1
     assert rec.calls == [("k", [1])]
+
+
+class StepCounter(trio.abc.Instrument):
+    """Counts how many times each task ran (one step = from a resume to the next park)."""
+
+    def __init__(self) -> None:
+        self.steps: Counter[str] = Counter()
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.steps[task.name] += 1
+
+
+async def test_an_admitted_caller_parks_once_for_its_answer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    counter = StepCounter()
+    async with ferry.open_ferry(rec.plain, max_batch_delay=1.0) as f:
+
+        async def caller() -> None:
+            assert await f(1) == ("ok", 1)
+
+        trio.lowlevel.add_instrument(counter)
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(caller, name="the caller")
+        finally:
+            trio.lowlevel.remove_instrument(counter)
+    # One step runs it up to its park (admission included), one delivers the answer.
+    assert counter.steps["the caller"] == 2
