@@ -37,7 +37,7 @@ from tests.bench._harness import Row, paired
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 CLIENTS = 1000
 ACCOUNTS = 100
-INPUTS = int(os.environ.get("BENCH_LEDGER_INPUTS", "2000"))
+INPUTS = int(os.environ.get("BENCH_LEDGER_INPUTS", "5000"))
 
 
 def workload(tag: str) -> list[ledger.Op]:
@@ -71,10 +71,22 @@ async def _clients(ops: list[ledger.Op], send: Callable[[ledger.Op], Awaitable[A
     return (time.perf_counter() - t0) / len(ops)
 
 
+async def _warm(store: Store, connections: int = 4) -> None:
+    """Open every connection of the store's pool before the clock starts (both sides alike)."""
+
+    def hold(tx: Any) -> None:
+        time.sleep(0.05)  # long enough that the others must open connections of their own
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(connections):
+            nursery.start_soon(store.transact, hold)
+
+
 async def _round(make_store: Callable[[], Store], batched: bool) -> float:
     async with make_store() as store:  # type: ignore[attr-defined]
         pw = ledger.make_write(store)
         await pw.setup()
+        await _warm(store)
         ops = workload("f" if batched else "u")
         if batched:
             async with ferry.open_per_key_ferry(pw, key=ledger.op_key, direct_calls=False) as f:
