@@ -468,3 +468,24 @@ def test_chunked_fifo_keeps_order_across_chunks_with_cancels() -> None:
     state, batch = core.take(state, 5.0)
     assert batch is not None
     assert [it.entry for it in batch.items] == [i for i in range(200) if i % 3]
+
+
+def test_the_plain_rooms_one_lane_map_is_persistent_and_behaves_like_a_pmap() -> None:
+    from pyrsistent import pmap
+
+    empty_map: core._OneLane[Any, str] = core._OneLane()
+    one = empty_map.set(None, "lane")
+    other = one.set(None, "lane 2")
+    assert (len(empty_map), len(one), one[None], other[None]) == (0, 1, "lane", "lane 2")
+    assert one.get(None) == "lane" and empty_map.get(None) is None and None in one
+    assert dict(one.items()) == dict(pmap({None: "lane"}).items()) and one == {None: "lane"}
+    assert len(one.remove(None)) == 0 and len(one) == 1  # the old version is untouched
+    evolver = one.evolver()
+    assert len(evolver.remove(None).persistent()) == 0 and len(one) == 1
+    with pytest.raises(KeyError):
+        empty_map.remove(None)
+    with pytest.raises(AssertionError, match="single lane"):
+        one.set("another key", "lane")
+    plain = empty(Limits(one_in_flight=False))
+    assert isinstance(plain.lanes, core._OneLane)
+    assert not isinstance(empty(Limits()).lanes, core._OneLane)
