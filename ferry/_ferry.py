@@ -13,8 +13,9 @@ what a pure value cannot hold: parked tasks, cancel scopes and the calls themsel
   `task` is set while somebody may still answer it, and whoever answers (a worker, close, or the
   caller's own abort) clears it first. Everything runs on the ferry's trio thread, so "clear, then
   act" needs no lock.
-- Workers block in `stm.retry(deadline=next deadline)`: any commit to the room, or the earliest
-  waiting deadline, wakes them; nothing polls.
+- Workers take with `stm.atomically_nowait` and, with nothing ready, sleep in
+  `stm.retry(deadline=earliest waiting deadline)` on a doorbell TVar that the room's transitions
+  ring when they make work for them (ADR 0006); nothing polls.
 - A direct call runs in its caller's task, inside a cancel scope the ferry registers, so closing the
   ferry cancels it like a batch in flight, and cancelling the caller cancels it too. Its key is
   released in a `finally`, only once the call is over (ADR 0004).
@@ -195,25 +196,31 @@ class _Shell:
         if self._closing:
             scope.cancel()
         failed = False
+        answer: outcome.Outcome[Any] | None = None
         try:
             with scope:
                 output = await self._send(key, [entry.input])
         except Exception as exc:
             failed = True
-            raise Failed(f"the batch call for key {key!r} raised {exc!r}") from exc
+            answer = _failures(exc, key, [entry])[0]
         finally:
             self._direct_scopes.discard(scope)
             stm.atomically_nowait(self._release_txn, key, failed)
-        if scope.cancelled_caught:
-            raise Closed("the ferry closed during this caller's direct call")
-        if self._extract is None and type(output) is list and len(output) == 1:
-            result = output[0]  # the common shape, without the general path's allocations
-            if isinstance(result, InputError):
-                raise result
-        else:
-            result = self._answers(output, [entry])[0].unwrap()
+        if answer is None:
+            if scope.cancelled_caught:
+                answer = outcome.Error(Closed("the ferry closed during this caller's direct call"))
+            elif (
+                self._extract is None
+                and type(output) is list
+                and len(output) == 1
+                and not isinstance(output[0], InputError)
+            ):
+                answer = outcome.Value(output[0])  # the common shape, on a short path
+            else:
+                answer = self._answers(output, [entry])[0]
+        # A schedule point even if `call` never yielded: `await f(x)` is always a checkpoint.
         await trio.lowlevel.cancel_shielded_checkpoint()
-        return result
+        return answer.unwrap()
 
     # ---------------------------------------------------------------------------------- workers
 

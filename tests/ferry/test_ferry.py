@@ -784,3 +784,23 @@ async def test_an_admitted_caller_parks_once_for_its_answer(
             trio.lowlevel.remove_instrument(counter)
     # One step runs it up to its park (admission included), one delivers the answer.
     assert counter.steps["the caller"] == 2
+
+
+async def test_a_direct_call_that_never_yields_is_still_a_checkpoint_on_every_outcome(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def call(key: int, xs: list[int]) -> list[Any]:
+        if key == 1:
+            raise OSError("refused without waiting")
+        if key == 2:
+            return [ferry.IdReused("id 2 was used for other content")]
+        return list(xs)
+
+    async with ferry.open_per_key_ferry(call, key=lambda x: x) as f:
+        with trio.testing.assert_checkpoints():
+            assert await f(0) == 0
+        with trio.testing.assert_checkpoints(), pytest.raises(ferry.Failed):
+            await f(1)
+        with trio.testing.assert_checkpoints(), pytest.raises(ferry.IdReused):
+            await f(2)
+        assert f.stats().direct_calls == 3
