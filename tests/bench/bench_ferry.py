@@ -13,6 +13,7 @@ import gc
 import math
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -76,32 +77,29 @@ async def _baseline(n: int) -> float:
     return took / n
 
 
+async def _concurrent_callers(f: Callable[[int], Awaitable[int]], n: int) -> float:
+    """Seconds per input for `n` callers spawned at once, each awaiting `f(i)`."""
+
+    async def caller(i: int) -> None:
+        assert await f(i) == i
+
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as n_:
+        for i in range(n):
+            n_.start_soon(caller, i)
+    return (time.perf_counter() - t0) / n
+
+
 async def _plain(n: int) -> float:
     async with ferry.open_ferry(echo, max_batch_size=100, max_queueing=n) as f:
-
-        async def caller(i: int) -> None:
-            assert await f(i) == i
-
-        t0 = time.perf_counter()
-        async with trio.open_nursery() as n_:
-            for i in range(n):
-                n_.start_soon(caller, i)
-        return (time.perf_counter() - t0) / n
+        return await _concurrent_callers(f, n)
 
 
 async def _per_key(n: int) -> float:
     async with ferry.open_per_key_ferry(
         echo_key, key=lambda x: x % 1000, max_batch_size=100, max_queueing=n
     ) as f:
-
-        async def caller(i: int) -> None:
-            assert await f(i) == i
-
-        t0 = time.perf_counter()
-        async with trio.open_nursery() as n_:
-            for i in range(n):
-                n_.start_soon(caller, i)
-        return (time.perf_counter() - t0) / n
+        return await _concurrent_callers(f, n)
 
 
 async def io_call(key: int, xs: list[int]) -> list[int]:

@@ -14,6 +14,7 @@ import random
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -55,6 +56,18 @@ async def audit(dsn: str, tally: Tally, *, fencing: bool) -> list[str]:
         return await ledger.verify(pw, acknowledged=tally.acknowledged, caught_up=True)
 
 
+async def stale_probes(services: list[Service], tally: Tally, names: list[str]) -> list[Any]:
+    """Three stale-view withdrawals (see `stale_probe`), each on its own account."""
+    probe = Client(services, tally, random.Random(1), wrong=0.0)
+    try:
+        return [
+            await stale_probe(probe, services[0], services[1], names[i], f"probe{i}")
+            for i in range(3)
+        ]
+    finally:
+        await probe.aclose()
+
+
 async def test_fleet_with_wrong_routing_and_a_kill_keeps_the_ledger_exact(
     pg_server: pg.PgServer, tmp_path: Path
 ) -> None:
@@ -64,14 +77,7 @@ async def test_fleet_with_wrong_routing_and_a_kill_keeps_the_ledger_exact(
     tally = Tally()
     with trio.fail_after(150):
         async with fleet(dsn, tmp_path) as services:
-            probe = Client(services, tally, random.Random(1), wrong=0.0)
-            try:
-                probes = [
-                    await stale_probe(probe, services[0], services[1], names[i], f"probe{i}")
-                    for i in range(3)
-                ]
-            finally:
-                await probe.aclose()
+            probes = await stale_probes(services, tally, names)
             killed_at = await drive(
                 services,
                 ops,
@@ -107,14 +113,7 @@ async def test_without_fencing_wrong_routing_corrupts_the_ledger_and_the_oracle_
     tally = Tally()
     with trio.fail_after(120):
         async with fleet(dsn, tmp_path, extra=("--no-fencing",)) as services:
-            probe = Client(services, tally, random.Random(1), wrong=0.0)
-            try:
-                probes = [
-                    await stale_probe(probe, services[0], services[1], names[i], f"probe{i}")
-                    for i in range(3)
-                ]
-            finally:
-                await probe.aclose()
+            probes = await stale_probes(services, tally, names)
             await drive(services, ops, tally, clients=40, wrong=0.6, seed=4)
         problems = await audit(dsn, tally, fencing=False)
     print(f"{len(problems)} problems, e.g. {problems[:3]}")
