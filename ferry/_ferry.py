@@ -209,13 +209,8 @@ class _Shell:
         if answer is None:
             if scope.cancelled_caught:
                 answer = outcome.Error(Closed("the ferry closed during this caller's direct call"))
-            elif (
-                self._extract is None
-                and type(output) is list
-                and len(output) == 1
-                and not isinstance(output[0], InputError)
-            ):
-                answer = outcome.Value(output[0])  # the common shape, on a short path
+            elif self._extract is None and type(output) is list and len(output) == 1:
+                answer = _slot(output[0])  # the common shape, on a short path
             else:
                 answer = self._answers(output, [entry])[0]
         # A schedule point even if `call` never yielded: `await f(x)` is always a checkpoint.
@@ -284,7 +279,7 @@ class _Shell:
                 entries,
                 f"the batch call returned {len(output)} results for {len(entries)} inputs",
             )
-        return [outcome.Error(r) if isinstance(r, InputError) else outcome.Value(r) for r in output]
+        return [_slot(r) for r in output]
 
     # ------------------------------------------------------------------------------------ close
 
@@ -320,6 +315,7 @@ class _Shell:
 
 
 def _slot(result: Any) -> outcome.Outcome[Any]:
+    """A caller's answer from its slot of the output: an `InputError` there is raised to it."""
     if isinstance(result, InputError):
         return outcome.Error(result)
     return outcome.Value(result)
