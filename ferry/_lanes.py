@@ -12,7 +12,7 @@ State (`Lanes`, the root value)
   `(deadline, stamp, key)` kept in a `PVector` (the first `waiting_size` slots; the rest are None).
 - `queued`, `weight`: inputs waiting (not in flight) and their total weight, over all lanes.
 - `busy`: calls in flight (batches and direct calls); always the sum of `Lane.calls`.
-- counters for statistics, all plain fields of the root (`submitted`, `admitted`, ...).
+- counters for statistics, all plain fields of the root, listed once (`COUNTERS`).
 
 Lane states: a lane is WAITING(deadline) or READY when it has inputs and may be taken, or IDLE
 (in neither queue) when it has no inputs or, with the per-key guard, while its call is in flight
@@ -192,6 +192,10 @@ class Lane(Generic[E]):
         return [it for it in slots if type(it) is not Tombstone]
 
 
+_COUNTER = {"counter": True}
+_NO_BATCHES: PMap[int, int] = pmap()
+
+
 @attrs.frozen(slots=False)
 class Lanes(Generic[K, E]):
     """The whole waiting room: one immutable value. See the module comment for each field."""
@@ -209,16 +213,19 @@ class Lanes(Generic[K, E]):
     seq: int
     n_ready: int
     n_waiting: int
-    submitted: int
-    admitted: int
-    rejected: int
-    direct_calls: int
-    batches: int
-    inputs_sent: int
-    failed_batches: int
-    dropped: int
-    drained: int
-    batch_sizes: PMap[int, int]
+    # The counters since open, for statistics: each starts at 0 and only grows. This is the one
+    # place they are listed (`COUNTERS`); `FerryStatistics` reports each under the same name.
+    submitted: int = attrs.field(default=0, metadata=_COUNTER)
+    admitted: int = attrs.field(default=0, metadata=_COUNTER)
+    rejected: int = attrs.field(default=0, metadata=_COUNTER)
+    after_close: int = attrs.field(default=0, metadata=_COUNTER)
+    direct_calls: int = attrs.field(default=0, metadata=_COUNTER)
+    batches: int = attrs.field(default=0, metadata=_COUNTER)
+    inputs_sent: int = attrs.field(default=0, metadata=_COUNTER)
+    failed_batches: int = attrs.field(default=0, metadata=_COUNTER)
+    dropped: int = attrs.field(default=0, metadata=_COUNTER)
+    drained: int = attrs.field(default=0, metadata=_COUNTER)
+    batch_sizes: PMap[int, int] = _NO_BATCHES  # batch size -> number of batches of that size
 
     def ready_keys(self) -> list[K]:
         """Keys of the READY lanes, first come first. O(len(ready))."""
@@ -241,6 +248,9 @@ class Lanes(Generic[K, E]):
                 out.append((deadline, stamp, key))
         out.sort(key=lambda e: (e[0], e[1]))
         return [(d, k) for d, _, k in out]
+
+
+COUNTERS: tuple[str, ...] = tuple(a.name for a in attrs.fields(Lanes) if a.metadata.get("counter"))
 
 
 def _evolve(old: R, changes: dict[str, Any]) -> R:
@@ -311,16 +321,6 @@ def empty(limits: Limits) -> Lanes[Any, Any]:
         seq=0,
         n_ready=0,
         n_waiting=0,
-        submitted=0,
-        admitted=0,
-        rejected=0,
-        direct_calls=0,
-        batches=0,
-        inputs_sent=0,
-        failed_batches=0,
-        dropped=0,
-        drained=0,
-        batch_sizes=pmap(),
     )
 
 
@@ -353,9 +353,12 @@ def admit(
     rank: Any = None,
     now: float,
 ) -> tuple[Lanes[K, E], Admission, Item[E] | None]:
-    """Admission of one input (SPEC 2.3): CLOSED, CLAIMED, ADMITTED or REJECTED, in that order.
+    """Admission of one input: CLOSED, CLAIMED, ADMITTED or REJECTED, the first whose rule holds.
 
-    `submitted` always counts; `admitted`, `rejected` or `direct_calls` per outcome. CLAIMED makes
+    CLOSED once `drain` has run; CLAIMED (direct calls on, zero delay, no lane for `key`); ADMITTED
+    if there is room by count and weight; else REJECTED (docs/guide.md, "Backpressure").
+    `submitted` always counts, and one of `after_close`, `direct_calls`, `admitted` or `rejected`
+    by outcome. CLAIMED makes
     a busy lane with no items for `key` (the caller makes a direct call, then `release`s). Only
     ADMITTED returns the new `Item` (keep it to `cancel`). `rank=None` orders by arrival; a lane
     holds either rank-free or ranked items, not both. Never raises on a valid state.
@@ -365,11 +368,12 @@ def admit(
     """
     limits = state.limits
     if state.closed:
-        return _evolve(state, {"submitted": state.submitted + 1}), Admission.CLOSED, None
+        counts = {"submitted": state.submitted + 1, "after_close": state.after_close + 1}
+        return _evolve(state, counts), Admission.CLOSED, None
     lanes = state.lanes
     lane = lanes.get(key)
     if lane is None and limits.direct_calls and limits.max_batch_delay == 0:
-        return _claim(state, key, 1), Admission.CLAIMED, None
+        return _claim(state, key), Admission.CLAIMED, None
     new_weight = state.weight + weight
     if state.queued >= limits.max_queueing or new_weight > limits.max_queued_weight:
         counts = {"submitted": state.submitted + 1, "rejected": state.rejected + 1}
@@ -471,27 +475,28 @@ def _queue_new(
     return WAITING, stamp
 
 
-def _claim(state: Lanes[K, E], key: K, submitted: int) -> Lanes[K, E]:
-    lane = _busy_lane(1)
+def _claim(state: Lanes[K, E], key: K) -> Lanes[K, E]:
     return _evolve(
         state,
         {
-            "lanes": state.lanes.set(key, lane),
+            "lanes": state.lanes.set(key, _busy_lane(1)),
             "busy": state.busy + 1,
             "direct_calls": state.direct_calls + 1,
-            "submitted": state.submitted + submitted,
+            "submitted": state.submitted + 1,
         },
     )
 
 
 def claim(state: Lanes[K, E], key: K) -> Lanes[K, E]:
-    """Claim an idle key for a direct call: a busy lane with no items; counts `direct_calls`.
+    """`admit`'s CLAIMED outcome alone, whatever the options: put a direct call for `key` in flight.
 
-    The key must have no lane and the room must be open (AssertionError otherwise). `admit` does
-    this itself for CLAIMED; this is the branch alone, for the model. O(log n).
+    Makes a busy lane with no items and counts `submitted` and `direct_calls`, as `admit` does;
+    `release(key)` ends it. For tests that need a direct call in flight without admission's rules
+    (the model check goes through `admit`). The key must have no lane and the room must be open
+    (AssertionError otherwise). O(log n).
     """
     assert not state.closed and key not in state.lanes
-    return _claim(state, key, 0)
+    return _claim(state, key)
 
 
 def _requeue(
@@ -860,6 +865,10 @@ def check_invariants(state: Lanes[Any, Any]) -> None:
     assert 0 <= state.ready_head <= len(state.ready)
     if state.closed:
         assert queued == 0 and not ready and not waiting, "inputs in a closed room"
+    # The conservation equations of docs/guide.md ("Watching it"), from public numbers.
+    assert state.submitted == (
+        state.admitted + state.rejected + state.direct_calls + state.after_close
+    ), "submitted calls not conserved"
     assert state.admitted == state.queued + state.inputs_sent + state.dropped + state.drained, (
         "admitted inputs not conserved"
     )

@@ -702,11 +702,13 @@ def test_stats_has_exactly_the_spec_fields() -> None:
         "submitted",
         "admitted",
         "rejected",
+        "after_close",
         "direct_calls",
         "batches",
         "inputs_sent",
         "failed_batches",
         "dropped",
+        "drained",
         "batch_sizes",
     ]
 

@@ -10,7 +10,7 @@ import trio
 from hypothesis import find, settings
 
 import ferry
-import ferry._ferry as shell_module
+import ferry._shell as shell_module
 import stm
 from tests.ferry.test_scenarios import Options, Sub, check, options, run_scenario, submissions
 
@@ -22,7 +22,7 @@ async def direct_releasing_early(self: Any, entry: Any) -> Any:
     self._direct_scopes.add(scope)
     if self._closing:
         scope.cancel()
-    stm.atomically_nowait(self._release_txn, key, False)  # the bug: too early
+    stm.atomically_nowait(self.room.release, key, 0.0, False)  # the bug: too early
     try:
         with scope:
             output = await self._send(key, [entry.input])
@@ -38,7 +38,7 @@ async def direct_releasing_early(self: Any, entry: Any) -> Any:
 def test_checker_catches_a_key_released_before_its_direct_call_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(shell_module._Shell, "_direct", direct_releasing_early)
+    monkeypatch.setattr(shell_module.Shell, "_direct", direct_releasing_early)
     opts = Options(
         max_batch_size=2,
         max_batch_weight=math.inf,
@@ -59,7 +59,7 @@ def test_checker_catches_a_key_released_before_its_direct_call_ends(
 def test_hypothesis_finds_the_planted_bug_from_random_scenarios(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(shell_module._Shell, "_direct", direct_releasing_early)
+    monkeypatch.setattr(shell_module.Shell, "_direct", direct_releasing_early)
 
     def broken(case: tuple[Options, list[Sub]]) -> bool:
         opts, subs = case
