@@ -7,6 +7,8 @@ A ferry belongs to the trio run that opened it: call it only from tasks of that 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -49,6 +51,28 @@ def _check_real(name: str, value: object, *, positive: bool, finite: bool) -> fl
 def _check_callable(name: str, value: object) -> None:
     if not callable(value):
         raise ValueError(f"{name} must be callable, got {value!r}")
+
+
+def _check_async(call: object) -> None:
+    """Refuse a `call` that is surely not async: a plain function, lambda or builtin.
+
+    Unwraps `functools.partial` and bound methods. A callable object is accepted as it is (its
+    `__call__` may return an awaitable); what it returns is checked at each call instead.
+    """
+    _check_callable("call", call)
+    fn: Any = call
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    if inspect.ismethod(fn):
+        fn = fn.__func__
+    if not (inspect.isfunction(fn) or inspect.isbuiltin(fn)) or inspect.iscoroutinefunction(fn):
+        return
+    what = "an async generator function" if inspect.isasyncgenfunction(fn) else "not async"
+    raise TypeError(
+        f"call must be an async function (async def), but {call!r} is {what}: the ferry awaits "
+        "call(...) for every batch. Wrap a function that returns an awaitable in an async def "
+        "that awaits it."
+    )
 
 
 # ------------------------------------------------------------------------------- the plain ferry
@@ -122,7 +146,7 @@ def open_ferry(
     Options are checked here (`ValueError` naming the option). Leaving the block closes the
     ferry: callers still waiting get `Closed`, workers are cancelled, nothing outlives the block.
     """
-    _check_callable("call", call)
+    _check_async(call)
     if extract is not None:
         _check_callable("extract", extract)
     limits = _lanes.Limits(
@@ -135,11 +159,7 @@ def open_ferry(
         one_in_flight=False,
     )
     workers = _check_int("max_in_flight_batches", max_in_flight_batches, 1)
-
-    async def send(key: Any, inputs: list[Any]) -> Any:
-        return await call(inputs)
-
-    shell = Shell(send, extract, limits, workers, plain=True)
+    shell = Shell(call, extract, limits, workers, plain=True)
     return shell.lifetime(Ferry(shell))
 
 
@@ -277,7 +297,7 @@ def open_per_key_ferry(
     At most one call is in flight per key; keys with inputs ready are served first come, first
     served. Options are checked here (`ValueError` naming the option).
     """
-    _check_callable("call", call)
+    _check_async(call)
     _check_callable("key", key)
     for name, fn in (("rank", rank), ("weight", weight), ("extract", extract)):
         if fn is not None:

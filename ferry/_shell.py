@@ -28,8 +28,10 @@ A ferry belongs to the trio run that opened it: call it only from tasks of that 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+import inspect
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from types import CoroutineType
 from typing import Any, TypeVar
 
 import outcome
@@ -76,15 +78,16 @@ class Shell:
 
     def __init__(
         self,
-        send: Callable[[Any, list[Any]], Awaitable[Any]],
+        call: Callable[..., Any],
         extract: Callable[[Any, Any], Any] | None,
         limits: _lanes.Limits,
         workers: int,
         *,
         plain: bool,
     ) -> None:
+        """`call(inputs)` for the plain ferry, `call(key, inputs)` for the per-key one."""
         self.room: Room[Any, _Entry] = Room(limits)
-        self._send = send
+        self._call = call
         self._extract = extract
         self._workers = workers
         self._plain = plain
@@ -125,9 +128,14 @@ class Shell:
             scope.cancel()
         failed = False
         answer: outcome.Outcome[Any] | None = None
+        output: Any = None
         try:
             with scope:
-                output = await self._send(key, [entry.input])
+                aw = self._call([entry.input]) if self._plain else self._call(key, [entry.input])
+                if type(aw) is CoroutineType or inspect.isawaitable(aw):
+                    output = await aw
+                else:
+                    answer = outcome.Error(BatchContractError(_not_awaitable(aw)))
         except Exception as exc:
             failed = True
             answer = _failures(exc, key, [entry])[0]
@@ -148,7 +156,7 @@ class Shell:
     # ---------------------------------------------------------------------------------- workers
 
     async def _worker(self) -> None:
-        room = self.room
+        room, call, plain = self.room, self._call, self._plain
         take, release, now = room.take, room.release, self._now
         while True:
             await trio.lowlevel.checkpoint()
@@ -162,15 +170,24 @@ class Shell:
                 continue
             key = batch.key
             entries = [item.entry for item in batch.items]
+            inputs = [e.input for e in entries]
             failed = False
+            bad: str | None = None
             try:
                 try:
-                    output = await self._send(key, [e.input for e in entries])
+                    aw = call(inputs) if plain else call(key, inputs)
+                    if type(aw) is CoroutineType or inspect.isawaitable(aw):
+                        output = await aw
+                    else:
+                        bad = _not_awaitable(aw)
                 except Exception as exc:
                     failed = True
                     answers = _failures(exc, key, entries)
                 else:
-                    answers = self._answers(output, entries)
+                    if bad is None:
+                        answers = self._answers(output, entries)
+                    else:
+                        answers = _all_errors(entries, bad)
             except BaseException:
                 # The ferry is closing (or the process is being interrupted): whoever this batch
                 # still holds is told so, and the exception goes on.
@@ -272,6 +289,13 @@ def _failures(exc: Exception, key: Any, entries: Sequence[_Entry]) -> list[outco
         error.__cause__ = exc
         answers.append(outcome.Error(error))
     return answers
+
+
+def _not_awaitable(result: Any) -> str:
+    return (
+        f"the batch call returned a {type(result).__name__}, not an awaitable: call must be an "
+        "async function (async def), or return an awaitable"
+    )
 
 
 def _all_errors(entries: Sequence[_Entry], message: str) -> list[outcome.Outcome[Any]]:

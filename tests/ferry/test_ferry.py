@@ -6,6 +6,7 @@ fixture) and `wait_all_tasks_blocked`; no real sleeps.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter, defaultdict
 from typing import Any
@@ -806,3 +807,72 @@ async def test_a_direct_call_that_never_yields_is_still_a_checkpoint_on_every_ou
         with trio.testing.assert_checkpoints(), pytest.raises(ferry.IdReused):
             await f(2)
         assert f.stats().direct_calls == 3
+
+
+# ------------------------------------------------------------------- what `call` must be
+
+
+async def test_a_call_that_is_not_async_is_refused_at_open() -> None:
+    def plain_def(xs: list[int]) -> list[int]:
+        return xs
+
+    def keyed_def(key: int, xs: list[int]) -> list[int]:
+        return xs
+
+    async def agen(xs: list[int]) -> Any:
+        yield xs
+
+    for call in (plain_def, lambda xs: xs, functools.partial(plain_def), agen):
+        with pytest.raises(TypeError, match="async def"):
+            async with ferry.open_ferry(call):  # type: ignore[arg-type]
+                pass  # pragma: no cover
+    for keyed in (keyed_def, lambda k, xs: xs):
+        with pytest.raises(TypeError, match="async def"):
+            async with ferry.open_per_key_ferry(keyed, key=lambda x: x):  # type: ignore[arg-type]
+                pass  # pragma: no cover
+
+
+class _AsyncCallable:
+    async def __call__(self, xs: list[int]) -> list[int]:
+        await trio.lowlevel.checkpoint()
+        return xs
+
+    async def method(self, xs: list[int]) -> list[int]:
+        return await self(xs)
+
+
+async def test_every_kind_of_async_callable_is_accepted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def scale(factor: int, xs: list[int]) -> list[int]:
+        return [factor * x for x in xs]
+
+    obj = _AsyncCallable()
+    for call, expected in (
+        (obj, 3),
+        (obj.method, 3),
+        (functools.partial(scale, 2), 6),
+    ):
+        async with ferry.open_ferry(call) as f:
+            assert await f(3) == expected
+
+
+async def test_a_call_that_returns_no_awaitable_is_a_batch_contract_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A callable object (not refused at open) whose call returns a plain value."""
+
+    class SyncInDisguise:
+        def __call__(self, *args: Any) -> Any:
+            return [("not awaited", args)]
+
+    async with ferry.open_ferry(SyncInDisguise(), max_batch_delay=1.0) as f:
+        with pytest.raises(ferry.BatchContractError, match="not an awaitable") as info:
+            await f(1)
+        assert "async def" in str(info.value)
+        s = f.stats()
+        assert s.batches == 1 and s.failed_batches == 0
+    async with ferry.open_per_key_ferry(SyncInDisguise(), key=lambda x: x) as g:
+        with pytest.raises(ferry.BatchContractError, match="not an awaitable"):
+            await g(1)  # a direct call
+        assert g.stats().busy == 0

@@ -25,7 +25,7 @@ async def direct_releasing_early(self: Any, entry: Any) -> Any:
     stm.atomically_nowait(self.room.release, key, 0.0, False)  # the bug: too early
     try:
         with scope:
-            output = await self._send(key, [entry.input])
+            output = await self._call(key, [entry.input])
     except Exception as exc:
         raise ferry.Failed("batch call failed") from exc
     finally:
