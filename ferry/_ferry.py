@@ -154,7 +154,7 @@ def open_ferry(
         max_batch_delay=_check_real(
             "max_batch_delay", max_batch_delay, positive=False, finite=True
         ),
-        max_queueing=_check_int("max_queueing", max_queueing, 0),
+        max_queueing=_check_int("max_queueing", max_queueing, 1),
         direct_calls=False,
         one_in_flight=False,
     )
@@ -307,15 +307,21 @@ def open_per_key_ferry(
     max_queued_weight = _check_real(
         "max_queued_weight", max_queued_weight, positive=True, finite=False
     )
+    max_queueing = _check_int("max_queueing", max_queueing, 0)
+    max_batch_delay = _check_real("max_batch_delay", max_batch_delay, positive=False, finite=True)
+    if max_queueing == 0 and not (direct_calls and max_batch_delay == 0):
+        raise ValueError(
+            "max_queueing=0 leaves no room to wait in: with direct calls on and zero delay it "
+            "means 'direct calls only' (a call for a busy key is rejected); otherwise every call "
+            "would be rejected. Give max_queueing >= 1."
+        )
     limits = _lanes.Limits(
         max_batch_size=_check_int("max_batch_size", max_batch_size, 1),
         max_batch_weight=_check_real(
             "max_batch_weight", max_batch_weight, positive=True, finite=False
         ),
-        max_batch_delay=_check_real(
-            "max_batch_delay", max_batch_delay, positive=False, finite=True
-        ),
-        max_queueing=_check_int("max_queueing", max_queueing, 0),
+        max_batch_delay=max_batch_delay,
+        max_queueing=max_queueing,
         max_queued_weight=max_queued_weight,
         direct_calls=direct_calls,
         one_in_flight=True,

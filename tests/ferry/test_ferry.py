@@ -71,6 +71,7 @@ async def settle() -> None:
         ("max_batch_delay", math.inf),
         ("max_in_flight_batches", 0),
         ("max_queueing", -1),
+        ("max_queueing", 0),
     ],
 )
 async def test_plain_options_are_checked_at_open(option: str, value: Any) -> None:
@@ -100,6 +101,36 @@ async def test_per_key_options_are_checked_at_open(option: str, value: Any) -> N
     with pytest.raises(ValueError, match=option):
         async with ferry.open_per_key_ferry(rec.per_key, **kwargs):
             pass  # pragma: no cover
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"max_queueing": 0, "direct_calls": False}, {"max_queueing": 0, "max_batch_delay": 0.5}],
+)
+async def test_a_per_key_room_of_zero_needs_direct_calls(options: dict[str, Any]) -> None:
+    rec = Recorder()
+    with pytest.raises(ValueError, match="max_queueing=0"):
+        async with ferry.open_per_key_ferry(rec.per_key, key=lambda x: x[0], **options):
+            pass  # pragma: no cover
+
+
+async def test_a_per_key_room_of_zero_means_direct_calls_only(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    rec.gate = trio.Event()
+    async with (
+        ferry.open_per_key_ferry(rec.per_key, key=lambda x: x[0], max_queueing=0) as f,
+        trio.open_nursery() as n,
+    ):
+        n.start_soon(f, ("a", 1))  # an idle key: a direct call, which holds the key
+        await settle()
+        with pytest.raises(ferry.Rejected):
+            await f(("a", 2))  # a busy key would have to wait: there is no room
+        rec.gate.set()
+    assert rec.calls == [("a", [("a", 1)])]
+    s = f.stats()
+    assert (s.direct_calls, s.rejected, s.batches) == (1, 1, 0)
 
 
 # ------------------------------------------------------------------------------- plain ferry
@@ -333,9 +364,14 @@ async def test_await_is_a_checkpoint_on_every_path(autojump_clock: trio.testing.
     async def call(xs: list[int]) -> list[int]:
         return xs
 
-    async with ferry.open_ferry(call, max_queueing=0) as f:
+    async with (
+        ferry.open_ferry(call, max_queueing=1, max_batch_delay=10.0) as f,
+        trio.open_nursery() as n,
+    ):
+        n.start_soon(f, 1)
+        await settle()  # 1 waits for company: the room is full
         with trio.testing.assert_checkpoints(), pytest.raises(ferry.Rejected):
-            await f(1)
+            await f(2)
     with trio.testing.assert_checkpoints(), pytest.raises(ferry.Closed):
         await f(1)
     async with ferry.open_ferry(call) as f:
