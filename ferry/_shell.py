@@ -138,7 +138,7 @@ class Shell:
                     answer = outcome.Error(BatchContractError(_not_awaitable(aw)))
         except Exception as exc:
             failed = True
-            answer = _failures(exc, key, [entry])[0]
+            answer = _failures(exc, key, [entry], self._plain)[0]
         finally:
             self._direct_scopes.discard(scope)
             stm.atomically_nowait(self.room.release, key, self._now(), failed)
@@ -182,7 +182,7 @@ class Shell:
                         bad = _not_awaitable(aw)
                 except Exception as exc:
                     failed = True
-                    answers = _failures(exc, key, entries)
+                    answers = _failures(exc, key, entries, plain)
                 else:
                     if bad is None:
                         answers = self._answers(output, entries)
@@ -281,11 +281,14 @@ def _slot(result: Any) -> outcome.Outcome[Any]:
     return outcome.Value(result)
 
 
-def _failures(exc: Exception, key: Any, entries: Sequence[_Entry]) -> list[outcome.Outcome[Any]]:
+def _failures(
+    exc: Exception, key: Any, entries: Sequence[_Entry], plain: bool
+) -> list[outcome.Outcome[Any]]:
     """A `Failed` of its own for each caller of a batch whose call raised `exc`."""
     answers: list[outcome.Outcome[Any]] = []
+    message = f"the batch call {'' if plain else f'for key {key!r} '}raised {exc!r}"
     for _ in entries:
-        error = Failed(f"the batch call for key {key!r} raised {exc!r}")
+        error = Failed(message)
         error.__cause__ = exc
         answers.append(outcome.Error(error))
     return answers

@@ -912,3 +912,21 @@ async def test_a_call_that_returns_no_awaitable_is_a_batch_contract_error(
         with pytest.raises(ferry.BatchContractError, match="not an awaitable"):
             await g(1)  # a direct call
         assert g.stats().busy == 0
+
+
+async def test_failed_names_the_key_only_for_a_per_key_ferry(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def plain(xs: list[int]) -> list[int]:
+        raise OSError("backend down")
+
+    async def keyed(key: str, xs: list[int]) -> list[int]:
+        raise OSError("backend down")
+
+    async with ferry.open_ferry(plain) as f:
+        with pytest.raises(ferry.Failed) as info:
+            await f(1)
+    assert "key" not in str(info.value) and "backend down" in str(info.value)
+    async with ferry.open_per_key_ferry(keyed, key=lambda x: "acct-7") as g:
+        with pytest.raises(ferry.Failed, match="for key 'acct-7'"):
+            await g(1)
