@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import warnings
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Generic, TypeVar, final, overload
@@ -75,6 +76,15 @@ def _check_async(call: object) -> None:
     )
 
 
+def _stats_deprecated() -> None:
+    warnings.warn(
+        "stats() is deprecated and will be removed in the next release: call statistics(), "
+        "the name trio and stm.statistics() use",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
 # ------------------------------------------------------------------------------- the plain ferry
 
 
@@ -99,8 +109,13 @@ class Ferry(Generic[I, R]):
         result: R = await self._shell.submit(x, _PLAIN_KEY, 1.0, None)
         return result
 
-    def stats(self) -> FerryStatistics:
+    def statistics(self) -> FerryStatistics:
         """A snapshot of the waiting room and the counters; one TVar peek, no checkpoint."""
+        return self._shell.statistics()
+
+    def stats(self) -> FerryStatistics:
+        """Deprecated alias of `statistics()`, kept for one release."""
+        _stats_deprecated()
         return self._shell.statistics()
 
     def __repr__(self) -> str:
@@ -229,8 +244,13 @@ class PerKeyFerry(Generic[I, R]):
             )
         return w
 
-    def stats(self) -> FerryStatistics:
+    def statistics(self) -> FerryStatistics:
         """A snapshot of the lanes and the counters; one TVar peek, no checkpoint."""
+        return self._shell.statistics()
+
+    def stats(self) -> FerryStatistics:
+        """Deprecated alias of `statistics()`, kept for one release."""
+        _stats_deprecated()
         return self._shell.statistics()
 
     def __repr__(self) -> str:

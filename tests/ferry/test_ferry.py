@@ -17,6 +17,7 @@ import trio.testing
 
 import ferry
 import stm
+from tests.ferry.test_scenarios import conserved
 
 
 class Recorder:
@@ -129,7 +130,7 @@ async def test_a_per_key_room_of_zero_means_direct_calls_only(
             await f(("a", 2))  # a busy key would have to wait: there is no room
         rec.gate.set()
     assert rec.calls == [("a", [("a", 1)])]
-    s = f.stats()
+    s = f.statistics()
     assert (s.direct_calls, s.rejected, s.batches) == (1, 1, 0)
 
 
@@ -152,7 +153,7 @@ async def test_plain_batches_concurrent_callers(autojump_clock: trio.testing.Moc
     assert sum(sizes) == 10
     assert max(sizes) == 4
     assert len(rec.calls) <= 4  # batched, not one call each
-    s = f.stats()
+    s = f.statistics()
     assert (s.submitted, s.admitted, s.inputs_sent) == (10, 10, 10)
     assert s.batches == len(rec.calls)
     assert sum(size * n for size, n in s.batch_sizes.items()) == 10
@@ -218,7 +219,7 @@ async def test_rejected_when_room_is_full_and_nothing_is_sent(
     assert isinstance(outcomes[3], ferry.Rejected)
     assert [outcomes[i] for i in (0, 1, 2)] == [("ok", 0), ("ok", 1), ("ok", 2)]
     assert all(xs != [3] for _, xs in rec.calls)
-    assert f.stats().rejected == 1
+    assert f.statistics().rejected == 1
 
 
 async def test_failed_batch_gives_each_caller_failed_with_cause_and_ferry_goes_on(
@@ -243,7 +244,7 @@ async def test_failed_batch_gives_each_caller_failed_with_cause_and_ferry_goes_o
         assert all(isinstance(e.__cause__, RuntimeError) for e in errors)
         assert isinstance(errors[0], ferry.FerryError)
         assert await f(7) == ("ok", 7)  # not poisoned
-        assert f.stats().failed_batches == 1
+        assert f.statistics().failed_batches == 1
 
 
 @pytest.mark.parametrize(
@@ -329,11 +330,11 @@ async def test_cancelled_while_waiting_is_dropped_and_never_sent(
 
             n.start_soon(doomed)
             await settle()
-            assert f.stats().queued == 2
+            assert f.statistics().queued == 2
             cs.cancel()
             await settle()
-            assert f.stats().queued == 1
-            assert f.stats().dropped == 1
+            assert f.statistics().queued == 1
+            assert f.statistics().dropped == 1
     assert rec.calls == [(None, [1])]
     assert stm.statistics().waiters == 0
 
@@ -394,7 +395,7 @@ async def test_cancelled_before_admission_admits_nothing(
         with trio.CancelScope() as cs:
             cs.cancel()
             await f(1)
-        assert f.stats().submitted == 0
+        assert f.statistics().submitted == 0
     assert rec.calls == []
 
 
@@ -423,10 +424,10 @@ async def test_close_answers_waiting_and_in_flight_callers_with_closed(
         for i in range(3):
             n.start_soon(one, f, i)
         await settle()
-        assert f.stats().busy == 1 and f.stats().queued == 2
+        assert f.statistics().busy == 1 and f.statistics().queued == 2
     assert all(isinstance(v, ferry.Closed) for v in got.values()) and len(got) == 3
     assert isinstance(got[0], trio.ClosedResourceError)
-    s = f.stats()
+    s = f.statistics()
     assert (s.queued, s.busy, s.lanes) == (0, 0, 0)
     assert stm.statistics().waiters == 0
     with pytest.raises(ferry.Closed):
@@ -558,7 +559,7 @@ async def test_queued_weight_rejects_and_bad_weights_are_refused_at_once(
                 with pytest.raises(exc, match="weight"):
                     await f(("c", bad))
             rec.gate.set()
-        s = f.stats()
+        s = f.statistics()
         assert s.submitted == 2 and s.rejected == 1
 
 
@@ -577,7 +578,7 @@ async def test_key_errors_are_raised_at_once_and_nothing_is_admitted(
             await f([1, 2])
         with pytest.raises(LookupError, match="boom"):
             await f("boom")
-        assert f.stats().submitted == 0
+        assert f.statistics().submitted == 0
     assert rec.calls == []
 
 
@@ -631,10 +632,10 @@ async def test_idle_key_is_served_directly_while_every_worker_is_busy(
         await settle()
         hold_a1.set()
         await settle()  # the only worker took ("a", 2) and hangs
-        s = f.stats()
+        s = f.statistics()
         assert (s.direct_calls, s.batches, s.busy) == (1, 1, 1)
         assert await f(("fast", 1)) == ("fast", 1)
-        assert f.stats().direct_calls == 2
+        assert f.statistics().direct_calls == 2
         hold_a2.set()
 
 
@@ -661,7 +662,7 @@ async def test_second_input_waits_for_the_direct_call_to_end_even_with_slow_clea
     async with ferry.open_per_key_ferry(call, key=lambda x: "k") as f, trio.open_nursery() as n:
         n.start_soon(f, 1)
         await settle()
-        assert f.stats().direct_calls == 1
+        assert f.statistics().direct_calls == 1
         n.start_soon(f, 2)
     assert order == ["start [1]", "end [1]", "start [2]", "end [2]"]
 
@@ -682,7 +683,7 @@ async def test_direct_call_is_cancelled_with_its_caller_and_key_released_after(
         with trio.move_on_after(1.0):
             await f(1)
         assert seen == ["cancelled"]
-        s = f.stats()
+        s = f.statistics()
         assert (s.busy, s.lanes) == (0, 0)
 
 
@@ -704,9 +705,9 @@ async def test_direct_call_is_cancelled_by_close_and_caller_gets_closed(
     async with trio.open_nursery() as n, ferry.open_per_key_ferry(call, key=lambda x: "k") as f:
         n.start_soon(one, f)
         await settle()
-        assert f.stats().busy == 1
+        assert f.statistics().busy == 1
     assert len(got) == 1
-    assert f.stats().busy == 0
+    assert f.statistics().busy == 0
 
 
 async def test_direct_call_failure_is_failed_with_cause(
@@ -719,7 +720,7 @@ async def test_direct_call_failure_is_failed_with_cause(
         with pytest.raises(ferry.Failed) as info:
             await f(1)
         assert isinstance(info.value.__cause__, OSError)
-        assert f.stats().failed_batches == 1
+        assert f.statistics().failed_batches == 1
 
 
 # -------------------------------------------------------------------------------- statistics
@@ -771,7 +772,7 @@ async def test_stats_gauges_for_per_key_lanes(autojump_clock: trio.testing.MockC
         n.start_soon(f, ("c", 1))
         n.start_soon(f, ("c", 2))  # full, but the only worker is busy: ready
         await settle()
-        s = f.stats()
+        s = f.statistics()
         assert (s.lanes, s.busy, s.ready, s.waiting) == (3, 1, 1, 1)
         assert (s.queued, s.queued_weight) == (3, 7.5)
         rec.gate.set()
@@ -791,7 +792,7 @@ async def test_bad_ranks_are_refused_clearly_and_nothing_is_admitted(
                 await f("one")
             with pytest.raises(TypeError, match="rank"):
                 await f(None)
-            assert f.stats().queued == 1
+            assert f.statistics().queued == 1
     assert rec.calls == [("k", [1])]
 
 
@@ -842,7 +843,7 @@ async def test_a_direct_call_that_never_yields_is_still_a_checkpoint_on_every_ou
             await f(1)
         with trio.testing.assert_checkpoints(), pytest.raises(ferry.IdReused):
             await f(2)
-        assert f.stats().direct_calls == 3
+        assert f.statistics().direct_calls == 3
 
 
 # ------------------------------------------------------------------- what `call` must be
@@ -906,12 +907,12 @@ async def test_a_call_that_returns_no_awaitable_is_a_batch_contract_error(
         with pytest.raises(ferry.BatchContractError, match="not an awaitable") as info:
             await f(1)
         assert "async def" in str(info.value)
-        s = f.stats()
+        s = f.statistics()
         assert s.batches == 1 and s.failed_batches == 0
     async with ferry.open_per_key_ferry(SyncInDisguise(), key=lambda x: x) as g:
         with pytest.raises(ferry.BatchContractError, match="not an awaitable"):
             await g(1)  # a direct call
-        assert g.stats().busy == 0
+        assert g.statistics().busy == 0
 
 
 async def test_failed_names_the_key_only_for_a_per_key_ferry(
@@ -930,3 +931,80 @@ async def test_failed_names_the_key_only_for_a_per_key_ferry(
     async with ferry.open_per_key_ferry(keyed, key=lambda x: "acct-7") as g:
         with pytest.raises(ferry.Failed, match="for key 'acct-7'"):
             await g(1)
+
+
+async def test_statistics_is_the_name_and_stats_a_deprecated_alias(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def call(xs: list[int]) -> list[int]:
+        return xs
+
+    async def keyed(key: int, xs: list[int]) -> list[int]:
+        return xs
+
+    async with ferry.open_ferry(call) as f, ferry.open_per_key_ferry(keyed, key=lambda x: x) as g:
+        await f(1)
+        await g(1)
+        for fy in (f, g):
+            s = fy.statistics()
+            with pytest.warns(DeprecationWarning, match=r"statistics\(\)"):
+                assert fy.stats() == s
+
+
+async def test_batch_sizes_cannot_be_changed_through_a_snapshot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def call(xs: list[int]) -> list[int]:
+        return xs
+
+    async with ferry.open_ferry(call) as f:
+        await f(1)
+        s = f.statistics()
+        with pytest.raises(TypeError):
+            s.batch_sizes[1] = 99  # type: ignore[index]
+        assert f.statistics().batch_sizes == {1: 1}
+
+
+async def test_every_outcome_is_counted_once_and_the_counts_are_conserved(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    rec.gate = trio.Event()  # never set: the direct call holds key a until close
+    outcomes: list[str] = []
+
+    async def one(x: tuple[str, int]) -> None:
+        try:
+            await f(x)
+            outcomes.append("result")
+        except ferry.Closed:
+            outcomes.append("closed")
+
+    async with trio.open_nursery() as n:
+        async with ferry.open_per_key_ferry(
+            rec.per_key, key=lambda x: x[0], max_queueing=3, max_in_flight_batches=1
+        ) as f:
+            n.start_soon(one, ("a", 1))  # a direct call
+            await settle()
+            for i in (2, 3):
+                n.start_soon(one, ("a", i))  # wait for the key
+            await settle()
+            with trio.move_on_after(1.0):
+                await f(("a", 4))  # waits, then its caller gives up: dropped
+            n.start_soon(one, ("a", 5))
+            await settle()
+            with pytest.raises(ferry.Rejected):
+                await f(("a", 6))  # the room holds 3: full
+            s = f.statistics()
+            conserved(s)
+            assert (s.submitted, s.direct_calls, s.admitted, s.rejected) == (6, 1, 4, 1)
+            assert (s.queued, s.dropped) == (3, 1)
+    # Close cancelled the direct call and drained the three inputs still waiting.
+    s = f.statistics()
+    conserved(s)
+    assert (s.drained, s.queued, s.after_close, s.busy) == (3, 0, 0, 0)
+    assert sorted(outcomes) == ["closed"] * 4
+    with pytest.raises(ferry.Closed):
+        await f(("c", 1))
+    s = f.statistics()
+    conserved(s)
+    assert s.after_close == 1

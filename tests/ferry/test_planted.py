@@ -10,6 +10,7 @@ import trio
 from hypothesis import find, settings
 
 import ferry
+import ferry._lanes as lanes_module
 import ferry._shell as shell_module
 import stm
 from tests.ferry.test_scenarios import Options, Sub, check, options, run_scenario, submissions
@@ -77,3 +78,29 @@ def test_hypothesis_finds_the_planted_bug_from_random_scenarios(
         settings=settings(max_examples=500, database=None, deadline=None, derandomize=True),
     )
     assert found is not None
+
+
+def test_checker_catches_inputs_that_close_loses_count_of(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Planted bug: close drains the room but forgets to count what it drained."""
+    real_drain = lanes_module.drain
+
+    def drain_uncounted(state: Any) -> Any:
+        new, drained = real_drain(state)
+        return lanes_module._evolve(new, {"drained": state.drained}), drained
+
+    monkeypatch.setattr(lanes_module, "drain", drain_uncounted)
+    opts = Options(
+        max_batch_size=2,
+        max_batch_weight=math.inf,
+        max_batch_delay=5.0,
+        max_in_flight_batches=1,
+        max_queueing=4,
+        max_queued_weight=math.inf,
+        direct_calls=False,
+        ranked=False,
+    )
+    subs = [Sub(0, at=0.0, key=0, rank=0, weight=1, behaviour="ok", cancel_after=None)]
+    with pytest.raises(AssertionError, match="admitted inputs not conserved"):
+        check(opts, subs, run_scenario(opts, subs, close_at=1.0))  # closes while 0 waits
