@@ -29,6 +29,7 @@ A ferry belongs to the trio run that opened it: call it only from tasks of that 
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from types import CoroutineType
@@ -93,6 +94,9 @@ class Shell:
         self._plain = plain
         self._direct_scopes: set[trio.CancelScope] = set()
         self._closing = False
+        # The thread of the run that opened the ferry: a thread runs one trio run at a time, so
+        # while the ferry is open, "same thread" is "same run", and cheaper to check.
+        self._thread: int | None = None
         self._timed = limits.max_batch_delay > 0
 
     def _now(self) -> float:
@@ -102,7 +106,12 @@ class Shell:
     # ---------------------------------------------------------------------------------- callers
 
     async def submit(self, x: Any, key: Any, weight: float, rank: Any) -> Any:
-        """Admit `x` and wait for its answer (the ferry's `__call__`). Always a checkpoint."""
+        """Admit `x` and wait for its answer (the ferry's `__call__`). Always a checkpoint.
+
+        Raises RuntimeError, before anything else, if called outside the run that opened it.
+        """
+        if _thread_id() != self._thread:
+            raise _wrong_run()
         await trio.lowlevel.checkpoint_if_cancelled()
         room = self.room
         entry = _Entry(x, key, room)
@@ -240,6 +249,7 @@ class Shell:
     async def lifetime(self, ferry: F) -> AsyncIterator[F]:
         """Own the workers for the `async with` block; close as ADR 0005 says when it ends."""
         body_error: BaseException | None = None
+        self._thread = _thread_id()
         try:
             async with trio.open_nursery() as nursery:
                 for _ in range(self._workers):
@@ -272,6 +282,23 @@ class Shell:
     def statistics(self) -> FerryStatistics:
         """A snapshot of the room and the counters since open; one TVar peek, no checkpoint."""
         return self.room.statistics(plain=self._plain)
+
+
+_thread_id = threading.get_ident
+
+
+def _wrong_run() -> RuntimeError:
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        where = "outside any trio run"
+    else:
+        where = "from a task of another trio run"
+    return RuntimeError(
+        f"a ferry was called {where}: a ferry belongs to the trio run that opened it, and only "
+        "that run's tasks may call it. From another thread, call it in its own run with "
+        "trio.from_thread.run(f, x, trio_token=...)."
+    )
 
 
 def _slot(result: Any) -> outcome.Outcome[Any]:

@@ -1008,3 +1008,49 @@ async def test_every_outcome_is_counted_once_and_the_counts_are_conserved(
     s = f.statistics()
     conserved(s)
     assert s.after_close == 1
+
+
+# ------------------------------------------------------------------- the wrong run or thread
+
+
+async def _echo(xs: list[int]) -> list[int]:
+    await trio.lowlevel.checkpoint()
+    return xs
+
+
+async def _echo_key(key: int, xs: list[int]) -> list[int]:
+    await trio.lowlevel.checkpoint()
+    return xs
+
+
+async def test_a_ferry_called_from_another_trio_run_raises_instead_of_hanging() -> None:
+    async with (
+        ferry.open_ferry(_echo) as f,
+        ferry.open_per_key_ferry(_echo_key, key=lambda x: x) as g,
+    ):
+        for fy in (f, g):
+
+            def other_run(fy: Any = fy) -> None:
+                async def main() -> None:
+                    with trio.fail_after(10):  # only a guard: without the check, this hangs
+                        await fy(1)
+
+                trio.run(main)
+
+            with pytest.raises(RuntimeError, match="another trio run") as info:
+                await trio.to_thread.run_sync(other_run)
+            assert "trio.from_thread.run" in str(info.value)
+            assert await fy(2) == 2  # the ferry is unharmed and serves its own run
+            assert fy.statistics().submitted == 1
+
+
+async def test_a_ferry_called_from_a_thread_outside_trio_says_so() -> None:
+    import asyncio
+
+    async with ferry.open_ferry(_echo) as f:
+        with pytest.raises(RuntimeError, match="outside any trio run"):
+            await trio.to_thread.run_sync(asyncio.run, f(1))
+        token = trio.lowlevel.current_trio_token()
+        # The way to call it from a thread: into the ferry's own run.
+        assert await trio.to_thread.run_sync(lambda: trio.from_thread.run(f, 3, trio_token=token))
+        assert f.statistics().submitted == 1
