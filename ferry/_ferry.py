@@ -26,6 +26,10 @@ K = TypeVar("K")
 
 _PLAIN_KEY = None  # the plain ferry's one room is a single lane under this key
 
+#: Seconds a batch call or a direct call may run before it is cancelled and its callers get
+#: `Failed` (cause: `trio.TooSlowError`). Far above any call that works; see ADR 0015.
+DEFAULT_CALL_TIMEOUT = 60.0
+
 
 # ---------------------------------------------------------------------------- option checking
 
@@ -130,6 +134,7 @@ def open_ferry(
     max_batch_size: int = ...,
     max_batch_delay: float = ...,
     max_in_flight_batches: int = ...,
+    call_timeout: float = ...,
     max_queueing: int = ...,
     extract: None = None,
 ) -> AbstractAsyncContextManager[Ferry[I, R]]: ...
@@ -142,6 +147,7 @@ def open_ferry(
     max_batch_size: int = ...,
     max_batch_delay: float = ...,
     max_in_flight_batches: int = ...,
+    call_timeout: float = ...,
     max_queueing: int = ...,
     extract: Callable[[O, I], R],
 ) -> AbstractAsyncContextManager[Ferry[I, R]]: ...
@@ -153,6 +159,7 @@ def open_ferry(
     max_batch_size: int = 100,
     max_batch_delay: float = 0.0,
     max_in_flight_batches: int = 4,
+    call_timeout: float = DEFAULT_CALL_TIMEOUT,
     max_queueing: int = 10_000,
     extract: Callable[[Any, Any], Any] | None = None,
 ) -> AbstractAsyncContextManager[Ferry[Any, Any]]:
@@ -174,7 +181,8 @@ def open_ferry(
         one_in_flight=False,
     )
     workers = _check_int("max_in_flight_batches", max_in_flight_batches, 1)
-    shell = Shell(call, extract, limits, workers, plain=True)
+    timeout = _check_real("call_timeout", call_timeout, positive=True, finite=False)
+    shell = Shell(call, extract, limits, workers, timeout, plain=True)
     return shell.lifetime(Ferry(shell))
 
 
@@ -272,6 +280,7 @@ def open_per_key_ferry(
     max_batch_weight: float = ...,
     max_batch_delay: float = ...,
     max_in_flight_batches: int = ...,
+    call_timeout: float = ...,
     max_queueing: int = ...,
     max_queued_weight: float = ...,
     direct_calls: bool = ...,
@@ -290,6 +299,7 @@ def open_per_key_ferry(
     max_batch_weight: float = ...,
     max_batch_delay: float = ...,
     max_in_flight_batches: int = ...,
+    call_timeout: float = ...,
     max_queueing: int = ...,
     max_queued_weight: float = ...,
     direct_calls: bool = ...,
@@ -307,6 +317,7 @@ def open_per_key_ferry(
     max_batch_weight: float = math.inf,
     max_batch_delay: float = 0.0,
     max_in_flight_batches: int = 4,
+    call_timeout: float = DEFAULT_CALL_TIMEOUT,
     max_queueing: int = 10_000,
     max_queued_weight: float = math.inf,
     direct_calls: bool = True,
@@ -347,5 +358,6 @@ def open_per_key_ferry(
         one_in_flight=True,
     )
     workers = _check_int("max_in_flight_batches", max_in_flight_batches, 1)
-    shell = Shell(call, extract, limits, workers, plain=False)
+    timeout = _check_real("call_timeout", call_timeout, positive=True, finite=False)
+    shell = Shell(call, extract, limits, workers, timeout, plain=False)
     return shell.lifetime(PerKeyFerry(shell, key, rank, weight, max_queued_weight))

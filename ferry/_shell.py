@@ -29,6 +29,7 @@ A ferry belongs to the trio run that opened it: call it only from tasks of that 
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -83,14 +84,17 @@ class Shell:
         extract: Callable[[Any, Any], Any] | None,
         limits: _lanes.Limits,
         workers: int,
+        timeout: float,
         *,
         plain: bool,
     ) -> None:
-        """`call(inputs)` for the plain ferry, `call(key, inputs)` for the per-key one."""
+        """`call(inputs)` for the plain ferry, `call(key, inputs)` for the per-key one; each call
+        is cancelled after `timeout` seconds (inf: never)."""
         self.room: Room[Any, _Entry] = Room(limits)
         self._call = call
         self._extract = extract
         self._workers = workers
+        self._timeout = timeout
         self._plain = plain
         self._direct_scopes: set[trio.CancelScope] = set()
         self._closing = False
@@ -131,7 +135,10 @@ class Shell:
     async def _direct(self, entry: _Entry) -> Any:
         """The caller claimed an idle key: send its input itself, in the ferry's scope."""
         key = entry.key
+        timeout = self._timeout
         scope = trio.CancelScope()
+        if timeout < math.inf:
+            scope.deadline = trio.current_time() + timeout
         self._direct_scopes.add(scope)
         if self._closing:
             scope.cancel()
@@ -145,6 +152,8 @@ class Shell:
                     output = await aw
                 else:
                     answer = outcome.Error(BatchContractError(_not_awaitable(aw)))
+            if scope.cancelled_caught and not self._closing:
+                raise _too_slow(timeout)  # only the deadline cancels it while the ferry is open
         except Exception as exc:
             failed = True
             answer = _failures(exc, key, [entry], self._plain)[0]
@@ -165,7 +174,7 @@ class Shell:
     # ---------------------------------------------------------------------------------- workers
 
     async def _worker(self) -> None:
-        room, call, plain = self.room, self._call, self._plain
+        room, call, plain, timeout = self.room, self._call, self._plain, self._timeout
         take, release, now = room.take, room.release, self._now
         while True:
             await trio.lowlevel.checkpoint()
@@ -185,10 +194,15 @@ class Shell:
             try:
                 try:
                     aw = call(inputs) if plain else call(key, inputs)
-                    if type(aw) is CoroutineType or inspect.isawaitable(aw):
+                    if type(aw) is not CoroutineType and not inspect.isawaitable(aw):
+                        bad = _not_awaitable(aw)
+                    elif timeout == math.inf:
                         output = await aw
                     else:
-                        bad = _not_awaitable(aw)
+                        with trio.CancelScope(deadline=trio.current_time() + timeout) as limit:
+                            output = await aw
+                        if limit.cancelled_caught:
+                            raise _too_slow(timeout)
                 except Exception as exc:
                     failed = True
                     answers = _failures(exc, key, entries, plain)
@@ -319,6 +333,10 @@ def _failures(
         error.__cause__ = exc
         answers.append(outcome.Error(error))
     return answers
+
+
+def _too_slow(timeout: float) -> trio.TooSlowError:
+    return trio.TooSlowError(f"the call ran longer than call_timeout={timeout!r} seconds")
 
 
 def _not_awaitable(result: Any) -> str:

@@ -1054,3 +1054,109 @@ async def test_a_ferry_called_from_a_thread_outside_trio_says_so() -> None:
         # The way to call it from a thread: into the ferry's own run.
         assert await trio.to_thread.run_sync(lambda: trio.from_thread.run(f, 3, trio_token=token))
         assert f.statistics().submitted == 1
+
+
+# ---------------------------------------------------------------------- a call that hangs
+
+
+async def _hang(*args: Any) -> list[Any]:
+    await trio.sleep_forever()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, "60"])
+async def test_call_timeout_is_checked_at_open(value: Any) -> None:
+    with pytest.raises(ValueError, match="call_timeout"):
+        async with ferry.open_ferry(_echo, call_timeout=value):
+            pass  # pragma: no cover
+    with pytest.raises(ValueError, match="call_timeout"):
+        async with ferry.open_per_key_ferry(_echo_key, key=lambda x: x, call_timeout=value):
+            pass  # pragma: no cover
+
+
+async def test_a_batch_call_that_hangs_fails_its_callers_after_the_default_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    got: list[BaseException] = []
+
+    async def one(f: ferry.Ferry[int, Any], i: int) -> None:
+        try:
+            await f(i)
+        except ferry.Failed as exc:
+            got.append(exc)
+
+    async with ferry.open_ferry(_hang, max_batch_delay=1.0) as f:
+        start = trio.current_time()
+        with trio.fail_after(1000):  # a guard: without a timeout, the callers wait for ever
+            async with trio.open_nursery() as n:
+                for i in range(3):
+                    n.start_soon(one, f, i)
+        assert trio.current_time() == start + 1.0 + 60.0  # the delay, then the default timeout
+        s = f.statistics()
+        assert (s.batches, s.failed_batches, s.busy) == (1, 1, 0)
+    assert len(got) == 3
+    assert all(isinstance(e.__cause__, trio.TooSlowError) for e in got)
+    assert "call_timeout" in str(got[0])
+
+
+async def test_a_call_that_hangs_holds_the_key_until_it_has_unwound(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    in_flight = 0
+    order: list[str] = []
+
+    async def call(key: str, xs: list[int]) -> list[int]:
+        nonlocal in_flight
+        in_flight += 1
+        assert in_flight == 1, "two calls in flight for one key"
+        try:
+            if xs == [1]:
+                await trio.sleep_forever()
+            return xs
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(2.0)  # slow cleanup after the timeout
+            order.append(f"end {xs}")
+            in_flight -= 1
+
+    with trio.fail_after(1000):  # a guard: without a timeout, this never ends
+        await _hold_the_key(call, order)
+    assert order == ["end [1]", "end [2]"]
+
+
+async def _hold_the_key(call: Any, order: list[str]) -> None:
+    async with (
+        ferry.open_per_key_ferry(call, key=lambda x: "k", call_timeout=5.0) as f,
+        trio.open_nursery() as n,
+    ):
+        start = trio.current_time()
+
+        async def first() -> None:
+            with pytest.raises(ferry.Failed) as info:
+                await f(1)  # a direct call
+            assert isinstance(info.value.__cause__, trio.TooSlowError)
+            assert trio.current_time() == start + 7.0
+
+        n.start_soon(first)
+        await settle()
+        assert await f(2) == 2  # waits in the lane until the direct call is over
+        assert f.statistics().failed_batches == 1
+
+
+async def test_with_an_infinite_call_timeout_a_hanging_call_is_ended_by_close(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    got: list[Any] = []
+
+    async def one(f: ferry.Ferry[int, Any]) -> None:
+        try:
+            await f(1)
+        except ferry.Closed as exc:
+            got.append(exc)
+
+    async with trio.open_nursery() as n:
+        with trio.move_on_after(1000.0):
+            async with ferry.open_ferry(_hang, call_timeout=math.inf) as f:
+                n.start_soon(one, f)
+                await trio.sleep_forever()
+    assert len(got) == 1 and trio.current_time() == 1000.0
