@@ -278,6 +278,15 @@ class Shell:
                     # Workers first: each answers the callers it holds and releases its lane.
                     self._closing = True
                     nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as failures:
+            # A worker failed (say, a KeyboardInterrupt in a call). If the block raised too,
+            # neither may be lost; the block's Cancelled is only the echo of this failure.
+            if body_error is None or isinstance(body_error, trio.Cancelled):
+                raise
+            raise BaseExceptionGroup(
+                "the ferry's block raised, and so did its workers while closing",
+                [body_error, *failures.exceptions],
+            ) from None
         finally:
             self._close_room()
             with trio.CancelScope(shield=True):

@@ -1160,3 +1160,40 @@ async def test_with_an_infinite_call_timeout_a_hanging_call_is_ended_by_close(
                 n.start_soon(one, f)
                 await trio.sleep_forever()
     assert len(got) == 1 and trio.current_time() == 1000.0
+
+
+async def test_a_worker_that_fails_while_the_block_raises_loses_neither_exception(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def call(xs: list[int]) -> list[int]:
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise KeyboardInterrupt  # say, a Ctrl-C that lands while the call is cancelled
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    got: list[Any] = []
+
+    async def one(f: ferry.Ferry[int, Any]) -> None:
+        try:
+            await f(1)
+        except ferry.Closed as exc:
+            got.append(exc)
+
+    async with trio.open_nursery() as n:
+        with pytest.raises(BaseExceptionGroup) as info:
+            async with ferry.open_ferry(call) as f:
+                n.start_soon(one, f)
+                await settle()  # the call is in flight
+                raise ValueError("the block's own error")
+    assert info.value.subgroup(ValueError) is not None, info.value
+    assert info.value.subgroup(KeyboardInterrupt) is not None, info.value
+    assert len(got) == 1  # its caller was answered
+    s = f.statistics()
+    assert (s.busy, s.lanes, s.queued) == (0, 0, 0)
+
+
+async def test_an_exception_from_the_block_alone_comes_out_as_it_was_raised() -> None:
+    with pytest.raises(KeyError):
+        async with ferry.open_ferry(_echo):
+            raise KeyError("user bug")
