@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 import math
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from types import CoroutineType
 from typing import Any, TypeVar
@@ -47,6 +47,18 @@ from ._room import Room
 from ._stats import FerryStatistics
 
 F = TypeVar("F")
+
+_thread_id = threading.get_ident
+
+
+# Ctrl-C: the task code below is KI-protected (a KeyboardInterrupt that arrives while it runs goes
+# to the main task at its next checkpoint, as in trio's own code), so that taking a batch and
+# owning it, or claiming a key and releasing it, are steps a Ctrl-C cannot split. Only the user's
+# call runs unprotected, where Ctrl-C can interrupt it as it would anywhere in user code; it raises
+# there, into a `try` that answers the callers and releases the key.
+@trio.lowlevel.disable_ki_protection
+async def _unprotected(aw: Awaitable[Any]) -> Any:
+    return await aw
 
 
 class _Entry:
@@ -109,6 +121,7 @@ class Shell:
 
     # ---------------------------------------------------------------------------------- callers
 
+    @trio.lowlevel.enable_ki_protection
     async def submit(self, x: Any, key: Any, weight: float, rank: Any) -> Any:
         """Admit `x` and wait for its answer (the ferry's `__call__`). Always a checkpoint.
 
@@ -132,6 +145,7 @@ class Shell:
             raise Closed("the ferry is closed")
         raise Rejected("the waiting room is full; back off and retry, or shed load")
 
+    @trio.lowlevel.enable_ki_protection
     async def _direct(self, entry: _Entry) -> Any:
         """The caller claimed an idle key: send its input itself, in the ferry's scope."""
         key = entry.key
@@ -149,7 +163,7 @@ class Shell:
             with scope:
                 aw = self._call([entry.input]) if self._plain else self._call(key, [entry.input])
                 if type(aw) is CoroutineType or inspect.isawaitable(aw):
-                    output = await aw
+                    output = await _unprotected(aw)
                 else:
                     answer = outcome.Error(BatchContractError(_not_awaitable(aw)))
             if scope.cancelled_caught and not self._closing:
@@ -173,6 +187,7 @@ class Shell:
 
     # ---------------------------------------------------------------------------------- workers
 
+    @trio.lowlevel.enable_ki_protection
     async def _worker(self) -> None:
         room, call, plain, timeout = self.room, self._call, self._plain, self._timeout
         take, release, now = room.take, room.release, self._now
@@ -197,10 +212,10 @@ class Shell:
                     if type(aw) is not CoroutineType and not inspect.isawaitable(aw):
                         bad = _not_awaitable(aw)
                     elif timeout == math.inf:
-                        output = await aw
+                        output = await _unprotected(aw)
                     else:
                         with trio.CancelScope(deadline=trio.current_time() + timeout) as limit:
-                            output = await aw
+                            output = await _unprotected(aw)
                         if limit.cancelled_caught:
                             raise _too_slow(timeout)
                 except Exception as exc:
@@ -260,6 +275,7 @@ class Shell:
     # ------------------------------------------------------------------------------------ close
 
     @asynccontextmanager
+    @trio.lowlevel.enable_ki_protection
     async def lifetime(self, ferry: F) -> AsyncIterator[F]:
         """Own the workers for the `async with` block; close as ADR 0005 says when it ends."""
         body_error: BaseException | None = None
@@ -305,9 +321,6 @@ class Shell:
     def statistics(self) -> FerryStatistics:
         """A snapshot of the room and the counters since open; one TVar peek, no checkpoint."""
         return self.room.statistics(plain=self._plain)
-
-
-_thread_id = threading.get_ident
 
 
 def _wrong_run() -> RuntimeError:
