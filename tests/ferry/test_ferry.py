@@ -726,7 +726,7 @@ async def test_direct_call_failure_is_failed_with_cause(
 # -------------------------------------------------------------------------------- statistics
 
 
-def test_stats_has_exactly_the_spec_fields() -> None:
+def test_statistics_has_exactly_the_documented_fields() -> None:
     import attrs
 
     names = [a.name for a in attrs.fields(ferry.FerryStatistics)]
@@ -749,6 +749,16 @@ def test_stats_has_exactly_the_spec_fields() -> None:
         "drained",
         "batch_sizes",
     ]
+
+
+def test_every_counter_of_the_room_is_reported_under_its_own_name() -> None:
+    import attrs
+
+    from ferry import _lanes
+
+    names = [a.name for a in attrs.fields(ferry.FerryStatistics)]
+    gauges = ["queued", "queued_weight", "busy", "lanes", "ready", "waiting", "batch_sizes"]
+    assert sorted(_lanes.COUNTERS) == sorted(n for n in names if n not in gauges)
 
 
 async def test_stats_gauges_for_per_key_lanes(autojump_clock: trio.testing.MockClock) -> None:
