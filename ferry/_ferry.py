@@ -219,7 +219,7 @@ class PerKeyFerry(Generic[I, R]):
         (`TypeError`: unhashable key or non-numeric weight; `ValueError`: negative, NaN or
         infinite weight, or one above `max_queued_weight`), the caller gets that at once and
         nothing is admitted. Then: the result, `Rejected`, `Failed`, `BatchContractError`,
-        `Closed`, or `trio.Cancelled` (SPEC 2.6).
+        `Closed`, or `trio.Cancelled` (docs/errors-and-lifecycle.md).
         """
         key = self._key(x)
         try:

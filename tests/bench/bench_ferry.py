@@ -1,4 +1,4 @@
-"""ferry figures of SPEC section 4, each against a baseline measured in the same run.
+"""ferry figures (docs/guide.md, "What a ferry costs"), each against a baseline from the same run.
 
 The baseline batcher is the one a careful trio user would write by hand: an unbounded memory
 channel, one worker that drains up to 100 inputs per call, and one `trio.Event` per caller.
