@@ -107,8 +107,10 @@ class Ferry(Generic[I, R]):
     async def __call__(self, x: I, /) -> R:
         """Submit `x` and wait for its result. Always a checkpoint.
 
-        Raises `Rejected` (room full), `Failed` (the batch call raised), `BatchContractError`
-        (malformed output), `Closed` (the ferry closed), or `trio.Cancelled` (the caller's scope).
+        Raises `Rejected` (room full), `Failed` (the batch call raised or ran past
+        `call_timeout`), `BatchContractError` (malformed output), `Closed` (the ferry closed), or
+        `trio.Cancelled` (the caller's scope); `RuntimeError` if called from outside the trio run
+        that opened the ferry.
         """
         result: R = await self._shell.submit(x, _PLAIN_KEY, 1.0, None)
         return result
@@ -165,8 +167,10 @@ def open_ferry(
 ) -> AbstractAsyncContextManager[Ferry[Any, Any]]:
     """Open a plain ferry over `call(inputs) -> outputs` for the duration of an `async with`.
 
-    Options are checked here (`ValueError` naming the option). Leaving the block closes the
-    ferry: callers still waiting get `Closed`, workers are cancelled, nothing outlives the block.
+    `call` must be async (`TypeError` otherwise). Options are checked here (`ValueError` naming
+    the option); each call is cancelled after `call_timeout` seconds (ADR 0015). Leaving the
+    block closes the ferry: callers still waiting get `Closed`, workers are cancelled, nothing
+    outlives the block.
     """
     _check_async(call)
     if extract is not None:
@@ -219,7 +223,8 @@ class PerKeyFerry(Generic[I, R]):
         (`TypeError`: unhashable key or non-numeric weight; `ValueError`: negative, NaN or
         infinite weight, or one above `max_queued_weight`), the caller gets that at once and
         nothing is admitted. Then: the result, `Rejected`, `Failed`, `BatchContractError`,
-        `Closed`, or `trio.Cancelled` (docs/errors-and-lifecycle.md).
+        `Closed`, or `trio.Cancelled` (docs/errors-and-lifecycle.md); `RuntimeError` if called
+        from outside the trio run that opened the ferry.
         """
         key = self._key(x)
         try:
@@ -326,7 +331,8 @@ def open_per_key_ferry(
     """Open a per-key ferry over `call(key, inputs) -> outputs` for an `async with` block.
 
     At most one call is in flight per key; keys with inputs ready are served first come, first
-    served. Options are checked here (`ValueError` naming the option).
+    served. `call` must be async (`TypeError` otherwise). Options are checked here (`ValueError`
+    naming the option); each call is cancelled after `call_timeout` seconds (ADR 0015).
     """
     _check_async(call)
     _check_callable("key", key)
