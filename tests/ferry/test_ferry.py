@@ -1069,6 +1069,14 @@ async def test_a_ferry_called_from_a_thread_outside_trio_says_so() -> None:
 # ---------------------------------------------------------------------- a call that hangs
 
 
+async def _closed_into(got: list[Any], f: ferry.Ferry[int, Any]) -> None:
+    """Call `f(1)`, which must end in `Closed`, and keep the exception in `got`."""
+    try:
+        await f(1)
+    except ferry.Closed as exc:
+        got.append(exc)
+
+
 async def _hang(*args: Any) -> list[Any]:
     await trio.sleep_forever()
     raise AssertionError("unreachable")  # pragma: no cover
@@ -1157,17 +1165,10 @@ async def test_with_an_infinite_call_timeout_a_hanging_call_is_ended_by_close(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     got: list[Any] = []
-
-    async def one(f: ferry.Ferry[int, Any]) -> None:
-        try:
-            await f(1)
-        except ferry.Closed as exc:
-            got.append(exc)
-
     async with trio.open_nursery() as n:
         with trio.move_on_after(1000.0):
             async with ferry.open_ferry(_hang, call_timeout=math.inf) as f:
-                n.start_soon(one, f)
+                n.start_soon(_closed_into, got, f)
                 await trio.sleep_forever()
     assert len(got) == 1 and trio.current_time() == 1000.0
 
@@ -1183,17 +1184,10 @@ async def test_a_worker_that_fails_while_the_block_raises_loses_neither_exceptio
         raise AssertionError("unreachable")  # pragma: no cover
 
     got: list[Any] = []
-
-    async def one(f: ferry.Ferry[int, Any]) -> None:
-        try:
-            await f(1)
-        except ferry.Closed as exc:
-            got.append(exc)
-
     async with trio.open_nursery() as n:
         with pytest.raises(BaseExceptionGroup) as info:
             async with ferry.open_ferry(call) as f:
-                n.start_soon(one, f)
+                n.start_soon(_closed_into, got, f)
                 await settle()  # the call is in flight
                 raise ValueError("the block's own error")
     assert info.value.subgroup(ValueError) is not None, info.value
