@@ -198,6 +198,7 @@ class Received:
 
     message: Message
     taken: bool
+    at: float = 0.0  # when it arrived (wall-clock seconds)
 
 
 @attrs.frozen
@@ -568,7 +569,7 @@ def wake(
                 attrs.evolve(mailbox, seen=seen),
                 flow.revision,
                 events=events,
-                messages=(Received(message, taken=True),),
+                messages=(Received(message, taken=True, at=now),),
                 delivery=Delivery.RESUMED,
             )
         new = _bump(flow, now, state=BLOCKED, blocked=reason, blocked_from=PARKED)
@@ -580,7 +581,7 @@ def wake(
         Mailbox((*mailbox.queued, message), seen),
         flow.revision,
         events=events,
-        messages=(Received(message, taken=False),),
+        messages=(Received(message, taken=False, at=now),),
         delivery=Delivery.QUEUED,
     )
 

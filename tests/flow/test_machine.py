@@ -101,7 +101,7 @@ def test_park_then_wake_runs_the_next_step_with_the_payload() -> None:
         None,
         1,
     )
-    assert t.messages == (Received(Message("m1", '{"ok":true}'), taken=True),)
+    assert t.messages == (Received(Message("m1", '{"ok":true}'), taken=True, at=T0 + 5),)
     assert t.mailbox.seen == {"m1"} and t.mailbox.queued == ()
     assert kinds(t) == ["woken"]
     m.check_invariants(f, t.mailbox, SHAPE)
@@ -119,7 +119,7 @@ def test_wake_before_the_park_is_queued_then_taken_by_the_park() -> None:
     assert (
         not q.written and q.flow == f
     )  # the row does not change: the running step is not disturbed
-    assert q.messages == (Received(Message("early", '"paid"'), taken=False),)
+    assert q.messages == (Received(Message("early", '"paid"'), taken=False, at=T0),)
     assert q.mailbox == Mailbox((Message("early", '"paid"'),), frozenset({"early"}))
     t = m.step_done(f, q.mailbox, SHAPE, park(3600), f.data, T0 + 1)
     assert t.flow.state is State.RUNNING and t.flow.step == "ship" and t.flow.wake == '"paid"'
