@@ -323,9 +323,11 @@ class Existing:
 
 @attrs.frozen
 class Changed:
-    """The transition ran on the held row and was recorded (if ``transition.written``)."""
+    """The transition ran on the held row and was recorded (if ``transition.written``);
+    `before` is the row it ran on."""
 
     transition: Transition
+    before: Flow
 
 
 @attrs.frozen
@@ -415,7 +417,7 @@ class _Batch:
                     return self.conflict(op.flow_id, t.expected)
                 self.record(t)
             self.messages(t)
-            return Changed(t)
+            return Changed(t, known)
         if known is not None:
             if op.owner is None:
                 held = tx.execute(sql.hold, (op.flow_id, known.revision))
@@ -447,7 +449,7 @@ class _Batch:
                 return self.conflict(op.flow_id, t.expected)
             self.record(t)
         self.messages(t)
-        return Changed(t)
+        return Changed(t, flow)
 
 
 def write_batch(tx: Tx, ops: Sequence[Op], *, ns: str = "flow") -> list[Result]:
