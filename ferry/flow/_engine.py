@@ -242,15 +242,22 @@ class Engine:
     # ------------------------------------------------------------------------------- writes
 
     async def _write(self, op: _store.Op) -> _store.Result:
-        """One op, durable when this returns; through the ferry (group commit) or alone."""
+        """One op, durable when this returns; through the ferry (group commit) or alone.
+
+        Raises `ferry.Failed` if the transaction failed (nothing of it was written), and the
+        exception of a transition that raised (a bug, raised to whoever asked for it alone).
+        """
         if self._group_commit:
             if self._ferry is None:
                 raise Closed("the flow engine is closed")
-            return await self._ferry(op)
-        try:
-            (result,) = await self._batch([op])
-        except Exception as exc:
-            raise Failed(f"the flow store raised {exc!r}") from exc
+            result = await self._ferry(op)
+        else:
+            try:
+                (result,) = await self._batch([op])
+            except Exception as exc:
+                raise Failed(f"the flow store raised {exc!r}") from exc
+        if isinstance(result, _store.Refused):
+            raise result.error
         return result
 
     async def _batch(self, ops: list[_store.Op]) -> list[_store.Result]:
@@ -332,7 +339,15 @@ class Engine:
             break
         if isinstance(result, _store.Changed) or live.flow.revision > flow.revision:
             return
-        stored = await self._store.transact(partial(_store.load, flow_id=flow.flow_id))
+        delay = _BACKOFF
+        while True:
+            try:
+                stored = await self._load(flow.flow_id)
+            except Exception:  # the store is unavailable: try again, the flow is still ours
+                await trio.sleep(delay)
+                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
+                continue
+            break
         if self._live.get(flow.flow_id) is not live or live.flow.revision > flow.revision:
             return
         if stored is None:

@@ -632,6 +632,32 @@ async def test_close_cancels_running_steps_and_they_rerun_as_the_next_attempt(
     assert attempts == [1, 2] and snap.data == {"tries": 2}
 
 
+async def test_close_during_a_compensation_reruns_it_at_the_next_open(
+    store, autojump_clock
+) -> None:
+    attempts: list[int] = []
+
+    async def step(ctx: flow.Context) -> None:
+        pass
+
+    async def undo(ctx: flow.Context) -> None:
+        attempts.append(ctx.attempt)
+        if ctx.attempt == 1:
+            await trio.sleep_forever()
+
+    async def boom(ctx: flow.Context) -> flow.Outcome:
+        return flow.fail("no")
+
+    async with engine_on(store, simple_plan(step, boom, compensations={0: undo})) as engine:
+        fid = await engine.start(engine._plans[("p", 1)])
+        await trio.testing.wait_all_tasks_blocked()
+        assert (await engine.get(fid)).state is flow.State.COMPENSATING  # type: ignore[union-attr]
+    async with engine_on(store, simple_plan(step, boom, compensations={0: undo})) as engine:
+        snap = await settle(engine, fid)
+        assert engine.statistics().recovered == 1
+    assert snap.state is flow.State.FAILED and attempts == [1, 2]
+
+
 async def test_calls_after_close_raise_closed(store, autojump_clock) -> None:
     plan = simple_plan(_noop)
     async with engine_on(store, plan) as engine:
