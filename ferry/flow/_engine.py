@@ -448,83 +448,79 @@ class Engine:
             return None
         return ctx, result, error
 
-    async def _run_step(self, live: _Live, shape: Shape, step: StepDef) -> None:
+    async def _tries(
+        self, live: _Live, fn: Callable[[Context], Awaitable[Any]], attempts: int, counter: str
+    ) -> tuple[Context, object, BaseException | None, int] | None:
+        """Attempts of the flow's current step or compensation until one returns or `attempts`
+        have raised; attempt + 1 is written before every retry. Returns the last attempt's
+        context, result, exception and the number of failures; None if the flow was moved by
+        someone else meanwhile (its attempt is void)."""
         failures = 0
-        outcome: Outcome | str | None = None
-        problem: str | None = None
-        data = ""
+        fid = live.flow.flow_id
         while True:
             flow = live.flow
-            self._stats["steps_run"] += 1
-            ran = await self._attempt(live, step.fn, failures, step.attempts)
+            self._stats[counter] += 1
+            ran = await self._attempt(live, fn, failures, attempts)
             if ran is None:
-                return
+                return None
             ctx, result, error = ran
-            if error is not None:
-                failures += 1
-                if failures < step.attempts:
-                    self._stats["step_retries"] += 1
-                    now = self._now()
-                    await self._own(live, _on_row(m.next_attempt, now))
-                    if (
-                        live.flow.revision != flow.revision + 1
-                        or self._live.get(flow.flow_id) is not live
-                    ):
-                        return
-                    continue
-                problem = (
-                    f"step {step.name!r} raised {error!r} on attempt {flow.attempt}"
-                    f" ({failures} of {step.attempts} tries)"
-                )
-            else:
-                outcome = _classify(result)
-                problem = f"step {step.name!r} {outcome}" if isinstance(outcome, str) else None
-                if problem is None:
-                    try:
-                        data = _json_object_text(ctx.data, "ctx.data")
-                    except TypeError as exc:
-                        problem = f"step {step.name!r} left data that is not JSON: {exc}"
-            now = self._now()
-            if problem is not None:
-                await self._own(live, _on_row(m.step_failed, shape, problem, now))
-            else:
-                assert not isinstance(outcome, str)
-                await self._own(
-                    live,
-                    _on_row_box(m.step_done, shape, outcome, data, now),
-                    head=isinstance(outcome, Park),
-                )
+            if error is None:
+                return ctx, result, None, failures
+            failures += 1
+            if failures >= attempts:
+                return ctx, result, error, failures
+            if counter == "steps_run":
+                self._stats["step_retries"] += 1
+            await self._own(live, _on_row(m.next_attempt, self._now()))
+            if live.flow.revision != flow.revision + 1 or self._live.get(fid) is not live:
+                return None
+
+    async def _run_step(self, live: _Live, shape: Shape, step: StepDef) -> None:
+        ran = await self._tries(live, step.fn, step.attempts, "steps_run")
+        if ran is None:
             return
+        ctx, result, error, failures = ran
+        outcome = _classify(result)
+        problem: str | None = None
+        data = ""
+        if error is not None:
+            problem = (
+                f"step {step.name!r} raised {error!r} on attempt {live.flow.attempt}"
+                f" ({failures} of {step.attempts} tries)"
+            )
+        elif isinstance(outcome, str):
+            problem = f"step {step.name!r} {outcome}"
+        else:
+            try:
+                data = _json_object_text(ctx.data, "ctx.data")
+            except TypeError as exc:
+                problem = f"step {step.name!r} left data that is not JSON: {exc}"
+        now = self._now()
+        if problem is not None:
+            await self._own(live, _on_row(m.step_failed, shape, problem, now))
+        else:
+            assert not isinstance(outcome, str)
+            park = isinstance(outcome, Park)
+            await self._own(live, _on_row_box(m.step_done, shape, outcome, data, now), head=park)
 
     async def _run_compensation(self, live: _Live, shape: Shape, step: StepDef) -> None:
         assert step.compensate is not None  # the machine stacks only steps with one
-        failures = 0
-        while True:
-            flow = live.flow
-            self._stats["compensations_run"] += 1
-            ran = await self._attempt(live, step.compensate, failures, step.attempts)
-            if ran is None:
-                return
-            ctx, _result, error = ran
-            if error is None:
-                try:
-                    data = _json_object_text(ctx.data, "ctx.data")
-                except TypeError as exc:
-                    error = exc
-            now = self._now()
-            if error is None:
-                await self._own(live, _on_row(m.compensated, shape, data, now))
-                return
-            failures += 1
-            if failures >= step.attempts:
-                message = (
-                    f"{error!r} on attempt {flow.attempt} ({failures} of {step.attempts} tries)"
-                )
+        ran = await self._tries(live, step.compensate, step.attempts, "compensations_run")
+        if ran is None:
+            return
+        ctx, _result, error, failures = ran
+        now = self._now()
+        if error is None:
+            try:
+                data = _json_object_text(ctx.data, "ctx.data")
+            except TypeError as exc:
+                message = f"it left data that is not JSON: {exc}"
                 await self._own(live, _on_row(m.compensation_failed, message, now))
                 return
-            await self._own(live, _on_row(m.next_attempt, now))
-            if live.flow.revision != flow.revision + 1 or self._live.get(flow.flow_id) is not live:
-                return
+            await self._own(live, _on_row(m.compensated, shape, data, now))
+            return
+        message = f"{error!r} on attempt {live.flow.attempt} ({failures} of {step.attempts} tries)"
+        await self._own(live, _on_row(m.compensation_failed, message, now))
 
     # -------------------------------------------------------------------------------- timers
 

@@ -29,6 +29,9 @@ from ._helpers import InlineSqliteStore
 Log = list[tuple[Any, ...]]
 
 
+PARKED_THEN_WOKEN = ["started", "step", "step", "parked", "woken", "step", "completed"]
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> InlineSqliteStore:
     return InlineSqliteStore(str(tmp_path / "flows.db"))
@@ -210,15 +213,7 @@ async def test_park_then_wake_resumes_with_the_payload(store, autojump_clock) ->
         )
         done = await settle(engine, "o1")
         assert done.state is flow.State.COMPLETED and done.data["shipped"]
-        assert await kinds(engine, "o1") == [
-            "started",
-            "step",
-            "step",
-            "parked",
-            "woken",
-            "step",
-            "completed",
-        ]
+        assert await kinds(engine, "o1") == PARKED_THEN_WOKEN
         stats = engine.statistics()
         assert stats.parked == 0 and stats.wakes[flow.Delivery.RESUMED] == 1
     assert log == [("reserve", 1), ("charge", 1), ("ship", {"payment": "ok"}, False)]
@@ -342,15 +337,7 @@ async def test_a_wake_before_the_deadline_disarms_the_timeout(store, autojump_cl
         assert await engine.wake("o", "ok") is flow.Delivery.RESUMED
         assert (await settle(engine, "o")).state is flow.State.COMPLETED
         await trio.sleep(100)  # the deadline passes; the stale timer does nothing
-        assert await kinds(engine, "o") == [
-            "started",
-            "step",
-            "step",
-            "parked",
-            "woken",
-            "step",
-            "completed",
-        ]
+        assert await kinds(engine, "o") == PARKED_THEN_WOKEN
         assert engine.statistics().conflicts == 0
 
 
