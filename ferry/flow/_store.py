@@ -323,9 +323,11 @@ class Existing:
 
 @attrs.frozen
 class Changed:
-    """The transition ran on the held row and was recorded (if ``transition.written``)."""
+    """The transition ran on the held row and was recorded (if ``transition.written``);
+    `before` is the row it ran on."""
 
     transition: Transition
+    before: Flow
 
 
 @attrs.frozen
@@ -347,7 +349,16 @@ class Missing:
     flow_id: str
 
 
-Result: TypeAlias = Created | Existing | Changed | Conflict | Missing
+@attrs.frozen
+class Refused:
+    """The op's transition raised (a bug in the caller's transition, never a race): nothing was
+    written for it, and the other ops of the batch are not affected."""
+
+    flow_id: str
+    error: Exception = attrs.field(eq=False)
+
+
+Result: TypeAlias = Created | Existing | Changed | Conflict | Missing | Refused
 
 
 class _Batch:
@@ -409,13 +420,16 @@ class _Batch:
         sql, tx = self.sql, self.tx
         known = op.flow
         if known is not None and op.message_id is None and not op.head:
-            t = op.apply(known, EMPTY_MAILBOX)
+            try:
+                t = op.apply(known, EMPTY_MAILBOX)
+            except Exception as exc:
+                return Refused(op.flow_id, exc)
             if t.written:
                 if not self.cas(t, op.owner):
                     return self.conflict(op.flow_id, t.expected)
                 self.record(t)
             self.messages(t)
-            return Changed(t)
+            return Changed(t, known)
         if known is not None:
             if op.owner is None:
                 held = tx.execute(sql.hold, (op.flow_id, known.revision))
@@ -441,33 +455,42 @@ class _Batch:
             head = tx.execute(sql.head, (op.flow_id,))
             if head:
                 queued = (Message(head[0][0], head[0][1]),)
-        t = op.apply(flow, Mailbox(queued, seen) if queued or seen else EMPTY_MAILBOX)
+        try:
+            t = op.apply(flow, Mailbox(queued, seen) if queued or seen else EMPTY_MAILBOX)
+        except Exception as exc:  # nothing was changed yet: the held row is as it was
+            return Refused(op.flow_id, exc)
         if t.written:
             if not self.cas(t, None):  # cannot happen while the row is held; never write blind
                 return self.conflict(op.flow_id, t.expected)
             self.record(t)
         self.messages(t)
-        return Changed(t)
+        return Changed(t, flow)
+
+
+def _flow_id(op: Op) -> str:
+    return op.flow_id if isinstance(op, Change) else op.transition.flow.flow_id
 
 
 def write_batch(tx: Tx, ops: Sequence[Op], *, ns: str = "flow") -> list[Result]:
-    """Apply `ops` in order in this transaction; one result per op, in order.
+    """Apply `ops` in this transaction; one result per op, in the order of `ops`.
 
-    Each op's compare-and-set is checked on its own: an op that finds another revision gets
-    `Conflict` (or `Missing`) and writes nothing, and the others are applied. Raises only on a
-    database error (the caller's transaction then rolls back, and every op fails with it).
-    Cost: a few statements per op plus one ``executemany`` for all history rows.
+    Ops run in flow id order (the ops of one flow in the order given), so that concurrent
+    batches take row locks in one global order and cannot deadlock on PostgreSQL. Each op's
+    compare-and-set is checked on its own: an op that finds another revision gets `Conflict`
+    (or `Missing`) and writes nothing, and the others are applied; an op whose transition raises
+    gets `Refused`. Raises only on a database error (the caller's transaction then rolls back,
+    and every op fails with it). Cost: a few statements per op plus one ``executemany`` for all
+    history rows, and a sort of the batch.
     """
     batch = _Batch(tx, _Sql.of(ns, tx.dialect))
-    results: list[Result] = []
-    for op in ops:
-        if isinstance(op, Change):
-            results.append(batch.change(op))
-        else:
-            results.append(batch.create(op))
+    results: list[Result | None] = [None] * len(ops)
+    order = sorted(range(len(ops)), key=lambda i: _flow_id(ops[i]))
+    for i in order:
+        op = ops[i]
+        results[i] = batch.change(op) if isinstance(op, Change) else batch.create(op)
     if batch.history:
         tx.executemany(batch.sql.history, batch.history)
-    return results
+    return results  # type: ignore[return-value]  # every slot is filled
 
 
 # -------------------------------------------------------------------------------------- reads

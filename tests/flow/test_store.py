@@ -330,3 +330,24 @@ async def test_wake_and_park_race_never_loses_the_wake(make_store: StoreFactory)
         assert changed(out["wake"]).delivery in (Delivery.QUEUED, Delivery.RESUMED)
         box = await a.transact(partial(s.load_mailbox, flow_id=f.flow_id))
         assert box.queued == ()
+
+
+async def test_a_transition_that_raises_is_refused_alone(store: Store) -> None:
+    flows = [await started(store, f"r{i}") for i in range(3)]
+
+    def broken(_f: Flow, _b: Mailbox) -> Transition:
+        raise RuntimeError("a bug")
+
+    ops = [
+        step(flows[2]),
+        s.Change("r1", broken),
+        step(flows[0]),
+        s.Change("r1", broken, flow=flows[1]),
+    ]
+    results = await write(store, *ops)
+    assert isinstance(results[0], s.Changed) and isinstance(results[2], s.Changed)
+    assert isinstance(results[1], s.Refused) and isinstance(results[3], s.Refused)
+    assert str(results[1].error) == "a bug"
+    assert changed(results[0]).flow.flow_id == "r2"  # results come back in the order of the ops
+    stored = await load(store, "r1")
+    assert stored == flows[1]
