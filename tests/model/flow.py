@@ -19,11 +19,12 @@ Actors and their steps
 - an engine (`Engine`; the model keeps a tuple of them so that issue 10 can run two) is up or
   down. Up, it has at most one runner for the flow and at most one armed timer:
   - runner ``(READY,)``: read the row; run it if it is running or compensating, arm its timer if
-    it is parked with a deadline, else stop. ``(RUN, copy)``: run the step's or the
+    it is parked with a deadline, else stop. ``(RUN, copy, failures)``: run the step's or the
     compensation's body once (the side effect, counted per idempotency key), which continues,
-    completes, parks, fails or raises as the bound allows. ``(DONE, copy, result)``: ask the
-    machine for the transition (`step_done`; `next_attempt` after a raise with attempts left,
-    else `step_failed`; `compensated`; `next_attempt` or `compensation_failed`) and write it as a
+    completes, parks, fails or raises as the bound allows. ``(DONE, copy, result, failures)``:
+    ask the machine for the transition (`step_done`; `next_attempt` after a raise while this
+    drive has raised fewer than ``attempts`` times, else `step_failed`; `compensated`;
+    `next_attempt` or `compensation_failed`) and write it as a
     compare-and-set on `copy`: accepted, the runner goes on with the new row (or stops, arming a
     timer for a park); refused, it reads again. A write may also commit and lose its answer (a
     cancelled or broken connection during COMMIT, ADR 0011): the engine cannot tell, and sends
@@ -60,8 +61,10 @@ exactly when a ``woken`` event names it, at most once; a timeout never fires aft
 accepted for that park (nor a wake after the timeout); a wake's `Delivery` is what the world's
 ledger says (DUPLICATE iff its id was accepted, STALE iff the flow ended, RESUMED iff parked);
 the mailbox never gets a second message with one id (the store's unique key). On every body
-run: runs per idempotency key <= 1 + crashes that hit an unrecorded run of it + its retries
-(``attempts - 1``) + resumes that re-drove it.
+run: never for a step or compensation whose outcome is recorded; its attempt number above every
+earlier run's (attempt numbers never repeat, ADR 0024); runs per idempotency key <= 1 + crashes
+that hit an unrecorded run of it + resumes that re-drove it + its retries (``attempts - 1`` in
+each drive: the engine's retry budget is in memory, so a crash gives a fresh one).
 
 In every terminal state (nothing can move): the flow is `COMPLETED`, `FAILED` or `BLOCKED` with
 a reason; a completed flow compensated nothing; a failed one compensated every completed step
@@ -163,10 +166,14 @@ class FlowProtocol:
     #: recovery arms the timers of parked flows
     recovery_arms_timers = True
 
-    def retries(self, flow: Flow, shape: Shape) -> bool:
-        """After a raise: run again (`next_attempt`) or give up (`step_failed`,
-        `compensation_failed`)."""
-        return flow.attempt < shape.attempts[flow.step_index]
+    #: recovery writes `next_attempt` before it re-runs a step or compensation (ADR 0024)
+    recovery_bumps_attempt = True
+
+    def retries(self, flow: Flow, shape: Shape, failures: int) -> bool:
+        """After the body raised for the ``failures + 1``-th time in this drive of the flow: run
+        again (`next_attempt`), or give up (`step_failed`, `compensation_failed`). The budget
+        is the engine's memory: a crash does not use it up (ADR 0024)."""
+        return failures + 1 < shape.attempts[flow.step_index]
 
     def step_done(
         self, flow: Flow, mailbox: Mailbox, shape: Shape, outcome: Outcome, now: float
@@ -211,8 +218,8 @@ class Engine(NamedTuple):
     """One engine's memory: lost on a crash."""
 
     up: bool
-    # (READY,) | (RUN, copy) | (DONE, copy, result) | (RECOVER, copy) | (BLOCK, copy); None: not
-    # running the flow
+    # (READY,) | (RUN, copy, failures) | (DONE, copy, result, failures) | (RECOVER, copy) |
+    # (BLOCK, copy); None: not running the flow. `failures`: raises in this drive of the flow.
     runner: tuple[Any, ...] | None
     timer: Flow | None  # the parked row it armed a timer for (at its `park_deadline`)
     plan: bool  # it has the flow's plan version (else it blocks the flow instead of running it)
@@ -239,6 +246,8 @@ class Ghost(NamedTuple):
     park: str  # the current park: "" (none yet), "open", "woken", "timed_out", "cancelled"
     ledger: tuple[tuple[str, int, str], ...]  # accepted wakes in order: (id, parks then, status)
     runs: tuple[int, ...]  # body runs per key: steps, then compensations
+    drives: tuple[int, ...]  # drives (runs with a fresh retry budget) per key
+    attempts: tuple[int, ...]  # the attempt number of the last run, per key
     hits: tuple[int, ...]  # crashes that hit a run whose outcome was not written, per key
     resumes: tuple[int, ...]  # resumes that re-drove each key
     undoing: bool  # the flow compensated or failed: it never runs forward again
@@ -283,10 +292,10 @@ class FlowChecker(Search):
 
     def initial(self) -> S:
         t = fm.start(self.shape, "f", "{}", 0.0)
-        engines = [Engine(True, (RUN, t.flow), None, True)]
+        engines = [Engine(True, (RUN, t.flow, 0), None, True)]
         engines += [Engine(True, None, None, True)] * (self.config.engines - 1)
-        keys = 2 * self.n
-        ghost = Ghost(frozenset(), (), (), (), "", (), (0,) * keys, (0,) * keys, (0,) * keys, False)
+        zero = (0,) * (2 * self.n)
+        ghost = Ghost(frozenset(), (), (), (), "", (), zero, zero, zero, zero, zero, False)
         return S(t.flow, t.mailbox, 0.0, tuple(engines), World(0, False, 0, 0, 0, 0), ghost)
 
     def canon(self, m: S) -> Any:
@@ -444,7 +453,8 @@ class FlowChecker(Search):
                 resumes = _bumped(resumes, key)
         if woken != taken:
             raise _step_violation(step, f"messages {sorted(taken - woken)} taken but not woken")
-        return g._replace(
+        before = g
+        g = g._replace(
             outcomes=outcomes,
             done=done,
             compensated=comps,
@@ -452,6 +462,11 @@ class FlowChecker(Search):
             park=park_state,
             resumes=resumes,
         )
+        # A key whose outcome is recorded never runs again (checked at every run): its counters
+        # are forgotten, so that states that differ only in a finished key's past are one.
+        finished = [*(outcomes - before.outcomes)]
+        finished += [self.n + i for i in comps[len(before.compensated) :]]
+        return _forget(g, finished) if finished else g
 
     def _key(self, flow: Flow) -> int:
         """The idempotency key (step or compensation) a running or compensating row is at."""
@@ -469,10 +484,11 @@ class FlowChecker(Search):
         engines[e] = engines[e]._replace(**changes)
         return m._replace(engines=tuple(engines))
 
-    def _after_write(self, m: S, e: int, flow: Flow) -> S:
+    def _after_write(self, m: S, e: int, flow: Flow, failures: int = 0) -> S:
         """The runner goes on with the row it wrote: runs it, or arms a timer for a park."""
         if flow.state in ACTIVE:
-            return self._set_engine(m, e, runner=(RUN if m.engines[e].plan else BLOCK, flow))
+            runner = (RUN, flow, failures) if m.engines[e].plan else (BLOCK, flow)
+            return self._set_engine(m, e, runner=runner)
         if flow.state is PARKED and flow.park_deadline is not None:
             return self._set_engine(m, e, runner=None, timer=flow)
         return self._set_engine(m, e, runner=None)
@@ -491,11 +507,14 @@ class FlowChecker(Search):
             label = f"engine {e} reads revision {row.revision}: {_where(row)}"
             yield label, self._after_write(m, e, row)
         elif phase == RUN:
-            yield from self._run_body(m, e, runner[1])
+            yield from self._run_body(m, e, runner[1], runner[2])
         elif phase == DONE:
-            yield from self._write_result(m, e, runner[1], runner[2])
+            yield from self._write_result(m, e, runner[1], runner[2], runner[3])
         else:
             copy, p, now = runner[1], self.protocol, m.now
+            if phase == RECOVER and not p.recovery_bumps_attempt:
+                yield f"engine {e} recovers {_where(copy)}", self._after_write(m, e, copy)
+                return
             if phase == RECOVER:
                 what = f"engine {e} recovers {_where(copy)}: next_attempt"
                 write = Write(lambda f, _b: p.next_attempt(f, now), copy)
@@ -511,37 +530,46 @@ class FlowChecker(Search):
                 label = f"{what} (revision {t.flow.revision})"
                 yield label, self._after_write(self._record(m, t, label), e, t.flow)
 
-    def _run_body(self, m: S, e: int, copy: Flow) -> Iterator[tuple[str, S]]:
-        key = self._key(copy)
+    def _run_body(self, m: S, e: int, copy: Flow, failures: int) -> Iterator[tuple[str, S]]:
+        key, name = self._key(copy), self._key_name(self._key(copy))
         spec = self.config.steps[copy.step_index]
         results = spec.outcomes if key < self.n else spec.compensation
         assert results is not None
         g = m.ghost
+        label = f"engine {e} runs {name}, attempt {copy.attempt}"
+        if copy.step_index in (g.outcomes if key < self.n else g.compensated):
+            raise _step_violation(label, f"{name} ran again after its outcome was recorded")
+        if copy.attempt <= g.attempts[key]:
+            raise _step_violation(
+                label, f"{name} ran as attempt {copy.attempt} again (attempts never repeat)"
+            )
         runs = _bumped(g.runs, key)
-        label = f"engine {e} runs {self._key_name(key)}, attempt {copy.attempt}"
-        allowed = 1 + g.hits[key] + spec.attempts - 1 + g.resumes[key]
+        drives = g.drives if failures else _bumped(g.drives, key)
+        retries = (spec.attempts - 1) * drives[key]
+        allowed = 1 + g.hits[key] + g.resumes[key] + retries
         if runs[key] > allowed:
             raise _step_violation(
                 label,
-                f"{self._key_name(key)} ran {runs[key]} times; allowed {allowed} (1 + crashes"
-                f" that hit it {g.hits[key]} + retries {spec.attempts - 1} + resumes"
-                f" {g.resumes[key]})",
+                f"{name} ran {runs[key]} times; allowed {allowed} (1 + crashes that hit it"
+                f" {g.hits[key]} + resumes {g.resumes[key]} + retries {retries}:"
+                f" {spec.attempts - 1} in each of {drives[key]} drives)",
             )
-        nxt = m._replace(ghost=g._replace(runs=runs))
+        attempts = (*g.attempts[:key], copy.attempt, *g.attempts[key + 1 :])
+        nxt = m._replace(ghost=g._replace(runs=runs, drives=drives, attempts=attempts))
         for result in results:
-            yield f"{label}: {result}", self._set_engine(nxt, e, runner=(DONE, copy, result))
+            runner = (DONE, copy, result, failures)
+            yield f"{label}: {result}", self._set_engine(nxt, e, runner=runner)
 
-    def _runner_write(self, copy: Flow, result: str, now: float) -> Write:
+    def _runner_write(self, copy: Flow, result: str, failures: int, now: float) -> Write:
         """The runner's write for its body's `result` (a compare-and-set on `copy`)."""
         p, shape = self.protocol, self.shape
-        retry = p.retries(copy, shape)
         apply: Apply
         if copy.state is RUNNING and result != "raise":
             outcomes: dict[str, Outcome] = {"continue": CONTINUE, "complete": COMPLETE}
             outcome = fail("declined") if result == "fail" else outcomes.get(result, self.park)
             apply = lambda f, b: p.step_done(f, b, shape, outcome, now)  # noqa: E731
             return Write(apply, copy, head=result == "park")
-        if result == "raise" and retry:
+        if result == "raise" and p.retries(copy, shape, failures):
             apply = lambda f, _b: p.next_attempt(f, now)  # noqa: E731
         elif copy.state is RUNNING:
             apply = lambda f, _b: p.step_failed(f, shape, "the body raised", now)  # noqa: E731
@@ -551,8 +579,10 @@ class FlowChecker(Search):
             apply = lambda f, _b: p.compensation_failed(f, "it raised", now)  # noqa: E731
         return Write(apply, copy)
 
-    def _write_result(self, m: S, e: int, copy: Flow, result: str) -> Iterator[tuple[str, S]]:
-        t = self._write(m, self._runner_write(copy, result, m.now))
+    def _write_result(
+        self, m: S, e: int, copy: Flow, result: str, failures: int
+    ) -> Iterator[tuple[str, S]]:
+        t = self._write(m, self._runner_write(copy, result, failures, m.now))
         what = f"engine {e} writes {self._key_name(self._key(copy))} {result}"
         if t is None:
             self.coverage.add("write refused")
@@ -561,7 +591,8 @@ class FlowChecker(Search):
             return
         label = f"{what}: revision {t.flow.revision}, {_where(t.flow)}"
         done = self._record(m, t, label)
-        yield label, self._after_write(done, e, t.flow)
+        retried = result == "raise" and self.protocol.retries(copy, self.shape, failures)
+        yield label, self._after_write(done, e, t.flow, failures + 1 if retried else 0)
         if m.world.ambiguous < self.config.ambiguous and t.written:
             self.coverage.add("answer lost")
             lost = f"{label} (committed, answer lost: the engine writes it again)"
@@ -730,6 +761,21 @@ class FlowChecker(Search):
         for seq, (mid, parks, status) in enumerate(g.ledger):
             if status == "queued" and any(j == -1 or j > seq for j in g.took[parks:]):
                 raise AssertionError(f"wake {mid!r} accepted before a park that did not take it")
+
+
+def _forget(g: Ghost, keys: list[int]) -> Ghost:
+    """`g` with the run counters of `keys` at zero."""
+
+    def zeroed(counts: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(0 if k in keys else c for k, c in enumerate(counts))
+
+    return g._replace(
+        runs=zeroed(g.runs),
+        drives=zeroed(g.drives),
+        attempts=zeroed(g.attempts),
+        hits=zeroed(g.hits),
+        resumes=zeroed(g.resumes),
+    )
 
 
 def _bumped(counts: tuple[int, ...], key: int) -> tuple[int, ...]:

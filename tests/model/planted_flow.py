@@ -69,10 +69,10 @@ class TimerWithoutRevisionCheck(FlowProtocol):
 
 
 class RetryOnceTooOften(FlowProtocol):
-    """(5) A raising body is retried while ``attempt <= attempts``: one run more than allowed."""
+    """(5) A raising body is retried while ``failures <= attempts``: one run more than allowed."""
 
-    def retries(self, flow: Flow, shape: Shape) -> bool:
-        return flow.attempt <= shape.attempts[flow.step_index]
+    def retries(self, flow: Flow, shape: Shape, failures: int) -> bool:
+        return failures + 1 <= shape.attempts[flow.step_index]
 
 
 class WriteRevisionFromCopy(FlowProtocol):
@@ -97,3 +97,10 @@ class RecoveryForgetsTimers(FlowProtocol):
     when the engine crashed stays parked for ever."""
 
     recovery_arms_timers = False
+
+
+class RecoveryReusesTheAttempt(FlowProtocol):
+    """(9) Recovery re-runs the step without writing `next_attempt` first: a run after a crash
+    claims the attempt number of a run that may already have happened."""
+
+    recovery_bumps_attempt = False

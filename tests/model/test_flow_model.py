@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -13,6 +12,7 @@ from ferry.flow import _machine as fm
 from ferry.flow import _store as store
 from ferry.flow._machine import EMPTY_MAILBOX, Flow, Message, Received, Shape, Transition
 from ferry.flow._types import CONTINUE, State, park
+from tests.flow._helpers import _InlineTx
 from tests.model.checker import Counterexample
 from tests.model.configs import FLOW_DEFAULT, FLOW_SLOW, PLAN_MISSING
 from tests.model.flow import FlowChecker, FlowConfig, FlowProtocol, S, Write
@@ -20,6 +20,7 @@ from tests.model.planted_flow import (
     CompensateOldestFirst,
     ParkIgnoresQueue,
     RecoveryForgetsTimers,
+    RecoveryReusesTheAttempt,
     RetryOnceTooOften,
     TimerWithoutRevisionCheck,
     WakeForgetsSeen,
@@ -144,10 +145,16 @@ def test_catches_a_parked_flow_stranded_by_recovery() -> None:
     ]
 
 
+def test_catches_a_rerun_that_repeats_an_attempt_number() -> None:
+    found = _counterexample(BASE, RecoveryReusesTheAttempt(), check_machine=False)
+    assert found.message == "step 'reserve' ran as attempt 1 again (attempts never repeat)"
+    assert found.trace[1].startswith("engine 0 crashes (step 'reserve' ran")
+
+
 def test_unplanted_protocol_flags_are_on() -> None:
     p = FlowProtocol()
     assert p.runner_cas and p.blind_write_bumps_stored_revision
-    assert p.timer_checks_revision and p.recovery_arms_timers
+    assert p.timer_checks_revision and p.recovery_arms_timers and p.recovery_bumps_attempt
 
 
 # ---- a machine bug the model found: cancel does not fail closed on a missing plan version ------
@@ -217,22 +224,6 @@ def test_cancel_without_the_plan_version_keeps_the_flow_resumable(parked: bool) 
 # ---- fidelity: the model's store is the real store ---------------------------------------------
 
 
-class _Tx:
-    """A synchronous `ferry.projected.Tx` on one sqlite3 connection."""
-
-    dialect = "sqlite"
-
-    def __init__(self, connection: sqlite3.Connection) -> None:
-        self.connection = connection
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        cur = self.connection.execute(sql, params)
-        return cur.fetchall() if cur.description is not None else []
-
-    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-        self.connection.executemany(sql, rows)
-
-
 class StoreMirror(FlowChecker):
     """The model, with every write it makes also sent to the real store (`_store.write_batch`
     on SQLite, from the model's state, then rolled back); both must agree on the result, the
@@ -240,7 +231,7 @@ class StoreMirror(FlowChecker):
 
     def __init__(self, config: FlowConfig, *, drift: bool = False) -> None:
         super().__init__(config)
-        self.tx = _Tx(sqlite3.connect(":memory:", isolation_level=None))
+        self.tx = _InlineTx(sqlite3.connect(":memory:", isolation_level=None))
         self.tx.execute("BEGIN")
         store.create_schema(self.tx)
         self.tx.execute("COMMIT")
@@ -262,7 +253,8 @@ class StoreMirror(FlowChecker):
                 _agree("a refused write", result, refused)
                 _agree("the row", store.load(tx, "f"), m.row)
             else:
-                _agree("the transition", result, store.Changed(t))
+                before = m.row if w.copy is None else w.copy
+                _agree("the transition", result, store.Changed(t, before))
                 _agree("the row", store.load(tx, "f"), t.flow if t.written else m.row)
                 _agree("the history", store.load_history(tx, "f"), list(t.events))
                 box = store.load_mailbox(tx, "f")
