@@ -203,6 +203,15 @@ class Search:
                 self._guard(parent, mkey, None, lambda m=m: self._check_terminal(m))
         return Report(self.name, len(parent), transitions, time.perf_counter() - t0)
 
+    def find(self) -> Counterexample:
+        """The counterexample `run` raises (printed); `AssertionError` if there is none."""
+        try:
+            report = self.run()
+        except Counterexample as found:
+            print(f"\n{found}")
+            return found
+        raise AssertionError(f"no counterexample in {report.states} states ({self.name})")
+
     def _guard(self, parent: dict[Any, Any], key: Any, _: object, fn: Any) -> Any:
         try:
             return fn()
