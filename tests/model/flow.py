@@ -24,20 +24,24 @@ Actors and their steps
     completes, parks, fails or raises as the bound allows. ``(DONE, copy, result, failures)``:
     ask the machine for the transition (`step_done`; `next_attempt` after a raise while this
     drive has raised fewer than ``attempts`` times, else `step_failed`; `compensated`;
-    `next_attempt` or `compensation_failed`) and write it as a
-    compare-and-set on `copy`: accepted, the runner goes on with the new row (or stops, arming a
-    timer for a park); refused, it reads again. A write may also commit and lose its answer (a
+    `next_attempt` or `compensation_failed`) and write it as a compare-and-set on `copy`:
+    accepted, the runner goes on with the new row (or stops, arming a timer for a park);
+    refused, it reads again (`Engine._own`). A write may also commit and lose its answer (a
     cancelled or broken connection during COMMIT, ADR 0011): the engine cannot tell, and sends
-    the same write again. ``(RECOVER, copy)``: recovery's `next_attempt`, written before the
-    re-run (SPEC 5.4: attempt + 1).
+    the same write again. The real runner is also cancelled when someone else moves its flow;
+    here it runs on and finds out at its write, which allows every interleaving the real one
+    has.
   - timer: fires once the clock reaches the armed deadline: `timeout` on the held row with
-    ``expected=`` the armed revision. If the flow runs on, the engine runs it.
-  - crash: the engine loses its runner and its timer. Restart: recovery as SPEC 5.4 says for one
-    engine: a running or compensating flow is re-run as attempt + 1; a parked one gets its timer.
-    With ``unregistered``, a restart may come up without the flow's plan version (a deploy that
+    ``expected=`` the armed revision (`Engine._fire`). If the flow runs on, the engine runs it.
+  - crash: the engine loses its runner, its retry budget and its timer. Restart: recovery as
+    SPEC 5.4 says for one engine, in one step because `open_engine` finishes it before it lets
+    any call in (`Engine._recover`): a running or compensating flow gets `next_attempt` written
+    (attempt + 1, ADR 0024) and runs again; a parked one gets its timer. With
+    ``unregistered``, a restart may come up without the flow's plan version (a deploy that
     dropped it): versions fail closed, so that engine blocks an active flow instead of running
-    it (``(BLOCK, copy)``: `block` as a compare-and-set), and asks `wake`, `timeout`, `cancel`
-    and `resume` with no plan (``shape=None``). A later restart may bring the plan back.
+    it (at recovery, or ``(BLOCK, copy)``: `block` as a compare-and-set), and asks `wake`,
+    `timeout`, `cancel` and `resume` with no plan (``shape=None``). A later restart may bring
+    the plan back.
 - the outside world, through any engine that is up: sends each wake of the bound once, in order
   (``message_id`` from the bound: two equal ids make a duplicate), at any moment, so before the
   park, during it and after it; cancels once; resumes a `BLOCKED` flow (bounded); or stops
@@ -89,7 +93,7 @@ COMPLETED, FAILED, BLOCKED = State.COMPLETED, State.FAILED, State.BLOCKED
 ACTIVE = (RUNNING, COMPENSATING)
 
 # Runner phases (first element of an engine's runner tuple).
-READY, RUN, DONE, RECOVER, BLOCK = "ready", "run", "done", "recover", "block"
+READY, RUN, DONE, BLOCK = "ready", "run", "done", "block"
 # What a body may do: a step's outcomes, "raise"; a compensation: "ok" or "raise".
 STEP_RESULTS = ("continue", "complete", "park", "fail", "raise")
 COMPENSATION_RESULTS = ("ok", "raise")
@@ -218,8 +222,8 @@ class Engine(NamedTuple):
     """One engine's memory: lost on a crash."""
 
     up: bool
-    # (READY,) | (RUN, copy, failures) | (DONE, copy, result, failures) | (RECOVER, copy) |
-    # (BLOCK, copy); None: not running the flow. `failures`: raises in this drive of the flow.
+    # (READY,) | (RUN, copy, failures) | (DONE, copy, result, failures) | (BLOCK, copy); None:
+    # not running the flow. `failures`: raises in this drive of the flow.
     runner: tuple[Any, ...] | None
     timer: Flow | None  # the parked row it armed a timer for (at its `park_deadline`)
     plan: bool  # it has the flow's plan version (else it blocks the flow instead of running it)
@@ -511,24 +515,21 @@ class FlowChecker(Search):
         elif phase == DONE:
             yield from self._write_result(m, e, runner[1], runner[2], runner[3])
         else:
-            copy, p, now = runner[1], self.protocol, m.now
-            if phase == RECOVER and not p.recovery_bumps_attempt:
-                yield f"engine {e} recovers {_where(copy)}", self._after_write(m, e, copy)
-                return
-            if phase == RECOVER:
-                what = f"engine {e} recovers {_where(copy)}: next_attempt"
-                write = Write(lambda f, _b: p.next_attempt(f, now), copy)
-            else:
-                reason = fm.mismatch(copy, None)
-                assert reason is not None
-                what = f"engine {e} lacks the plan: blocks {_where(copy)}"
-                write = Write(lambda f, _b: p.block(f, reason, now), copy)
-            t = self._write(m, write)
+            assert phase == BLOCK
+            copy = runner[1]
+            what = f"engine {e} lacks the plan: blocks {_where(copy)}"
+            t = self._write(m, self._block(copy, m.now))
             if t is None:
                 yield f"{what}: refused", self._set_engine(m, e, runner=(READY,))
             else:
                 label = f"{what} (revision {t.flow.revision})"
                 yield label, self._after_write(self._record(m, t, label), e, t.flow)
+
+    def _block(self, copy: Flow, now: float) -> Write:
+        """An engine that lacks the plan version blocks the flow (a compare-and-set on `copy`)."""
+        reason = fm.mismatch(copy, None)
+        assert reason is not None
+        return Write(lambda f, _b: self.protocol.block(f, reason, now), copy)
 
     def _run_body(self, m: S, e: int, copy: Flow, failures: int) -> Iterator[tuple[str, S]]:
         key, name = self._key(copy), self._key_name(self._key(copy))
@@ -630,25 +631,34 @@ class FlowChecker(Search):
         return label, m._replace(world=world, ghost=g)
 
     def _restart(self, m: S, e: int) -> Iterator[tuple[str, S]]:
-        """Recovery (SPEC 5.4, one engine): re-run an active flow as attempt + 1 (block it if
-        the plan version is missing), arm the timer of a parked one."""
-        row, w = m.row, m.world
+        """Recovery (SPEC 5.4, one engine), done before `open_engine` lets any call in: an
+        active flow gets attempt + 1 written and runs again (or is blocked if the plan version
+        is missing); a parked one gets its timer."""
+        row, w, p, now = m.row, m.world, self.protocol, m.now
         self.coverage.add(f"restart {row.state.name}")
-        timer = row if row.state is PARKED and row.park_deadline is not None else None
-        if not self.protocol.recovery_arms_timers:
-            timer = None
         plans = [True] + ([False] if w.unregistered < self.config.unregistered else [])
         for plan in plans:
-            label = f"engine {e} restarts and recovers {_where(row)}"
-            nxt = m
+            label = f"engine {e} restarts"
+            nxt = self._set_engine(m, e, up=True, plan=plan)
             if not plan:
-                label = f"engine {e} restarts without plan 'order' v1, recovers {_where(row)}"
-                nxt = m._replace(world=w._replace(unregistered=w.unregistered + 1))
-            if row.state in ACTIVE:
-                runner = (RECOVER if plan else BLOCK, row)
-                yield label, self._set_engine(nxt, e, up=True, runner=runner, plan=plan)
+                label += " without plan 'order' v1"
+                nxt = nxt._replace(world=w._replace(unregistered=w.unregistered + 1))
+            label += f", recovers {_where(row)}"
+            if row.state in ACTIVE and plan and not p.recovery_bumps_attempt:
+                yield label, self._set_engine(nxt, e, runner=(RUN, row, 0))
+            elif row.state in ACTIVE:
+                if plan:
+                    write = Write(lambda f, _b: p.next_attempt(f, now), row)
+                else:
+                    write = self._block(row, now)
+                t = self._write(nxt, write)
+                assert t is not None  # nothing else writes during recovery
+                label += f": revision {t.flow.revision}, {_where(t.flow)}"
+                yield label, self._after_write(self._record(nxt, t, label), e, t.flow)
+            elif row.state is PARKED and row.park_deadline is not None and p.recovery_arms_timers:
+                yield label, self._set_engine(nxt, e, timer=row)
             else:
-                yield label, self._set_engine(nxt, e, up=True, timer=timer, plan=plan)
+                yield label, nxt
 
     def _shape(self, m: S, e: int) -> Shape | None:
         """The plan as engine e has it (None: it lacks the flow's plan version)."""

@@ -138,7 +138,7 @@ def test_catches_a_parked_flow_stranded_by_recovery() -> None:
     assert found.message == "the flow stays PARKED at 'charge' until 10.0"
     assert found.trace[-2:] == [
         "engine 0 crashes",
-        "engine 0 restarts and recovers PARKED at 'charge' until 10.0",
+        "engine 0 restarts, recovers PARKED at 'charge' until 10.0",
     ]
 
 
