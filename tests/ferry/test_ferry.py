@@ -1201,3 +1201,40 @@ async def test_an_exception_from_the_block_alone_comes_out_as_it_was_raised() ->
     with pytest.raises(KeyError):
         async with ferry.open_ferry(_echo):
             raise KeyError("user bug")
+
+
+# ------------------------------------------------------------------------------ memory per caller
+
+
+async def _tracked_per_waiting_caller(open_it: Any, n: int = 4000) -> float:
+    """GC-tracked objects that one more caller parked in a ferry holds (its task included)."""
+    import gc
+
+    async with open_it() as f, trio.open_nursery() as n_:
+        n_.start_soon(f, -1)
+        await settle()
+        gc.collect()
+        before = len(gc.get_objects())
+        for i in range(n):
+            n_.start_soon(f, i)
+        await settle()
+        gc.collect()
+        per = (len(gc.get_objects()) - before) / n
+        n_.cancel_scope.cancel()
+    return per
+
+
+async def test_a_waiting_caller_holds_no_more_gc_tracked_objects_than_before() -> None:
+    """11 per caller parked by `start_soon(f, x)` (a bare trio task alone holds 9), and 16 with a
+    key of its own before the lanes map was an `immutables.Map`. A careless design doubles the
+    cost of every gen-0 collection at 100k waiting callers, so this must not grow."""
+    many = {"max_batch_delay": 1e6, "max_batch_size": 10**9, "max_queueing": 10**9}
+    plain = await _tracked_per_waiting_caller(lambda: ferry.open_ferry(_echo, **many))
+    one_key = await _tracked_per_waiting_caller(
+        lambda: ferry.open_per_key_ferry(_echo_key, key=lambda x: 0, **many)
+    )
+    own_keys = await _tracked_per_waiting_caller(
+        lambda: ferry.open_per_key_ferry(_echo_key, key=lambda x: x, **many)
+    )
+    assert plain <= 11.05 and one_key <= 11.05, (plain, one_key)
+    assert own_keys <= 16.0, own_keys  # plus a lane, its tail tuple, its map and queue slots
