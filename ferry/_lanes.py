@@ -138,6 +138,9 @@ class Limits:
     max_queued_weight: float = math.inf
     direct_calls: bool = False
     one_in_flight: bool = True
+    #: most calls in flight at once, batched or direct (`busy`); `take` and the direct-call rule
+    #: of `admit` respect it. math.inf: no bound beyond the number of workers.
+    max_in_flight: float = math.inf
 
     def __attrs_post_init__(self) -> None:
         assert self.max_batch_size >= 1
@@ -146,6 +149,7 @@ class Limits:
         assert self.max_queueing >= 0
         assert self.max_queued_weight >= 0
         assert not (self.direct_calls and not self.one_in_flight), "direct calls are per-key only"
+        assert self.max_in_flight >= 1
 
 
 @attrs.frozen
@@ -361,16 +365,20 @@ def admit(
 ) -> tuple[Lanes[K, E], Admission, Item[E] | None]:
     """Admission of one input: CLOSED, CLAIMED, ADMITTED or REJECTED, the first whose rule holds.
 
-    CLOSED once `drain` has run; CLAIMED (direct calls on, zero delay, no lane for `key`); ADMITTED
-    if there is room by count and weight; else REJECTED (docs/guide.md, "Backpressure").
-    `submitted` always counts, and one of `after_close`, `direct_calls`, `admitted` or `rejected`
-    by outcome. CLAIMED makes
-    a busy lane with no items for `key` (the caller makes a direct call, then `release`s). Only
-    ADMITTED returns the new `Item` (keep it to `cancel`). `rank=None` orders by arrival; a lane
-    holds either rank-free or ranked items, not both. Never raises on a valid state.
+    - CLOSED once `drain` has run;
+    - CLAIMED when direct calls are on, the delay is zero, `key` has no lane, and the room is quiet:
+      the calls in flight plus the lanes ready for a worker are fewer than `max_in_flight`
+      (ADR 0031). Makes a busy lane with no items for `key`; the caller makes a direct call,
+      then `release`s;
+    - ADMITTED if there is room by count and weight; it returns the new `Item` (keep it to
+      `cancel`). `rank=None` orders by arrival; a lane holds ranked or rank-free items, not both;
+    - else REJECTED (docs/guide.md, "Backpressure").
 
-    Cost: O(log n) in waiting inputs (one map write, one PVector append or one treap insert, at
-    most one heap push); amortized O(1) extra for dead heap tops.
+    `submitted` always counts, and one of `after_close`, `direct_calls`, `admitted` or `rejected`
+    by outcome. Never raises on a valid state.
+
+    Cost: O(log n) in waiting inputs (one map write, one tail copy or treap insert, at most one
+    heap push); amortized O(1) extra for dead heap tops.
     """
     limits = state.limits
     if state.closed:
@@ -378,7 +386,12 @@ def admit(
         return _evolve(state, counts), Admission.CLOSED, None
     lanes = state.lanes
     lane = lanes.get(key)
-    if lane is None and limits.direct_calls and limits.max_batch_delay == 0:
+    if (
+        lane is None
+        and limits.direct_calls
+        and limits.max_batch_delay == 0
+        and state.busy + state.n_ready < limits.max_in_flight
+    ):
         return _claim(state, key), Admission.CLAIMED, None
     new_weight = state.weight + weight
     if state.queued >= limits.max_queueing or new_weight > limits.max_queued_weight:
@@ -545,6 +558,8 @@ def _requeue(
 def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | None]:
     """Promote due lanes, then take the first READY lane's batch; None if nothing is ready.
 
+    Nothing at all (`state` itself, None) while `max_in_flight` calls are in flight.
+
     A batch is the lane's longest prefix within `max_batch_size` and `max_batch_weight`, at
     least one input, tombstones skipped. The lane becomes busy (with the per-key guard: IDLE
     until `release`; without it, the rest is queued again at once). Counts `batches`,
@@ -554,6 +569,8 @@ def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | Non
     skipped on the way are paid for by whoever killed them.
     """
     limits = state.limits
+    if state.busy >= limits.max_in_flight:
+        return state, None  # no call may start before one ends
     lanes = state.lanes
     heap, size = state.waiting, state.waiting_size
     changes: dict[str, Any] = {}
@@ -853,6 +870,7 @@ def check_invariants(state: Lanes[Any, Any]) -> None:
     assert state.queued == queued, f"queued {state.queued} != {queued}"
     assert math.isclose(state.weight, weight, abs_tol=1e-9), f"weight {state.weight} != {weight}"
     assert state.busy == busy, f"busy {state.busy} != {busy}"
+    assert busy <= limits.max_in_flight, f"{busy} calls in flight, above {limits.max_in_flight}"
     assert state.n_ready == n_ready, f"n_ready {state.n_ready} != {n_ready}"
     assert state.n_waiting == n_waiting, f"n_waiting {state.n_waiting} != {n_waiting}"
     ready = state.ready_keys()

@@ -199,7 +199,7 @@ class Shell:
             except trio.WouldBlock:
                 # Nothing ready: sleep until the bell rings or the earliest deadline passes.
                 # No checkpoint since the failed take, so no ring can have been missed.
-                await self._sleep(room.bell.peek(), room.next_deadline())
+                await self._sleep(room.bell.peek(), room.sleep_deadline())
                 continue
             key = batch.key
             entries = [item.entry for item in batch.items]

@@ -1228,7 +1228,7 @@ async def test_a_waiting_caller_holds_no_more_gc_tracked_objects_than_before() -
     """11 per caller parked by `start_soon(f, x)` (a bare trio task alone holds 9), and 16 with a
     key of its own before the lanes map was an `immutables.Map`. A careless design doubles the
     cost of every gen-0 collection at 100k waiting callers, so this must not grow."""
-    many = {"max_batch_delay": 1e6, "max_batch_size": 10**9, "max_queueing": 10**9}
+    many: dict[str, Any] = {"max_batch_delay": 1e6, "max_batch_size": 10**9, "max_queueing": 10**9}
     plain = await _tracked_per_waiting_caller(lambda: ferry.open_ferry(_echo, **many))
     one_key = await _tracked_per_waiting_caller(
         lambda: ferry.open_per_key_ferry(_echo_key, key=lambda x: 0, **many)
