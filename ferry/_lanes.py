@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import attrs
 import immutables
@@ -152,15 +152,21 @@ class Limits:
         assert self.max_in_flight >= 1
 
 
-@attrs.frozen
-class Item(Generic[E]):
-    """One caller's input: its entry (opaque to the core), weight, submission time, rank, seq."""
+class Item(NamedTuple, Generic[E]):
+    """One caller's input: its entry (opaque to the core), weight, submission time, rank, seq.
+
+    A named tuple, made with `tuple.__new__`: one is made per input, and that costs a third of
+    an attrs record's `__init__`. Compared by identity (`cancel`), never by value.
+    """
 
     entry: E
     weight: float
     submitted: float
     rank: Any
     seq: int
+
+
+_new_tuple = tuple.__new__
 
 
 @attrs.frozen
@@ -315,6 +321,9 @@ def _busy_lane(calls: int) -> Lane[Any]:
     return _lane(False, EMPTY_VECTOR, (), 0, None, 0, 0.0, IDLE, calls, math.inf, 0)
 
 
+_CLAIMED = _busy_lane(1)  # immutable, so every claimed key can share it
+
+
 def empty(limits: Limits) -> Lanes[Any, Any]:
     """A new, open, empty room. O(1)."""
     return Lanes(
@@ -399,7 +408,7 @@ def admit(
         return _evolve(state, counts), Admission.REJECTED, None
 
     seq = state.seq
-    item: Item[E] = Item(entry, weight, now, rank, seq)
+    item: Item[E] = _new_tuple(Item, (entry, weight, now, rank, seq))
     changes: dict[str, Any] = {
         "submitted": state.submitted + 1,
         "admitted": state.admitted + 1,
@@ -498,7 +507,7 @@ def _claim(state: Lanes[K, E], key: K) -> Lanes[K, E]:
     return _evolve(
         state,
         {
-            "lanes": state.lanes.set(key, _busy_lane(1)),
+            "lanes": state.lanes.set(key, _CLAIMED),
             "busy": state.busy + 1,
             "direct_calls": state.direct_calls + 1,
             "submitted": state.submitted + 1,

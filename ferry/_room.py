@@ -47,6 +47,8 @@ def rings(old: Lanes[Any, Any], new: Lanes[Any, Any]) -> bool:
         new.n_ready > old.n_ready or (old.busy >= bound and (new.n_ready or new.waiting_size))
     ):
         return True
+    if not new.waiting_size:
+        return False  # no deadline at all
     return _earlier(_lanes.next_deadline(new), _lanes.next_deadline(old))
 
 

@@ -21,7 +21,7 @@ async def direct_releasing_early(self: Any, entry: Any) -> Any:
     """Planted bug: the real direct call, except that the key is released as the call starts."""
     key = entry.key
     scope = trio.CancelScope()
-    self._direct_scopes.add(scope)
+    self._direct_scopes[scope] = 0.0
     if self._closing:
         scope.cancel()
     stm.atomically_nowait(self.room.release, key, 0.0, False)  # the bug: too early
@@ -31,7 +31,7 @@ async def direct_releasing_early(self: Any, entry: Any) -> Any:
     except Exception as exc:
         raise ferry.Failed("batch call failed") from exc
     finally:
-        self._direct_scopes.discard(scope)
+        del self._direct_scopes[scope]
     if scope.cancelled_caught:
         raise ferry.Closed("closed")
     return self._answers(output, [entry])[0].unwrap()
