@@ -1319,3 +1319,35 @@ async def test_an_idle_key_on_a_loaded_ferry_waits_for_a_batch(
         rec.gate.set()
     assert ("c", [("c", 1), ("c", 2)]) in rec.calls  # one batch, taken when a slot came free
     assert f.statistics().batches == 1
+
+
+async def test_a_direct_call_that_yields_adds_no_schedule_point_of_its_own(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The call's own checkpoint is the checkpoint of `await f(x)`: the caller's task runs one
+    step up to it and one after, as if it had awaited the call itself (ADR 0032). A call that
+    never yields still gets one (test above)."""
+
+    async def call(key: int, xs: list[int]) -> list[int]:
+        await trio.lowlevel.checkpoint()
+        return xs
+
+    counter = StepCounter()
+    async with ferry.open_per_key_ferry(call, key=lambda x: x) as f:
+
+        async def caller() -> None:
+            with trio.testing.assert_checkpoints():
+                assert await f(1) == 1
+
+        async def bare() -> None:
+            assert await call(1, [1]) == [1]
+
+        trio.lowlevel.add_instrument(counter)
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(caller, name="through the ferry")
+                n.start_soon(bare, name="the call alone")
+        finally:
+            trio.lowlevel.remove_instrument(counter)
+        assert f.statistics().direct_calls == 1
+    assert counter.steps["through the ferry"] == counter.steps["the call alone"] == 2
