@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from types import CoroutineType
-from typing import Any, NoReturn, TypeVar, TypeVarTuple, Unpack
+from typing import Any, NoReturn, TypeVar, TypeVarTuple, Unpack, overload
 
 import trio
 
@@ -51,6 +51,9 @@ _here = _txn.here
 _checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
 _cancel_shielded_checkpoint = trio.lowlevel.cancel_shielded_checkpoint
 _wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
+_in_trio_run = trio.lowlevel.in_trio_run
+_trio_current_time = trio.current_time
+_monotonic = time.monotonic
 
 
 def _hang_error() -> RetryWouldHangError:
@@ -168,8 +171,10 @@ def atomically_nowait(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
 
     Commits and returns the result, or raises `trio.WouldBlock` if `fn` retries (nothing is
     committed then). Not a checkpoint; usable in a trio task, a thread, anywhere. It only waits for
-    the commit lock, which is held for short commits (or an irrevocable attempt's `fn`). Raises
-    `TypeError` if `fn` is async, `NestedTransactionError` inside a transaction.
+    the commit lock, which is held for short commits (or an irrevocable attempt's `fn`). A retry
+    deadline is on `trio.current_time()` when called in a thread that runs trio, else on
+    `time.monotonic()`. Raises `TypeError` if `fn` is async, `NestedTransactionError` inside a
+    transaction.
     """
     if _here.txn is not None:
         check_not_nested()
@@ -186,17 +191,52 @@ def atomically_nowait(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
     return result
 
 
-def retry(*, deadline: float | None = None) -> NoReturn:
+@overload
+def retry() -> NoReturn: ...
+@overload
+def retry(*, deadline: float | None) -> None: ...
+def retry(*, deadline: float | None = None) -> None:
     """Abandon this attempt; the transaction blocks, then reruns from the start.
 
-    It reruns once a commit changes a TVar this attempt read, or once `deadline` passes (on the
-    runner's clock: `trio.current_time()` under `atomically`, `time.monotonic()` under
-    `atomically_sync`). Inside `or_else` it moves on to the next alternative instead.
-    Raises `NoTransactionError` outside a transaction.
+    It reruns once a commit changes a TVar this attempt read, or once `deadline` passes. Once
+    `deadline` has passed, `retry` returns normally instead, so the attempt carries on and
+    handles its own timeout (as Scala-STM's `retryFor`): a passed deadline never makes the
+    transaction rerun in a loop. The deadline is on the runner's clock: `trio.current_time()` in
+    a thread running trio (`atomically`, and `atomically_nowait` called there), else
+    `time.monotonic()` (`atomically_sync`, and `atomically_nowait` in other threads). Inside
+    `or_else`, an alternative that retries gives way to the next one. Raises
+    `NoTransactionError` outside a transaction. Not a checkpoint; O(1).
     """
     txn = _here.txn
     if txn is None:
         txn = current()  # raises NoTransactionError
+    if deadline is not None and _now() >= deadline:
+        return
+    _abandon(txn, deadline)
+
+
+def check(condition: object, *, deadline: float | None = None) -> None:
+    """Return if `condition` is true, else `retry(deadline=deadline)`.
+
+    Once `deadline` has passed with `condition` still false, raises `trio.TooSlowError` (an
+    exception from the transaction function: nothing commits, and inside `or_else` the later
+    alternatives do not run). Raises `NoTransactionError` outside a transaction. Not a
+    checkpoint; O(1).
+    """
+    if condition:
+        return
+    txn = _here.txn
+    if txn is None:
+        txn = current()  # raises NoTransactionError
+    if deadline is not None and _now() >= deadline:
+        raise trio.TooSlowError(
+            f"stm.check: the condition was still false when its deadline ({deadline}) passed"
+        )
+    _abandon(txn, deadline)
+
+
+def _abandon(txn: Txn, deadline: float | None) -> NoReturn:
+    """End the attempt in `retry`, recording `deadline` if it is the earliest so far."""
     if deadline is not None:
         d = txn.deadline
         if d is None or deadline < d:
@@ -205,10 +245,12 @@ def retry(*, deadline: float | None = None) -> NoReturn:
     raise Retry
 
 
-def check(condition: object, *, deadline: float | None = None) -> None:
-    """`retry(deadline=deadline)` unless `condition` is true."""
-    if not condition:
-        retry(deadline=deadline)
+def _now() -> float:
+    """The clock retry deadlines are on in this thread: trio's in a thread running trio, else
+    `time.monotonic()`. Not a checkpoint; O(1)."""
+    if _in_trio_run():
+        return _trio_current_time()
+    return _monotonic()
 
 
 def or_else(first: Callable[[], T], second: Callable[[], T], *rest: Callable[[], T]) -> T:

@@ -8,7 +8,10 @@ waiter list of its own. Waiting is the transaction's `retry`; waking is whicheve
 TVar the blocked attempt read. Every operation must be called inside a transaction, for example
 `await stm.atomically(queue.get)` or `stm.atomically_nowait(queue.put, item)`, or from a
 transaction function that does several things at once; outside one it raises
-`NoTransactionError`. The values held in the TVars are pyrsistent structures or tuples, never
+`NoTransactionError`. The operations that wait take an optional `deadline` (on the runner's
+clock, as for `stm.retry`): once it has passed they raise `trio.TooSlowError` instead of waiting
+(`stm.check(..., deadline=...)`), which is also the only timeout a thread in `atomically_sync`
+has. The values held in the TVars are pyrsistent structures or tuples, never
 mutated, so an attempt that reruns starts again from its snapshot.
 
 Design notes:
@@ -83,12 +86,15 @@ class TQueue(Generic[T]):
         """Add `item` at the back. Never retries. O(1) amortized (a PVector append)."""
         self._write.set(self._write.get().append(item))
 
-    def get(self) -> T:
-        """Remove and return the oldest item; retries while the queue is empty. O(1) amortized."""
+    def get(self, *, deadline: float | None = None) -> T:
+        """Remove and return the oldest item; retries while the queue is empty. O(1) amortized.
+
+        Once `deadline` has passed with the queue still empty, raises `trio.TooSlowError`.
+        """
         items, head = self._read.get()
         if head == len(items):  # the read end is used up: take the write end over, O(1)
             items, head = self._write.get(), 0
-            check(items)
+            check(items, deadline=deadline)
             self._write.set(pvector())
         self._read.set((items, head + 1))
         return items[head]
@@ -97,13 +103,16 @@ class TQueue(Generic[T]):
         """`get`, or None instead of retrying when the queue is empty."""
         return or_else(self.get, _none)
 
-    def peek(self) -> T:
-        """The oldest item, left in place; retries while the queue is empty. O(1)."""
+    def peek(self, *, deadline: float | None = None) -> T:
+        """The oldest item, left in place; retries while the queue is empty. O(1).
+
+        Once `deadline` has passed with the queue still empty, raises `trio.TooSlowError`.
+        """
         items, head = self._read.get()
         if head < len(items):
             return items[head]
         back = self._write.get()
-        check(back)
+        check(back, deadline=deadline)
         return back[0]
 
     def __len__(self) -> int:
@@ -130,19 +139,25 @@ class TBQueue(Generic[T]):
         self._room = TVar(capacity)  # free slots `put` may fill without looking at `_freed`
         self._freed = TVar(0)  # slots `get` emptied since `put` last took them back
 
-    def put(self, item: T) -> None:
-        """Add `item` at the back; retries while the queue is full. O(1) amortized."""
+    def put(self, item: T, *, deadline: float | None = None) -> None:
+        """Add `item` at the back; retries while the queue is full. O(1) amortized.
+
+        Once `deadline` has passed with the queue still full, raises `trio.TooSlowError`.
+        """
         room = self._room.get()
         if room == 0:
             room = self._freed.get()
-            check(room)
+            check(room, deadline=deadline)
             self._freed.set(0)
         self._room.set(room - 1)
         self._queue.put(item)
 
-    def get(self) -> T:
-        """Remove and return the oldest item; retries while the queue is empty. O(1) amortized."""
-        item = self._queue.get()
+    def get(self, *, deadline: float | None = None) -> T:
+        """Remove and return the oldest item; retries while the queue is empty. O(1) amortized.
+
+        Once `deadline` has passed with the queue still empty, raises `trio.TooSlowError`.
+        """
+        item = self._queue.get(deadline=deadline)
         self._freed.set(self._freed.get() + 1)
         return item
 
@@ -159,9 +174,12 @@ class TBQueue(Generic[T]):
 
         return or_else(put, _false)
 
-    def peek(self) -> T:
-        """The oldest item, left in place; retries while the queue is empty. O(1)."""
-        return self._queue.peek()
+    def peek(self, *, deadline: float | None = None) -> T:
+        """The oldest item, left in place; retries while the queue is empty. O(1).
+
+        Once `deadline` has passed with the queue still empty, raises `trio.TooSlowError`.
+        """
+        return self._queue.peek(deadline=deadline)
 
     def __len__(self) -> int:
         """The number of items (at most `capacity`)."""
@@ -184,22 +202,31 @@ class TMVar(Generic[T]):
     def __init__(self, value: T | Literal[_Missing.MISSING] = _MISSING) -> None:
         self._box: TVar[tuple[T, ...]] = TVar(() if value is _MISSING else (value,))
 
-    def take(self) -> T:
-        """Empty the box and return its value; retries while it is empty."""
+    def take(self, *, deadline: float | None = None) -> T:
+        """Empty the box and return its value; retries while it is empty.
+
+        Once `deadline` has passed with the box still empty, raises `trio.TooSlowError`.
+        """
         box = self._box.get()
-        check(box)
+        check(box, deadline=deadline)
         self._box.set(())
         return box[0]
 
-    def put(self, value: T) -> None:
-        """Fill the box with `value`; retries while it is full."""
-        check(not self._box.get())
+    def put(self, value: T, *, deadline: float | None = None) -> None:
+        """Fill the box with `value`; retries while it is full.
+
+        Once `deadline` has passed with the box still full, raises `trio.TooSlowError`.
+        """
+        check(not self._box.get(), deadline=deadline)
         self._box.set((value,))
 
-    def read(self) -> T:
-        """The value, left in place; retries while the box is empty."""
+    def read(self, *, deadline: float | None = None) -> T:
+        """The value, left in place; retries while the box is empty.
+
+        Once `deadline` has passed with the box still empty, raises `trio.TooSlowError`.
+        """
         box = self._box.get()
-        check(box)
+        check(box, deadline=deadline)
         return box[0]
 
     def try_take(self) -> T | None:
@@ -233,11 +260,14 @@ class TSemaphore:
             raise ValueError(f"a semaphore starts with 0 or more units, got {value!r}")
         self._value = TVar(value)
 
-    def acquire(self, n: int = 1) -> None:
-        """Take `n` units; retries until that many are free. `ValueError` if `n < 1`."""
+    def acquire(self, n: int = 1, *, deadline: float | None = None) -> None:
+        """Take `n` units; retries until that many are free. `ValueError` if `n < 1`.
+
+        Once `deadline` has passed with fewer than `n` free, raises `trio.TooSlowError`.
+        """
         _at_least_one(n, "n")
         free = self._value.get()
-        check(free >= n)
+        check(free >= n, deadline=deadline)
         self._value.set(free - n)
 
     def release(self, n: int = 1) -> None:
