@@ -114,13 +114,10 @@ async def atomically(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
                 raise _hang_error()
             if waiter is None:
                 waiter = TrioWaiter()
-            if not register(txn, waiter):
+            parked, was_parked = True, parked
+            if not await _park(txn, waiter):  # a read TVar changed: rerun, without a park
+                parked = was_parked
                 continue
-            parked = True
-            if deadline is None:
-                await _wait_task_rescheduled(waiter.abort)
-            else:
-                await _park_until(waiter, deadline)
             if waiter.cancel_missed:  # cancelled after the commit fired it: no rerun
                 waiter.cancel_missed = False
                 await _checkpoint_if_cancelled()
@@ -134,9 +131,23 @@ async def atomically(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
     return result
 
 
-async def _park_until(waiter: TrioWaiter, deadline: float) -> None:
-    with trio.move_on_at(deadline):
+@trio.lowlevel.enable_ki_protection
+async def _park(txn: Txn, waiter: TrioWaiter) -> bool:
+    """Register `waiter` on every TVar `txn` read and park until a commit fires it, or until the
+    retry deadline; False at once, without parking, if one of those TVars changed meanwhile.
+
+    KeyboardInterrupt-protected, so that no Ctrl-C lands between the registration and the park
+    (trio delivers it at the park, whose abort_fn unregisters). Raises what the park raises.
+    """
+    if not register(txn, waiter):
+        return False
+    deadline = txn.deadline
+    if deadline is None:
         await _wait_task_rescheduled(waiter.abort)
+    else:
+        with trio.move_on_at(deadline):
+            await _wait_task_rescheduled(waiter.abort)
+    return True
 
 
 def atomically_sync(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
@@ -179,9 +190,9 @@ def atomically_sync(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
             if timeout <= 0:
                 continue
         waiter = ThreadWaiter()
-        if not register(txn, waiter):
-            continue
-        try:
+        try:  # an interrupt anywhere from here on leaves nothing registered
+            if not register(txn, waiter):
+                continue
             woken = waiter.gate.acquire(timeout=timeout)
         except BaseException:
             unregister(waiter)

@@ -20,6 +20,10 @@ Design (TL2 with snapshot extension; see docs/adr/0001-stm-commit-protocol.md):
   check sees it and the attempt reruns at once) or after (the commit sees the waiter). No wake-up
   is lost, and a commit only touches waiters of TVars it wrote: it detaches each written TVar's
   waiter set whole and wakes those waiters after releasing the lock.
+- Ctrl-C: `_install` (the one place TVar states change) and both commits around it are
+  KeyboardInterrupt-protected under trio, and so is a park's registration (`_atomically._park`),
+  so a Ctrl-C never leaves a commit half done, a fired waiter unwoken or a waiter behind
+  (docs/adr/0013-ctrl-c-and-the-commit.md).
 - Starvation: after `MAX_CONFLICTS` conflict reruns an attempt runs irrevocably: it holds `_lock`
   while `fn` runs, so no commit can invalidate it.
 
@@ -248,23 +252,18 @@ def attempt(fn: Callable[..., Any], args: tuple[Any, ...], irrevocable: bool) ->
 
 @trio.lowlevel.enable_ki_protection
 def _commit(txn: Txn) -> bool:
-    """Validate and install a writing attempt; wake the waiters of what it wrote. Short, sync."""
-    global _clock, _n_commits
-    woken: list[dict[Waiter, None]] | None = None
+    """Validate and install a writing attempt; wake the waiters of what it wrote. Short, sync.
+
+    KeyboardInterrupt-protected under trio from taking the lock to the last wake-up, so a Ctrl-C
+    cannot leave a commit half done or a fired waiter unwoken (trio delivers it afterwards).
+    """
     _acquire()
     try:
         if _clock != txn.rv and not _UNSAFE_SKIP_VALIDATION:
             for tv, st in txn.reads.items():
                 if tv._state is not st:
                     return False
-        new = _clock + 1
-        writes = txn.writes
-        for tv in writes:
-            tv._state = (new, writes[tv])
-            if tv._waiters:
-                woken = _detach(tv, woken)
-        _clock = new
-        _n_commits += 1
+        woken = _install(txn.writes)
     finally:
         _release()
     if woken is not None:
@@ -272,10 +271,46 @@ def _commit(txn: Txn) -> bool:
     return True
 
 
-def _attempt_irrevocable(fn: Callable[..., Any], args: tuple[Any, ...]) -> Txn:
-    """Run `fn` holding the commit lock: nothing can commit meanwhile, so it cannot conflict."""
-    global _clock, _n_commits, _n_read_only, _n_retries, _n_irrevocable
+@trio.lowlevel.enable_ki_protection
+def _install(writes: dict[TVar[Any], Any]) -> list[dict[Waiter, None]] | None:
+    """Under `_lock`: stamp `writes` with the next clock value, publish it, detach their waiters.
+
+    The one install of both commit paths. Returns the detached waiter sets for `_wake`, or None.
+    KeyboardInterrupt-protected under trio: the values and the clock change together or not at
+    all. Cost: O(writes + waiters of the written TVars).
+    """
+    global _clock, _n_commits
     woken: list[dict[Waiter, None]] | None = None
+    new = _clock + 1
+    for tv in writes:
+        tv._state = (new, writes[tv])
+        if tv._waiters:
+            woken = _detach(tv, woken)
+    _clock = new
+    _n_commits += 1
+    return woken
+
+
+@trio.lowlevel.enable_ki_protection
+def _commit_irrevocable(writes: dict[TVar[Any], Any]) -> None:
+    """The irrevocable attempt's commit, under the `_lock` it holds (nothing to validate).
+
+    It wakes the waiters before the lock is released, so that no KeyboardInterrupt can land
+    between the install and the wake-ups: the caller's `with _lock` releases the lock whatever
+    happens after this returns.
+    """
+    woken = _install(writes)
+    if woken is not None:
+        _wake(woken)
+
+
+def _attempt_irrevocable(fn: Callable[..., Any], args: tuple[Any, ...]) -> Txn:
+    """Run `fn` holding the commit lock: nothing can commit meanwhile, so it cannot conflict.
+
+    `fn` runs without KeyboardInterrupt protection (as in any attempt); a Ctrl-C in it ends the
+    attempt with nothing written. The commit itself is `_commit_irrevocable`, protected.
+    """
+    global _n_read_only, _n_retries, _n_irrevocable
     with _lock:
         _n_irrevocable += 1
         txn = Txn(_clock)
@@ -295,20 +330,12 @@ def _attempt_irrevocable(fn: Callable[..., Any], args: tuple[Any, ...]) -> Txn:
             return txn
         if isinstance(result, CoroutineType):
             raise _coroutine_error(result)
+        if txn.writes:
+            _commit_irrevocable(txn.writes)
+        else:
+            _n_read_only += 1
         txn.status = COMMITTED
         txn.result = result
-        if not txn.writes:
-            _n_read_only += 1
-            return txn
-        new = _clock + 1
-        for tv, value in txn.writes.items():
-            tv._state = (new, value)
-            if tv._waiters:
-                woken = _detach(tv, woken)
-        _clock = new
-        _n_commits += 1
-    if woken is not None:
-        _wake(woken)
     return txn
 
 
@@ -379,6 +406,7 @@ class ThreadWaiter(Waiter):
     __slots__ = ("gate",)
 
     def __init__(self) -> None:
+        self.fired = True  # not registered yet: `unregister` has nothing to do
         self.gate = threading.Lock()
         self.gate.acquire()
 
