@@ -11,8 +11,11 @@ transaction function that does several things at once; outside one it raises
 `NoTransactionError`. The operations that wait take an optional `deadline` (on the runner's
 clock, as for `stm.retry`): once it has passed they raise `trio.TooSlowError` instead of waiting
 (`stm.check(..., deadline=...)`), which is also the only timeout a thread in `atomically_sync`
-has. The values held in the TVars are pyrsistent structures or tuples, never
-mutated, so an attempt that reruns starts again from its snapshot.
+has. Each of them but the peeks has a `_nowait` twin, in trio's convention (`get_nowait`,
+`put_nowait`, `take_nowait`, `acquire_nowait`): it raises `trio.WouldBlock`, having written
+nothing, where the operation would retry, so a transaction can carry on without it. The values
+held in the TVars are pyrsistent structures or tuples, never mutated, so an attempt that reruns
+starts again from its snapshot.
 
 Design notes:
 
@@ -34,8 +37,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from typing import Generic, Literal, TypeVar, final, overload
+from typing import Generic, Literal, NoReturn, TypeVar, final, overload
 
+import trio
 from pyrsistent import pmap, pvector
 from pyrsistent.typing import PMap, PVector
 
@@ -54,12 +58,8 @@ class _Missing(enum.Enum):
 _MISSING: Literal[_Missing.MISSING] = _Missing.MISSING
 
 
-def _none() -> None:
-    return None
-
-
-def _false() -> bool:
-    return False
+def _would_block() -> NoReturn:
+    raise trio.WouldBlock
 
 
 def _at_least_one(n: int, what: str) -> None:
@@ -99,9 +99,11 @@ class TQueue(Generic[T]):
         self._read.set((items, head + 1))
         return items[head]
 
-    def try_get(self) -> T | None:
-        """`get`, or None instead of retrying when the queue is empty."""
-        return or_else(self.get, _none)
+    def get_nowait(self) -> T:
+        """`get`, but raises `trio.WouldBlock` (having written nothing) instead of retrying when
+        the queue is empty. O(1) amortized.
+        """
+        return or_else(self.get, _would_block)
 
     def peek(self, *, deadline: float | None = None) -> T:
         """The oldest item, left in place; retries while the queue is empty. O(1).
@@ -161,18 +163,17 @@ class TBQueue(Generic[T]):
         self._freed.set(self._freed.get() + 1)
         return item
 
-    def try_get(self) -> T | None:
-        """`get`, or None instead of retrying when the queue is empty."""
-        return or_else(self.get, _none)
+    def get_nowait(self) -> T:
+        """`get`, but raises `trio.WouldBlock` (having written nothing) instead of retrying when
+        the queue is empty. O(1) amortized.
+        """
+        return or_else(self.get, _would_block)
 
-    def try_put(self, item: T) -> bool:
-        """`put` and True, or False (and nothing written) instead of retrying when full."""
-
-        def put() -> bool:
-            self.put(item)
-            return True
-
-        return or_else(put, _false)
+    def put_nowait(self, item: T) -> None:
+        """`put`, but raises `trio.WouldBlock` (having written nothing) instead of retrying when
+        the queue is full. O(1) amortized.
+        """
+        or_else(lambda: self.put(item), _would_block)
 
     def peek(self, *, deadline: float | None = None) -> T:
         """The oldest item, left in place; retries while the queue is empty. O(1).
@@ -229,16 +230,19 @@ class TMVar(Generic[T]):
         check(box, deadline=deadline)
         return box[0]
 
-    def try_take(self) -> T | None:
-        """`take`, or None instead of retrying when the box is empty."""
-        return or_else(self.take, _none)
+    def take_nowait(self) -> T:
+        """`take`, but raises `trio.WouldBlock` (having changed nothing) when the box is empty."""
+        box = self._box.get()
+        if not box:
+            raise trio.WouldBlock
+        self._box.set(())
+        return box[0]
 
-    def try_put(self, value: T) -> bool:
-        """`put` and True, or False (and nothing changed) when the box is full."""
+    def put_nowait(self, value: T) -> None:
+        """`put`, but raises `trio.WouldBlock` (having changed nothing) when the box is full."""
         if self._box.get():
-            return False
+            raise trio.WouldBlock
         self._box.set((value,))
-        return True
 
     def is_empty(self) -> bool:
         """True if the box is empty. Never retries."""
@@ -268,6 +272,16 @@ class TSemaphore:
         _at_least_one(n, "n")
         free = self._value.get()
         check(free >= n, deadline=deadline)
+        self._value.set(free - n)
+
+    def acquire_nowait(self, n: int = 1) -> None:
+        """`acquire`, but raises `trio.WouldBlock` (having taken nothing) when fewer than `n` units
+        are free. `ValueError` if `n < 1`.
+        """
+        _at_least_one(n, "n")
+        free = self._value.get()
+        if free < n:
+            raise trio.WouldBlock
         self._value.set(free - n)
 
     def release(self, n: int = 1) -> None:
