@@ -244,7 +244,7 @@ def retry(*, deadline: float | None = None) -> None:
     """
     txn = _here.txn
     if txn is None:
-        txn = current()  # raises NoTransactionError
+        txn = current("stm.retry()")  # raises NoTransactionError
     if deadline is not None and _now() >= deadline:
         return
     _abandon(txn, deadline)
@@ -262,7 +262,7 @@ def check(condition: object, *, deadline: float | None = None) -> None:
         return
     txn = _here.txn
     if txn is None:
-        txn = current()  # raises NoTransactionError
+        txn = current("stm.check()")  # raises NoTransactionError
     if deadline is not None and _now() >= deadline:
         raise trio.TooSlowError(
             f"stm.check: the condition was still false when its deadline ({deadline}) passed"
@@ -294,7 +294,7 @@ def or_else(first: Callable[[], T], second: Callable[[], T], *rest: Callable[[],
     If every alternative retries, the transaction retries, waiting on every TVar any of them read,
     until the earliest deadline any of them gave. Raises `NoTransactionError` outside one.
     """
-    txn = current()
+    txn = current("stm.or_else()")
     for branch in (first, second, *rest[:-1]) if rest else (first,):
         saved = dict(txn.writes)
         n_effects = len(txn.effects) if txn.effects else 0
@@ -333,7 +333,7 @@ def after_commit(fn: Callable[[Unpack[Ts]], object], *args: *Ts) -> None:
     raises, later ones are skipped and the exception propagates; the commit stands.
     Raises `NoTransactionError` outside a transaction.
     """
-    txn = current()
+    txn = current("stm.after_commit()")
     if txn.effects is None:
         txn.effects = []
     txn.effects.append((fn, args))

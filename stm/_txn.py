@@ -37,12 +37,15 @@ address order would let disjoint commits proceed in parallel, at a higher cost p
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Collection
-from types import CoroutineType
+from types import CoroutineType, FrameType
 from typing import TYPE_CHECKING, Any, Final
 
 import trio
+
+from ._errors import NestedTransactionError, NoTransactionError
 
 if TYPE_CHECKING:
     from ._tvar import TVar
@@ -174,22 +177,54 @@ class Txn:
         return all(tv._state is st for tv, st in self.reads.items())
 
 
-def current() -> Txn:
+def current(what: str) -> Txn:
+    """The running attempt of this thread; `NoTransactionError` naming `what` if there is none."""
     txn = here.txn
     if txn is None:
-        from ._errors import NoTransactionError
-
-        raise NoTransactionError(
-            "no transaction is running: call this inside the function given to "
-            "stm.atomically / atomically_sync / atomically_nowait"
-        )
+        raise no_transaction_error(what)
     return txn
+
+
+_RUNNERS: Final = "stm.atomically / atomically_sync / atomically_nowait"
+
+
+def no_transaction_error(what: str, hint: str = "") -> NoTransactionError:
+    """The `NoTransactionError` for `what` (say "TVar.get()") called outside a transaction.
+
+    If the call came through one of stm's structures (`len(queue)` outside a transaction), the
+    message names the structure's operation the user called, the outermost one, instead of the
+    TVar or function it used inside. Error path only: it walks the caller's frames.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    operation = None
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module == "stm._structures":
+            operation = frame.f_code.co_qualname.partition(".<locals>")[0]
+        elif not module.startswith("stm._"):
+            break
+        frame = frame.f_back
+    if operation is not None:
+        kind, _, method = operation.partition(".")
+        name = kind.lower()
+        if method == "__len__":
+            what = f"len() of a {kind} was taken"
+            hint = f" (for example `await stm.atomically(len, {name})`)"
+        elif method == "__contains__":
+            what = f"`in` on a {kind} was tested"
+            hint = f" (for example `stm.atomically_nowait(lambda: key in {name})`)"
+        else:
+            what = f"{kind}.{method}() was called"
+            hint = f" (for example `await stm.atomically({name}.{method})`)"
+    else:
+        what += " was called"
+    return NoTransactionError(
+        f"{what} outside a transaction: call it inside the function given to {_RUNNERS}{hint}"
+    )
 
 
 def check_not_nested() -> None:
     if here.txn is not None:
-        from ._errors import NestedTransactionError
-
         raise NestedTransactionError(
             "atomically was called inside a transaction: call the inner transaction's function "
             "directly instead, so both run as one transaction"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Callable
 
 import attrs
 import pytest
@@ -64,9 +65,29 @@ def test_tvar_is_slotted() -> None:
 )
 def test_outside_a_transaction(op) -> None:
     tv = TVar(0)
-    with pytest.raises(stm.NoTransactionError, match=r"outside a transaction|no transaction"):
+    with pytest.raises(stm.NoTransactionError, match=r"outside a transaction"):
         op(tv)
     assert issubclass(stm.NoTransactionError, RuntimeError)
+
+
+def test_outside_a_transaction_the_error_names_the_call_and_a_fitting_remedy() -> None:
+    tv = TVar(0)
+    cases: list[tuple[Callable[[], object], str, str | None]] = [
+        (tv.get, "TVar.get()", "TVar.peek()"),  # a read: peek() is an alternative
+        (lambda: tv.set(1), "TVar.set()", None),  # a write: peek() is none
+        (lambda: tv.modify(abs), "TVar.modify()", None),
+        (retry, "stm.retry()", None),
+        (lambda: stm.check(False), "stm.check()", None),
+        (lambda: or_else(lambda: 1, lambda: 2), "stm.or_else()", None),
+        (lambda: after_commit(print), "stm.after_commit()", None),
+    ]
+    for op, name, peek in cases:
+        with pytest.raises(stm.NoTransactionError) as info:
+            op()
+        message = str(info.value)
+        assert message.startswith(f"{name} was called outside a transaction"), message
+        assert "atomically" in message
+        assert ("peek" in message) == (peek is not None), message
 
 
 def test_get_set_modify_and_read_own_writes() -> None:

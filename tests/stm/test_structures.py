@@ -31,11 +31,30 @@ def test_public_with_public_module(name: str) -> None:
     assert getattr(stm, name).__module__ == "stm"
 
 
-def test_outside_a_transaction_is_an_error() -> None:
+def test_outside_a_transaction_the_error_names_the_structure_operation() -> None:
+    """Not the TVar (or stm function) the operation uses inside, which the user never touched;
+    and for a structure operation nested in another (TBQueue.get uses TQueue.get), the outer one.
+    """
     q: TQueue[int] = TQueue()
-    for op in (lambda: q.put(1), q.get, lambda: len(q), TMVar[int]().take, TMap[str, int]().items):
-        with pytest.raises(stm.NoTransactionError):
+    bq: TBQueue[int] = TBQueue(1)
+    cases: list[tuple[Callable[[], object], str, str]] = [
+        (lambda: q.put(1), "TQueue.put()", "tqueue.put"),
+        (q.get, "TQueue.get()", "tqueue.get"),
+        (q.get_nowait, "TQueue.get_nowait()", "tqueue.get_nowait"),  # or_else inside
+        (lambda: len(q), "len() of a TQueue", "atomically(len, tqueue)"),
+        (bq.get, "TBQueue.get()", "tbqueue.get"),
+        (lambda: bq.put_nowait(1), "TBQueue.put_nowait()", "tbqueue.put_nowait"),
+        (TMVar[int]().take, "TMVar.take()", "tmvar.take"),
+        (TSemaphore(1).acquire, "TSemaphore.acquire()", "tsemaphore.acquire"),
+        (TMap[str, int]().items, "TMap.items()", "tmap.items"),
+        (lambda: "k" in TMap[str, int](), "`in` on a TMap", "key in tmap"),
+    ]
+    for op, names, example in cases:
+        with pytest.raises(stm.NoTransactionError) as info:
             op()
+        message = str(info.value)
+        assert message.startswith(names) and "outside a transaction" in message, message
+        assert example in message and "TVar" not in message and "peek" not in message, message
 
 
 # --- TQueue ------------------------------------------------------------------------------------
