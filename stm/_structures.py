@@ -299,16 +299,21 @@ class TMap(Generic[K, V]):
     """A transactional map. Call every operation inside a transaction.
 
     `key in tmap` tests membership and `len(tmap)` counts the keys; to wait for a key, write
-    `stm.check(key in tmap)`. Lookups and updates are O(log n) (a PMap); `items` is O(n).
+    `stm.check(key in tmap)`. Lookups and updates are O(log n) (a PMap); `items` is O(n),
+    `snapshot` O(1).
 
-    Why the whole map is one PMap in one TVar, and not a TVar per key: the map then is a single
-    immutable value, so `len`, `items` and `snapshot` are consistent for free and `snapshot` is
-    O(1); there is no key set to keep in step with per-key TVars, and nothing to clean up when a
-    key is deleted. What it costs: any two transactions that write the map, or one that writes
-    and one that reads it, conflict even on different keys, and a transaction waiting on one key
-    is woken by a change to any key (it reruns and waits again). Within one trio loop that costs
-    nothing, since attempts there never overlap; it matters only for threads hammering different
-    keys, which the process-wide commit lock serializes anyway.
+    The whole map is one PMap in one TVar, not a TVar per key: so it is a single immutable value,
+    `len`, `items` and `snapshot` are consistent for free, there is no key set to keep in step
+    with per-key TVars, and a deleted key leaves nothing behind. The price is paid at the TVar's
+    granularity:
+
+    - Conflicts: a transaction that writes the map and one that reads or writes it overlap on the
+      one TVar even when their keys differ, so the one that commits second reruns. Attempts in
+      one trio loop never overlap (each runs to its end without a checkpoint), so there this
+      never happens; it does between threads, or loops in threads, working on the map at once.
+    - Wake-ups: a transaction blocked on one key (`check(key in tmap)`) is woken by every commit
+      that writes the map, whatever key it changed, and reruns to find out, also within one
+      trio loop. With many waiters on a busy map, prefer a TVar (or a TMVar) per awaited key.
     """
 
     __slots__ = ("_map",)
