@@ -14,7 +14,9 @@ $(STAMP): pyproject.toml
 	  rm -rf $(VENV); $(APT) update -qq && $(APT) install -y -qq python3-venv && \
 	  $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@# -qq: setuptools' editable install prints an informational notice that -q still shows;
+	@# errors are still printed.
+	$(BIN)/python -m pip install --quiet --quiet -e '.[dev]'
 	touch $(STAMP)
 
 test: lint pytest
