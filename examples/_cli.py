@@ -29,6 +29,20 @@ def parser(description: str | None, epilog: str | None = None) -> argparse.Argum
     )
 
 
+def add_ferry_options(parser: argparse.ArgumentParser) -> None:
+    """The ferry options every ledger example takes: `--max-batch-size` and `--in-flight`."""
+    parser.add_argument(
+        "--max-batch-size", metavar="N", type=integer(1), default=100, help="most inputs in a call"
+    )
+    parser.add_argument(
+        "--in-flight",
+        metavar="N",
+        type=integer(1),
+        default=4,
+        help="max_in_flight_batches: batch calls at once",
+    )
+
+
 def integer(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer of at least `minimum`."""
 

@@ -389,26 +389,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds a client waits for one try before it retries",
     )
-    p.add_argument(
-        "--max-batch-size",
-        metavar="N",
-        type=cli.integer(1),
-        default=100,
-        help="most inputs in one call",
-    )
+    cli.add_ferry_options(p)
     p.add_argument(
         "--max-batch-delay",
         metavar="SECONDS",
         type=cli.number(0),
         default=0.0,
         help="seconds a partial batch waits for company",
-    )
-    p.add_argument(
-        "--in-flight",
-        metavar="N",
-        type=cli.integer(1),
-        default=4,
-        help="max_in_flight_batches: batch calls at once",
     )
     p.add_argument(
         "--max-queueing",

@@ -199,20 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--connections", metavar="N", type=cli.integer(1), default=4, help="PostgreSQL connections"
     )
-    p.add_argument(
-        "--max-batch-size",
-        metavar="N",
-        type=cli.integer(1),
-        default=100,
-        help="most inputs in a call",
-    )
-    p.add_argument(
-        "--in-flight",
-        metavar="N",
-        type=cli.integer(1),
-        default=4,
-        help="max_in_flight_batches: batch calls at once",
-    )
+    cli.add_ferry_options(p)
     p.add_argument(
         "--sweep-interval",
         metavar="SECONDS",

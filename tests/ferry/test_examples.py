@@ -14,17 +14,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_example(name: str, *args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(
+    done = run_script(name, *args)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *args],
         capture_output=True,
         text=True,
         timeout=120,
-        env=env,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
         check=False,
     )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 @pytest.mark.parametrize(
@@ -97,18 +100,10 @@ def test_a_bad_option_is_a_one_line_error(
 @pytest.mark.parametrize("script", ["lookups.py", "inference.py", "ledger.py", "ledger_service.py"])
 def test_a_script_with_a_bad_option_prints_usage_and_one_line(script: str) -> None:
     """As a script too: no traceback, exit status 2."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     bad = ["--dsn", "host=/no/such/dir"] if script == "ledger_service.py" else ["--seed", "x"]
     if script == "lookups.py":
         bad = ["--callers", "0"]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *bad],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        check=False,
-    )
+    done = run_script(script, *bad)
     assert done.returncode == 2 and done.stdout == ""
     assert "Traceback" not in done.stderr
     assert done.stderr.splitlines()[-1].startswith(f"{script}: error: argument {bad[0]}")

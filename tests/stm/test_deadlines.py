@@ -98,7 +98,9 @@ async def test_a_deadline_passing_between_attempt_and_park_does_not_spin(autojum
     assert runs == [t0, t0 + 2]
 
 
-async def test_or_else_alternative_whose_deadline_passed_carries_on(autojump_clock) -> None:
+async def test_or_else_waits_on_the_union_until_the_earliest_deadline(autojump_clock) -> None:
+    """All alternatives retry: woken by a write to any TVar they read, or at the earliest
+    deadline, when that alternative's `retry` returns and it carries on."""
     a, b = TVar(0), TVar(0)
     t0 = trio.current_time()
     runs: list[float] = []
@@ -111,7 +113,7 @@ async def test_or_else_alternative_whose_deadline_passed_carries_on(autojump_clo
 
     def second() -> str:
         if b.get():
-            return "b"  # pragma: no cover
+            return "b"
         retry(deadline=t0 + 5)
         return "b timed out"
 
@@ -119,8 +121,21 @@ async def test_or_else_alternative_whose_deadline_passed_carries_on(autojump_clo
         _count(runs, trio.current_time())
         return or_else(first, second)
 
-    assert await atomically(fn) == "b timed out"
-    assert runs == [t0, t0 + 5]  # woken at the earliest deadline; `first` still retries then
+    async with trio.open_nursery() as nursery:
+        out = []
+
+        async def waiter() -> None:
+            out.append(await atomically(fn))
+
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        assert stm.statistics().waiters == 2
+        await atomically(b.set, 1)
+    assert out == ["b"]
+    await atomically(b.set, 0)
+    runs.clear()
+    assert await atomically(fn) == "b timed out"  # nobody writes: 5, not 10, ends the wait
+    assert runs == [t0, t0 + 5]
 
 
 async def test_or_else_check_past_its_deadline_raises_and_skips_later_alternatives(

@@ -9,7 +9,7 @@ import trio
 import trio.testing
 
 import stm
-from stm import TVar, atomically, atomically_nowait, atomically_sync, check, or_else, retry
+from stm import TVar, atomically, atomically_nowait, atomically_sync, check, retry
 
 
 async def test_commit_is_a_checkpoint() -> None:
@@ -194,43 +194,6 @@ async def test_commit_before_deadline_wakes_early(autojump_clock) -> None:
         await atomically(tv.set, 1)
     assert result == ["set"]
     assert trio.current_time() == pytest.approx(deadline - 6)
-
-
-async def test_or_else_all_retry_waits_on_union_until_earliest_deadline(autojump_clock) -> None:
-    a, b = TVar(0), TVar(0)
-    t0 = trio.current_time()
-
-    def fn() -> str:
-        def first() -> str:
-            if a.get():
-                return "a"  # pragma: no cover
-            retry(deadline=t0 + 10)
-            return "a timed out"  # pragma: no cover
-
-        def second() -> str:
-            if b.get():
-                return "b"
-            retry(deadline=t0 + 5)
-            return "b timed out"
-
-        return or_else(first, second)
-
-    # Woken by a write to the second branch's TVar.
-    async with trio.open_nursery() as nursery:
-        out = []
-
-        async def waiter() -> None:
-            out.append(await atomically(fn))
-
-        nursery.start_soon(waiter)
-        await trio.testing.wait_all_tasks_blocked()
-        assert stm.statistics().waiters == 2
-        await atomically(b.set, 1)
-    assert out == ["b"]
-    await atomically(b.set, 0)
-    # Nobody writes: the earliest deadline (5, not 10) wakes it, and `second` carries on.
-    assert await atomically(fn) == "b timed out"
-    assert trio.current_time() == t0 + 5
 
 
 async def test_change_between_attempt_and_registration_reruns_at_once(monkeypatch, delta) -> None:
