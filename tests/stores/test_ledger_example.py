@@ -76,7 +76,8 @@ async def test_demo_fails_verification_on_a_planted_projection_bug(
 
 
 def test_demo_summary_has_a_legend_and_json_has_the_same_figures(tmp_path: Path) -> None:
-    table = run_demo(*SMALL, "--quiet", "--db", str(tmp_path / "t.db"))
+    tiny = ("--ops", "200", "--clients", "20", "--accounts", "6", "--seed", "7", "--quiet")
+    table = run_demo(*tiny, "--ops", "20", "--db", str(tmp_path / "t.db"))
     assert table.returncode == 0, table.stdout + table.stderr
     legend = table.stdout.split("\n  legend\n")[1]
     for word in ("ok", "refused", "committed", "id_reused", "gave_up", "rejected", "failed"):
@@ -84,14 +85,14 @@ def test_demo_summary_has_a_legend_and_json_has_the_same_figures(tmp_path: Path)
     for word in ("written:", "replayed:", "fence conflicts:", "injected faults:"):
         assert word in legend, word
 
-    done = run_demo(*SMALL, "--quiet", "--json", "--faults", "0.2", "--db", str(tmp_path / "j.db"))
+    done = run_demo(*tiny, "--json", "--faults", "0.2", "--db", str(tmp_path / "j.db"))
     assert done.returncode == 0, done.stdout + done.stderr
     summary = json.loads(done.stdout)  # stdout is the JSON object and nothing else
-    assert summary["inputs"] == 800 and summary["verification"] == {"ok": True, "problems": []}
-    assert sum(summary["outcomes"].values()) == 800
+    assert summary["inputs"] == 200 and summary["verification"] == {"ok": True, "problems": []}
+    assert sum(summary["outcomes"].values()) == 200
     assert summary["retries"]["failed"] > 0 and summary["journal"]["injected_faults"] > 0
     assert set(summary["latency_ms"]) == {"p50", "p95", "p99"}
-    assert "ledger: 800 inputs" in done.stderr  # the header went to stderr
+    assert "ledger: 200 inputs" in done.stderr  # the header went to stderr
 
 
 def test_demo_with_no_inputs_prints_no_nan(tmp_path: Path) -> None:
