@@ -1,0 +1,103 @@
+"""ferry.flow: durable sagas on trio (SPEC 5): steps with compensations, parking until an external
+event, recovery after a crash, on SQLite (embedded) or PostgreSQL.
+
+How to use it::
+
+    from ferry import flow
+
+    order = flow.Plan("order", version=1)
+
+    @order.step(compensate=release_stock)
+    async def reserve(ctx: flow.Context) -> None:
+        ctx.data["reserved"] = await stock.reserve(ctx.data["sku"], key=ctx.idempotency_key)
+
+    @order.step(compensate=refund, attempts=5)
+    async def charge(ctx: flow.Context) -> flow.Outcome:
+        await payments.start(ctx.flow_id, ctx.data["amount"], key=ctx.idempotency_key)
+        return flow.park(timeout=3600)       # until a wake, else compensate
+
+    @order.step
+    async def ship(ctx: flow.Context) -> None:
+        ctx.data["tracking"] = await carrier.ship(ctx.data, key=ctx.idempotency_key)
+
+    async with flow.open_engine("orders.db", plans=[order]) as engine:
+        await engine.start(order, flow_id="order-42", data={"sku": "A1", "amount": 30})
+        await engine.wake("order-42", {"payment": "ok"}, message_id="evt-981")
+        snapshot = await engine.wait("order-42", timeout=10)
+
+A step returns None/`CONTINUE` (next step), `COMPLETE` (done), `park()` (persist and stop until
+`Engine.wake`) or `fail()` (compensate the completed steps, in reverse order). A step that raises
+is retried (`attempts`, backoff from 0.1 s) and then compensates. Every step boundary is one
+durable write (a compare-and-set on the flow's revision) shared with other flows' writes in one
+transaction. A step that was running when the process died runs again: pass
+`Context.idempotency_key` to external calls. Choreography: ``engine.on(event_type, mapper)`` and
+``await engine.publish(event_type, event)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from ._engine import Engine as Engine
+from ._engine import open_engine as open_engine
+from ._errors import FlowError as FlowError
+from ._errors import IdReused as IdReused
+from ._errors import StoreLocked as StoreLocked
+from ._errors import UnknownFlow as UnknownFlow
+from ._errors import UnknownPlan as UnknownPlan
+from ._plan import Plan as Plan
+from ._plan import StepDef as StepDef
+from ._types import COMPLETE as COMPLETE
+from ._types import CONTINUE as CONTINUE
+from ._types import IGNORE as IGNORE
+from ._types import Context as Context
+from ._types import Delivery as Delivery
+from ._types import Event as Event
+from ._types import Fail as Fail
+from ._types import FlowStatistics as FlowStatistics
+from ._types import Outcome as Outcome
+from ._types import Park as Park
+from ._types import Snapshot as Snapshot
+from ._types import Start as Start
+from ._types import State as State
+from ._types import Wake as Wake
+from ._types import fail as fail
+from ._types import park as park
+
+__all__ = [
+    "COMPLETE",
+    "CONTINUE",
+    "IGNORE",
+    "Context",
+    "Delivery",
+    "Engine",
+    "Event",
+    "Fail",
+    "FlowError",
+    "FlowStatistics",
+    "IdReused",
+    "Outcome",
+    "Park",
+    "Plan",
+    "Snapshot",
+    "Start",
+    "State",
+    "StepDef",
+    "StoreLocked",
+    "UnknownFlow",
+    "UnknownPlan",
+    "Wake",
+    "fail",
+    "open_engine",
+    "park",
+]
+
+# Tracebacks and reprs show the public names, not the private modules.
+for _name in __all__:
+    _obj = globals()[_name]
+    if isinstance(getattr(_obj, "__module__", None), str) and _obj.__module__.startswith(
+        "ferry.flow._"
+    ):
+        with contextlib.suppress(AttributeError, TypeError):  # CONTINUE keeps its class's
+            _obj.__module__ = __name__
+del _name, _obj

@@ -1,0 +1,1015 @@
+"""The trio shell of `ferry.flow`: `open_engine`, `Engine`, the runners, the timer and recovery.
+
+Design
+------
+The machine (`_machine`) decides, the store (`_store`) records, and this module only moves flows
+between them (docs/adr/0020). Every durable change of every flow, whoever asks for it (the task
+running the flow, a wake, a timer, a cancel, a resume, recovery), is one store op: a pure
+transition run on the flow's row inside the transaction that records it, compare-and-set on the
+row's revision. The ops go through one plain ferry whose batch call runs a whole batch in one
+`store.transact` (`_store.write_batch`): concurrent flows share transactions (group commit), and
+an op whose compare-and-set fails is answered alone with `Conflict` while the others commit
+(docs/adr/0022).
+
+What the engine holds in memory follows the commits, in commit order: the batch call applies each
+result (`Engine._applied`) before it answers anyone. A flow that is `RUNNING` or `COMPENSATING`
+is *live*: a `_Live` record in `_live`, driven by one runner task (or waiting for one). A flow
+that leaves those states is dropped from memory at once: a parked flow holds no task and no
+coroutine, only an entry in the timer heap if it has a deadline. A write that someone else made
+to a live flow (a cancel) replaces the runner's copy and cancels the step it runs; the runner's
+own next write then fails its compare-and-set, and it carries on from the new state.
+
+In stm TVars: the scheduler (`_Sched`: running count and the FIFO of flows waiting for one of
+`max_running` slots), the timer heap (`_timers`, one task sleeping in ``retry(deadline=)`` on its
+top, docs/adr/0023), a TVar per flow somebody `wait`s for, and the closed flag.
+
+Durable times are wall-clock seconds: ``time.time()`` at open plus `trio.current_time()` elapsed
+since, so `trio.testing.MockClock` drives hour-long parks in a test. Attempts: a retry writes
+attempt + 1 before it runs, and recovery writes attempt + 1 before re-running a step that was
+running when the process died or the engine closed (docs/adr/0024). An SQLite file is served by
+one engine at a time (an ``flock`` on ``<path>.engine-lock``, docs/adr/0025).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import inspect
+import json
+import math
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any, TypeVar, final
+
+import attrs
+import trio
+from pyrsistent import PVector, pvector
+
+import stm
+from ferry import Closed, Failed, open_ferry
+from ferry.projected import SqliteStore, Store, canonical_json
+
+from . import _machine as m
+from . import _store
+from . import _timers as timers
+from ._errors import IdReused, StoreLocked, UnknownFlow, UnknownPlan
+from ._machine import Flow, Mailbox, Message, Shape, Transition
+from ._plan import Plan, StepDef
+from ._types import (
+    IGNORE,
+    Context,
+    Delivery,
+    Event,
+    Fail,
+    FlowStatistics,
+    Json,
+    Outcome,
+    Park,
+    Snapshot,
+    Start,
+    State,
+    Wake,
+    _Complete,
+    _Continue,
+)
+
+T = TypeVar("T")
+
+_RUNNING = State.RUNNING
+_COMPENSATING = State.COMPENSATING
+_PARKED = State.PARKED
+_ACTIVE = m.ACTIVE
+_SETTLED = frozenset({State.COMPLETED, State.FAILED, State.BLOCKED})
+_BACKOFF = 0.1  # seconds before the first retry of a step; doubles with every retry
+_WRITE_BACKOFF_MAX = 5.0
+_BATCH_SIZE = 1000
+
+
+def _backoff(failures: int) -> float:
+    return _BACKOFF * 2.0 ** (failures - 1)
+
+
+# ------------------------------------------------------------------------------------ JSON input
+
+
+def _json_text(value: Json, what: str) -> str:
+    """Canonical JSON text of `value`, or `TypeError` naming `what` if it is not plain JSON."""
+    try:
+        text = canonical_json(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"{what} must be JSON (None, bool, int, float, str, list, dict): {exc}"
+        ) from None
+    if json.loads(text) != value:
+        raise TypeError(
+            f"{what} must be JSON and survive a round trip unchanged (dict keys must be str,"
+            f" sequences lists), got {value!r}"
+        )
+    return text
+
+
+def _json_object_text(value: Json, what: str) -> str:
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} must be a JSON object (a dict), got {type(value).__name__}")
+    return _json_text(value, what)
+
+
+def _check_flow_id(flow_id: object) -> str:
+    if not isinstance(flow_id, str):
+        raise TypeError(f"flow_id must be a str, got {flow_id!r}")
+    if not flow_id:
+        raise ValueError("flow_id must not be empty")
+    return flow_id
+
+
+def _classify(result: object) -> Outcome | str | None:
+    """The step's return value as an outcome (None = continue), or a str saying what is wrong."""
+    if result is None or isinstance(result, _Continue | _Complete | Park | Fail):
+        return result
+    return (
+        f"returned {result!r}, which is not an outcome (None, CONTINUE, COMPLETE, park(), fail())"
+    )
+
+
+# ------------------------------------------------------------------------------- in-memory state
+
+
+class _Live:
+    """A flow that is running or compensating in this engine (or waiting for a runner slot)."""
+
+    __slots__ = ("flow", "scope")
+
+    def __init__(self, flow: Flow) -> None:
+        self.flow = flow  # the latest committed row this engine knows
+        self.scope: trio.CancelScope | None = None  # around the running step or compensation
+
+
+@attrs.frozen
+class _Sched:
+    """Runner slots: `running` runners, and the flows waiting for one (FIFO: queue[head:])."""
+
+    running: int = 0
+    queue: PVector[_Live] = attrs.field(factory=pvector)
+    head: int = 0
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue) - self.head
+
+
+class _Watch:
+    __slots__ = ("tvar", "users")
+
+    def __init__(self) -> None:
+        self.tvar: stm.TVar[Flow | None] = stm.TVar(None)
+        self.users = 0
+
+
+_COUNTERS = (
+    "completed",
+    "failed",
+    "blocked",
+    "steps_run",
+    "step_retries",
+    "compensations_run",
+    "writes",
+    "write_batches",
+    "conflicts",
+    "recovered",
+)
+
+
+# ------------------------------------------------------------------------------------ the engine
+
+
+@final
+class Engine:
+    """Runs the flows of one store (SPEC 5.2). Made by `open_engine`; no public constructor.
+
+    Every async method is a checkpoint and raises `ferry.Closed` once the engine is closed.
+    A database error in a call is raised as `ferry.Failed` (its `__cause__` is the error);
+    nothing of that call was written then, unless the error came while committing (unknown).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        plans: dict[tuple[str, int], Plan],
+        *,
+        owner: str,
+        max_running: int,
+        group_commit: bool,
+        wall_clock: Callable[[], float],
+    ) -> None:
+        self._store = store
+        self._plans = plans
+        self._shapes: dict[tuple[str, int], Shape] = {k: p._close() for k, p in plans.items()}
+        self._steps: dict[tuple[str, int], tuple[StepDef, ...]] = {
+            k: p.steps for k, p in plans.items()
+        }
+        self._registered = {id(p): k for k, p in plans.items()}
+        self._owner = owner
+        self._max_running = max_running
+        self._group_commit = group_commit
+        self._t0_wall = wall_clock()
+        self._t0_trio = trio.current_time()
+        self._live: dict[str, _Live] = {}
+        self._watches: dict[str, _Watch] = {}
+        self._sched: stm.TVar[_Sched] = stm.TVar(_Sched())
+        self._timers: stm.TVar[timers.Heap] = stm.TVar(timers.EMPTY)
+        self._closed_tv = stm.TVar(False)
+        self._closing = False
+        self._mappers: dict[str, list[Callable[[Json], object]]] = {}
+        self._stats = dict.fromkeys(_COUNTERS, 0)
+        self._wakes = dict.fromkeys(Delivery, 0)
+        self._parked = 0
+        self._nursery: trio.Nursery | None = None
+        self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
+
+    # ------------------------------------------------------------------------------- clocks
+
+    def _now(self) -> float:
+        """Wall-clock seconds, advancing with trio's clock."""
+        return self._t0_wall + (trio.current_time() - self._t0_trio)
+
+    def _trio_time(self, wall: float) -> float:
+        return self._t0_trio + (wall - self._t0_wall)
+
+    # ------------------------------------------------------------------------------- writes
+
+    async def _write(self, op: _store.Op) -> _store.Result:
+        """One op, durable when this returns; through the ferry (group commit) or alone.
+
+        Raises `ferry.Failed` if the transaction failed (nothing of it was written), and the
+        exception of a transition that raised (a bug, raised to whoever asked for it alone).
+        """
+        if self._group_commit:
+            if self._ferry is None:
+                raise Closed("the flow engine is closed")
+            result = await self._ferry(op)
+        else:
+            try:
+                (result,) = await self._batch([op])
+            except Exception as exc:
+                raise Failed(f"the flow store raised {exc!r}") from exc
+        if isinstance(result, _store.Refused):
+            raise result.error
+        return result
+
+    async def _request(self, op: _store.Op) -> _store.Result:
+        """An API call's write: a cancel point first, then the write shielded, so that a call
+        that raises `Cancelled` did not happen, and one that wrote returns its result."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        with trio.CancelScope(shield=True):
+            result = await self._write(op)
+        return result
+
+    async def _batch(self, ops: list[_store.Op]) -> list[_store.Result]:
+        """The ferry's batch call: every op in one transaction, then their effects in memory."""
+        results = await self._store.transact(partial(_store.write_batch, ops=ops))
+        self._stats["write_batches"] += 1
+        for op, result in zip(ops, results, strict=True):
+            self._applied(op, result)
+        return results
+
+    def _applied(self, op: _store.Op, result: _store.Result) -> None:
+        """Bring memory up to date with one committed result (trio thread, commit order)."""
+        if isinstance(result, _store.Changed):
+            t = result.transition
+            if t.delivery is not None:
+                self._wakes[t.delivery] += 1
+            if t.written:
+                own = isinstance(op, _store.Change) and op.flow is not None
+                self._track(result.before.state, t.flow, own)
+        elif isinstance(result, _store.Created):
+            self._track(None, result.transition.flow, True)
+        elif isinstance(result, _store.Conflict):
+            self._stats["conflicts"] += 1
+
+    def _track(self, before: State | None, flow: Flow, own: bool, *, write: bool = True) -> None:
+        """A committed row of `flow` (by this engine's write, or read back): follow it."""
+        stats = self._stats
+        if write:
+            stats["writes"] += 1
+        fid = flow.flow_id
+        state = flow.state
+        if state is not before:
+            if before is _PARKED:
+                self._parked -= 1
+            if state is _PARKED:
+                self._parked += 1
+            elif state is State.COMPLETED:
+                stats["completed"] += 1
+            elif state is State.FAILED:
+                stats["failed"] += 1
+            elif state is State.BLOCKED:
+                stats["blocked"] += 1
+        watch = self._watches.get(fid)
+        if watch is not None:
+            stm.atomically_nowait(watch.tvar.set, flow)
+        live = self._live.get(fid)
+        if live is not None:
+            if flow.revision <= live.flow.revision:
+                return
+            live.flow = flow
+            if not own and live.scope is not None:
+                live.scope.cancel()  # someone else moved the flow: its running step is void
+        if state in _ACTIVE:
+            if live is None:
+                live = self._live[fid] = _Live(flow)
+                self._enqueue(live)
+            return
+        if live is not None:
+            del self._live[fid]
+        if state is _PARKED and flow.park_deadline is not None:
+            self._arm(flow)
+
+    async def _own(self, live: _Live, apply: _store.Apply, *, head: bool = False) -> bool:
+        """Write a transition of the flow this runner drives, as a compare-and-set on its copy;
+        True if it was accepted.
+
+        A database error is retried (with backoff); a lost compare-and-set means the flow moved
+        on without this runner: it re-reads the row and carries on from there (or lets go).
+        """
+        flow = live.flow
+        op = _store.Change(flow.flow_id, apply, flow=flow, head=head)
+        delay = _BACKOFF
+        while True:
+            try:
+                result = await self._write(op)
+            except Failed:
+                await trio.sleep(delay)
+                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
+                continue
+            break
+        if isinstance(result, _store.Changed):
+            return True
+        if live.flow.revision > flow.revision:
+            return False
+        delay = _BACKOFF
+        while True:
+            try:
+                stored = await self._load(flow.flow_id)
+            except Exception:  # the store is unavailable: try again, the flow is still ours
+                await trio.sleep(delay)
+                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
+                continue
+            break
+        if self._live.get(flow.flow_id) is not live or live.flow.revision > flow.revision:
+            return False
+        if stored is None:
+            del self._live[flow.flow_id]
+        else:
+            self._track(flow.state, stored, True, write=False)
+        return False
+
+    # ---------------------------------------------------------------------------- scheduling
+
+    def _admit_txn(self, live: _Live) -> bool:
+        s = self._sched.get()
+        if s.running < self._max_running:
+            self._sched.set(attrs.evolve(s, running=s.running + 1))
+            return True
+        self._sched.set(attrs.evolve(s, queue=s.queue.append(live)))
+        return False
+
+    def _next_txn(self) -> _Live | None:
+        s = self._sched.get()
+        if s.head < len(s.queue):
+            live = s.queue[s.head]
+            head = s.head + 1
+            if head >= 1024 and 2 * head >= len(s.queue):
+                self._sched.set(attrs.evolve(s, queue=pvector(s.queue[head:]), head=0))
+            else:
+                self._sched.set(attrs.evolve(s, head=head))
+            return live
+        self._sched.set(attrs.evolve(s, running=s.running - 1))
+        return None
+
+    def _enqueue(self, live: _Live) -> None:
+        """Give a live flow a runner now, or a place in line for one (first come first served)."""
+        if self._closing or self._nursery is None:
+            return
+        if stm.atomically_nowait(self._admit_txn, live):
+            self._nursery.start_soon(self._runner, live)
+
+    async def _runner(self, live: _Live | None) -> None:
+        while live is not None:
+            await self._drive(live)
+            live = stm.atomically_nowait(self._next_txn)
+
+    async def _drive(self, live: _Live) -> None:
+        """Run the flow's steps or compensations until it parks, ends, blocks or is let go."""
+        fid = live.flow.flow_id
+        while self._live.get(fid) is live:
+            flow = live.flow
+            key = (flow.plan, flow.version)
+            shape = self._shapes.get(key)
+            reason = m.mismatch(flow, shape)
+            if reason is not None:
+                now = self._now()
+                await self._own(live, _on_row(m.block, reason, now))
+            elif flow.state is _RUNNING:
+                assert shape is not None
+                await self._run_step(live, shape, self._steps[key][flow.step_index])
+            else:
+                assert shape is not None
+                await self._run_compensation(live, shape, self._steps[key][flow.step_index])
+
+    def _context(self, flow: Flow, compensating: bool) -> Context:
+        assert flow.step is not None
+        key = f"{flow.flow_id}/{flow.step_index}/{flow.step}"
+        return Context(
+            flow_id=flow.flow_id,
+            plan=flow.plan,
+            version=flow.version,
+            step=flow.step,
+            step_index=flow.step_index,
+            attempt=flow.attempt,
+            data=json.loads(flow.data),
+            wake=None if flow.wake is None else json.loads(flow.wake),
+            timed_out=flow.timed_out,
+            error=flow.error if compensating else None,
+            idempotency_key=f"{key}/compensate" if compensating else key,
+        )
+
+    async def _attempt(
+        self, live: _Live, fn: Callable[[Context], Awaitable[Any]], failures: int, tries: int
+    ) -> tuple[Context, object, BaseException | None] | None:
+        """Run one attempt of the flow's current step or compensation (and, if it raised and may
+        be retried, the backoff after it). None if the flow was moved by someone else meanwhile
+        (a cancel): the attempt is void and its changes are discarded."""
+        flow = live.flow
+        ctx = self._context(flow, flow.state is _COMPENSATING)
+        result: object = None
+        error: BaseException | None = None
+        with trio.CancelScope() as scope:
+            live.scope = scope
+            try:
+                result = await fn(ctx)
+            except Exception as exc:
+                error = exc
+                if failures + 1 < tries:
+                    await trio.sleep(_backoff(failures + 1))
+        live.scope = None
+        if scope.cancelled_caught or live.flow is not flow:
+            return None
+        return ctx, result, error
+
+    async def _tries(
+        self, live: _Live, fn: Callable[[Context], Awaitable[Any]], attempts: int, counter: str
+    ) -> tuple[Context, object, BaseException | None, int] | None:
+        """Attempts of the flow's current step or compensation until one returns or `attempts`
+        have raised; attempt + 1 is written before every retry. Returns the last attempt's
+        context, result, exception and the number of failures; None if the flow was moved by
+        someone else meanwhile (its attempt is void)."""
+        failures = 0
+        fid = live.flow.flow_id
+        while True:
+            flow = live.flow
+            self._stats[counter] += 1
+            ran = await self._attempt(live, fn, failures, attempts)
+            if ran is None:
+                return None
+            ctx, result, error = ran
+            if error is None:
+                return ctx, result, None, failures
+            failures += 1
+            if failures >= attempts:
+                return ctx, result, error, failures
+            if counter == "steps_run":
+                self._stats["step_retries"] += 1
+            accepted = await self._own(live, _on_row(m.next_attempt, self._now()))
+            # ours must be the last write applied: a cancel may have come right after it
+            if not accepted or live.flow.revision != flow.revision + 1:
+                return None
+            if self._live.get(fid) is not live:
+                return None
+
+    async def _run_step(self, live: _Live, shape: Shape, step: StepDef) -> None:
+        ran = await self._tries(live, step.fn, step.attempts, "steps_run")
+        if ran is None:
+            return
+        ctx, result, error, failures = ran
+        outcome = _classify(result)
+        problem: str | None = None
+        data = ""
+        if error is not None:
+            problem = (
+                f"step {step.name!r} raised {error!r} on attempt {live.flow.attempt}"
+                f" ({failures} of {step.attempts} tries)"
+            )
+        elif isinstance(outcome, str):
+            problem = f"step {step.name!r} {outcome}"
+        else:
+            try:
+                data = _json_object_text(ctx.data, "ctx.data")
+            except TypeError as exc:
+                problem = f"step {step.name!r} left data that is not JSON: {exc}"
+        now = self._now()
+        if problem is not None:
+            await self._own(live, _on_row(m.step_failed, shape, problem, now))
+        else:
+            assert not isinstance(outcome, str)
+            park = isinstance(outcome, Park)
+            await self._own(live, _on_row_box(m.step_done, shape, outcome, data, now), head=park)
+
+    async def _run_compensation(self, live: _Live, shape: Shape, step: StepDef) -> None:
+        assert step.compensate is not None  # the machine stacks only steps with one
+        ran = await self._tries(live, step.compensate, step.attempts, "compensations_run")
+        if ran is None:
+            return
+        ctx, _result, error, failures = ran
+        now = self._now()
+        if error is None:
+            try:
+                data = _json_object_text(ctx.data, "ctx.data")
+            except TypeError as exc:
+                message = f"it left data that is not JSON: {exc}"
+                await self._own(live, _on_row(m.compensation_failed, message, now))
+                return
+            await self._own(live, _on_row(m.compensated, shape, data, now))
+            return
+        message = f"{error!r} on attempt {live.flow.attempt} ({failures} of {step.attempts} tries)"
+        await self._own(live, _on_row(m.compensation_failed, message, now))
+
+    # -------------------------------------------------------------------------------- timers
+
+    def _arm(self, flow: Flow) -> None:
+        assert flow.park_deadline is not None
+        entry = (flow.park_deadline, flow.flow_id, flow.revision)
+        stm.atomically_nowait(lambda: self._timers.set(timers.push(self._timers.get(), entry)))
+
+    def _due_txn(self) -> list[timers.Entry]:
+        heap = self._timers.get()
+        first = timers.top(heap)
+        if first is None:
+            stm.retry()
+        now = trio.current_time()
+        if now < self._trio_time(first[0]):
+            # Tested first, so this is right whether a passed deadline makes `retry` rerun the
+            # transaction or return (then the top is due anyway and is taken below).
+            stm.retry(deadline=self._trio_time(first[0]))
+        due = [first]
+        heap = timers.pop(heap)
+        while (entry := timers.top(heap)) is not None and self._trio_time(entry[0]) <= now:
+            due.append(entry)
+            heap = timers.pop(heap)
+        self._timers.set(heap)
+        return due
+
+    async def _timer_loop(self) -> None:
+        while True:
+            due = await stm.atomically(self._due_txn)
+            nursery = self._nursery
+            assert nursery is not None
+            for deadline, fid, revision in due:
+                live = self._live.get(fid)
+                if live is not None and live.flow.revision > revision:
+                    continue  # woken meanwhile: this timer is stale
+                nursery.start_soon(self._fire, fid, revision, deadline)
+
+    async def _fire(self, flow_id: str, revision: int, deadline: float) -> None:
+        now = max(self._now(), deadline)
+        shapes = self._shapes
+
+        def apply(f: Flow, _b: Mailbox) -> Transition:
+            return m.timeout(f, shapes.get((f.plan, f.version)), now, expected=revision)
+
+        op = _store.Change(flow_id, apply)  # the machine ignores it unless still at `revision`
+        delay = _BACKOFF
+        while True:
+            try:
+                await self._write(op)
+            except Failed:
+                await trio.sleep(delay)
+                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
+                continue
+            return
+
+    # ------------------------------------------------------------------------------ recovery
+
+    async def _recover(self) -> None:
+        store = self._store
+        deadlines = await store.transact(_store.load_deadlines)
+        stm.atomically_nowait(self._timers.set, timers.from_sorted(deadlines))
+        self._parked = (await store.transact(_store.count_states)).get(_PARKED, 0)
+        active = await store.transact(_store.load_active)
+        now = self._now()
+        ops: list[_store.Op] = []
+        for flow in active:
+            reason = m.mismatch(flow, self._shapes.get((flow.plan, flow.version)))
+            if reason is None:
+                apply = _on_row(m.next_attempt, now)
+            else:
+                apply = _on_row(m.block, reason, now)
+            ops.append(_store.Change(flow.flow_id, apply, flow=flow))
+        results = await _gather([partial(self._write, op) for op in ops])
+        self._stats["recovered"] = sum(
+            1
+            for r in results
+            if isinstance(r, _store.Changed) and r.transition.flow.state in _ACTIVE
+        )
+
+    # ----------------------------------------------------------------------------- the calls
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise Closed("the flow engine is closed")
+
+    def _shape_of(self, plan: object) -> Shape:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a flow.Plan, got {plan!r}")
+        key = self._registered.get(id(plan))
+        if key is None:
+            raise UnknownPlan(
+                f"plan {plan.name!r} version {plan.version} was not given to open_engine; an"
+                " engine runs only the plans it was opened with"
+            )
+        return self._shapes[key]
+
+    async def start(
+        self, plan: Plan, *, flow_id: str | None = None, data: dict[str, Json] | None = None
+    ) -> str:
+        """Start a flow of `plan`; durable when this returns; returns its id.
+
+        `flow_id` defaults to a new uuid4 hex. Idempotent: the same id with the same plan and
+        data returns the id and runs nothing again. Raises `UnknownPlan` (a plan not given to
+        `open_engine`), `IdReused` (the id names a flow of another plan or other start data),
+        `TypeError` (data not a JSON object); nothing is stored then.
+        """
+        self._check_open()
+        shape = self._shape_of(plan)
+        fid = uuid.uuid4().hex if flow_id is None else _check_flow_id(flow_id)
+        text = _json_object_text({} if data is None else data, "data")
+        result = await self._request(
+            _store.Create(m.start(shape, fid, text, self._now(), owner=self._owner))
+        )
+        if isinstance(result, _store.Existing) and not result.same:
+            raise IdReused(
+                f"flow id {fid!r} is already used by a flow of plan {result.flow.plan!r} with"
+                " other start data; nothing was stored (pick another id, or send the same data)"
+            )
+        return fid
+
+    async def wake(
+        self, flow_id: str, payload: Json = None, *, message_id: str | None = None
+    ) -> Delivery:
+        """Put a message in the flow's durable mailbox; durable when this returns (SPEC 5.2).
+
+        Returns `Delivery.RESUMED` (the flow was parked and now runs its next step with
+        ``ctx.wake = payload``), `QUEUED` (kept: its next park takes it at once), `DUPLICATE`
+        (`message_id` was delivered before), `STALE` (completed or failed) or `UNKNOWN`.
+        Raises `TypeError` for a payload that is not JSON or a bad id (nothing stored).
+        """
+        self._check_open()
+        fid = _check_flow_id(flow_id)
+        text = _json_text(payload, "payload")
+        if message_id is not None and not isinstance(message_id, str):
+            raise TypeError(f"message_id must be a str or None, got {message_id!r}")
+        message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
+        now = self._now()
+        shapes = self._shapes
+
+        def apply(f: Flow, box: Mailbox) -> Transition:
+            return m.wake(f, box, message, shapes.get((f.plan, f.version)), now)
+
+        result = await self._request(_store.Change(fid, apply, message_id=message_id))
+        if isinstance(result, _store.Changed):
+            assert result.transition.delivery is not None
+            return result.transition.delivery
+        self._wakes[Delivery.UNKNOWN] += 1
+        return Delivery.UNKNOWN
+
+    def on(self, event_type: str, mapper: Callable[[Json], object]) -> None:
+        """Register `mapper` for `event_type` (choreography). No checkpoint.
+
+        ``mapper(event)`` is a plain function returning `Wake`, `Start`, `IGNORE` or None;
+        several mappers of one type run in registration order.
+        """
+        self._check_open()
+        if not isinstance(event_type, str):
+            raise TypeError(f"event_type must be a str, got {event_type!r}")
+        if not callable(mapper):
+            raise TypeError(f"mapper must be a function, got {mapper!r}")
+        if _is_async(mapper):
+            raise TypeError(f"mapper must be a plain function, not async: {mapper!r}")
+        self._mappers.setdefault(event_type, []).append(mapper)
+
+    async def publish(self, event_type: str, event: Json) -> list[Delivery | str | None]:
+        """Apply every mapper of `event_type` to `event`; one result per mapper, in order.
+
+        A `Wake` is delivered (its `Delivery`), a `Start` started (its flow id), `IGNORE`/None
+        gives None. Every mapper runs and every decision is checked (type, JSON, plan) before
+        any is applied: a mapper that returns anything else raises `TypeError` and nothing is
+        applied. Events are at-least-once: give wakes a `message_id` (the event's id).
+        """
+        self._check_open()
+        if not isinstance(event_type, str):
+            raise TypeError(f"event_type must be a str, got {event_type!r}")
+        decisions: list[Wake | Start | None] = []
+        for mapper in self._mappers.get(event_type, ()):
+            decision = mapper(event)
+            if decision is None or decision is IGNORE:
+                decisions.append(None)
+            elif isinstance(decision, Wake):
+                _check_flow_id(decision.flow_id)
+                _json_text(decision.payload, "Wake.payload")
+                if decision.message_id is not None and not isinstance(decision.message_id, str):
+                    raise TypeError(f"Wake.message_id must be a str or None, got {decision!r}")
+                decisions.append(decision)
+            elif isinstance(decision, Start):
+                self._shape_of(decision.plan)
+                _check_flow_id(decision.flow_id)
+                _json_object_text({} if decision.data is None else decision.data, "Start.data")
+                decisions.append(decision)
+            else:
+                raise TypeError(
+                    f"mapper {mapper!r} for {event_type!r} returned {decision!r}: a mapper must"
+                    " return flow.Wake, flow.Start, flow.IGNORE or None; nothing was applied"
+                )
+        results: list[Delivery | str | None] = []
+        await trio.lowlevel.checkpoint_if_cancelled()
+        with trio.CancelScope(shield=True):  # all of them, or (if Cancelled) none
+            for d in decisions:
+                if isinstance(d, Wake):
+                    results.append(await self.wake(d.flow_id, d.payload, message_id=d.message_id))
+                elif isinstance(d, Start):
+                    results.append(await self.start(d.plan, flow_id=d.flow_id, data=d.data))
+                else:
+                    results.append(None)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        return results
+
+    async def wait(self, flow_id: str, *, timeout: float | None = None) -> Snapshot:  # noqa: ASYNC109
+        """Until the flow is `COMPLETED`, `FAILED` or `BLOCKED`; its snapshot then.
+
+        A retry on the engine's state (no polling) for the flows this engine writes. Raises
+        `UnknownFlow`, `trio.TooSlowError` after `timeout` seconds, `ferry.Closed` if the engine
+        closes meanwhile.
+        """
+        self._check_open()
+        fid = _check_flow_id(flow_id)
+        if timeout is not None and not (
+            isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout >= 0
+        ):
+            raise ValueError(f"timeout must be a number >= 0 or None, got {timeout!r}")
+        watch = self._watches.get(fid)
+        if watch is None:
+            watch = self._watches[fid] = _Watch()
+        watch.users += 1
+        try:
+            live = self._live.get(fid)
+            flow = live.flow if live is not None else await self._load(fid)
+            if flow is None:
+                raise UnknownFlow(f"no flow has id {fid!r}")
+            tvar, closed = watch.tvar, self._closed_tv
+
+            def settled() -> Flow:
+                if closed.get():
+                    raise Closed("the flow engine closed while waiting")
+                f = tvar.get()
+                if f is None or f.state not in _SETTLED:
+                    stm.retry()
+                return f
+
+            if flow.state not in _SETTLED:
+                with trio.fail_after(math.inf if timeout is None else timeout):
+                    flow = await stm.atomically(settled)
+            else:
+                await trio.lowlevel.checkpoint()
+            return m.snapshot(flow)
+        finally:
+            watch.users -= 1
+            if not watch.users and self._watches.get(fid) is watch:
+                del self._watches[fid]
+
+    async def _load(self, flow_id: str) -> Flow | None:
+        return await self._store.transact(partial(_store.load, flow_id=flow_id))
+
+    async def get(self, flow_id: str) -> Snapshot | None:
+        """The flow's durable state, read from the store; None if there is no such flow."""
+        self._check_open()
+        flow = await self._load(_check_flow_id(flow_id))
+        return None if flow is None else m.snapshot(flow)
+
+    async def cancel(self, flow_id: str, reason: str = "cancelled") -> bool:
+        """Stop a running or parked flow and compensate its completed steps; durable on return.
+
+        A running step is cancelled and its changes discarded. Returns False (nothing changes)
+        for a flow that is terminal, compensating, blocked or unknown.
+        """
+        self._check_open()
+        fid = _check_flow_id(flow_id)
+        if not isinstance(reason, str):
+            raise TypeError(f"reason must be a str, got {reason!r}")
+        now = self._now()
+        shapes = self._shapes
+
+        def apply(f: Flow, _b: Mailbox) -> Transition:
+            return m.cancel(f, shapes.get((f.plan, f.version)), reason, now)
+
+        result = await self._request(_store.Change(fid, apply))
+        return isinstance(result, _store.Changed) and result.transition.done
+
+    async def resume(self, flow_id: str) -> bool:
+        """Re-drive a `BLOCKED` flow from where it stopped (a step or compensation runs again as
+        attempt + 1; a park is restored). False if it is not blocked, unknown, or its plan
+        version is still not registered."""
+        self._check_open()
+        fid = _check_flow_id(flow_id)
+        now = self._now()
+        shapes = self._shapes
+
+        def apply(f: Flow, box: Mailbox) -> Transition:
+            return m.resume(f, box, shapes.get((f.plan, f.version)), now)
+
+        result = await self._request(_store.Change(fid, apply, head=True))
+        return isinstance(result, _store.Changed) and result.transition.done
+
+    async def history(self, flow_id: str) -> list[Event]:
+        """Every durable transition of the flow, in order. Raises `UnknownFlow`."""
+        self._check_open()
+        fid = _check_flow_id(flow_id)
+        events = await self._store.transact(partial(_store.load_history, flow_id=fid))
+        if events is None:
+            raise UnknownFlow(f"no flow has id {fid!r}")
+        return events
+
+    def statistics(self) -> FlowStatistics:
+        """Gauges and counters of this engine (see `FlowStatistics`). No checkpoint; O(1)."""
+        return FlowStatistics(
+            running=len(self._live),
+            parked=self._parked,
+            wakes=dict(self._wakes),
+            **self._stats,
+        )
+
+    def __repr__(self) -> str:
+        return f"<flow.Engine running={len(self._live)} parked={self._parked}>"
+
+
+def _on_row(fn: Callable[..., Transition], *args: Any) -> _store.Apply:
+    """``apply(flow, mailbox)`` for a transition that does not read the mailbox."""
+    return lambda flow, _mailbox: fn(flow, *args)
+
+
+def _on_row_box(fn: Callable[..., Transition], *args: Any) -> _store.Apply:
+    """``apply(flow, mailbox)`` for a transition that reads the mailbox."""
+    return lambda flow, mailbox: fn(flow, mailbox, *args)
+
+
+def _is_async(fn: object) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004
+    )
+
+
+async def _gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run the calls concurrently (so that their writes share transactions); results in order."""
+    results: list[Any] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        results[i] = await calls[i]()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(calls)):
+            nursery.start_soon(one, i)
+    return results
+
+
+# --------------------------------------------------------------------------------- opening
+
+
+def _registry(plans: Iterable[Plan]) -> dict[tuple[str, int], Plan]:
+    if not isinstance(plans, Iterable):
+        raise TypeError(f"plans must be a list of flow.Plan, got {plans!r}")
+    registry: dict[tuple[str, int], Plan] = {}
+    for plan in plans:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plans must hold flow.Plan objects, got {plan!r}")
+        plan._close()  # raises ValueError for an empty plan
+        key = (plan.name, plan.version)
+        if key in registry and registry[key] is not plan:
+            raise ValueError(f"two plans are named {plan.name!r} version {plan.version}")
+        registry[key] = plan
+    return registry
+
+
+def _lock_sqlite(path: str) -> int:
+    """Take the engine lock of an SQLite file (an flock on a sidecar file); its fd."""
+    lock_path = f"{path}.engine-lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise StoreLocked(
+            f"another flow engine is serving {path!r} right now (it holds {lock_path!r}); an"
+            " SQLite file is served by one engine at a time: close that one first"
+        ) from None
+    return fd
+
+
+@asynccontextmanager
+async def open_engine(
+    store: Store | str | os.PathLike[str],
+    plans: Iterable[Plan],
+    *,
+    owner: str | None = None,
+    max_running: int = 10_000,
+    lease: float = 30.0,
+    _group_commit: bool = True,
+    _wall_clock: Callable[[], float] = time.time,
+) -> AsyncIterator[Engine]:
+    """Open a flow engine on `store` for the duration of an ``async with`` (SPEC 5.2).
+
+    `store`: a path (an SQLite file, created if missing, closed with the engine) or an open
+    `SqliteStore`/`PostgresStore` (left open). `plans`: the plans it runs (several versions of
+    one plan may be given). At most `max_running` flows run at once; the others wait their turn,
+    first come first served. `owner` names this engine in the rows it writes (default: a new
+    uuid); `lease` is the fleet's lease length (issue 10). Creates the tables if missing, takes
+    the SQLite file's engine lock (`StoreLocked` if another engine holds it), then recovers:
+    running and compensating flows run again (attempt + 1), parked flows' timers are armed
+    (overdue ones time out at once). Definition errors (a bad plan, an empty plan) and bad
+    options are raised as they are, before anything is opened.
+
+    Leaving the block closes the engine: running steps and compensations are cancelled (their
+    changes discarded; they run again, as attempt + 1, when an engine next opens the store),
+    parked flows stay parked, and later calls raise `ferry.Closed`.
+
+    `_group_commit=False` is for benchmarks only: every write in its own transaction.
+    """
+    registry = _registry(plans)
+    if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+        raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
+    if isinstance(lease, bool) or not isinstance(lease, int | float) or not (0 < lease < math.inf):
+        raise ValueError(f"lease must be a finite number of seconds > 0, got {lease!r}")
+    if owner is not None and (not isinstance(owner, str) or not owner):
+        raise ValueError(f"owner must be a non-empty str or None, got {owner!r}")
+    own_store = isinstance(store, str | os.PathLike)
+    if own_store:
+        db: Store = SqliteStore(os.fspath(store))  # type: ignore[arg-type]
+    elif callable(getattr(store, "transact", None)):
+        db = store  # type: ignore[assignment]
+    else:
+        raise TypeError(f"store must be a path or a SqliteStore/PostgresStore, got {store!r}")
+    lock_fd = _lock_sqlite(db.path) if isinstance(db, SqliteStore) else None
+    try:
+        await db.transact(_store.create_schema)
+        engine = Engine(
+            db,
+            registry,
+            owner=owner if owner is not None else uuid.uuid4().hex,
+            max_running=max_running,
+            group_commit=_group_commit,
+            wall_clock=_wall_clock,
+        )
+        async with _lifetime(engine) as running:
+            yield running
+    finally:
+        if own_store:
+            with trio.CancelScope(shield=True):
+                await db.aclose()
+        if lock_fd is not None:
+            os.close(lock_fd)
+
+
+@asynccontextmanager
+async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
+    """Own the write ferry and the engine's tasks for the ``async with`` block."""
+    body_error: BaseException | None = None
+    ferry_cm: contextlib.AbstractAsyncContextManager[Any]
+    if engine._group_commit:
+        ferry_cm = open_ferry(
+            engine._batch,
+            max_batch_size=_BATCH_SIZE,
+            max_in_flight_batches=1 if engine._store.dialect == "sqlite" else 4,
+            max_queueing=1 << 40,
+        )
+    else:
+        ferry_cm = contextlib.nullcontext(None)
+    try:
+        async with ferry_cm as write_ferry:
+            engine._ferry = write_ferry
+            async with trio.open_nursery() as nursery:
+                engine._nursery = nursery
+                try:
+                    await engine._recover()
+                    nursery.start_soon(engine._timer_loop)
+                    yield engine
+                except BaseException as exc:
+                    body_error = exc  # re-raised below, not wrapped in an exception group
+                finally:
+                    engine._closing = True
+                    stm.atomically_nowait(engine._closed_tv.set, True)
+                    nursery.cancel_scope.cancel()
+    finally:
+        engine._closing = True
+        engine._ferry = None
+    if body_error is not None:
+        raise body_error

@@ -1,0 +1,757 @@
+"""The state machine of one flow: frozen values and pure transitions.
+
+PURE: this module never imports trio, never reads a clock and does no I/O. Time comes in as the
+`now` argument (wall-clock seconds). The store runs a transition inside the database transaction
+that records it; the engine decides which transition to ask for; the model check (tests) drives
+them directly. What a flow *is* lives here, and nowhere else.
+
+Values
+------
+- `Shape`: what the machine needs of a plan: its name, version, step names, which steps have a
+  compensation, and their attempts.
+- `Flow`: one flow's durable row. `revision` is 1 after `start` and +1 on every accepted write.
+  `stack` holds the indexes of the completed steps that have a compensation, oldest first: it is
+  the compensation stack (popped from the end). `attempt` is the attempt number of the step or
+  compensation in progress (or the last one started). `wake`/`timed_out` belong to the current
+  step (the one after a park). `error` is why the flow compensates (or failed); `blocked` is why
+  it is `BLOCKED`, and `blocked_from` the state it left (`resume` returns there).
+- `Mailbox`: a flow's durable mailbox: `queued` (messages kept for the next park, in arrival
+  order) and `seen` (every message id ever accepted: the `DUPLICATE` check). A transition reads
+  only ``message_id in seen`` and ``queued[:1]``, so a store may pass a partial mailbox holding
+  just those (and applies `Transition.messages` to its tables).
+
+States and transitions (who asks for each)
+------------------------------------------
+::
+
+    start ---------------------------------------> RUNNING(step 0, attempt 1)
+    RUNNING --step_done(CONTINUE)--> RUNNING(next step) | COMPLETED (after the last step)
+    RUNNING --step_done(COMPLETE)--> COMPLETED
+    RUNNING --step_done(park)------> PARKED, or at once RUNNING(next) if a message is queued
+    RUNNING --step_done(fail) / step_failed / cancel--> COMPENSATING(top of stack) | FAILED
+    RUNNING, COMPENSATING --next_attempt--> same, attempt + 1 (a retry; a re-run after a crash)
+    PARKED --wake--> RUNNING(next step, ctx.wake) | COMPLETED | BLOCKED (plan missing; queued)
+    PARKED --timeout--> COMPENSATING | FAILED ("compensate") or RUNNING(next, timed_out)
+    PARKED --cancel--> COMPENSATING | FAILED
+    COMPENSATING --compensated--> COMPENSATING(next compensation) | FAILED
+    COMPENSATING --compensation_failed--> BLOCKED
+    RUNNING, PARKED, COMPENSATING --block--> BLOCKED (the plan version is missing)
+    BLOCKED --resume--> the state it left (a running step or compensation: attempt + 1; a park
+                        takes a queued message at once)
+    any --wake--> DUPLICATE (seen id; before anything else), STALE (terminal), QUEUED (running,
+                  compensating, blocked: the message is kept, the row does not change)
+
+`step_done`, `step_failed`, `next_attempt`, `compensated` and `compensation_failed` are asked by
+the one task that runs the flow and raise `InvalidTransition` in a state where they cannot
+happen. `wake`, `timeout`, `cancel`, `resume` and `block` come from outside at any time and
+answer with ``done=False`` (nothing written) when they do not apply. Every transition that
+writes bumps `revision` by exactly 1 and lists its history `events`; a wake that is only queued
+changes the mailbox, not the row.
+
+Invariants (`check_invariants`)
+-------------------------------
+- A parked flow has an empty queue (a park takes a queued message at once): no wake is lost
+  because it came before the park. Every queued id is in `seen`.
+- The stack is strictly increasing, holds only steps with a compensation, and only steps before
+  the current one (up to and including it when parked: a step that parked has completed). A
+  compensating flow is at the top of its stack. Terminal flows have an empty stack.
+- Only a running flow has `wake`/`timed_out`; only a parked flow has a deadline or `on_timeout`;
+  only a blocked flow has `blocked`/`blocked_from`; terminal flows have no step.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import json
+from collections.abc import Sequence
+from typing import Any, Final
+
+import attrs
+
+from ._types import (
+    Delivery,
+    Event,
+    Fail,
+    Json,
+    Outcome,
+    Park,
+    Snapshot,
+    State,
+    _Complete,
+    _Continue,
+)
+
+__all__ = [
+    "EMPTY_MAILBOX",
+    "Flow",
+    "InvalidTransition",
+    "InvariantError",
+    "Mailbox",
+    "Message",
+    "Next",
+    "Received",
+    "Shape",
+    "Taken",
+    "Transition",
+    "block",
+    "cancel",
+    "check_invariants",
+    "claim",
+    "compensated",
+    "compensation_failed",
+    "mismatch",
+    "next_action",
+    "next_attempt",
+    "parse_stack",
+    "resume",
+    "snapshot",
+    "stack_text",
+    "start",
+    "step_done",
+    "step_failed",
+    "timeout",
+    "wake",
+]
+
+RUNNING: Final = State.RUNNING
+PARKED: Final = State.PARKED
+COMPENSATING: Final = State.COMPENSATING
+COMPLETED: Final = State.COMPLETED
+FAILED: Final = State.FAILED
+BLOCKED: Final = State.BLOCKED
+TERMINAL: Final = frozenset({COMPLETED, FAILED})
+ACTIVE: Final = frozenset({RUNNING, COMPENSATING})
+
+
+class InvalidTransition(Exception):
+    """A transition that only the flow's own runner asks for was asked in the wrong state."""
+
+
+class InvariantError(AssertionError):
+    """`check_invariants` found a state that no correct run can reach."""
+
+
+@attrs.frozen
+class Shape:
+    """What the machine needs of a plan (made by `Plan`; a model check may make its own)."""
+
+    name: str
+    version: int
+    steps: tuple[str, ...]
+    compensable: tuple[bool, ...]
+    attempts: tuple[int, ...]
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.steps)
+        assert n >= 1 and len(self.compensable) == n and len(self.attempts) == n
+
+
+@attrs.frozen
+class Message:
+    """One wake in a mailbox: its id (given, or made unique by the engine) and JSON payload text."""
+
+    message_id: str
+    payload: str
+
+
+@attrs.frozen
+class Mailbox:
+    """A flow's durable mailbox (or the part of it a transition reads; see the module doc)."""
+
+    queued: tuple[Message, ...] = ()
+    seen: frozenset[str] = frozenset()
+
+
+EMPTY_MAILBOX: Final = Mailbox()
+
+
+@attrs.frozen
+class Flow:
+    """One flow's durable row (see the module doc for what each field means)."""
+
+    flow_id: str
+    plan: str
+    version: int
+    state: State
+    step_index: int
+    step: str | None
+    attempt: int
+    data: str  # canonical JSON text of the flow's data object
+    revision: int
+    updated_at: float
+    error: str | None = None
+    park_deadline: float | None = None
+    on_timeout: str | None = None
+    wake: str | None = None  # JSON text of the payload that resumed the current step
+    timed_out: bool = False
+    stack: tuple[int, ...] = ()
+    blocked: str | None = None
+    blocked_from: State | None = None
+    owner: str | None = None
+    lease_until: float | None = None
+
+
+@attrs.frozen
+class Received:
+    """A new message for the mailbox: kept for the next park, or `taken` at once (RESUMED)."""
+
+    message: Message
+    taken: bool
+    at: float = 0.0  # when it arrived (wall-clock seconds)
+
+
+@attrs.frozen
+class Taken:
+    """A queued message taken by a park (or a resume back to a park)."""
+
+    message: Message
+
+
+@attrs.frozen
+class Transition:
+    """What a transition did: the new row and mailbox, what must be written, what it answers.
+
+    `expected` is the revision the flow had before (0 for `start`); the row changed (and must be
+    written, with `events`, as a compare-and-set on `expected`) iff `written`. `messages` are
+    mailbox writes, to be applied even when the row did not change (a queued wake). `delivery`
+    answers a wake; `done` is False when an outside request did not apply (nothing to write).
+    """
+
+    flow: Flow
+    mailbox: Mailbox
+    expected: int
+    events: tuple[Event, ...] = ()
+    messages: tuple[Received | Taken, ...] = ()
+    delivery: Delivery | None = None
+    done: bool = True
+
+    @property
+    def written(self) -> bool:
+        """True if the row changed: a new revision, to be written with `events`."""
+        return self.flow.revision != self.expected
+
+
+class Next(enum.Enum):
+    """What the engine does with a flow in this state (`next_action`)."""
+
+    RUN_STEP = "run step"
+    RUN_COMPENSATION = "run compensation"
+    WAIT = "wait"  # parked: nothing runs; a timer if it has a deadline
+    NOTHING = "nothing"  # terminal or blocked
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _event(
+    flow: Flow, now: float, kind: str, step: str | None, attempt: int | None, detail: Json = None
+) -> Event:
+    return Event(
+        revision=flow.revision, at=now, kind=kind, step=step, attempt=attempt, detail=detail
+    )
+
+
+def _require(cond: bool, flow: Flow, what: str) -> None:
+    if not cond:
+        raise InvalidTransition(f"{what} is not possible for flow {flow.flow_id!r} in {flow.state}")
+
+
+def _no_change(flow: Flow, mailbox: Mailbox, delivery: Delivery | None = None) -> Transition:
+    return Transition(flow, mailbox, flow.revision, delivery=delivery, done=False)
+
+
+def _bump(flow: Flow, now: float, **changes: Any) -> Flow:
+    return attrs.evolve(flow, revision=flow.revision + 1, updated_at=now, **changes)
+
+
+def _ended(state: State) -> dict[str, Any]:
+    return {
+        "state": state,
+        "step": None,
+        "stack": (),
+        "wake": None,
+        "timed_out": False,
+        "park_deadline": None,
+        "on_timeout": None,
+        "blocked": None,
+        "blocked_from": None,
+    }
+
+
+def _advance(
+    flow: Flow, shape: Shape, stack: tuple[int, ...], wake: str | None, timed_out: bool
+) -> dict[str, Any]:
+    """The changes that move a flow past its current step (to the next one, or to completed)."""
+    i = flow.step_index + 1
+    if i >= len(shape.steps):
+        return {**_ended(COMPLETED), "step_index": flow.step_index}
+    return {
+        "state": RUNNING,
+        "step_index": i,
+        "step": shape.steps[i],
+        "attempt": 1,
+        "stack": stack,
+        "wake": wake,
+        "timed_out": timed_out,
+        "park_deadline": None,
+        "on_timeout": None,
+        "blocked": None,
+        "blocked_from": None,
+    }
+
+
+def _completed_events(new: Flow, now: float) -> tuple[Event, ...]:
+    return (_event(new, now, "completed", None, None),) if new.state is COMPLETED else ()
+
+
+def _compensate(
+    flow: Flow,
+    shape: Shape | None,
+    new: Flow,
+    error: str,
+    now: float,
+    events: list[Event],
+) -> Flow:
+    """`new` (already bumped) starts compensating its stack, or fails at once if it is empty.
+    Appends the `failed` event when it fails."""
+    if new.stack:
+        top = new.stack[-1]
+        step = shape.steps[top] if shape is not None and top < len(shape.steps) else flow.step
+        return attrs.evolve(
+            new,
+            state=COMPENSATING,
+            step_index=top,
+            step=step,
+            attempt=1,
+            error=error,
+            wake=None,
+            timed_out=False,
+            park_deadline=None,
+            on_timeout=None,
+            blocked=None,
+            blocked_from=None,
+        )
+    failed = attrs.evolve(new, error=error, **_ended(FAILED))
+    events.append(_event(failed, now, "failed", None, None, {"error": error}))
+    return failed
+
+
+def _pushed(flow: Flow, shape: Shape) -> tuple[int, ...]:
+    """The stack once the current step has completed."""
+    i = flow.step_index
+    return (*flow.stack, i) if shape.compensable[i] else flow.stack
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+def mismatch(flow: Flow, shape: Shape | None) -> str | None:
+    """Why `shape` cannot drive `flow` (versions fail closed), or None if it can. O(stack)."""
+    if shape is None or shape.name != flow.plan or shape.version != flow.version:
+        return f"plan {flow.plan!r} version {flow.version} is not registered with this engine"
+    state = flow.blocked_from if flow.state is BLOCKED else flow.state
+    if state not in (RUNNING, PARKED, COMPENSATING):
+        return None
+    i = flow.step_index
+    have = shape.steps[i] if 0 <= i < len(shape.steps) else None
+    if have != flow.step:
+        found = "no step" if have is None else f"step {have!r}"
+        return (
+            f"plan {flow.plan!r} version {flow.version} has {found} at index {i}, but the flow"
+            f" is at step {flow.step!r}"
+        )
+    for j in flow.stack:
+        if not (0 <= j < len(shape.steps) and shape.compensable[j]):
+            return (
+                f"plan {flow.plan!r} version {flow.version} has no compensation at index {j},"
+                " which the flow's compensation stack needs"
+            )
+    return None
+
+
+def next_action(flow: Flow) -> Next:
+    """What the engine does next with a flow in this state. No cost."""
+    if flow.state is RUNNING:
+        return Next.RUN_STEP
+    if flow.state is COMPENSATING:
+        return Next.RUN_COMPENSATION
+    if flow.state is PARKED:
+        return Next.WAIT
+    return Next.NOTHING
+
+
+def snapshot(flow: Flow) -> Snapshot:
+    """The public view of a row (a fresh copy of its data). Cost: one JSON parse."""
+    return Snapshot(
+        flow_id=flow.flow_id,
+        plan=flow.plan,
+        version=flow.version,
+        state=flow.state,
+        step=flow.step,
+        step_index=flow.step_index,
+        data=json.loads(flow.data),
+        error=flow.blocked if flow.state is BLOCKED else flow.error,
+        park_deadline=flow.park_deadline,
+        revision=flow.revision,
+    )
+
+
+# -------------------------------------------------------------------- transitions of the runner
+
+
+def start(
+    shape: Shape, flow_id: str, data: str, now: float, *, owner: str | None = None
+) -> Transition:
+    """A new flow at its first step, attempt 1, revision 1; `data` is canonical JSON text."""
+    flow = Flow(
+        flow_id=flow_id,
+        plan=shape.name,
+        version=shape.version,
+        state=RUNNING,
+        step_index=0,
+        step=shape.steps[0],
+        attempt=1,
+        data=data,
+        revision=1,
+        updated_at=now,
+        owner=owner,
+    )
+    detail = {"plan": shape.name, "version": shape.version}
+    return Transition(
+        flow, EMPTY_MAILBOX, 0, events=(_event(flow, now, "started", None, None, detail),)
+    )
+
+
+def next_attempt(flow: Flow, now: float) -> Transition:
+    """The step or compensation in progress runs again as attempt + 1 (a retry after an exception,
+    or a re-run after a crash or close: written before it runs, so every re-run counts)."""
+    _require(flow.state in ACTIVE, flow, "next_attempt")
+    new = _bump(flow, now, attempt=flow.attempt + 1)
+    return Transition(new, EMPTY_MAILBOX, flow.revision)
+
+
+def step_done(
+    flow: Flow,
+    mailbox: Mailbox,
+    shape: Shape,
+    outcome: Outcome | None,
+    data: str,
+    now: float,
+) -> Transition:
+    """The current step returned `outcome` (None = CONTINUE) with the flow's data now `data`.
+
+    A park takes the first queued message at once (the flow runs on with it as `ctx.wake`), else
+    parks with its deadline (``now + timeout``). `fail` compensates the completed steps.
+    """
+    _require(flow.state is RUNNING, flow, "step_done")
+    step, attempt = flow.step, flow.attempt
+    if outcome is None or isinstance(outcome, _Continue):
+        new = _bump(
+            flow, now, data=data, **_advance(flow, shape, _pushed(flow, shape), None, False)
+        )
+        events = (
+            _event(new, now, "step", step, attempt, {"outcome": "continue"}),
+            *_completed_events(new, now),
+        )
+        return Transition(new, mailbox, flow.revision, events=events)
+    if isinstance(outcome, _Complete):
+        new = _bump(flow, now, data=data, step_index=flow.step_index, **_ended(COMPLETED))
+        events = (
+            _event(new, now, "step", step, attempt, {"outcome": "complete"}),
+            _event(new, now, "completed", None, None),
+        )
+        return Transition(new, mailbox, flow.revision, events=events)
+    if isinstance(outcome, Park):
+        stack = _pushed(flow, shape)
+        deadline = None if outcome.timeout is None else now + outcome.timeout
+        detail = {"outcome": "park", "timeout": outcome.timeout, "on_timeout": outcome.on_timeout}
+        parked_detail = {"deadline": deadline, "on_timeout": outcome.on_timeout}
+        if mailbox.queued:
+            message = mailbox.queued[0]
+            new = _bump(
+                flow, now, data=data, **_advance(flow, shape, stack, message.payload, False)
+            )
+            events = (
+                _event(new, now, "step", step, attempt, detail),
+                _event(new, now, "parked", step, attempt, parked_detail),
+                _event(new, now, "woken", step, None, {"message_id": message.message_id}),
+                *_completed_events(new, now),
+            )
+            rest = attrs.evolve(mailbox, queued=mailbox.queued[1:])
+            return Transition(new, rest, flow.revision, events=events, messages=(Taken(message),))
+        new = _bump(
+            flow,
+            now,
+            data=data,
+            state=PARKED,
+            stack=stack,
+            wake=None,
+            timed_out=False,
+            park_deadline=deadline,
+            on_timeout=outcome.on_timeout,
+        )
+        events = (
+            _event(new, now, "step", step, attempt, detail),
+            _event(new, now, "parked", step, attempt, parked_detail),
+        )
+        return Transition(new, mailbox, flow.revision, events=events)
+    if isinstance(outcome, Fail):
+        new = _bump(flow, now, data=data)
+        log = [
+            _event(new, now, "step", step, attempt, {"outcome": "fail", "reason": outcome.reason})
+        ]
+        new = _compensate(flow, shape, new, outcome.reason, now, log)
+        return Transition(new, mailbox, flow.revision, events=tuple(log))
+    raise InvalidTransition(f"step_done got {outcome!r}, which is not an outcome")
+
+
+def step_failed(flow: Flow, shape: Shape | None, error: str, now: float) -> Transition:
+    """The current step failed for good (raised on its last attempt, returned a non-outcome, or
+    left data that is not JSON): its changes are discarded and the flow compensates."""
+    _require(flow.state is RUNNING, flow, "step_failed")
+    new = _bump(flow, now)
+    events = [
+        _event(new, now, "step", flow.step, flow.attempt, {"outcome": "error", "error": error})
+    ]
+    new = _compensate(flow, shape, new, error, now, events)
+    return Transition(new, EMPTY_MAILBOX, flow.revision, events=tuple(events))
+
+
+def compensated(flow: Flow, shape: Shape | None, data: str, now: float) -> Transition:
+    """The compensation at the top of the stack succeeded (its data changes are kept): the next
+    one runs, or the flow has failed once the stack is empty."""
+    _require(flow.state is COMPENSATING and bool(flow.stack), flow, "compensated")
+    stack = flow.stack[:-1]
+    new = _bump(flow, now, data=data, stack=stack)
+    events = [_event(new, now, "compensated", flow.step, flow.attempt)]
+    new = _compensate(flow, shape, new, flow.error or "compensating", now, events)
+    return Transition(new, EMPTY_MAILBOX, flow.revision, events=tuple(events))
+
+
+def compensation_failed(flow: Flow, error: str, now: float) -> Transition:
+    """The compensation in progress raised on its last attempt: the flow is `BLOCKED` (an operator
+    fixes the cause and calls `resume`). Nothing is lost: the stack is kept."""
+    _require(flow.state is COMPENSATING, flow, "compensation_failed")
+    reason = f"compensation of step {flow.step!r} failed: {error}"
+    new = _bump(flow, now, state=BLOCKED, blocked=reason, blocked_from=COMPENSATING)
+    events = (_event(new, now, "blocked", flow.step, flow.attempt, {"reason": reason}),)
+    return Transition(new, EMPTY_MAILBOX, flow.revision, events=events)
+
+
+# ---------------------------------------------------------------- transitions asked from outside
+
+
+def wake(
+    flow: Flow, mailbox: Mailbox, message: Message, shape: Shape | None, now: float
+) -> Transition:
+    """A message for the flow's mailbox; `delivery` says what became of it (SPEC 5.2).
+
+    DUPLICATE (its id was seen) comes before STALE (terminal). A parked flow whose plan version is
+    missing becomes BLOCKED and keeps the message (QUEUED).
+    """
+    if message.message_id in mailbox.seen:
+        return _no_change(flow, mailbox, Delivery.DUPLICATE)
+    if flow.state in TERMINAL:
+        return _no_change(flow, mailbox, Delivery.STALE)
+    seen = mailbox.seen | {message.message_id}
+    if flow.state is PARKED:
+        reason = mismatch(flow, shape)
+        if reason is None:
+            assert shape is not None
+            new = _bump(flow, now, **_advance(flow, shape, flow.stack, message.payload, False))
+            events = (
+                _event(new, now, "woken", flow.step, None, {"message_id": message.message_id}),
+                *_completed_events(new, now),
+            )
+            return Transition(
+                new,
+                attrs.evolve(mailbox, seen=seen),
+                flow.revision,
+                events=events,
+                messages=(Received(message, taken=True, at=now),),
+                delivery=Delivery.RESUMED,
+            )
+        new = _bump(flow, now, state=BLOCKED, blocked=reason, blocked_from=PARKED)
+        events = (_event(new, now, "blocked", flow.step, None, {"reason": reason}),)
+    else:
+        new, events = flow, ()
+    return Transition(
+        new,
+        Mailbox((*mailbox.queued, message), seen),
+        flow.revision,
+        events=events,
+        messages=(Received(message, taken=False, at=now),),
+        delivery=Delivery.QUEUED,
+    )
+
+
+def timeout(
+    flow: Flow, shape: Shape | None, now: float, *, expected: int | None = None
+) -> Transition:
+    """The park's deadline has come: compensate, or run the next step with `timed_out` set.
+
+    Does nothing (``done=False``) unless the flow is parked with a deadline at or before `now`
+    and, if given, still at revision `expected` (the revision the timer was armed for): a timer
+    never fires after a wake was accepted. A missing plan version blocks the flow instead.
+    """
+    if (
+        flow.state is not PARKED
+        or flow.park_deadline is None
+        or now < flow.park_deadline
+        or (expected is not None and flow.revision != expected)
+    ):
+        return _no_change(flow, EMPTY_MAILBOX)
+    detail = {"deadline": flow.park_deadline, "on_timeout": flow.on_timeout}
+    reason = mismatch(flow, shape)
+    if reason is not None:
+        new = _bump(flow, now, state=BLOCKED, blocked=reason, blocked_from=PARKED)
+        blocked = (_event(new, now, "blocked", flow.step, None, {"reason": reason}),)
+        return Transition(new, EMPTY_MAILBOX, flow.revision, events=blocked)
+    assert shape is not None
+    if flow.on_timeout == "continue":
+        new = _bump(flow, now, **_advance(flow, shape, flow.stack, None, True))
+        events = (
+            _event(new, now, "timed_out", flow.step, None, detail),
+            *_completed_events(new, now),
+        )
+        return Transition(new, EMPTY_MAILBOX, flow.revision, events=events)
+    error = f"step {flow.step!r} timed out while parked"
+    new = _bump(flow, now, park_deadline=None, on_timeout=None)
+    log = [_event(new, now, "timed_out", flow.step, None, detail)]
+    new = _compensate(flow, shape, new, error, now, log)
+    return Transition(new, EMPTY_MAILBOX, flow.revision, events=tuple(log))
+
+
+def cancel(flow: Flow, shape: Shape | None, reason: str, now: float) -> Transition:
+    """Stop a running or parked flow and compensate its completed steps (the running step, if
+    any, did not complete: its changes are discarded and its compensation does not run).
+    ``done=False`` for a flow that is terminal, compensating or blocked."""
+    if flow.state not in (RUNNING, PARKED):
+        return _no_change(flow, EMPTY_MAILBOX)
+    new = _bump(flow, now)
+    events = [_event(new, now, "cancelled", flow.step, None, {"reason": reason})]
+    new = _compensate(flow, shape, new, reason, now, events)
+    return Transition(new, EMPTY_MAILBOX, flow.revision, events=tuple(events))
+
+
+def block(flow: Flow, reason: str, now: float) -> Transition:
+    """The engine cannot drive this flow (its plan version or step is missing): `BLOCKED`, with
+    `reason`, until `resume`. ``done=False`` unless running, parked or compensating."""
+    if flow.state not in (RUNNING, PARKED, COMPENSATING):
+        return _no_change(flow, EMPTY_MAILBOX)
+    new = _bump(flow, now, state=BLOCKED, blocked=reason, blocked_from=flow.state)
+    events = (_event(new, now, "blocked", flow.step, None, {"reason": reason}),)
+    return Transition(new, EMPTY_MAILBOX, flow.revision, events=events)
+
+
+def resume(flow: Flow, mailbox: Mailbox, shape: Shape | None, now: float) -> Transition:
+    """Re-drive a `BLOCKED` flow from the state it left: a step or compensation runs again as
+    attempt + 1; a park is restored (and takes a queued message at once). ``done=False`` (nothing
+    changes) if the flow is not blocked or `shape` still cannot drive it."""
+    if flow.state is not BLOCKED or flow.blocked_from is None or mismatch(flow, shape) is not None:
+        return _no_change(flow, mailbox)
+    assert shape is not None
+    back = flow.blocked_from
+    cleared = {"state": back, "blocked": None, "blocked_from": None}
+    if back is PARKED and mailbox.queued:
+        message = mailbox.queued[0]
+        new = _bump(flow, now, **_advance(flow, shape, flow.stack, message.payload, False))
+        events = (
+            _event(new, now, "resumed", flow.step, None),
+            _event(new, now, "woken", flow.step, None, {"message_id": message.message_id}),
+            *_completed_events(new, now),
+        )
+        rest = attrs.evolve(mailbox, queued=mailbox.queued[1:])
+        return Transition(new, rest, flow.revision, events=events, messages=(Taken(message),))
+    if back is PARKED:
+        new = _bump(flow, now, **cleared)
+    else:
+        new = _bump(flow, now, attempt=flow.attempt + 1, **cleared)
+    events = (_event(new, now, "resumed", flow.step, new.attempt if back is not PARKED else None),)
+    return Transition(new, mailbox, flow.revision, events=events)
+
+
+def claim(flow: Flow, owner: str, lease_until: float | None, now: float) -> Transition:
+    """Make `owner` the flow's owner until `lease_until` (a write: revision + 1, no event).
+
+    For the fleet (a takeover is a compare-and-set on the revision the claimer saw)."""
+    new = _bump(flow, now, owner=owner, lease_until=lease_until)
+    return Transition(new, EMPTY_MAILBOX, flow.revision)
+
+
+# ------------------------------------------------------------------------------------ checking
+
+
+def check_invariants(
+    flow: Flow, mailbox: Mailbox | None = None, shape: Shape | None = None
+) -> None:
+    """Raise `InvariantError` naming the first broken invariant (module doc); None if all hold.
+
+    With `mailbox`, also the mailbox's; with `shape`, also that the flow's position and stack fit
+    the plan. Cost: O(stack + queue).
+    """
+
+    def bad(what: str) -> None:
+        raise InvariantError(f"flow {flow.flow_id!r} ({flow.state}): {what}")
+
+    if flow.revision < 1:
+        bad(f"revision {flow.revision} < 1")
+    if flow.attempt < 1:
+        bad(f"attempt {flow.attempt} < 1")
+    stack = flow.stack
+    if any(b <= a for a, b in itertools.pairwise(stack)):
+        bad(f"compensation stack {stack} is not strictly increasing")
+    state = flow.state
+    limit = flow.step_index + (1 if state in (PARKED, COMPENSATING) else 0)
+    if state is BLOCKED and flow.blocked_from in (PARKED, COMPENSATING):
+        limit += 1
+    if state in TERMINAL:
+        if flow.step is not None:
+            bad("a terminal flow has a step")
+        if stack:
+            bad(f"a terminal flow has compensations left: {stack}")
+    elif flow.step is None:
+        bad("an unfinished flow has no step")
+    if stack and (stack[0] < 0 or stack[-1] >= limit):
+        bad(f"compensation stack {stack} holds a step at or after the current one")
+    if state is COMPENSATING and (not stack or stack[-1] != flow.step_index):
+        bad(f"compensating step {flow.step_index}, but the stack is {stack}")
+    running = state is RUNNING or (state is BLOCKED and flow.blocked_from is RUNNING)
+    if not running and (flow.wake is not None or flow.timed_out):
+        bad("wake/timed_out set outside a running step")
+    parked = state is PARKED or (state is BLOCKED and flow.blocked_from is PARKED)
+    if not parked and (flow.park_deadline is not None or flow.on_timeout is not None):
+        bad("a park deadline outside a park")
+    if state is PARKED and flow.on_timeout not in ("compensate", "continue"):
+        bad(f"parked with on_timeout {flow.on_timeout!r}")
+    if (state is BLOCKED) != (flow.blocked is not None) or (state is BLOCKED) != (
+        flow.blocked_from is not None
+    ):
+        bad("blocked/blocked_from set iff the flow is blocked")
+    if state is BLOCKED and flow.blocked_from not in (RUNNING, PARKED, COMPENSATING):
+        bad(f"blocked from {flow.blocked_from}")
+    if state in (COMPENSATING, FAILED) and flow.error is None:
+        bad("compensating or failed without an error")
+    if mailbox is not None:
+        ids = [m.message_id for m in mailbox.queued]
+        if len(set(ids)) != len(ids):
+            bad(f"a message is queued twice: {ids}")
+        if not set(ids) <= mailbox.seen:
+            bad("a queued message id is not in `seen`")
+        if state is PARKED and mailbox.queued:
+            bad(f"parked with messages queued: {ids} (a wake before the park was not taken)")
+    if shape is not None and state is not BLOCKED and mismatch(flow, shape) is not None:
+        bad(str(mismatch(flow, shape)))
+    if shape is not None and any(not shape.compensable[i] for i in stack if i < len(shape.steps)):
+        bad(f"the stack {stack} holds a step without a compensation")
+
+
+def stack_text(stack: Sequence[int]) -> str:
+    """The stack as stored: ``"0,2,3"``."""
+    return ",".join(map(str, stack))
+
+
+def parse_stack(text: str) -> tuple[int, ...]:
+    """Inverse of `stack_text`."""
+    return tuple(int(x) for x in text.split(",")) if text else ()

@@ -1,0 +1,156 @@
+"""`Plan`: a named, versioned list of steps, each with an optional compensation.
+
+Definition errors are raised where they are made (SPEC 5.1): a step or compensation that is not an
+``async def`` is a `TypeError`; a duplicate step name, ``attempts < 1`` and (at `open_engine`) an
+empty plan are `ValueError`s. A plan is closed once an engine has it: adding a step to it then is
+an error, because flows in flight depend on its exact list of steps (change the version instead).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, final, overload
+
+import attrs
+
+from ._machine import Shape
+from ._types import Context
+
+StepFn = Callable[[Context], Awaitable[Any]]
+CompensateFn = Callable[[Context], Awaitable[None]]
+F = TypeVar("F", bound=StepFn)
+
+
+@final
+@attrs.frozen
+class StepDef:
+    """One step of a plan, as declared."""
+
+    name: str
+    fn: StepFn
+    compensate: CompensateFn | None
+    attempts: int
+
+
+def _check_async(what: str, fn: object) -> None:
+    if not callable(fn):
+        raise TypeError(f"{what} must be an async function, got {fn!r}")
+    if not inspect.iscoroutinefunction(fn):
+        raise TypeError(
+            f"{what} must be an async function (async def), got {fn!r}: steps and compensations"
+            " are awaited by the engine"
+        )
+
+
+@final
+class Plan:
+    """A business process: steps that run in declaration order (SPEC 5.1).
+
+    ``Plan(name, version=1)``; add steps with ``@plan.step`` or
+    ``@plan.step(name=..., compensate=..., attempts=...)``. Give the plan to `open_engine`;
+    several versions of one plan may be registered at once, and a flow always resumes on the
+    version it started with.
+    """
+
+    __slots__ = ("_closed", "_shape", "_steps", "name", "version")
+
+    def __init__(self, name: str, version: int = 1) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"a plan's name must be a str, got {name!r}")
+        if not name:
+            raise ValueError("a plan's name must not be empty")
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"a plan's version must be an int, got {version!r}")
+        if version < 1:
+            raise ValueError(f"a plan's version must be >= 1, got {version!r}")
+        self.name = name
+        self.version = version
+        self._steps: tuple[StepDef, ...] = ()
+        self._closed = False
+        self._shape: Shape | None = None
+
+    @property
+    def steps(self) -> tuple[StepDef, ...]:
+        """The steps, in order."""
+        return self._steps
+
+    @overload
+    def step(self, fn: F, /) -> F: ...
+
+    @overload
+    def step(
+        self,
+        fn: None = None,
+        /,
+        *,
+        name: str | None = None,
+        compensate: CompensateFn | None = None,
+        attempts: int = 3,
+    ) -> Callable[[F], F]: ...
+
+    def step(
+        self,
+        fn: F | None = None,
+        /,
+        *,
+        name: str | None = None,
+        compensate: CompensateFn | None = None,
+        attempts: int = 3,
+    ) -> F | Callable[[F], F]:
+        """Add a step (a decorator, bare or with keywords); returns the function unchanged.
+
+        `name`: the step's name (default: the function's). `compensate`: an ``async def (ctx)``
+        that undoes the step, or None. `attempts` (>= 1): how many times the step (and its
+        compensation) is tried when it raises, with backoff from 0.1 s doubling, before it counts
+        as failed. Raises `TypeError`/`ValueError` at once for a bad definition.
+        """
+        if isinstance(attempts, bool) or not isinstance(attempts, int):
+            raise TypeError(f"attempts must be an int, got {attempts!r}")
+        if attempts < 1:
+            raise ValueError(f"attempts must be >= 1, got {attempts!r}")
+        if compensate is not None:
+            _check_async("compensate", compensate)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"a step's name must be a str, got {name!r}")
+
+        def add(f: F) -> F:
+            _check_async("a step", f)
+            step_name = name if name is not None else getattr(f, "__name__", None)
+            if not isinstance(step_name, str) or not step_name:
+                raise ValueError(f"a step needs a name (name=...), got {step_name!r}")
+            if self._closed:
+                raise ValueError(
+                    f"plan {self.name!r} version {self.version} is already registered with an"
+                    " engine: define every step before open_engine (or make a new version)"
+                )
+            if any(s.name == step_name for s in self._steps):
+                raise ValueError(
+                    f"plan {self.name!r} already has a step named {step_name!r}: step names"
+                    " must be unique (name=...)"
+                )
+            self._steps += (StepDef(step_name, f, compensate, attempts),)
+            return f
+
+        if fn is not None:
+            return add(fn)
+        return add
+
+    def _close(self) -> Shape:
+        """Freeze the plan for an engine; raises `ValueError` if it has no step."""
+        if not self._steps:
+            raise ValueError(f"plan {self.name!r} version {self.version} has no steps")
+        if self._shape is None:
+            self._closed = True
+            self._shape = Shape(
+                name=self.name,
+                version=self.version,
+                steps=tuple(s.name for s in self._steps),
+                compensable=tuple(s.compensate is not None for s in self._steps),
+                attempts=tuple(s.attempts for s in self._steps),
+            )
+        return self._shape
+
+    def __repr__(self) -> str:
+        names = ", ".join(s.name for s in self._steps)
+        return f"<flow.Plan {self.name!r} v{self.version}: {names}>"

@@ -1,0 +1,274 @@
+"""The value types of `ferry.flow`: states, deliveries, outcomes, `Context`, `Snapshot`, `Event`,
+the choreography decisions and the statistics record. No trio, no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, final
+
+import attrs
+
+if TYPE_CHECKING:
+    from ._plan import Plan
+
+#: A value that survives a JSON round trip: None, bool, int, float, str, lists and str-keyed dicts.
+Json: TypeAlias = Any
+
+
+class State(enum.Enum):
+    """Where a flow is. `COMPLETED` and `FAILED` are terminal; `BLOCKED` waits for an operator."""
+
+    RUNNING = "RUNNING"
+    PARKED = "PARKED"
+    COMPENSATING = "COMPENSATING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    BLOCKED = "BLOCKED"
+
+    def __repr__(self) -> str:
+        return f"State.{self.name}"
+
+
+class Delivery(enum.Enum):
+    """What became of a wake (`Engine.wake`)."""
+
+    RESUMED = "RESUMED"  # the flow was parked and now runs its next step with this payload
+    QUEUED = "QUEUED"  # kept in the mailbox; the flow's next park takes it at once
+    DUPLICATE = "DUPLICATE"  # this message_id was delivered to this flow before
+    STALE = "STALE"  # the flow is completed or failed
+    UNKNOWN = "UNKNOWN"  # no such flow
+
+    def __repr__(self) -> str:
+        return f"Delivery.{self.name}"
+
+
+# ------------------------------------------------------------------------------------ outcomes
+
+
+@final
+class _Continue:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "flow.CONTINUE"
+
+
+@final
+class _Complete:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "flow.COMPLETE"
+
+
+#: Go on with the next step (after the last step: the flow is completed). Same as returning None.
+CONTINUE: Final = _Continue()
+#: Skip the remaining steps: the flow is completed.
+COMPLETE: Final = _Complete()
+
+OnTimeout: TypeAlias = Literal["compensate", "continue"]
+
+
+@final
+@attrs.frozen
+class Park:
+    """Persist the flow and stop until a wake; made by `park()`."""
+
+    timeout: float | None
+    on_timeout: OnTimeout
+
+
+@final
+@attrs.frozen
+class Fail:
+    """Stop and compensate the completed steps; made by `fail()`."""
+
+    reason: str
+
+
+#: What a step returns (None means `CONTINUE`).
+Outcome: TypeAlias = _Continue | _Complete | Park | Fail
+
+
+def park(timeout: float | None = None, on_timeout: OnTimeout = "compensate") -> Park:
+    """Persist the flow and stop until `Engine.wake` (or a published event) resumes it.
+
+    `timeout`: seconds (finite, >= 0) after which the park times out, or None for never. On a
+    timeout the flow compensates (``on_timeout="compensate"``, the default) or runs its next step
+    with `Context.timed_out` set (``"continue"``). Raises `TypeError`/`ValueError` at once for a bad
+    argument. The step that parks has completed: its compensation runs if the flow compensates.
+    """
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise TypeError(
+                f"park(timeout=...) must be a number of seconds or None, got {timeout!r}"
+            )
+        if not (math.isfinite(timeout) and timeout >= 0):
+            raise ValueError(f"park(timeout=...) must be finite and >= 0, got {timeout!r}")
+        timeout = float(timeout)
+    if on_timeout not in ("compensate", "continue"):
+        raise ValueError(
+            f"park(on_timeout=...) must be 'compensate' or 'continue', got {on_timeout!r}"
+        )
+    return Park(timeout, on_timeout)
+
+
+def fail(reason: str = "failed") -> Fail:
+    """Stop and compensate the steps that completed, in reverse order; the flow ends `FAILED`.
+
+    `reason` (a str) becomes the flow's `error`. The failing step's own compensation does not run.
+    """
+    if not isinstance(reason, str):
+        raise TypeError(f"fail(reason) must be a str, got {reason!r}")
+    return Fail(reason)
+
+
+# ------------------------------------------------------------------------------------- context
+
+
+_FROZEN = attrs.setters.frozen
+
+
+@final
+@attrs.define(kw_only=True)
+class Context:
+    """What a step (or a compensation) gets. Only `data` may be changed.
+
+    - `flow_id`, `plan` (the plan's name), `version`, `step` (name), `step_index` (from 0).
+    - `attempt`: 1 on the first run of this step (or compensation), +1 on every re-run, including
+      re-runs after a crash or a close.
+    - `data`: a copy of the flow's JSON object. Changes are saved with the step's outcome, in the
+      same transaction, and discarded if the step raises. Keep it JSON (str keys, no NaN).
+    - `wake`: the payload of the wake that resumed the flow, for the step after a park; else None.
+    - `timed_out`: True for the step after a park that timed out with ``on_timeout="continue"``.
+    - `error`: in a compensation, why the flow is compensating; else None.
+    - `idempotency_key`: ``f"{flow_id}/{step_index}/{step}"`` (a compensation's key ends in
+      ``"/compensate"``), the same on every attempt: hand it to external calls so that a re-run
+      after a crash does not repeat their effect.
+    """
+
+    flow_id: str = attrs.field(on_setattr=_FROZEN)
+    plan: str = attrs.field(on_setattr=_FROZEN)
+    version: int = attrs.field(on_setattr=_FROZEN)
+    step: str = attrs.field(on_setattr=_FROZEN)
+    step_index: int = attrs.field(on_setattr=_FROZEN)
+    attempt: int = attrs.field(on_setattr=_FROZEN)
+    data: dict[str, Json]
+    wake: Json = attrs.field(on_setattr=_FROZEN)
+    timed_out: bool = attrs.field(on_setattr=_FROZEN)
+    error: str | None = attrs.field(on_setattr=_FROZEN)
+    idempotency_key: str = attrs.field(on_setattr=_FROZEN)
+
+
+# -------------------------------------------------------------------------------- what is read
+
+
+@final
+@attrs.frozen(kw_only=True)
+class Snapshot:
+    """A flow's durable state (SPEC 5.2). `data` is a copy; `park_deadline` is wall-clock seconds.
+
+    `step`/`step_index`: the step running, parked at, or being compensated; `step` is None once
+    the flow is completed or failed. `revision` is 1 after `start` and +1 on every accepted write.
+    """
+
+    flow_id: str
+    plan: str
+    version: int
+    state: State
+    step: str | None
+    step_index: int
+    data: dict[str, Json]
+    error: str | None
+    park_deadline: float | None
+    revision: int
+
+
+@final
+@attrs.frozen(kw_only=True)
+class Event:
+    """One entry of a flow's history: a durable transition, written in the write of `revision`.
+
+    `kind` is one of ``started step parked woken timed_out compensated completed failed blocked
+    cancelled resumed``; `at` is wall-clock seconds; `step`/`attempt` name the step concerned
+    (None when none is); `detail` is a JSON object with the particulars, or None.
+    """
+
+    revision: int
+    at: float
+    kind: str
+    step: str | None
+    attempt: int | None
+    detail: Json
+
+
+# -------------------------------------------------------------------------------- choreography
+
+
+@final
+@attrs.frozen
+class Wake:
+    """A mapper's decision: wake `flow_id` with `payload` (deduplicated by `message_id`)."""
+
+    flow_id: str
+    payload: Json = None
+    message_id: str | None = None
+
+
+@final
+@attrs.frozen
+class Start:
+    """A mapper's decision: start a flow of `plan` with id `flow_id` (idempotent) and `data`."""
+
+    plan: Plan
+    flow_id: str
+    data: Json = None
+
+
+@final
+class _Ignore:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "flow.IGNORE"
+
+
+#: A mapper's decision: this event concerns no flow (returning None means the same).
+IGNORE: Final = _Ignore()
+
+
+# ---------------------------------------------------------------------------------- statistics
+
+
+@final
+@attrs.frozen(kw_only=True)
+class FlowStatistics:
+    """What an engine holds now and has done since it opened (`Engine.statistics`).
+
+    Gauges: `running` flows this engine runs or has queued to run (steps or compensations);
+    `parked` flows parked in the store as this engine knows it (counted at open, then kept up to
+    date by this engine's own writes).
+
+    Counters since open: flows this engine `completed`, `failed` and `blocked`; `steps_run`
+    (step attempts started), `step_retries` (attempts after an exception), `compensations_run`
+    (compensation attempts started); `wakes`, by `Delivery`; `writes` (boundary writes accepted
+    by the store), `write_batches` (store transactions that carried them), `conflicts` (writes
+    refused by the revision check), `recovered` (running or compensating flows resumed at open).
+    """
+
+    running: int
+    parked: int
+    completed: int
+    failed: int
+    blocked: int
+    steps_run: int
+    step_retries: int
+    compensations_run: int
+    wakes: Mapping[Delivery, int]
+    writes: int
+    write_batches: int
+    conflicts: int
+    recovered: int

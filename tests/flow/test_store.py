@@ -1,0 +1,353 @@
+"""The flow store's contract: one suite, run against SQLite and PostgreSQL (`make_store`)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from ferry.flow import _machine as m
+from ferry.flow import _store as s
+from ferry.flow._machine import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Transition
+from ferry.flow._types import CONTINUE, Delivery, State, park
+from ferry.projected import Store
+from tests.stores.conftest import StoreFactory
+
+SHAPE = Shape("order", 1, ("reserve", "charge", "ship"), (True, True, False), (3, 3, 3))
+T0 = 1_700_000_000.0
+
+
+async def setup(store: Store) -> None:
+    await store.transact(s.create_schema)
+
+
+async def write(store: Store, *ops: s.Op) -> list[s.Result]:
+    return await store.transact(partial(s.write_batch, ops=ops))
+
+
+async def load(store: Store, flow_id: str) -> Flow | None:
+    return await store.transact(partial(s.load, flow_id=flow_id))
+
+
+async def history_kinds(store: Store, flow_id: str) -> list[tuple[int, str]]:
+    events = await store.transact(partial(s.load_history, flow_id=flow_id))
+    assert events is not None
+    return [(e.revision, e.kind) for e in events]
+
+
+async def started(store: Store, flow_id: str = "f1", data: str = '{"a":1}') -> Flow:
+    (r,) = await write(store, s.Create(m.start(SHAPE, flow_id, data, T0)))
+    assert isinstance(r, s.Created)
+    return r.transition.flow
+
+
+def step(flow: Flow, outcome: Any = CONTINUE, data: str | None = None) -> s.Change:
+    """A runner's write: the transition computed from its copy, compare-and-set on it."""
+
+    def apply(f: Flow, box: Mailbox) -> Transition:
+        return m.step_done(f, box, SHAPE, outcome, f.data if data is None else data, T0 + 1)
+
+    head = isinstance(outcome, type(park()))
+    return s.Change(flow.flow_id, apply, flow=flow, head=head)
+
+
+def wake(flow_id: str, message_id: str, payload: str = "1") -> s.Change:
+    def apply(f: Flow, box: Mailbox) -> Transition:
+        return m.wake(f, box, Message(message_id, payload), SHAPE, T0 + 2)
+
+    return s.Change(flow_id, apply, message_id=message_id)
+
+
+def changed(r: s.Result) -> Transition:
+    assert isinstance(r, s.Changed), r
+    return r.transition
+
+
+@pytest.fixture
+async def store(make_store: StoreFactory) -> Store:
+    st = make_store()
+    await setup(st)
+    return st
+
+
+async def test_schema_is_idempotent(store: Store) -> None:
+    await setup(store)
+    await setup(store)
+    assert await load(store, "nope") is None
+
+
+async def test_every_field_round_trips(store: Store) -> None:
+    f = await started(store)
+    assert await load(store, "f1") == f
+    full = attrs.evolve(
+        f,
+        state=State.BLOCKED,
+        step_index=2,
+        step="ship",
+        attempt=7,
+        data='{"k":["é",1.5,null,true]}',
+        revision=2,
+        updated_at=T0 + 0.125,
+        error="why it compensates",
+        park_deadline=T0 + 3600.5,
+        on_timeout="continue",
+        wake='{"payment":"ok"}',
+        timed_out=True,
+        stack=(0, 1),
+        blocked="why it is blocked",
+        blocked_from=State.PARKED,
+        owner="engine-7",
+        lease_until=T0 + 30.25,
+    )
+    t = Transition(full, EMPTY_MAILBOX, 1)
+    changed((await write(store, s.Change("f1", lambda _f, _b: t, flow=f)))[0])
+    assert await load(store, "f1") == full
+
+
+async def test_history_round_trips(store: Store) -> None:
+    f = await started(store)
+    p = changed((await write(store, step(f, park(60))))[0]).flow
+    events = await store.transact(partial(s.load_history, flow_id="f1"))
+    assert events is not None
+    assert [(e.revision, e.kind, e.step, e.attempt) for e in events] == [
+        (1, "started", None, None),
+        (2, "step", "reserve", 1),
+        (2, "parked", "reserve", 1),
+    ]
+    assert events[0].detail == {"plan": "order", "version": 1} and events[0].at == T0
+    assert events[2].detail == {"deadline": T0 + 61, "on_timeout": "compensate"}
+    assert p.park_deadline == T0 + 61
+    assert await store.transact(partial(s.load_history, flow_id="nope")) is None
+
+
+async def test_a_stale_revision_is_refused_and_writes_nothing(store: Store) -> None:
+    f = await started(store)
+    f2 = changed((await write(store, step(f)))[0]).flow
+    (r,) = await write(store, step(f, data='{"stale":1}'))
+    assert r == s.Conflict("f1", 1, 2, None)
+    assert await load(store, "f1") == f2
+    assert await history_kinds(store, "f1") == [(1, "started"), (2, "step")]
+
+
+async def test_a_loaded_change_checks_expected_and_owner(store: Store) -> None:
+    f = await started(store)
+
+    def cancel(flow: Flow, _box: Mailbox) -> Transition:
+        return m.cancel(flow, SHAPE, "x", T0)
+
+    (r,) = await write(store, s.Change("f1", cancel, expected=5))
+    assert r == s.Conflict("f1", 5, 1, None)
+    (r,) = await write(store, s.Change("f1", cancel, owner="someone"))
+    assert isinstance(r, s.Conflict)
+    (r,) = await write(store, s.Change("f1", cancel, flow=f, owner="x"))
+    assert isinstance(r, s.Conflict)
+    assert await load(store, "f1") == f
+    (r,) = await write(store, s.Change("nope", cancel))
+    assert r == s.Missing("nope")
+
+
+async def test_start_is_idempotent_and_a_reused_id_is_reported(store: Store) -> None:
+    f = await started(store, data='{"a":1}')
+    (same,) = await write(store, s.Create(m.start(SHAPE, "f1", '{"a":1}', T0 + 9)))
+    assert same == s.Existing(f, same=True)
+    (other,) = await write(store, s.Create(m.start(SHAPE, "f1", '{"a":2}', T0)))
+    assert isinstance(other, s.Existing) and not other.same
+    other_plan = attrs.evolve(SHAPE, name="refund")
+    (plan,) = await write(store, s.Create(m.start(other_plan, "f1", '{"a":1}', T0)))
+    assert isinstance(plan, s.Existing) and not plan.same
+    # the start data is what is compared, not the data the flow has now
+    changed((await write(store, step(f, data='{"a":99}')))[0])
+    (again,) = await write(store, s.Create(m.start(SHAPE, "f1", '{"a":1}', T0)))
+    assert isinstance(again, s.Existing) and again.same
+    assert await history_kinds(store, "f1") == [(1, "started"), (2, "step")]
+
+
+async def test_update_race_between_two_writers(make_store: StoreFactory) -> None:
+    a, b = make_store(), make_store()
+    await setup(a)
+    for round_ in range(5):
+        f = await started(a, f"race-{round_}")
+        results: dict[str, s.Result] = {}
+
+        async def go(name: str, st: Store, data: str, f: Flow = f, results: Any = results) -> None:
+            (results[name],) = await write(st, step(f, data=data))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(go, "a", a, '{"by":"a"}')
+            nursery.start_soon(go, "b", b, '{"by":"b"}')
+        wins = [n for n, r in results.items() if isinstance(r, s.Changed)]
+        losses = [r for r in results.values() if isinstance(r, s.Conflict)]
+        assert len(wins) == 1 and len(losses) == 1, results
+        assert losses[0].revision == 2
+        stored = await load(a, f.flow_id)
+        assert stored is not None and stored.data == f'{{"by":"{wins[0]}"}}'
+        assert await history_kinds(a, f.flow_id) == [(1, "started"), (2, "step")]
+
+
+async def test_insert_race_between_two_writers(make_store: StoreFactory) -> None:
+    a, b = make_store(), make_store()
+    await setup(a)
+    for round_ in range(5):
+        fid = f"ins-{round_}"
+        results: dict[str, s.Result] = {}
+
+        async def go(name: str, st: Store, fid: str = fid, results: Any = results) -> None:
+            t = m.start(SHAPE, fid, f'{{"by":"{name}"}}', T0)
+            (results[name],) = await write(st, s.Create(t))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(go, "a", a)
+            nursery.start_soon(go, "b", b)
+        created = [n for n, r in results.items() if isinstance(r, s.Created)]
+        existing = [r for r in results.values() if isinstance(r, s.Existing)]
+        assert len(created) == 1 and len(existing) == 1, results
+        assert not existing[0].same and existing[0].flow.data == f'{{"by":"{created[0]}"}}'
+        assert await history_kinds(a, fid) == [(1, "started")]
+
+
+async def test_mailbox_deduplicates_and_keeps_a_wake_that_comes_before_the_park(
+    store: Store,
+) -> None:
+    f = await started(store)
+    q = changed((await write(store, wake("f1", "evt-1", '"early"')))[0])
+    assert q.delivery is Delivery.QUEUED and not q.written
+    (dup,) = await write(store, wake("f1", "evt-1", '"again"'))
+    assert changed(dup).delivery is Delivery.DUPLICATE
+    assert await load(store, "f1") == f  # a queued wake leaves the row alone
+    box = await store.transact(partial(s.load_mailbox, flow_id="f1"))
+    assert box == Mailbox((Message("evt-1", '"early"'),), frozenset({"evt-1"}))
+    # the park takes it in the same transaction: the flow runs on at once
+    t = changed((await write(store, step(f, park(60))))[0])
+    assert t.flow.state is State.RUNNING and t.flow.step == "charge" and t.flow.wake == '"early"'
+    box = await store.transact(partial(s.load_mailbox, flow_id="f1"))
+    assert box == Mailbox((), frozenset({"evt-1"}))
+    assert await history_kinds(store, "f1") == [
+        (1, "started"),
+        (2, "step"),
+        (2, "parked"),
+        (2, "woken"),
+    ]
+    # now parked for real; a wake resumes it; the same id again is a duplicate
+    p = changed((await write(store, step(t.flow, park(None))))[0]).flow
+    assert p.state is State.PARKED
+    r = changed((await write(store, wake("f1", "evt-2")))[0])
+    assert r.delivery is Delivery.RESUMED and r.flow.step == "ship"
+    assert changed((await write(store, wake("f1", "evt-2")))[0]).delivery is Delivery.DUPLICATE
+    done = changed((await write(store, step(r.flow)))[0]).flow
+    assert done.state is State.COMPLETED
+    assert changed((await write(store, wake("f1", "evt-1")))[0]).delivery is Delivery.DUPLICATE
+    assert changed((await write(store, wake("f1", "evt-3")))[0]).delivery is Delivery.STALE
+    (unknown,) = await write(store, wake("nope", "evt-1"))
+    assert unknown == s.Missing("nope")
+
+
+async def test_a_batch_with_one_conflicting_flow_commits_the_others(store: Store) -> None:
+    flows = [await started(store, f"b{i}") for i in range(3)]
+    stale = flows[1]
+    changed((await write(store, step(stale)))[0])
+    results = await write(store, step(flows[0]), step(stale), step(flows[2]), wake("b0", "m"))
+    assert isinstance(results[0], s.Changed) and isinstance(results[2], s.Changed)
+    assert results[1] == s.Conflict("b1", 1, 2, None)
+    assert changed(results[3]).delivery is Delivery.QUEUED
+    for fid in ("b0", "b2"):
+        stored = await load(store, fid)
+        assert stored is not None and stored.revision == 2 and stored.step == "charge"
+        assert await history_kinds(store, fid) == [(1, "started"), (2, "step")]
+    box = await store.transact(partial(s.load_mailbox, flow_id="b0"))
+    assert box.seen == {"m"}
+
+
+async def test_ops_on_one_flow_in_one_batch_apply_in_order(store: Store) -> None:
+    f = await started(store)
+    t1 = m.step_done(f, EMPTY_MAILBOX, SHAPE, CONTINUE, f.data, T0)
+    second = step(t1.flow)
+    results = await write(store, s.Change("f1", lambda _f, _b: t1, flow=f), second, step(f))
+    assert [type(r) for r in results] == [s.Changed, s.Changed, s.Conflict]
+    stored = await load(store, "f1")
+    assert stored is not None and stored.revision == 3 and stored.step == "ship"
+
+
+async def test_recovery_reads(store: Store) -> None:
+    running = await started(store, "run")
+    p1 = changed((await write(store, step(await started(store, "p1"), park(100))))[0]).flow
+    p0 = changed((await write(store, step(await started(store, "p0"), park(5))))[0]).flow
+    changed((await write(store, step(await started(store, "pn"), park(None))))[0])
+    c = await started(store, "comp")
+    c = changed((await write(store, step(c)))[0]).flow
+    c = changed(
+        (await write(store, s.Change("comp", lambda f, _b: m.cancel(f, SHAPE, "x", T0))))[0]
+    ).flow
+    assert c.state is State.COMPENSATING
+    active = await store.transact(s.load_active)
+    assert {f.flow_id for f in active} == {"run", "comp"}
+    assert next(f for f in active if f.flow_id == "run") == running
+    deadlines = await store.transact(s.load_deadlines)
+    assert deadlines == [(T0 + 6, "p0", p0.revision), (T0 + 101, "p1", p1.revision)]
+    counts = await store.transact(s.count_states)
+    assert counts == {State.RUNNING: 1, State.PARKED: 3, State.COMPENSATING: 1}
+
+
+async def test_timeout_fires_only_at_the_armed_revision(store: Store) -> None:
+    f = await started(store)
+    p = changed((await write(store, step(f, park(10))))[0]).flow
+
+    def fire(flow: Flow, _box: Mailbox) -> Transition:
+        return m.timeout(flow, SHAPE, T0 + 100, expected=p.revision)
+
+    r = changed((await write(store, wake("f1", "m1"), s.Change("f1", fire)))[1])
+    assert not r.done and not r.written  # the wake came first: the timer is stale
+    stored = await load(store, "f1")
+    assert stored is not None and stored.state is State.RUNNING
+
+
+async def test_wake_and_park_race_never_loses_the_wake(make_store: StoreFactory) -> None:
+    a, b = make_store(), make_store()
+    await setup(a)
+    for round_ in range(6):
+        f = await started(a, f"wp-{round_}")
+        out: dict[str, s.Result] = {}
+
+        async def do_park(f: Flow = f, out: Any = out) -> None:
+            (out["park"],) = await write(a, step(f, park(None)))
+
+        async def do_wake(f: Flow = f, out: Any = out) -> None:
+            (out["wake"],) = await write(b, wake(f.flow_id, "w"))
+
+        async with trio.open_nursery() as nursery:
+            if round_ % 2:
+                nursery.start_soon(do_park)
+                nursery.start_soon(do_wake)
+            else:
+                nursery.start_soon(do_wake)
+                nursery.start_soon(do_park)
+        stored = await load(a, f.flow_id)
+        assert stored is not None
+        # whichever came first, the wake was not lost: the flow went on to its next step
+        assert stored.state is State.RUNNING and stored.step == "charge" and stored.wake == "1"
+        assert changed(out["wake"]).delivery in (Delivery.QUEUED, Delivery.RESUMED)
+        box = await a.transact(partial(s.load_mailbox, flow_id=f.flow_id))
+        assert box.queued == ()
+
+
+async def test_a_transition_that_raises_is_refused_alone(store: Store) -> None:
+    flows = [await started(store, f"r{i}") for i in range(3)]
+
+    def broken(_f: Flow, _b: Mailbox) -> Transition:
+        raise RuntimeError("a bug")
+
+    ops = [
+        step(flows[2]),
+        s.Change("r1", broken),
+        step(flows[0]),
+        s.Change("r1", broken, flow=flows[1]),
+    ]
+    results = await write(store, *ops)
+    assert isinstance(results[0], s.Changed) and isinstance(results[2], s.Changed)
+    assert isinstance(results[1], s.Refused) and isinstance(results[3], s.Refused)
+    assert str(results[1].error) == "a bug"
+    assert changed(results[0]).flow.flow_id == "r2"  # results come back in the order of the ops
+    stored = await load(store, "r1")
+    assert stored == flows[1]
