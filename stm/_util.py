@@ -7,13 +7,14 @@ manner of trio's helper of the same name.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import FunctionType
 
 
 def fixup_module_metadata(module_name: str, namespace: Mapping[str, object]) -> None:
     """Point the public objects of `namespace` defined in private modules at `module_name`.
 
     `namespace` is a package's `globals()` after its re-exports, `module_name` its `__name__`.
-    Each public name whose object comes from a private module below the package (a dotted part
+    Each public class or function from a private module below the package (a dotted part
     starting with `_`, as `ferry._errors`) gets `__module__ = module_name`, so tracebacks, reprs
     and `help()` show `ferry.Closed` rather than `ferry._errors.Closed`; so do the methods and
     nested classes defined in such a class, whose `__qualname__` is also set under the public
@@ -31,16 +32,17 @@ def fixup_module_metadata(module_name: str, namespace: Mapping[str, object]) -> 
         )
 
     def fix(obj: object, qualname: str) -> None:
+        if not isinstance(obj, type | FunctionType):  # an instance keeps its class's module
+            return
         if id(obj) in seen or not private(getattr(obj, "__module__", None)):
             return
         seen.add(id(obj))
-        inner = f"{getattr(obj, '__qualname__', None)}."
+        inner = f"{obj.__qualname__}."
         try:
             obj.__module__ = module_name
-            if hasattr(obj, "__qualname__"):
-                obj.__qualname__ = qualname
-                obj.__name__ = qualname.rpartition(".")[2]  # type: ignore[attr-defined]
-        except (AttributeError, TypeError):  # an object that keeps its own metadata
+            obj.__qualname__ = qualname
+            obj.__name__ = qualname.rpartition(".")[2]
+        except (AttributeError, TypeError):  # a class whose metaclass keeps its metadata
             return
         if isinstance(obj, type):
             for value in vars(obj).values():

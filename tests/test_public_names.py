@@ -1,4 +1,5 @@
-"""Public objects of `stm`, `ferry` and `ferry.projected` show public module names, methods too."""
+"""Public objects of `stm`, `ferry`, `ferry.projected` and `ferry.flow` show public module names,
+methods too."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ from collections.abc import Iterator
 import pytest
 
 import ferry
+import ferry.flow
 import ferry.projected
 import stm
 from stm._util import fixup_module_metadata
 
-PACKAGES = [stm, ferry, ferry.projected]
+PACKAGES = [stm, ferry, ferry.projected, ferry.flow]
 
 
 def _ours(obj: object) -> bool:
@@ -21,11 +23,14 @@ def _ours(obj: object) -> bool:
 
 
 def _public_objects() -> Iterator[tuple[str, object]]:
-    """(dotted public name, object) for each public object and each member its class defines."""
+    """(dotted public name, object) for each public class or function of ours, and each member
+    a class defines."""
     for package in PACKAGES:
         for name in dir(package):
             obj = getattr(package, name)
-            if name.startswith("_") or isinstance(obj, types.ModuleType) or not _ours(obj):
+            if name.startswith("_") or not isinstance(obj, type | types.FunctionType):
+                continue  # instances (constants) show their class's module, and modules their own
+            if not _ours(obj):
                 continue
             yield f"{package.__name__}.{name}", obj
             if isinstance(obj, type):
@@ -58,6 +63,7 @@ def test_every_public_object_and_method_shows_a_public_module() -> None:
         (ferry.open_per_key_ferry, "ferry.open_per_key_ferry"),
         (ferry.ProjectedWrite, "ferry.projected.ProjectedWrite"),
         (ferry.projected.SqliteStore, "ferry.projected.SqliteStore"),
+        (ferry.flow.Engine.wake, "ferry.flow.Engine.wake"),
     ],
 )
 def test_shown_name(obj: object, shown: str) -> None:
@@ -81,11 +87,19 @@ def test_fixup_leaves_foreign_and_imported_objects_alone() -> None:
     for obj in (helper, Widget, Widget.spin, Widget.__dict__["make"].__func__):
         make_private(obj, "pkg._impl")
     foreign = types.SimpleNamespace(__module__="other._impl")
-    namespace = {"Widget": Widget, "alias": helper, "foreign": foreign, "_hidden": int}
+    instance = Widget()  # an instance (say, a constant): its class's module, not its own
+    namespace = {
+        "Widget": Widget,
+        "alias": helper,
+        "foreign": foreign,
+        "CONSTANT": instance,
+        "_hidden": int,
+    }
     fixup_module_metadata("pkg", namespace)
     assert (Widget.__module__, Widget.__qualname__) == ("pkg", "Widget")
     assert (Widget.spin.__module__, Widget.spin.__qualname__) == ("pkg", "Widget.spin")
     assert Widget.__dict__["make"].__func__.__qualname__ == "Widget.make"
     assert (helper.__module__, helper.__name__, helper.__qualname__) == ("pkg", "alias", "alias")
     assert foreign.__module__ == "other._impl"
+    assert "__module__" not in vars(instance)
     assert int.__module__ == "builtins"
