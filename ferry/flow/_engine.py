@@ -260,6 +260,14 @@ class Engine:
             raise result.error
         return result
 
+    async def _request(self, op: _store.Op) -> _store.Result:
+        """An API call's write: a cancel point first, then the write shielded, so that a call
+        that raises `Cancelled` did not happen, and one that wrote returns its result."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        with trio.CancelScope(shield=True):
+            result = await self._write(op)
+        return result
+
     async def _batch(self, ops: list[_store.Op]) -> list[_store.Result]:
         """The ferry's batch call: every op in one transaction, then their effects in memory."""
         results = await self._store.transact(partial(_store.write_batch, ops=ops))
@@ -320,8 +328,9 @@ class Engine:
         if state is _PARKED and flow.park_deadline is not None:
             self._arm(flow)
 
-    async def _own(self, live: _Live, apply: _store.Apply, *, head: bool = False) -> None:
-        """Write a transition of the flow this runner drives, as a compare-and-set on its copy.
+    async def _own(self, live: _Live, apply: _store.Apply, *, head: bool = False) -> bool:
+        """Write a transition of the flow this runner drives, as a compare-and-set on its copy;
+        True if it was accepted.
 
         A database error is retried (with backoff); a lost compare-and-set means the flow moved
         on without this runner: it re-reads the row and carries on from there (or lets go).
@@ -337,8 +346,10 @@ class Engine:
                 delay = min(delay * 2, _WRITE_BACKOFF_MAX)
                 continue
             break
-        if isinstance(result, _store.Changed) or live.flow.revision > flow.revision:
-            return
+        if isinstance(result, _store.Changed):
+            return True
+        if live.flow.revision > flow.revision:
+            return False
         delay = _BACKOFF
         while True:
             try:
@@ -349,11 +360,12 @@ class Engine:
                 continue
             break
         if self._live.get(flow.flow_id) is not live or live.flow.revision > flow.revision:
-            return
+            return False
         if stored is None:
             del self._live[flow.flow_id]
-            return
-        self._track(flow.state, stored, True, write=False)
+        else:
+            self._track(flow.state, stored, True, write=False)
+        return False
 
     # ---------------------------------------------------------------------------- scheduling
 
@@ -471,8 +483,11 @@ class Engine:
                 return ctx, result, error, failures
             if counter == "steps_run":
                 self._stats["step_retries"] += 1
-            await self._own(live, _on_row(m.next_attempt, self._now()))
-            if live.flow.revision != flow.revision + 1 or self._live.get(fid) is not live:
+            accepted = await self._own(live, _on_row(m.next_attempt, self._now()))
+            # ours must be the last write applied: a cancel may have come right after it
+            if not accepted or live.flow.revision != flow.revision + 1:
+                return None
+            if self._live.get(fid) is not live:
                 return None
 
     async def _run_step(self, live: _Live, shape: Shape, step: StepDef) -> None:
@@ -631,7 +646,7 @@ class Engine:
         shape = self._shape_of(plan)
         fid = uuid.uuid4().hex if flow_id is None else _check_flow_id(flow_id)
         text = _json_object_text({} if data is None else data, "data")
-        result = await self._write(
+        result = await self._request(
             _store.Create(m.start(shape, fid, text, self._now(), owner=self._owner))
         )
         if isinstance(result, _store.Existing) and not result.same:
@@ -663,7 +678,7 @@ class Engine:
         def apply(f: Flow, box: Mailbox) -> Transition:
             return m.wake(f, box, message, shapes.get((f.plan, f.version)), now)
 
-        result = await self._write(_store.Change(fid, apply, message_id=message_id))
+        result = await self._request(_store.Change(fid, apply, message_id=message_id))
         if isinstance(result, _store.Changed):
             assert result.transition.delivery is not None
             return result.transition.delivery
@@ -718,16 +733,16 @@ class Engine:
                     " return flow.Wake, flow.Start, flow.IGNORE or None; nothing was applied"
                 )
         results: list[Delivery | str | None] = []
-        for d in decisions:
-            if isinstance(d, Wake):
-                results.append(await self.wake(d.flow_id, d.payload, message_id=d.message_id))
-            elif isinstance(d, Start):
-                results.append(await self.start(d.plan, flow_id=d.flow_id, data=d.data))
-            else:
-                await trio.lowlevel.checkpoint()
-                results.append(None)
-        if not decisions:
-            await trio.lowlevel.checkpoint()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        with trio.CancelScope(shield=True):  # all of them, or (if Cancelled) none
+            for d in decisions:
+                if isinstance(d, Wake):
+                    results.append(await self.wake(d.flow_id, d.payload, message_id=d.message_id))
+                elif isinstance(d, Start):
+                    results.append(await self.start(d.plan, flow_id=d.flow_id, data=d.data))
+                else:
+                    results.append(None)
+            await trio.lowlevel.cancel_shielded_checkpoint()
         return results
 
     async def wait(self, flow_id: str, *, timeout: float | None = None) -> Snapshot:  # noqa: ASYNC109
@@ -798,7 +813,7 @@ class Engine:
         def apply(f: Flow, _b: Mailbox) -> Transition:
             return m.cancel(f, shapes.get((f.plan, f.version)), reason, now)
 
-        result = await self._write(_store.Change(fid, apply))
+        result = await self._request(_store.Change(fid, apply))
         return isinstance(result, _store.Changed) and result.transition.done
 
     async def resume(self, flow_id: str) -> bool:
@@ -813,7 +828,7 @@ class Engine:
         def apply(f: Flow, box: Mailbox) -> Transition:
             return m.resume(f, box, shapes.get((f.plan, f.version)), now)
 
-        result = await self._write(_store.Change(fid, apply, head=True))
+        result = await self._request(_store.Change(fid, apply, head=True))
         return isinstance(result, _store.Changed) and result.transition.done
 
     async def history(self, flow_id: str) -> list[Event]:

@@ -44,7 +44,8 @@ class InlineSqliteStore:
     """A real SQLite store whose transactions run on the trio thread (see the module doc).
 
     `fail_next` makes the next `n` transactions raise `sqlite3.OperationalError` before they run
-    (a database that is briefly unavailable). `transactions` counts committed transactions.
+    (a database that is briefly unavailable); while `gate` is an unset `trio.Event`, transactions
+    wait for it (a slow database). `transactions` counts committed transactions.
     """
 
     dialect = "sqlite"
@@ -53,10 +54,13 @@ class InlineSqliteStore:
         self.path = path
         self._conn: sqlite3.Connection | None = None
         self.fail_next = 0
+        self.gate: trio.Event | None = None
         self.transactions = 0
 
     async def transact(self, fn: Callable[[Tx], T]) -> T:
         await trio.lowlevel.checkpoint()
+        if self.gate is not None:
+            await self.gate.wait()
         if self.fail_next:
             self.fail_next -= 1
             raise sqlite3.OperationalError("database is unavailable (planted by the test)")

@@ -755,6 +755,42 @@ async def test_publish_checks_every_decision_before_applying_any(store, autojump
             engine.on("e", "not callable")  # type: ignore[arg-type]
 
 
+async def test_a_call_that_raises_cancelled_did_not_happen(store, autojump_clock) -> None:
+    plan = simple_plan(_noop)
+    async with engine_on(store, plan) as engine:
+        calls: list[Callable[[], Any]] = [
+            partial(engine.start, plan, flow_id="c"),
+            partial(engine.wake, "c", message_id="m"),
+            partial(engine.cancel, "c"),
+            partial(engine.resume, "c"),
+            partial(engine.publish, "e", {}),
+        ]
+        engine.on("e", lambda e: flow.Start(plan, "d"))
+        for call in calls:
+            with trio.CancelScope() as scope:
+                scope.cancel()
+                await call()
+            assert scope.cancelled_caught
+        assert await count_rows(store) == {}
+        # a call cancelled once its write is under way waits for it and returns its result
+        store.gate = trio.Event()
+        got: list[str] = []
+
+        async def starter(scope: trio.CancelScope, task_status: Any) -> None:
+            with scope:
+                task_status.started()
+                got.append(await engine.start(plan, flow_id="c"))
+
+        async with trio.open_nursery() as nursery:
+            scope = trio.CancelScope()
+            await nursery.start(starter, scope)
+            await trio.testing.wait_all_tasks_blocked()  # its write waits in the store
+            scope.cancel()
+            store.gate.set()
+        assert got == ["c"]
+        assert (await settle(engine, "c")).state is flow.State.COMPLETED
+
+
 # ------------------------------------------------------------------------ idempotent start
 
 
