@@ -546,6 +546,9 @@ async def test_a_compensation_that_keeps_failing_blocks_and_resume_finishes_it(
         assert await engine.resume(fid)
         snap = await settle(engine, fid)
         assert snap.state is flow.State.FAILED and snap.error == "out of stock"
+        stats = engine.statistics()
+        assert (stats.compensations_run, stats.blocked, stats.failed) == (4, 1, 1)
+        assert (stats.steps_run, stats.step_retries, stats.running, stats.parked) == (3, 0, 0, 0)
         assert not await engine.resume(fid)
         assert not await engine.resume("nope")
     assert order == ["b1", "b2", "b3", "a1"]  # reverse order; the resumed run is attempt 3
