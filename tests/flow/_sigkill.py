@@ -335,7 +335,7 @@ def _stderr(proc: subprocess.Popen[str]) -> str:
 
 
 @attrs.frozen
-class Outcome:
+class Observed:
     """What the oracle reads once everything has stopped."""
 
     states: Mapping[str, flow.State | None]  # flow id -> its end state (None: no such flow)
@@ -343,7 +343,7 @@ class Outcome:
     runs: Counter[str]  # idempotency key -> effective runs (side table)
 
 
-def read_outcome(work: Path, specs: Sequence[Spec]) -> Outcome:
+def read_outcome(work: Path, specs: Sequence[Spec]) -> Observed:
     """The flows' end states and histories (from the store) and the side table's runs."""
     conn = sqlite3.connect(work / "flows.db", isolation_level=None)
     try:
@@ -361,10 +361,10 @@ def read_outcome(work: Path, specs: Sequence[Spec]) -> Outcome:
         runs = Counter(key for (key,) in side.execute("SELECT key FROM runs"))
     finally:
         side.close()
-    return Outcome(states, history, runs)
+    return Observed(states, history, runs)
 
 
-def audit(specs: Sequence[Spec], outcome: Outcome, hits: Counter[str]) -> list[str]:
+def audit(specs: Sequence[Spec], outcome: Observed, hits: Counter[str]) -> list[str]:
     """Every violation of the oracle (module doc), one line each; empty if all holds."""
     problems = []
     for spec in specs:
@@ -394,7 +394,7 @@ def audit(specs: Sequence[Spec], outcome: Outcome, hits: Counter[str]) -> list[s
     return problems
 
 
-def summary(run: Run, outcome: Outcome) -> str:
+def summary(run: Run, outcome: Observed) -> str:
     reruns = sum(max(0, n - 1) for n in outcome.runs.values())
     ends = Counter(s.name if s else "missing" for s in outcome.states.values())
     return (

@@ -11,7 +11,7 @@ import pytest
 
 from ferry import flow
 
-from ._sigkill import Outcome, audit, read_outcome, run_with_kills, scenario, summary
+from ._sigkill import Observed, audit, read_outcome, run_with_kills, scenario, summary
 
 
 def check(tmp_path: Path, *, flows: int, kills: int, seed: int) -> None:
@@ -55,7 +55,7 @@ def test_the_oracle_catches_an_engine_that_replays_a_recorded_step(tmp_path: Pat
 SPECS = scenario(40, seed=9)
 
 
-def clean_outcome() -> tuple[Outcome, Counter[str]]:
+def clean_outcome() -> tuple[Observed, Counter[str]]:
     """A made-up outcome that satisfies the oracle: each flow ran each of its steps once."""
     states: dict[str, flow.State | None] = {}
     history: dict[str, list[flow.Event]] = {}
@@ -76,7 +76,7 @@ def clean_outcome() -> tuple[Outcome, Counter[str]]:
             )
             runs[f"{spec.flow_id}/{i}/{step}"] += 1
         history[spec.flow_id] = events
-    return Outcome(states, history, runs), Counter()
+    return Observed(states, history, runs), Counter()
 
 
 def test_the_oracle_passes_a_clean_outcome() -> None:
@@ -88,7 +88,7 @@ def test_the_oracle_catches_a_flow_that_did_not_end() -> None:
     outcome, hits = clean_outcome()
     fid = SPECS[3].flow_id
     states = dict(outcome.states, **{fid: flow.State.PARKED})
-    (problem,) = audit(SPECS, Outcome(states, outcome.history, outcome.runs), hits)
+    (problem,) = audit(SPECS, Observed(states, outcome.history, outcome.runs), hits)
     assert problem.startswith(f"{fid} ") and "not COMPLETED or FAILED" in problem
 
 
@@ -97,7 +97,7 @@ def test_the_oracle_catches_a_flow_that_ended_wrong() -> None:
     spec = SPECS[4]
     other = flow.State.FAILED if spec.expected is flow.State.COMPLETED else flow.State.COMPLETED
     states = dict(outcome.states, **{spec.flow_id: other})
-    (problem,) = audit(SPECS, Outcome(states, outcome.history, outcome.runs), hits)
+    (problem,) = audit(SPECS, Observed(states, outcome.history, outcome.runs), hits)
     assert "expected" in problem
 
 
@@ -106,7 +106,7 @@ def test_the_oracle_catches_an_outcome_recorded_twice() -> None:
     fid = SPECS[0].flow_id
     events = list(outcome.history[fid])
     history = dict(outcome.history, **{fid: [*events, events[1]]})
-    (problem,) = audit(SPECS, Outcome(outcome.states, history, outcome.runs), hits)
+    (problem,) = audit(SPECS, Observed(outcome.states, history, outcome.runs), hits)
     assert problem == f"{fid}: the step outcome of 'charge' is recorded 2 times"
 
 
@@ -114,7 +114,7 @@ def test_the_oracle_catches_a_step_that_ran_once_too_often() -> None:
     outcome, hits = clean_outcome()
     key = f"{SPECS[1].flow_id}/0/reserve"
     runs = outcome.runs + Counter({key: 1})
-    bad = Outcome(outcome.states, outcome.history, runs)
+    bad = Observed(outcome.states, outcome.history, runs)
     (problem,) = audit(SPECS, bad, hits)
     assert problem == f"{key} ran 2 times, but only 0 kills caught it in flight"
     assert audit(SPECS, bad, Counter({key: 1})) == []  # a kill that caught it allows one more
@@ -124,5 +124,5 @@ def test_the_oracle_catches_a_step_recorded_but_never_run() -> None:
     outcome, hits = clean_outcome()
     key = f"{SPECS[2].flow_id}/1/charge"
     runs = Counter({k: n for k, n in outcome.runs.items() if k != key})
-    (problem,) = audit(SPECS, Outcome(outcome.states, outcome.history, runs), hits)
+    (problem,) = audit(SPECS, Observed(outcome.states, outcome.history, runs), hits)
     assert problem == f"{key} is recorded as done but never ran"
