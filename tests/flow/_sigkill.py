@@ -96,7 +96,7 @@ def scenario(n: int, seed: int) -> list[Spec]:
         }
         events: tuple[tuple[float, str], ...] = ()
         if not waits:
-            at = rng.choice([0.0, round(rng.uniform(0.0, 2.5), 3)])  # 0: before the park
+            at = rng.choice([0.0, round(rng.uniform(0.0, 4.0), 3)])  # 0: before the park
             events = ((at, f"evt-{fid}"),)
             if rng.random() < 0.3:  # the gateway sends it twice
                 events += ((at + round(rng.uniform(0.0, 0.5), 3), f"evt-{fid}"),)
