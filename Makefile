@@ -35,7 +35,8 @@ postgres-binaries:
 	  $(APT) update -qq && $(APT) install -y -qq --no-install-recommends postgresql; }
 
 demo: $(STAMP)
-	$(BIN)/python examples/ledger.py
+	$(BIN)/python examples/ledger.py --ops 5000
+	$(BIN)/python examples/orders.py
 
 bench: $(STAMP) postgres-binaries
 	$(BIN)/python -m tests.bench
