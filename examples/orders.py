@@ -57,6 +57,7 @@ import trio
 if not __package__:  # run as a script: make `ferry` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from examples import _cli as cli
 from ferry import flow
 from ferry.projected import PostgresStore, SqliteStore, Store, Tx
 
@@ -760,15 +761,6 @@ def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
 # ------------------------------------------------------------------------------ command line
 
 
-class Help(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every flag's default, except where the help says it itself."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or "default:" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
 class Parser(argparse.ArgumentParser):
     """Bad flags are one line on stderr (exit code 2)."""
 
@@ -784,9 +776,9 @@ def fail(message: str) -> NoReturn:
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     p = Parser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        formatter_class=Help,
+        formatter_class=cli.HelpFormatter,
     )
-    p.add_argument("--orders", type=int, default=200, help="orders to fulfil")
+    p.add_argument("--orders", type=int, default=200, help="orders to fulfil (1 to 100000)")
     p.add_argument("--seed", type=int, default=1, help="seed of the orders and the gateway")
     p.add_argument("--rate", type=float, default=150.0, help="orders arriving per second")
     p.add_argument(
@@ -796,8 +788,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         " restart takes about a second: parks that expire meanwhile time out at once)",
     )
     place = p.add_mutually_exclusive_group()
-    place.add_argument("--db", metavar="PATH", help="SQLite file (default: one in a temp dir)")
-    place.add_argument("--postgres", metavar="DSN", help="run on PostgreSQL at this DSN")
+    place.add_argument(
+        "--db", metavar="PATH", type=cli.new_file, help="SQLite file (default: one in a temp dir)"
+    )
+    place.add_argument(
+        "--postgres", metavar="DSN", type=cli.postgres_dsn, help="run on PostgreSQL at this DSN"
+    )
     p.add_argument(
         "--crash",
         action="store_true",
@@ -817,11 +813,6 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"--rate must be between 1 and 1000000 orders per second, got {args.rate}")
     if not 0.05 <= args.timeout <= 3600:
         p.error(f"--timeout must be between 0.05 and 3600 seconds, got {args.timeout}")
-    if args.postgres:
-        try:
-            import psycopg  # noqa: F401
-        except ImportError:
-            p.error("--postgres needs psycopg: pip install 'psycopg[binary]'")
     return args
 
 

@@ -73,9 +73,9 @@ def test_postgres(pg_server: pg.PgServer) -> None:
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--orders", "many"], "argument --orders: invalid int value: 'many'"),
         (["--orders", "0"], "--orders must be between 1 and 100000"),
-        (["--db", "x.db", "--postgres", "y"], "not allowed with argument"),
-        (["--postgres", "nonsense=1"], "cannot use PostgreSQL (--postgres): "),
-        (["--db", "/nonexistent/dir/orders.db"], "cannot use the SQLite file"),
+        (["--db", "x.db", "--postgres", "host=127.0.0.1 port=1"], "--postgres: cannot connect"),
+        (["--postgres", "nonsense=1"], "--postgres: not a connection string"),
+        (["--db", "/nonexistent/dir/orders.db"], "no such directory"),
     ],
 )
 def test_a_bad_flag_is_a_one_line_error(args: list[str], message: str) -> None:
