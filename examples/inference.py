@@ -77,7 +77,7 @@ async def run(requests: int, seed: int) -> None:
                     priority=rnd.randrange(3),
                 )
                 nursery.start_soon(client, prompt)
-        stats = infer.stats()
+        stats = infer.statistics()
     over = sum(1 for t in models.batch_tokens if t > 512)
     print(f"requests: {dict(outcomes)}")
     print(

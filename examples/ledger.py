@@ -184,7 +184,7 @@ class Progress:
         elif now - self.last_time >= 0.5 or not self.tty:
             self.rate = (done - self.last_done) / (now - self.last_time)
             self.last_time, self.last_done = now, done
-        _, mean, _ = batch_summary(self.f.stats())
+        _, mean, _ = batch_summary(self.f.statistics())
         rej, failed = self.tally.retries["rejected"], self.tally.retries["failed"]
         text = (
             f"{done:>7}/{self.total} inputs  {self.rate:>7.0f}/s  batch {mean:5.1f}  "
@@ -273,7 +273,7 @@ async def run(args: argparse.Namespace, store: Store, where: str) -> int:
             background.cancel_scope.cancel()
             if not args.quiet:
                 progress.draw(final=True)
-        stats = f.stats()
+        stats = f.statistics()
     flaky.rate = 0.0  # the audit itself runs on a healthy store
     await pw.sweep()  # finish any view the run left behind, then audit everything
     problems = await ledger.verify(pw, acknowledged=tally.acknowledged, caught_up=True)

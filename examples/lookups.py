@@ -65,7 +65,7 @@ async def run(callers: int, latency: float) -> None:
         async with trio.open_nursery() as nursery:
             for i in range(callers):
                 nursery.start_soon(caller, i)
-        stats = lookup.stats()
+        stats = lookup.statistics()
     batched = time.perf_counter() - start
     assert len(names) == callers and names[7] == "user-7"
     print(
