@@ -1,4 +1,4 @@
-"""stm figures (docs/stm.md, "Costs"), each against a baseline timed in the same run."""
+"""stm figures (docs/stm.md, Costs): each against a baseline timed in the same run, alternating."""
 
 from __future__ import annotations
 
