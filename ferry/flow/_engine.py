@@ -420,14 +420,13 @@ class Engine:
                 assert shape is not None
                 await self._run_compensation(live, shape, self._steps[key][flow.step_index])
 
-    def _context(self, flow: Flow, compensating: bool) -> Context:
-        assert flow.step is not None
-        key = f"{flow.flow_id}/{flow.step_index}/{flow.step}"
+    def _context(self, flow: Flow, name: str, compensating: bool) -> Context:
+        key = f"{flow.flow_id}/{flow.step_index}/{name}"
         return Context(
             flow_id=flow.flow_id,
             plan=flow.plan,
             version=flow.version,
-            step=flow.step,
+            step=name,
             step_index=flow.step_index,
             attempt=flow.attempt,
             data=json.loads(flow.data),
@@ -438,13 +437,13 @@ class Engine:
         )
 
     async def _attempt(
-        self, live: _Live, fn: Callable[[Context], Awaitable[Any]], failures: int, tries: int
+        self, live: _Live, step: StepDef, fn: Callable[[Context], Awaitable[Any]], failures: int
     ) -> tuple[Context, object, BaseException | None] | None:
         """Run one attempt of the flow's current step or compensation (and, if it raised and may
         be retried, the backoff after it). None if the flow was moved by someone else meanwhile
         (a cancel): the attempt is void and its changes are discarded."""
         flow = live.flow
-        ctx = self._context(flow, flow.state is _COMPENSATING)
+        ctx = self._context(flow, step.name, flow.state is _COMPENSATING)
         result: object = None
         error: BaseException | None = None
         with trio.CancelScope() as scope:
@@ -453,7 +452,7 @@ class Engine:
                 result = await fn(ctx)
             except Exception as exc:
                 error = exc
-                if failures + 1 < tries:
+                if failures + 1 < step.attempts:
                     await trio.sleep(_backoff(failures + 1))
         live.scope = None
         if scope.cancelled_caught or live.flow is not flow:
@@ -461,7 +460,7 @@ class Engine:
         return ctx, result, error
 
     async def _tries(
-        self, live: _Live, fn: Callable[[Context], Awaitable[Any]], attempts: int, counter: str
+        self, live: _Live, step: StepDef, fn: Callable[[Context], Awaitable[Any]], counter: str
     ) -> tuple[Context, object, BaseException | None, int] | None:
         """Attempts of the flow's current step or compensation until one returns or `attempts`
         have raised; attempt + 1 is written before every retry. Returns the last attempt's
@@ -472,14 +471,14 @@ class Engine:
         while True:
             flow = live.flow
             self._stats[counter] += 1
-            ran = await self._attempt(live, fn, failures, attempts)
+            ran = await self._attempt(live, step, fn, failures)
             if ran is None:
                 return None
             ctx, result, error = ran
             if error is None:
                 return ctx, result, None, failures
             failures += 1
-            if failures >= attempts:
+            if failures >= step.attempts:
                 return ctx, result, error, failures
             if counter == "steps_run":
                 self._stats["step_retries"] += 1
@@ -491,7 +490,7 @@ class Engine:
                 return None
 
     async def _run_step(self, live: _Live, shape: Shape, step: StepDef) -> None:
-        ran = await self._tries(live, step.fn, step.attempts, "steps_run")
+        ran = await self._tries(live, step, step.fn, "steps_run")
         if ran is None:
             return
         ctx, result, error, failures = ran
@@ -520,7 +519,7 @@ class Engine:
 
     async def _run_compensation(self, live: _Live, shape: Shape, step: StepDef) -> None:
         assert step.compensate is not None  # the machine stacks only steps with one
-        ran = await self._tries(live, step.compensate, step.attempts, "compensations_run")
+        ran = await self._tries(live, step, step.compensate, "compensations_run")
         if ran is None:
             return
         ctx, _result, error, failures = ran
@@ -530,12 +529,12 @@ class Engine:
                 data = _json_object_text(ctx.data, "ctx.data")
             except TypeError as exc:
                 message = f"it left data that is not JSON: {exc}"
-                await self._own(live, _on_row(m.compensation_failed, message, now))
+                await self._own(live, _on_row(m.compensation_failed, message, now, shape))
                 return
             await self._own(live, _on_row(m.compensated, shape, data, now))
             return
         message = f"{error!r} on attempt {live.flow.attempt} ({failures} of {step.attempts} tries)"
-        await self._own(live, _on_row(m.compensation_failed, message, now))
+        await self._own(live, _on_row(m.compensation_failed, message, now, shape))
 
     # -------------------------------------------------------------------------------- timers
 

@@ -56,7 +56,9 @@ Invariants (`check_invariants`)
   the current one (up to and including it when parked: a step that parked has completed). A
   compensating flow is at the top of its stack. Terminal flows have an empty stack.
 - Only a running flow has `wake`/`timed_out`; only a parked flow has a deadline or `on_timeout`;
-  only a blocked flow has `blocked`/`blocked_from`; terminal flows have no step.
+  only a blocked flow has `blocked`/`blocked_from`; terminal flows have no step, and every
+  other flow has one, except a compensation that a cancel without the plan started (its name
+  comes from the plan of the engine that runs it, `step_name`).
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ __all__ = [
     "start",
     "step_done",
     "step_failed",
+    "step_name",
     "timeout",
     "wake",
 ]
@@ -317,7 +320,9 @@ def _compensate(
     Appends the `failed` event when it fails."""
     if new.stack:
         top = new.stack[-1]
-        step = shape.steps[top] if shape is not None and top < len(shape.steps) else flow.step
+        # Without the plan (a cancel through an engine or operator that lacks its version) the
+        # top's name is unknown: it stays None until an engine with the plan runs it.
+        step = shape.steps[top] if shape is not None and top < len(shape.steps) else None
         return attrs.evolve(
             new,
             state=COMPENSATING,
@@ -355,7 +360,8 @@ def mismatch(flow: Flow, shape: Shape | None) -> str | None:
         return None
     i = flow.step_index
     have = shape.steps[i] if 0 <= i < len(shape.steps) else None
-    if have != flow.step:
+    unnamed = state is COMPENSATING and flow.step is None  # named by the plan (see `cancel`)
+    if have is None or (have != flow.step and not unnamed):
         found = "no step" if have is None else f"step {have!r}"
         return (
             f"plan {flow.plan!r} version {flow.version} has {found} at index {i}, but the flow"
@@ -518,24 +524,36 @@ def step_failed(flow: Flow, shape: Shape | None, error: str, now: float) -> Tran
     return Transition(new, EMPTY_MAILBOX, flow.revision, events=tuple(events))
 
 
+def step_name(flow: Flow, shape: Shape | None) -> str | None:
+    """The name of the flow's current step: `flow.step`, or, for a compensation whose cancel came
+    without the plan (``step`` None), the plan's name for that index (None without a plan)."""
+    if flow.step is not None or shape is None or not 0 <= flow.step_index < len(shape.steps):
+        return flow.step
+    return shape.steps[flow.step_index]
+
+
 def compensated(flow: Flow, shape: Shape | None, data: str, now: float) -> Transition:
     """The compensation at the top of the stack succeeded (its data changes are kept): the next
     one runs, or the flow has failed once the stack is empty."""
     _require(flow.state is COMPENSATING and bool(flow.stack), flow, "compensated")
     stack = flow.stack[:-1]
     new = _bump(flow, now, data=data, stack=stack)
-    events = [_event(new, now, "compensated", flow.step, flow.attempt)]
+    events = [_event(new, now, "compensated", step_name(flow, shape), flow.attempt)]
     new = _compensate(flow, shape, new, flow.error or "compensating", now, events)
     return Transition(new, EMPTY_MAILBOX, flow.revision, events=tuple(events))
 
 
-def compensation_failed(flow: Flow, error: str, now: float) -> Transition:
+def compensation_failed(
+    flow: Flow, error: str, now: float, shape: Shape | None = None
+) -> Transition:
     """The compensation in progress raised on its last attempt: the flow is `BLOCKED` (an operator
-    fixes the cause and calls `resume`). Nothing is lost: the stack is kept."""
+    fixes the cause and calls `resume`). Nothing is lost: the stack is kept. `shape` names the
+    step if the flow does not (see `step_name`)."""
     _require(flow.state is COMPENSATING, flow, "compensation_failed")
-    reason = f"compensation of step {flow.step!r} failed: {error}"
+    name = step_name(flow, shape)
+    reason = f"compensation of step {name!r} failed: {error}"
     new = _bump(flow, now, state=BLOCKED, blocked=reason, blocked_from=COMPENSATING)
-    events = (_event(new, now, "blocked", flow.step, flow.attempt, {"reason": reason}),)
+    events = (_event(new, now, "blocked", name, flow.attempt, {"reason": reason}),)
     return Transition(new, EMPTY_MAILBOX, flow.revision, events=events)
 
 
@@ -626,7 +644,13 @@ def timeout(
 def cancel(flow: Flow, shape: Shape | None, reason: str, now: float) -> Transition:
     """Stop a running or parked flow and compensate its completed steps (the running step, if
     any, did not complete: its changes are discarded and its compensation does not run).
-    ``done=False`` for a flow that is terminal, compensating or blocked."""
+    ``done=False`` for a flow that is terminal, compensating or blocked.
+
+    Needs no plan: without `shape` (an engine that lacks the flow's version, or an operator) the
+    cancel is recorded all the same, and the flow compensates from the top of its stack with that
+    step not yet named (``step`` None): the first engine with the plan runs it under the plan's
+    name (`step_name`), and an engine without the plan blocks it, resumable once the plan is
+    back. The stack holds indexes, so nothing else needs the plan."""
     if flow.state not in (RUNNING, PARKED):
         return _no_change(flow, EMPTY_MAILBOX)
     new = _bump(flow, now)
@@ -706,12 +730,13 @@ def check_invariants(
     limit = flow.step_index + (1 if state in (PARKED, COMPENSATING) else 0)
     if state is BLOCKED and flow.blocked_from in (PARKED, COMPENSATING):
         limit += 1
+    compensating = state is COMPENSATING or (state is BLOCKED and flow.blocked_from is COMPENSATING)
     if state in TERMINAL:
         if flow.step is not None:
             bad("a terminal flow has a step")
         if stack:
             bad(f"a terminal flow has compensations left: {stack}")
-    elif flow.step is None:
+    elif flow.step is None and not compensating:  # a compensation may await its name (`cancel`)
         bad("an unfinished flow has no step")
     if stack and (stack[0] < 0 or stack[-1] >= limit):
         bad(f"compensation stack {stack} holds a step at or after the current one")

@@ -251,6 +251,44 @@ def test_cancel() -> None:
         assert not nope.done and not nope.written
 
 
+CONFIRM = Shape("order", 1, ("reserve", "confirm", "ship"), (True, False, False), (1, 1, 1))
+
+
+@pytest.mark.parametrize("at_park", [True, False], ids=["parked", "running"])
+def test_a_cancel_without_the_plan_is_recorded_and_compensates_under_the_plan(
+    at_park: bool,
+) -> None:
+    """Found by the model check (flow-model): a cancel through an engine that lacks the flow's
+    plan version used to name the top of the stack after the current step, so no plan could
+    drive or resume the flow any more. Now the compensation waits for its name."""
+    f = m.start(CONFIRM, "f", "{}", T0).flow
+    f = m.step_done(f, EMPTY_MAILBOX, CONFIRM, CONTINUE, "{}", T0).flow
+    if at_park:
+        f = m.step_done(f, EMPTY_MAILBOX, CONFIRM, park(10), "{}", T0).flow
+    assert f.step == "confirm" and f.stack == (0,)
+    t = m.cancel(f, None, "cancelled", T0 + 1)  # no plan: an operator, or a drained version
+    assert t.done and kinds(t) == ["cancelled"] and t.events[0].step == "confirm"
+    c = t.flow
+    assert (c.state, c.step_index, c.step, c.error) == (State.COMPENSATING, 0, None, "cancelled")
+    m.check_invariants(c, t.mailbox, CONFIRM)
+    assert m.mismatch(c, CONFIRM) is None and m.step_name(c, CONFIRM) == "reserve"
+    assert m.mismatch(c, None) is not None  # an engine without the plan still fails closed
+    # an engine with the plan runs it: the event is named by the plan
+    done = m.compensated(c, CONFIRM, "{}", T0 + 2)
+    assert [(e.kind, e.step) for e in done.events] == [("compensated", "reserve"), ("failed", None)]
+    # an engine without it blocks it; the plan back, resume re-drives it
+    b = m.block(c, str(m.mismatch(c, None)), T0 + 2)
+    m.check_invariants(b.flow, b.mailbox, CONFIRM)
+    assert not m.resume(b.flow, EMPTY_MAILBOX, None, T0 + 3).done
+    r = m.resume(b.flow, EMPTY_MAILBOX, CONFIRM, T0 + 3)
+    assert r.done and r.flow.state is State.COMPENSATING and r.flow.attempt == 2
+    failed = m.compensation_failed(r.flow, "boom", T0 + 4, CONFIRM)
+    assert failed.flow.blocked == "compensation of step 'reserve' failed: boom"
+    # another plan whose index 0 has no compensation cannot drive it
+    other = Shape("order", 1, ("a", "b", "c"), (False, False, False), (1, 1, 1))
+    assert "no compensation at index 0" in str(m.mismatch(c, other))
+
+
 def test_versions_fail_closed() -> None:
     p = parked(at=1)
     v2 = attrs.evolve(SHAPE, version=2)
