@@ -87,6 +87,9 @@ _SETTLED = frozenset({State.COMPLETED, State.FAILED, State.BLOCKED})
 _BACKOFF = 0.1  # seconds before the first retry of a step; doubles with every retry
 _WRITE_BACKOFF_MAX = 5.0
 _BATCH_SIZE = 1000
+_LEASE_TRUST = 5 / 6  # an engine lets its flows go this far into a lease it could not renew
+_SCAN_LIMIT = 1000  # orphans taken over per scan, at most
+_POLL_MAX = 1.0  # `wait` on a fleet polls the store at most this far apart
 
 
 def _backoff(failures: int) -> float:
@@ -180,6 +183,9 @@ _COUNTERS = (
     "write_batches",
     "conflicts",
     "recovered",
+    "claimed",
+    "lost",
+    "renewals",
 )
 
 
@@ -202,7 +208,12 @@ class Engine:
         *,
         owner: str,
         max_running: int,
+        lease: float,
+        serve: bool,
+        fleet: bool,
         group_commit: bool,
+        fencing: bool,
+        scan_interval: float | None,
         wall_clock: Callable[[], float],
     ) -> None:
         self._store = store
@@ -214,9 +225,18 @@ class Engine:
         self._registered = {id(p): k for k, p in plans.items()}
         self._owner = owner
         self._max_running = max_running
+        self._lease = float(lease)
+        self._serve = serve  # False: an operator's engine, which never leases or runs a flow
+        self._fleet = fleet  # leases are respected (PostgreSQL); else one engine per store
         self._group_commit = group_commit
+        self._fencing = fencing
+        self._scan_interval = lease / 3 if scan_interval is None else scan_interval
         self._t0_wall = wall_clock()
         self._t0_trio = trio.current_time()
+        # The fleet: until when (trio's clock) this engine may trust its leases, and which
+        # (flow, revision) deadlines its timer heap holds (so a scan does not arm one twice).
+        self._lease_ok_until = self._t0_trio + lease * _LEASE_TRUST
+        self._armed: dict[str, int] = {}
         self._live: dict[str, _Live] = {}
         self._watches: dict[str, _Watch] = {}
         self._sched: stm.TVar[_Sched] = stm.TVar(_Sched())
@@ -259,6 +279,27 @@ class Engine:
         if isinstance(result, _store.Refused):
             raise result.error
         return result
+
+    def _leasing(self, apply: _store.Apply, now: float, *, outside: bool) -> _store.Apply:
+        """`apply`, with the lease its write leaves (`_machine.leased`): a flow left active is
+        this engine's until ``now + lease`` (an operator's engine leaves it to whoever claims
+        it); an `outside` request (wake, cancel, resume, timeout) on a flow another engine of
+        the fleet holds leaves it with that engine."""
+        owner = self._owner if self._serve else None
+        until = now + self._lease if self._serve else None
+        respect = outside and self._fleet
+
+        def leased(flow: Flow, box: Mailbox) -> Transition:
+            return m.leased(apply(flow, box), flow, owner, until, now, respect=respect)
+
+        return leased
+
+    def _mine(self, flow: Flow) -> bool:
+        """Is this an active flow this engine should run? (On one SQLite file: every active
+        flow; in a fleet: those leased to it; an operator's engine runs none.)"""
+        return (
+            self._serve and flow.state in _ACTIVE and (not self._fleet or flow.owner == self._owner)
+        )
 
     async def _request(self, op: _store.Op) -> _store.Result:
         """An API call's write: a cancel point first, then the write shielded, so that a call
@@ -318,15 +359,19 @@ class Engine:
             live.flow = flow
             if not own and live.scope is not None:
                 live.scope.cancel()  # someone else moved the flow: its running step is void
-        if state in _ACTIVE:
+        if self._mine(flow):
             if live is None:
                 live = self._live[fid] = _Live(flow)
                 self._enqueue(live)
             return
         if live is not None:
             del self._live[fid]
-        if state is _PARKED and flow.park_deadline is not None:
-            self._arm(flow)
+            if state in _ACTIVE:  # another engine holds it now: let go of it
+                stats["lost"] += 1
+                if live.scope is not None:
+                    live.scope.cancel()
+        if state is _PARKED and flow.park_deadline is not None and self._serve:
+            self._arm(flow.park_deadline, fid, flow.revision)
 
     async def _own(self, live: _Live, apply: _store.Apply, *, head: bool = False) -> bool:
         """Write a transition of the flow this runner drives, as a compare-and-set on its copy;
@@ -336,9 +381,10 @@ class Engine:
         on without this runner: it re-reads the row and carries on from there (or lets go).
         """
         flow = live.flow
-        op = _store.Change(flow.flow_id, apply, flow=flow, head=head)
         delay = _BACKOFF
         while True:
+            leased = self._leasing(apply, self._now(), outside=False)  # a fresh lease each try
+            op = _store.Change(flow.flow_id, leased, flow=flow, head=head, fenced=self._fencing)
             try:
                 result = await self._write(op)
             except Failed:
@@ -443,6 +489,14 @@ class Engine:
         be retried, the backoff after it). None if the flow was moved by someone else meanwhile
         (a cancel): the attempt is void and its changes are discarded."""
         flow = live.flow
+        if self._fleet and trio.current_time() >= self._lease_ok_until:
+            # This engine could not renew its leases in time: another engine may hold the flow
+            # by now. Let it go rather than run a step on the strength of a stale lease.
+            if self._live.get(flow.flow_id) is live:
+                del self._live[flow.flow_id]
+                self._stats["lost"] += 1
+            await trio.lowlevel.checkpoint()
+            return None
         ctx = self._context(flow, step.name, flow.state is _COMPENSATING)
         result: object = None
         error: BaseException | None = None
@@ -538,9 +592,13 @@ class Engine:
 
     # -------------------------------------------------------------------------------- timers
 
-    def _arm(self, flow: Flow) -> None:
-        assert flow.park_deadline is not None
-        entry = (flow.park_deadline, flow.flow_id, flow.revision)
+    def _arm(self, deadline: float, flow_id: str, revision: int) -> None:
+        """Push a timer for the flow parked at `revision` (once: a fleet's scans see it again)."""
+        if self._fleet:
+            if self._armed.get(flow_id) == revision:
+                return
+            self._armed[flow_id] = revision
+        entry = (deadline, flow_id, revision)
         stm.atomically_nowait(lambda: self._timers.set(timers.push(self._timers.get(), entry)))
 
     def _due_txn(self) -> list[timers.Entry]:
@@ -567,6 +625,8 @@ class Engine:
             nursery = self._nursery
             assert nursery is not None
             for deadline, fid, revision in due:
+                if self._armed.get(fid) == revision:
+                    del self._armed[fid]
                 live = self._live.get(fid)
                 if live is not None and live.flow.revision > revision:
                     continue  # woken meanwhile: this timer is stale
@@ -579,7 +639,9 @@ class Engine:
         def apply(f: Flow, _b: Mailbox) -> Transition:
             return m.timeout(f, shapes.get((f.plan, f.version)), now, expected=revision)
 
-        op = _store.Change(flow_id, apply)  # the machine ignores it unless still at `revision`
+        # The machine ignores it unless the flow is still parked at `revision`: across a fleet,
+        # every engine that armed this deadline fires it, and exactly one of them takes it.
+        op = _store.Change(flow_id, self._leasing(apply, now, outside=True))
         delay = _BACKOFF
         while True:
             try:
@@ -593,11 +655,32 @@ class Engine:
     # ------------------------------------------------------------------------------ recovery
 
     async def _recover(self) -> None:
+        """At open (SPEC 5.4): record this engine's plans; then, on one SQLite file, resume every
+        running or compensating flow and arm every parked flow's timer; in a fleet, resume the
+        flows this owner name held (a restart under the same name) and take over the orphans
+        (the first scan, which a database outage does not fail: the scan loop goes on)."""
         store = self._store
+        if self._shapes:
+            shapes = list(self._shapes.values())
+            await store.transact(partial(_store.register_plans, shapes=shapes, now=self._now()))
+        if not self._serve:
+            return
+        self._parked = (await store.transact(_store.count_states)).get(_PARKED, 0)
+        if self._fleet:
+            owner = self._owner
+            mine = await store.transact(partial(_store.load_active, owner=owner))
+            self._stats["recovered"] = await self._resume_active(mine)
+            with contextlib.suppress(Exception):  # the scan loop tries again
+                await self._scan()
+            return
         deadlines = await store.transact(_store.load_deadlines)
         stm.atomically_nowait(self._timers.set, timers.from_sorted(deadlines))
-        self._parked = (await store.transact(_store.count_states)).get(_PARKED, 0)
         active = await store.transact(_store.load_active)
+        self._stats["recovered"] = await self._resume_active(active)
+
+    async def _resume_active(self, active: list[Flow]) -> int:
+        """Run `active` flows again as attempt + 1 (a compare-and-set on the row read), or block
+        those whose plan version this engine lacks; how many run again."""
         now = self._now()
         ops: list[_store.Op] = []
         for flow in active:
@@ -606,15 +689,130 @@ class Engine:
                 apply = _on_row(m.next_attempt, now)
             else:
                 apply = _on_row(m.block, reason, now)
-            ops.append(_store.Change(flow.flow_id, apply, flow=flow))
+            leased = self._leasing(apply, now, outside=False)
+            ops.append(_store.Change(flow.flow_id, leased, flow=flow, fenced=self._fencing))
         results = await _gather([partial(self._write, op) for op in ops])
-        self._stats["recovered"] = sum(
+        return sum(
             1
             for r in results
             if isinstance(r, _store.Changed) and r.transition.flow.state in _ACTIVE
         )
 
+    # ----------------------------------------------------------------------------- the fleet
+
+    async def _scan(self) -> None:
+        """One scan of a fleet engine (at open, then every `scan_interval`): take over orphans
+        (active flows of this engine's plan versions whose lease lapsed), as many as it has room
+        for, each by a compare-and-set on its revision and on the lease still being lapsed; and
+        arm the timers of parked flows whose deadline comes before the next scan but one (parked
+        by any engine: exactly one engine's timeout takes each). Raises on a database error."""
+        now = self._now()
+        room = min(self._max_running - len(self._live), _SCAN_LIMIT)
+        if room > 0 and self._shapes:
+            keys = list(self._shapes)
+            orphans = await self._store.transact(
+                partial(_store.load_orphans, now=now, limit=room, plans=keys)
+            )
+            until = now + self._lease
+            ops: list[_store.Op] = []
+            for flow in orphans:
+                if flow.flow_id in self._live:
+                    continue  # ours, its renewal late: the renewal loop sees to it
+                apply = _on_row(m.take_over, self._owner, until, now)
+                op = _store.Change(
+                    flow.flow_id, apply, flow=flow, lapsed_at=now, fenced=self._fencing
+                )
+                ops.append(op)
+            results = await _gather([partial(self._write, op) for op in ops])
+            self._stats["claimed"] += sum(1 for r in results if isinstance(r, _store.Changed))
+        horizon = now + 2 * self._scan_interval
+        due = await self._store.transact(partial(_store.load_deadlines, before=horizon))
+        for deadline, fid, revision in due:
+            self._arm(deadline, fid, revision)
+
+    async def _scan_loop(self) -> None:
+        while True:
+            await trio.sleep(self._scan_interval)
+            with contextlib.suppress(Exception):  # a database outage: the next scan tries again
+                await self._scan()
+
+    async def _renew_loop(self) -> None:
+        """Renew the leases of the flows this engine runs, every ``lease / 3``, in one statement;
+        re-read the flows whose row moved on without it (a cancel through another engine) or
+        that it no longer holds. If it cannot renew in time (the database is down, or the
+        process was frozen), it lets every flow go before another engine may take them."""
+        while True:
+            await trio.sleep(self._lease / 3)
+            started = trio.current_time()
+            ids = list(self._live)
+            if not ids:
+                self._lease_ok_until = started + self._lease * _LEASE_TRUST
+                continue
+            renewed: list[tuple[str, int]] | None = None
+            with trio.move_on_at(self._lease_ok_until):
+                with contextlib.suppress(Exception):
+                    renewed = await self._store.transact(
+                        partial(
+                            _store.renew,
+                            owner=self._owner,
+                            flow_ids=ids,
+                            until=self._now() + self._lease,
+                        )
+                    )
+            if renewed is None:
+                if trio.current_time() >= self._lease_ok_until:
+                    self._let_go_all()
+                continue
+            self._stats["renewals"] += 1
+            self._lease_ok_until = started + self._lease * _LEASE_TRUST
+            got = dict(renewed)
+            moved = [
+                fid
+                for fid in ids
+                if (live := self._live.get(fid)) is not None
+                and got.get(fid, math.inf) > live.flow.revision
+            ]
+            if moved:
+                with contextlib.suppress(Exception):  # the next renewal tries again
+                    rows = await self._store.transact(partial(_store.load_many, flow_ids=moved))
+                    for row in rows:
+                        live = self._live.get(row.flow_id)
+                        if live is not None:
+                            self._track(live.flow.state, row, False, write=False)
+
+    def _let_go_all(self) -> None:
+        """This engine's leases may have lapsed: stop every step and compensation it runs and
+        forget the flows (their changes are discarded); whoever takes them over runs them."""
+        # Flows leased from now on have their whole lease ahead of them.
+        self._lease_ok_until = trio.current_time() + self._lease * _LEASE_TRUST
+        for live in list(self._live.values()):
+            del self._live[live.flow.flow_id]
+            self._stats["lost"] += 1
+            if live.scope is not None:
+                live.scope.cancel()
+
+    async def _release(self) -> None:
+        """At close, in a fleet: end the leases of the flows this engine ran (their steps are
+        cancelled by then), so that another engine takes them over at its next scan instead of
+        after the lease. Best effort: a database error leaves them to lapse."""
+        ids = list(self._live)
+        if not ids:
+            return
+        with contextlib.suppress(Exception):
+            await self._store.transact(
+                partial(_store.renew, owner=self._owner, flow_ids=ids, until=None)
+            )
+
     # ----------------------------------------------------------------------------- the calls
+
+    async def _known_shapes(self) -> dict[tuple[str, int], Shape]:
+        """The plan versions whose transitions this engine may ask for: its own plans; for an
+        operator's engine also every version any engine registered in the store (read anew on
+        every call: an operator's calls are few, and a deploy may have added one)."""
+        if self._serve:
+            return self._shapes
+        stored = await self._store.transact(_store.load_plans)
+        return {**{(sh.name, sh.version): sh for sh, _at in stored}, **self._shapes}
 
     def _check_open(self) -> None:
         if self._closing:
@@ -645,8 +843,10 @@ class Engine:
         shape = self._shape_of(plan)
         fid = uuid.uuid4().hex if flow_id is None else _check_flow_id(flow_id)
         text = _json_object_text({} if data is None else data, "data")
+        now = self._now()
+        owner, until = (self._owner, now + self._lease) if self._serve else (None, None)
         result = await self._request(
-            _store.Create(m.start(shape, fid, text, self._now(), owner=self._owner))
+            _store.Create(m.start(shape, fid, text, now, owner=owner, lease_until=until))
         )
         if isinstance(result, _store.Existing) and not result.same:
             raise IdReused(
@@ -671,13 +871,14 @@ class Engine:
         if message_id is not None and not isinstance(message_id, str):
             raise TypeError(f"message_id must be a str or None, got {message_id!r}")
         message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
+        shapes = await self._known_shapes()
         now = self._now()
-        shapes = self._shapes
 
         def apply(f: Flow, box: Mailbox) -> Transition:
             return m.wake(f, box, message, shapes.get((f.plan, f.version)), now)
 
-        result = await self._request(_store.Change(fid, apply, message_id=message_id))
+        op = _store.Change(fid, self._leasing(apply, now, outside=True), message_id=message_id)
+        result = await self._request(op)
         if isinstance(result, _store.Changed):
             assert result.transition.delivery is not None
             return result.transition.delivery
@@ -778,7 +979,7 @@ class Engine:
 
             if flow.state not in _SETTLED:
                 with trio.fail_after(math.inf if timeout is None else timeout):
-                    flow = await stm.atomically(settled)
+                    flow = await self._until_settled(fid, watch, settled)
             else:
                 await trio.lowlevel.checkpoint()
             return m.snapshot(flow)
@@ -786,6 +987,28 @@ class Engine:
             watch.users -= 1
             if not watch.users and self._watches.get(fid) is watch:
                 del self._watches[fid]
+
+    async def _until_settled(self, fid: str, watch: _Watch, settled: Callable[[], Flow]) -> Flow:
+        """`settled` as an stm retry on the flow's watch; in a fleet (where another engine may
+        run the flow) or in an operator's engine, also a poll of the store, from 50 ms apart
+        up to `_POLL_MAX`."""
+        if self._serve and not self._fleet:
+            return await stm.atomically(settled)
+        poll = 0.05
+        while True:
+            with trio.move_on_after(poll):
+                return await stm.atomically(settled)
+            row = await self._load(fid)
+            if row is not None:
+                tvar = watch.tvar
+
+                def newer(row: Flow = row, tvar: stm.TVar[Flow | None] = tvar) -> None:
+                    known = tvar.get()
+                    if known is None or row.revision > known.revision:
+                        tvar.set(row)
+
+                stm.atomically_nowait(newer)
+            poll = min(poll * 2, _POLL_MAX)
 
     async def _load(self, flow_id: str) -> Flow | None:
         return await self._store.transact(partial(_store.load, flow_id=flow_id))
@@ -806,13 +1029,13 @@ class Engine:
         fid = _check_flow_id(flow_id)
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {reason!r}")
+        shapes = await self._known_shapes()
         now = self._now()
-        shapes = self._shapes
 
         def apply(f: Flow, _b: Mailbox) -> Transition:
             return m.cancel(f, shapes.get((f.plan, f.version)), reason, now)
 
-        result = await self._request(_store.Change(fid, apply))
+        result = await self._request(_store.Change(fid, self._leasing(apply, now, outside=True)))
         return isinstance(result, _store.Changed) and result.transition.done
 
     async def resume(self, flow_id: str) -> bool:
@@ -821,13 +1044,14 @@ class Engine:
         version is still not registered."""
         self._check_open()
         fid = _check_flow_id(flow_id)
+        shapes = await self._known_shapes()
         now = self._now()
-        shapes = self._shapes
 
         def apply(f: Flow, box: Mailbox) -> Transition:
             return m.resume(f, box, shapes.get((f.plan, f.version)), now)
 
-        result = await self._request(_store.Change(fid, apply, head=True))
+        op = _store.Change(fid, self._leasing(apply, now, outside=True), head=True)
+        result = await self._request(op)
         return isinstance(result, _store.Changed) and result.transition.done
 
     async def history(self, flow_id: str) -> list[Event]:
@@ -922,26 +1146,55 @@ async def open_engine(
     owner: str | None = None,
     max_running: int = 10_000,
     lease: float = 30.0,
+    serve: bool = True,
     _group_commit: bool = True,
     _wall_clock: Callable[[], float] = time.time,
+    _fleet: bool | None = None,
+    _fencing: bool = True,
+    _scan_interval: float | None = None,
 ) -> AsyncIterator[Engine]:
     """Open a flow engine on `store` for the duration of an ``async with`` (SPEC 5.2).
 
     `store`: a path (an SQLite file, created if missing, closed with the engine) or an open
     `SqliteStore`/`PostgresStore` (left open). `plans`: the plans it runs (several versions of
     one plan may be given). At most `max_running` flows run at once; the others wait their turn,
-    first come first served. `owner` names this engine in the rows it writes (default: a new
-    uuid); `lease` is the fleet's lease length (issue 10). Creates the tables if missing, takes
-    the SQLite file's engine lock (`StoreLocked` if another engine holds it), then recovers:
-    running and compensating flows run again (attempt + 1), parked flows' timers are armed
-    (overdue ones time out at once). Definition errors (a bad plan, an empty plan) and bad
-    options are raised as they are, before anything is opened.
+    first come first served. `owner` names this engine in the rows it leases (default: a new
+    uuid; names must be unique among live engines). Creates the tables if missing, records its
+    plans' shapes in the store, takes the SQLite file's engine lock (`StoreLocked` if another
+    engine holds it), then recovers (SPEC 5.4).
 
-    Leaving the block closes the engine: running steps and compensations are cancelled (their
-    changes discarded; they run again, as attempt + 1, when an engine next opens the store),
-    parked flows stay parked, and later calls raise `ferry.Closed`.
+    One SQLite file is served by one engine: at open every running and compensating flow runs
+    again (attempt + 1) and every parked flow's timer is armed (overdue ones time out at once).
 
-    `_group_commit=False` is for benchmarks only: every write in its own transaction.
+    On PostgreSQL engines form a fleet (docs/flow-fleet.md): a running flow is leased to one
+    engine for `lease` seconds, renewed every ``lease / 3`` in one statement for all its flows.
+    Every ``lease / 3`` an engine also scans for orphans (running flows of its plan versions
+    whose lease lapsed: their engine died, froze or closed) and takes them over, each by a
+    compare-and-set, and arms the timers of flows parked by any engine whose deadline is near
+    (exactly one engine's timeout takes each). At open it resumes the flows its own `owner` name
+    held (a restart under the same name) and scans. An engine that could not renew in time lets
+    its flows go (`FlowStatistics.lost`); one that lost a flow to another engine finds out at
+    its next write, which fails, or renewal. Closing ends the leases of the flows it ran, so
+    that others take them over at their next scan. A slow or frozen engine can never advance a
+    flow another engine took over: every write is a compare-and-set on the flow's revision.
+
+    `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
+    plans (it reads the plan shapes engines recorded in the store), runs no step, leases
+    nothing, arms no timer and does no recovery; its `wake`, `cancel` and `resume` are
+    recorded, and a flow they make runnable is left to the engines that serve the store (on
+    PostgreSQL the next scan of any of them takes it; on SQLite, where the operator's engine
+    holds the file's lock like any engine, the next engine to open the file). Its `wait`
+    polls the store.
+
+    Definition errors (a bad plan, an empty plan) and bad options are raised as they are,
+    before anything is opened. Leaving the block closes the engine: running steps and
+    compensations are cancelled (their changes discarded; they run again, as attempt + 1, when
+    an engine next takes them), parked flows stay parked, and later calls raise `ferry.Closed`.
+
+    For tests and benchmarks only: `_group_commit=False` commits every write in its own
+    transaction; `_fleet` forces the fleet's leases on (or off) whatever the store;
+    `_fencing=False` makes the runner's writes and takeovers skip the compare-and-set (to show
+    that the fleet's oracle catches it); `_scan_interval` overrides ``lease / 3``.
     """
     registry = _registry(plans)
     if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
@@ -950,6 +1203,10 @@ async def open_engine(
         raise ValueError(f"lease must be a finite number of seconds > 0, got {lease!r}")
     if owner is not None and (not isinstance(owner, str) or not owner):
         raise ValueError(f"owner must be a non-empty str or None, got {owner!r}")
+    if not isinstance(serve, bool):
+        raise TypeError(f"serve must be a bool, got {serve!r}")
+    if _scan_interval is not None and not (0 < _scan_interval < math.inf):
+        raise ValueError(f"_scan_interval must be a finite number > 0, got {_scan_interval!r}")
     own_store = isinstance(store, str | os.PathLike)
     if own_store:
         db: Store = SqliteStore(os.fspath(store))  # type: ignore[arg-type]
@@ -965,7 +1222,12 @@ async def open_engine(
             registry,
             owner=owner if owner is not None else uuid.uuid4().hex,
             max_running=max_running,
+            lease=lease,
+            serve=serve,
+            fleet=db.dialect == "postgres" if _fleet is None else _fleet,
             group_commit=_group_commit,
+            fencing=_fencing,
+            scan_interval=_scan_interval,
             wall_clock=_wall_clock,
         )
         async with _lifetime(engine) as running:
@@ -999,7 +1261,11 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                 engine._nursery = nursery
                 try:
                     await engine._recover()
-                    nursery.start_soon(engine._timer_loop)
+                    if engine._serve:
+                        nursery.start_soon(engine._timer_loop)
+                    if engine._serve and engine._fleet:
+                        nursery.start_soon(engine._renew_loop)
+                        nursery.start_soon(engine._scan_loop)
                     yield engine
                 except BaseException as exc:
                     body_error = exc  # re-raised below, not wrapped in an exception group
@@ -1007,6 +1273,9 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                     engine._closing = True
                     stm.atomically_nowait(engine._closed_tv.set, True)
                     nursery.cancel_scope.cancel()
+            if engine._serve and engine._fleet:
+                with trio.CancelScope(shield=True), trio.move_on_after(engine._lease / 3):
+                    await engine._release()
     finally:
         engine._closing = True
         engine._ferry = None

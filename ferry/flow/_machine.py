@@ -41,6 +41,13 @@ States and transitions (who asks for each)
     any --wake--> DUPLICATE (seen id; before anything else), STALE (terminal), QUEUED (running,
                   compensating, blocked: the message is kept, the row does not change)
 
+Leases (the fleet, SPEC 5.4): an active flow is run by the engine named in `owner` until
+`lease_until` (wall-clock seconds), which that engine renews without a new revision. `leased` is
+the one rule for what lease a write leaves (the writer's, an operator's none, or the running
+engine's kept); `take_over` is how an engine takes an active flow whose lease `lapsed` (a
+compare-and-set on the revision and on the lease still being lapsed, attempt + 1 if someone may
+have run the step). Non-active flows hold no lease.
+
 `step_done`, `step_failed`, `next_attempt`, `compensated` and `compensation_failed` are asked by
 the one task that runs the flow and raise `InvalidTransition` in a state where they cannot
 happen. `wake`, `timeout`, `cancel`, `resume` and `block` come from outside at any time and
@@ -102,6 +109,8 @@ __all__ = [
     "claim",
     "compensated",
     "compensation_failed",
+    "lapsed",
+    "leased",
     "mismatch",
     "next_action",
     "next_attempt",
@@ -113,6 +122,7 @@ __all__ = [
     "step_done",
     "step_failed",
     "step_name",
+    "take_over",
     "timeout",
     "wake",
 ]
@@ -407,9 +417,16 @@ def snapshot(flow: Flow) -> Snapshot:
 
 
 def start(
-    shape: Shape, flow_id: str, data: str, now: float, *, owner: str | None = None
+    shape: Shape,
+    flow_id: str,
+    data: str,
+    now: float,
+    *,
+    owner: str | None = None,
+    lease_until: float | None = None,
 ) -> Transition:
-    """A new flow at its first step, attempt 1, revision 1; `data` is canonical JSON text."""
+    """A new flow at its first step, attempt 1, revision 1; `data` is canonical JSON text.
+    `owner`/`lease_until`: the engine that runs it (None: whichever engine claims it)."""
     flow = Flow(
         flow_id=flow_id,
         plan=shape.name,
@@ -422,6 +439,7 @@ def start(
         revision=1,
         updated_at=now,
         owner=owner,
+        lease_until=lease_until,
     )
     detail = {"plan": shape.name, "version": shape.version}
     return Transition(
@@ -702,6 +720,72 @@ def claim(flow: Flow, owner: str, lease_until: float | None, now: float) -> Tran
     For the fleet (a takeover is a compare-and-set on the revision the claimer saw)."""
     new = _bump(flow, now, owner=owner, lease_until=lease_until)
     return Transition(new, EMPTY_MAILBOX, flow.revision)
+
+
+# ------------------------------------------------------------------------- leases (the fleet)
+
+
+def lapsed(flow: Flow, now: float) -> bool:
+    """True if no engine holds a lease on the flow at `now` (never leased, or the lease ran
+    out): an active flow in that state is an orphan that any engine may take over. No cost."""
+    return flow.lease_until is None or flow.lease_until < now
+
+
+def take_over(flow: Flow, owner: str, lease_until: float, now: float) -> Transition:
+    """`owner` takes over an active flow that no engine holds (`lapsed`): a write (revision + 1,
+    no event), to be made as a compare-and-set on the revision the taker read *and* on the lease
+    still being lapsed (an owner's renewal does not change the revision).
+
+    Its step or compensation runs again: attempt + 1 if the flow had an owner, who may have run
+    it (as recovery after a crash); the same attempt if it had none (an operator made it
+    runnable: nobody ran it yet). Raises `InvalidTransition` unless the flow is active and
+    lapsed."""
+    _require(flow.state in ACTIVE and lapsed(flow, now), flow, "take_over")
+    attempt = flow.attempt + 1 if flow.owner is not None else flow.attempt
+    new = _bump(flow, now, owner=owner, lease_until=lease_until, attempt=attempt)
+    return Transition(new, EMPTY_MAILBOX, flow.revision)
+
+
+def leased(
+    t: Transition,
+    before: Flow | None,
+    owner: str | None,
+    lease_until: float | None,
+    now: float,
+    *,
+    respect: bool,
+) -> Transition:
+    """The lease a write leaves on the flow: `t` with its row's `owner`/`lease_until` set.
+
+    - A flow that the write leaves active is leased to `owner` until `lease_until` (the engine
+      that made the write runs it; an operator passes None/None and leaves it to whichever
+      engine claims it) -- except, with `respect`, when `before` was active and leased to
+      another engine at `now`: an outside request (a cancel) on a flow another engine is
+      running leaves it with that engine, whose step must stop before anything else runs (one
+      step at a time, across a fleet too).
+    - A flow that is not active holds no lease (owner and lease None): a parked flow is nobody's.
+
+    Unwritten transitions are returned as they are. No cost beyond one `attrs.evolve`.
+    """
+    if not t.written:
+        return t
+    flow = t.flow
+    if flow.state in ACTIVE:
+        if (
+            respect
+            and before is not None
+            and before.state in ACTIVE
+            and before.owner is not None
+            and before.owner != owner
+            and not lapsed(before, now)
+        ):
+            return t
+        if flow.owner == owner and flow.lease_until == lease_until:
+            return t
+        return attrs.evolve(t, flow=attrs.evolve(flow, owner=owner, lease_until=lease_until))
+    if flow.owner is None and flow.lease_until is None:
+        return t
+    return attrs.evolve(t, flow=attrs.evolve(flow, owner=None, lease_until=None))
 
 
 # ------------------------------------------------------------------------------------ checking

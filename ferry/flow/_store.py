@@ -46,6 +46,7 @@ from ._machine import (
     Mailbox,
     Message,
     Received,
+    Shape,
     Transition,
     parse_stack,
     stack_text,
@@ -174,6 +175,14 @@ def ddl(ns: str, dialect: str) -> list[str]:
         " WHERE state IN ('RUNNING', 'COMPENSATING')",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_deadline ON {ns}_flows (park_deadline)"
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_lease ON {ns}_flows (lease_until)"
+        " WHERE state IN ('RUNNING', 'COMPENSATING')",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_plans (
+            plan TEXT NOT NULL,
+            version BIGINT NOT NULL,
+            shape TEXT NOT NULL,
+            registered_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (plan, version))""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_history (
             flow_id TEXT NOT NULL,
             revision BIGINT NOT NULL,
@@ -213,6 +222,9 @@ class _Sql:
     existing: str
     update: str
     update_owned: str
+    update_lapsed: str
+    update_blind: str
+    hold_blind: str
     select: str
     select_locked: str
     hold: str
@@ -240,6 +252,13 @@ class _Sql:
                 f"UPDATE {flows} SET revision = revision WHERE flow_id = ? AND revision = ?"
                 " RETURNING 1"
             )
+        blind_sets = ", ".join(
+            "revision = revision + 1" if c == "revision" else f"{c} = ?" for c in _MUTABLE
+        )
+        if pg:
+            hold_blind = f"SELECT 1 FROM {flows} WHERE flow_id = ? FOR UPDATE"
+        else:
+            hold_blind = f"UPDATE {flows} SET revision = revision WHERE flow_id = ? RETURNING 1"
         return _Sql(
             insert=f"INSERT INTO {flows} ({cols}, start_data, created_at) VALUES ({marks})"
             " ON CONFLICT (flow_id) DO NOTHING RETURNING flow_id",
@@ -248,6 +267,10 @@ class _Sql:
             " RETURNING revision",
             update_owned=f"UPDATE {flows} SET {sets} WHERE flow_id = ? AND revision = ?"
             " AND owner = ? RETURNING revision",
+            update_lapsed=f"UPDATE {flows} SET {sets} WHERE flow_id = ? AND revision = ?"
+            " AND (lease_until IS NULL OR lease_until < ?) RETURNING revision",
+            update_blind=f"UPDATE {flows} SET {blind_sets} WHERE flow_id = ? RETURNING revision",
+            hold_blind=hold_blind,
             select=f"SELECT {cols} FROM {flows} WHERE flow_id = ?",
             select_locked=f"SELECT {cols} FROM {flows} WHERE flow_id = ?{lock}",
             hold=hold,
@@ -288,7 +311,13 @@ class Change:
       match its revision).
     - `message_id`: look it up in the mailbox (the mailbox passed to `apply` has it in ``seen``
       if it is known). `head`: pass the first queued message (a park or a resume needs it).
-    - `owner`: the write also requires this owner (a fleet engine's writes; None: any).
+    - `owner`: the write also requires this owner (None: any).
+    - `lapsed_at` (with `flow`): the write also requires that no lease holds the row at this time
+      (``lease_until`` NULL or earlier): a takeover (`_machine.take_over`), which must lose to
+      the owner's renewal as much as to another writer.
+    - `fenced=False` is for tests only: a write from `flow` that does not compare-and-set (the
+      row is overwritten whatever its revision, which becomes the stored one + 1), to show that
+      the fleet's oracle catches an engine without fencing.
 
     The transition's row is written iff it changed (`Transition.written`), as a compare-and-set
     on the revision it started from; its mailbox writes are applied either way.
@@ -301,6 +330,8 @@ class Change:
     message_id: str | None = None
     head: bool = False
     owner: str | None = None
+    lapsed_at: float | None = None
+    fenced: bool = True
 
 
 Op: TypeAlias = Create | Change
@@ -388,16 +419,30 @@ class _Batch:
             else:
                 self.tx.execute(self.sql.take, (fid, msg.message_id))
 
-    def cas(self, t: Transition, owner: str | None) -> bool:
-        """Write the transition's row if the stored revision is still ``t.expected``."""
+    def cas(self, t: Transition, owner: str | None, lapsed_at: float | None = None) -> bool:
+        """Write the transition's row if the stored revision is still ``t.expected`` (and the
+        owner is `owner`, and no lease holds it at `lapsed_at`, where given)."""
         values = _mutable_values(t.flow)
-        if owner is None:
-            rows = self.tx.execute(self.sql.update, (*values, t.flow.flow_id, t.expected))
+        fid = t.flow.flow_id
+        if lapsed_at is not None:
+            rows = self.tx.execute(self.sql.update_lapsed, (*values, fid, t.expected, lapsed_at))
+        elif owner is None:
+            rows = self.tx.execute(self.sql.update, (*values, fid, t.expected))
         else:
-            rows = self.tx.execute(
-                self.sql.update_owned, (*values, t.flow.flow_id, t.expected, owner)
-            )
+            rows = self.tx.execute(self.sql.update_owned, (*values, fid, t.expected, owner))
         return bool(rows)
+
+    def blind(self, t: Transition) -> Transition | None:
+        """Tests only (``fenced=False``): overwrite the row whatever its revision; `t` with the
+        revision that was stored (its events renumbered), or None if there is no such row."""
+        values = [v for c, v in zip(_MUTABLE, _mutable_values(t.flow), strict=True)]
+        del values[_MUTABLE.index("revision")]
+        rows = self.tx.execute(self.sql.update_blind, (*values, t.flow.flow_id))
+        if not rows:
+            return None
+        revision = rows[0][0]
+        events = tuple(attrs.evolve(e, revision=revision) for e in t.events)
+        return attrs.evolve(t, flow=attrs.evolve(t.flow, revision=revision), events=events)
 
     def conflict(self, flow_id: str, expected: int | None) -> Conflict | Missing:
         rows = self.tx.execute(self.sql.revision, (flow_id,))
@@ -425,13 +470,20 @@ class _Batch:
             except Exception as exc:
                 return Refused(op.flow_id, exc)
             if t.written:
-                if not self.cas(t, op.owner):
+                if not op.fenced:
+                    blind = self.blind(t)
+                    if blind is None:
+                        return Missing(op.flow_id)
+                    t = blind
+                elif not self.cas(t, op.owner, op.lapsed_at):
                     return self.conflict(op.flow_id, t.expected)
                 self.record(t)
             self.messages(t)
             return Changed(t, known)
         if known is not None:
-            if op.owner is None:
+            if not op.fenced:
+                held = tx.execute(sql.hold_blind, (op.flow_id,))
+            elif op.owner is None:
                 held = tx.execute(sql.hold, (op.flow_id, known.revision))
             else:
                 held = tx.execute(sql.hold_owned, (op.flow_id, known.revision, op.owner))
@@ -460,7 +512,11 @@ class _Batch:
         except Exception as exc:  # nothing was changed yet: the held row is as it was
             return Refused(op.flow_id, exc)
         if t.written:
-            if not self.cas(t, None):  # cannot happen while the row is held; never write blind
+            if not op.fenced:
+                blind = self.blind(t)
+                assert blind is not None  # the row is held
+                t = blind
+            elif not self.cas(t, None):  # cannot happen while the row is held; never write blind
                 return self.conflict(op.flow_id, t.expected)
             self.record(t)
         self.messages(t)
@@ -534,25 +590,151 @@ def load_mailbox(tx: Tx, flow_id: str, *, ns: str = "flow") -> Mailbox:
     return Mailbox(queued, frozenset(r[0] for r in rows))
 
 
-def load_active(tx: Tx, *, ns: str = "flow", limit: int | None = None) -> list[Flow]:
-    """Flows that are `RUNNING` or `COMPENSATING` (recovery's work list), oldest write first."""
+def load_active(
+    tx: Tx, *, ns: str = "flow", limit: int | None = None, owner: str | None = None
+) -> list[Flow]:
+    """Flows that are `RUNNING` or `COMPENSATING` (recovery's work list), oldest write first;
+    with `owner`, only those leased to that owner."""
+    cols = ", ".join(_FIELDS)
+    sql = f"SELECT {cols} FROM {ns}_flows WHERE state IN ('RUNNING', 'COMPENSATING')"
+    params: tuple[Any, ...] = ()
+    if owner is not None:
+        sql += " AND owner = ?"
+        params = (owner,)
+    sql += " ORDER BY updated_at, flow_id"
+    if limit is not None:
+        sql += f" LIMIT {int(limit)}"
+    return [_to_flow(r) for r in tx.execute(sql, params)]
+
+
+def load_deadlines(
+    tx: Tx, *, ns: str = "flow", before: float | None = None
+) -> list[tuple[float, str, int]]:
+    """``(deadline, flow_id, revision)`` of every parked flow with a deadline (at or before
+    `before`, if given), earliest first. Uses the deadline index."""
+    sql = (
+        f"SELECT park_deadline, flow_id, revision FROM {ns}_flows"
+        " WHERE state = 'PARKED' AND park_deadline IS NOT NULL"
+    )
+    params: tuple[Any, ...] = ()
+    if before is not None:
+        sql += " AND park_deadline <= ?"
+        params = (before,)
+    rows = tx.execute(sql + " ORDER BY park_deadline", params)
+    return [(r[0], r[1], r[2]) for r in rows]
+
+
+def load_orphans(
+    tx: Tx,
+    now: float,
+    *,
+    ns: str = "flow",
+    limit: int = 1000,
+    plans: Sequence[tuple[str, int]] | None = None,
+) -> list[Flow]:
+    """At most `limit` active flows that no engine holds at `now` (never leased, or the lease
+    ran out), of the given (plan, version)s if `plans` is given, those whose lease ran out
+    first. Uses the lease index."""
     cols = ", ".join(_FIELDS)
     sql = (
         f"SELECT {cols} FROM {ns}_flows WHERE state IN ('RUNNING', 'COMPENSATING')"
-        " ORDER BY updated_at, flow_id"
+        " AND (lease_until IS NULL OR lease_until < ?)"
     )
-    if limit is not None:
-        sql += f" LIMIT {int(limit)}"
-    return [_to_flow(r) for r in tx.execute(sql)]
+    params: list[Any] = [now]
+    if plans is not None:
+        if not plans:
+            return []
+        sql += " AND (" + " OR ".join("(plan = ? AND version = ?)" for _ in plans) + ")"
+        for name, version in plans:
+            params += [name, version]
+    rows = tx.execute(sql + f" ORDER BY lease_until, flow_id LIMIT {int(limit)}", params)
+    return [_to_flow(r) for r in rows]
 
 
-def load_deadlines(tx: Tx, *, ns: str = "flow") -> list[tuple[float, str, int]]:
-    """``(deadline, flow_id, revision)`` of every parked flow with a deadline, earliest first."""
+_RENEW_CHUNK = 500
+
+
+def renew(
+    tx: Tx, owner: str, flow_ids: Sequence[str], until: float | None, *, ns: str = "flow"
+) -> list[tuple[str, int]]:
+    """Extend `owner`'s lease on those of `flow_ids` it still holds and that are still active,
+    to `until` (None: end it now, so that any engine may take them over); ``(flow_id,
+    revision)`` of each row changed. No new revision: a renewal never makes another writer's
+    compare-and-set fail. A flow taken over by another engine (or no longer active) is not
+    touched and not returned. Cost: one statement per 500 ids."""
+    renewed: list[tuple[str, int]] = []
+    where = "owner = ? AND state IN ('RUNNING', 'COMPENSATING')"
+    for i in range(0, len(flow_ids), _RENEW_CHUNK):
+        chunk = list(flow_ids[i : i + _RENEW_CHUNK])
+        params: tuple[Any, ...]
+        if tx.dialect == "postgres":
+            ids, params = "flow_id = ANY(?)", (until, chunk, owner)
+        else:
+            ids, params = f"flow_id IN ({', '.join('?' * len(chunk))})", (until, *chunk, owner)
+        rows = tx.execute(
+            f"UPDATE {ns}_flows SET lease_until = ? WHERE {ids} AND {where}"
+            " RETURNING flow_id, revision",
+            params,
+        )
+        renewed.extend((r[0], r[1]) for r in rows)
+    return renewed
+
+
+def load_many(tx: Tx, flow_ids: Sequence[str], *, ns: str = "flow") -> list[Flow]:
+    """The rows of those of `flow_ids` that exist (in no particular order)."""
+    cols = ", ".join(_FIELDS)
+    flows: list[Flow] = []
+    for i in range(0, len(flow_ids), _RENEW_CHUNK):
+        chunk = list(flow_ids[i : i + _RENEW_CHUNK])
+        if tx.dialect == "postgres":
+            rows = tx.execute(f"SELECT {cols} FROM {ns}_flows WHERE flow_id = ANY(?)", (chunk,))
+        else:
+            marks = ", ".join("?" * len(chunk))
+            rows = tx.execute(f"SELECT {cols} FROM {ns}_flows WHERE flow_id IN ({marks})", chunk)
+        flows.extend(_to_flow(r) for r in rows)
+    return flows
+
+
+# ------------------------------------------------------------------------------------- plans
+
+
+def _shape_json(shape: Shape) -> str:
+    return canonical_json(
+        {
+            "steps": list(shape.steps),
+            "compensable": list(shape.compensable),
+            "attempts": list(shape.attempts),
+        }
+    )
+
+
+def register_plans(tx: Tx, shapes: Sequence[Shape], now: float, *, ns: str = "flow") -> None:
+    """Record what each plan version looks like (its `Shape`), so that a process without the
+    plans (an operator's tool) can still ask the machine for transitions. A registration of a
+    known (name, version) replaces it: the last engine opened wins; engines still check their
+    own plan before they run anything (versions fail closed)."""
+    for shape in shapes:
+        tx.execute(
+            f"INSERT INTO {ns}_plans (plan, version, shape, registered_at) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (plan, version) DO UPDATE SET shape = excluded.shape,"
+            " registered_at = excluded.registered_at",
+            (shape.name, shape.version, _shape_json(shape), now),
+        )
+
+
+def load_plans(tx: Tx, *, ns: str = "flow") -> list[tuple[Shape, float]]:
+    """Every registered plan version, with when it was last registered, by name and version."""
     rows = tx.execute(
-        f"SELECT park_deadline, flow_id, revision FROM {ns}_flows"
-        " WHERE state = 'PARKED' AND park_deadline IS NOT NULL ORDER BY park_deadline"
+        f"SELECT plan, version, shape, registered_at FROM {ns}_plans ORDER BY plan, version"
     )
-    return [(r[0], r[1], r[2]) for r in rows]
+    plans = []
+    for name, version, text, at in rows:
+        d = json.loads(text)
+        shape = Shape(
+            name, version, tuple(d["steps"]), tuple(d["compensable"]), tuple(d["attempts"])
+        )
+        plans.append((shape, at))
+    return plans
 
 
 def count_states(tx: Tx, *, ns: str = "flow") -> dict[State, int]:

@@ -351,3 +351,109 @@ async def test_a_transition_that_raises_is_refused_alone(store: Store) -> None:
     assert changed(results[0]).flow.flow_id == "r2"  # results come back in the order of the ops
     stored = await load(store, "r1")
     assert stored == flows[1]
+
+
+# ---------------------------------------------------------------------------------- the fleet
+
+
+def leased_start(flow_id: str, owner: str | None, until: float | None) -> s.Create:
+    return s.Create(m.start(SHAPE, flow_id, "{}", T0, owner=owner, lease_until=until))
+
+
+async def test_renew_extends_only_the_owners_active_flows_and_writes_no_revision(
+    store: Store,
+) -> None:
+    await write(
+        store,
+        leased_start("a1", "a", T0 + 10),
+        leased_start("a2", "a", T0 + 10),
+        leased_start("b1", "b", T0 + 10),
+    )
+    a2 = await load(store, "a2")
+    assert a2 is not None
+    changed((await write(store, step(a2, park(60))))[0])  # parked: a2 is no longer active
+    renewed = await store.transact(
+        partial(s.renew, owner="a", flow_ids=["a1", "a2", "b1", "nope"], until=T0 + 40)
+    )
+    assert renewed == [("a1", 1)]
+    a1, b1 = await load(store, "a1"), await load(store, "b1")
+    assert a1 is not None and a1.lease_until == T0 + 40 and a1.revision == 1
+    assert b1 is not None and b1.lease_until == T0 + 10
+    ids = [f"x{i}" for i in range(1200)]  # more than one statement's worth
+    await write(store, *(leased_start(fid, "a", T0) for fid in ids))
+    renewed = await store.transact(partial(s.renew, owner="a", flow_ids=ids, until=None))
+    assert len(renewed) == 1200
+    rows = await store.transact(partial(s.load_many, flow_ids=[*ids[:3], "nope"]))
+    assert sorted((f.flow_id, f.lease_until) for f in rows) == [(i, None) for i in ids[:3]]
+
+
+async def test_orphans_are_the_active_flows_whose_lease_lapsed(store: Store) -> None:
+    await write(
+        store,
+        leased_start("held", "a", T0 + 10),
+        leased_start("lapsed", "a", T0 - 1),
+        leased_start("nobodys", None, None),
+    )
+    other = m.start(attrs.evolve(SHAPE, version=2), "v2", "{}", T0, owner="a", lease_until=T0)
+    await write(store, s.Create(other))
+    orphans = await store.transact(partial(s.load_orphans, now=T0 + 1))
+    assert sorted(f.flow_id for f in orphans) == ["lapsed", "nobodys", "v2"]
+    mine = await store.transact(partial(s.load_orphans, now=T0 + 1, plans=[("order", 1)]))
+    assert sorted(f.flow_id for f in mine) == ["lapsed", "nobodys"]
+    assert await store.transact(partial(s.load_orphans, now=T0 + 1, plans=[])) == []
+    assert len(await store.transact(partial(s.load_orphans, now=T0 + 1, limit=1))) == 1
+    owned = await store.transact(partial(s.load_active, owner="a"))
+    assert sorted(f.flow_id for f in owned) == ["held", "lapsed", "v2"]
+
+
+async def test_a_takeover_loses_to_a_renewal_and_to_a_write(store: Store) -> None:
+    await write(store, leased_start("f", "a", T0 - 1))
+    seen = await load(store, "f")
+    assert seen is not None and m.lapsed(seen, T0)
+
+    def take(by: str) -> s.Change:
+        def apply(f: Flow, _b: Mailbox) -> Transition:
+            return m.take_over(f, by, T0 + 30, T0)
+
+        return s.Change("f", apply, flow=seen, lapsed_at=T0)
+
+    await store.transact(partial(s.renew, owner="a", flow_ids=["f"], until=T0 + 30))
+    (r,) = await write(store, take("b"))  # the revision is the same, the lease is not lapsed
+    assert r == s.Conflict("f", 1, 1, "a")
+    await store.transact(partial(s.renew, owner="a", flow_ids=["f"], until=T0 - 1))
+    (won,) = await write(store, take("b"))
+    f = changed(won).flow
+    assert (f.owner, f.lease_until, f.attempt, f.revision) == ("b", T0 + 30, 2, 2)
+    (lost,) = await write(store, take("c"))  # the same read, now stale
+    assert isinstance(lost, s.Conflict) and lost.owner == "b"
+
+
+async def test_an_unfenced_write_overwrites_whatever_the_revision(store: Store) -> None:
+    """The tests' switch with fencing off: a stale copy's write goes through (and would undo
+    the newer state) and takes the next revision."""
+    f = await started(store)
+    changed((await write(store, step(f)))[0])
+    stale = s.Change("f1", step(f, data='{"stale":1}').apply, flow=f, fenced=False)
+    t = changed((await write(store, stale))[0])
+    assert t.flow.revision == 3 and t.events[0].revision == 3
+    now = await load(store, "f1")
+    assert now is not None and now.data == '{"stale":1}' and now.revision == 3
+    assert await history_kinds(store, "f1") == [(1, "started"), (2, "step"), (3, "step")]
+
+
+async def test_plan_shapes_round_trip_and_the_last_registration_wins(store: Store) -> None:
+    other = Shape("refund", 3, ("a",), (False,), (1,))
+    await store.transact(partial(s.register_plans, shapes=[SHAPE, other], now=T0))
+    await store.transact(partial(s.register_plans, shapes=[SHAPE], now=T0 + 5))
+    assert await store.transact(s.load_plans) == [(SHAPE, T0 + 5), (other, T0)]
+    renamed = attrs.evolve(SHAPE, steps=("reserve", "pay", "ship"))
+    await store.transact(partial(s.register_plans, shapes=[renamed], now=T0 + 6))
+    assert (await store.transact(s.load_plans))[0] == (renamed, T0 + 6)
+
+
+async def test_deadlines_up_to_a_horizon(store: Store) -> None:
+    for i, timeout in enumerate((10, 20, 30)):
+        f = await started(store, f"p{i}")
+        changed((await write(store, step(f, park(timeout))))[0])
+    due = await store.transact(partial(s.load_deadlines, before=T0 + 21))
+    assert [(d - T0, fid) for d, fid, _r in due] == [(11, "p0"), (21, "p1")]
