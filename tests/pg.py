@@ -75,6 +75,7 @@ class PgServer:
     port: int
     user: str | None
     _counter: itertools.count[int] = attrs.field(factory=itertools.count)
+    options: str = ""  # the server's -o options (for `resume`)
 
     @property
     def dsn(self) -> str:
@@ -97,6 +98,30 @@ class PgServer:
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return f"host=127.0.0.1 port={self.port} user=postgres dbname={name}"
+
+    def halt(self) -> None:
+        """Stop the server at once, as a crash would (connections drop, nothing is flushed);
+        its data directory stays, for `resume`."""
+        self._pg_ctl("stop", "-D", self.data, "-m", "immediate")
+
+    def resume(self) -> None:
+        """Start a halted server again on the same port and data (it recovers on start)."""
+        self._pg_ctl("start", "-D", self.data, "-w", "-t", "60", "-l", self.log, "-o", self.options)
+
+    def _pg_ctl(self, *args: str) -> None:
+        done = subprocess.run(
+            _as_user([os.path.join(self.bindir, "pg_ctl"), *args], self.user),
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"pg_ctl {args[0]} failed:\n{done.stdout}\n{done.stderr}")
+
+    @property
+    def log(self) -> str:
+        return os.path.join(self.root, "log")
 
     def stop(self) -> None:
         subprocess.run(
@@ -176,6 +201,7 @@ def start(bindir: str) -> PgServer:
             "-c shared_buffers=32MB",
         ]
     )
+    server.options = options
     run(
         os.path.join(bindir, "pg_ctl"),
         "start",
