@@ -850,3 +850,80 @@ def count_states(tx: Tx, *, ns: str = "flow") -> dict[State, int]:
     """How many flows are in each state."""
     rows = tx.execute(f"SELECT state, COUNT(*) FROM {ns}_flows GROUP BY state")
     return {_STATES[r[0]]: r[1] for r in rows}
+
+
+# ------------------------------------------------------------------------ reads for operators
+
+
+def has_tables(tx: Tx, *, ns: str = "flow") -> bool:
+    """Does the store hold the flow tables (has an engine ever opened it)?"""
+    if tx.dialect == "postgres":
+        rows = tx.execute("SELECT to_regclass(?) IS NOT NULL", (f"{ns}_flows",))
+        return bool(rows[0][0])
+    rows = tx.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (f"{ns}_flows",)
+    )
+    return bool(rows)
+
+
+def query_flows(
+    tx: Tx,
+    *,
+    ns: str = "flow",
+    state: State | None = None,
+    plan: str | None = None,
+    limit: int = 50,
+) -> list[Flow]:
+    """Flows (of `state`, of `plan` if given), most recently written first, at most `limit`."""
+    cols = ", ".join(_FIELDS)
+    where, params = [], []
+    if state is not None:
+        where.append("state = ?")
+        params.append(state.value)
+    if plan is not None:
+        where.append("plan = ?")
+        params.append(plan)
+    sql = f"SELECT {cols} FROM {ns}_flows"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += f" ORDER BY updated_at DESC, flow_id LIMIT {int(limit)}"
+    return [_to_flow(r) for r in tx.execute(sql, params)]
+
+
+def count_plans(tx: Tx, *, ns: str = "flow") -> list[tuple[str, int, State, int]]:
+    """``(plan, version, state, flows)`` for every plan version and state that has flows."""
+    rows = tx.execute(
+        f"SELECT plan, version, state, COUNT(*) FROM {ns}_flows"
+        " GROUP BY plan, version, state ORDER BY plan, version, state"
+    )
+    return [(r[0], r[1], _STATES[r[2]], r[3]) for r in rows]
+
+
+def oldest_parked(tx: Tx, *, ns: str = "flow", limit: int = 10) -> list[Flow]:
+    """The parked flows that have waited longest (since their last write), at most `limit`."""
+    cols = ", ".join(_FIELDS)
+    rows = tx.execute(
+        f"SELECT {cols} FROM {ns}_flows WHERE state = 'PARKED'"
+        f" ORDER BY updated_at, flow_id LIMIT {int(limit)}"
+    )
+    return [_to_flow(r) for r in rows]
+
+
+def blocked_reasons(tx: Tx, *, ns: str = "flow", limit: int = 20) -> list[tuple[str, int, str]]:
+    """``(reason, flows, one of them)`` of blocked flows, the most common reason first."""
+    rows = tx.execute(
+        f"SELECT blocked, COUNT(*), MIN(flow_id) FROM {ns}_flows WHERE state = 'BLOCKED'"
+        f" GROUP BY blocked ORDER BY COUNT(*) DESC, blocked LIMIT {int(limit)}"
+    )
+    return [(r[0], r[1], r[2]) for r in rows]
+
+
+def count_orphans(tx: Tx, now: float, *, ns: str = "flow") -> int:
+    """How many active flows no engine holds at `now` (`_orphan`): engines of a fleet take them
+    over at their next scan; on SQLite, the next engine to open the file runs them."""
+    rows = tx.execute(
+        f"SELECT COUNT(*) FROM {ns}_flows f WHERE f.state IN ('RUNNING', 'COMPENSATING')"
+        f" AND {_orphan(ns, 'f')}",
+        (now, now),
+    )
+    return int(rows[0][0])
