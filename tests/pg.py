@@ -141,8 +141,11 @@ class PgServer:
         return os.path.join(self.root, "data")
 
 
-def start(bindir: str) -> PgServer:
-    """initdb and start a server in a new temp dir; raise RuntimeError with its log on failure."""
+def start(bindir: str, settings: Sequence[str] = ()) -> PgServer:
+    """initdb and start a server in a new temp dir; raise RuntimeError with its log on failure.
+
+    `settings` are more ``name=value`` server settings, after (and over) the test defaults, e.g.
+    ``["fsync=on", "synchronous_commit=on"]`` for a server whose commits are durable."""
     user: str | None = None
     if os.geteuid() == 0:
         for candidate in ("postgres", "nobody"):
@@ -199,6 +202,7 @@ def start(bindir: str) -> PgServer:
             "-c full_page_writes=off",
             "-c max_connections=200",
             "-c shared_buffers=32MB",
+            *(f"-c {setting}" for setting in settings),
         ]
     )
     server.options = options
