@@ -434,3 +434,57 @@ async def _failing_step_0(ctx: flow.Context) -> None:
 
 async def _fail(ctx: flow.Context) -> flow.Outcome:
     return flow.fail("declined")
+
+
+# ------------------------------------------------------------- letting go strands nothing
+
+
+async def test_flows_let_go_during_an_outage_are_released_with_the_next_renewal(
+    path, autojump_clock
+) -> None:
+    """a loses its database for longer than its lease, while b cannot reach its scans either:
+    a lets its flow go (it may not run it on a lapsed lease). Once the database is back, a's
+    first renewal releases the flow in the same transaction, so b's scan takes it over even
+    though a is alive again (a, whose scans are off here, does not take it back)."""
+    log: Log = []
+    gates: dict[str, trio.Event] = {}
+    plan = saga(log, gates)
+    store_a, store_b = InlineSqliteStore(path), InlineSqliteStore(path)
+    async with fleet_engine(store_a, plan, owner="a", _scan_interval=10**6) as a:
+        async with fleet_engine(store_b, plan, owner="b") as b:
+            await a.start(plan, flow_id="f")
+            await trio.testing.wait_all_tasks_blocked()
+            store_a.gate, store_b.gate = trio.Event(), trio.Event()  # the database is gone
+            await trio.sleep(LEASE * 2)
+            assert a.statistics().lost == 1 and a.statistics().running == 0
+            store_a.gate.set()  # back for a first: it renews (and releases) before b scans
+            store_a.gate = None
+            await trio.sleep(LEASE / 3 + 1)
+            assert (await row(store_a, "f")).lease_until is not None  # released, a alive
+            store_b.gate.set()
+            store_b.gate = None
+
+            async def again() -> bool:
+                return ("charge", "f", 2) in log
+
+            await until(again)
+            assert b.statistics().claimed == 1 and a.statistics().claimed == 0
+            gates["f/2"].set()
+            assert (await b.wait("f", timeout=600)).state is flow.State.COMPLETED
+
+
+async def test_a_flow_held_but_not_run_is_adopted(path, autojump_clock) -> None:
+    """A takeover whose answer was lost (its connection dropped during COMMIT) leaves a flow
+    held under the engine's name that the engine does not run; seen so at two checks in a row,
+    the engine adopts it (attempt + 1)."""
+    log: Log = []
+    plan = saga(log)
+    store = InlineSqliteStore(path)
+    async with fleet_engine(store, plan, owner="a") as a:
+        lost = m.start(plan._close(), "f", "{}", wall(), owner="a")  # "a" holds it, unknowingly
+        await store.transact(partial(_store.write_batch, ops=[_store.Create(lost)]))
+        await trio.sleep(LEASE / 3 + 1)
+        assert log == []  # one check: could be a write of its own not yet followed
+        snap = await a.wait("f", timeout=600)
+        assert snap.state is flow.State.COMPLETED and log[0] == ("reserve", "f", 2)
+        assert a.statistics().claimed == 1
