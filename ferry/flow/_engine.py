@@ -404,7 +404,7 @@ class Engine:
             return
         if live is not None:
             del self._live[fid]
-            if state in _ACTIVE:  # another engine holds it now: let go of it
+            if state in _ACTIVE or not write:  # it moved on without this engine: let go of it
                 stats["lost"] += 1
                 if live.scope is not None:
                     live.scope.cancel()
