@@ -28,6 +28,15 @@ since, so `trio.testing.MockClock` drives hour-long parks in a test. Attempts: a
 attempt + 1 before it runs, and recovery writes attempt + 1 before re-running a step that was
 running when the process died or the engine closed (docs/adr/0024). An SQLite file is served by
 one engine at a time (an ``flock`` on ``<path>.engine-lock``, docs/adr/0025).
+
+The fleet (PostgreSQL, docs/flow-fleet.md): an engine holds a lease of its own, one row renewed
+every ``lease / 3`` (`_heartbeat_loop`), and runs the active flows whose row names it (`_mine`).
+Who holds a flow after a write is one pure rule (`_machine.leased`, via `_leasing`). Every
+``lease / 3`` it also scans (`_scan`): orphans (active flows nobody holds) are taken over by a
+compare-and-set, and the deadlines of flows parked by any engine are armed. An engine that could
+not renew in time lets its flows go and releases them with its next renewal; a flow it holds but
+does not run is adopted (docs/adr/0040-0043). ``serve=False`` makes an operator's engine, which
+runs and leases nothing (docs/adr/0044).
 """
 
 from __future__ import annotations
