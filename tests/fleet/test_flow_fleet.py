@@ -150,7 +150,7 @@ def test_a_fleet_with_a_kill_and_a_frozen_owner_runs_every_flow_once(
 def test_without_fencing_the_fleet_oracle_fails(pg_server: pg.PgServer, tmp_path: Path) -> None:
     dsn = pg_server.fresh_database_dsn("unfencedflows")
     specs, seen, chaos, reports = run_fleet(
-        dsn, tmp_path, flows=600, spread=3.0, seed=2, fencing=False, patience=30.0
+        dsn, tmp_path, flows=600, spread=3.0, seed=2, fencing=False, patience=10.0
     )
     problems = check(specs, seen, chaos.freeze)
     print(f"\n{summary(specs, seen, reports)}\n{len(problems)} problems, e.g. {problems[:5]}")
