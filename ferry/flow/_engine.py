@@ -93,6 +93,7 @@ _COMPENSATING = State.COMPENSATING
 _PARKED = State.PARKED
 _ACTIVE = m.ACTIVE
 _SETTLED = frozenset({State.COMPLETED, State.FAILED, State.BLOCKED})
+_ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
 _BACKOFF = 0.1  # seconds before the first retry of a step; doubles with every retry
 _WRITE_BACKOFF_MAX = 5.0
 _BATCH_SIZE = 1000
@@ -391,14 +392,8 @@ class Engine:
                 self._parked -= 1
             if state is _PARKED:
                 self._parked += 1
-            elif not write:
-                pass
-            elif state is State.COMPLETED:
-                stats["completed"] += 1
-            elif state is State.FAILED:
-                stats["failed"] += 1
-            elif state is State.BLOCKED:
-                stats["blocked"] += 1
+            elif write and state in _ENDS:
+                stats[_ENDS[state]] += 1
         watch = self._watches.get(fid)
         if watch is not None:
             stm.atomically_nowait(watch.tvar.set, flow)
