@@ -1251,17 +1251,18 @@ async def open_engine(
     One SQLite file is served by one engine: at open every running and compensating flow runs
     again (attempt + 1) and every parked flow's timer is armed (overdue ones time out at once).
 
-    On PostgreSQL engines form a fleet (docs/flow-fleet.md): a running flow is leased to one
-    engine for `lease` seconds, renewed every ``lease / 3`` in one statement for all its flows.
-    Every ``lease / 3`` an engine also scans for orphans (running flows of its plan versions
-    whose lease lapsed: their engine died, froze or closed) and takes them over, each by a
-    compare-and-set, and arms the timers of flows parked by any engine whose deadline is near
-    (exactly one engine's timeout takes each). At open it resumes the flows its own `owner` name
-    held (a restart under the same name) and scans. An engine that could not renew in time lets
-    its flows go (`FlowStatistics.lost`); one that lost a flow to another engine finds out at
-    its next write, which fails, or renewal. Closing ends the leases of the flows it ran, so
-    that others take them over at their next scan. A slow or frozen engine can never advance a
-    flow another engine took over: every write is a compare-and-set on the flow's revision.
+    On PostgreSQL engines form a fleet (docs/flow-fleet.md): each engine holds a lease of
+    `lease` seconds, renewed every ``lease / 3`` (one row, whatever the number of flows), and
+    runs the running flows that name it. Every ``lease / 3`` it also scans for orphans (running
+    flows of its plan versions that no live engine holds: their engine died, froze or closed)
+    and takes them over, each by a compare-and-set, and arms the timers of flows parked by any
+    engine whose deadline is near (exactly one engine's timeout takes each). At open it resumes
+    the flows its own `owner` name held (a restart under the same name) and scans. An engine
+    that could not renew in time lets its flows go (`FlowStatistics.lost`) and releases them
+    with its next renewal; one that lost a flow to another engine finds out at its next write,
+    which fails, or its next check. Closing ends its lease, so that others take its flows over
+    at their next scan. A slow or frozen engine can never advance a flow another engine took
+    over: every write is a compare-and-set on the flow's revision.
 
     `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
     plans (it reads the plan shapes engines recorded in the store), runs no step, leases
