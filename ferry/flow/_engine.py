@@ -28,6 +28,15 @@ since, so `trio.testing.MockClock` drives hour-long parks in a test. Attempts: a
 attempt + 1 before it runs, and recovery writes attempt + 1 before re-running a step that was
 running when the process died or the engine closed (docs/adr/0024). An SQLite file is served by
 one engine at a time (an ``flock`` on ``<path>.engine-lock``, docs/adr/0025).
+
+The fleet (PostgreSQL, docs/flow-fleet.md): an engine holds a lease of its own, one row renewed
+every ``lease / 3`` (`_heartbeat_loop`), and runs the active flows whose row names it (`_mine`).
+Who holds a flow after a write is one pure rule (`_machine.leased`, via `_leasing`). Every
+``lease / 3`` it also scans (`_scan`): orphans (active flows nobody holds) are taken over by a
+compare-and-set, and the deadlines of flows parked by any engine are armed. An engine that could
+not renew in time lets its flows go and releases them with its next renewal; a flow it holds but
+does not run is adopted (docs/adr/0040-0043). ``serve=False`` makes an operator's engine, which
+runs and leases nothing (docs/adr/0044).
 """
 
 from __future__ import annotations
@@ -84,9 +93,26 @@ _COMPENSATING = State.COMPENSATING
 _PARKED = State.PARKED
 _ACTIVE = m.ACTIVE
 _SETTLED = frozenset({State.COMPLETED, State.FAILED, State.BLOCKED})
+_ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
 _BACKOFF = 0.1  # seconds before the first retry of a step; doubles with every retry
 _WRITE_BACKOFF_MAX = 5.0
 _BATCH_SIZE = 1000
+_LEASE_MARGIN = 0.1  # of the lease: an engine lets its flows go this long before it lapses
+_PRUNE_EVERY = 100  # scans between two prunings of the engines table
+_PRUNE_AFTER = 100  # leases: an engine gone that long and holding no flow is forgotten
+_SCAN_LIMIT = 1000  # orphans taken over per scan, at most
+_POLL_MAX = 1.0  # `wait` on a fleet polls the store at most this far apart
+_GUARD = 1 / 4  # of the lease: how long a fleet engine's transaction may sit idle (locks held)
+_GUARD_MIN = 0.5
+
+
+_ROLLBACK_RETRIES = 3
+
+
+def _rolled_back(exc: BaseException) -> bool:
+    """Did the database roll the transaction back on its own (SQLSTATE class 40: a deadlock, a
+    serialization failure)? Then nothing of it was written, and running it again is safe."""
+    return str(getattr(exc, "sqlstate", None) or "").startswith("40")
 
 
 def _backoff(failures: int) -> float:
@@ -180,6 +206,9 @@ _COUNTERS = (
     "write_batches",
     "conflicts",
     "recovered",
+    "claimed",
+    "lost",
+    "renewals",
 )
 
 
@@ -202,7 +231,12 @@ class Engine:
         *,
         owner: str,
         max_running: int,
+        lease: float,
+        serve: bool,
+        fleet: bool,
         group_commit: bool,
+        fencing: bool,
+        scan_interval: float | None,
         wall_clock: Callable[[], float],
     ) -> None:
         self._store = store
@@ -214,9 +248,26 @@ class Engine:
         self._registered = {id(p): k for k, p in plans.items()}
         self._owner = owner
         self._max_running = max_running
+        self._lease = float(lease)
+        self._serve = serve  # False: an operator's engine, which never leases or runs a flow
+        self._fleet = fleet  # leases are respected (PostgreSQL); else one engine per store
         self._group_commit = group_commit
+        self._fencing = fencing
+        self._scan_interval = lease / 3 if scan_interval is None else scan_interval
         self._t0_wall = wall_clock()
         self._t0_trio = trio.current_time()
+        # The fleet: how long before a lease lapses this engine lets the flow go (for clock
+        # skew between hosts), and which (flow, revision) deadlines its timer heap holds (so
+        # that a scan does not arm one twice).
+        self._margin = lease * _LEASE_MARGIN
+        self._lease_until = -math.inf  # this engine's own lease (wall clock), renewed
+        self._released: set[str] = set()  # flows let go, to release with the next renewal
+        self._strays: dict[str, int] = {}  # flows held but not run, seen at the last check
+        self._armed: dict[str, int] = {}
+        # How long the database lets one of this engine's transactions sit idle with its locks
+        # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
+        # longer than this.
+        self._guard = max(_GUARD_MIN, lease * _GUARD) if fleet else None
         self._live: dict[str, _Live] = {}
         self._watches: dict[str, _Watch] = {}
         self._sched: stm.TVar[_Sched] = stm.TVar(_Sched())
@@ -260,6 +311,26 @@ class Engine:
             raise result.error
         return result
 
+    def _leasing(self, apply: _store.Apply, *, outside: bool) -> _store.Apply:
+        """`apply`, with who holds the flow after its write (`_machine.leased`): a flow left
+        active is this engine's (an operator's engine leaves it to whichever engine takes it
+        over); an `outside` request (wake, cancel, resume, timeout) on a flow another engine
+        of the fleet runs leaves it with that engine."""
+        owner = self._owner if self._serve else None
+        respect = outside and self._fleet
+
+        def leased(flow: Flow, box: Mailbox) -> Transition:
+            return m.leased(apply(flow, box), flow, owner, respect=respect)
+
+        return leased
+
+    def _mine(self, flow: Flow) -> bool:
+        """Is this an active flow this engine should run? (On one SQLite file: every active
+        flow; in a fleet: those leased to it; an operator's engine runs none.)"""
+        return (
+            self._serve and flow.state in _ACTIVE and (not self._fleet or flow.owner == self._owner)
+        )
+
     async def _request(self, op: _store.Op) -> _store.Result:
         """An API call's write: a cancel point first, then the write shielded, so that a call
         that raises `Cancelled` did not happen, and one that wrote returns its result."""
@@ -269,8 +340,23 @@ class Engine:
         return result
 
     async def _batch(self, ops: list[_store.Op]) -> list[_store.Result]:
-        """The ferry's batch call: every op in one transaction, then their effects in memory."""
-        results = await self._store.transact(partial(_store.write_batch, ops=ops))
+        """The ferry's batch call: every op in one transaction, then their effects in memory.
+
+        A transaction the database rolled back on its own (a deadlock or a serialization
+        failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times."""
+        tries = 0
+        while True:
+            try:
+                results = await self._store.transact(
+                    partial(_store.write_batch, ops=ops, guard=self._guard)
+                )
+            except Exception as exc:
+                tries += 1
+                if tries > _ROLLBACK_RETRIES or not _rolled_back(exc):
+                    raise
+                await trio.sleep(0.01 * tries)
+                continue
+            break
         self._stats["write_batches"] += 1
         for op, result in zip(ops, results, strict=True):
             self._applied(op, result)
@@ -291,42 +377,43 @@ class Engine:
             self._stats["conflicts"] += 1
 
     def _track(self, before: State | None, flow: Flow, own: bool, *, write: bool = True) -> None:
-        """A committed row of `flow` (by this engine's write, or read back): follow it."""
+        """A committed row of `flow` (by this engine's write, or read back): follow it. Only
+        this engine's writes count in its `completed`/`failed`/`blocked` statistics."""
         stats = self._stats
         if write:
             stats["writes"] += 1
         fid = flow.flow_id
         state = flow.state
+        live = self._live.get(fid)
+        if live is not None and flow.revision <= live.flow.revision:
+            return  # already known (a read that raced this engine's own write)
         if state is not before:
             if before is _PARKED:
                 self._parked -= 1
             if state is _PARKED:
                 self._parked += 1
-            elif state is State.COMPLETED:
-                stats["completed"] += 1
-            elif state is State.FAILED:
-                stats["failed"] += 1
-            elif state is State.BLOCKED:
-                stats["blocked"] += 1
+            elif write and state in _ENDS:
+                stats[_ENDS[state]] += 1
         watch = self._watches.get(fid)
         if watch is not None:
             stm.atomically_nowait(watch.tvar.set, flow)
-        live = self._live.get(fid)
         if live is not None:
-            if flow.revision <= live.flow.revision:
-                return
             live.flow = flow
             if not own and live.scope is not None:
                 live.scope.cancel()  # someone else moved the flow: its running step is void
-        if state in _ACTIVE:
+        if self._mine(flow):
             if live is None:
                 live = self._live[fid] = _Live(flow)
                 self._enqueue(live)
             return
         if live is not None:
             del self._live[fid]
-        if state is _PARKED and flow.park_deadline is not None:
-            self._arm(flow)
+            if state in _ACTIVE or not write:  # it moved on without this engine: let go of it
+                stats["lost"] += 1
+                if live.scope is not None:
+                    live.scope.cancel()
+        if state is _PARKED and flow.park_deadline is not None and self._serve:
+            self._arm(flow.park_deadline, fid, flow.revision)
 
     async def _own(self, live: _Live, apply: _store.Apply, *, head: bool = False) -> bool:
         """Write a transition of the flow this runner drives, as a compare-and-set on its copy;
@@ -336,9 +423,10 @@ class Engine:
         on without this runner: it re-reads the row and carries on from there (or lets go).
         """
         flow = live.flow
-        op = _store.Change(flow.flow_id, apply, flow=flow, head=head)
         delay = _BACKOFF
         while True:
+            leased = self._leasing(apply, outside=False)
+            op = _store.Change(flow.flow_id, leased, flow=flow, head=head, fenced=self._fencing)
             try:
                 result = await self._write(op)
             except Failed:
@@ -420,14 +508,13 @@ class Engine:
                 assert shape is not None
                 await self._run_compensation(live, shape, self._steps[key][flow.step_index])
 
-    def _context(self, flow: Flow, compensating: bool) -> Context:
-        assert flow.step is not None
-        key = f"{flow.flow_id}/{flow.step_index}/{flow.step}"
+    def _context(self, flow: Flow, name: str, compensating: bool) -> Context:
+        key = f"{flow.flow_id}/{flow.step_index}/{name}"
         return Context(
             flow_id=flow.flow_id,
             plan=flow.plan,
             version=flow.version,
-            step=flow.step,
+            step=name,
             step_index=flow.step_index,
             attempt=flow.attempt,
             data=json.loads(flow.data),
@@ -438,13 +525,19 @@ class Engine:
         )
 
     async def _attempt(
-        self, live: _Live, fn: Callable[[Context], Awaitable[Any]], failures: int, tries: int
+        self, live: _Live, step: StepDef, fn: Callable[[Context], Awaitable[Any]], failures: int
     ) -> tuple[Context, object, BaseException | None] | None:
         """Run one attempt of the flow's current step or compensation (and, if it raised and may
         be retried, the backoff after it). None if the flow was moved by someone else meanwhile
         (a cancel): the attempt is void and its changes are discarded."""
         flow = live.flow
-        ctx = self._context(flow, flow.state is _COMPENSATING)
+        if self._fleet and self._lapsing():
+            # This engine could not renew the lease in time: another engine may hold the flow
+            # by now. Let it go rather than run a step on the strength of a stale lease.
+            self._let_go(live, release=True)
+            await trio.lowlevel.checkpoint()
+            return None
+        ctx = self._context(flow, step.name, flow.state is _COMPENSATING)
         result: object = None
         error: BaseException | None = None
         with trio.CancelScope() as scope:
@@ -453,7 +546,7 @@ class Engine:
                 result = await fn(ctx)
             except Exception as exc:
                 error = exc
-                if failures + 1 < tries:
+                if failures + 1 < step.attempts:
                     await trio.sleep(_backoff(failures + 1))
         live.scope = None
         if scope.cancelled_caught or live.flow is not flow:
@@ -461,7 +554,7 @@ class Engine:
         return ctx, result, error
 
     async def _tries(
-        self, live: _Live, fn: Callable[[Context], Awaitable[Any]], attempts: int, counter: str
+        self, live: _Live, step: StepDef, fn: Callable[[Context], Awaitable[Any]], counter: str
     ) -> tuple[Context, object, BaseException | None, int] | None:
         """Attempts of the flow's current step or compensation until one returns or `attempts`
         have raised; attempt + 1 is written before every retry. Returns the last attempt's
@@ -472,14 +565,14 @@ class Engine:
         while True:
             flow = live.flow
             self._stats[counter] += 1
-            ran = await self._attempt(live, fn, failures, attempts)
+            ran = await self._attempt(live, step, fn, failures)
             if ran is None:
                 return None
             ctx, result, error = ran
             if error is None:
                 return ctx, result, None, failures
             failures += 1
-            if failures >= attempts:
+            if failures >= step.attempts:
                 return ctx, result, error, failures
             if counter == "steps_run":
                 self._stats["step_retries"] += 1
@@ -491,7 +584,7 @@ class Engine:
                 return None
 
     async def _run_step(self, live: _Live, shape: Shape, step: StepDef) -> None:
-        ran = await self._tries(live, step.fn, step.attempts, "steps_run")
+        ran = await self._tries(live, step, step.fn, "steps_run")
         if ran is None:
             return
         ctx, result, error, failures = ran
@@ -520,7 +613,7 @@ class Engine:
 
     async def _run_compensation(self, live: _Live, shape: Shape, step: StepDef) -> None:
         assert step.compensate is not None  # the machine stacks only steps with one
-        ran = await self._tries(live, step.compensate, step.attempts, "compensations_run")
+        ran = await self._tries(live, step, step.compensate, "compensations_run")
         if ran is None:
             return
         ctx, _result, error, failures = ran
@@ -530,18 +623,22 @@ class Engine:
                 data = _json_object_text(ctx.data, "ctx.data")
             except TypeError as exc:
                 message = f"it left data that is not JSON: {exc}"
-                await self._own(live, _on_row(m.compensation_failed, message, now))
+                await self._own(live, _on_row(m.compensation_failed, message, now, shape))
                 return
             await self._own(live, _on_row(m.compensated, shape, data, now))
             return
         message = f"{error!r} on attempt {live.flow.attempt} ({failures} of {step.attempts} tries)"
-        await self._own(live, _on_row(m.compensation_failed, message, now))
+        await self._own(live, _on_row(m.compensation_failed, message, now, shape))
 
     # -------------------------------------------------------------------------------- timers
 
-    def _arm(self, flow: Flow) -> None:
-        assert flow.park_deadline is not None
-        entry = (flow.park_deadline, flow.flow_id, flow.revision)
+    def _arm(self, deadline: float, flow_id: str, revision: int) -> None:
+        """Push a timer for the flow parked at `revision` (once: a fleet's scans see it again)."""
+        if self._fleet:
+            if self._armed.get(flow_id) == revision:
+                return
+            self._armed[flow_id] = revision
+        entry = (deadline, flow_id, revision)
         stm.atomically_nowait(lambda: self._timers.set(timers.push(self._timers.get(), entry)))
 
     def _due_txn(self) -> list[timers.Entry]:
@@ -568,6 +665,8 @@ class Engine:
             nursery = self._nursery
             assert nursery is not None
             for deadline, fid, revision in due:
+                if self._armed.get(fid) == revision:
+                    del self._armed[fid]
                 live = self._live.get(fid)
                 if live is not None and live.flow.revision > revision:
                     continue  # woken meanwhile: this timer is stale
@@ -580,7 +679,9 @@ class Engine:
         def apply(f: Flow, _b: Mailbox) -> Transition:
             return m.timeout(f, shapes.get((f.plan, f.version)), now, expected=revision)
 
-        op = _store.Change(flow_id, apply)  # the machine ignores it unless still at `revision`
+        # The machine ignores it unless the flow is still parked at `revision`: across a fleet,
+        # every engine that armed this deadline fires it, and exactly one of them takes it.
+        op = _store.Change(flow_id, self._leasing(apply, outside=True))
         delay = _BACKOFF
         while True:
             try:
@@ -594,11 +695,40 @@ class Engine:
     # ------------------------------------------------------------------------------ recovery
 
     async def _recover(self) -> None:
+        """At open (SPEC 5.4): record this engine's plans; then, on one SQLite file, resume every
+        running or compensating flow and arm every parked flow's timer; in a fleet, resume the
+        flows this owner name held (a restart under the same name) and take over the orphans
+        (the first scan, which a database outage does not fail: the scan loop goes on)."""
         store = self._store
+        if self._shapes:
+            shapes = list(self._shapes.values())
+            await store.transact(partial(_store.register_plans, shapes=shapes, now=self._now()))
+        if not self._serve:
+            return
+        self._parked = (await store.transact(_store.count_states)).get(_PARKED, 0)
+        if self._fleet:
+            owner = self._owner
+            now = self._now()
+            until = now + self._lease
+            await store.transact(partial(_store.heartbeat, owner=owner, until=until, now=now))
+            self._lease_until = until
+            held = await store.transact(partial(_store.load_active, owner=owner))
+            mine = [f for f in held if (f.plan, f.version) in self._shapes]
+            others = [f.flow_id for f in held if (f.plan, f.version) not in self._shapes]
+            if others:  # a version this engine lacks: leave those to an engine that has it
+                await store.transact(partial(_store.release, owner=owner, flow_ids=others, at=now))
+            self._stats["recovered"] = await self._resume_active(mine)
+            with contextlib.suppress(Exception):  # the scan loop tries again
+                await self._scan()
+            return
         deadlines = await store.transact(_store.load_deadlines)
         stm.atomically_nowait(self._timers.set, timers.from_sorted(deadlines))
-        self._parked = (await store.transact(_store.count_states)).get(_PARKED, 0)
         active = await store.transact(_store.load_active)
+        self._stats["recovered"] = await self._resume_active(active)
+
+    async def _resume_active(self, active: list[Flow]) -> int:
+        """Run `active` flows again as attempt + 1 (a compare-and-set on the row read), or block
+        those whose plan version this engine lacks; how many run again."""
         now = self._now()
         ops: list[_store.Op] = []
         for flow in active:
@@ -607,15 +737,169 @@ class Engine:
                 apply = _on_row(m.next_attempt, now)
             else:
                 apply = _on_row(m.block, reason, now)
-            ops.append(_store.Change(flow.flow_id, apply, flow=flow))
+            leased = self._leasing(apply, outside=False)
+            ops.append(_store.Change(flow.flow_id, leased, flow=flow, fenced=self._fencing))
         results = await _gather([partial(self._write, op) for op in ops])
-        self._stats["recovered"] = sum(
+        return sum(
             1
             for r in results
             if isinstance(r, _store.Changed) and r.transition.flow.state in _ACTIVE
         )
 
+    # ----------------------------------------------------------------------------- the fleet
+
+    async def _scan(self) -> None:
+        """One scan of a fleet engine (at open, then every `scan_interval`): take over orphans
+        (active flows of this engine's plan versions that no engine holds), as many as it has
+        room for, each by a compare-and-set on its revision and on its still being nobody's;
+        and arm the timers of parked flows whose deadline comes before the next scan but one
+        (parked by any engine: exactly one engine's timeout takes each). An engine whose own
+        lease is lapsing takes nothing. Raises on a database error."""
+        now = self._now()
+        room = min(self._max_running - len(self._live), _SCAN_LIMIT)
+        if room > 0 and self._shapes and not self._lapsing():
+            keys = list(self._shapes)
+            orphans = await self._store.transact(
+                partial(_store.load_orphans, now=now, limit=room, plans=keys)
+            )
+            ops: list[_store.Op] = []
+            for flow in orphans:
+                if flow.flow_id in self._live:
+                    continue  # let go a moment ago and not yet forgotten
+                apply = _on_row(m.take_over, self._owner, now)
+                op = _store.Change(
+                    flow.flow_id, apply, flow=flow, lapsed_at=now, fenced=self._fencing
+                )
+                ops.append(op)
+            results = await _gather([partial(self._write, op) for op in ops])
+            self._stats["claimed"] += sum(1 for r in results if isinstance(r, _store.Changed))
+        horizon = now + 2 * self._scan_interval
+        due = await self._store.transact(partial(_store.load_deadlines, before=horizon))
+        for deadline, fid, revision in due:
+            self._arm(deadline, fid, revision)
+
+    async def _scan_loop(self) -> None:
+        scans = 0
+        while True:
+            await trio.sleep(self._scan_interval)
+            with contextlib.suppress(Exception):  # a database outage: the next scan tries again
+                await self._scan()
+                scans += 1
+                if scans % _PRUNE_EVERY == 0:  # engines long gone that hold nothing
+                    before = self._now() - _PRUNE_AFTER * self._lease
+                    await self._store.transact(partial(_store.prune_engines, before=before))
+
+    async def _heartbeat_loop(self) -> None:
+        """Renew this engine's lease every ``lease / 3`` (one row: `_store.heartbeat`), then
+        check the flows the store says it holds against those it runs (`_check_held`). If the
+        lease is about to lapse before a renewal got through (the database is down or slow, or
+        the process was frozen), let every flow go: another engine may take them over from
+        then on."""
+        while True:
+            await trio.sleep(self._lease / 3)
+            await self._heartbeat()
+            with contextlib.suppress(Exception):  # the next round tries again
+                await self._check_held()
+
+    async def _heartbeat(self) -> None:
+        """One renewal of this engine's lease, given up at the margin before it lapses. The
+        flows it let go meanwhile are released in the same transaction: the moment its lease
+        runs again, they are orphans for any engine to take, not stranded under its name."""
+        now = self._now()
+        until = now + self._lease
+        deadline = self._trio_time(max(self._lease_until - self._margin, now + self._lease / 3))
+        released = list(self._released)
+        with trio.move_on_at(deadline), contextlib.suppress(Exception):
+            await self._store.transact(
+                partial(
+                    _store.renew,
+                    owner=self._owner,
+                    until=until,
+                    now=now,
+                    let_go=released,
+                )
+            )
+            self._lease_until = until
+            self._stats["renewals"] += 1
+            self._released.difference_update(released)
+            return
+        if self._lapsing():
+            for live in list(self._live.values()):
+                self._let_go(live, release=True)
+            # Until a renewal gets through it runs nothing: what it starts or accepts is let go
+            # at once (`_attempt`), an orphan for the others to take over.
+            self._lease_until = min(self._lease_until, self._now())
+
+    async def _check_held(self) -> None:
+        """Compare the active flows the store says this engine holds with those it runs: follow
+        a flow whose row moved on without it (a cancel through another engine) or that it no
+        longer holds; adopt (attempt + 1) one it holds but does not run, seen so twice in a row
+        (a takeover whose answer was lost with its connection: it must not stay stranded)."""
+        ids = set(self._live)
+        rows = await self._store.transact(partial(_store.load_active, owner=self._owner))
+        strays: dict[str, int] = {}
+        adopt: list[Flow] = []
+        for row in rows:
+            fid = row.flow_id
+            if row.lease_until is not None or fid in self._released:
+                continue  # let go: any engine may take it
+            live = self._live.get(fid)
+            if live is None:
+                if self._strays.get(fid) == row.revision:
+                    adopt.append(row)
+                else:
+                    strays[fid] = row.revision
+                continue
+            ids.discard(fid)
+            if row.revision > live.flow.revision:
+                self._track(live.flow.state, row, False, write=False)
+        self._strays = strays
+        gone = [fid for fid in ids if fid in self._live]
+        if gone:
+            for row in await self._store.transact(partial(_store.load_many, flow_ids=gone)):
+                live = self._live.get(row.flow_id)
+                if live is not None:
+                    self._track(live.flow.state, row, False, write=False)
+        if adopt and not self._lapsing():
+            self._stats["claimed"] += await self._resume_active(adopt)
+
+    def _lapsing(self) -> bool:
+        """Is this engine's lease about to lapse (within the margin)?"""
+        return self._now() >= self._lease_until - self._margin
+
+    def _let_go(self, live: _Live, *, release: bool = False) -> None:
+        """Stop the flow's step or compensation (its changes are discarded) and forget it:
+        whoever takes it over runs it. With `release` (this engine's lease is lapsing: the
+        store may still name it), the next renewal releases the flow in the store."""
+        fid = live.flow.flow_id
+        if self._live.get(fid) is live:
+            del self._live[fid]
+            self._stats["lost"] += 1
+            if release:
+                self._released.add(fid)
+        if live.scope is not None:
+            live.scope.cancel()
+
+    async def _release(self) -> None:
+        """At close, in a fleet: end this engine's lease (its steps are cancelled by then), so
+        that other engines take its flows over at their next scan instead of after the lease.
+        Best effort: a database error leaves them to lapse."""
+        now = self._now()
+        with contextlib.suppress(Exception):
+            await self._store.transact(
+                partial(_store.heartbeat, owner=self._owner, until=now, now=now)
+            )
+
     # ----------------------------------------------------------------------------- the calls
+
+    async def _known_shapes(self) -> dict[tuple[str, int], Shape]:
+        """The plan versions whose transitions this engine may ask for: its own plans; for an
+        operator's engine also every version any engine registered in the store (read anew on
+        every call: an operator's calls are few, and a deploy may have added one)."""
+        if self._serve:
+            return self._shapes
+        stored = await self._store.transact(_store.load_plans)
+        return {**{(sh.name, sh.version): sh for sh, _at in stored}, **self._shapes}
 
     def _check_open(self) -> None:
         if self._closing:
@@ -646,9 +930,9 @@ class Engine:
         shape = self._shape_of(plan)
         fid = uuid.uuid4().hex if flow_id is None else _check_flow_id(flow_id)
         text = _json_object_text({} if data is None else data, "data")
-        result = await self._request(
-            _store.Create(m.start(shape, fid, text, self._now(), owner=self._owner))
-        )
+        now = self._now()
+        owner = self._owner if self._serve else None
+        result = await self._request(_store.Create(m.start(shape, fid, text, now, owner=owner)))
         if isinstance(result, _store.Existing) and not result.same:
             raise IdReused(
                 f"flow id {fid!r} is already used by a flow of plan {result.flow.plan!r} with"
@@ -672,13 +956,14 @@ class Engine:
         if message_id is not None and not isinstance(message_id, str):
             raise TypeError(f"message_id must be a str or None, got {message_id!r}")
         message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
+        shapes = await self._known_shapes()
         now = self._now()
-        shapes = self._shapes
 
         def apply(f: Flow, box: Mailbox) -> Transition:
             return m.wake(f, box, message, shapes.get((f.plan, f.version)), now)
 
-        result = await self._request(_store.Change(fid, apply, message_id=message_id))
+        op = _store.Change(fid, self._leasing(apply, outside=True), message_id=message_id)
+        result = await self._request(op)
         if isinstance(result, _store.Changed):
             assert result.transition.delivery is not None
             return result.transition.delivery
@@ -779,7 +1064,7 @@ class Engine:
 
             if flow.state not in _SETTLED:
                 with trio.fail_after(math.inf if timeout is None else timeout):
-                    flow = await stm.atomically(settled)
+                    flow = await self._until_settled(fid, watch, settled)
             else:
                 await trio.lowlevel.checkpoint()
             return m.snapshot(flow)
@@ -787,6 +1072,28 @@ class Engine:
             watch.users -= 1
             if not watch.users and self._watches.get(fid) is watch:
                 del self._watches[fid]
+
+    async def _until_settled(self, fid: str, watch: _Watch, settled: Callable[[], Flow]) -> Flow:
+        """`settled` as an stm retry on the flow's watch; in a fleet (where another engine may
+        run the flow) or in an operator's engine, also a poll of the store, from 50 ms apart
+        up to `_POLL_MAX`."""
+        if self._serve and not self._fleet:
+            return await stm.atomically(settled)
+        poll = 0.05
+        while True:
+            with trio.move_on_after(poll):
+                return await stm.atomically(settled)
+            row = await self._load(fid)
+            if row is not None:
+                tvar = watch.tvar
+
+                def newer(row: Flow = row, tvar: stm.TVar[Flow | None] = tvar) -> None:
+                    known = tvar.get()
+                    if known is None or row.revision > known.revision:
+                        tvar.set(row)
+
+                stm.atomically_nowait(newer)
+            poll = min(poll * 2, _POLL_MAX)
 
     async def _load(self, flow_id: str) -> Flow | None:
         return await self._store.transact(partial(_store.load, flow_id=flow_id))
@@ -807,13 +1114,13 @@ class Engine:
         fid = _check_flow_id(flow_id)
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {reason!r}")
+        shapes = await self._known_shapes()
         now = self._now()
-        shapes = self._shapes
 
         def apply(f: Flow, _b: Mailbox) -> Transition:
             return m.cancel(f, shapes.get((f.plan, f.version)), reason, now)
 
-        result = await self._request(_store.Change(fid, apply))
+        result = await self._request(_store.Change(fid, self._leasing(apply, outside=True)))
         return isinstance(result, _store.Changed) and result.transition.done
 
     async def resume(self, flow_id: str) -> bool:
@@ -822,13 +1129,14 @@ class Engine:
         version is still not registered."""
         self._check_open()
         fid = _check_flow_id(flow_id)
+        shapes = await self._known_shapes()
         now = self._now()
-        shapes = self._shapes
 
         def apply(f: Flow, box: Mailbox) -> Transition:
             return m.resume(f, box, shapes.get((f.plan, f.version)), now)
 
-        result = await self._request(_store.Change(fid, apply, head=True))
+        op = _store.Change(fid, self._leasing(apply, outside=True), head=True)
+        result = await self._request(op)
         return isinstance(result, _store.Changed) and result.transition.done
 
     async def history(self, flow_id: str) -> list[Event]:
@@ -923,26 +1231,56 @@ async def open_engine(
     owner: str | None = None,
     max_running: int = 10_000,
     lease: float = 30.0,
+    serve: bool = True,
     _group_commit: bool = True,
     _wall_clock: Callable[[], float] = time.time,
+    _fleet: bool | None = None,
+    _fencing: bool = True,
+    _scan_interval: float | None = None,
 ) -> AsyncIterator[Engine]:
     """Open a flow engine on `store` for the duration of an ``async with`` (SPEC 5.2).
 
     `store`: a path (an SQLite file, created if missing, closed with the engine) or an open
     `SqliteStore`/`PostgresStore` (left open). `plans`: the plans it runs (several versions of
     one plan may be given). At most `max_running` flows run at once; the others wait their turn,
-    first come first served. `owner` names this engine in the rows it writes (default: a new
-    uuid); `lease` is the fleet's lease length (issue 10). Creates the tables if missing, takes
-    the SQLite file's engine lock (`StoreLocked` if another engine holds it), then recovers:
-    running and compensating flows run again (attempt + 1), parked flows' timers are armed
-    (overdue ones time out at once). Definition errors (a bad plan, an empty plan) and bad
-    options are raised as they are, before anything is opened.
+    first come first served. `owner` names this engine in the rows it leases (default: a new
+    uuid; names must be unique among live engines). Creates the tables if missing, records its
+    plans' shapes in the store, takes the SQLite file's engine lock (`StoreLocked` if another
+    engine holds it), then recovers (SPEC 5.4).
 
-    Leaving the block closes the engine: running steps and compensations are cancelled (their
-    changes discarded; they run again, as attempt + 1, when an engine next opens the store),
-    parked flows stay parked, and later calls raise `ferry.Closed`.
+    One SQLite file is served by one engine: at open every running and compensating flow runs
+    again (attempt + 1) and every parked flow's timer is armed (overdue ones time out at once).
 
-    `_group_commit=False` is for benchmarks only: every write in its own transaction.
+    On PostgreSQL engines form a fleet (docs/flow-fleet.md): each engine holds a lease of
+    `lease` seconds, renewed every ``lease / 3`` (one row, whatever the number of flows), and
+    runs the running flows that name it. Every ``lease / 3`` it also scans for orphans (running
+    flows of its plan versions that no live engine holds: their engine died, froze or closed)
+    and takes them over, each by a compare-and-set, and arms the timers of flows parked by any
+    engine whose deadline is near (exactly one engine's timeout takes each). At open it resumes
+    the flows its own `owner` name held (a restart under the same name) and scans. An engine
+    that could not renew in time lets its flows go (`FlowStatistics.lost`) and releases them
+    with its next renewal; one that lost a flow to another engine finds out at its next write,
+    which fails, or its next check. Closing ends its lease, so that others take its flows over
+    at their next scan. A slow or frozen engine can never advance a flow another engine took
+    over: every write is a compare-and-set on the flow's revision.
+
+    `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
+    plans (it reads the plan shapes engines recorded in the store), runs no step, leases
+    nothing, arms no timer and does no recovery; its `wake`, `cancel` and `resume` are
+    recorded, and a flow they make runnable is left to the engines that serve the store (on
+    PostgreSQL the next scan of any of them takes it; on SQLite, where the operator's engine
+    holds the file's lock like any engine, the next engine to open the file). Its `wait`
+    polls the store.
+
+    Definition errors (a bad plan, an empty plan) and bad options are raised as they are,
+    before anything is opened. Leaving the block closes the engine: running steps and
+    compensations are cancelled (their changes discarded; they run again, as attempt + 1, when
+    an engine next takes them), parked flows stay parked, and later calls raise `ferry.Closed`.
+
+    For tests and benchmarks only: `_group_commit=False` commits every write in its own
+    transaction; `_fleet` forces the fleet's leases on (or off) whatever the store;
+    `_fencing=False` makes the runner's writes and takeovers skip the compare-and-set (to show
+    that the fleet's oracle catches it); `_scan_interval` overrides ``lease / 3``.
     """
     registry = _registry(plans)
     if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
@@ -951,6 +1289,10 @@ async def open_engine(
         raise ValueError(f"lease must be a finite number of seconds > 0, got {lease!r}")
     if owner is not None and (not isinstance(owner, str) or not owner):
         raise ValueError(f"owner must be a non-empty str or None, got {owner!r}")
+    if not isinstance(serve, bool):
+        raise TypeError(f"serve must be a bool, got {serve!r}")
+    if _scan_interval is not None and not (0 < _scan_interval < math.inf):
+        raise ValueError(f"_scan_interval must be a finite number > 0, got {_scan_interval!r}")
     own_store = isinstance(store, str | os.PathLike)
     if own_store:
         db: Store = SqliteStore(os.fspath(store))  # type: ignore[arg-type]
@@ -966,7 +1308,12 @@ async def open_engine(
             registry,
             owner=owner if owner is not None else uuid.uuid4().hex,
             max_running=max_running,
+            lease=lease,
+            serve=serve,
+            fleet=db.dialect == "postgres" if _fleet is None else _fleet,
             group_commit=_group_commit,
+            fencing=_fencing,
+            scan_interval=_scan_interval,
             wall_clock=_wall_clock,
         )
         async with _lifetime(engine) as running:
@@ -988,7 +1335,9 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
         ferry_cm = open_ferry(
             engine._batch,
             max_batch_size=_BATCH_SIZE,
-            max_in_flight_batches=1 if engine._store.dialect == "sqlite" else 4,
+            # PostgreSQL: three batches in flight leave one connection of a default store's
+            # four for lease renewals, scans and reads, which must not queue behind batches.
+            max_in_flight_batches=1 if engine._store.dialect == "sqlite" else 3,
             max_queueing=1 << 40,
         )
     else:
@@ -1000,7 +1349,11 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                 engine._nursery = nursery
                 try:
                     await engine._recover()
-                    nursery.start_soon(engine._timer_loop)
+                    if engine._serve:
+                        nursery.start_soon(engine._timer_loop)
+                    if engine._serve and engine._fleet:
+                        nursery.start_soon(engine._heartbeat_loop)
+                        nursery.start_soon(engine._scan_loop)
                     yield engine
                 except BaseException as exc:
                     body_error = exc  # re-raised below, not wrapped in an exception group
@@ -1008,6 +1361,9 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                     engine._closing = True
                     stm.atomically_nowait(engine._closed_tv.set, True)
                     nursery.cancel_scope.cancel()
+            if engine._serve and engine._fleet:
+                with trio.CancelScope(shield=True), trio.move_on_after(engine._lease / 3):
+                    await engine._release()
     finally:
         engine._closing = True
         engine._ferry = None

@@ -41,6 +41,15 @@ States and transitions (who asks for each)
     any --wake--> DUPLICATE (seen id; before anything else), STALE (terminal), QUEUED (running,
                   compensating, blocked: the message is kept, the row does not change)
 
+Leases (the fleet, SPEC 5.4): an active flow is run by the engine named in `owner`, for as long
+as that engine's own lease runs (one row per engine, renewed by the engine: no flow row is
+written to renew it). `lease_until` is None while the owner holds the flow, and the time it let
+it go once it has (then any engine may take it over). `leased` is the one rule for who holds a
+flow after a write (the writer, nobody after an operator's write, or the engine that runs it
+kept); `take_over` is how an engine takes an active flow that its owner no longer holds (a
+compare-and-set on the revision and on the owner's lease having lapsed, checked by the store;
+attempt + 1 if someone may have run the step). Non-active flows are nobody's.
+
 `step_done`, `step_failed`, `next_attempt`, `compensated` and `compensation_failed` are asked by
 the one task that runs the flow and raise `InvalidTransition` in a state where they cannot
 happen. `wake`, `timeout`, `cancel`, `resume` and `block` come from outside at any time and
@@ -56,7 +65,9 @@ Invariants (`check_invariants`)
   the current one (up to and including it when parked: a step that parked has completed). A
   compensating flow is at the top of its stack. Terminal flows have an empty stack.
 - Only a running flow has `wake`/`timed_out`; only a parked flow has a deadline or `on_timeout`;
-  only a blocked flow has `blocked`/`blocked_from`; terminal flows have no step.
+  only a blocked flow has `blocked`/`blocked_from`; terminal flows have no step, and every
+  other flow has one, except a compensation that a cancel without the plan started (its name
+  comes from the plan of the engine that runs it, `step_name`).
 """
 
 from __future__ import annotations
@@ -100,6 +111,7 @@ __all__ = [
     "claim",
     "compensated",
     "compensation_failed",
+    "leased",
     "mismatch",
     "next_action",
     "next_attempt",
@@ -110,6 +122,8 @@ __all__ = [
     "start",
     "step_done",
     "step_failed",
+    "step_name",
+    "take_over",
     "timeout",
     "wake",
 ]
@@ -317,7 +331,9 @@ def _compensate(
     Appends the `failed` event when it fails."""
     if new.stack:
         top = new.stack[-1]
-        step = shape.steps[top] if shape is not None and top < len(shape.steps) else flow.step
+        # Without the plan (a cancel through an engine or operator that lacks its version) the
+        # top's name is unknown: it stays None until an engine with the plan runs it.
+        step = shape.steps[top] if shape is not None and top < len(shape.steps) else None
         return attrs.evolve(
             new,
             state=COMPENSATING,
@@ -355,7 +371,8 @@ def mismatch(flow: Flow, shape: Shape | None) -> str | None:
         return None
     i = flow.step_index
     have = shape.steps[i] if 0 <= i < len(shape.steps) else None
-    if have != flow.step:
+    unnamed = state is COMPENSATING and flow.step is None  # named by the plan (see `cancel`)
+    if have is None or (have != flow.step and not unnamed):
         found = "no step" if have is None else f"step {have!r}"
         return (
             f"plan {flow.plan!r} version {flow.version} has {found} at index {i}, but the flow"
@@ -401,9 +418,16 @@ def snapshot(flow: Flow) -> Snapshot:
 
 
 def start(
-    shape: Shape, flow_id: str, data: str, now: float, *, owner: str | None = None
+    shape: Shape,
+    flow_id: str,
+    data: str,
+    now: float,
+    *,
+    owner: str | None = None,
+    lease_until: float | None = None,
 ) -> Transition:
-    """A new flow at its first step, attempt 1, revision 1; `data` is canonical JSON text."""
+    """A new flow at its first step, attempt 1, revision 1; `data` is canonical JSON text.
+    `owner`/`lease_until`: the engine that runs it (None: whichever engine claims it)."""
     flow = Flow(
         flow_id=flow_id,
         plan=shape.name,
@@ -416,6 +440,7 @@ def start(
         revision=1,
         updated_at=now,
         owner=owner,
+        lease_until=lease_until,
     )
     detail = {"plan": shape.name, "version": shape.version}
     return Transition(
@@ -518,24 +543,36 @@ def step_failed(flow: Flow, shape: Shape | None, error: str, now: float) -> Tran
     return Transition(new, EMPTY_MAILBOX, flow.revision, events=tuple(events))
 
 
+def step_name(flow: Flow, shape: Shape | None) -> str | None:
+    """The name of the flow's current step: `flow.step`, or, for a compensation whose cancel came
+    without the plan (``step`` None), the plan's name for that index (None without a plan)."""
+    if flow.step is not None or shape is None or not 0 <= flow.step_index < len(shape.steps):
+        return flow.step
+    return shape.steps[flow.step_index]
+
+
 def compensated(flow: Flow, shape: Shape | None, data: str, now: float) -> Transition:
     """The compensation at the top of the stack succeeded (its data changes are kept): the next
     one runs, or the flow has failed once the stack is empty."""
     _require(flow.state is COMPENSATING and bool(flow.stack), flow, "compensated")
     stack = flow.stack[:-1]
     new = _bump(flow, now, data=data, stack=stack)
-    events = [_event(new, now, "compensated", flow.step, flow.attempt)]
+    events = [_event(new, now, "compensated", step_name(flow, shape), flow.attempt)]
     new = _compensate(flow, shape, new, flow.error or "compensating", now, events)
     return Transition(new, EMPTY_MAILBOX, flow.revision, events=tuple(events))
 
 
-def compensation_failed(flow: Flow, error: str, now: float) -> Transition:
+def compensation_failed(
+    flow: Flow, error: str, now: float, shape: Shape | None = None
+) -> Transition:
     """The compensation in progress raised on its last attempt: the flow is `BLOCKED` (an operator
-    fixes the cause and calls `resume`). Nothing is lost: the stack is kept."""
+    fixes the cause and calls `resume`). Nothing is lost: the stack is kept. `shape` names the
+    step if the flow does not (see `step_name`)."""
     _require(flow.state is COMPENSATING, flow, "compensation_failed")
-    reason = f"compensation of step {flow.step!r} failed: {error}"
+    name = step_name(flow, shape)
+    reason = f"compensation of step {name!r} failed: {error}"
     new = _bump(flow, now, state=BLOCKED, blocked=reason, blocked_from=COMPENSATING)
-    events = (_event(new, now, "blocked", flow.step, flow.attempt, {"reason": reason}),)
+    events = (_event(new, now, "blocked", name, flow.attempt, {"reason": reason}),)
     return Transition(new, EMPTY_MAILBOX, flow.revision, events=events)
 
 
@@ -626,7 +663,13 @@ def timeout(
 def cancel(flow: Flow, shape: Shape | None, reason: str, now: float) -> Transition:
     """Stop a running or parked flow and compensate its completed steps (the running step, if
     any, did not complete: its changes are discarded and its compensation does not run).
-    ``done=False`` for a flow that is terminal, compensating or blocked."""
+    ``done=False`` for a flow that is terminal, compensating or blocked.
+
+    Needs no plan: without `shape` (an engine that lacks the flow's version, or an operator) the
+    cancel is recorded all the same, and the flow compensates from the top of its stack with that
+    step not yet named (``step`` None): the first engine with the plan runs it under the plan's
+    name (`step_name`), and an engine without the plan blocks it, resumable once the plan is
+    back. The stack holds indexes, so nothing else needs the plan."""
     if flow.state not in (RUNNING, PARKED):
         return _no_change(flow, EMPTY_MAILBOX)
     new = _bump(flow, now)
@@ -680,6 +723,57 @@ def claim(flow: Flow, owner: str, lease_until: float | None, now: float) -> Tran
     return Transition(new, EMPTY_MAILBOX, flow.revision)
 
 
+# ------------------------------------------------------------------------- leases (the fleet)
+
+
+def take_over(flow: Flow, owner: str, now: float) -> Transition:
+    """`owner` takes over an active flow that no engine holds: a write (revision + 1, no event),
+    to be made as a compare-and-set on the revision the taker read *and* on the flow still
+    being nobody's (its owner's lease lapsed, or it let the flow go, or it never had one):
+    the store checks that, since an owner's renewal writes no flow row.
+
+    Its step or compensation runs again: attempt + 1 if the flow had an owner, who may have run
+    it (as recovery after a crash); the same attempt if it had none (an operator made it
+    runnable: nobody ran it yet). Raises `InvalidTransition` unless the flow is active."""
+    _require(flow.state in ACTIVE, flow, "take_over")
+    attempt = flow.attempt + 1 if flow.owner is not None else flow.attempt
+    new = _bump(flow, now, owner=owner, lease_until=None, attempt=attempt)
+    return Transition(new, EMPTY_MAILBOX, flow.revision)
+
+
+def leased(t: Transition, before: Flow | None, owner: str | None, *, respect: bool) -> Transition:
+    """Who holds the flow after a write: `t` with its row's `owner`/`lease_until` set.
+
+    - A flow that the write leaves active is held by `owner` (the engine that made the write
+      runs it; an operator's engine passes None and leaves it to whichever engine takes it
+      over) -- except, with `respect`, when `before` was active and held by another engine: an
+      outside request (a cancel) on a flow another engine runs leaves it with that engine, whose
+      step must stop before anything else runs (one step at a time, across a fleet too). If
+      that engine is gone, the flow is an orphan like its others, and is taken over as one.
+    - A flow that is not active is nobody's (owner and lease None): a parked flow holds nothing.
+
+    Unwritten transitions are returned as they are. No cost beyond one `attrs.evolve`.
+    """
+    if not t.written:
+        return t
+    flow = t.flow
+    holder = owner
+    if flow.state in ACTIVE:
+        if (
+            respect
+            and before is not None
+            and before.state in ACTIVE
+            and before.owner is not None
+            and before.owner != owner
+        ):
+            holder = before.owner
+    else:
+        holder = None
+    if flow.owner == holder and flow.lease_until is None:
+        return t
+    return attrs.evolve(t, flow=attrs.evolve(flow, owner=holder, lease_until=None))
+
+
 # ------------------------------------------------------------------------------------ checking
 
 
@@ -706,12 +800,13 @@ def check_invariants(
     limit = flow.step_index + (1 if state in (PARKED, COMPENSATING) else 0)
     if state is BLOCKED and flow.blocked_from in (PARKED, COMPENSATING):
         limit += 1
+    compensating = state is COMPENSATING or (state is BLOCKED and flow.blocked_from is COMPENSATING)
     if state in TERMINAL:
         if flow.step is not None:
             bad("a terminal flow has a step")
         if stack:
             bad(f"a terminal flow has compensations left: {stack}")
-    elif flow.step is None:
+    elif flow.step is None and not compensating:  # a compensation may await its name (`cancel`)
         bad("an unfinished flow has no step")
     if stack and (stack[0] < 0 or stack[-1] >= limit):
         bad(f"compensation stack {stack} holds a step at or after the current one")

@@ -10,14 +10,20 @@ row it holds, and records what the transition says (docs/adr/0021).
 Tables, for a namespace ``ns`` (default ``flow``):
 
 - ``ns_flows``: one row per flow (`_machine.Flow`'s fields, plus ``start_data`` and
-  ``created_at``). ``revision`` is the compare-and-set token of every write; ``owner`` and
-  ``lease_until`` are for a fleet of engines (issue 10). Partial indexes: the active flows
-  (``RUNNING``/``COMPENSATING``, for recovery) and the parked flows by deadline (for timers).
+  ``created_at``). ``revision`` is the compare-and-set token of every write; ``owner`` (the
+  engine that runs an active flow) and ``lease_until`` (when it let it go) are for a fleet.
+  Partial indexes: the active flows (``RUNNING``/``COMPENSATING``, for recovery) and the parked
+  flows by deadline (for timers).
 - ``ns_history(flow_id, revision, n, at, kind, step, attempt, detail)``: every durable transition,
   primary key ``(flow_id, revision, n)``.
 - ``ns_mailbox(seq, flow_id, message_id, payload, status, at)``: one row per accepted message,
   unique ``(flow_id, message_id)`` (the `DUPLICATE` check); ``status`` is ``QUEUED`` (kept for the
   next park) or ``TAKEN``; a partial index on the queued ones, in arrival (``seq``) order.
+- ``ns_engines(owner, lease_until, started_at)``: a fleet's engines and their leases (one row per
+  engine, its heartbeat); an active flow is held while the engine its ``owner`` names holds its
+  lease (`_orphan`, docs/adr/0040). A partial index on the active flows' ``owner``.
+- ``ns_plans(plan, version, shape, registered_at)``: the shape of every plan version an engine
+  registered, for processes without the plans (an operator's engine, docs/adr/0044).
 
 Concurrency: every write first holds its flow's row (the compare-and-set ``UPDATE``, or ``SELECT
 ... FOR UPDATE`` on PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` already serializes writers) and only
@@ -46,6 +52,7 @@ from ._machine import (
     Mailbox,
     Message,
     Received,
+    Shape,
     Transition,
     parse_stack,
     stack_text,
@@ -174,6 +181,18 @@ def ddl(ns: str, dialect: str) -> list[str]:
         " WHERE state IN ('RUNNING', 'COMPENSATING')",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_deadline ON {ns}_flows (park_deadline)"
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_owner ON {ns}_flows (owner)"
+        " WHERE state IN ('RUNNING', 'COMPENSATING')",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_engines (
+            owner TEXT PRIMARY KEY,
+            lease_until DOUBLE PRECISION NOT NULL,
+            started_at DOUBLE PRECISION NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_plans (
+            plan TEXT NOT NULL,
+            version BIGINT NOT NULL,
+            shape TEXT NOT NULL,
+            registered_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (plan, version))""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_history (
             flow_id TEXT NOT NULL,
             revision BIGINT NOT NULL,
@@ -197,12 +216,45 @@ def ddl(ns: str, dialect: str) -> list[str]:
     ]
 
 
+_OBJECT = re.compile(r"IF NOT EXISTS (\w+)")
+
+
 def create_schema(tx: Tx, ns: str = "flow") -> None:
-    """Create the flow tables and indexes if missing (safe to run concurrently)."""
-    if tx.dialect == "postgres":  # concurrent CREATE ... IF NOT EXISTS can race in PostgreSQL
-        tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(f"{ns}_flows".encode()),))
-    for statement in ddl(check_namespace(ns), tx.dialect):
+    """Create the flow tables and indexes if missing (safe to run concurrently).
+
+    On PostgreSQL, objects that exist are found in the catalog and not touched: a ``CREATE
+    INDEX IF NOT EXISTS`` would still take a share lock on its table, and an engine that opens
+    while others write would deadlock with them. Missing ones are made under an advisory lock
+    (concurrent ``CREATE ... IF NOT EXISTS`` can race)."""
+    statements = ddl(check_namespace(ns), tx.dialect)
+    if tx.dialect != "postgres":
+        for statement in statements:
+            tx.execute(statement)
+        return
+
+    def missing() -> list[str]:
+        named = [(_OBJECT.search(st), st) for st in statements]
+        exists = tx.execute(
+            "SELECT " + ", ".join("to_regclass(?) IS NOT NULL" for _ in named),
+            [m.group(1) if m else "" for m, _st in named],
+        )[0]
+        return [st for (_m, st), there in zip(named, exists, strict=True) if not there]
+
+    if not missing():
+        return
+    tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(f"{ns}_flows".encode()),))
+    for statement in missing():
         tx.execute(statement)
+
+
+def _orphan(ns: str, row: str) -> str:
+    """SQL: the active flow `row` is nobody's at the time given twice as parameters: it has no
+    owner, or its owner let it go (``lease_until`` earlier), or its owner's engine lease (in
+    ``ns_engines``) lapsed or is unknown."""
+    return (
+        f"({row}.owner IS NULL OR {row}.lease_until < ? OR NOT EXISTS (SELECT 1 FROM"
+        f" {ns}_engines e WHERE e.owner = {row}.owner AND e.lease_until >= ?))"
+    )
 
 
 @attrs.frozen
@@ -213,6 +265,9 @@ class _Sql:
     existing: str
     update: str
     update_owned: str
+    update_orphan: str
+    update_blind: str
+    hold_blind: str
     select: str
     select_locked: str
     hold: str
@@ -240,6 +295,13 @@ class _Sql:
                 f"UPDATE {flows} SET revision = revision WHERE flow_id = ? AND revision = ?"
                 " RETURNING 1"
             )
+        blind_sets = ", ".join(
+            "revision = revision + 1" if c == "revision" else f"{c} = ?" for c in _MUTABLE
+        )
+        if pg:
+            hold_blind = f"SELECT 1 FROM {flows} WHERE flow_id = ? FOR UPDATE"
+        else:
+            hold_blind = f"UPDATE {flows} SET revision = revision WHERE flow_id = ? RETURNING 1"
         return _Sql(
             insert=f"INSERT INTO {flows} ({cols}, start_data, created_at) VALUES ({marks})"
             " ON CONFLICT (flow_id) DO NOTHING RETURNING flow_id",
@@ -248,6 +310,10 @@ class _Sql:
             " RETURNING revision",
             update_owned=f"UPDATE {flows} SET {sets} WHERE flow_id = ? AND revision = ?"
             " AND owner = ? RETURNING revision",
+            update_orphan=f"UPDATE {flows} SET {sets} WHERE flow_id = ? AND revision = ?"
+            f" AND {_orphan(ns, flows)} RETURNING revision",
+            update_blind=f"UPDATE {flows} SET {blind_sets} WHERE flow_id = ? RETURNING revision",
+            hold_blind=hold_blind,
             select=f"SELECT {cols} FROM {flows} WHERE flow_id = ?",
             select_locked=f"SELECT {cols} FROM {flows} WHERE flow_id = ?{lock}",
             hold=hold,
@@ -288,7 +354,13 @@ class Change:
       match its revision).
     - `message_id`: look it up in the mailbox (the mailbox passed to `apply` has it in ``seen``
       if it is known). `head`: pass the first queued message (a park or a resume needs it).
-    - `owner`: the write also requires this owner (a fleet engine's writes; None: any).
+    - `owner`: the write also requires this owner (None: any).
+    - `lapsed_at` (with `flow`): the write also requires that no engine holds the flow at this
+      time (`_orphan`): a takeover (`_machine.take_over`), which must lose to the owner's
+      renewal of its engine lease as much as to another writer.
+    - `fenced=False` is for tests only: a write from `flow` that does not compare-and-set (the
+      row is overwritten whatever its revision, which becomes the stored one + 1), to show that
+      the fleet's oracle catches an engine without fencing.
 
     The transition's row is written iff it changed (`Transition.written`), as a compare-and-set
     on the revision it started from; its mailbox writes are applied either way.
@@ -301,6 +373,8 @@ class Change:
     message_id: str | None = None
     head: bool = False
     owner: str | None = None
+    lapsed_at: float | None = None
+    fenced: bool = True
 
 
 Op: TypeAlias = Create | Change
@@ -388,16 +462,32 @@ class _Batch:
             else:
                 self.tx.execute(self.sql.take, (fid, msg.message_id))
 
-    def cas(self, t: Transition, owner: str | None) -> bool:
-        """Write the transition's row if the stored revision is still ``t.expected``."""
+    def cas(self, t: Transition, owner: str | None, lapsed_at: float | None = None) -> bool:
+        """Write the transition's row if the stored revision is still ``t.expected`` (and the
+        owner is `owner`, and no lease holds it at `lapsed_at`, where given)."""
         values = _mutable_values(t.flow)
-        if owner is None:
-            rows = self.tx.execute(self.sql.update, (*values, t.flow.flow_id, t.expected))
-        else:
+        fid = t.flow.flow_id
+        if lapsed_at is not None:
             rows = self.tx.execute(
-                self.sql.update_owned, (*values, t.flow.flow_id, t.expected, owner)
+                self.sql.update_orphan, (*values, fid, t.expected, lapsed_at, lapsed_at)
             )
+        elif owner is None:
+            rows = self.tx.execute(self.sql.update, (*values, fid, t.expected))
+        else:
+            rows = self.tx.execute(self.sql.update_owned, (*values, fid, t.expected, owner))
         return bool(rows)
+
+    def blind(self, t: Transition) -> Transition | None:
+        """Tests only (``fenced=False``): overwrite the row whatever its revision; `t` with the
+        revision that was stored (its events renumbered), or None if there is no such row."""
+        values = [v for c, v in zip(_MUTABLE, _mutable_values(t.flow), strict=True)]
+        del values[_MUTABLE.index("revision")]
+        rows = self.tx.execute(self.sql.update_blind, (*values, t.flow.flow_id))
+        if not rows:
+            return None
+        revision = rows[0][0]
+        events = tuple(attrs.evolve(e, revision=revision) for e in t.events)
+        return attrs.evolve(t, flow=attrs.evolve(t.flow, revision=revision), events=events)
 
     def conflict(self, flow_id: str, expected: int | None) -> Conflict | Missing:
         rows = self.tx.execute(self.sql.revision, (flow_id,))
@@ -425,13 +515,20 @@ class _Batch:
             except Exception as exc:
                 return Refused(op.flow_id, exc)
             if t.written:
-                if not self.cas(t, op.owner):
+                if not op.fenced:
+                    blind = self.blind(t)
+                    if blind is None:
+                        return Missing(op.flow_id)
+                    t = blind
+                elif not self.cas(t, op.owner, op.lapsed_at):
                     return self.conflict(op.flow_id, t.expected)
                 self.record(t)
             self.messages(t)
             return Changed(t, known)
         if known is not None:
-            if op.owner is None:
+            if not op.fenced:
+                held = tx.execute(sql.hold_blind, (op.flow_id,))
+            elif op.owner is None:
                 held = tx.execute(sql.hold, (op.flow_id, known.revision))
             else:
                 held = tx.execute(sql.hold_owned, (op.flow_id, known.revision, op.owner))
@@ -460,36 +557,70 @@ class _Batch:
         except Exception as exc:  # nothing was changed yet: the held row is as it was
             return Refused(op.flow_id, exc)
         if t.written:
-            if not self.cas(t, None):  # cannot happen while the row is held; never write blind
+            if not op.fenced:
+                blind = self.blind(t)
+                assert blind is not None  # the row is held
+                t = blind
+            elif not self.cas(t, None):  # cannot happen while the row is held; never write blind
                 return self.conflict(op.flow_id, t.expected)
             self.record(t)
         self.messages(t)
         return Changed(t, flow)
 
 
+# History rows go in as one multi-row INSERT per 500 (not `executemany`: psycopg pipelines
+# that, and a client frozen mid-pipeline holds its locks beyond any idle-in-transaction timeout,
+# which only starts once the server has answered a whole request).
+_HISTORY_CHUNK = 500
+_HISTORY_ROW = "(?, ?, ?, ?, ?, ?, ?, ?)"
+
+
+@functools.lru_cache(maxsize=_HISTORY_CHUNK)
+def _more_rows(n: int) -> str:
+    """The VALUES tail of a history insert of `n` rows (its first row is in `_Sql.history`)."""
+    return ", " + ", ".join([_HISTORY_ROW] * (n - 1)) if n > 1 else ""
+
+
 def _flow_id(op: Op) -> str:
     return op.flow_id if isinstance(op, Change) else op.transition.flow.flow_id
 
 
-def write_batch(tx: Tx, ops: Sequence[Op], *, ns: str = "flow") -> list[Result]:
-    """Apply `ops` in this transaction; one result per op, in the order of `ops`.
+def guard_locks(tx: Tx, seconds: float | None) -> None:
+    """On PostgreSQL, have the server end this transaction (and its session) if its client
+    goes quiet inside it for `seconds`: a process frozen mid-transaction (SIGSTOP, a long pause)
+    must not hold row locks that stall every other engine of a fleet for as long as it sleeps.
+    Its locks go at once; its writes roll back; it finds its connection closed when it wakes.
+    One statement; nothing on SQLite (one engine per file) or with None."""
+    if seconds is not None and tx.dialect == "postgres":
+        ms = max(1, int(seconds * 1000))
+        tx.execute(f"SET LOCAL idle_in_transaction_session_timeout = {ms}")
+
+
+def write_batch(
+    tx: Tx, ops: Sequence[Op], *, ns: str = "flow", guard: float | None = None
+) -> list[Result]:
+    """Apply `ops` in this transaction; one result per op, in the order of `ops`. `guard`: see
+    `guard_locks`.
 
     Ops run in flow id order (the ops of one flow in the order given), so that concurrent
     batches take row locks in one global order and cannot deadlock on PostgreSQL. Each op's
     compare-and-set is checked on its own: an op that finds another revision gets `Conflict`
     (or `Missing`) and writes nothing, and the others are applied; an op whose transition raises
     gets `Refused`. Raises only on a database error (the caller's transaction then rolls back,
-    and every op fails with it). Cost: a few statements per op plus one ``executemany`` for all
+    and every op fails with it). Cost: a few statements per op plus one multi-row insert for all
     history rows, and a sort of the batch.
     """
+    guard_locks(tx, guard)
     batch = _Batch(tx, _Sql.of(ns, tx.dialect))
     results: list[Result | None] = [None] * len(ops)
     order = sorted(range(len(ops)), key=lambda i: _flow_id(ops[i]))
     for i in order:
         op = ops[i]
         results[i] = batch.change(op) if isinstance(op, Change) else batch.create(op)
-    if batch.history:
-        tx.executemany(batch.sql.history, batch.history)
+    rows = batch.history
+    for i in range(0, len(rows), _HISTORY_CHUNK):
+        chunk = rows[i : i + _HISTORY_CHUNK]
+        tx.execute(batch.sql.history + _more_rows(len(chunk)), [v for r in chunk for v in r])
     return results  # type: ignore[return-value]  # every slot is filled
 
 
@@ -534,28 +665,271 @@ def load_mailbox(tx: Tx, flow_id: str, *, ns: str = "flow") -> Mailbox:
     return Mailbox(queued, frozenset(r[0] for r in rows))
 
 
-def load_active(tx: Tx, *, ns: str = "flow", limit: int | None = None) -> list[Flow]:
-    """Flows that are `RUNNING` or `COMPENSATING` (recovery's work list), oldest write first."""
+def load_active(
+    tx: Tx, *, ns: str = "flow", limit: int | None = None, owner: str | None = None
+) -> list[Flow]:
+    """Flows that are `RUNNING` or `COMPENSATING` (recovery's work list), oldest write first;
+    with `owner`, only those leased to that owner."""
     cols = ", ".join(_FIELDS)
-    sql = (
-        f"SELECT {cols} FROM {ns}_flows WHERE state IN ('RUNNING', 'COMPENSATING')"
-        " ORDER BY updated_at, flow_id"
-    )
+    sql = f"SELECT {cols} FROM {ns}_flows WHERE state IN ('RUNNING', 'COMPENSATING')"
+    params: tuple[Any, ...] = ()
+    if owner is not None:
+        sql += " AND owner = ?"
+        params = (owner,)
+    sql += " ORDER BY updated_at, flow_id"
     if limit is not None:
         sql += f" LIMIT {int(limit)}"
-    return [_to_flow(r) for r in tx.execute(sql)]
+    return [_to_flow(r) for r in tx.execute(sql, params)]
 
 
-def load_deadlines(tx: Tx, *, ns: str = "flow") -> list[tuple[float, str, int]]:
-    """``(deadline, flow_id, revision)`` of every parked flow with a deadline, earliest first."""
-    rows = tx.execute(
+def load_deadlines(
+    tx: Tx, *, ns: str = "flow", before: float | None = None
+) -> list[tuple[float, str, int]]:
+    """``(deadline, flow_id, revision)`` of every parked flow with a deadline (at or before
+    `before`, if given), earliest first. Uses the deadline index."""
+    sql = (
         f"SELECT park_deadline, flow_id, revision FROM {ns}_flows"
-        " WHERE state = 'PARKED' AND park_deadline IS NOT NULL ORDER BY park_deadline"
+        " WHERE state = 'PARKED' AND park_deadline IS NOT NULL"
     )
+    params: tuple[Any, ...] = ()
+    if before is not None:
+        sql += " AND park_deadline <= ?"
+        params = (before,)
+    rows = tx.execute(sql + " ORDER BY park_deadline", params)
     return [(r[0], r[1], r[2]) for r in rows]
+
+
+def load_orphans(
+    tx: Tx,
+    now: float,
+    *,
+    ns: str = "flow",
+    limit: int = 1000,
+    plans: Sequence[tuple[str, int]] | None = None,
+) -> list[Flow]:
+    """At most `limit` active flows that no engine holds at `now` (`_orphan`), of the given
+    (plan, version)s if `plans` is given, least recently written first. Cost: a pass over the
+    active flows (the partial index), each checked against the small engines table."""
+    cols = ", ".join(f"f.{c}" for c in _FIELDS)
+    sql = (
+        f"SELECT {cols} FROM {ns}_flows f WHERE f.state IN ('RUNNING', 'COMPENSATING')"
+        f" AND {_orphan(ns, 'f')}"
+    )
+    params: list[Any] = [now, now]
+    if plans is not None:
+        if not plans:
+            return []
+        sql += " AND (" + " OR ".join("(f.plan = ? AND f.version = ?)" for _ in plans) + ")"
+        for name, version in plans:
+            params += [name, version]
+    rows = tx.execute(sql + f" ORDER BY f.updated_at, f.flow_id LIMIT {int(limit)}", params)
+    return [_to_flow(r) for r in rows]
+
+
+def heartbeat(tx: Tx, owner: str, until: float, now: float, *, ns: str = "flow") -> None:
+    """Record that engine `owner` holds its flows until `until` (its engine lease; an `until`
+    in the past lets them all go at once). One row per engine, nothing else is written: a
+    renewal costs the same for one flow or a million, and never waits for a flow's row lock."""
+    tx.execute(
+        f"INSERT INTO {ns}_engines (owner, lease_until, started_at) VALUES (?, ?, ?)"
+        " ON CONFLICT (owner) DO UPDATE SET lease_until = excluded.lease_until",
+        (owner, until, now),
+    )
+
+
+def renew(
+    tx: Tx,
+    owner: str,
+    until: float,
+    now: float,
+    *,
+    let_go: Sequence[str] = (),
+    ns: str = "flow",
+) -> None:
+    """An engine's renewal: first the flows in `let_go` are released (`release`), then its
+    lease is renewed (`heartbeat`), in this one transaction."""
+    if let_go:
+        release(tx, owner, let_go, now, ns=ns)
+    heartbeat(tx, owner, until, now, ns=ns)
+
+
+_CHUNK = 500
+
+
+def release(tx: Tx, owner: str, flow_ids: Sequence[str], at: float, *, ns: str = "flow") -> int:
+    """`owner` lets those of `flow_ids` it holds go (no new revision): any engine may take them
+    over from `at` on. How many it held."""
+    released = 0
+    ordered = sorted(flow_ids)
+    for i in range(0, len(ordered), _CHUNK):
+        chunk = ordered[i : i + _CHUNK]
+        marks = ", ".join("?" * len(chunk))
+        rows = tx.execute(
+            f"UPDATE {ns}_flows SET lease_until = ? WHERE flow_id IN ({marks}) AND owner = ?"
+            " AND state IN ('RUNNING', 'COMPENSATING') RETURNING flow_id",
+            (at, *chunk, owner),
+        )
+        released += len(rows)
+    return released
+
+
+def prune_engines(tx: Tx, before: float, *, ns: str = "flow") -> int:
+    """Forget engines whose lease lapsed before `before` and that hold no active flow; how
+    many."""
+    rows = tx.execute(
+        f"DELETE FROM {ns}_engines WHERE lease_until < ? AND NOT EXISTS (SELECT 1 FROM"
+        f" {ns}_flows f WHERE f.owner = {ns}_engines.owner"
+        " AND f.state IN ('RUNNING', 'COMPENSATING')) RETURNING owner",
+        (before,),
+    )
+    return len(rows)
+
+
+def load_engines(tx: Tx, *, ns: str = "flow") -> list[tuple[str, float, float, int]]:
+    """``(owner, lease_until, started_at, active flows it holds)`` of every known engine."""
+    rows = tx.execute(
+        f"SELECT e.owner, e.lease_until, e.started_at, (SELECT COUNT(*) FROM {ns}_flows f"
+        " WHERE f.owner = e.owner AND f.state IN ('RUNNING', 'COMPENSATING'))"
+        f" FROM {ns}_engines e ORDER BY e.owner"
+    )
+    return [(r[0], r[1], r[2], r[3]) for r in rows]
+
+
+def load_many(tx: Tx, flow_ids: Sequence[str], *, ns: str = "flow") -> list[Flow]:
+    """The rows of those of `flow_ids` that exist (in no particular order)."""
+    cols = ", ".join(_FIELDS)
+    flows: list[Flow] = []
+    for i in range(0, len(flow_ids), _CHUNK):
+        chunk = list(flow_ids[i : i + _CHUNK])
+        if tx.dialect == "postgres":
+            rows = tx.execute(f"SELECT {cols} FROM {ns}_flows WHERE flow_id = ANY(?)", (chunk,))
+        else:
+            marks = ", ".join("?" * len(chunk))
+            rows = tx.execute(f"SELECT {cols} FROM {ns}_flows WHERE flow_id IN ({marks})", chunk)
+        flows.extend(_to_flow(r) for r in rows)
+    return flows
+
+
+# ------------------------------------------------------------------------------------- plans
+
+
+def _shape_json(shape: Shape) -> str:
+    return canonical_json(
+        {
+            "steps": list(shape.steps),
+            "compensable": list(shape.compensable),
+            "attempts": list(shape.attempts),
+        }
+    )
+
+
+def register_plans(tx: Tx, shapes: Sequence[Shape], now: float, *, ns: str = "flow") -> None:
+    """Record what each plan version looks like (its `Shape`), so that a process without the
+    plans (an operator's tool) can still ask the machine for transitions. A registration of a
+    known (name, version) replaces it: the last engine opened wins; engines still check their
+    own plan before they run anything (versions fail closed)."""
+    for shape in shapes:
+        tx.execute(
+            f"INSERT INTO {ns}_plans (plan, version, shape, registered_at) VALUES (?, ?, ?, ?)"
+            " ON CONFLICT (plan, version) DO UPDATE SET shape = excluded.shape,"
+            " registered_at = excluded.registered_at",
+            (shape.name, shape.version, _shape_json(shape), now),
+        )
+
+
+def load_plans(tx: Tx, *, ns: str = "flow") -> list[tuple[Shape, float]]:
+    """Every registered plan version, with when it was last registered, by name and version."""
+    rows = tx.execute(
+        f"SELECT plan, version, shape, registered_at FROM {ns}_plans ORDER BY plan, version"
+    )
+    plans = []
+    for name, version, text, at in rows:
+        d = json.loads(text)
+        shape = Shape(
+            name, version, tuple(d["steps"]), tuple(d["compensable"]), tuple(d["attempts"])
+        )
+        plans.append((shape, at))
+    return plans
 
 
 def count_states(tx: Tx, *, ns: str = "flow") -> dict[State, int]:
     """How many flows are in each state."""
     rows = tx.execute(f"SELECT state, COUNT(*) FROM {ns}_flows GROUP BY state")
     return {_STATES[r[0]]: r[1] for r in rows}
+
+
+# ------------------------------------------------------------------------ reads for operators
+
+
+def has_tables(tx: Tx, *, ns: str = "flow") -> bool:
+    """Does the store hold the flow tables (has an engine ever opened it)?"""
+    if tx.dialect == "postgres":
+        rows = tx.execute("SELECT to_regclass(?) IS NOT NULL", (f"{ns}_flows",))
+        return bool(rows[0][0])
+    rows = tx.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (f"{ns}_flows",)
+    )
+    return bool(rows)
+
+
+def query_flows(
+    tx: Tx,
+    *,
+    ns: str = "flow",
+    state: State | None = None,
+    plan: str | None = None,
+    limit: int = 50,
+) -> list[Flow]:
+    """Flows (of `state`, of `plan` if given), most recently written first, at most `limit`."""
+    cols = ", ".join(_FIELDS)
+    where, params = [], []
+    if state is not None:
+        where.append("state = ?")
+        params.append(state.value)
+    if plan is not None:
+        where.append("plan = ?")
+        params.append(plan)
+    sql = f"SELECT {cols} FROM {ns}_flows"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += f" ORDER BY updated_at DESC, flow_id LIMIT {int(limit)}"
+    return [_to_flow(r) for r in tx.execute(sql, params)]
+
+
+def count_plans(tx: Tx, *, ns: str = "flow") -> list[tuple[str, int, State, int]]:
+    """``(plan, version, state, flows)`` for every plan version and state that has flows."""
+    rows = tx.execute(
+        f"SELECT plan, version, state, COUNT(*) FROM {ns}_flows"
+        " GROUP BY plan, version, state ORDER BY plan, version, state"
+    )
+    return [(r[0], r[1], _STATES[r[2]], r[3]) for r in rows]
+
+
+def oldest_parked(tx: Tx, *, ns: str = "flow", limit: int = 10) -> list[Flow]:
+    """The parked flows that have waited longest (since their last write), at most `limit`."""
+    cols = ", ".join(_FIELDS)
+    rows = tx.execute(
+        f"SELECT {cols} FROM {ns}_flows WHERE state = 'PARKED'"
+        f" ORDER BY updated_at, flow_id LIMIT {int(limit)}"
+    )
+    return [_to_flow(r) for r in rows]
+
+
+def blocked_reasons(tx: Tx, *, ns: str = "flow", limit: int = 20) -> list[tuple[str, int, str]]:
+    """``(reason, flows, one of them)`` of blocked flows, the most common reason first."""
+    rows = tx.execute(
+        f"SELECT blocked, COUNT(*), MIN(flow_id) FROM {ns}_flows WHERE state = 'BLOCKED'"
+        f" GROUP BY blocked ORDER BY COUNT(*) DESC, blocked LIMIT {int(limit)}"
+    )
+    return [(r[0], r[1], r[2]) for r in rows]
+
+
+def count_orphans(tx: Tx, now: float, *, ns: str = "flow") -> int:
+    """How many active flows no engine holds at `now` (`_orphan`): engines of a fleet take them
+    over at their next scan; on SQLite, the next engine to open the file runs them."""
+    rows = tx.execute(
+        f"SELECT COUNT(*) FROM {ns}_flows f WHERE f.state IN ('RUNNING', 'COMPENSATING')"
+        f" AND {_orphan(ns, 'f')}",
+        (now, now),
+    )
+    return int(rows[0][0])

@@ -257,6 +257,12 @@ class FlowStatistics:
     (compensation attempts started); `wakes`, by `Delivery`; `writes` (boundary writes accepted
     by the store), `write_batches` (store transactions that carried them), `conflicts` (writes
     refused by the revision check), `recovered` (running or compensating flows resumed at open).
+
+    The fleet (PostgreSQL, SPEC 5.4): `claimed` (active flows whose lease had lapsed, taken over
+    by this engine, at open or by its periodic scan), `lost` (flows this engine was running and
+    let go: another engine holds them now, or this engine's own lease ran out before it could
+    renew it; their step or compensation was cancelled and its changes discarded), `renewals`
+    (renewals of the engine's lease: one row, whatever the number of flows).
     """
 
     running: int
@@ -272,3 +278,6 @@ class FlowStatistics:
     write_batches: int
     conflicts: int
     recovered: int
+    claimed: int = 0
+    lost: int = 0
+    renewals: int = 0

@@ -576,6 +576,34 @@ async def test_versions_fail_closed_and_resume_after_the_version_is_back(
     assert log[-1] == ("ship", "paid", False)
 
 
+async def test_a_cancel_through_an_engine_without_the_plan_compensates_once_it_is_back(
+    store, autojump_clock
+) -> None:
+    log: Log = []
+    async with engine_on(store, order_plan(log)) as engine:
+        await engine.start(engine._plans[("order", 1)], flow_id="o")
+        await trio.testing.wait_all_tasks_blocked()
+    async with engine_on(store, order_plan(log, version=2)) as engine:
+        assert await engine.cancel("o", "customer")
+        snap = await settle(engine, "o")  # it cannot run the compensation: fails closed
+        assert snap.state is flow.State.BLOCKED and snap.step is None and snap.step_index == 1
+        assert "version 1 is not registered" in str(snap.error)
+    async with engine_on(store, order_plan(log)) as engine:
+        assert await engine.resume("o")
+        snap = await settle(engine, "o")
+        assert snap.state is flow.State.FAILED and snap.error == "customer"
+        assert (await kinds(engine, "o"))[-6:] == [
+            "cancelled",
+            "blocked",
+            "resumed",
+            "compensated",
+            "compensated",
+            "failed",
+        ]
+    assert [entry[0] for entry in log] == ["reserve", "charge", "refund", "release"]
+    assert log[-2] == ("refund", 2, "customer")  # attempt 2: the blocked drive counted as one
+
+
 async def test_a_running_flow_whose_step_was_renamed_blocks_at_open(store, autojump_clock) -> None:
     async def hang(ctx: flow.Context) -> None:
         await trio.sleep_forever()

@@ -251,6 +251,44 @@ def test_cancel() -> None:
         assert not nope.done and not nope.written
 
 
+CONFIRM = Shape("order", 1, ("reserve", "confirm", "ship"), (True, False, False), (1, 1, 1))
+
+
+@pytest.mark.parametrize("at_park", [True, False], ids=["parked", "running"])
+def test_a_cancel_without_the_plan_is_recorded_and_compensates_under_the_plan(
+    at_park: bool,
+) -> None:
+    """Found by the model check (flow-model): a cancel through an engine that lacks the flow's
+    plan version used to name the top of the stack after the current step, so no plan could
+    drive or resume the flow any more. Now the compensation waits for its name."""
+    f = m.start(CONFIRM, "f", "{}", T0).flow
+    f = m.step_done(f, EMPTY_MAILBOX, CONFIRM, CONTINUE, "{}", T0).flow
+    if at_park:
+        f = m.step_done(f, EMPTY_MAILBOX, CONFIRM, park(10), "{}", T0).flow
+    assert f.step == "confirm" and f.stack == (0,)
+    t = m.cancel(f, None, "cancelled", T0 + 1)  # no plan: an operator, or a drained version
+    assert t.done and kinds(t) == ["cancelled"] and t.events[0].step == "confirm"
+    c = t.flow
+    assert (c.state, c.step_index, c.step, c.error) == (State.COMPENSATING, 0, None, "cancelled")
+    m.check_invariants(c, t.mailbox, CONFIRM)
+    assert m.mismatch(c, CONFIRM) is None and m.step_name(c, CONFIRM) == "reserve"
+    assert m.mismatch(c, None) is not None  # an engine without the plan still fails closed
+    # an engine with the plan runs it: the event is named by the plan
+    done = m.compensated(c, CONFIRM, "{}", T0 + 2)
+    assert [(e.kind, e.step) for e in done.events] == [("compensated", "reserve"), ("failed", None)]
+    # an engine without it blocks it; the plan back, resume re-drives it
+    b = m.block(c, str(m.mismatch(c, None)), T0 + 2)
+    m.check_invariants(b.flow, b.mailbox, CONFIRM)
+    assert not m.resume(b.flow, EMPTY_MAILBOX, None, T0 + 3).done
+    r = m.resume(b.flow, EMPTY_MAILBOX, CONFIRM, T0 + 3)
+    assert r.done and r.flow.state is State.COMPENSATING and r.flow.attempt == 2
+    failed = m.compensation_failed(r.flow, "boom", T0 + 4, CONFIRM)
+    assert failed.flow.blocked == "compensation of step 'reserve' failed: boom"
+    # another plan whose index 0 has no compensation cannot drive it
+    other = Shape("order", 1, ("a", "b", "c"), (False, False, False), (1, 1, 1))
+    assert "no compensation at index 0" in str(m.mismatch(c, other))
+
+
 def test_versions_fail_closed() -> None:
     p = parked(at=1)
     v2 = attrs.evolve(SHAPE, version=2)
@@ -447,3 +485,40 @@ def test_random_walk_keeps_the_invariants(actions) -> None:
     # steps are compensated in reverse order of completion: charge before reserve
     assert compensated == sorted(compensated, key=SHAPE.steps.index, reverse=True)
     assert len(set(compensated)) == len(compensated)
+
+
+# ------------------------------------------------------------------------- leases (the fleet)
+
+
+def test_take_over_reruns_the_step_as_the_next_attempt_if_someone_may_have_run_it() -> None:
+    f = attrs.evolve(run_to(started(), 1), owner="dead", lease_until=None)
+    t = m.take_over(f, "b", T0 + 5)
+    assert t.written and t.events == () and t.expected == f.revision
+    assert (t.flow.owner, t.flow.lease_until, t.flow.attempt) == ("b", None, f.attempt + 1)
+    nobodys = attrs.evolve(f, owner=None)  # an operator made it runnable: nobody ran it yet
+    assert m.take_over(nobodys, "b", T0).flow.attempt == f.attempt
+    with pytest.raises(m.InvalidTransition):
+        m.take_over(parked(), "b", T0)
+
+
+def test_leased_gives_the_flow_to_the_writer_keeps_a_runner_and_frees_a_parked_flow() -> None:
+    f = attrs.evolve(run_to(started(), 1), owner="a")
+    step = m.step_done(f, EMPTY_MAILBOX, SHAPE, CONTINUE, f.data, T0)
+    assert m.leased(step, f, "a", respect=False).flow.owner == "a"
+    # a cancel through b of a flow a runs leaves it with a (a's step must stop first) ...
+    cancel = m.cancel(f, SHAPE, "x", T0)
+    assert m.leased(cancel, f, "b", respect=True).flow.owner == "a"
+    # ... one engine per file (respect off) or an operator's engine: the writer's, or nobody's
+    assert m.leased(cancel, f, "b", respect=False).flow.owner == "b"
+    ops = m.leased(m.cancel(f, SHAPE, "x", T0), f, None, respect=True)
+    assert ops.flow.owner == "a"
+    p = attrs.evolve(parked(), owner="a", lease_until=T0)
+    woken = m.wake(p, EMPTY_MAILBOX, Message("m", "1"), SHAPE, T0)
+    assert m.leased(woken, p, "b", respect=True).flow.owner == "b"  # b accepted it: b runs it
+    assert m.leased(woken, p, None, respect=True).flow.owner is None  # an operator's: the fleet's
+    parks = m.step_done(f, EMPTY_MAILBOX, SHAPE, park(60), f.data, T0)
+    left = m.leased(parks, f, "a", respect=False).flow
+    assert (left.state, left.owner, left.lease_until) == (State.PARKED, None, None)
+    assert m.leased(m.block(left, "r", T0), left, "a", respect=False).flow.owner is None
+    queued = m.wake(f, EMPTY_MAILBOX, Message("q", "1"), SHAPE, T0)  # the row does not change
+    assert not queued.written and m.leased(queued, f, "z", respect=False) is queued

@@ -351,3 +351,115 @@ async def test_a_transition_that_raises_is_refused_alone(store: Store) -> None:
     assert changed(results[0]).flow.flow_id == "r2"  # results come back in the order of the ops
     stored = await load(store, "r1")
     assert stored == flows[1]
+
+
+# ---------------------------------------------------------------------------------- the fleet
+
+
+def owned_start(flow_id: str, owner: str | None) -> s.Create:
+    return s.Create(m.start(SHAPE, flow_id, "{}", T0, owner=owner))
+
+
+async def heartbeat(store: Store, owner: str, until: float) -> None:
+    await store.transact(partial(s.heartbeat, owner=owner, until=until, now=T0))
+
+
+async def test_orphans_are_the_active_flows_that_no_live_engine_holds(store: Store) -> None:
+    await heartbeat(store, "alive", T0 + 10)
+    await heartbeat(store, "dead", T0 - 1)
+    await write(
+        store,
+        owned_start("held", "alive"),
+        owned_start("let-go", "alive"),
+        owned_start("dead's", "dead"),
+        owned_start("unknown's", "never-heard-of"),
+        owned_start("nobody's", None),
+    )
+    assert await store.transact(partial(s.release, owner="alive", flow_ids=["let-go"], at=T0))
+    assert not await store.transact(partial(s.release, owner="x", flow_ids=["held"], at=T0))
+    other = m.start(attrs.evolve(SHAPE, version=2), "v2", "{}", T0, owner="dead")
+    await write(store, s.Create(other))
+    p = await load(store, "held")
+    assert p is not None
+    changed((await write(store, step(p, park(60))))[0])  # parked: not active
+    orphans = await store.transact(partial(s.load_orphans, now=T0 + 1))
+    assert sorted(f.flow_id for f in orphans) == [
+        "dead's",
+        "let-go",
+        "nobody's",
+        "unknown's",
+        "v2",
+    ]
+    mine = await store.transact(partial(s.load_orphans, now=T0 + 1, plans=[("order", 1)]))
+    assert "v2" not in {f.flow_id for f in mine} and len(mine) == 4
+    assert await store.transact(partial(s.load_orphans, now=T0 + 1, plans=[])) == []
+    assert len(await store.transact(partial(s.load_orphans, now=T0 + 1, limit=1))) == 1
+    later = await store.transact(partial(s.load_orphans, now=T0 + 11))  # "alive" lapsed too
+    assert len(later) == 5
+    owned = await store.transact(partial(s.load_active, owner="dead"))
+    assert sorted(f.flow_id for f in owned) == ["dead's", "v2"]
+    engines = await store.transact(s.load_engines)
+    assert engines == [("alive", T0 + 10, T0, 1), ("dead", T0 - 1, T0, 2)]
+    assert await store.transact(partial(s.prune_engines, before=T0)) == 0  # dead holds flows
+    await heartbeat(store, "gone", T0 - 5)
+    assert await store.transact(partial(s.prune_engines, before=T0)) == 1
+    ids = [f"x{i}" for i in range(1200)]  # more than one statement's worth
+    await write(store, *(owned_start(fid, "alive") for fid in ids))
+    released = await store.transact(partial(s.release, owner="alive", flow_ids=ids, at=T0))
+    assert released == 1200
+    rows = await store.transact(partial(s.load_many, flow_ids=[*ids[:3], "nope"]))
+    assert sorted((f.flow_id, f.lease_until) for f in rows) == [(i, T0) for i in ids[:3]]
+
+
+async def test_a_takeover_loses_to_a_renewal_and_to_a_write(store: Store) -> None:
+    await heartbeat(store, "a", T0 - 1)
+    await write(store, owned_start("f", "a"))
+    seen = await load(store, "f")
+    assert seen is not None
+
+    def take(by: str) -> s.Change:
+        def apply(f: Flow, _b: Mailbox) -> Transition:
+            return m.take_over(f, by, T0)
+
+        return s.Change("f", apply, flow=seen, lapsed_at=T0)
+
+    await heartbeat(store, "a", T0 + 30)  # a renewed its lease meanwhile
+    (r,) = await write(store, take("b"))  # the revision is the same, the flow is not an orphan
+    assert r == s.Conflict("f", 1, 1, "a")
+    await heartbeat(store, "a", T0 - 1)
+    (won,) = await write(store, take("b"))
+    f = changed(won).flow
+    assert (f.owner, f.lease_until, f.attempt, f.revision) == ("b", None, 2, 2)
+    (lost,) = await write(store, take("c"))  # the same read, now stale
+    assert isinstance(lost, s.Conflict) and lost.owner == "b"
+
+
+async def test_an_unfenced_write_overwrites_whatever_the_revision(store: Store) -> None:
+    """The tests' switch with fencing off: a stale copy's write goes through (and would undo
+    the newer state) and takes the next revision."""
+    f = await started(store)
+    changed((await write(store, step(f)))[0])
+    stale = s.Change("f1", step(f, data='{"stale":1}').apply, flow=f, fenced=False)
+    t = changed((await write(store, stale))[0])
+    assert t.flow.revision == 3 and t.events[0].revision == 3
+    now = await load(store, "f1")
+    assert now is not None and now.data == '{"stale":1}' and now.revision == 3
+    assert await history_kinds(store, "f1") == [(1, "started"), (2, "step"), (3, "step")]
+
+
+async def test_plan_shapes_round_trip_and_the_last_registration_wins(store: Store) -> None:
+    other = Shape("refund", 3, ("a",), (False,), (1,))
+    await store.transact(partial(s.register_plans, shapes=[SHAPE, other], now=T0))
+    await store.transact(partial(s.register_plans, shapes=[SHAPE], now=T0 + 5))
+    assert await store.transact(s.load_plans) == [(SHAPE, T0 + 5), (other, T0)]
+    renamed = attrs.evolve(SHAPE, steps=("reserve", "pay", "ship"))
+    await store.transact(partial(s.register_plans, shapes=[renamed], now=T0 + 6))
+    assert (await store.transact(s.load_plans))[0] == (renamed, T0 + 6)
+
+
+async def test_deadlines_up_to_a_horizon(store: Store) -> None:
+    for i, timeout in enumerate((10, 20, 30)):
+        f = await started(store, f"p{i}")
+        changed((await write(store, step(f, park(timeout))))[0])
+    due = await store.transact(partial(s.load_deadlines, before=T0 + 21))
+    assert [(d - T0, fid) for d, fid, _r in due] == [(11, "p0"), (21, "p1")]
