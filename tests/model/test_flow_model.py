@@ -154,16 +154,10 @@ def test_unplanted_protocol_flags_are_on() -> None:
     assert p.timer_checks_revision and p.recovery_arms_timers and p.recovery_bumps_attempt
 
 
-# ---- a machine bug the model found: cancel does not fail closed on a missing plan version ------
-
-CANCEL_BUG = (
-    "machine bug (found by the model): `cancel` through an engine that lacks the flow's plan"
-    " version (shape=None) compensates anyway and names the top of the stack after the current"
-    " step; the flow then blocks, and `resume` with the plan back refuses it for ever"
-)
+# ---- a machine bug the model found (fixed, ADR 0046): a cancel through an engine that lacked the
+# flow's plan version compensated under the wrong step name, and `resume` then refused the flow.
 
 
-@pytest.mark.xfail(strict=True, raises=Counterexample, reason=CANCEL_BUG)
 def test_flow_model_check_with_a_plan_version_missing() -> None:
     checker = FlowChecker(PLAN_MISSING)
     try:
@@ -181,28 +175,9 @@ def test_flow_model_check_with_a_plan_version_missing() -> None:
     assert {"resume True", "resume False", "end BLOCKED"} <= checker.coverage
 
 
-class CancelFailsClosed(FlowProtocol):
-    """A candidate fix (not the machine's code): `cancel` blocks a running or parked flow whose
-    plan version the engine lacks, as `wake` and `timeout` already do."""
-
-    def cancel(self, flow: Flow, shape: Shape | None, now: float) -> Transition:
-        reason = fm.mismatch(flow, shape)
-        if reason is not None and flow.state in (State.RUNNING, State.PARKED):
-            return fm.block(flow, reason, now)
-        return super().cancel(flow, shape, now)
-
-
-def test_the_plan_missing_bound_passes_when_cancel_fails_closed() -> None:
-    checker = FlowChecker(PLAN_MISSING, CancelFailsClosed())
-    report = checker.run()
-    print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
-    assert {"resume True", "resume False", "end BLOCKED"} <= checker.coverage
-
-
 CONFIRM_SHAPE = Shape("order", 1, ("reserve", "confirm", "ship"), (True, False, False), (1, 1, 1))
 
 
-@pytest.mark.xfail(strict=True, raises=fm.InvariantError, reason=CANCEL_BUG)
 @pytest.mark.parametrize("parked", [True, False], ids=["parked", "running"])
 def test_cancel_without_the_plan_version_keeps_the_flow_resumable(parked: bool) -> None:
     flow = fm.start(CONFIRM_SHAPE, "f", "{}", 0.0).flow
