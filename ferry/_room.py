@@ -1,8 +1,11 @@
 """The waiting room of one ferry as shared state: its TVars and the seven transactions on them.
 
-Trio-free and clock-free: time comes in as `now`. Each method below is a transaction *function*:
-the task code (`ferry._shell`) runs it in exactly one `stm` transaction (`atomically_nowait`, or
-`atomically` for the two that block), and the model check (tests/model/shell.py) mirrors each one.
+Trio-free and clock-free: time comes in as `now`. Five transactions never block: `admit`,
+`take`, `release`, `cancel` and `drain` each read and write the room's one TVar (and may ring its
+doorbell), so they run in `stm`'s single-TVar transaction (`stm._txn.update`: a pure function of
+the committed value, one validated install; ADR 0033). The two that block, `sleep` and `idle`,
+are transaction functions the task code (`ferry._shell`) runs with `stm.atomically`. The model
+check (tests/model/shell.py) mirrors each one.
 
 - `state`: the whole scheduling state, one immutable `Lanes` value (ADR 0003); every change is one
   pure transition of `ferry._lanes`.
@@ -19,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Generic, TypeVar
 
 import stm
+from stm._txn import update as _update
 
 from . import _lanes
 from ._lanes import Admission, Batch, Item, Lanes, Limits
@@ -52,10 +56,53 @@ def rings(old: Lanes[Any, Any], new: Lanes[Any, Any]) -> bool:
     return _earlier(_lanes.next_deadline(new), _lanes.next_deadline(old))
 
 
+# ---- the transaction functions: (old state, *args) -> (new state, result, ring) ---------------
+
+
+def _admit(
+    old: Lanes[K, E], key: K, entry: E, weight: float, rank: Any, now: float
+) -> tuple[Lanes[K, E], tuple[Admission, Item[E] | None], bool]:
+    try:
+        new, admission, item = _lanes.admit(old, key, entry, weight=weight, rank=rank, now=now)
+    except TypeError as exc:
+        if rank is None:
+            raise
+        raise TypeError(
+            f"rank(x) returned {rank!r}, which does not compare with the ranks already "
+            f"waiting for key {key!r}: {exc}"
+        ) from exc
+    return new, (admission, item), rings(old, new)
+
+
+def _take(old: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | None, bool]:
+    new, batch = _lanes.take(old, now)
+    if batch is None:
+        return new, None, False
+    return new, batch, bool(new.n_ready) and new.busy < new.limits.max_in_flight
+
+
+def _release(old: Lanes[K, E], key: K, now: float, failed: bool) -> tuple[Lanes[K, E], None, bool]:
+    new = _lanes.release(old, key, now, failed=failed)
+    return new, None, rings(old, new)
+
+
+def _cancel(old: Lanes[K, E], key: K, item: Item[E]) -> tuple[Lanes[K, E], bool, bool]:
+    new, dropped = _lanes.cancel(old, key, item)
+    return new, dropped, False
+
+
+def _drain(old: Lanes[K, E]) -> tuple[Lanes[K, E], list[Item[E]], bool]:
+    new, drained = _lanes.drain(old)
+    return new, drained, False
+
+
 class Room(Generic[K, E]):
     """The TVars of one ferry's waiting room and its transactions. Made by the shell.
 
-    Every method except `next_deadline` and `statistics` must run inside a transaction.
+    `admit`, `take`, `release`, `cancel` and `drain` are whole transactions, each on the room's
+    one TVar (and its doorbell): the pure functions `_admit`, `_take`, ... run in `stm`'s
+    single-TVar transaction (`stm._txn.update`, ADR 0033); call them outside any transaction.
+    `sleep` and `idle` are transaction functions, for `stm.atomically`.
     """
 
     __slots__ = ("bell", "state")
@@ -64,75 +111,43 @@ class Room(Generic[K, E]):
         self.state: stm.TVar[Lanes[K, E]] = stm.TVar(_lanes.empty(limits))
         self.bell = stm.TVar(0)
 
-    # ---- the seven transactions ----------------------------------------------------------------
+    # ---- the transactions ----------------------------------------------------------------------
 
     def admit(
         self, key: K, entry: E, weight: float, rank: Any, now: float
     ) -> tuple[Admission, Item[E] | None]:
         """`_lanes.admit`; a rank that does not compare with its lane's is a clear TypeError."""
-        state = self.state
-        old = state.get()
-        try:
-            new, admission, item = _lanes.admit(old, key, entry, weight=weight, rank=rank, now=now)
-        except TypeError as exc:
-            if rank is None:
-                raise
-            raise TypeError(
-                f"rank(x) returned {rank!r}, which does not compare with the ranks already "
-                f"waiting for key {key!r}: {exc}"
-            ) from exc
-        state.set(new)
-        if rings(old, new):
-            self._ring()
-        return admission, item
+        return _update(self.state, self.bell, _admit, key, entry, weight, rank, now)
 
-    def take(self, now: float) -> Batch[K, E]:
-        """`_lanes.take`: a batch, now owned by the caller; `stm.retry()` if nothing is ready (or
-        `max_in_flight` calls are in flight).
+    def take(self, now: float) -> Batch[K, E] | None:
+        """`_lanes.take`: a batch, now owned by the caller; None if nothing is ready (or
+        `max_in_flight` calls are in flight), and then nothing changed.
 
         Rings when lanes are still ready and another call may start, so that another sleeping
         worker comes.
         """
-        state = self.state
-        new, batch = _lanes.take(state.get(), now)
-        if batch is None:
-            stm.retry()
-        state.set(new)
-        if new.n_ready and new.busy < new.limits.max_in_flight:
-            self._ring()
-        return batch
-
-    def sleep(self, rung: int) -> None:
-        """Block (`stm.retry`) until the bell has rung since it read `rung`."""
-        if self.bell.get() == rung:
-            stm.retry()
+        return _update(self.state, self.bell, _take, now)
 
     def release(self, key: K, now: float, failed: bool) -> None:
         """`_lanes.release`: the call for `key` is over."""
-        state = self.state
-        old = state.get()
-        new = _lanes.release(old, key, now, failed=failed)
-        state.set(new)
-        if rings(old, new):
-            self._ring()
+        _update(self.state, self.bell, _release, key, now, failed)
 
     def cancel(self, key: K, item: Item[E]) -> bool:
         """`_lanes.cancel`: drop a waiting input; False (and no write) if it is not waiting."""
-        state = self.state
-        new, dropped = _lanes.cancel(state.get(), key, item)
-        if dropped:
-            state.set(new)
-        return dropped
+        return _update(self.state, self.bell, _cancel, key, item)
 
     def drain(self) -> list[Item[E]]:
         """`_lanes.drain`: close the room and return every waiting input."""
-        state = self.state
-        new, drained = _lanes.drain(state.get())
-        state.set(new)
-        return drained
+        return _update(self.state, self.bell, _drain)
+
+    def sleep(self, rung: int) -> None:
+        """Transaction function: block (`stm.retry`) until the bell has rung since it read
+        `rung`."""
+        if self.bell.get() == rung:
+            stm.retry()
 
     def idle(self) -> None:
-        """Block (`stm.check`) until no call is in flight."""
+        """Transaction function: block (`stm.check`) until no call is in flight."""
         stm.check(self.state.get().busy == 0)
 
     # ---- reads without a transaction ------------------------------------------------------------
@@ -160,7 +175,3 @@ class Room(Generic[K, E]):
             batch_sizes=state.batch_sizes,
             **counters,
         )
-
-    def _ring(self) -> None:
-        bell = self.bell
-        bell.set(bell.get() + 1)

@@ -7,14 +7,14 @@ All scheduling state is in the room (`ferry._room`): one immutable `Lanes` value
 parked tasks, cancel scopes and the calls themselves.
 
 - A caller computes key, rank and weight first (bad values raise at once, nothing admitted), then
-  admits itself with `stm.atomically_nowait`: the room has no lock and admission adds no
-  checkpoint of its own, so the caller parks exactly once, for its answer.
+  admits itself in one transaction that never blocks (`Room.admit`): the room has no lock and
+  admission adds no checkpoint of its own, so the caller parks exactly once, for its answer.
 - A caller parks with `wait_task_rescheduled`. Its `_Entry` is the only mutable per-caller object:
   `task` is set while somebody may still answer it, and whoever answers (a worker, close, or the
   caller's own abort) clears it first. Everything runs on the ferry's trio thread, so "clear, then
   act" needs no lock.
-- Workers take with `stm.atomically_nowait` and, with nothing ready, sleep on the room's doorbell
-  until it rings or the earliest deadline passes (ADR 0006); nothing polls.
+- Workers take in one transaction (`Room.take`) and, with nothing ready, sleep on the room's
+  doorbell until it rings or the earliest deadline passes (ADR 0006); nothing polls.
 - A direct call runs in its caller's task, inside a cancel scope the ferry registers, so closing the
   ferry cancels it like a batch in flight, and cancelling the caller cancels it too. Its key is
   released in a `finally`, only once the call is over (ADR 0004).
@@ -93,7 +93,7 @@ class _Entry:
         self.task = None
         item = self.item
         if item is not None:
-            stm.atomically_nowait(self.room.cancel, self.key, item)
+            self.room.cancel(self.key, item)
         return trio.lowlevel.Abort.SUCCEEDED
 
 
@@ -146,9 +146,7 @@ class Shell:
         await trio.lowlevel.checkpoint_if_cancelled()
         room = self.room
         entry = _Entry(x, key, room)
-        admission, entry.item = stm.atomically_nowait(
-            room.admit, key, entry, weight, rank, self._now()
-        )
+        admission, entry.item = room.admit(key, entry, weight, rank, self._now())
         if admission is _lanes.Admission.ADMITTED:
             entry.task = trio.lowlevel.current_task()
             return await trio.lowlevel.wait_task_rescheduled(entry)
@@ -194,7 +192,7 @@ class Shell:
         finally:
             if scopes.pop(scope, None) is None:  # the timer took it out: it expired
                 self._expired.discard(scope)
-            stm.atomically_nowait(room.release, key, self._now(), failed)
+            room.release(key, self._now(), failed)
         if error is None:
             if self._extract is None and type(output) is list and len(output) == 1:
                 result = output[0]  # the common shape, on a short path
@@ -246,10 +244,9 @@ class Shell:
         plain_results = self._extract is None  # a list of results, one per input, is the norm
         while True:
             await trio.lowlevel.checkpoint()
-            try:
-                # Taking a batch and owning it are one step: nothing can cancel in between.
-                batch = stm.atomically_nowait(take, now())
-            except trio.WouldBlock:
+            # Taking a batch and owning it are one step: nothing can cancel in between.
+            batch = take(now())
+            if batch is None:
                 # Nothing ready: sleep until the bell rings or the earliest deadline passes.
                 # No checkpoint since the failed take, so no ring can have been missed.
                 await self._sleep(room.bell.peek(), room.sleep_deadline())
@@ -288,7 +285,7 @@ class Shell:
                 _close_out(entries)
                 raise
             finally:
-                stm.atomically_nowait(release, key, now(), failed)
+                release(key, now(), failed)
             if results is not None:
                 for e, result in zip(entries, results, strict=True):
                     task = e.task
@@ -381,7 +378,7 @@ class Shell:
         self._closing = True
         for scope in self._direct_scopes:
             scope.cancel()
-        drained = stm.atomically_nowait(self.room.drain)
+        drained = self.room.drain()
         _close_out([item.entry for item in drained])
 
     def statistics(self) -> FerryStatistics:

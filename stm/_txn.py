@@ -41,7 +41,7 @@ import sys
 import threading
 from collections.abc import Callable, Collection
 from types import CoroutineType, FrameType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import trio
 
@@ -49,6 +49,9 @@ from ._errors import NestedTransactionError, NoTransactionError
 
 if TYPE_CHECKING:
     from ._tvar import TVar
+
+V = TypeVar("V")
+R = TypeVar("R")
 
 MAX_CONFLICTS: Final = 8
 """Conflict reruns after which an attempt runs irrevocably (holding the commit lock)."""
@@ -372,6 +375,67 @@ def _attempt_irrevocable(fn: Callable[..., Any], args: tuple[Any, ...]) -> Txn:
         txn.status = COMMITTED
         txn.result = result
     return txn
+
+
+@trio.lowlevel.enable_ki_protection
+def update(tvar: TVar[V], bell: TVar[int], fn: Callable[..., tuple[V, R, bool]], *args: Any) -> R:
+    """Internal: one transaction on the single TVar `tvar` (and maybe its doorbell), cheaply.
+
+    `fn(value, *args)` must be a pure function of `tvar`'s committed value: it reads no TVar and
+    writes none, and returns `(new, result, ring)`. The transaction installs `new` (unless it is
+    `value` itself and `ring` is false: then it is read-only) and, if `ring`, adds 1 to `bell`
+    in the same commit; it returns `result`. An exception from `fn` propagates, nothing written.
+
+    The same protocol as `attempt` + `_commit` (ADR 0001), specialized: the read set is the one
+    tuple `st` loaded from `tvar`, so every attempt sees a consistent snapshot and validation is
+    `tvar._state is st` under the lock. `bell` is read and written only under the lock, where no
+    commit can interleave. No `Txn`, no read or write dict, no thread-local. After
+    `MAX_CONFLICTS` lost validations `fn` runs holding the lock (it cannot lose again).
+    Waiters on `tvar` or `bell` are woken as any commit wakes them. KeyboardInterrupt-protected
+    like `_commit` (ADR 0013). Never call it inside a transaction (it would commit on its own).
+    Never blocks except on the commit lock. Cost: `fn`, one lock round, one tuple per write.
+    """
+    global _clock, _n_commits, _n_read_only, _n_conflicts, _n_irrevocable
+    for _ in range(MAX_CONFLICTS):
+        st = tvar._state
+        old = st[1]
+        new, result, ring = fn(old, *args)
+        if new is old and not ring:
+            _n_read_only += 1
+            return result
+        _acquire()
+        if tvar._state is st or _UNSAFE_SKIP_VALIDATION:
+            break
+        _release()
+        _n_conflicts += 1
+    else:
+        _acquire()
+        _n_irrevocable += 1
+        try:
+            old = tvar._state[1]
+            new, result, ring = fn(old, *args)
+        except BaseException:
+            _release()
+            raise
+        if new is old and not ring:
+            _release()
+            _n_read_only += 1
+            return result
+    try:
+        version = _clock + 1
+        tvar._state = (version, new)
+        woken = _detach(tvar, None) if tvar._waiters else None
+        if ring:
+            bell._state = (version, bell._state[1] + 1)
+            if bell._waiters:
+                woken = _detach(bell, woken)
+        _clock = version
+        _n_commits += 1
+    finally:
+        _release()
+    if woken is not None:
+        _wake(woken)
+    return result
 
 
 def run_effects(effects: list[tuple[Callable[..., object], tuple[Any, ...]]]) -> None:

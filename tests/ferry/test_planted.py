@@ -13,7 +13,6 @@ from hypothesis import find, settings
 import ferry
 import ferry._lanes as lanes_module
 import ferry._shell as shell_module
-import stm
 from tests.ferry.test_scenarios import Options, Sub, check, options, run_scenario, submissions
 
 
@@ -24,7 +23,7 @@ async def direct_releasing_early(self: Any, entry: Any) -> Any:
     self._direct_scopes[scope] = 0.0
     if self._closing:
         scope.cancel()
-    stm.atomically_nowait(self.room.release, key, 0.0, False)  # the bug: too early
+    self.room.release(key, 0.0, False)  # the bug: too early
     try:
         with scope:
             output = await self._call(key, [entry.input])

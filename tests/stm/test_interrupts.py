@@ -101,7 +101,7 @@ class _Recorder(_txn.Waiter):
         self.woken += 1
 
 
-def _wait_on(*tvars: TVar[int]) -> _Recorder:
+def _wait_on(*tvars: TVar[Any]) -> _Recorder:
     probe = _txn.Txn(_txn._clock)
     probe.reads = {tv: tv._state for tv in tvars}
     waiter = _Recorder()
@@ -196,3 +196,66 @@ def test_ctrl_c_at_every_point_of_a_transaction_is_all_or_nothing(
         _, committed = _run_once(at, scenario)
         outcomes.add(committed)
     assert outcomes == {True, False}  # interrupts landed both before and after the commit
+
+
+# ---- the single-TVar transaction (`_txn.update`, ADR 0033) ---------------------------------------
+
+
+def _update_once(at: int | None) -> tuple[_Interrupter, bool]:
+    """`_txn.update` of a pair held in one TVar that also rings its bell, with a Ctrl-C at point
+    `at`; check that the pair and the bell changed together or not at all, and the rest."""
+    baseline = stm.statistics().waiters
+    pair, bell = TVar((100, 0)), TVar(0)
+    on_pair, on_both = _wait_on(pair), _wait_on(pair, bell)
+
+    def transfer(old: tuple[int, int]) -> tuple[tuple[int, int], str, bool]:
+        return (old[0] - 10, old[1] + 10), "done", True
+
+    interrupter = _Interrupter(at)
+
+    async def main() -> None:
+        previous = sys.gettrace()
+        sys.settrace(interrupter.trace_calls)
+        try:
+            assert _txn.update(pair, bell, transfer) == "done"
+        finally:
+            sys.settrace(previous)
+        await trio.lowlevel.checkpoint()  # where a protected stretch's Ctrl-C is delivered
+
+    interrupted = False
+    try:
+        trio.run(main)
+    except KeyboardInterrupt:
+        interrupted = True
+    where = f"update: Ctrl-C at point {at}"
+    assert interrupted == interrupter.fired, f"{where}: the interrupt was lost"
+    state = (pair.peek(), bell.peek())
+    assert state in {((100, 0), 0), ((90, 10), 1)}, f"{where}: half a commit is visible: {state}"
+    assert not _txn._lock.locked(), f"{where}: the commit lock is still held"
+    for tv in (pair, bell):
+        assert tv._state[0] <= _txn._clock, f"{where}: a version is ahead of the clock"
+    committed = state[1] == 1
+    for waiter in (on_pair, on_both):
+        if committed:
+            assert waiter.fired and waiter.woken == 1, f"{where}: a fired waiter was not woken"
+        else:
+            assert not waiter.fired and waiter.woken == 0
+            assert _txn.unregister(waiter)
+    left = stm.statistics().waiters - baseline
+    assert left == 0, f"{where}: {left} waiter registrations left behind"
+    return interrupter, committed
+
+
+@pytest.mark.parametrize("path", ["validated", "irrevocable"])
+def test_ctrl_c_at_every_point_of_a_single_tvar_update_is_all_or_nothing(
+    path: str, trio_owns_sigint: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if path == "irrevocable":
+        monkeypatch.setattr(_txn, "MAX_CONFLICTS", 0)
+    counted, committed = _update_once(None)
+    assert committed and counted.seen > 5
+    for at in range(counted.seen):
+        _, committed = _update_once(at)
+        # `update` is KeyboardInterrupt-protected from its first instruction: every Ctrl-C
+        # that lands in it is delivered afterwards, and the commit is whole.
+        assert committed
