@@ -11,7 +11,7 @@ import functools
 import inspect
 import math
 import warnings
-from collections.abc import Awaitable, Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Hashable, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Generic, TypeVar, final, overload
 
@@ -23,8 +23,6 @@ I = TypeVar("I")  # noqa: E741  (input)
 O = TypeVar("O")  # noqa: E741  (output of the batch call)
 R = TypeVar("R")  # result of one caller
 K = TypeVar("K")
-
-_PLAIN_KEY = None  # the plain ferry's one room is a single lane under this key
 
 #: Seconds a batch call or a direct call may run before it is cancelled and its callers get
 #: `Failed` (cause: `trio.TooSlowError`). Far above any call that works; see ADR 0015.
@@ -117,16 +115,15 @@ class Ferry(Generic[I, R]):
     def __init__(self, shell: Shell) -> None:
         self._shell = shell
 
-    async def __call__(self, x: I, /) -> R:
-        """Submit `x` and wait for its result. Always a checkpoint.
+    def __call__(self, x: I, /) -> Coroutine[Any, Any, R]:
+        """Submit `x` and wait for its result (`await f(x)`). Always a checkpoint.
 
         Raises `Rejected` (room full), `Failed` (the batch call raised or ran past
         `call_timeout`), `BatchContractError` (malformed output), `Closed` (the ferry closed), or
         `trio.Cancelled` (the caller's scope); `RuntimeError` if called from outside the trio run
-        that opened the ferry.
+        that opened the ferry. (The coroutine is the shell's own: one frame less per caller.)
         """
-        result: R = await self._shell.submit(x, _PLAIN_KEY, 1.0, None)
-        return result
+        return self._shell.submit(x)
 
     def statistics(self) -> FerryStatistics:
         """A snapshot of the waiting room and the counters; one TVar peek, no checkpoint."""
@@ -229,16 +226,21 @@ class PerKeyFerry(Generic[I, R]):
         self._weight = weight
         self._max_weight = max_weight
 
-    async def __call__(self, x: I, /) -> R:
-        """Submit `x` to its key's lane and wait for its result. Always a checkpoint.
+    def __call__(self, x: I, /) -> Coroutine[Any, Any, R]:
+        """Submit `x` to its key's lane and wait for its result (`await f(x)`). Always a
+        checkpoint.
 
-        `key(x)`, `rank(x)` and `weight(x)` run first: if one raises, or gives a bad value
-        (`TypeError`: unhashable key or non-numeric weight; `ValueError`: negative, NaN or
-        infinite weight, or one above `max_queued_weight`), the caller gets that at once and
-        nothing is admitted. Then: the result, `Rejected`, `Failed`, `BatchContractError`,
-        `Closed`, or `trio.Cancelled` (docs/errors-and-lifecycle.md); `RuntimeError` if called
-        from outside the trio run that opened the ferry.
+        `key(x)`, `rank(x)` and `weight(x)` run first (when the coroutine starts): if one raises,
+        or gives a bad value (`TypeError`: unhashable key or non-numeric weight; `ValueError`:
+        negative, NaN or infinite weight, or one above `max_queued_weight`), the caller gets that
+        at once and nothing is admitted. Then: the result, `Rejected`, `Failed`,
+        `BatchContractError`, `Closed`, or `trio.Cancelled` (docs/errors-and-lifecycle.md);
+        `RuntimeError` if called from outside the trio run that opened the ferry.
         """
+        return self._shell.submit(x)
+
+    def _classify(self, x: I) -> tuple[Hashable, float, Any]:
+        """`(key, weight, rank)` of `x`, checked; the shell calls it first thing in `submit`."""
         key = self._key(x)
         try:
             hash(key)
@@ -252,8 +254,7 @@ class PerKeyFerry(Generic[I, R]):
             if rank is None:
                 raise TypeError(f"rank(x) returned None for {x!r}; return a comparable value")
         w = 1.0 if self._weight is None else self._checked_weight(x)
-        result: R = await self._shell.submit(x, key, w, rank)
-        return result
+        return key, w, rank
 
     def _checked_weight(self, x: I) -> float:
         assert self._weight is not None
@@ -387,4 +388,6 @@ def open_per_key_ferry(
     )
     timeout = _check_real("call_timeout", call_timeout, positive=True, finite=False)
     shell = Shell(call, extract, limits, workers, timeout, plain=False)
-    return shell.lifetime(PerKeyFerry(shell, key, rank, weight, max_queued_weight))
+    per_key: PerKeyFerry[Any, Any] = PerKeyFerry(shell, key, rank, weight, max_queued_weight)
+    shell.classify = per_key._classify
+    return shell.lifetime(per_key)

@@ -128,6 +128,8 @@ class Shell:
         # while the ferry is open, "same thread" is "same run", and cheaper to check.
         self._thread: int | None = None
         self._timed = limits.max_batch_delay > 0
+        #: the per-key ferry's `(key, weight, rank)` of an input, checked; None for the plain one
+        self.classify: Callable[[Any], tuple[Any, float, Any]] | None = None
 
     def _now(self) -> float:
         # Times matter only for deadlines: with zero delay there are none.
@@ -136,17 +138,26 @@ class Shell:
     # ---------------------------------------------------------------------------------- callers
 
     @trio.lowlevel.enable_ki_protection
-    async def submit(self, x: Any, key: Any, weight: float, rank: Any) -> Any:
-        """Admit `x` and wait for its answer (the ferry's `__call__`). Always a checkpoint.
+    async def submit(self, x: Any) -> Any:
+        """Admit `x` and wait for its answer (the coroutine the ferry's `__call__` returns).
+        Always a checkpoint.
 
-        Raises RuntimeError, before anything else, if called outside the run that opened it.
+        The per-key ferry's `classify(x)` runs first (its errors raise before anything else);
+        then RuntimeError if called outside the run that opened the ferry.
         """
+        classify = self.classify
+        if classify is None:
+            key, weight, rank = None, 1.0, None  # the plain room: one lane, under key None
+        else:
+            key, weight, rank = classify(x)
         if _thread_id() != self._thread:
             raise _wrong_run()
         await trio.lowlevel.checkpoint_if_cancelled()
         room = self.room
         entry = _Entry(x, key, room)
-        admission, entry.item = room.admit(key, entry, weight, rank, self._now())
+        admission, entry.item = room.admit(
+            key, entry, weight, rank, trio.current_time() if self._timed else 0.0
+        )
         if admission is _lanes.Admission.ADMITTED:
             entry.task = trio.lowlevel.current_task()
             return await trio.lowlevel.wait_task_rescheduled(entry)
