@@ -36,9 +36,9 @@ Why these structures
   chunks are dropped once they are half the vector), and cancelling replaces the slot with a
   tombstone (found by binary search on the arrival sequence). Ranked lanes use a persistent treap
   keyed by `(rank, seq)`; the rank-free path never pays for it. `ferry._persistent` says why.
-- The root and `Lane` are attrs frozen records without slots, so a transition can copy one dict
-  and change a few entries (`_evolve`, about 0.4 us for the root instead of 3 us for
-  `attrs.evolve`); items are slotted records created once per input.
+- The root and `Lane` are slotted records, frozen once built: a transition copies the old one
+  into a writable draft, changes a few fields and freezes it (see "records" below; ADR 0034).
+  Items are named tuples created once per input.
 - Float weights are summed incrementally; the room resets its weight to exactly 0.0 whenever it is
   empty, and `check_invariants` compares sums with a tolerance.
 
@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar, final
 
 import attrs
 import immutables
@@ -115,7 +115,6 @@ WAITING = 1
 READY = 2
 
 _new = object.__new__
-_set_dict = object.__setattr__
 
 
 class Admission(enum.Enum):
@@ -177,16 +176,47 @@ class Batch(Generic[K, E]):
     items: tuple[Item[E], ...]
 
 
-@attrs.frozen(slots=False)
-class Lane(Generic[E]):
-    """One key's inputs in ascending (rank, arrival) order, and its state.
+# ---- records: slotted, and frozen once built ----------------------------------------------------
+#
+# `Lane` and `Lanes` are immutable records that every transition copies with a few fields changed,
+# and whose fields every transition reads many times. Each is a pair of classes with one layout:
+# the draft (`_LaneDraft`, `_LanesDraft`) holds the slots and the methods and takes writes; the
+# record (`Lane`, `Lanes`) adds nothing but refuses them (`attrs.exceptions.FrozenInstanceError`,
+# as the attrs records they replace did). A transition copies a record into a draft (`_lane_draft`,
+# `_draft`: one slot load and store per field), changes that, and freezes it by switching its
+# class (`new.__class__ = Lanes`, allowed between two classes of the same layout). Only a draft
+# the running transition made is ever written, and it is frozen before it is returned.
+#
+# Why not attrs records (ADR 0034): a frozen slotted attrs record can be built only through
+# `object.__setattr__`, several times the cost of this copy; the records without slots used
+# before made the copy one dict copy, but then every attribute read is a generic dict lookup,
+# about twelve times a slot read (370 against 30 instructions under callgrind), and a transition
+# reads twenty to forty fields.
 
-    `where` is IDLE, WAITING or READY; `calls` counts calls in flight for this key (0 or 1 with
-    the per-key guard); `deadline` is meaningful while WAITING; `stamp` identifies the lane's live
-    entry in `ready` or `waiting`. Rank-free lanes keep their slots (items and tombstones) from
-    logical index `head` on in the chunked FIFO `fifo` + `tail` (see the module comment);
-    ranked lanes keep the treap `tree`. `count` and `weight` are over live items only.
-    """
+
+def _refuse_write(self: object, name: str, value: object = None) -> None:
+    raise attrs.exceptions.FrozenInstanceError()
+
+
+_LANE_FIELDS = (
+    "ranked",
+    "fifo",
+    "tail",
+    "head",
+    "tree",
+    "count",
+    "weight",
+    "where",
+    "calls",
+    "deadline",
+    "stamp",
+)
+
+
+class _LaneDraft(Generic[E]):
+    """A `Lane` being built by a transition: the slots and methods of a lane, writable."""
+
+    __slots__ = _LANE_FIELDS
 
     ranked: bool
     fifo: PVector[Any]
@@ -207,14 +237,91 @@ class Lane(Generic[E]):
         slots = fifo_iter(self.fifo, self.tail, self.head)
         return [it for it in slots if type(it) is not Tombstone]
 
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in _LANE_FIELDS)
+        return f"{type(self).__name__}({fields})"
 
-_COUNTER = {"counter": True}
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _LaneDraft):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in _LANE_FIELDS)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@final
+class Lane(_LaneDraft[E]):
+    """One key's inputs in ascending (rank, arrival) order, and its state. Immutable.
+
+    `where` is IDLE, WAITING or READY; `calls` counts calls in flight for this key (0 or 1 with
+    the per-key guard); `deadline` is meaningful while WAITING; `stamp` identifies the lane's live
+    entry in `ready` or `waiting`. Rank-free lanes keep their slots (items and tombstones) from
+    logical index `head` on in the chunked FIFO `fifo` + `tail` (see the module comment);
+    ranked lanes keep the treap `tree`. `count` and `weight` are over live items only.
+    """
+
+    __slots__ = ()
+    __setattr__ = _refuse_write
+    __delattr__ = _refuse_write
+
+
+def _lane_draft(old: Lane[E]) -> Lane[E]:
+    """A writable copy of `old` (a `_LaneDraft`); freeze it with `new.__class__ = Lane`. O(1)."""
+    new: Lane[E] = _new(_LaneDraft)  # type: ignore[arg-type]
+    new.ranked = old.ranked
+    new.fifo = old.fifo
+    new.tail = old.tail
+    new.head = old.head
+    new.tree = old.tree
+    new.count = old.count
+    new.weight = old.weight
+    new.where = old.where
+    new.calls = old.calls
+    new.deadline = old.deadline
+    new.stamp = old.stamp
+    return new
+
+
 _NO_BATCHES: PMap[int, int] = pmap()
 
+#: The counters since open, for statistics: fields of `Lanes` that start at 0 and only grow.
+#: `FerryStatistics` reports each under the same name.
+COUNTERS: tuple[str, ...] = (
+    "submitted",
+    "admitted",
+    "rejected",
+    "after_close",
+    "direct_calls",
+    "batches",
+    "inputs_sent",
+    "failed_batches",
+    "dropped",
+    "drained",
+)
 
-@attrs.frozen(slots=False)
-class Lanes(Generic[K, E]):
-    """The whole waiting room: one immutable value. See the module comment for each field."""
+_LANES_FIELDS = (
+    "limits",
+    "lanes",
+    "ready",
+    "ready_head",
+    "waiting",
+    "waiting_size",
+    "queued",
+    "weight",
+    "busy",
+    "closed",
+    "seq",
+    "n_ready",
+    "n_waiting",
+    *COUNTERS,
+    "batch_sizes",
+)
+
+
+class _LanesDraft(Generic[K, E]):
+    """A `Lanes` being built by a transition: the slots and methods of the room, writable."""
+
+    __slots__ = _LANES_FIELDS
 
     limits: Limits
     lanes: LaneMap[K, Lane[E]]
@@ -229,19 +336,17 @@ class Lanes(Generic[K, E]):
     seq: int
     n_ready: int
     n_waiting: int
-    # The counters since open, for statistics: each starts at 0 and only grows. This is the one
-    # place they are listed (`COUNTERS`); `FerryStatistics` reports each under the same name.
-    submitted: int = attrs.field(default=0, metadata=_COUNTER)
-    admitted: int = attrs.field(default=0, metadata=_COUNTER)
-    rejected: int = attrs.field(default=0, metadata=_COUNTER)
-    after_close: int = attrs.field(default=0, metadata=_COUNTER)
-    direct_calls: int = attrs.field(default=0, metadata=_COUNTER)
-    batches: int = attrs.field(default=0, metadata=_COUNTER)
-    inputs_sent: int = attrs.field(default=0, metadata=_COUNTER)
-    failed_batches: int = attrs.field(default=0, metadata=_COUNTER)
-    dropped: int = attrs.field(default=0, metadata=_COUNTER)
-    drained: int = attrs.field(default=0, metadata=_COUNTER)
-    batch_sizes: PMap[int, int] = _NO_BATCHES  # batch size -> number of batches of that size
+    submitted: int
+    admitted: int
+    rejected: int
+    after_close: int
+    direct_calls: int
+    batches: int
+    inputs_sent: int
+    failed_batches: int
+    dropped: int
+    drained: int
+    batch_sizes: PMap[int, int]  # batch size -> number of batches of that size
 
     def ready_keys(self) -> list[K]:
         """Keys of the READY lanes, first come first. O(len(ready))."""
@@ -265,24 +370,70 @@ class Lanes(Generic[K, E]):
         out.sort(key=lambda e: (e[0], e[1]))
         return [(d, k) for d, _, k in out]
 
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={getattr(self, name)!r}" for name in _LANES_FIELDS)
+        return f"{type(self).__name__}({fields})"
 
-COUNTERS: tuple[str, ...] = tuple(a.name for a in attrs.fields(Lanes) if a.metadata.get("counter"))
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _LanesDraft):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in _LANES_FIELDS)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@final
+class Lanes(_LanesDraft[K, E]):
+    """The whole waiting room: one immutable value. See the module comment for each field."""
+
+    __slots__ = ()
+    __setattr__ = _refuse_write
+    __delattr__ = _refuse_write
+
+
+def _draft(old: Lanes[K, E]) -> Lanes[K, E]:
+    """A writable copy of `old` (a `_LanesDraft`); freeze it with `new.__class__ = Lanes`. O(1)."""
+    new: Lanes[K, E] = _new(_LanesDraft)  # type: ignore[arg-type]
+    new.limits = old.limits
+    new.lanes = old.lanes
+    new.ready = old.ready
+    new.ready_head = old.ready_head
+    new.waiting = old.waiting
+    new.waiting_size = old.waiting_size
+    new.queued = old.queued
+    new.weight = old.weight
+    new.busy = old.busy
+    new.closed = old.closed
+    new.seq = old.seq
+    new.n_ready = old.n_ready
+    new.n_waiting = old.n_waiting
+    new.submitted = old.submitted
+    new.admitted = old.admitted
+    new.rejected = old.rejected
+    new.after_close = old.after_close
+    new.direct_calls = old.direct_calls
+    new.batches = old.batches
+    new.inputs_sent = old.inputs_sent
+    new.failed_batches = old.failed_batches
+    new.dropped = old.dropped
+    new.drained = old.drained
+    new.batch_sizes = old.batch_sizes
+    return new
 
 
 def _evolve(old: R, changes: dict[str, Any]) -> R:
-    """A copy of the frozen record `old` with `changes`: one dict copy (the hand-written evolve)."""
-    d = old.__dict__.copy()
-    d.update(changes)
-    new = _new(type(old))
-    _set_dict(new, "__dict__", d)
-    return new
-
-
-def _evolve_lane(d: dict[str, Any]) -> Lane[Any]:
-    """A lane from the attribute dict `d` (a copy of another lane's, changed): no validation."""
-    new = _new(Lane)
-    _set_dict(new, "__dict__", d)
-    return new
+    """A copy of the record `old` (a `Lanes` or a `Lane`) with `changes`. For tests and cold
+    paths; the transitions write drafts directly."""
+    if isinstance(old, Lanes):
+        new: Any = _draft(old)
+        frozen: type = Lanes
+    else:
+        assert isinstance(old, Lane)
+        new, frozen = _lane_draft(old), Lane
+    for name, value in changes.items():
+        setattr(new, name, value)
+    new.__class__ = frozen
+    return new  # type: ignore[no-any-return]
 
 
 def _lane(
@@ -298,22 +449,21 @@ def _lane(
     deadline: float,
     stamp: int,
 ) -> Lane[Any]:
-    """A lane from all its fields, positionally (no attrs `__init__`: about 3x cheaper)."""
-    return _evolve_lane(
-        {
-            "ranked": ranked,
-            "fifo": fifo,
-            "tail": tail,
-            "head": head,
-            "tree": tree,
-            "count": count,
-            "weight": weight,
-            "where": where,
-            "calls": calls,
-            "deadline": deadline,
-            "stamp": stamp,
-        }
-    )
+    """A lane from all its fields, positionally."""
+    new: Lane[Any] = _new(_LaneDraft)  # type: ignore[arg-type]
+    new.ranked = ranked
+    new.fifo = fifo
+    new.tail = tail
+    new.head = head
+    new.tree = tree
+    new.count = count
+    new.weight = weight
+    new.where = where
+    new.calls = calls
+    new.deadline = deadline
+    new.stamp = stamp
+    new.__class__ = Lane
+    return new
 
 
 def _busy_lane(calls: int) -> Lane[Any]:
@@ -326,21 +476,25 @@ _CLAIMED = _busy_lane(1)  # immutable, so every claimed key can share it
 
 def empty(limits: Limits) -> Lanes[Any, Any]:
     """A new, open, empty room. O(1)."""
-    return Lanes(
-        limits=limits,
-        lanes=immutables.Map() if limits.one_in_flight else OneLane(),
-        ready=EMPTY_ARRAY,
-        ready_head=0,
-        waiting=EMPTY_ARRAY,
-        waiting_size=0,
-        queued=0,
-        weight=0.0,
-        busy=0,
-        closed=False,
-        seq=0,
-        n_ready=0,
-        n_waiting=0,
-    )
+    new: Lanes[Any, Any] = _new(_LanesDraft)  # type: ignore[arg-type]
+    new.limits = limits
+    new.lanes = immutables.Map() if limits.one_in_flight else OneLane()
+    new.ready = EMPTY_ARRAY
+    new.ready_head = 0
+    new.waiting = EMPTY_ARRAY
+    new.waiting_size = 0
+    new.queued = 0
+    new.weight = 0.0
+    new.busy = 0
+    new.closed = False
+    new.seq = 0
+    new.n_ready = 0
+    new.n_waiting = 0
+    for name in COUNTERS:
+        setattr(new, name, 0)
+    new.batch_sizes = _NO_BATCHES
+    new.__class__ = Lanes
+    return new
 
 
 def _purge(heap: Array[int, Any], size: int, lanes: Any) -> tuple[Array[int, Any], int]:
@@ -391,8 +545,11 @@ def admit(
     """
     limits = state.limits
     if state.closed:
-        counts = {"submitted": state.submitted + 1, "after_close": state.after_close + 1}
-        return _evolve(state, counts), Admission.CLOSED, None
+        new = _draft(state)
+        new.submitted = state.submitted + 1
+        new.after_close = state.after_close + 1
+        new.__class__ = Lanes
+        return new, Admission.CLOSED, None
     lanes = state.lanes
     lane = lanes.get(key)
     if (
@@ -404,18 +561,21 @@ def admit(
         return _claim(state, key), Admission.CLAIMED, None
     new_weight = state.weight + weight
     if state.queued >= limits.max_queueing or new_weight > limits.max_queued_weight:
-        counts = {"submitted": state.submitted + 1, "rejected": state.rejected + 1}
-        return _evolve(state, counts), Admission.REJECTED, None
+        new = _draft(state)
+        new.submitted = state.submitted + 1
+        new.rejected = state.rejected + 1
+        new.__class__ = Lanes
+        return new, Admission.REJECTED, None
 
     seq = state.seq
     item: Item[E] = _new_tuple(Item, (entry, weight, now, rank, seq))
-    changes: dict[str, Any] = {
-        "submitted": state.submitted + 1,
-        "admitted": state.admitted + 1,
-        "queued": state.queued + 1,
-        "weight": new_weight,
-        "seq": seq + 1,
-    }
+    new = _draft(state)
+    new.submitted = state.submitted + 1
+    new.admitted = state.admitted + 1
+    new.queued = state.queued + 1
+    new.weight = new_weight
+    new.seq = seq + 1
+    purge = False
     if lane is None or lane.count == 0:
         ranked = rank is not None
         calls = 0 if lane is None else lane.calls
@@ -430,89 +590,80 @@ def admit(
             )
         else:
             deadline = now + limits.max_batch_delay
-            where, stamp = _queue_new(state, changes, key, weight, deadline)
+            where, stamp = _queue_new(new, key, weight, deadline)
             new_lane = _lane(
                 ranked, EMPTY_VECTOR, tail, 0, tree, 1, weight, where, calls, deadline, stamp
             )
     else:
         assert lane.ranked == (rank is not None), "a lane holds ranked or rank-free items, not both"
-        d = lane.__dict__.copy()
+        new_lane = _lane_draft(lane)
         if lane.ranked:
-            d["tree"] = treap_insert(lane.tree, (rank, seq), treap_priority(seq), item)
+            new_lane.tree = treap_insert(lane.tree, (rank, seq), treap_priority(seq), item)
         else:
             tail = lane.tail
+            # A concatenation, not `(*tail, item)`: that builds a list first (a third more).
             if len(tail) < CHUNK - 1:
-                d["tail"] = (*tail, item)
+                new_lane.tail = tail + (item,)  # noqa: RUF005
             else:
-                d["fifo"], d["tail"] = lane.fifo.append((*tail, item)), ()
-        count = d["count"] = lane.count + 1
-        lane_weight = d["weight"] = lane.weight + weight
+                new_lane.fifo, new_lane.tail = lane.fifo.append(tail + (item,)), ()  # noqa: RUF005
+        count = new_lane.count = lane.count + 1
+        lane_weight = new_lane.weight = lane.weight + weight
         if lane.where == WAITING:
             deadline = now + limits.max_batch_delay
             if count >= limits.max_batch_size or lane_weight >= limits.max_batch_weight:
                 seq += 1
-                d["stamp"] = seq
-                d["where"] = READY
-                changes["ready"] = queue_push(state.ready, state.ready_head, (seq, key))
-                changes["n_ready"] = state.n_ready + 1
-                changes["n_waiting"] = state.n_waiting - 1
-                changes["seq"] = seq + 1
-                changes["_dirty"] = True
+                new_lane.stamp = seq
+                new_lane.where = READY
+                new.ready = queue_push(state.ready, state.ready_head, (seq, key))
+                new.n_ready = state.n_ready + 1
+                new.n_waiting = state.n_waiting - 1
+                new.seq = seq + 1
+                purge = True
             elif deadline < lane.deadline:
                 seq += 1
-                d["stamp"] = seq
-                d["deadline"] = deadline
-                changes["waiting"] = heap_push(
-                    state.waiting, state.waiting_size, (deadline, seq, key)
-                )
-                changes["waiting_size"] = state.waiting_size + 1
-                changes["seq"] = seq + 1
-                changes["_dirty"] = True
-        new_lane = _evolve_lane(d)
-    changes["lanes"] = lanes.set(key, new_lane)
-    if changes.pop("_dirty", False):
-        changes["waiting"], changes["waiting_size"] = _purge(
-            changes.get("waiting", state.waiting),
-            changes.get("waiting_size", state.waiting_size),
-            changes["lanes"],
-        )
-    return _evolve(state, changes), Admission.ADMITTED, item
+                new_lane.stamp = seq
+                new_lane.deadline = deadline
+                new.waiting = heap_push(state.waiting, state.waiting_size, (deadline, seq, key))
+                new.waiting_size = state.waiting_size + 1
+                new.seq = seq + 1
+                purge = True
+        new_lane.__class__ = Lane
+    new.lanes = lanes = lanes.set(key, new_lane)
+    if purge:
+        new.waiting, new.waiting_size = _purge(new.waiting, new.waiting_size, lanes)
+    new.__class__ = Lanes
+    return new, Admission.ADMITTED, item
 
 
-def _queue_new(
-    state: Lanes[Any, Any], changes: dict[str, Any], key: Any, weight: float, deadline: float
-) -> tuple[int, int]:
-    """Queue a lane that just got its first input: READY if due or full, else WAITING.
-
-    Returns the lane's new (where, stamp). O(1) on average, O(log n) at worst.
+def _queue_new(new: Lanes[Any, Any], key: Any, weight: float, deadline: float) -> tuple[int, int]:
+    """Queue a lane that just got its first input, in the draft `new`: READY if due or full,
+    else WAITING. Returns the lane's new (where, stamp). O(1) on average, O(log n) at worst.
     """
-    limits = state.limits
-    stamp = changes["seq"]
-    changes["seq"] = stamp + 1
+    limits = new.limits
+    stamp = new.seq
+    new.seq = stamp + 1
     if (
         limits.max_batch_delay == 0
         or limits.max_batch_size == 1
         or weight >= limits.max_batch_weight
     ):
-        changes["ready"] = queue_push(state.ready, state.ready_head, (stamp, key))
-        changes["n_ready"] = state.n_ready + 1
+        new.ready = queue_push(new.ready, new.ready_head, (stamp, key))
+        new.n_ready += 1
         return READY, stamp
-    changes["waiting"] = heap_push(state.waiting, state.waiting_size, (deadline, stamp, key))
-    changes["waiting_size"] = state.waiting_size + 1
-    changes["n_waiting"] = state.n_waiting + 1
+    new.waiting = heap_push(new.waiting, new.waiting_size, (deadline, stamp, key))
+    new.waiting_size += 1
+    new.n_waiting += 1
     return WAITING, stamp
 
 
 def _claim(state: Lanes[K, E], key: K) -> Lanes[K, E]:
-    return _evolve(
-        state,
-        {
-            "lanes": state.lanes.set(key, _CLAIMED),
-            "busy": state.busy + 1,
-            "direct_calls": state.direct_calls + 1,
-            "submitted": state.submitted + 1,
-        },
-    )
+    new = _draft(state)
+    new.lanes = state.lanes.set(key, _CLAIMED)
+    new.busy = state.busy + 1
+    new.direct_calls = state.direct_calls + 1
+    new.submitted = state.submitted + 1
+    new.__class__ = Lanes
+    return new
 
 
 def claim(state: Lanes[K, E], key: K) -> Lanes[K, E]:
@@ -527,41 +678,31 @@ def claim(state: Lanes[K, E], key: K) -> Lanes[K, E]:
     return _claim(state, key)
 
 
-def _requeue(
-    state: Lanes[Any, Any],
-    d: dict[str, Any],
-    changes: dict[str, Any],
-    key: Any,
-    now: float,
-) -> None:
-    """Queue the lane in `d` (which has items, is IDLE): tail of READY if due or full, else WAITING.
+def _requeue(new: Lanes[Any, Any], lane: Lane[Any], key: Any, now: float) -> None:
+    """Queue the draft `lane` (which has items, is IDLE) in the draft `new`: tail of READY if due
+    or full, else WAITING.
 
     O(log n), plus O(b) to find the oldest of a partial remainder of b < max_batch_size items.
     """
-    limits = state.limits
-    seq = changes.get("seq", state.seq)
-    changes["seq"] = seq + 1
-    d["stamp"] = seq
-    full = d["count"] >= limits.max_batch_size or d["weight"] >= limits.max_batch_weight
+    limits = new.limits
+    seq = new.seq
+    new.seq = seq + 1
+    lane.stamp = seq
+    full = lane.count >= limits.max_batch_size or lane.weight >= limits.max_batch_weight
     deadline = -math.inf
     if not full and limits.max_batch_delay > 0:
-        deadline = _oldest(_evolve_lane(d)) + limits.max_batch_delay
+        deadline = _oldest(lane) + limits.max_batch_delay
     if full or deadline <= now:
-        d["where"] = READY
-        ready = changes.get("ready", state.ready)
-        changes["ready"] = queue_push(
-            ready, changes.get("ready_head", state.ready_head), (seq, key)
-        )
-        changes["n_ready"] = changes.get("n_ready", state.n_ready) + 1
+        lane.where = READY
+        new.ready = queue_push(new.ready, new.ready_head, (seq, key))
+        new.n_ready += 1
     else:
-        d["where"] = WAITING
-        d["deadline"] = deadline
-        size = changes.get("waiting_size", state.waiting_size)
-        changes["waiting"] = heap_push(
-            changes.get("waiting", state.waiting), size, (deadline, seq, key)
-        )
-        changes["waiting_size"] = size + 1
-        changes["n_waiting"] = changes.get("n_waiting", state.n_waiting) + 1
+        lane.where = WAITING
+        lane.deadline = deadline
+        size = new.waiting_size
+        new.waiting = heap_push(new.waiting, size, (deadline, seq, key))
+        new.waiting_size = size + 1
+        new.n_waiting += 1
 
 
 def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | None]:
@@ -582,43 +723,41 @@ def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | Non
         return state, None  # no call may start before one ends
     lanes = state.lanes
     heap, size = state.waiting, state.waiting_size
-    changes: dict[str, Any] = {}
     updated: dict[K, Lane[E]] = {}  # lanes promoted in this call, written once at the end
+    new: Lanes[K, E] | None = None
+    n_ready = state.n_ready
     if size and heap[0][0] <= now:
+        new = _draft(state)
         ready = state.ready
-        n_ready, n_waiting, seq = state.n_ready, state.n_waiting, state.seq
+        n_waiting, seq = state.n_waiting, state.seq
         while size and heap[0][0] <= now:
             _, stamp, key = heap[0]
             heap = heap_pop(heap, size)
             size -= 1
             lane = lanes.get(key)  # a dead entry never matches, even for a lane promoted here
             if lane is not None and lane.stamp == stamp and lane.where == WAITING:
-                d = lane.__dict__.copy()
-                d["where"] = READY
-                d["stamp"] = seq
+                promoted = _lane_draft(lane)
+                promoted.where = READY
+                promoted.stamp = seq
+                promoted.__class__ = Lane
                 ready = queue_push(ready, state.ready_head, (seq, key))
                 seq += 1
                 n_ready += 1
                 n_waiting -= 1
-                updated[key] = _evolve_lane(d)
-        changes.update(
-            ready=ready,
-            n_ready=n_ready,
-            n_waiting=n_waiting,
-            seq=seq,
-            waiting=heap,
-            waiting_size=size,
-        )
-        heap, size = _purge(heap, size, lanes)
-        changes["waiting"], changes["waiting_size"] = heap, size
-    if not changes.get("n_ready", state.n_ready):
-        if not changes:
+                updated[key] = promoted
+        new.ready, new.n_ready, new.n_waiting, new.seq = ready, n_ready, n_waiting, seq
+        new.waiting, new.waiting_size = _purge(heap, size, lanes)
+    if not n_ready:
+        if new is None:
             return state, None
-        changes["lanes"] = _write(lanes, updated)
-        return _evolve(state, changes), None
+        new.lanes = _write(lanes, updated)
+        new.__class__ = Lanes
+        return new, None
+    if new is None:
+        new = _draft(state)
 
     # Find the first live READY entry.
-    ready = changes.get("ready", state.ready)
+    ready = new.ready
     first = head = state.ready_head
     while True:
         stamp, key = ready[head]
@@ -626,23 +765,23 @@ def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | Non
         lane = updated.get(key) or lanes.get(key)
         if lane is not None and lane.stamp == stamp and lane.where == READY:
             break
-    changes["ready"] = queue_drop(ready, first, head)  # the dead entries passed, and this one
-    changes["ready_head"] = head
+    new.ready = queue_drop(ready, first, head)  # the dead entries passed, and this one
+    new.ready_head = head
 
     max_size, max_weight = limits.max_batch_size, limits.max_batch_weight
     out: list[Item[E]] = []
     total = 0.0
-    d = lane.__dict__.copy()
+    taken_lane = _lane_draft(lane)
     if lane.ranked:
         tree = lane.tree
         while tree is not None and len(out) < max_size:
-            first = treap_min(tree)
-            if out and total + first.weight > max_weight:
+            first_item = treap_min(tree)
+            if out and total + first_item.weight > max_weight:
                 break
             _, tree = treap_pop_min(tree)
-            out.append(first)
-            total += first.weight
-        d["tree"] = tree
+            out.append(first_item)
+            total += first_item.weight
+        taken_lane.tree = tree
     else:
         fifo, tail = lane.fifo, lane.tail
         i = lane.head
@@ -655,30 +794,31 @@ def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | Non
             out.append(it)
             total += it.weight
             i += 1
-        d["fifo"], d["head"] = fifo_trim(fifo, i)
+        taken_lane.fifo, taken_lane.head = fifo_trim(fifo, i)
     taken = len(out)
-    count = d["count"] = lane.count - taken
+    count = taken_lane.count = lane.count - taken
     if count == 0:
-        d.update(fifo=EMPTY_VECTOR, tail=(), head=0, tree=None, weight=0.0)
+        taken_lane.fifo, taken_lane.tail, taken_lane.head = EMPTY_VECTOR, (), 0
+        taken_lane.tree, taken_lane.weight = None, 0.0
     else:
-        d["weight"] = lane.weight - total
-    d["where"] = IDLE
-    d["calls"] = lane.calls + 1
-    changes["n_ready"] = changes.get("n_ready", state.n_ready) - 1
+        taken_lane.weight = lane.weight - total
+    taken_lane.where = IDLE
+    taken_lane.calls = lane.calls + 1
+    new.n_ready = n_ready - 1
     if count and not limits.one_in_flight:
-        _requeue(state, d, changes, key, now)
-    updated[key] = _evolve_lane(d)
+        _requeue(new, taken_lane, key, now)
+    taken_lane.__class__ = Lane
+    updated[key] = taken_lane
     queued = state.queued - taken
-    changes.update(
-        lanes=_write(lanes, updated),
-        queued=queued,
-        weight=state.weight - total if queued else 0.0,
-        busy=state.busy + 1,
-        batches=state.batches + 1,
-        inputs_sent=state.inputs_sent + taken,
-        batch_sizes=state.batch_sizes.set(taken, state.batch_sizes.get(taken, 0) + 1),
-    )
-    return _evolve(state, changes), Batch(key, tuple(out))
+    new.lanes = _write(lanes, updated)
+    new.queued = queued
+    new.weight = state.weight - total if queued else 0.0
+    new.busy = state.busy + 1
+    new.batches = state.batches + 1
+    new.inputs_sent = state.inputs_sent + taken
+    new.batch_sizes = state.batch_sizes.set(taken, state.batch_sizes.get(taken, 0) + 1)
+    new.__class__ = Lanes
+    return new, Batch(key, tuple(out))
 
 
 def _write(lanes: LaneMap[K, Lane[E]], updated: dict[K, Lane[E]]) -> LaneMap[K, Lane[E]]:
@@ -704,21 +844,25 @@ def release(state: Lanes[K, E], key: K, now: float, *, failed: bool = False) -> 
 
     Cost: O(log n), plus O(b) to find the oldest input of a partial remainder of b inputs.
     """
-    lane = state.lanes.get(key)
+    lanes = state.lanes
+    lane = lanes.get(key)
     assert lane is not None and lane.calls > 0, f"release of {key!r} with no call in flight"
-    changes: dict[str, Any] = {"busy": state.busy - 1}
+    new = _draft(state)
+    new.busy = state.busy - 1
     if failed:
-        changes["failed_batches"] = state.failed_batches + 1
+        new.failed_batches = state.failed_batches + 1
     calls = lane.calls - 1
     if calls == 0 and lane.count == 0:
-        changes["lanes"] = state.lanes.delete(key)
-        return _evolve(state, changes)
-    d = lane.__dict__.copy()
-    d["calls"] = calls
-    if lane.count and lane.where == IDLE and (calls == 0 or not state.limits.one_in_flight):
-        _requeue(state, d, changes, key, now)
-    changes["lanes"] = state.lanes.set(key, _evolve_lane(d))
-    return _evolve(state, changes)
+        new.lanes = lanes.delete(key)
+    else:
+        released = _lane_draft(lane)
+        released.calls = calls
+        if lane.count and lane.where == IDLE and (calls == 0 or not state.limits.one_in_flight):
+            _requeue(new, released, key, now)
+        released.__class__ = Lane
+        new.lanes = lanes.set(key, released)
+    new.__class__ = Lanes
+    return new
 
 
 def cancel(state: Lanes[K, E], key: K, item: Item[E]) -> tuple[Lanes[K, E], bool]:
@@ -731,15 +875,16 @@ def cancel(state: Lanes[K, E], key: K, item: Item[E]) -> tuple[Lanes[K, E], bool
     Cost: O(log n): a binary search on arrival order (rank-free) or a treap delete (ranked);
     rank-free lanes compact their tombstones when they outnumber the live items (amortized O(1)).
     """
-    lane = state.lanes.get(key)
+    lanes = state.lanes
+    lane = lanes.get(key)
     if lane is None or lane.count == 0:
         return state, False
-    d = lane.__dict__.copy()
     if lane.ranked:
         tree, found = treap_delete(lane.tree, (item.rank, item.seq))
         if not found:
             return state, False
-        d["tree"] = tree
+        smaller = _lane_draft(lane)
+        smaller.tree = tree
     else:
         fifo, tail = lane.fifo, lane.tail
         n = (len(fifo) << SHIFT) + len(tail)
@@ -753,39 +898,41 @@ def cancel(state: Lanes[K, E], key: K, item: Item[E]) -> tuple[Lanes[K, E], bool
                 hi = mid
         if lo == n or fifo_get(fifo, tail, lo) is not item:
             return state, False
+        smaller = _lane_draft(lane)
         fifo, tail = fifo_set(fifo, tail, lo, Tombstone(seq))
         live = lane.count - 1
         if live and n - lane.head > 2 * live + CHUNK:
             live_items = [it for it in fifo_iter(fifo, tail, lane.head) if type(it) is Item]
             fifo, tail = fifo_build(live_items)
-            d["head"] = 0
-        d["fifo"], d["tail"] = fifo, tail
-    count = d["count"] = lane.count - 1
+            smaller.head = 0
+        smaller.fifo, smaller.tail = fifo, tail
+    count = smaller.count = lane.count - 1
     queued = state.queued - 1
-    changes: dict[str, Any] = {
-        "queued": queued,
-        "weight": state.weight - item.weight if queued else 0.0,
-        "dropped": state.dropped + 1,
-    }
+    new = _draft(state)
+    new.queued = queued
+    new.weight = state.weight - item.weight if queued else 0.0
+    new.dropped = state.dropped + 1
     if count == 0:
         if lane.where == READY:
-            changes["n_ready"] = state.n_ready - 1
+            new.n_ready = state.n_ready - 1
         elif lane.where == WAITING:
-            changes["n_waiting"] = state.n_waiting - 1
+            new.n_waiting = state.n_waiting - 1
         if lane.calls == 0:
-            lanes = state.lanes.delete(key)
+            lanes = lanes.delete(key)
         else:
-            d.update(fifo=EMPTY_VECTOR, tail=(), head=0, tree=None, weight=0.0, where=IDLE)
-            lanes = state.lanes.set(key, _evolve_lane(d))
+            smaller.fifo, smaller.tail, smaller.head = EMPTY_VECTOR, (), 0
+            smaller.tree, smaller.weight, smaller.where = None, 0.0, IDLE
+            smaller.__class__ = Lane
+            lanes = lanes.set(key, smaller)
         if lane.where == WAITING:
-            changes["waiting"], changes["waiting_size"] = _purge(
-                state.waiting, state.waiting_size, lanes
-            )
+            new.waiting, new.waiting_size = _purge(state.waiting, state.waiting_size, lanes)
     else:
-        d["weight"] = lane.weight - item.weight
-        lanes = state.lanes.set(key, _evolve_lane(d))
-    changes["lanes"] = lanes
-    return _evolve(state, changes), True
+        smaller.weight = lane.weight - item.weight
+        smaller.__class__ = Lane
+        lanes = lanes.set(key, smaller)
+    new.lanes = lanes
+    new.__class__ = Lanes
+    return new, True
 
 
 def drain(state: Lanes[K, E]) -> tuple[Lanes[K, E], list[Item[E]]]:
@@ -804,25 +951,16 @@ def drain(state: Lanes[K, E]) -> tuple[Lanes[K, E], list[Item[E]]]:
                 lanes.set(key, _busy_lane(lane.calls))
         else:
             del lanes[key]
-    return (
-        _evolve(
-            state,
-            {
-                "closed": True,
-                "lanes": lanes.finish(),
-                "ready": EMPTY_ARRAY,
-                "ready_head": 0,
-                "waiting": EMPTY_ARRAY,
-                "waiting_size": 0,
-                "n_ready": 0,
-                "n_waiting": 0,
-                "queued": 0,
-                "weight": 0.0,
-                "drained": state.drained + len(out),
-            },
-        ),
-        out,
-    )
+    new = _draft(state)
+    new.closed = True
+    new.lanes = lanes.finish()
+    new.ready, new.ready_head = EMPTY_ARRAY, 0
+    new.waiting, new.waiting_size = EMPTY_ARRAY, 0
+    new.n_ready = new.n_waiting = new.queued = 0
+    new.weight = 0.0
+    new.drained = state.drained + len(out)
+    new.__class__ = Lanes
+    return new, out
 
 
 def next_deadline(state: Lanes[Any, Any]) -> float | None:
@@ -835,11 +973,13 @@ def next_deadline(state: Lanes[Any, Any]) -> float | None:
 
 def check_invariants(state: Lanes[Any, Any]) -> None:
     """Assert every invariant of the room; AssertionError names the first broken one. O(n)."""
+    assert type(state) is Lanes, "a draft of the room escaped its transition"
     limits = state.limits
     queued = busy = 0
     weight = 0.0
     n_ready = n_waiting = 0
     for key, lane in state.lanes.items():
+        assert type(lane) is Lane, f"{key!r}: a draft of its lane escaped a transition"
         items = lane.items()
         assert lane.count == len(items), f"{key!r}: count {lane.count} != {len(items)} items"
         lane_weight = sum(it.weight for it in items)

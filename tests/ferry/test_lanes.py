@@ -392,11 +392,27 @@ def test_old_states_are_never_modified() -> None:
 def test_records_are_frozen() -> None:
     s, (_, item) = _admit(empty(Limits()), "a", 1)
     with pytest.raises(AttributeError):
-        s.queued = 5  # type: ignore[misc]
+        s.queued = 5
     with pytest.raises(AttributeError):
-        s.lanes["a"].count = 5  # type: ignore[misc]
+        s.lanes["a"].count = 5
     with pytest.raises(AttributeError):
         item.weight = 3.0
+    with pytest.raises(AttributeError):
+        del s.queued
+
+
+def test_a_draft_copies_every_field_and_check_invariants_catches_an_escaped_draft() -> None:
+    s, _ = _admit(empty(Limits()), "a", 1)
+    draft, lane = core._draft(s), core._lane_draft(s.lanes["a"])
+    assert draft == s and lane == s.lanes["a"]  # equality compares every slot
+    kinds: tuple[type, type] = (type(draft), type(lane))
+    assert kinds == (core._LanesDraft, core._LaneDraft)
+    draft.lanes = s.lanes.set("a", lane)
+    with pytest.raises(AssertionError, match="draft of the room"):
+        check_invariants(draft)
+    draft.__class__ = core.Lanes
+    with pytest.raises(AssertionError, match="draft of its lane"):
+        check_invariants(draft)
 
 
 @pytest.mark.parametrize(
