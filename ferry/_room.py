@@ -56,12 +56,13 @@ def rings(old: Lanes[Any, Any], new: Lanes[Any, Any]) -> bool:
     return _earlier(_lanes.next_deadline(new), _lanes.next_deadline(old))
 
 
-# ---- the transaction functions: (old state, *args) -> (new state, result, ring) ---------------
+# ---- the transaction functions: (old state, args) -> (new state, result, ring) ----------------
 
 
 def _admit(
-    old: Lanes[K, E], key: K, entry: E, weight: float, rank: Any, now: float
+    old: Lanes[K, E], args: tuple[K, E, float, Any, float]
 ) -> tuple[Lanes[K, E], tuple[Admission, Item[E] | None], bool]:
+    key, entry, weight, rank, now = args
     try:
         new, admission, item = _lanes.admit(old, key, entry, weight=weight, rank=rank, now=now)
     except TypeError as exc:
@@ -71,7 +72,8 @@ def _admit(
             f"rank(x) returned {rank!r}, which does not compare with the ranks already "
             f"waiting for key {key!r}: {exc}"
         ) from exc
-    return new, (admission, item), rings(old, new)
+    # Only an admitted input can make work: a claim, a refusal or a count after close cannot.
+    return new, (admission, item), admission is Admission.ADMITTED and rings(old, new)
 
 
 def _take(old: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | None, bool]:
@@ -81,17 +83,18 @@ def _take(old: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | None
     return new, batch, bool(new.n_ready) and new.busy < new.limits.max_in_flight
 
 
-def _release(old: Lanes[K, E], key: K, now: float, failed: bool) -> tuple[Lanes[K, E], None, bool]:
+def _release(old: Lanes[K, E], args: tuple[K, float, bool]) -> tuple[Lanes[K, E], None, bool]:
+    key, now, failed = args
     new = _lanes.release(old, key, now, failed=failed)
     return new, None, rings(old, new)
 
 
-def _cancel(old: Lanes[K, E], key: K, item: Item[E]) -> tuple[Lanes[K, E], bool, bool]:
-    new, dropped = _lanes.cancel(old, key, item)
+def _cancel(old: Lanes[K, E], args: tuple[K, Item[E]]) -> tuple[Lanes[K, E], bool, bool]:
+    new, dropped = _lanes.cancel(old, *args)
     return new, dropped, False
 
 
-def _drain(old: Lanes[K, E]) -> tuple[Lanes[K, E], list[Item[E]], bool]:
+def _drain(old: Lanes[K, E], _: None) -> tuple[Lanes[K, E], list[Item[E]], bool]:
     new, drained = _lanes.drain(old)
     return new, drained, False
 
@@ -117,7 +120,7 @@ class Room(Generic[K, E]):
         self, key: K, entry: E, weight: float, rank: Any, now: float
     ) -> tuple[Admission, Item[E] | None]:
         """`_lanes.admit`; a rank that does not compare with its lane's is a clear TypeError."""
-        return _update(self.state, self.bell, _admit, key, entry, weight, rank, now)
+        return _update(self.state, self.bell, _admit, (key, entry, weight, rank, now))
 
     def take(self, now: float) -> Batch[K, E] | None:
         """`_lanes.take`: a batch, now owned by the caller; None if nothing is ready (or
@@ -130,15 +133,15 @@ class Room(Generic[K, E]):
 
     def release(self, key: K, now: float, failed: bool) -> None:
         """`_lanes.release`: the call for `key` is over."""
-        _update(self.state, self.bell, _release, key, now, failed)
+        _update(self.state, self.bell, _release, (key, now, failed))
 
     def cancel(self, key: K, item: Item[E]) -> bool:
         """`_lanes.cancel`: drop a waiting input; False (and no write) if it is not waiting."""
-        return _update(self.state, self.bell, _cancel, key, item)
+        return _update(self.state, self.bell, _cancel, (key, item))
 
     def drain(self) -> list[Item[E]]:
         """`_lanes.drain`: close the room and return every waiting input."""
-        return _update(self.state, self.bell, _drain)
+        return _update(self.state, self.bell, _drain, None)
 
     def sleep(self, rung: int) -> None:
         """Transaction function: block (`stm.retry`) until the bell has rung since it read

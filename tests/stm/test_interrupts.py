@@ -208,7 +208,7 @@ def _update_once(at: int | None) -> tuple[_Interrupter, bool]:
     pair, bell = TVar((100, 0)), TVar(0)
     on_pair, on_both = _wait_on(pair), _wait_on(pair, bell)
 
-    def transfer(old: tuple[int, int]) -> tuple[tuple[int, int], str, bool]:
+    def transfer(old: tuple[int, int], _: None) -> tuple[tuple[int, int], str, bool]:
         return (old[0] - 10, old[1] + 10), "done", True
 
     interrupter = _Interrupter(at)
@@ -217,7 +217,7 @@ def _update_once(at: int | None) -> tuple[_Interrupter, bool]:
         previous = sys.gettrace()
         sys.settrace(interrupter.trace_calls)
         try:
-            assert _txn.update(pair, bell, transfer) == "done"
+            assert _txn.update(pair, bell, transfer, None) == "done"
         finally:
             sys.settrace(previous)
         await trio.lowlevel.checkpoint()  # where a protected stretch's Ctrl-C is delivered

@@ -27,8 +27,8 @@ def busy_switching() -> Iterator[None]:
     sys.setswitchinterval(old)
 
 
-def _add(n: int, *, ring: bool = False) -> Callable[[int], tuple[int, int, bool]]:
-    def fn(old: int) -> tuple[int, int, bool]:
+def _add(n: int, *, ring: bool = False) -> Callable[[int, None], tuple[int, int, bool]]:
+    def fn(old: int, _: None) -> tuple[int, int, bool]:
         return old + n, old, ring
 
     return fn
@@ -39,9 +39,9 @@ def test_installs_the_new_value_returns_the_result_and_rings_in_the_same_commit(
 ) -> None:
     tv, bell = TVar(1), TVar(0)
     clock = _txn._clock
-    assert _txn.update(tv, bell, _add(2)) == 1
+    assert _txn.update(tv, bell, _add(2), None) == 1
     assert (tv.peek(), bell.peek()) == (3, 0)
-    assert _txn.update(tv, bell, _add(2, ring=True)) == 3
+    assert _txn.update(tv, bell, _add(2, ring=True), None) == 3
     assert (tv.peek(), bell.peek()) == (5, 1)
     assert tv._state[0] == bell._state[0] == _txn._clock == clock + 2
     assert delta()["commits"] == 2
@@ -52,7 +52,7 @@ def test_returning_the_old_value_without_a_ring_is_read_only(
 ) -> None:
     tv, bell = TVar([1]), TVar(0)
     clock, state = _txn._clock, tv._state
-    assert _txn.update(tv, bell, lambda old: (old, len(old), False)) == 1
+    assert _txn.update(tv, bell, lambda old, _: (old, len(old), False), None) == 1
     assert tv._state is state and _txn._clock == clock
     assert delta() == {
         "commits": 0,
@@ -62,7 +62,7 @@ def test_returning_the_old_value_without_a_ring_is_read_only(
         "wakeups": 0,
         "irrevocable_runs": 0,
     }
-    _txn.update(tv, bell, lambda old: (old, None, True))  # a ring alone is a write
+    _txn.update(tv, bell, lambda old, _: (old, None, True), None)  # a ring alone is a write
     assert bell.peek() == 1 and tv._state is not state and tv.peek() is state[1]
 
 
@@ -70,11 +70,11 @@ def test_an_exception_from_fn_propagates_and_nothing_is_written() -> None:
     tv, bell = TVar(1), TVar(0)
     state, clock = tv._state, _txn._clock
 
-    def boom(old: int) -> tuple[int, None, bool]:
+    def boom(old: int, _: None) -> tuple[int, None, bool]:
         raise KeyError(old)
 
     with pytest.raises(KeyError):
-        _txn.update(tv, bell, boom)
+        _txn.update(tv, bell, boom, None)
     assert tv._state is state and bell.peek() == 0 and _txn._clock == clock
     assert not _txn._lock.locked()
 
@@ -85,13 +85,13 @@ def test_a_commit_between_read_and_install_reruns_fn_on_the_new_value(
     tv, bell = TVar(0), TVar(0)
     seen: list[int] = []
 
-    def fn(old: int) -> tuple[int, None, bool]:
+    def fn(old: int, _: None) -> tuple[int, None, bool]:
         seen.append(old)
         if len(seen) == 1:
             stm.atomically_nowait(tv.set, 100)  # another commit lands meanwhile
         return old + 1, None, False
 
-    _txn.update(tv, bell, fn)
+    _txn.update(tv, bell, fn, None)
     assert seen == [0, 100] and tv.peek() == 101
     assert delta()["conflicts"] == 1
 
@@ -102,14 +102,14 @@ def test_after_max_conflicts_fn_runs_holding_the_lock_and_cannot_lose(
     tv, bell = TVar(0), TVar(0)
     calls: list[bool] = []
 
-    def fn(old: int) -> tuple[int, int, bool]:
+    def fn(old: int, _: None) -> tuple[int, int, bool]:
         locked = _txn._lock.locked()
         calls.append(locked)
         if not locked:
             stm.atomically_nowait(tv.modify, lambda v: v + 1000)  # always beaten
         return old + 1, old, False
 
-    result = _txn.update(tv, bell, fn)
+    result = _txn.update(tv, bell, fn, None)
     assert calls == [False] * _txn.MAX_CONFLICTS + [True]
     assert result == 1000 * _txn.MAX_CONFLICTS and tv.peek() == result + 1
     d = delta()
@@ -119,19 +119,19 @@ def test_after_max_conflicts_fn_runs_holding_the_lock_and_cannot_lose(
 def test_the_irrevocable_run_releases_the_lock_when_fn_raises() -> None:
     tv, bell = TVar(0), TVar(0)
 
-    def fn(old: int) -> tuple[int, None, bool]:
+    def fn(old: int, _: None) -> tuple[int, None, bool]:
         if _txn._lock.locked():
             raise ValueError("in the irrevocable run")
         stm.atomically_nowait(tv.modify, lambda v: v + 1)
         return old, None, True
 
     with pytest.raises(ValueError):
-        _txn.update(tv, bell, fn)
+        _txn.update(tv, bell, fn, None)
     assert not _txn._lock.locked() and bell.peek() == 0
 
 
 class _Counted:
-    """`_txn.update(tv, bell, _slow_increment)`, counting the calls that returned."""
+    """`_txn.update(tv, bell, _slow_increment, None)`, counting the calls that returned."""
 
     def __init__(self, tv: TVar[int]) -> None:
         self.tv, self.bell = tv, TVar(0)
@@ -139,14 +139,14 @@ class _Counted:
         self.lock = threading.Lock()
 
     def __call__(self) -> None:
-        _txn.update(self.tv, self.bell, _slow_increment)
+        _txn.update(self.tv, self.bell, _slow_increment, None)
         with self.lock:
             self.calls += 1
 
 
-def _slow_increment(old: int) -> tuple[int, None, bool]:
+def _slow_increment(old: int, _: None) -> tuple[int, None, bool]:
     total = old
-    for _ in range(20):  # a window for another thread to commit in
+    for _i in range(20):  # a window for another thread to commit in
         total += 0
     return total + 1, None, False
 
@@ -219,11 +219,11 @@ async def test_a_commit_wakes_the_tasks_blocked_on_the_tvar_or_on_a_bell_it_ring
         nursery.start_soon(wait_value)
         nursery.start_soon(wait_bell)
         await trio.testing.wait_all_tasks_blocked()
-        _txn.update(tv, bell, lambda old: (old, None, False))  # read-only: wakes nobody
+        _txn.update(tv, bell, lambda old, _: (old, None, False), None)  # read-only: wakes nobody
         await trio.testing.wait_all_tasks_blocked()
         assert woke == []
-        _txn.update(tv, bell, _add(1))  # a write without a ring: the value's waiter only
+        _txn.update(tv, bell, _add(1), None)  # a write without a ring: the value's waiter only
         await trio.testing.wait_all_tasks_blocked()
         assert woke == ["value"]
-        _txn.update(tv, bell, lambda old: (old, None, True))
+        _txn.update(tv, bell, lambda old, _: (old, None, True), None)
     assert woke == ["value", "bell"]
