@@ -51,14 +51,15 @@ F = TypeVar("F")
 _thread_id = threading.get_ident
 _reschedule = trio.lowlevel.reschedule
 _Value, _Error = outcome.Value, outcome.Error
+_ADMITTED, _CLAIMED = _lanes.Admission.ADMITTED, _lanes.Admission.CLAIMED
+
+# Test-only: a direct call releases its key as the call starts instead of after it (two calls
+# in flight for one key). tests/ferry/test_planted.py flips it to show its checker catches that.
+_UNSAFE_RELEASE_EARLY = False
 
 # trio counts each task's schedule points (`Task._schedule_points`, what trio.testing's
 # `assert_checkpoints` reads). Where it does not, every direct call adds a schedule point.
 _COUNTED = isinstance(getattr(trio.lowlevel.Task, "_schedule_points", None), MemberDescriptorType)
-
-
-def _schedule_points(task: trio.lowlevel.Task | None) -> int:
-    return -1 if task is None else task._schedule_points
 
 
 # Ctrl-C: the task code below is KI-protected (a KeyboardInterrupt that arrives while it runs goes
@@ -128,12 +129,15 @@ class Shell:
         # while the ferry is open, "same thread" is "same run", and cheaper to check.
         self._thread: int | None = None
         self._timed = limits.max_batch_delay > 0
+        # The run's clock (set at open): `clock.current_time()` is `trio.current_time()` without
+        # the two calls in between.
+        self._clock_now: Callable[[], float] = trio.current_time
         #: the per-key ferry's `(key, weight, rank)` of an input, checked; None for the plain one
         self.classify: Callable[[Any], tuple[Any, float, Any]] | None = None
 
     def _now(self) -> float:
         # Times matter only for deadlines: with zero delay there are none.
-        return trio.current_time() if self._timed else 0.0
+        return self._clock_now() if self._timed else 0.0
 
     # ---------------------------------------------------------------------------------- callers
 
@@ -143,7 +147,8 @@ class Shell:
         Always a checkpoint.
 
         The per-key ferry's `classify(x)` runs first (its errors raise before anything else);
-        then RuntimeError if called outside the run that opened the ferry.
+        then RuntimeError if called outside the run that opened the ferry. A caller that claims
+        an idle key makes its direct call here (one coroutine for both paths: ADR 0033).
         """
         classify = self.classify
         if classify is None:
@@ -156,31 +161,26 @@ class Shell:
         room = self.room
         entry = _Entry(x, key, room)
         admission, entry.item = room.admit(
-            key, entry, weight, rank, trio.current_time() if self._timed else 0.0
+            key, entry, weight, rank, self._clock_now() if self._timed else 0.0
         )
-        if admission is _lanes.Admission.ADMITTED:
+        if admission is _ADMITTED:
             entry.task = trio.lowlevel.current_task()
             return await trio.lowlevel.wait_task_rescheduled(entry)
-        if admission is _lanes.Admission.CLAIMED:
-            return await self._direct(entry)
-        await trio.lowlevel.cancel_shielded_checkpoint()
-        if admission is _lanes.Admission.CLOSED:
-            raise Closed("the ferry is closed")
-        raise Rejected("the waiting room is full; back off and retry, or shed load")
+        if admission is not _CLAIMED:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            if admission is _lanes.Admission.CLOSED:
+                raise Closed("the ferry is closed")
+            raise Rejected("the waiting room is full; back off and retry, or shed load")
 
-    @trio.lowlevel.enable_ki_protection
-    async def _direct(self, entry: _Entry) -> Any:
-        """The caller claimed an idle key: send its input itself, in the ferry's scope.
-
-        The scope is registered so that close can cancel it, and with its start time, so that
-        the timer task can cancel it after `call_timeout` (no deadline per call: ADR 0032).
-        """
-        key, room, scopes = entry.key, self.room, self._direct_scopes
+        # The caller claimed an idle key (per-key ferry, zero delay): it sends its input itself,
+        # in a cancel scope registered so that close can cancel it, with its start time, so that
+        # the timer task can cancel it after `call_timeout` (no deadline per call: ADR 0032).
         # Whether `call` makes a schedule point, trio's own count tells (ADR 0032).
         task = trio.lowlevel.current_task() if _COUNTED else None
-        schedule_points = _schedule_points(task)
+        schedule_points = -1 if task is None else task._schedule_points
+        scopes = self._direct_scopes
         scope = trio.CancelScope()
-        scopes[scope] = trio.current_time() if self._timer else 0.0
+        scopes[scope] = self._clock_now() if self._timer else 0.0
         if self._closing:
             scope.cancel()
         failed = False
@@ -188,7 +188,9 @@ class Shell:
         output: Any = None
         try:
             with scope:
-                aw = self._call([entry.input]) if self._plain else self._call(key, [entry.input])
+                if _UNSAFE_RELEASE_EARLY:  # test-only: the planted bug of test_planted.py
+                    room.release(key, 0.0, False)
+                aw = self._call(key, [x])
                 if type(aw) is CoroutineType or inspect.isawaitable(aw):
                     output = await _unprotected(aw)
                 else:
@@ -199,11 +201,12 @@ class Shell:
                 error = Closed("the ferry closed during this caller's direct call")
         except Exception as exc:
             failed = True
-            error = _failed(exc, key, self._plain)
+            error = _failed(exc, key, False)
         finally:
             if scopes.pop(scope, None) is None:  # the timer took it out: it expired
                 self._expired.discard(scope)
-            room.release(key, self._now(), failed)
+            if not _UNSAFE_RELEASE_EARLY:
+                room.release(key, 0.0, failed)  # zero delay: no deadline to compute
         if error is None:
             if self._extract is None and type(output) is list and len(output) == 1:
                 result = output[0]  # the common shape, on a short path
@@ -215,9 +218,9 @@ class Shell:
                     error = answer.error
                 else:
                     result = answer.unwrap()
-        # `await f(x)` is always a checkpoint: its cancel point was `submit`'s first step; its
-        # schedule point is the call's own, or, if the call never yielded, this one.
-        if _schedule_points(task) == schedule_points:
+        # `await f(x)` is always a checkpoint: its cancel point was the one above; its schedule
+        # point is the call's own, or, if the call never yielded, this one.
+        if task is None or task._schedule_points == schedule_points:
             await trio.lowlevel.cancel_shielded_checkpoint()
         if error is not None:
             raise error
@@ -352,6 +355,7 @@ class Shell:
         """Own the workers for the `async with` block; close as ADR 0005 says when it ends."""
         body_error: BaseException | None = None
         self._thread = _thread_id()
+        self._clock_now = trio.lowlevel.current_clock().current_time
         try:
             async with trio.open_nursery() as nursery:
                 for _ in range(self._workers):
