@@ -14,7 +14,9 @@ $(STAMP): pyproject.toml
 	  rm -rf $(VENV); $(APT) update -qq && $(APT) install -y -qq python3-venv && \
 	  $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	@# -qq: setuptools' editable install prints an informational notice that -q still shows;
+	@# errors are still printed.
+	$(BIN)/python -m pip install --quiet --quiet -e '.[dev]'
 	touch $(STAMP)
 
 test: lint pytest
@@ -33,7 +35,8 @@ postgres-binaries:
 	  $(APT) update -qq && $(APT) install -y -qq --no-install-recommends postgresql; }
 
 demo: $(STAMP)
-	$(BIN)/python examples/ledger.py
+	$(BIN)/python examples/ledger.py --ops 5000
+	$(BIN)/python examples/orders.py
 
 bench: $(STAMP) postgres-binaries
 	$(BIN)/python -m tests.bench

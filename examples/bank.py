@@ -43,9 +43,8 @@ class Bank:
             self.accounts[account].set(have - amount)
             self.vault.modify(lambda v: v + amount)
             return True
-        if trio.current_time() >= deadline:
-            return False
-        stm.retry(deadline=deadline)  # sleep until this account changes, or the deadline
+        stm.retry(deadline=deadline)  # sleep until this account changes, or the deadline...
+        return False  # ...which has passed: retry returned
 
     def audit(self) -> int:
         total = sum(a.get() for a in self.accounts) + self.vault.get()

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
 
 import attrs
 import trio
 
+if not __package__:  # run as a script: make `examples._cli` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import ferry
+from examples import _cli as cli
 
 
 @attrs.frozen
@@ -70,7 +77,7 @@ async def run(requests: int, seed: int) -> None:
                     priority=rnd.randrange(3),
                 )
                 nursery.start_soon(client, prompt)
-        stats = infer.stats()
+        stats = infer.statistics()
     over = sum(1 for t in models.batch_tokens if t > 512)
     print(f"requests: {dict(outcomes)}")
     print(
@@ -81,11 +88,21 @@ async def run(requests: int, seed: int) -> None:
     assert outcomes["answered"] + outcomes["rejected"] == requests
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=3000)
-    parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
+def build_parser() -> argparse.ArgumentParser:
+    parser = cli.parser(__doc__)
+    parser.add_argument(
+        "--requests",
+        metavar="N",
+        type=cli.integer(1),
+        default=3000,
+        help="prompts sent, over half a second",
+    )
+    parser.add_argument("--seed", metavar="N", type=int, default=1, help="workload seed")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     trio.run(run, args.requests, args.seed)
 
 

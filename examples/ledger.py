@@ -1,7 +1,7 @@
 """The ledger demo: many concurrent clients, one per-key ferry, a durable journal, an exact audit.
 
     python examples/ledger.py [--clients 500] [--accounts 100] [--ops 30000] [--seed 1]
-                              [--db PATH | --postgres DSN] [--timeout 10] ...
+                              [--db PATH | --postgres DSN] [--timeout 10] [--json] ...
 
 Simulated clients (trio tasks) send deposits, withdrawals and transfers, each with its own id, to
 a per-key ferry (keyed by the account debited) over `ProjectedWrite` on SQLite (a file in a temp
@@ -10,16 +10,17 @@ on its merits; that refusal is the stored answer. Clients follow the rules of do
 `Failed`, `Rejected`, `Closed` or a timeout they retry with the same id and content.
 
 While it runs, a progress line shows inputs done, rate, batch sizes, rejections and failures.
-At the end a summary gives throughput, batch sizes, latency percentiles and outcomes, and the
-oracle (`examples/ledger_domain.verify`) checks that every balance equals the fold of its journal
-and that every acknowledged input is in the journal exactly once, with the answer its client got.
-The exit code is 1 if it finds anything.
+At the end a summary gives throughput, batch sizes, latency percentiles and outcomes, with a
+legend (`--json`: the same as one JSON object on stdout), and the oracle
+(`examples/ledger_domain.verify`) checks that every balance equals the fold of its journal and
+that every acknowledged input is in the journal exactly once, with the answer its client got.
+The exit code is 1 if it finds anything, 2 for a bad option.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import random
 import sys
 import tempfile
@@ -35,6 +36,7 @@ if not __package__:  # run as a script: make `examples.ledger_domain` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ferry
+from examples import _cli as cli
 from examples import ledger_domain as ledger
 from ferry.projected import PostgresStore, ProjectedWrite, SqliteStore, Store, Tx
 
@@ -182,7 +184,7 @@ class Progress:
         elif now - self.last_time >= 0.5 or not self.tty:
             self.rate = (done - self.last_done) / (now - self.last_time)
             self.last_time, self.last_done = now, done
-        _, mean, _ = batch_summary(self.f.stats())
+        _, mean, _ = batch_summary(self.f.statistics())
         rej, failed = self.tally.retries["rejected"], self.tally.retries["failed"]
         text = (
             f"{done:>7}/{self.total} inputs  {self.rate:>7.0f}/s  batch {mean:5.1f}  "
@@ -203,10 +205,31 @@ class Progress:
             self.draw()
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
+def percentile(sorted_values: Sequence[float], q: float) -> float | None:
+    """The `q` quantile of `sorted_values` (nearest rank), or None if there are none."""
     if not sorted_values:
-        return math.nan
+        return None
     return sorted_values[min(len(sorted_values) - 1, round(q * (len(sorted_values) - 1)))]
+
+
+LEGEND = """\
+
+  legend
+  outcomes   what each client finally got: ok (done), refused (done, refused on its merits, say
+             for insufficient funds: that refusal is the stored answer), committed (durable, its
+             view not confirmed yet: the sweeper finishes it), id_reused (an id sent again with
+             other content: a client bug, never retried), gave_up (no answer after 50 tries)
+  retries    why a client sent an input again, with the same id and content: rejected (the
+             waiting room was full), failed (its batch call raised: here, an injected fault in
+             the journal transaction; every client of that batch retries, so failed is at least
+             the faults that hit a journal transaction), closed (the ferry was closing), timeout
+             (no answer within --timeout)
+  journal    written: inputs appended. replayed: retried inputs found already journaled (their
+             fault struck after the commit): the stored answer is returned, nothing is written
+             twice. fence conflicts: batches refused because another writer held the key.
+             injected faults: store transactions failed on purpose (--faults, half of them after
+             the commit), in journal, projection and sweeper transactions alike
+"""
 
 
 async def run(args: argparse.Namespace, store: Store, where: str) -> int:
@@ -219,6 +242,7 @@ async def run(args: argparse.Namespace, store: Store, where: str) -> int:
     print(
         f"ledger: {len(ops):,} inputs from {args.clients} clients over {args.accounts} accounts,"
         f" {where}",
+        file=sys.stderr if args.json else sys.stdout,
         flush=True,
     )
     start = time.perf_counter()
@@ -249,7 +273,7 @@ async def run(args: argparse.Namespace, store: Store, where: str) -> int:
             background.cancel_scope.cancel()
             if not args.quiet:
                 progress.draw(final=True)
-        stats = f.stats()
+        stats = f.statistics()
     flaky.rate = 0.0  # the audit itself runs on a healthy store
     await pw.sweep()  # finish any view the run left behind, then audit everything
     problems = await ledger.verify(pw, acknowledged=tally.acknowledged, caught_up=True)
@@ -259,22 +283,62 @@ async def run(args: argparse.Namespace, store: Store, where: str) -> int:
 
     calls, mean, largest = batch_summary(stats)
     lat = sorted(tally.latencies)
-    p50, p95, p99 = (percentile(lat, q) * 1e3 for q in (0.5, 0.95, 0.99))
     pstats = pw.statistics()
+    summary: dict[str, Any] = {
+        "inputs": len(ops),
+        "store": where,
+        "seconds": round(elapsed, 3),
+        "throughput_per_second": round(len(tally.acknowledged) / elapsed, 1),
+        "batch_calls": calls,
+        "mean_batch": round(mean, 2),
+        "largest_batch": largest,
+        "direct_calls": stats.direct_calls,
+        "latency_ms": {
+            name: None if (v := percentile(lat, q)) is None else round(v * 1e3, 2)
+            for name, q in (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))
+        },
+        "outcomes": dict(tally.outcomes),
+        "retries": dict(tally.retries),
+        "journal": {
+            "written": pstats.written,
+            "replayed": pstats.replayed,
+            "fence_conflicts": pstats.fence_conflicts,
+            "injected_faults": flaky.injected,
+        },
+        "verification": {"ok": not problems, "problems": problems},
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print_summary(summary, acknowledged=len(tally.acknowledged))
+    return 1 if problems else 0
+
+
+def print_summary(summary: dict[str, Any], *, acknowledged: int) -> None:
+    """The summary as an aligned table, the first problems if any, and the legend."""
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f} ms"
+
+    latency = summary["latency_ms"]
+    journal = summary["journal"]
+    problems = summary["verification"]["problems"]
     rows = [
-        ("time", f"{elapsed:.2f} s"),
-        ("throughput", f"{len(tally.acknowledged) / elapsed:,.0f} inputs/s"),
+        ("time", f"{summary['seconds']:.2f} s"),
+        ("throughput", f"{summary['throughput_per_second']:,.0f} inputs/s"),
         (
             "batch calls",
-            f"{calls:,} (mean {mean:.1f} inputs, largest {largest}; {stats.direct_calls:,} direct)",
+            f"{summary['batch_calls']:,} (mean {summary['mean_batch']:.1f} inputs, largest"
+            f" {summary['largest_batch']}; {summary['direct_calls']:,} direct)",
         ),
-        ("latency", f"p50 {p50:.1f} ms   p95 {p95:.1f} ms   p99 {p99:.1f} ms"),
-        ("outcomes", "   ".join(f"{k} {v:,}" for k, v in tally.outcomes.items())),
-        ("retries", "   ".join(f"{k} {v:,}" for k, v in tally.retries.items())),
+        ("latency", "   ".join(f"{q} {ms(v)}" for q, v in latency.items())),
+        ("outcomes", "   ".join(f"{k} {v:,}" for k, v in summary["outcomes"].items())),
+        ("retries", "   ".join(f"{k} {v:,}" for k, v in summary["retries"].items())),
         (
             "journal",
-            f"{pstats.written:,} written, {pstats.replayed:,} replayed,"
-            f" {pstats.fence_conflicts:,} fence conflicts, {flaky.injected:,} injected faults",
+            f"{journal['written']:,} written, {journal['replayed']:,} replayed,"
+            f" {journal['fence_conflicts']:,} fence conflicts,"
+            f" {journal['injected_faults']:,} injected faults",
         ),
     ]
     if problems:
@@ -283,8 +347,8 @@ async def run(args: argparse.Namespace, store: Store, where: str) -> int:
         rows.append(
             (
                 "verification",
-                f"OK: every balance equals the fold of its journal; all"
-                f" {len(tally.acknowledged):,} acknowledged inputs are in the journal exactly once",
+                f"OK: every balance equals the fold of its journal; all {acknowledged:,}"
+                " acknowledged inputs are in the journal exactly once",
             )
         )
     width = max(len(name) for name, _ in rows)
@@ -294,23 +358,52 @@ async def run(args: argparse.Namespace, store: Store, where: str) -> int:
         print(f"    {problem}")
     if len(problems) > 20:
         print(f"    ... and {len(problems) - 20} more")
-    return 1 if problems else 0
+    print(LEGEND, end="")
 
 
-def parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--clients", type=int, default=500, help="concurrent clients (default 500)")
-    p.add_argument("--accounts", type=int, default=100, help="accounts (default 100)")
-    p.add_argument("--ops", type=int, default=30_000, help="inputs in all (default 30000)")
-    p.add_argument("--seed", type=int, default=1, help="workload seed (default 1)")
+def build_parser() -> argparse.ArgumentParser:
+    p = cli.parser(__doc__)
+    p.add_argument(
+        "--clients", metavar="N", type=cli.integer(1), default=500, help="concurrent clients"
+    )
+    p.add_argument("--accounts", metavar="N", type=cli.integer(1), default=100, help="accounts")
+    p.add_argument("--ops", metavar="N", type=cli.integer(0), default=30_000, help="inputs in all")
+    p.add_argument("--seed", metavar="N", type=int, default=1, help="workload seed")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--db", help="SQLite file (default: a new file in a temp dir)")
-    where.add_argument("--postgres", metavar="DSN", help="use PostgreSQL at this DSN")
-    p.add_argument("--timeout", type=float, default=10.0, help="client timeout, s (default 10)")
-    p.add_argument("--max-batch-size", type=int, default=100)
-    p.add_argument("--max-batch-delay", type=float, default=0.0)
-    p.add_argument("--in-flight", type=int, default=4, help="max_in_flight_batches (default 4)")
-    p.add_argument("--max-queueing", type=int, default=10_000)
+    where.add_argument(
+        "--db",
+        type=cli.new_file,
+        metavar="PATH",
+        help="SQLite file (default: a new file in a temporary directory)",
+    )
+    where.add_argument(
+        "--postgres",
+        type=cli.postgres_dsn,
+        metavar="DSN",
+        help="use PostgreSQL at this connection string, checked at start (default: SQLite)",
+    )
+    p.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=cli.number(0, above=True),
+        default=10.0,
+        help="seconds a client waits for one try before it retries",
+    )
+    cli.add_ferry_options(p)
+    p.add_argument(
+        "--max-batch-delay",
+        metavar="SECONDS",
+        type=cli.number(0),
+        default=0.0,
+        help="seconds a partial batch waits for company",
+    )
+    p.add_argument(
+        "--max-queueing",
+        metavar="N",
+        type=cli.integer(1),
+        default=10_000,
+        help="most inputs waiting at once",
+    )
     p.add_argument(
         "--no-direct-calls",
         action="store_true",
@@ -318,15 +411,20 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument(
         "--faults",
-        type=float,
+        metavar="FRACTION",
+        type=cli.number(0, below=1),
         default=0.01,
-        help="fraction of store transactions that fail, half after committing (default 0.01)",
+        help="fraction of store transactions that fail, half of them after committing",
     )
     p.add_argument("--quiet", action="store_true", help="no progress line")
-    args = p.parse_args(argv)
-    if args.clients < 1 or args.accounts < 1 or args.ops < 0 or not 0 <= args.faults < 1:
-        p.error("--clients and --accounts must be >= 1, --ops >= 0, 0 <= --faults < 1")
-    return args
+    p.add_argument(
+        "--json", action="store_true", help="print the summary as one JSON object on stdout"
+    )
+    return p
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 async def main(argv: Sequence[str]) -> int:

@@ -40,6 +40,7 @@ if not __package__:  # run as a script: make `examples.ledger_domain` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ferry
+from examples import _cli as cli
 from examples import ledger_domain as ledger
 from ferry.projected import PostgresStore
 
@@ -167,23 +168,56 @@ async def serve(args: argparse.Namespace) -> None:
                 nursery.cancel_scope.cancel()
 
 
-def parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="A ledger service: NDJSON over TCP, PostgreSQL.")
-    p.add_argument("--dsn", required=True, help="PostgreSQL connection string")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
-    p.add_argument("--port", type=int, default=0, help="port (default 0: any free port)")
-    p.add_argument("--port-file", help="write the bound port to this file once listening")
-    p.add_argument("--connections", type=int, default=4, help="PostgreSQL connections")
-    p.add_argument("--max-batch-size", type=int, default=100)
-    p.add_argument("--in-flight", type=int, default=4, help="max_in_flight_batches (default 4)")
-    p.add_argument("--sweep-interval", type=float, default=1.0, help="seconds between sweeps")
+CLIENT = """\
+a session from a shell (one input per line in, one reply per line out, in completion order):
+
+  python examples/ledger_service.py --dsn "dbname=ledger" --port 7000 &
+  echo '{"id": "c1-1", "kind": "deposit", "account": "acct-1", "amount": 5}' | python -c \\
+    "import socket, sys; s = socket.create_connection(('127.0.0.1', 7000)); \\
+    s.sendall(sys.stdin.buffer.read()); s.shutdown(socket.SHUT_WR); \\
+    print(s.makefile().read(), end='')"
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = cli.parser(__doc__, epilog=CLIENT)
+    p.add_argument(
+        "--dsn",
+        required=True,
+        type=cli.postgres_dsn,
+        help="PostgreSQL connection string, checked at start (required)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument(
+        "--port", type=cli.integer(0), default=0, help="port to listen on (0: any free port)"
+    )
+    p.add_argument(
+        "--port-file",
+        metavar="PATH",
+        help="write the bound port to this file once listening (default: no file)",
+    )
+    p.add_argument(
+        "--connections", metavar="N", type=cli.integer(1), default=4, help="PostgreSQL connections"
+    )
+    cli.add_ferry_options(p)
+    p.add_argument(
+        "--sweep-interval",
+        metavar="SECONDS",
+        type=cli.number(0, above=True),
+        default=1.0,
+        help="seconds between sweeps of unprojected records",
+    )
     p.add_argument(
         "--no-fencing",
         action="store_true",
         help="TEST ONLY: turn the per-key fence off (ProjectedWrite(fencing=False)) to show that"
         " wrong routing then corrupts the ledger. Never use it in production.",
     )
-    return p.parse_args(argv)
+    return p
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,18 @@ batched requests share each round trip.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import trio
 
+if not __package__:  # run as a script: make `examples._cli` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import ferry
+from examples import _cli as cli
 
 
 class FakeUserService:
@@ -58,7 +65,7 @@ async def run(callers: int, latency: float) -> None:
         async with trio.open_nursery() as nursery:
             for i in range(callers):
                 nursery.start_soon(caller, i)
-        stats = lookup.stats()
+        stats = lookup.statistics()
     batched = time.perf_counter() - start
     assert len(names) == callers and names[7] == "user-7"
     print(
@@ -67,11 +74,27 @@ async def run(callers: int, latency: float) -> None:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--callers", type=int, default=500)
-    parser.add_argument("--latency", type=float, default=0.01)
-    args = parser.parse_args()
+def build_parser() -> argparse.ArgumentParser:
+    parser = cli.parser(__doc__)
+    parser.add_argument(
+        "--callers",
+        metavar="N",
+        type=cli.integer(8),
+        default=500,
+        help="concurrent tasks, each looking up one user",
+    )
+    parser.add_argument(
+        "--latency",
+        metavar="SECONDS",
+        type=cli.number(0),
+        default=0.01,
+        help="round trip of one request to the fake service",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     trio.run(run, args.callers, args.latency)
 
 

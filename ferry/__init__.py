@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from stm._util import fixup_module_metadata as _fixup_module_metadata
+
 from ._errors import BatchContractError as BatchContractError
 from ._errors import Closed as Closed
 from ._errors import Committed as Committed
@@ -40,9 +42,5 @@ __all__ = [
     "open_per_key_ferry",
 ]
 
-# Tracebacks and reprs show the public names, not the private modules.
-for _name in __all__:
-    _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith(("ferry._", "ferry.projected._")):
-        _obj.__module__ = "ferry"
-del _name, _obj
+# Tracebacks, reprs and help() show the public names, not the private modules.
+_fixup_module_metadata(__name__, globals())

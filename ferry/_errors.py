@@ -1,4 +1,4 @@
-"""What a caller of a ferry can get back besides its result (SPEC 2.6).
+"""What a caller of a ferry can get back besides its result (docs/errors-and-lifecycle.md).
 
 Every ferry error derives from `FerryError`. `Closed` is also a `trio.ClosedResourceError`, so code
 that already handles trio's "used after close" keeps working. `Committed` is not an error: it is a

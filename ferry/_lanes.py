@@ -12,7 +12,7 @@ State (`Lanes`, the root value)
   `(deadline, stamp, key)` kept in a `PVector` (the first `waiting_size` slots; the rest are None).
 - `queued`, `weight`: inputs waiting (not in flight) and their total weight, over all lanes.
 - `busy`: calls in flight (batches and direct calls); always the sum of `Lane.calls`.
-- counters for statistics, all plain fields of the root (`submitted`, `admitted`, ...).
+- counters for statistics, all plain fields of the root, listed once (`COUNTERS`).
 
 Lane states: a lane is WAITING(deadline) or READY when it has inputs and may be taken, or IDLE
 (in neither queue) when it has no inputs or, with the per-key guard, while its call is in flight
@@ -30,15 +30,12 @@ Why these structures
   out of a queue is then O(1): give it a new stamp. Dead entries are skipped when they reach the
   front; the top of `waiting` is always live (every transition that can kill it pops dead tops),
   so `next_deadline` is a read. Dead `waiting` entries leave by their own deadline at the latest.
-- A lane of inputs with no rank (the common case) is a chunked FIFO: a `PVector` of full chunks
-  (tuples of 32 slots), a `tail` tuple of fewer than 32, and a head index. Admitting copies the
-  small tail (and appends it as a chunk when full), taking a prefix only moves the head (whole
-  consumed chunks are dropped once they are half the vector), and cancelling replaces the slot
-  with a tombstone (found by binary search on the arrival sequence). Why chunks and not one flat
-  `PVector`: the C vector's GC traversal visits every element, so a young 100k-element vector
-  made by each append cost about 1 ms in every gen-0 collection, more than the admissions
-  themselves at 100k waiting inputs. A young tail tuple costs nothing. Ranked lanes use a small
-  persistent treap keyed by `(rank, seq)`; the rank-free path never pays for it.
+- A lane of inputs with no rank (the common case) is a chunked FIFO (`ferry._persistent`): a
+  `PVector` of full chunks, a short `tail` tuple, and a head index. Admitting copies the small
+  tail (and appends it as a chunk when full), taking a prefix only moves the head (whole consumed
+  chunks are dropped once they are half the vector), and cancelling replaces the slot with a
+  tombstone (found by binary search on the arrival sequence). Ranked lanes use a persistent treap
+  keyed by `(rank, seq)`; the rank-free path never pays for it. `ferry._persistent` says why.
 - The root and `Lane` are attrs frozen records without slots, so a transition can copy one dict
   and change a few entries (`_evolve`, about 0.4 us for the root instead of 3 us for
   `attrs.evolve`); items are slotted records created once per input.
@@ -46,7 +43,7 @@ Why these structures
   empty, and `check_invariants` compares sums with a tolerance.
 
 The plain ferry is the same core with `one_in_flight=False` and a single key, so its lane may be
-queued while batches from it are in flight; its `lanes` is a one-slot `_OneLane` map instead of a
+queued while batches from it are in flight; its `lanes` is a one-slot `OneLane` map instead of a
 `PMap` (same interface, no 1.3 us `PMap.set` per admission).
 
 Open question: a lane's deadline is not postponed when its oldest input is cancelled (it may be
@@ -57,14 +54,34 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import attrs
-from pyrsistent import PMap, PVector, pmap, pvector
+from pyrsistent import PMap, PVector, pmap
+
+from ._persistent import (
+    CHUNK,
+    EMPTY_VECTOR,
+    SHIFT,
+    LaneMap,
+    OneLane,
+    Tombstone,
+    fifo_build,
+    fifo_get,
+    fifo_iter,
+    fifo_set,
+    fifo_trim,
+    heap_pop,
+    heap_push,
+    treap_delete,
+    treap_insert,
+    treap_iter,
+    treap_min,
+    treap_pop_min,
+    treap_priority,
+)
 
 K = TypeVar("K")
-V = TypeVar("V")
 E = TypeVar("E")
 R = TypeVar("R")
 
@@ -91,9 +108,6 @@ IDLE = 0
 WAITING = 1
 READY = 2
 
-_EMPTY_VECTOR: PVector[Any] = pvector()
-_SHIFT = 5
-_CHUNK = 1 << _SHIFT  # slots per chunk of a rank-free lane's FIFO
 _new = object.__new__
 _set_dict = object.__setattr__
 
@@ -140,85 +154,11 @@ class Item(Generic[E]):
 
 
 @attrs.frozen
-class _Dropped:
-    """Tombstone left in a rank-free lane by `cancel`; keeps the seq for the binary search."""
-
-    seq: int
-
-
-@attrs.frozen
 class Batch(Generic[K, E]):
     """What `take` hands to a worker: a key and its items, never empty."""
 
     key: K
     items: tuple[Item[E], ...]
-
-
-# A treap node: (sort key (rank, seq), priority, item, left, right). Max-heap on priority.
-_Node = tuple[Any, int, Item[Any], Any, Any]
-
-
-def _priority(seq: int) -> int:
-    return (seq * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-
-
-def _t_insert(node: _Node | None, key: Any, prio: int, item: Item[Any]) -> _Node:
-    if node is None:
-        return (key, prio, item, None, None)
-    nk, np, ni, left, right = node
-    if key < nk:
-        sub = _t_insert(left, key, prio, item)
-        if sub[1] > np:
-            return (sub[0], sub[1], sub[2], sub[3], (nk, np, ni, sub[4], right))
-        return (nk, np, ni, sub, right)
-    sub = _t_insert(right, key, prio, item)
-    if sub[1] > np:
-        return (sub[0], sub[1], sub[2], (nk, np, ni, left, sub[3]), sub[4])
-    return (nk, np, ni, left, sub)
-
-
-def _t_merge(a: _Node | None, b: _Node | None) -> _Node | None:
-    if a is None:
-        return b
-    if b is None:
-        return a
-    if a[1] > b[1]:
-        return (a[0], a[1], a[2], a[3], _t_merge(a[4], b))
-    return (b[0], b[1], b[2], _t_merge(a, b[3]), b[4])
-
-
-def _t_delete(node: _Node | None, key: Any) -> tuple[_Node | None, bool]:
-    if node is None:
-        return None, False
-    nk, np, ni, left, right = node
-    if key == nk:
-        return _t_merge(left, right), True
-    if key < nk:
-        sub, found = _t_delete(left, key)
-        return ((nk, np, ni, sub, right) if found else node), found
-    sub, found = _t_delete(right, key)
-    return ((nk, np, ni, left, sub) if found else node), found
-
-
-def _t_min(node: _Node) -> Item[Any]:
-    while node[3] is not None:
-        node = node[3]
-    return node[2]
-
-
-def _t_pop_min(node: _Node) -> tuple[Item[Any], _Node | None]:
-    nk, np, ni, left, right = node
-    if left is None:
-        return ni, right
-    item, sub = _t_pop_min(left)
-    return item, (nk, np, ni, sub, right)
-
-
-def _t_iter(node: _Node | None) -> Iterator[Item[Any]]:
-    while node is not None:
-        yield from _t_iter(node[3])
-        yield node[2]
-        node = node[4]
 
 
 @attrs.frozen(slots=False)
@@ -247,99 +187,13 @@ class Lane(Generic[E]):
     def items(self) -> list[Item[E]]:
         """The live items in take order. O(n)."""
         if self.ranked:
-            return list(_t_iter(self.tree))
-        return [it for it in _f_iter(self.fifo, self.tail, self.head) if type(it) is not _Dropped]
+            return list(treap_iter(self.tree))
+        slots = fifo_iter(self.fifo, self.tail, self.head)
+        return [it for it in slots if type(it) is not Tombstone]
 
 
-class _MapEvolver(Protocol[K, V]):
-    def set(self, key: K, val: V) -> _MapEvolver[K, V]: ...
-    def remove(self, key: K) -> _MapEvolver[K, V]: ...
-    def persistent(self) -> LaneMap[K, V]: ...
-
-
-class LaneMap(Protocol[K, V]):
-    """What the transitions need of `Lanes.lanes`: a persistent map (a `PMap`, or `_OneLane`)."""
-
-    def get(self, key: K, /) -> V | None: ...
-    def __getitem__(self, key: K, /) -> V: ...
-    def __contains__(self, key: object, /) -> bool: ...
-    def __len__(self) -> int: ...
-    def __iter__(self) -> Iterator[K]: ...
-    def items(self) -> Iterable[tuple[K, V]]: ...
-    def values(self) -> Iterable[V]: ...
-    def set(self, key: K, val: V, /) -> LaneMap[K, V]: ...
-    def remove(self, key: K, /) -> LaneMap[K, V]: ...
-    def evolver(self) -> _MapEvolver[K, V]: ...
-
-
-class _OneLane(Mapping[K, V]):
-    """The plain room's `lanes`: it never holds more than its one lane.
-
-    Same interface as the `PMap` of the per-key room, without its cost: a `PMap.set` is about
-    1.3 us of pure Python and the plain room pays one on every admission. Persistent like a
-    `PMap`: `set` and `remove` return a new map. O(1) everything.
-    """
-
-    __slots__ = ("_key", "_value")
-
-    def __init__(self, key: Any = None, value: V | None = None) -> None:
-        self._key = key
-        self._value = value
-
-    def get(self, key: K, default: Any = None) -> Any:
-        value = self._value
-        if value is not None and key == self._key:
-            return value
-        return default
-
-    def __getitem__(self, key: K) -> V:
-        value = self._value
-        if value is None or key != self._key:
-            raise KeyError(key)
-        return value
-
-    def __contains__(self, key: object) -> bool:
-        return self._value is not None and key == self._key
-
-    def __len__(self) -> int:
-        return 0 if self._value is None else 1
-
-    def __iter__(self) -> Iterator[K]:
-        if self._value is not None:
-            yield self._key
-
-    def set(self, key: K, val: V) -> _OneLane[K, V]:
-        assert self._value is None or key == self._key, "the plain room has a single lane"
-        return _OneLane(key, val)
-
-    def remove(self, key: K) -> _OneLane[K, V]:
-        if key not in self:
-            raise KeyError(key)
-        return _OneLane()
-
-    def evolver(self) -> _OneLaneEvolver[K, V]:
-        return _OneLaneEvolver(self)
-
-    def __repr__(self) -> str:
-        return f"_OneLane({dict(self.items())!r})"
-
-
-class _OneLaneEvolver(Generic[K, V]):
-    __slots__ = ("_map",)
-
-    def __init__(self, lanes: _OneLane[K, V]) -> None:
-        self._map = lanes
-
-    def set(self, key: K, val: V) -> _OneLaneEvolver[K, V]:
-        self._map = self._map.set(key, val)
-        return self
-
-    def remove(self, key: K) -> _OneLaneEvolver[K, V]:
-        self._map = self._map.remove(key)
-        return self
-
-    def persistent(self) -> _OneLane[K, V]:
-        return self._map
+_COUNTER = {"counter": True}
+_NO_BATCHES: PMap[int, int] = pmap()
 
 
 @attrs.frozen(slots=False)
@@ -359,16 +213,19 @@ class Lanes(Generic[K, E]):
     seq: int
     n_ready: int
     n_waiting: int
-    submitted: int
-    admitted: int
-    rejected: int
-    direct_calls: int
-    batches: int
-    inputs_sent: int
-    failed_batches: int
-    dropped: int
-    drained: int
-    batch_sizes: PMap[int, int]
+    # The counters since open, for statistics: each starts at 0 and only grows. This is the one
+    # place they are listed (`COUNTERS`); `FerryStatistics` reports each under the same name.
+    submitted: int = attrs.field(default=0, metadata=_COUNTER)
+    admitted: int = attrs.field(default=0, metadata=_COUNTER)
+    rejected: int = attrs.field(default=0, metadata=_COUNTER)
+    after_close: int = attrs.field(default=0, metadata=_COUNTER)
+    direct_calls: int = attrs.field(default=0, metadata=_COUNTER)
+    batches: int = attrs.field(default=0, metadata=_COUNTER)
+    inputs_sent: int = attrs.field(default=0, metadata=_COUNTER)
+    failed_batches: int = attrs.field(default=0, metadata=_COUNTER)
+    dropped: int = attrs.field(default=0, metadata=_COUNTER)
+    drained: int = attrs.field(default=0, metadata=_COUNTER)
+    batch_sizes: PMap[int, int] = _NO_BATCHES  # batch size -> number of batches of that size
 
     def ready_keys(self) -> list[K]:
         """Keys of the READY lanes, first come first. O(len(ready))."""
@@ -393,11 +250,21 @@ class Lanes(Generic[K, E]):
         return [(d, k) for d, _, k in out]
 
 
+COUNTERS: tuple[str, ...] = tuple(a.name for a in attrs.fields(Lanes) if a.metadata.get("counter"))
+
+
 def _evolve(old: R, changes: dict[str, Any]) -> R:
     """A copy of the frozen record `old` with `changes`: one dict copy (the hand-written evolve)."""
     d = old.__dict__.copy()
     d.update(changes)
     new = _new(type(old))
+    _set_dict(new, "__dict__", d)
+    return new
+
+
+def _evolve_lane(d: dict[str, Any]) -> Lane[Any]:
+    """A lane from the attribute dict `d` (a copy of another lane's, changed): no validation."""
+    new = _new(Lane)
     _set_dict(new, "__dict__", d)
     return new
 
@@ -415,10 +282,8 @@ def _lane(
     deadline: float,
     stamp: int,
 ) -> Lane[Any]:
-    new = _new(Lane)
-    _set_dict(
-        new,
-        "__dict__",
+    """A lane from all its fields, positionally (no attrs `__init__`: about 3x cheaper)."""
+    return _evolve_lane(
         {
             "ranked": ranked,
             "fifo": fifo,
@@ -431,19 +296,23 @@ def _lane(
             "calls": calls,
             "deadline": deadline,
             "stamp": stamp,
-        },
+        }
     )
-    return new
+
+
+def _busy_lane(calls: int) -> Lane[Any]:
+    """A lane with no items and `calls` calls in flight: a claimed key, or a drained busy lane."""
+    return _lane(False, EMPTY_VECTOR, (), 0, None, 0, 0.0, IDLE, calls, math.inf, 0)
 
 
 def empty(limits: Limits) -> Lanes[Any, Any]:
     """A new, open, empty room. O(1)."""
     return Lanes(
         limits=limits,
-        lanes=pmap() if limits.one_in_flight else _OneLane(),
-        ready=_EMPTY_VECTOR,
+        lanes=pmap() if limits.one_in_flight else OneLane(),
+        ready=EMPTY_VECTOR,
         ready_head=0,
-        waiting=_EMPTY_VECTOR,
+        waiting=EMPTY_VECTOR,
         waiting_size=0,
         queued=0,
         weight=0.0,
@@ -452,108 +321,7 @@ def empty(limits: Limits) -> Lanes[Any, Any]:
         seq=0,
         n_ready=0,
         n_waiting=0,
-        submitted=0,
-        admitted=0,
-        rejected=0,
-        direct_calls=0,
-        batches=0,
-        inputs_sent=0,
-        failed_batches=0,
-        dropped=0,
-        drained=0,
-        batch_sizes=pmap(),
     )
-
-
-# ---- the chunked FIFO of a rank-free lane: full chunks in a PVector, then a short tail tuple ----
-
-
-def _f_iter(fifo: PVector[Any], tail: tuple[Any, ...], start: int) -> Iterator[Any]:
-    """The slots from logical index `start` on. O(1) to start, O(1) per slot."""
-    c = start >> _SHIFT
-    n = len(fifo)
-    if c < n:
-        yield from fifo[c][start & (_CHUNK - 1) :]
-        for k in range(c + 1, n):
-            yield from fifo[k]
-        yield from tail
-    else:
-        yield from tail[start - (n << _SHIFT) :]
-
-
-def _f_get(fifo: PVector[Any], tail: tuple[Any, ...], i: int) -> Any:
-    """Slot `i`. O(log n)."""
-    c = i >> _SHIFT
-    if c < len(fifo):
-        return fifo[c][i & (_CHUNK - 1)]
-    return tail[i - (len(fifo) << _SHIFT)]
-
-
-def _f_set(
-    fifo: PVector[Any], tail: tuple[Any, ...], i: int, slot: Any
-) -> tuple[PVector[Any], tuple[Any, ...]]:
-    """Replace slot `i`. O(log n + chunk)."""
-    c = i >> _SHIFT
-    if c < len(fifo):
-        chunk, j = fifo[c], i & (_CHUNK - 1)
-        return fifo.set(c, (*chunk[:j], slot, *chunk[j + 1 :])), tail
-    j = i - (len(fifo) << _SHIFT)
-    return fifo, (*tail[:j], slot, *tail[j + 1 :])
-
-
-def _f_trim(fifo: PVector[Any], head: int) -> tuple[PVector[Any], int]:
-    """Drop the whole chunks before `head` once they are half the vector. Amortized O(1)."""
-    k = head >> _SHIFT
-    if k and 2 * k >= len(fifo):
-        return fifo[k:], head - (k << _SHIFT)
-    return fifo, head
-
-
-def _f_build(slots: list[Any]) -> tuple[PVector[Any], tuple[Any, ...]]:
-    """A FIFO holding `slots`. O(n)."""
-    full = len(slots) >> _SHIFT << _SHIFT
-    chunks = pvector([tuple(slots[k : k + _CHUNK]) for k in range(0, full, _CHUNK)])
-    return chunks, tuple(slots[full:])
-
-
-# ---- the waiting heap: a binary min-heap in the first `size` slots of a PVector ----------------
-
-
-def _heap_push(heap: PVector[Any], size: int, entry: Any) -> PVector[Any]:
-    """O(log n); O(1) on average when deadlines arrive in order (the common case)."""
-    i = size
-    while i > 0:
-        parent = (i - 1) >> 1
-        above = heap[parent]
-        if above <= entry:
-            break
-        heap = heap.set(i, above) if i < len(heap) else heap.append(above)
-        i = parent
-    return heap.set(i, entry) if i < len(heap) else heap.append(entry)
-
-
-def _heap_pop(heap: PVector[Any], size: int) -> PVector[Any]:
-    """Remove the top of a non-empty heap of `size` entries. O(log n)."""
-    last = size - 1
-    moved = heap[last]
-    # Shrink the spare slots at a quarter full: O(n) once per n pops.
-    heap = heap[:last] if last > 64 and last * 4 < len(heap) else heap.set(last, None)
-    if last == 0:
-        return heap
-    i = 0
-    while True:
-        child = 2 * i + 1
-        if child >= last:
-            break
-        right = child + 1
-        if right < last and heap[right] < heap[child]:
-            child = right
-        below = heap[child]
-        if below >= moved:
-            break
-        heap = heap.set(i, below)
-        i = child
-    return heap.set(i, moved)
 
 
 def _purge(heap: PVector[Any], size: int, lanes: Any) -> tuple[PVector[Any], int]:
@@ -563,18 +331,14 @@ def _purge(heap: PVector[Any], size: int, lanes: Any) -> tuple[PVector[Any], int
         lane = lanes.get(key)
         if lane is not None and lane.stamp == stamp and lane.where == WAITING:
             break
-        heap = _heap_pop(heap, size)
+        heap = heap_pop(heap, size)
         size -= 1
     return heap, size
 
 
 def _oldest(lane: Lane[Any]) -> float:
     """The earliest submission time among a lane's live items. O(physical items)."""
-    if lane.ranked:
-        return min(it.submitted for it in _t_iter(lane.tree))
-    items = [it for it in _f_iter(lane.fifo, lane.tail, lane.head) if type(it) is not _Dropped]
-    oldest: float = min(it.submitted for it in items)
-    return oldest
+    return min(it.submitted for it in lane.items())
 
 
 # ---- transitions --------------------------------------------------------------------------------
@@ -589,9 +353,12 @@ def admit(
     rank: Any = None,
     now: float,
 ) -> tuple[Lanes[K, E], Admission, Item[E] | None]:
-    """Admission of one input (SPEC 2.3): CLOSED, CLAIMED, ADMITTED or REJECTED, in that order.
+    """Admission of one input: CLOSED, CLAIMED, ADMITTED or REJECTED, the first whose rule holds.
 
-    `submitted` always counts; `admitted`, `rejected` or `direct_calls` per outcome. CLAIMED makes
+    CLOSED once `drain` has run; CLAIMED (direct calls on, zero delay, no lane for `key`); ADMITTED
+    if there is room by count and weight; else REJECTED (docs/guide.md, "Backpressure").
+    `submitted` always counts, and one of `after_close`, `direct_calls`, `admitted` or `rejected`
+    by outcome. CLAIMED makes
     a busy lane with no items for `key` (the caller makes a direct call, then `release`s). Only
     ADMITTED returns the new `Item` (keep it to `cancel`). `rank=None` orders by arrival; a lane
     holds either rank-free or ranked items, not both. Never raises on a valid state.
@@ -601,11 +368,12 @@ def admit(
     """
     limits = state.limits
     if state.closed:
-        return _evolve(state, {"submitted": state.submitted + 1}), Admission.CLOSED, None
+        counts = {"submitted": state.submitted + 1, "after_close": state.after_close + 1}
+        return _evolve(state, counts), Admission.CLOSED, None
     lanes = state.lanes
     lane = lanes.get(key)
     if lane is None and limits.direct_calls and limits.max_batch_delay == 0:
-        return _claim(state, key, 1), Admission.CLAIMED, None
+        return _claim(state, key), Admission.CLAIMED, None
     new_weight = state.weight + weight
     if state.queued >= limits.max_queueing or new_weight > limits.max_queued_weight:
         counts = {"submitted": state.submitted + 1, "rejected": state.rejected + 1}
@@ -625,27 +393,27 @@ def admit(
         calls = 0 if lane is None else lane.calls
         tail: tuple[Any, ...]
         if ranked:
-            tail, tree = (), (((rank, seq), _priority(seq), item, None, None))
+            tail, tree = (), (((rank, seq), treap_priority(seq), item, None, None))
         else:
             tail, tree = (item,), None
         if calls and limits.one_in_flight:
             new_lane = _lane(
-                ranked, _EMPTY_VECTOR, tail, 0, tree, 1, weight, IDLE, calls, math.inf, 0
+                ranked, EMPTY_VECTOR, tail, 0, tree, 1, weight, IDLE, calls, math.inf, 0
             )
         else:
             deadline = now + limits.max_batch_delay
             where, stamp = _queue_new(state, changes, key, weight, deadline)
             new_lane = _lane(
-                ranked, _EMPTY_VECTOR, tail, 0, tree, 1, weight, where, calls, deadline, stamp
+                ranked, EMPTY_VECTOR, tail, 0, tree, 1, weight, where, calls, deadline, stamp
             )
     else:
         assert lane.ranked == (rank is not None), "a lane holds ranked or rank-free items, not both"
         d = lane.__dict__.copy()
         if lane.ranked:
-            d["tree"] = _t_insert(lane.tree, (rank, seq), _priority(seq), item)
+            d["tree"] = treap_insert(lane.tree, (rank, seq), treap_priority(seq), item)
         else:
             tail = lane.tail
-            if len(tail) < _CHUNK - 1:
+            if len(tail) < CHUNK - 1:
                 d["tail"] = (*tail, item)
             else:
                 d["fifo"], d["tail"] = lane.fifo.append((*tail, item)), ()
@@ -666,14 +434,13 @@ def admit(
                 seq += 1
                 d["stamp"] = seq
                 d["deadline"] = deadline
-                changes["waiting"] = _heap_push(
+                changes["waiting"] = heap_push(
                     state.waiting, state.waiting_size, (deadline, seq, key)
                 )
                 changes["waiting_size"] = state.waiting_size + 1
                 changes["seq"] = seq + 1
                 changes["_dirty"] = True
-        new_lane = _new(Lane)
-        _set_dict(new_lane, "__dict__", d)
+        new_lane = _evolve_lane(d)
     changes["lanes"] = lanes.set(key, new_lane)
     if changes.pop("_dirty", False):
         changes["waiting"], changes["waiting_size"] = _purge(
@@ -702,33 +469,34 @@ def _queue_new(
         changes["ready"] = state.ready.append((stamp, key))
         changes["n_ready"] = state.n_ready + 1
         return READY, stamp
-    changes["waiting"] = _heap_push(state.waiting, state.waiting_size, (deadline, stamp, key))
+    changes["waiting"] = heap_push(state.waiting, state.waiting_size, (deadline, stamp, key))
     changes["waiting_size"] = state.waiting_size + 1
     changes["n_waiting"] = state.n_waiting + 1
     return WAITING, stamp
 
 
-def _claim(state: Lanes[K, E], key: K, submitted: int) -> Lanes[K, E]:
-    lane = _lane(False, _EMPTY_VECTOR, (), 0, None, 0, 0.0, IDLE, 1, math.inf, 0)
+def _claim(state: Lanes[K, E], key: K) -> Lanes[K, E]:
     return _evolve(
         state,
         {
-            "lanes": state.lanes.set(key, lane),
+            "lanes": state.lanes.set(key, _busy_lane(1)),
             "busy": state.busy + 1,
             "direct_calls": state.direct_calls + 1,
-            "submitted": state.submitted + submitted,
+            "submitted": state.submitted + 1,
         },
     )
 
 
 def claim(state: Lanes[K, E], key: K) -> Lanes[K, E]:
-    """Claim an idle key for a direct call: a busy lane with no items; counts `direct_calls`.
+    """`admit`'s CLAIMED outcome alone, whatever the options: put a direct call for `key` in flight.
 
-    The key must have no lane and the room must be open (AssertionError otherwise). `admit` does
-    this itself for CLAIMED; this is the branch alone, for the model. O(log n).
+    Makes a busy lane with no items and counts `submitted` and `direct_calls`, as `admit` does;
+    `release(key)` ends it. For tests that need a direct call in flight without admission's rules
+    (the model check goes through `admit`). The key must have no lane and the room must be open
+    (AssertionError otherwise). O(log n).
     """
     assert not state.closed and key not in state.lanes
-    return _claim(state, key, 0)
+    return _claim(state, key)
 
 
 def _requeue(
@@ -749,9 +517,7 @@ def _requeue(
     full = d["count"] >= limits.max_batch_size or d["weight"] >= limits.max_batch_weight
     deadline = -math.inf
     if not full and limits.max_batch_delay > 0:
-        probe = _new(Lane)
-        _set_dict(probe, "__dict__", d)
-        deadline = _oldest(probe) + limits.max_batch_delay
+        deadline = _oldest(_evolve_lane(d)) + limits.max_batch_delay
     if full or deadline <= now:
         d["where"] = READY
         changes["ready"] = changes.get("ready", state.ready).append((seq, key))
@@ -760,7 +526,7 @@ def _requeue(
         d["where"] = WAITING
         d["deadline"] = deadline
         size = changes.get("waiting_size", state.waiting_size)
-        changes["waiting"] = _heap_push(
+        changes["waiting"] = heap_push(
             changes.get("waiting", state.waiting), size, (deadline, seq, key)
         )
         changes["waiting_size"] = size + 1
@@ -788,7 +554,7 @@ def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | Non
         n_ready, n_waiting, seq = state.n_ready, state.n_waiting, state.seq
         while size and heap[0][0] <= now:
             _, stamp, key = heap[0]
-            heap = _heap_pop(heap, size)
+            heap = heap_pop(heap, size)
             size -= 1
             lane = lanes.get(key)  # a dead entry never matches, even for a lane promoted here
             if lane is not None and lane.stamp == stamp and lane.where == WAITING:
@@ -799,9 +565,7 @@ def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | Non
                 seq += 1
                 n_ready += 1
                 n_waiting -= 1
-                promoted = _new(Lane)
-                _set_dict(promoted, "__dict__", d)
-                updated[key] = promoted
+                updated[key] = _evolve_lane(d)
         changes.update(
             ready=ready,
             n_ready=n_ready,
@@ -840,18 +604,18 @@ def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | Non
     if lane.ranked:
         tree = lane.tree
         while tree is not None and len(out) < max_size:
-            first = _t_min(tree)
+            first = treap_min(tree)
             if out and total + first.weight > max_weight:
                 break
-            _, tree = _t_pop_min(tree)
+            _, tree = treap_pop_min(tree)
             out.append(first)
             total += first.weight
         d["tree"] = tree
     else:
         fifo, tail = lane.fifo, lane.tail
         i = lane.head
-        for it in _f_iter(fifo, tail, i):
-            if type(it) is _Dropped:
+        for it in fifo_iter(fifo, tail, i):
+            if type(it) is Tombstone:
                 i += 1
                 continue
             if len(out) >= max_size or (out and total + it.weight > max_weight):
@@ -859,11 +623,11 @@ def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | Non
             out.append(it)
             total += it.weight
             i += 1
-        d["fifo"], d["head"] = _f_trim(fifo, i)
+        d["fifo"], d["head"] = fifo_trim(fifo, i)
     taken = len(out)
     count = d["count"] = lane.count - taken
     if count == 0:
-        d.update(fifo=_EMPTY_VECTOR, tail=(), head=0, tree=None, weight=0.0)
+        d.update(fifo=EMPTY_VECTOR, tail=(), head=0, tree=None, weight=0.0)
     else:
         d["weight"] = lane.weight - total
     d["where"] = IDLE
@@ -871,9 +635,7 @@ def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | Non
     changes["n_ready"] = changes.get("n_ready", state.n_ready) - 1
     if count and not limits.one_in_flight:
         _requeue(state, d, changes, key, now)
-    new_lane = _new(Lane)
-    _set_dict(new_lane, "__dict__", d)
-    updated[key] = new_lane
+    updated[key] = _evolve_lane(d)
     queued = state.queued - taken
     changes.update(
         lanes=_write(lanes, updated),
@@ -923,9 +685,7 @@ def release(state: Lanes[K, E], key: K, now: float, *, failed: bool = False) -> 
     d["calls"] = calls
     if lane.count and lane.where == IDLE and (calls == 0 or not state.limits.one_in_flight):
         _requeue(state, d, changes, key, now)
-    new_lane = _new(Lane)
-    _set_dict(new_lane, "__dict__", d)
-    changes["lanes"] = state.lanes.set(key, new_lane)
+    changes["lanes"] = state.lanes.set(key, _evolve_lane(d))
     return _evolve(state, changes)
 
 
@@ -944,27 +704,28 @@ def cancel(state: Lanes[K, E], key: K, item: Item[E]) -> tuple[Lanes[K, E], bool
         return state, False
     d = lane.__dict__.copy()
     if lane.ranked:
-        tree, found = _t_delete(lane.tree, (item.rank, item.seq))
+        tree, found = treap_delete(lane.tree, (item.rank, item.seq))
         if not found:
             return state, False
         d["tree"] = tree
     else:
         fifo, tail = lane.fifo, lane.tail
-        n = (len(fifo) << _SHIFT) + len(tail)
+        n = (len(fifo) << SHIFT) + len(tail)
         lo, hi = lane.head, n
         seq = item.seq
         while lo < hi:
             mid = (lo + hi) >> 1
-            if _f_get(fifo, tail, mid).seq < seq:
+            if fifo_get(fifo, tail, mid).seq < seq:
                 lo = mid + 1
             else:
                 hi = mid
-        if lo == n or _f_get(fifo, tail, lo) is not item:
+        if lo == n or fifo_get(fifo, tail, lo) is not item:
             return state, False
-        fifo, tail = _f_set(fifo, tail, lo, _Dropped(seq))
+        fifo, tail = fifo_set(fifo, tail, lo, Tombstone(seq))
         live = lane.count - 1
-        if live and n - lane.head > 2 * live + _CHUNK:
-            fifo, tail = _f_build([it for it in _f_iter(fifo, tail, lane.head) if type(it) is Item])
+        if live and n - lane.head > 2 * live + CHUNK:
+            live_items = [it for it in fifo_iter(fifo, tail, lane.head) if type(it) is Item]
+            fifo, tail = fifo_build(live_items)
             d["head"] = 0
         d["fifo"], d["tail"] = fifo, tail
     count = d["count"] = lane.count - 1
@@ -982,7 +743,7 @@ def cancel(state: Lanes[K, E], key: K, item: Item[E]) -> tuple[Lanes[K, E], bool
         if lane.calls == 0:
             lanes = state.lanes.remove(key)
         else:
-            d.update(fifo=_EMPTY_VECTOR, tail=(), head=0, tree=None, weight=0.0, where=IDLE)
+            d.update(fifo=EMPTY_VECTOR, tail=(), head=0, tree=None, weight=0.0, where=IDLE)
             lanes = state.lanes.set(key, _evolve_lane(d))
         if lane.where == WAITING:
             changes["waiting"], changes["waiting_size"] = _purge(
@@ -993,12 +754,6 @@ def cancel(state: Lanes[K, E], key: K, item: Item[E]) -> tuple[Lanes[K, E], bool
         lanes = state.lanes.set(key, _evolve_lane(d))
     changes["lanes"] = lanes
     return _evolve(state, changes), True
-
-
-def _evolve_lane(d: dict[str, Any]) -> Lane[Any]:
-    new = _new(Lane)
-    _set_dict(new, "__dict__", d)
-    return new
 
 
 def drain(state: Lanes[K, E]) -> tuple[Lanes[K, E], list[Item[E]]]:
@@ -1014,10 +769,7 @@ def drain(state: Lanes[K, E]) -> tuple[Lanes[K, E], list[Item[E]]]:
             out.extend(lane.items())
         if lane.calls:
             if lane.count or lane.where != IDLE:
-                lanes.set(
-                    key,
-                    _lane(False, _EMPTY_VECTOR, (), 0, None, 0, 0.0, IDLE, lane.calls, math.inf, 0),
-                )
+                lanes.set(key, _busy_lane(lane.calls))
         else:
             lanes.remove(key)
     return (
@@ -1026,9 +778,9 @@ def drain(state: Lanes[K, E]) -> tuple[Lanes[K, E], list[Item[E]]]:
             {
                 "closed": True,
                 "lanes": lanes.persistent(),
-                "ready": _EMPTY_VECTOR,
+                "ready": EMPTY_VECTOR,
                 "ready_head": 0,
-                "waiting": _EMPTY_VECTOR,
+                "waiting": EMPTY_VECTOR,
                 "waiting_size": 0,
                 "n_ready": 0,
                 "n_waiting": 0,
@@ -1065,11 +817,11 @@ def check_invariants(state: Lanes[Any, Any]) -> None:
         assert all((it.rank is None) != lane.ranked for it in items), f"{key!r}: mixed ranks"
         assert all(it.seq < state.seq for it in items), f"{key!r}: item from the future"
         if not lane.ranked:
-            slots = list(_f_iter(lane.fifo, lane.tail, lane.head))
-            assert all(type(it) in (Item, _Dropped) for it in slots), f"{key!r}: bad fifo slot"
-            assert len(lane.tail) < _CHUNK, f"{key!r}: tail of a full chunk"
-            assert all(len(chunk) == _CHUNK for chunk in lane.fifo), f"{key!r}: partial chunk"
-            assert lane.head <= (len(lane.fifo) << _SHIFT) + len(lane.tail), f"{key!r}: head"
+            slots = list(fifo_iter(lane.fifo, lane.tail, lane.head))
+            assert all(type(it) in (Item, Tombstone) for it in slots), f"{key!r}: bad fifo slot"
+            assert len(lane.tail) < CHUNK, f"{key!r}: tail of a full chunk"
+            assert all(len(chunk) == CHUNK for chunk in lane.fifo), f"{key!r}: partial chunk"
+            assert lane.head <= (len(lane.fifo) << SHIFT) + len(lane.tail), f"{key!r}: head"
         assert lane.calls >= 0
         assert lane.count or lane.calls, f"{key!r}: empty idle lane kept"
         if limits.one_in_flight:
@@ -1113,6 +865,10 @@ def check_invariants(state: Lanes[Any, Any]) -> None:
     assert 0 <= state.ready_head <= len(state.ready)
     if state.closed:
         assert queued == 0 and not ready and not waiting, "inputs in a closed room"
+    # The conservation equations of docs/guide.md ("Watching it"), from public numbers.
+    assert state.submitted == (
+        state.admitted + state.rejected + state.direct_calls + state.after_close
+    ), "submitted calls not conserved"
     assert state.admitted == state.queued + state.inputs_sent + state.dropped + state.drained, (
         "admitted inputs not conserved"
     )

@@ -20,13 +20,6 @@ from ._structures import TMVar as TMVar
 from ._structures import TQueue as TQueue
 from ._structures import TSemaphore as TSemaphore
 from ._tvar import TVar as TVar
+from ._util import fixup_module_metadata as _fixup_module_metadata
 
-
-def _fix_module() -> None:
-    for name, obj in list(globals().items()):
-        if not name.startswith("_") and getattr(obj, "__module__", "").startswith("stm._"):
-            obj.__module__ = __name__
-
-
-_fix_module()
-del _fix_module
+_fixup_module_metadata(__name__, globals())

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from types import CoroutineType
-from typing import Any, NoReturn, TypeVar, TypeVarTuple, Unpack
+from typing import Any, NoReturn, TypeVar, TypeVarTuple, Unpack, overload
 
 import trio
 
@@ -51,6 +51,24 @@ _here = _txn.here
 _checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
 _cancel_shielded_checkpoint = trio.lowlevel.cancel_shielded_checkpoint
 _wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
+
+# Whether this thread runs a trio loop: `atomically_sync` asks on every call, `_now` on every
+# retry with a deadline. `trio.lowlevel.in_trio_run()` answers it, but costs about 450 ns when
+# the answer is no (the common case in `atomically_sync`: its thread-local lookup raises and
+# catches an AttributeError); looking the same key up in that thread-local's dict costs about
+# 40 ns. tests/stm/test_threads.py checks that the two agree in and out of trio.
+try:
+    from trio._core._run_context import GLOBAL_RUN_CONTEXT as _trio_run_context
+except ImportError:  # pragma: no cover - a trio that moved it: the public, slower check
+    _in_trio_run = trio.lowlevel.in_trio_run
+else:
+
+    def _in_trio_run() -> bool:
+        return "runner" in _trio_run_context.__dict__
+
+
+_trio_current_time = trio.current_time
+_monotonic = time.monotonic
 
 
 def _hang_error() -> RetryWouldHangError:
@@ -96,13 +114,10 @@ async def atomically(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
                 raise _hang_error()
             if waiter is None:
                 waiter = TrioWaiter()
-            if not register(txn, waiter):
+            parked, was_parked = True, parked
+            if not await _park(txn, waiter):  # a read TVar changed: rerun, without a park
+                parked = was_parked
                 continue
-            parked = True
-            if deadline is None:
-                await _wait_task_rescheduled(waiter.abort)
-            else:
-                await _park_until(waiter, deadline)
             if waiter.cancel_missed:  # cancelled after the commit fired it: no rerun
                 waiter.cancel_missed = False
                 await _checkpoint_if_cancelled()
@@ -116,18 +131,41 @@ async def atomically(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
     return result
 
 
-async def _park_until(waiter: TrioWaiter, deadline: float) -> None:
-    with trio.move_on_at(deadline):
+@trio.lowlevel.enable_ki_protection
+async def _park(txn: Txn, waiter: TrioWaiter) -> bool:
+    """Register `waiter` on every TVar `txn` read and park until a commit fires it, or until the
+    retry deadline; False at once, without parking, if one of those TVars changed meanwhile.
+
+    KeyboardInterrupt-protected, so that no Ctrl-C lands between the registration and the park
+    (trio delivers it at the park, whose abort_fn unregisters). Raises what the park raises.
+    """
+    if not register(txn, waiter):
+        return False
+    deadline = txn.deadline
+    if deadline is None:
         await _wait_task_rescheduled(waiter.abort)
+    else:
+        with trio.move_on_at(deadline):
+            await _wait_task_rescheduled(waiter.abort)
+    return True
 
 
 def atomically_sync(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
     """Run the synchronous `fn(*args)` as one transaction, blocking this thread while it retries.
 
-    For plain threads and `trio.to_thread` workers (in a trio task, use `await atomically`). A
-    retry deadline is on `time.monotonic()`. Same errors as `atomically`; `KeyboardInterrupt`
-    while blocked unregisters the waiter and propagates.
+    For plain threads and `trio.to_thread` workers. A retry deadline is on `time.monotonic()`.
+    Same errors as `atomically`, and `RuntimeError` if this thread runs a trio loop (a task, or a
+    callback of the loop): blocking there would stall the loop and could deadlock, so it refuses
+    at once, whether or not `fn` would retry (as `trio.from_thread.run` does); use
+    `await atomically` or `atomically_nowait` there. `KeyboardInterrupt` while blocked
+    unregisters the waiter and propagates.
     """
+    if _in_trio_run():
+        raise RuntimeError(
+            "stm.atomically_sync was called in a thread that runs a trio loop, where blocking "
+            "would stall the loop: use `await stm.atomically(...)` in a trio task, or "
+            "stm.atomically_nowait(...), or call it from a thread (trio.to_thread.run_sync)"
+        )
     check_not_nested()
     conflicts = 0
     while True:
@@ -152,9 +190,9 @@ def atomically_sync(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
             if timeout <= 0:
                 continue
         waiter = ThreadWaiter()
-        if not register(txn, waiter):
-            continue
-        try:
+        try:  # an interrupt anywhere from here on leaves nothing registered
+            if not register(txn, waiter):
+                continue
             woken = waiter.gate.acquire(timeout=timeout)
         except BaseException:
             unregister(waiter)
@@ -168,8 +206,10 @@ def atomically_nowait(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
 
     Commits and returns the result, or raises `trio.WouldBlock` if `fn` retries (nothing is
     committed then). Not a checkpoint; usable in a trio task, a thread, anywhere. It only waits for
-    the commit lock, which is held for short commits (or an irrevocable attempt's `fn`). Raises
-    `TypeError` if `fn` is async, `NestedTransactionError` inside a transaction.
+    the commit lock, which is held for short commits (or an irrevocable attempt's `fn`). A retry
+    deadline is on `trio.current_time()` when called in a thread that runs trio, else on
+    `time.monotonic()`. Raises `TypeError` if `fn` is async, `NestedTransactionError` inside a
+    transaction.
     """
     if _here.txn is not None:
         check_not_nested()
@@ -186,17 +226,52 @@ def atomically_nowait(fn: Callable[[Unpack[Ts]], T], *args: *Ts) -> T:
     return result
 
 
-def retry(*, deadline: float | None = None) -> NoReturn:
+@overload
+def retry() -> NoReturn: ...
+@overload
+def retry(*, deadline: float | None) -> None: ...
+def retry(*, deadline: float | None = None) -> None:
     """Abandon this attempt; the transaction blocks, then reruns from the start.
 
-    It reruns once a commit changes a TVar this attempt read, or once `deadline` passes (on the
-    runner's clock: `trio.current_time()` under `atomically`, `time.monotonic()` under
-    `atomically_sync`). Inside `or_else` it moves on to the next alternative instead.
-    Raises `NoTransactionError` outside a transaction.
+    It reruns once a commit changes a TVar this attempt read, or once `deadline` passes. Once
+    `deadline` has passed, `retry` returns normally instead, so the attempt carries on and
+    handles its own timeout (as Scala-STM's `retryFor`): a passed deadline never makes the
+    transaction rerun in a loop. The deadline is on the runner's clock: `trio.current_time()` in
+    a thread running trio (`atomically`, and `atomically_nowait` called there), else
+    `time.monotonic()` (`atomically_sync`, and `atomically_nowait` in other threads). Inside
+    `or_else`, an alternative that retries gives way to the next one. Raises
+    `NoTransactionError` outside a transaction. Not a checkpoint; O(1).
     """
     txn = _here.txn
     if txn is None:
-        txn = current()  # raises NoTransactionError
+        txn = current("stm.retry()")  # raises NoTransactionError
+    if deadline is not None and _now() >= deadline:
+        return
+    _abandon(txn, deadline)
+
+
+def check(condition: object, *, deadline: float | None = None) -> None:
+    """Return if `condition` is true, else `retry(deadline=deadline)`.
+
+    Once `deadline` has passed with `condition` still false, raises `trio.TooSlowError` (an
+    exception from the transaction function: nothing commits, and inside `or_else` the later
+    alternatives do not run). Raises `NoTransactionError` outside a transaction. Not a
+    checkpoint; O(1).
+    """
+    if condition:
+        return
+    txn = _here.txn
+    if txn is None:
+        txn = current("stm.check()")  # raises NoTransactionError
+    if deadline is not None and _now() >= deadline:
+        raise trio.TooSlowError(
+            f"stm.check: the condition was still false when its deadline ({deadline}) passed"
+        )
+    _abandon(txn, deadline)
+
+
+def _abandon(txn: Txn, deadline: float | None) -> NoReturn:
+    """End the attempt in `retry`, recording `deadline` if it is the earliest so far."""
     if deadline is not None:
         d = txn.deadline
         if d is None or deadline < d:
@@ -205,10 +280,12 @@ def retry(*, deadline: float | None = None) -> NoReturn:
     raise Retry
 
 
-def check(condition: object, *, deadline: float | None = None) -> None:
-    """`retry(deadline=deadline)` unless `condition` is true."""
-    if not condition:
-        retry(deadline=deadline)
+def _now() -> float:
+    """The clock retry deadlines are on in this thread: trio's in a thread running trio, else
+    `time.monotonic()`. Not a checkpoint; O(1)."""
+    if _in_trio_run():
+        return _trio_current_time()
+    return _monotonic()
 
 
 def or_else(first: Callable[[], T], second: Callable[[], T], *rest: Callable[[], T]) -> T:
@@ -217,7 +294,7 @@ def or_else(first: Callable[[], T], second: Callable[[], T], *rest: Callable[[],
     If every alternative retries, the transaction retries, waiting on every TVar any of them read,
     until the earliest deadline any of them gave. Raises `NoTransactionError` outside one.
     """
-    txn = current()
+    txn = current("stm.or_else()")
     for branch in (first, second, *rest[:-1]) if rest else (first,):
         saved = dict(txn.writes)
         n_effects = len(txn.effects) if txn.effects else 0
@@ -256,7 +333,7 @@ def after_commit(fn: Callable[[Unpack[Ts]], object], *args: *Ts) -> None:
     raises, later ones are skipped and the exception propagates; the commit stands.
     Raises `NoTransactionError` outside a transaction.
     """
-    txn = current()
+    txn = current("stm.after_commit()")
     if txn.effects is None:
         txn.effects = []
     txn.effects.append((fn, args))

@@ -7,10 +7,12 @@ from typing import final
 
 @final
 class NoTransactionError(RuntimeError):
-    """A TVar operation, `retry`, `check`, `or_else` or `after_commit` ran outside a transaction.
+    """A TVar operation, `retry`, `check`, `or_else`, `after_commit` or an operation of one of
+    the structures (`TQueue`, ...) ran outside a transaction.
 
-    `TVar.get`, `set` and `modify` only make sense inside the function given to `atomically`,
-    `atomically_sync` or `atomically_nowait`. Use `TVar.peek()` to read without a transaction.
+    They only make sense inside the function given to `atomically`, `atomically_sync` or
+    `atomically_nowait`. The message names the operation that was called (for a structure, its
+    own operation, not the TVars it uses). `TVar.peek()` reads without a transaction.
     """
 
 

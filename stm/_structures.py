@@ -8,8 +8,14 @@ waiter list of its own. Waiting is the transaction's `retry`; waking is whicheve
 TVar the blocked attempt read. Every operation must be called inside a transaction, for example
 `await stm.atomically(queue.get)` or `stm.atomically_nowait(queue.put, item)`, or from a
 transaction function that does several things at once; outside one it raises
-`NoTransactionError`. The values held in the TVars are pyrsistent structures or tuples, never
-mutated, so an attempt that reruns starts again from its snapshot.
+`NoTransactionError`. The operations that wait take an optional `deadline` (on the runner's
+clock, as for `stm.retry`): once it has passed they raise `trio.TooSlowError` instead of waiting
+(`stm.check(..., deadline=...)`), which is also the only timeout a thread in `atomically_sync`
+has. Each of them but the peeks has a `_nowait` twin, in trio's convention (`get_nowait`,
+`put_nowait`, `take_nowait`, `acquire_nowait`): it raises `trio.WouldBlock`, having written
+nothing, where the operation would retry, so a transaction can carry on without it. The values
+held in the TVars are pyrsistent structures or tuples, never mutated, so an attempt that reruns
+starts again from its snapshot.
 
 Design notes:
 
@@ -31,8 +37,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from typing import Generic, Literal, TypeVar, final, overload
+from typing import Generic, Literal, NoReturn, TypeVar, final, overload
 
+import trio
 from pyrsistent import pmap, pvector
 from pyrsistent.typing import PMap, PVector
 
@@ -51,12 +58,8 @@ class _Missing(enum.Enum):
 _MISSING: Literal[_Missing.MISSING] = _Missing.MISSING
 
 
-def _none() -> None:
-    return None
-
-
-def _false() -> bool:
-    return False
+def _would_block() -> NoReturn:
+    raise trio.WouldBlock
 
 
 def _at_least_one(n: int, what: str) -> None:
@@ -83,27 +86,35 @@ class TQueue(Generic[T]):
         """Add `item` at the back. Never retries. O(1) amortized (a PVector append)."""
         self._write.set(self._write.get().append(item))
 
-    def get(self) -> T:
-        """Remove and return the oldest item; retries while the queue is empty. O(1) amortized."""
+    def get(self, *, deadline: float | None = None) -> T:
+        """Remove and return the oldest item; retries while the queue is empty. O(1) amortized.
+
+        Once `deadline` has passed with the queue still empty, raises `trio.TooSlowError`.
+        """
         items, head = self._read.get()
         if head == len(items):  # the read end is used up: take the write end over, O(1)
             items, head = self._write.get(), 0
-            check(items)
+            check(items, deadline=deadline)
             self._write.set(pvector())
         self._read.set((items, head + 1))
         return items[head]
 
-    def try_get(self) -> T | None:
-        """`get`, or None instead of retrying when the queue is empty."""
-        return or_else(self.get, _none)
+    def get_nowait(self) -> T:
+        """`get`, but raises `trio.WouldBlock` (having written nothing) instead of retrying when
+        the queue is empty. O(1) amortized.
+        """
+        return or_else(self.get, _would_block)
 
-    def peek(self) -> T:
-        """The oldest item, left in place; retries while the queue is empty. O(1)."""
+    def peek(self, *, deadline: float | None = None) -> T:
+        """The oldest item, left in place; retries while the queue is empty. O(1).
+
+        Once `deadline` has passed with the queue still empty, raises `trio.TooSlowError`.
+        """
         items, head = self._read.get()
         if head < len(items):
             return items[head]
         back = self._write.get()
-        check(back)
+        check(back, deadline=deadline)
         return back[0]
 
     def __len__(self) -> int:
@@ -130,38 +141,46 @@ class TBQueue(Generic[T]):
         self._room = TVar(capacity)  # free slots `put` may fill without looking at `_freed`
         self._freed = TVar(0)  # slots `get` emptied since `put` last took them back
 
-    def put(self, item: T) -> None:
-        """Add `item` at the back; retries while the queue is full. O(1) amortized."""
+    def put(self, item: T, *, deadline: float | None = None) -> None:
+        """Add `item` at the back; retries while the queue is full. O(1) amortized.
+
+        Once `deadline` has passed with the queue still full, raises `trio.TooSlowError`.
+        """
         room = self._room.get()
         if room == 0:
             room = self._freed.get()
-            check(room)
+            check(room, deadline=deadline)
             self._freed.set(0)
         self._room.set(room - 1)
         self._queue.put(item)
 
-    def get(self) -> T:
-        """Remove and return the oldest item; retries while the queue is empty. O(1) amortized."""
-        item = self._queue.get()
+    def get(self, *, deadline: float | None = None) -> T:
+        """Remove and return the oldest item; retries while the queue is empty. O(1) amortized.
+
+        Once `deadline` has passed with the queue still empty, raises `trio.TooSlowError`.
+        """
+        item = self._queue.get(deadline=deadline)
         self._freed.set(self._freed.get() + 1)
         return item
 
-    def try_get(self) -> T | None:
-        """`get`, or None instead of retrying when the queue is empty."""
-        return or_else(self.get, _none)
+    def get_nowait(self) -> T:
+        """`get`, but raises `trio.WouldBlock` (having written nothing) instead of retrying when
+        the queue is empty. O(1) amortized.
+        """
+        return or_else(self.get, _would_block)
 
-    def try_put(self, item: T) -> bool:
-        """`put` and True, or False (and nothing written) instead of retrying when full."""
+    def put_nowait(self, item: T) -> None:
+        """`put`, but raises `trio.WouldBlock` (having written nothing) instead of retrying when
+        the queue is full. O(1) amortized.
+        """
+        or_else(lambda: self.put(item), _would_block)
 
-        def put() -> bool:
-            self.put(item)
-            return True
+    def peek(self, *, deadline: float | None = None) -> T:
+        """The oldest item, left in place; retries while the queue is empty. O(1).
 
-        return or_else(put, _false)
-
-    def peek(self) -> T:
-        """The oldest item, left in place; retries while the queue is empty. O(1)."""
-        return self._queue.peek()
+        Once `deadline` has passed with the queue still empty, raises `trio.TooSlowError`.
+        """
+        return self._queue.peek(deadline=deadline)
 
     def __len__(self) -> int:
         """The number of items (at most `capacity`)."""
@@ -184,34 +203,46 @@ class TMVar(Generic[T]):
     def __init__(self, value: T | Literal[_Missing.MISSING] = _MISSING) -> None:
         self._box: TVar[tuple[T, ...]] = TVar(() if value is _MISSING else (value,))
 
-    def take(self) -> T:
-        """Empty the box and return its value; retries while it is empty."""
+    def take(self, *, deadline: float | None = None) -> T:
+        """Empty the box and return its value; retries while it is empty.
+
+        Once `deadline` has passed with the box still empty, raises `trio.TooSlowError`.
+        """
         box = self._box.get()
-        check(box)
+        check(box, deadline=deadline)
         self._box.set(())
         return box[0]
 
-    def put(self, value: T) -> None:
-        """Fill the box with `value`; retries while it is full."""
-        check(not self._box.get())
+    def put(self, value: T, *, deadline: float | None = None) -> None:
+        """Fill the box with `value`; retries while it is full.
+
+        Once `deadline` has passed with the box still full, raises `trio.TooSlowError`.
+        """
+        check(not self._box.get(), deadline=deadline)
         self._box.set((value,))
 
-    def read(self) -> T:
-        """The value, left in place; retries while the box is empty."""
+    def read(self, *, deadline: float | None = None) -> T:
+        """The value, left in place; retries while the box is empty.
+
+        Once `deadline` has passed with the box still empty, raises `trio.TooSlowError`.
+        """
         box = self._box.get()
-        check(box)
+        check(box, deadline=deadline)
         return box[0]
 
-    def try_take(self) -> T | None:
-        """`take`, or None instead of retrying when the box is empty."""
-        return or_else(self.take, _none)
+    def take_nowait(self) -> T:
+        """`take`, but raises `trio.WouldBlock` (having changed nothing) when the box is empty."""
+        box = self._box.get()
+        if not box:
+            raise trio.WouldBlock
+        self._box.set(())
+        return box[0]
 
-    def try_put(self, value: T) -> bool:
-        """`put` and True, or False (and nothing changed) when the box is full."""
+    def put_nowait(self, value: T) -> None:
+        """`put`, but raises `trio.WouldBlock` (having changed nothing) when the box is full."""
         if self._box.get():
-            return False
+            raise trio.WouldBlock
         self._box.set((value,))
-        return True
 
     def is_empty(self) -> bool:
         """True if the box is empty. Never retries."""
@@ -233,11 +264,24 @@ class TSemaphore:
             raise ValueError(f"a semaphore starts with 0 or more units, got {value!r}")
         self._value = TVar(value)
 
-    def acquire(self, n: int = 1) -> None:
-        """Take `n` units; retries until that many are free. `ValueError` if `n < 1`."""
+    def acquire(self, n: int = 1, *, deadline: float | None = None) -> None:
+        """Take `n` units; retries until that many are free. `ValueError` if `n < 1`.
+
+        Once `deadline` has passed with fewer than `n` free, raises `trio.TooSlowError`.
+        """
         _at_least_one(n, "n")
         free = self._value.get()
-        check(free >= n)
+        check(free >= n, deadline=deadline)
+        self._value.set(free - n)
+
+    def acquire_nowait(self, n: int = 1) -> None:
+        """`acquire`, but raises `trio.WouldBlock` (having taken nothing) when fewer than `n` units
+        are free. `ValueError` if `n < 1`.
+        """
+        _at_least_one(n, "n")
+        free = self._value.get()
+        if free < n:
+            raise trio.WouldBlock
         self._value.set(free - n)
 
     def release(self, n: int = 1) -> None:
@@ -255,16 +299,21 @@ class TMap(Generic[K, V]):
     """A transactional map. Call every operation inside a transaction.
 
     `key in tmap` tests membership and `len(tmap)` counts the keys; to wait for a key, write
-    `stm.check(key in tmap)`. Lookups and updates are O(log n) (a PMap); `items` is O(n).
+    `stm.check(key in tmap)`. Lookups and updates are O(log n) (a PMap); `items` is O(n),
+    `snapshot` O(1).
 
-    Why the whole map is one PMap in one TVar, and not a TVar per key: the map then is a single
-    immutable value, so `len`, `items` and `snapshot` are consistent for free and `snapshot` is
-    O(1); there is no key set to keep in step with per-key TVars, and nothing to clean up when a
-    key is deleted. What it costs: any two transactions that write the map, or one that writes
-    and one that reads it, conflict even on different keys, and a transaction waiting on one key
-    is woken by a change to any key (it reruns and waits again). Within one trio loop that costs
-    nothing, since attempts there never overlap; it matters only for threads hammering different
-    keys, which the process-wide commit lock serializes anyway.
+    The whole map is one PMap in one TVar, not a TVar per key: so it is a single immutable value,
+    `len`, `items` and `snapshot` are consistent for free, there is no key set to keep in step
+    with per-key TVars, and a deleted key leaves nothing behind. The price is paid at the TVar's
+    granularity:
+
+    - Conflicts: a transaction that writes the map and one that reads or writes it overlap on the
+      one TVar even when their keys differ, so the one that commits second reruns. Attempts in
+      one trio loop never overlap (each runs to its end without a checkpoint), so there this
+      never happens; it does between threads, or loops in threads, working on the map at once.
+    - Wake-ups: a transaction blocked on one key (`check(key in tmap)`) is woken by every commit
+      that writes the map, whatever key it changed, and reruns to find out, also within one
+      trio loop. With many waiters on a busy map, prefer a TVar (or a TMVar) per awaited key.
     """
 
     __slots__ = ("_map",)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Generic, TypeVar, final
 
 from . import _txn
-from ._errors import NoTransactionError
+from ._txn import no_transaction_error
 
 if TYPE_CHECKING:
     from ._txn import Waiter
@@ -14,10 +14,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _here = _txn.here
-_NO_TXN = (
-    "TVar.{} was called outside a transaction: use it inside the function given to "
-    "stm.atomically / atomically_sync / atomically_nowait, or read with TVar.peek()"
-)
+_PEEK = ", or read the last committed value with TVar.peek()"
 
 
 @final
@@ -43,7 +40,7 @@ class TVar(Generic[T]):
         """The value in this transaction's snapshot (or its own earlier write)."""
         txn = _here.txn
         if txn is None:
-            raise NoTransactionError(_NO_TXN.format("get()"))
+            raise no_transaction_error("TVar.get()", _PEEK)
         writes = txn.writes
         if writes and self in writes:
             return writes[self]  # type: ignore[no-any-return]
@@ -57,14 +54,18 @@ class TVar(Generic[T]):
         """Write `value`; other transactions see it only once this one commits."""
         txn = _here.txn
         if txn is None:
-            raise NoTransactionError(_NO_TXN.format("set()"))
+            raise no_transaction_error(
+                "TVar.set()", " (for example `stm.atomically_nowait(tvar.set, value)`)"
+            )
         txn.writes[self] = value
 
     def modify(self, fn: Callable[[T], T]) -> None:
         """`set(fn(get()))`."""
         txn = _here.txn
         if txn is None:
-            raise NoTransactionError(_NO_TXN.format("modify()"))
+            raise no_transaction_error(
+                "TVar.modify()", " (for example `stm.atomically_nowait(tvar.modify, fn)`)"
+            )
         self.set(fn(self.get()))
 
     def peek(self) -> T:

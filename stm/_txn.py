@@ -20,6 +20,10 @@ Design (TL2 with snapshot extension; see docs/adr/0001-stm-commit-protocol.md):
   check sees it and the attempt reruns at once) or after (the commit sees the waiter). No wake-up
   is lost, and a commit only touches waiters of TVars it wrote: it detaches each written TVar's
   waiter set whole and wakes those waiters after releasing the lock.
+- Ctrl-C: `_install` (the one place TVar states change) and both commits around it are
+  KeyboardInterrupt-protected under trio, and so is a park's registration (`_atomically._park`),
+  so a Ctrl-C never leaves a commit half done, a fired waiter unwoken or a waiter behind
+  (docs/adr/0013-ctrl-c-and-the-commit.md).
 - Starvation: after `MAX_CONFLICTS` conflict reruns an attempt runs irrevocably: it holds `_lock`
   while `fn` runs, so no commit can invalidate it.
 
@@ -33,12 +37,15 @@ address order would let disjoint commits proceed in parallel, at a higher cost p
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Collection
-from types import CoroutineType
+from types import CoroutineType, FrameType
 from typing import TYPE_CHECKING, Any, Final
 
 import trio
+
+from ._errors import NestedTransactionError, NoTransactionError
 
 if TYPE_CHECKING:
     from ._tvar import TVar
@@ -170,22 +177,54 @@ class Txn:
         return all(tv._state is st for tv, st in self.reads.items())
 
 
-def current() -> Txn:
+def current(what: str) -> Txn:
+    """The running attempt of this thread; `NoTransactionError` naming `what` if there is none."""
     txn = here.txn
     if txn is None:
-        from ._errors import NoTransactionError
-
-        raise NoTransactionError(
-            "no transaction is running: call this inside the function given to "
-            "stm.atomically / atomically_sync / atomically_nowait"
-        )
+        raise no_transaction_error(what)
     return txn
+
+
+_RUNNERS: Final = "stm.atomically / atomically_sync / atomically_nowait"
+
+
+def no_transaction_error(what: str, hint: str = "") -> NoTransactionError:
+    """The `NoTransactionError` for `what` (say "TVar.get()") called outside a transaction.
+
+    If the call came through one of stm's structures (`len(queue)` outside a transaction), the
+    message names the structure's operation the user called, the outermost one, instead of the
+    TVar or function it used inside. Error path only: it walks the caller's frames.
+    """
+    frame: FrameType | None = sys._getframe(1)
+    operation = None
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module == "stm._structures":
+            operation = frame.f_code.co_qualname.partition(".<locals>")[0]
+        elif not module.startswith("stm._"):
+            break
+        frame = frame.f_back
+    if operation is not None:
+        kind, _, method = operation.partition(".")
+        name = kind.lower()
+        if method == "__len__":
+            what = f"len() of a {kind} was taken"
+            hint = f" (for example `await stm.atomically(len, {name})`)"
+        elif method == "__contains__":
+            what = f"`in` on a {kind} was tested"
+            hint = f" (for example `stm.atomically_nowait(lambda: key in {name})`)"
+        else:
+            what = f"{kind}.{method}() was called"
+            hint = f" (for example `await stm.atomically({name}.{method})`)"
+    else:
+        what += " was called"
+    return NoTransactionError(
+        f"{what} outside a transaction: call it inside the function given to {_RUNNERS}{hint}"
+    )
 
 
 def check_not_nested() -> None:
     if here.txn is not None:
-        from ._errors import NestedTransactionError
-
         raise NestedTransactionError(
             "atomically was called inside a transaction: call the inner transaction's function "
             "directly instead, so both run as one transaction"
@@ -248,23 +287,18 @@ def attempt(fn: Callable[..., Any], args: tuple[Any, ...], irrevocable: bool) ->
 
 @trio.lowlevel.enable_ki_protection
 def _commit(txn: Txn) -> bool:
-    """Validate and install a writing attempt; wake the waiters of what it wrote. Short, sync."""
-    global _clock, _n_commits
-    woken: list[dict[Waiter, None]] | None = None
+    """Validate and install a writing attempt; wake the waiters of what it wrote. Short, sync.
+
+    KeyboardInterrupt-protected under trio from taking the lock to the last wake-up, so a Ctrl-C
+    cannot leave a commit half done or a fired waiter unwoken (trio delivers it afterwards).
+    """
     _acquire()
     try:
         if _clock != txn.rv and not _UNSAFE_SKIP_VALIDATION:
             for tv, st in txn.reads.items():
                 if tv._state is not st:
                     return False
-        new = _clock + 1
-        writes = txn.writes
-        for tv in writes:
-            tv._state = (new, writes[tv])
-            if tv._waiters:
-                woken = _detach(tv, woken)
-        _clock = new
-        _n_commits += 1
+        woken = _install(txn.writes)
     finally:
         _release()
     if woken is not None:
@@ -272,10 +306,46 @@ def _commit(txn: Txn) -> bool:
     return True
 
 
-def _attempt_irrevocable(fn: Callable[..., Any], args: tuple[Any, ...]) -> Txn:
-    """Run `fn` holding the commit lock: nothing can commit meanwhile, so it cannot conflict."""
-    global _clock, _n_commits, _n_read_only, _n_retries, _n_irrevocable
+@trio.lowlevel.enable_ki_protection
+def _install(writes: dict[TVar[Any], Any]) -> list[dict[Waiter, None]] | None:
+    """Under `_lock`: stamp `writes` with the next clock value, publish it, detach their waiters.
+
+    The one install of both commit paths. Returns the detached waiter sets for `_wake`, or None.
+    KeyboardInterrupt-protected under trio: the values and the clock change together or not at
+    all. Cost: O(writes + waiters of the written TVars).
+    """
+    global _clock, _n_commits
     woken: list[dict[Waiter, None]] | None = None
+    new = _clock + 1
+    for tv in writes:
+        tv._state = (new, writes[tv])
+        if tv._waiters:
+            woken = _detach(tv, woken)
+    _clock = new
+    _n_commits += 1
+    return woken
+
+
+@trio.lowlevel.enable_ki_protection
+def _commit_irrevocable(writes: dict[TVar[Any], Any]) -> None:
+    """The irrevocable attempt's commit, under the `_lock` it holds (nothing to validate).
+
+    It wakes the waiters before the lock is released, so that no KeyboardInterrupt can land
+    between the install and the wake-ups: the caller's `with _lock` releases the lock whatever
+    happens after this returns.
+    """
+    woken = _install(writes)
+    if woken is not None:
+        _wake(woken)
+
+
+def _attempt_irrevocable(fn: Callable[..., Any], args: tuple[Any, ...]) -> Txn:
+    """Run `fn` holding the commit lock: nothing can commit meanwhile, so it cannot conflict.
+
+    `fn` runs without KeyboardInterrupt protection (as in any attempt); a Ctrl-C in it ends the
+    attempt with nothing written. The commit itself is `_commit_irrevocable`, protected.
+    """
+    global _n_read_only, _n_retries, _n_irrevocable
     with _lock:
         _n_irrevocable += 1
         txn = Txn(_clock)
@@ -295,20 +365,12 @@ def _attempt_irrevocable(fn: Callable[..., Any], args: tuple[Any, ...]) -> Txn:
             return txn
         if isinstance(result, CoroutineType):
             raise _coroutine_error(result)
+        if txn.writes:
+            _commit_irrevocable(txn.writes)
+        else:
+            _n_read_only += 1
         txn.status = COMMITTED
         txn.result = result
-        if not txn.writes:
-            _n_read_only += 1
-            return txn
-        new = _clock + 1
-        for tv, value in txn.writes.items():
-            tv._state = (new, value)
-            if tv._waiters:
-                woken = _detach(tv, woken)
-        _clock = new
-        _n_commits += 1
-    if woken is not None:
-        _wake(woken)
     return txn
 
 
@@ -379,6 +441,7 @@ class ThreadWaiter(Waiter):
     __slots__ = ("gate",)
 
     def __init__(self) -> None:
+        self.fired = True  # not registered yet: `unregister` has nothing to do
         self.gate = threading.Lock()
         self.gate.acquire()
 

@@ -25,5 +25,5 @@ def test_readme_tour_runs() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[:2] == ["70", "acct-2: 42"]
+    assert done.stdout.split("\n")[:4] == ["70", "acct-2: 42", "charge 30", "State.COMPLETED"]
     assert "make demo" in text and "make test" in text

@@ -36,7 +36,7 @@ transaction. A step that was running when the process died runs again: pass
 
 from __future__ import annotations
 
-import contextlib
+from stm._util import fixup_module_metadata as _fixup_module_metadata
 
 from ._engine import Engine as Engine
 from ._engine import open_engine as open_engine
@@ -92,12 +92,5 @@ __all__ = [
     "park",
 ]
 
-# Tracebacks and reprs show the public names, not the private modules.
-for _name in __all__:
-    _obj = globals()[_name]
-    if isinstance(getattr(_obj, "__module__", None), str) and _obj.__module__.startswith(
-        "ferry.flow._"
-    ):
-        with contextlib.suppress(AttributeError, TypeError):  # CONTINUE keeps its class's
-            _obj.__module__ = __name__
-del _name, _obj
+# Tracebacks, reprs and help() show the public names, not the private modules.
+_fixup_module_metadata(__name__, globals())

@@ -3,7 +3,7 @@
 See docs/projected-write.md.
 """
 
-import contextlib
+from stm._util import fixup_module_metadata as _fixup_module_metadata
 
 from ._errors import FenceConflict as FenceConflict
 from ._errors import ProjectionBlocked as ProjectionBlocked
@@ -24,27 +24,4 @@ from ._types import Tx as Tx
 from ._types import canonical_json as canonical_json
 from ._write import ProjectedWrite as ProjectedWrite
 
-for _name in (
-    "FenceConflict",
-    "ProjectionBlocked",
-    "InboxRow",
-    "JournalSnapshot",
-    "KeyRow",
-    "audit",
-    "PostgresStore",
-    "SqliteStore",
-    "Decision",
-    "Posting",
-    "ProjectedWriteStatistics",
-    "Record",
-    "Store",
-    "SweepReport",
-    "Tx",
-    "canonical_json",
-    "ProjectedWrite",
-):
-    _obj = globals()[_name]
-    if hasattr(_obj, "__module__"):
-        with contextlib.suppress(AttributeError, TypeError):
-            _obj.__module__ = __name__
-del _name, _obj
+_fixup_module_metadata(__name__, globals())

@@ -60,6 +60,9 @@ from ._types import (
 
 I = TypeVar("I")  # noqa: E741
 
+#: The most keys of each kind (behind, or with postings waiting) one `sweep()` looks at.
+SWEEP_KEYS = 100_000
+
 
 @attrs.frozen
 class _Projected:
@@ -265,15 +268,19 @@ class ProjectedWrite(Generic[I]):
     # -- catch-up ------------------------------------------------------------------------------
 
     async def sweep(self) -> SweepReport:
-        """Ingest every pending posting and project every unprojected record, key by key.
+        """Ingest pending postings and project unprojected records, key by key, up to a cap.
 
-        Keys a batch of this process holds right now are skipped (that batch catches them up).
-        One projection attempt per key; a key that fails is counted and left for the next sweep.
-        Checkpoints; raises only if listing the keys fails. Cost: O(keys behind + their records).
+        One call looks at no more than `SWEEP_KEYS` (100,000) keys with unprojected records and
+        as many with postings waiting, the first of each in key order; the keys past the cap wait
+        for the next call (so call it until `SweepReport.keys` is 0 to be sure, or let
+        `run_sweeper` call it periodically). Keys a batch of this process holds right now are
+        skipped (that batch catches them up). One projection attempt per key; a key that fails
+        is counted and left for the next sweep. Checkpoints; raises only if listing the keys
+        fails. Cost: O(keys looked at + their records).
         """
         await self._ensure_schema()
         behind, pending = await self.store.transact(
-            partial(behind_keys, ns=self.namespace, limit=100_000)
+            partial(behind_keys, ns=self.namespace, limit=SWEEP_KEYS)
         )
         inbox = set(pending)
         keys = sorted(set(behind) | inbox)

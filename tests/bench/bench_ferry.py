@@ -1,4 +1,4 @@
-"""ferry figures of SPEC section 4, each against a baseline measured in the same run.
+"""ferry figures (docs/guide.md, "What a ferry costs"), each against a baseline from the same run.
 
 The baseline batcher is the one a careful trio user would write by hand: an unbounded memory
 channel, one worker that drains up to 100 inputs per call, and one `trio.Event` per caller.
@@ -113,7 +113,7 @@ async def _direct(n: int) -> float:
         for i in range(n):
             await f(i)
         took = (time.perf_counter() - t0) / n
-        assert f.stats().direct_calls == n
+        assert f.statistics().direct_calls == n
         return took
 
 
@@ -220,7 +220,7 @@ async def _many_keys(total: int, chunk: int = 10_000) -> tuple[int, int, int]:
                 gc.collect()
                 before = _rss_kib()
         gc.collect()
-        return before, _rss_kib(), f.stats().lanes
+        return before, _rss_kib(), f.statistics().lanes
 
 
 def benchmarks() -> list[Row]:

@@ -1,4 +1,4 @@
-"""stm figures of SPEC section 4: each against a baseline timed in the same run, alternating."""
+"""stm figures (docs/stm.md, Costs): each against a baseline timed in the same run, alternating."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -13,17 +14,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_example(name: str, *args: str) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(
+    done = run_script(name, *args)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, str(ROOT / "examples" / name), *args],
         capture_output=True,
         text=True,
         timeout=120,
-        env=env,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
         check=False,
     )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 @pytest.mark.parametrize(
@@ -35,3 +39,71 @@ def run_example(name: str, *args: str) -> str:
 )
 def test_example_runs(script: str, args: tuple[str, ...], expected: str) -> None:
     assert expected in run_example(script, *args)
+
+
+# --- command lines --------------------------------------------------------------------------------
+
+PARSERS = ["lookups", "inference", "ledger", "ledger_service"]
+
+
+@pytest.mark.parametrize("name", PARSERS)
+def test_every_option_has_help_that_shows_its_default(name: str) -> None:
+    parser = importlib.import_module(f"examples.{name}").build_parser()
+    text = " ".join(parser.format_help().split())  # one line: help wraps anywhere
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert options
+    for action in options:
+        flag = action.option_strings[0]
+        assert action.help, f"{name} {flag} has no help"
+        described = " ".join(parser._get_formatter()._format_action(action).split())
+        if action.default is None:
+            assert action.required or "default" in described, f"{name} {flag}: {described}"
+        else:
+            shown = "off" if action.default is False else str(action.default)
+            assert f"(default: {shown})" in described, f"{name} {flag}: {described}"
+        assert described in text
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "message"),
+    [
+        ("lookups", ["--callers", "0"], "argument --callers: must be at least 8, got 0"),
+        ("lookups", ["--latency", "-1"], "argument --latency: must be at least 0, got -1"),
+        ("inference", ["--requests", "0"], "argument --requests: must be at least 1, got 0"),
+        ("ledger", ["--max-batch-size", "0"], "argument --max-batch-size: must be at least 1"),
+        ("ledger", ["--in-flight", "0"], "argument --in-flight: must be at least 1"),
+        ("ledger", ["--max-queueing", "0"], "argument --max-queueing: must be at least 1"),
+        ("ledger", ["--max-batch-delay", "nan"], "argument --max-batch-delay: expected a finite"),
+        ("ledger", ["--ops", "-1"], "argument --ops: must be at least 0"),
+        ("ledger", ["--faults", "1"], "argument --faults: must be below 1"),
+        ("ledger", ["--timeout", "0"], "argument --timeout: must be above 0"),
+        ("ledger", ["--clients", "many"], "argument --clients: expected an integer, got 'many'"),
+        ("ledger", ["--db", "/no/such/dir/x.db"], "argument --db: no such directory: /no/such/dir"),
+        ("ledger", ["--postgres", "not a dsn"], "argument --postgres: not a connection string"),
+        ("ledger", ["--postgres", "host=/no/such/dir"], "argument --postgres: cannot connect"),
+        ("ledger_service", ["--dsn", "host=/no/such/dir"], "argument --dsn: cannot connect"),
+        ("ledger_service", ["--port", "-1", "--dsn", "x"], "argument --port: must be at least 0"),
+    ],
+)
+def test_a_bad_option_is_a_one_line_error(
+    name: str, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = importlib.import_module(f"examples.{name}").build_parser()
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith(f"{parser.prog}: error: {message}"), err
+    assert err[:-1] == parser.format_usage().splitlines()  # usage, then the one line
+
+
+@pytest.mark.parametrize("script", ["lookups.py", "inference.py", "ledger.py", "ledger_service.py"])
+def test_a_script_with_a_bad_option_prints_usage_and_one_line(script: str) -> None:
+    """As a script too: no traceback, exit status 2."""
+    bad = ["--dsn", "host=/no/such/dir"] if script == "ledger_service.py" else ["--seed", "x"]
+    if script == "lookups.py":
+        bad = ["--callers", "0"]
+    done = run_script(script, *bad)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1].startswith(f"{script}: error: argument {bad[0]}")

@@ -6,6 +6,7 @@ fixture) and `wait_all_tasks_blocked`; no real sleeps.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter, defaultdict
 from typing import Any
@@ -16,6 +17,7 @@ import trio.testing
 
 import ferry
 import stm
+from tests.ferry.test_scenarios import conserved
 
 
 class Recorder:
@@ -70,6 +72,7 @@ async def settle() -> None:
         ("max_batch_delay", math.inf),
         ("max_in_flight_batches", 0),
         ("max_queueing", -1),
+        ("max_queueing", 0),
     ],
 )
 async def test_plain_options_are_checked_at_open(option: str, value: Any) -> None:
@@ -101,6 +104,36 @@ async def test_per_key_options_are_checked_at_open(option: str, value: Any) -> N
             pass  # pragma: no cover
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"max_queueing": 0, "direct_calls": False}, {"max_queueing": 0, "max_batch_delay": 0.5}],
+)
+async def test_a_per_key_room_of_zero_needs_direct_calls(options: dict[str, Any]) -> None:
+    rec = Recorder()
+    with pytest.raises(ValueError, match="max_queueing=0"):
+        async with ferry.open_per_key_ferry(rec.per_key, key=lambda x: x[0], **options):
+            pass  # pragma: no cover
+
+
+async def test_a_per_key_room_of_zero_means_direct_calls_only(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    rec.gate = trio.Event()
+    async with (
+        ferry.open_per_key_ferry(rec.per_key, key=lambda x: x[0], max_queueing=0) as f,
+        trio.open_nursery() as n,
+    ):
+        n.start_soon(f, ("a", 1))  # an idle key: a direct call, which holds the key
+        await settle()
+        with pytest.raises(ferry.Rejected):
+            await f(("a", 2))  # a busy key would have to wait: there is no room
+        rec.gate.set()
+    assert rec.calls == [("a", [("a", 1)])]
+    s = f.statistics()
+    assert (s.direct_calls, s.rejected, s.batches) == (1, 1, 0)
+
+
 # ------------------------------------------------------------------------------- plain ferry
 
 
@@ -120,7 +153,7 @@ async def test_plain_batches_concurrent_callers(autojump_clock: trio.testing.Moc
     assert sum(sizes) == 10
     assert max(sizes) == 4
     assert len(rec.calls) <= 4  # batched, not one call each
-    s = f.stats()
+    s = f.statistics()
     assert (s.submitted, s.admitted, s.inputs_sent) == (10, 10, 10)
     assert s.batches == len(rec.calls)
     assert sum(size * n for size, n in s.batch_sizes.items()) == 10
@@ -186,7 +219,7 @@ async def test_rejected_when_room_is_full_and_nothing_is_sent(
     assert isinstance(outcomes[3], ferry.Rejected)
     assert [outcomes[i] for i in (0, 1, 2)] == [("ok", 0), ("ok", 1), ("ok", 2)]
     assert all(xs != [3] for _, xs in rec.calls)
-    assert f.stats().rejected == 1
+    assert f.statistics().rejected == 1
 
 
 async def test_failed_batch_gives_each_caller_failed_with_cause_and_ferry_goes_on(
@@ -211,7 +244,7 @@ async def test_failed_batch_gives_each_caller_failed_with_cause_and_ferry_goes_o
         assert all(isinstance(e.__cause__, RuntimeError) for e in errors)
         assert isinstance(errors[0], ferry.FerryError)
         assert await f(7) == ("ok", 7)  # not poisoned
-        assert f.stats().failed_batches == 1
+        assert f.statistics().failed_batches == 1
 
 
 @pytest.mark.parametrize(
@@ -297,11 +330,11 @@ async def test_cancelled_while_waiting_is_dropped_and_never_sent(
 
             n.start_soon(doomed)
             await settle()
-            assert f.stats().queued == 2
+            assert f.statistics().queued == 2
             cs.cancel()
             await settle()
-            assert f.stats().queued == 1
-            assert f.stats().dropped == 1
+            assert f.statistics().queued == 1
+            assert f.statistics().dropped == 1
     assert rec.calls == [(None, [1])]
     assert stm.statistics().waiters == 0
 
@@ -332,9 +365,14 @@ async def test_await_is_a_checkpoint_on_every_path(autojump_clock: trio.testing.
     async def call(xs: list[int]) -> list[int]:
         return xs
 
-    async with ferry.open_ferry(call, max_queueing=0) as f:
+    async with (
+        ferry.open_ferry(call, max_queueing=1, max_batch_delay=10.0) as f,
+        trio.open_nursery() as n,
+    ):
+        n.start_soon(f, 1)
+        await settle()  # 1 waits for company: the room is full
         with trio.testing.assert_checkpoints(), pytest.raises(ferry.Rejected):
-            await f(1)
+            await f(2)
     with trio.testing.assert_checkpoints(), pytest.raises(ferry.Closed):
         await f(1)
     async with ferry.open_ferry(call) as f:
@@ -357,7 +395,7 @@ async def test_cancelled_before_admission_admits_nothing(
         with trio.CancelScope() as cs:
             cs.cancel()
             await f(1)
-        assert f.stats().submitted == 0
+        assert f.statistics().submitted == 0
     assert rec.calls == []
 
 
@@ -386,10 +424,10 @@ async def test_close_answers_waiting_and_in_flight_callers_with_closed(
         for i in range(3):
             n.start_soon(one, f, i)
         await settle()
-        assert f.stats().busy == 1 and f.stats().queued == 2
+        assert f.statistics().busy == 1 and f.statistics().queued == 2
     assert all(isinstance(v, ferry.Closed) for v in got.values()) and len(got) == 3
     assert isinstance(got[0], trio.ClosedResourceError)
-    s = f.stats()
+    s = f.statistics()
     assert (s.queued, s.busy, s.lanes) == (0, 0, 0)
     assert stm.statistics().waiters == 0
     with pytest.raises(ferry.Closed):
@@ -521,7 +559,7 @@ async def test_queued_weight_rejects_and_bad_weights_are_refused_at_once(
                 with pytest.raises(exc, match="weight"):
                     await f(("c", bad))
             rec.gate.set()
-        s = f.stats()
+        s = f.statistics()
         assert s.submitted == 2 and s.rejected == 1
 
 
@@ -540,7 +578,7 @@ async def test_key_errors_are_raised_at_once_and_nothing_is_admitted(
             await f([1, 2])
         with pytest.raises(LookupError, match="boom"):
             await f("boom")
-        assert f.stats().submitted == 0
+        assert f.statistics().submitted == 0
     assert rec.calls == []
 
 
@@ -594,10 +632,10 @@ async def test_idle_key_is_served_directly_while_every_worker_is_busy(
         await settle()
         hold_a1.set()
         await settle()  # the only worker took ("a", 2) and hangs
-        s = f.stats()
+        s = f.statistics()
         assert (s.direct_calls, s.batches, s.busy) == (1, 1, 1)
         assert await f(("fast", 1)) == ("fast", 1)
-        assert f.stats().direct_calls == 2
+        assert f.statistics().direct_calls == 2
         hold_a2.set()
 
 
@@ -624,7 +662,7 @@ async def test_second_input_waits_for_the_direct_call_to_end_even_with_slow_clea
     async with ferry.open_per_key_ferry(call, key=lambda x: "k") as f, trio.open_nursery() as n:
         n.start_soon(f, 1)
         await settle()
-        assert f.stats().direct_calls == 1
+        assert f.statistics().direct_calls == 1
         n.start_soon(f, 2)
     assert order == ["start [1]", "end [1]", "start [2]", "end [2]"]
 
@@ -645,7 +683,7 @@ async def test_direct_call_is_cancelled_with_its_caller_and_key_released_after(
         with trio.move_on_after(1.0):
             await f(1)
         assert seen == ["cancelled"]
-        s = f.stats()
+        s = f.statistics()
         assert (s.busy, s.lanes) == (0, 0)
 
 
@@ -667,9 +705,9 @@ async def test_direct_call_is_cancelled_by_close_and_caller_gets_closed(
     async with trio.open_nursery() as n, ferry.open_per_key_ferry(call, key=lambda x: "k") as f:
         n.start_soon(one, f)
         await settle()
-        assert f.stats().busy == 1
+        assert f.statistics().busy == 1
     assert len(got) == 1
-    assert f.stats().busy == 0
+    assert f.statistics().busy == 0
 
 
 async def test_direct_call_failure_is_failed_with_cause(
@@ -682,13 +720,13 @@ async def test_direct_call_failure_is_failed_with_cause(
         with pytest.raises(ferry.Failed) as info:
             await f(1)
         assert isinstance(info.value.__cause__, OSError)
-        assert f.stats().failed_batches == 1
+        assert f.statistics().failed_batches == 1
 
 
 # -------------------------------------------------------------------------------- statistics
 
 
-def test_stats_has_exactly_the_spec_fields() -> None:
+def test_statistics_has_exactly_the_documented_fields() -> None:
     import attrs
 
     names = [a.name for a in attrs.fields(ferry.FerryStatistics)]
@@ -702,13 +740,25 @@ def test_stats_has_exactly_the_spec_fields() -> None:
         "submitted",
         "admitted",
         "rejected",
+        "after_close",
         "direct_calls",
         "batches",
         "inputs_sent",
         "failed_batches",
         "dropped",
+        "drained",
         "batch_sizes",
     ]
+
+
+def test_every_counter_of_the_room_is_reported_under_its_own_name() -> None:
+    import attrs
+
+    from ferry import _lanes
+
+    names = [a.name for a in attrs.fields(ferry.FerryStatistics)]
+    gauges = ["queued", "queued_weight", "busy", "lanes", "ready", "waiting", "batch_sizes"]
+    assert sorted(_lanes.COUNTERS) == sorted(n for n in names if n not in gauges)
 
 
 async def test_stats_gauges_for_per_key_lanes(autojump_clock: trio.testing.MockClock) -> None:
@@ -732,7 +782,7 @@ async def test_stats_gauges_for_per_key_lanes(autojump_clock: trio.testing.MockC
         n.start_soon(f, ("c", 1))
         n.start_soon(f, ("c", 2))  # full, but the only worker is busy: ready
         await settle()
-        s = f.stats()
+        s = f.statistics()
         assert (s.lanes, s.busy, s.ready, s.waiting) == (3, 1, 1, 1)
         assert (s.queued, s.queued_weight) == (3, 7.5)
         rec.gate.set()
@@ -752,7 +802,7 @@ async def test_bad_ranks_are_refused_clearly_and_nothing_is_admitted(
                 await f("one")
             with pytest.raises(TypeError, match="rank"):
                 await f(None)
-            assert f.stats().queued == 1
+            assert f.statistics().queued == 1
     assert rec.calls == [("k", [1])]
 
 
@@ -803,4 +853,351 @@ async def test_a_direct_call_that_never_yields_is_still_a_checkpoint_on_every_ou
             await f(1)
         with trio.testing.assert_checkpoints(), pytest.raises(ferry.IdReused):
             await f(2)
-        assert f.stats().direct_calls == 3
+        assert f.statistics().direct_calls == 3
+
+
+# ------------------------------------------------------------------- what `call` must be
+
+
+async def test_a_call_that_is_not_async_is_refused_at_open() -> None:
+    def plain_def(xs: list[int]) -> list[int]:
+        return xs
+
+    def keyed_def(key: int, xs: list[int]) -> list[int]:
+        return xs
+
+    async def agen(xs: list[int]) -> Any:
+        yield xs
+
+    for call in (plain_def, lambda xs: xs, functools.partial(plain_def), agen):
+        with pytest.raises(TypeError, match="async def"):
+            async with ferry.open_ferry(call):  # type: ignore[arg-type]
+                pass  # pragma: no cover
+    for keyed in (keyed_def, lambda k, xs: xs):
+        with pytest.raises(TypeError, match="async def"):
+            async with ferry.open_per_key_ferry(keyed, key=lambda x: x):  # type: ignore[arg-type]
+                pass  # pragma: no cover
+
+
+class _AsyncCallable:
+    async def __call__(self, xs: list[int]) -> list[int]:
+        await trio.lowlevel.checkpoint()
+        return xs
+
+    async def method(self, xs: list[int]) -> list[int]:
+        return await self(xs)
+
+
+async def test_every_kind_of_async_callable_is_accepted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def scale(factor: int, xs: list[int]) -> list[int]:
+        return [factor * x for x in xs]
+
+    obj = _AsyncCallable()
+    for call, expected in (
+        (obj, 3),
+        (obj.method, 3),
+        (functools.partial(scale, 2), 6),
+    ):
+        async with ferry.open_ferry(call) as f:
+            assert await f(3) == expected
+
+
+async def test_a_call_that_returns_no_awaitable_is_a_batch_contract_error(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A callable object (not refused at open) whose call returns a plain value."""
+
+    class SyncInDisguise:
+        def __call__(self, *args: Any) -> Any:
+            return [("not awaited", args)]
+
+    async with ferry.open_ferry(SyncInDisguise(), max_batch_delay=1.0) as f:
+        with pytest.raises(ferry.BatchContractError, match="not an awaitable") as info:
+            await f(1)
+        assert "async def" in str(info.value)
+        s = f.statistics()
+        assert s.batches == 1 and s.failed_batches == 0
+    async with ferry.open_per_key_ferry(SyncInDisguise(), key=lambda x: x) as g:
+        with pytest.raises(ferry.BatchContractError, match="not an awaitable"):
+            await g(1)  # a direct call
+        assert g.statistics().busy == 0
+
+
+async def test_failed_names_the_key_only_for_a_per_key_ferry(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def plain(xs: list[int]) -> list[int]:
+        raise OSError("backend down")
+
+    async def keyed(key: str, xs: list[int]) -> list[int]:
+        raise OSError("backend down")
+
+    async with ferry.open_ferry(plain) as f:
+        with pytest.raises(ferry.Failed) as info:
+            await f(1)
+    assert "key" not in str(info.value) and "backend down" in str(info.value)
+    async with ferry.open_per_key_ferry(keyed, key=lambda x: "acct-7") as g:
+        with pytest.raises(ferry.Failed, match="for key 'acct-7'"):
+            await g(1)
+
+
+async def test_statistics_is_the_name_and_stats_a_deprecated_alias(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def call(xs: list[int]) -> list[int]:
+        return xs
+
+    async def keyed(key: int, xs: list[int]) -> list[int]:
+        return xs
+
+    async with ferry.open_ferry(call) as f, ferry.open_per_key_ferry(keyed, key=lambda x: x) as g:
+        await f(1)
+        await g(1)
+        for fy in (f, g):
+            s = fy.statistics()
+            with pytest.warns(DeprecationWarning, match=r"statistics\(\)"):
+                assert fy.stats() == s
+
+
+async def test_batch_sizes_cannot_be_changed_through_a_snapshot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def call(xs: list[int]) -> list[int]:
+        return xs
+
+    async with ferry.open_ferry(call) as f:
+        await f(1)
+        s = f.statistics()
+        with pytest.raises(TypeError):
+            s.batch_sizes[1] = 99  # type: ignore[index]
+        assert f.statistics().batch_sizes == {1: 1}
+
+
+async def test_every_outcome_is_counted_once_and_the_counts_are_conserved(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    rec.gate = trio.Event()  # never set: the direct call holds key a until close
+    outcomes: list[str] = []
+
+    async def one(x: tuple[str, int]) -> None:
+        try:
+            await f(x)
+            outcomes.append("result")
+        except ferry.Closed:
+            outcomes.append("closed")
+
+    async with trio.open_nursery() as n:
+        async with ferry.open_per_key_ferry(
+            rec.per_key, key=lambda x: x[0], max_queueing=3, max_in_flight_batches=1
+        ) as f:
+            n.start_soon(one, ("a", 1))  # a direct call
+            await settle()
+            for i in (2, 3):
+                n.start_soon(one, ("a", i))  # wait for the key
+            await settle()
+            with trio.move_on_after(1.0):
+                await f(("a", 4))  # waits, then its caller gives up: dropped
+            n.start_soon(one, ("a", 5))
+            await settle()
+            with pytest.raises(ferry.Rejected):
+                await f(("a", 6))  # the room holds 3: full
+            s = f.statistics()
+            conserved(s)
+            assert (s.submitted, s.direct_calls, s.admitted, s.rejected) == (6, 1, 4, 1)
+            assert (s.queued, s.dropped) == (3, 1)
+    # Close cancelled the direct call and drained the three inputs still waiting.
+    s = f.statistics()
+    conserved(s)
+    assert (s.drained, s.queued, s.after_close, s.busy) == (3, 0, 0, 0)
+    assert sorted(outcomes) == ["closed"] * 4
+    with pytest.raises(ferry.Closed):
+        await f(("c", 1))
+    s = f.statistics()
+    conserved(s)
+    assert s.after_close == 1
+
+
+# ------------------------------------------------------------------- the wrong run or thread
+
+
+async def _echo(xs: list[int]) -> list[int]:
+    await trio.lowlevel.checkpoint()
+    return xs
+
+
+async def _echo_key(key: int, xs: list[int]) -> list[int]:
+    await trio.lowlevel.checkpoint()
+    return xs
+
+
+async def test_a_ferry_called_from_another_trio_run_raises_instead_of_hanging() -> None:
+    async with (
+        ferry.open_ferry(_echo) as f,
+        ferry.open_per_key_ferry(_echo_key, key=lambda x: x) as g,
+    ):
+        for fy in (f, g):
+
+            def other_run(fy: Any = fy) -> None:
+                async def main() -> None:
+                    with trio.fail_after(10):  # only a guard: without the check, this hangs
+                        await fy(1)
+
+                trio.run(main)
+
+            with pytest.raises(RuntimeError, match="another trio run") as info:
+                await trio.to_thread.run_sync(other_run)
+            assert "trio.from_thread.run" in str(info.value)
+            assert await fy(2) == 2  # the ferry is unharmed and serves its own run
+            assert fy.statistics().submitted == 1
+
+
+async def test_a_ferry_called_from_a_thread_outside_trio_says_so() -> None:
+    import asyncio
+
+    async with ferry.open_ferry(_echo) as f:
+        with pytest.raises(RuntimeError, match="outside any trio run"):
+            await trio.to_thread.run_sync(asyncio.run, f(1))
+        token = trio.lowlevel.current_trio_token()
+        # The way to call it from a thread: into the ferry's own run.
+        assert await trio.to_thread.run_sync(lambda: trio.from_thread.run(f, 3, trio_token=token))
+        assert f.statistics().submitted == 1
+
+
+# ---------------------------------------------------------------------- a call that hangs
+
+
+async def _closed_into(got: list[Any], f: ferry.Ferry[int, Any]) -> None:
+    """Call `f(1)`, which must end in `Closed`, and keep the exception in `got`."""
+    try:
+        await f(1)
+    except ferry.Closed as exc:
+        got.append(exc)
+
+
+async def _hang(*args: Any) -> list[Any]:
+    await trio.sleep_forever()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+@pytest.mark.parametrize("value", [0, -1.0, math.nan, "60"])
+async def test_call_timeout_is_checked_at_open(value: Any) -> None:
+    with pytest.raises(ValueError, match="call_timeout"):
+        async with ferry.open_ferry(_echo, call_timeout=value):
+            pass  # pragma: no cover
+    with pytest.raises(ValueError, match="call_timeout"):
+        async with ferry.open_per_key_ferry(_echo_key, key=lambda x: x, call_timeout=value):
+            pass  # pragma: no cover
+
+
+async def test_a_batch_call_that_hangs_fails_its_callers_after_the_default_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    got: list[BaseException] = []
+
+    async def one(f: ferry.Ferry[int, Any], i: int) -> None:
+        try:
+            await f(i)
+        except ferry.Failed as exc:
+            got.append(exc)
+
+    async with ferry.open_ferry(_hang, max_batch_delay=1.0) as f:
+        start = trio.current_time()
+        with trio.fail_after(1000):  # a guard: without a timeout, the callers wait for ever
+            async with trio.open_nursery() as n:
+                for i in range(3):
+                    n.start_soon(one, f, i)
+        assert trio.current_time() == start + 1.0 + 60.0  # the delay, then the default timeout
+        s = f.statistics()
+        assert (s.batches, s.failed_batches, s.busy) == (1, 1, 0)
+    assert len(got) == 3
+    assert all(isinstance(e.__cause__, trio.TooSlowError) for e in got)
+    assert "call_timeout" in str(got[0])
+
+
+async def test_a_call_that_hangs_holds_the_key_until_it_has_unwound(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    in_flight = 0
+    order: list[str] = []
+
+    async def call(key: str, xs: list[int]) -> list[int]:
+        nonlocal in_flight
+        in_flight += 1
+        assert in_flight == 1, "two calls in flight for one key"
+        try:
+            if xs == [1]:
+                await trio.sleep_forever()
+            return xs
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(2.0)  # slow cleanup after the timeout
+            order.append(f"end {xs}")
+            in_flight -= 1
+
+    with trio.fail_after(1000):  # a guard: without a timeout, this never ends
+        await _hold_the_key(call, order)
+    assert order == ["end [1]", "end [2]"]
+
+
+async def _hold_the_key(call: Any, order: list[str]) -> None:
+    async with (
+        ferry.open_per_key_ferry(call, key=lambda x: "k", call_timeout=5.0) as f,
+        trio.open_nursery() as n,
+    ):
+        start = trio.current_time()
+
+        async def first() -> None:
+            with pytest.raises(ferry.Failed) as info:
+                await f(1)  # a direct call
+            assert isinstance(info.value.__cause__, trio.TooSlowError)
+            assert trio.current_time() == start + 7.0
+
+        n.start_soon(first)
+        await settle()
+        assert await f(2) == 2  # waits in the lane until the direct call is over
+        assert f.statistics().failed_batches == 1
+
+
+async def test_with_an_infinite_call_timeout_a_hanging_call_is_ended_by_close(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    got: list[Any] = []
+    async with trio.open_nursery() as n:
+        with trio.move_on_after(1000.0):
+            async with ferry.open_ferry(_hang, call_timeout=math.inf) as f:
+                n.start_soon(_closed_into, got, f)
+                await trio.sleep_forever()
+    assert len(got) == 1 and trio.current_time() == 1000.0
+
+
+async def test_a_worker_that_fails_while_the_block_raises_loses_neither_exception(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def call(xs: list[int]) -> list[int]:
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise KeyboardInterrupt  # say, a Ctrl-C that lands while the call is cancelled
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    got: list[Any] = []
+    async with trio.open_nursery() as n:
+        with pytest.raises(BaseExceptionGroup) as info:
+            async with ferry.open_ferry(call) as f:
+                n.start_soon(_closed_into, got, f)
+                await settle()  # the call is in flight
+                raise ValueError("the block's own error")
+    assert info.value.subgroup(ValueError) is not None, info.value
+    assert info.value.subgroup(KeyboardInterrupt) is not None, info.value
+    assert len(got) == 1  # its caller was answered
+    s = f.statistics()
+    assert (s.busy, s.lanes, s.queued) == (0, 0, 0)
+
+
+async def test_an_exception_from_the_block_alone_comes_out_as_it_was_raised() -> None:
+    with pytest.raises(KeyError):
+        async with ferry.open_ferry(_echo):
+            raise KeyError("user bug")

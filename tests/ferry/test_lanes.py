@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from ferry import _lanes as core
+from ferry import _persistent as persistent
 from ferry._lanes import (
     Admission,
     Lanes,
@@ -116,7 +117,7 @@ def test_rejected_by_weight_only_when_it_does_not_fit() -> None:
 def test_claim_alone() -> None:
     s = claim(empty(Limits(direct_calls=True)), "k")
     check_invariants(s)
-    assert s.busy == 1 and s.direct_calls == 1 and s.submitted == 0
+    assert s.busy == 1 and s.direct_calls == 1 and s.submitted == 1  # as admit counts it
     with pytest.raises(AssertionError):
         claim(s, "k")
 
@@ -309,7 +310,7 @@ def test_many_cancels_compact_the_lane() -> None:
         assert gone
     check_invariants(s)
     lane = s.lanes["a"]
-    assert len(lane.fifo) * core._CHUNK + len(lane.tail) - lane.head < 100 and lane.count == 50
+    assert len(lane.fifo) * persistent.CHUNK + len(lane.tail) - lane.head < 100 and lane.count == 50
 
 
 # ---- drain and next_deadline ------------------------------------------------------------------
@@ -419,7 +420,7 @@ def test_check_invariants_catches_empty_idle_lane_and_busy_queued_lane() -> None
     s, _ = _admit(empty(Limits()), "a", 1)
     lane = s.lanes["a"]
     empty_lane = core._evolve(
-        lane, {"count": 0, "fifo": core._EMPTY_VECTOR, "tail": (), "weight": 0.0}
+        lane, {"count": 0, "fifo": persistent.EMPTY_VECTOR, "tail": (), "weight": 0.0}
     )
     broken = core._evolve(s, {"lanes": s.lanes.set("a", empty_lane), "queued": 0})
     with pytest.raises(AssertionError):
@@ -473,7 +474,7 @@ def test_chunked_fifo_keeps_order_across_chunks_with_cancels() -> None:
 def test_the_plain_rooms_one_lane_map_is_persistent_and_behaves_like_a_pmap() -> None:
     from pyrsistent import pmap
 
-    empty_map: core._OneLane[Any, str] = core._OneLane()
+    empty_map: persistent.OneLane[Any, str] = persistent.OneLane()
     one = empty_map.set(None, "lane")
     other = one.set(None, "lane 2")
     assert (len(empty_map), len(one), one[None], other[None]) == (0, 1, "lane", "lane 2")
@@ -487,5 +488,5 @@ def test_the_plain_rooms_one_lane_map_is_persistent_and_behaves_like_a_pmap() ->
     with pytest.raises(AssertionError, match="single lane"):
         one.set("another key", "lane")
     plain = empty(Limits(one_in_flight=False))
-    assert isinstance(plain.lanes, core._OneLane)
-    assert not isinstance(empty(Limits()).lanes, core._OneLane)
+    assert isinstance(plain.lanes, persistent.OneLane)
+    assert not isinstance(empty(Limits()).lanes, persistent.OneLane)

@@ -10,7 +10,8 @@ import trio
 from hypothesis import find, settings
 
 import ferry
-import ferry._ferry as shell_module
+import ferry._lanes as lanes_module
+import ferry._shell as shell_module
 import stm
 from tests.ferry.test_scenarios import Options, Sub, check, options, run_scenario, submissions
 
@@ -22,10 +23,10 @@ async def direct_releasing_early(self: Any, entry: Any) -> Any:
     self._direct_scopes.add(scope)
     if self._closing:
         scope.cancel()
-    stm.atomically_nowait(self._release_txn, key, False)  # the bug: too early
+    stm.atomically_nowait(self.room.release, key, 0.0, False)  # the bug: too early
     try:
         with scope:
-            output = await self._send(key, [entry.input])
+            output = await self._call(key, [entry.input])
     except Exception as exc:
         raise ferry.Failed("batch call failed") from exc
     finally:
@@ -38,7 +39,7 @@ async def direct_releasing_early(self: Any, entry: Any) -> Any:
 def test_checker_catches_a_key_released_before_its_direct_call_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(shell_module._Shell, "_direct", direct_releasing_early)
+    monkeypatch.setattr(shell_module.Shell, "_direct", direct_releasing_early)
     opts = Options(
         max_batch_size=2,
         max_batch_weight=math.inf,
@@ -59,7 +60,7 @@ def test_checker_catches_a_key_released_before_its_direct_call_ends(
 def test_hypothesis_finds_the_planted_bug_from_random_scenarios(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(shell_module._Shell, "_direct", direct_releasing_early)
+    monkeypatch.setattr(shell_module.Shell, "_direct", direct_releasing_early)
 
     def broken(case: tuple[Options, list[Sub]]) -> bool:
         opts, subs = case
@@ -77,3 +78,29 @@ def test_hypothesis_finds_the_planted_bug_from_random_scenarios(
         settings=settings(max_examples=500, database=None, deadline=None, derandomize=True),
     )
     assert found is not None
+
+
+def test_checker_catches_inputs_that_close_loses_count_of(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Planted bug: close drains the room but forgets to count what it drained."""
+    real_drain = lanes_module.drain
+
+    def drain_uncounted(state: Any) -> Any:
+        new, drained = real_drain(state)
+        return lanes_module._evolve(new, {"drained": state.drained}), drained
+
+    monkeypatch.setattr(lanes_module, "drain", drain_uncounted)
+    opts = Options(
+        max_batch_size=2,
+        max_batch_weight=math.inf,
+        max_batch_delay=5.0,
+        max_in_flight_batches=1,
+        max_queueing=4,
+        max_queued_weight=math.inf,
+        direct_calls=False,
+        ranked=False,
+    )
+    subs = [Sub(0, at=0.0, key=0, rank=0, weight=1, behaviour="ok", cancel_after=None)]
+    with pytest.raises(AssertionError, match="admitted inputs not conserved"):
+        check(opts, subs, run_scenario(opts, subs, close_at=1.0))  # closes while 0 waits

@@ -45,6 +45,7 @@ class Options:
     max_queued_weight: float
     direct_calls: bool
     ranked: bool
+    call_timeout: float = math.inf
 
 
 @attrs.define
@@ -78,7 +79,8 @@ async def scenario(opts: Options, subs: list[Sub], close_at: float) -> Run:
 
     async def caller(f: ferry.PerKeyFerry[Sub, Any], sub: Sub) -> None:
         await trio.sleep_until(sub.at)
-        before = f.stats()
+        before = f.statistics()
+        conserved(before)
         got: list[Any] = run.outcomes.setdefault(sub.ident, [])
         try:
             with trio.CancelScope() as scope:
@@ -96,7 +98,7 @@ async def scenario(opts: Options, subs: list[Sub], close_at: float) -> Run:
                 run.violations.append(f"{sub.ident} rejected with room: {before}")
         except ferry.Failed as exc:
             got.append("failed")
-            assert isinstance(exc.__cause__, RuntimeError)
+            assert isinstance(exc.__cause__, RuntimeError | trio.TooSlowError)
         except ferry.Closed:
             got.append("closed")
 
@@ -125,11 +127,22 @@ async def _run_callers(
             max_queueing=opts.max_queueing,
             max_queued_weight=opts.max_queued_weight,
             direct_calls=opts.direct_calls,
+            call_timeout=opts.call_timeout,
         ) as f:
             for sub in subs:
                 callers.start_soon(caller, f, sub)
             await trio.sleep_until(close_at)
-        run.final = f.stats()
+        run.final = f.statistics()
+
+
+def conserved(s: ferry.FerryStatistics) -> None:
+    """The two conservation equations of docs/guide.md ("Watching it"), from public numbers."""
+    ok = s.submitted == s.admitted + s.rejected + s.after_close + s.direct_calls
+    assert ok, f"submitted calls not conserved: {s}"
+    ok = s.admitted == s.queued + s.inputs_sent + s.dropped + s.drained
+    assert ok, f"admitted inputs not conserved: {s}"
+    assert sum(s.batch_sizes.values()) == s.batches, s
+    assert sum(size * n for size, n in s.batch_sizes.items()) == s.inputs_sent, s
 
 
 def check(opts: Options, subs: list[Sub], run: Run) -> None:
@@ -158,6 +171,11 @@ def check(opts: Options, subs: list[Sub], run: Run) -> None:
     # After close nothing is left: no lane, no call, no waiter.
     final = run.final
     assert final is not None
+    conserved(final)
+    kinds = Counter(g if isinstance(g, str) else "ok" for (g,) in run.outcomes.values())
+    assert final.submitted <= len(subs)
+    assert kinds["closed"] >= final.drained + final.after_close
+    assert kinds["cancelled"] >= final.dropped
     assert (final.lanes, final.busy, final.queued, final.queued_weight) == (0, 0, 0, 0)
     assert final.rejected == sum(1 for (g,) in run.outcomes.values() if g == "rejected")
     assert final.inputs_sent + final.direct_calls >= len(sent)
@@ -180,6 +198,7 @@ options = st.builds(
     max_queued_weight=st.sampled_from([math.inf, 6.0]),
     direct_calls=st.booleans(),
     ranked=st.booleans(),
+    call_timeout=st.sampled_from([math.inf, 60.0, 2.5]),
 )
 
 
@@ -216,6 +235,7 @@ def test_at_scale_ten_thousand_callers_over_a_hundred_keys() -> None:
         max_queued_weight=math.inf,
         direct_calls=True,
         ranked=False,
+        call_timeout=4.0,  # slow calls (3 s) finish; hanging ones fail
     )
     subs = [
         Sub(

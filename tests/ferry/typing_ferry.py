@@ -35,4 +35,4 @@ async def users_of_per_key_ferry() -> None:
     async with ferry.open_per_key_ferry(lookup_by_key, key=lambda x: str(x % 3)) as f:
         assert_type(f, ferry.PerKeyFerry[int, bytes])
         assert_type(await f(1), bytes)
-        assert_type(f.stats(), ferry.FerryStatistics)
+        assert_type(f.statistics(), ferry.FerryStatistics)

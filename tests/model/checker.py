@@ -16,7 +16,8 @@ properties (see `Checker._check_state`); in every terminal state, that nothing i
 On a violation it raises `Counterexample` with the shortest trace (BFS order).
 
 The transitions come from a `Protocol` object, so a test can plant a bug by overriding one of
-them; the shell's own protocol can be modelled the same way by extending `Checker`.
+them; the shell's own protocol can be modelled the same way by extending `Checker`. The search
+itself (`Search`: BFS, deduplication, shortest traces) is shared by every model of this package.
 """
 
 from __future__ import annotations
@@ -149,32 +150,32 @@ def _canon_room(room: Lanes[Any, Any]) -> tuple[Any, ...]:
     return (room.closed, lanes, tuple(room.ready_keys()), tuple(room.waiting_keys()))
 
 
-class Checker:
-    """Breadth-first search of every interleaving for one `Config` and one `Protocol`."""
+class Search:
+    """Breadth-first search of every reachable state of a model, with shortest counterexamples.
 
-    def __init__(
-        self, config: Config, protocol: Protocol | None = None, *, check_room: bool = True
-    ) -> None:
-        self.config = config
-        self.protocol = protocol or Protocol()
-        self.check_room = check_room  # False: only the actors' properties (to test those alone)
-        self.key_names = tuple(sorted(set(config.keys)))
+    A model subclasses this and gives `name`, `initial`, `canon` (the key states are deduplicated
+    on), `successors` (every enabled step, as ``(label, next state)``; it may raise on a step
+    property, see `_step_violation`), `_check_state` (every reachable state) and `_check_terminal`
+    (every state with no successor). Cost: one `canon` and one `_check_state` per new state, one
+    `canon` per step.
+    """
 
-    # ---- the search ---------------------------------------------------------------------------
+    name: str
 
-    def initial(self) -> M:
-        n = len(self.config.keys)
-        return M(
-            room=core.empty(self.config.limits),
-            now=0.0,
-            callers=((NEW,),) * n,
-            workers=(None,) * self.config.workers,
-            bypass=(0,) * len(self.key_names),
-        )
+    def initial(self) -> Any:
+        raise NotImplementedError
 
-    def canon(self, m: M) -> Any:
-        callers = tuple(c if c[0] != WAITING else (WAITING,) for c in m.callers)
-        return (_canon_room(m.room), m.now, callers, m.workers, m.bypass)
+    def canon(self, m: Any) -> Any:
+        raise NotImplementedError
+
+    def successors(self, m: Any) -> Iterator[tuple[str, Any]]:
+        raise NotImplementedError
+
+    def _check_state(self, m: Any) -> None:
+        raise NotImplementedError
+
+    def _check_terminal(self, m: Any) -> None:
+        raise NotImplementedError
 
     def run(self) -> Report:
         """Explore every reachable state; raise `Counterexample` on the first violation."""
@@ -182,7 +183,7 @@ class Checker:
         start = self.initial()
         start_key = self.canon(start)
         parent: dict[Any, tuple[Any, str] | None] = {start_key: None}
-        todo: deque[tuple[M, Any]] = deque([(start, start_key)])
+        todo: deque[tuple[Any, Any]] = deque([(start, start_key)])
         transitions = 0
         self._guard(parent, start_key, None, lambda: self._check_state(start))
         while todo:
@@ -200,7 +201,16 @@ class Checker:
                 todo.append((nxt, nkey))
             if not moved:
                 self._guard(parent, mkey, None, lambda m=m: self._check_terminal(m))
-        return Report(self.config.name, len(parent), transitions, time.perf_counter() - t0)
+        return Report(self.name, len(parent), transitions, time.perf_counter() - t0)
+
+    def find(self) -> Counterexample:
+        """The counterexample `run` raises (printed); `AssertionError` if there is none."""
+        try:
+            report = self.run()
+        except Counterexample as found:
+            print(f"\n{found}")
+            return found
+        raise AssertionError(f"no counterexample in {report.states} states ({self.name})")
 
     def _guard(self, parent: dict[Any, Any], key: Any, _: object, fn: Any) -> Any:
         try:
@@ -220,6 +230,35 @@ class Checker:
         if failing:
             steps.append(f"{failing}  <-- fails here")
         return steps
+
+
+class Checker(Search):
+    """Breadth-first search of every interleaving for one `Config` and one `Protocol`."""
+
+    def __init__(
+        self, config: Config, protocol: Protocol | None = None, *, check_room: bool = True
+    ) -> None:
+        self.config = config
+        self.name = config.name
+        self.protocol = protocol or Protocol()
+        self.check_room = check_room  # False: only the actors' properties (to test those alone)
+        self.key_names = tuple(sorted(set(config.keys)))
+
+    # ---- the search ---------------------------------------------------------------------------
+
+    def initial(self) -> M:
+        n = len(self.config.keys)
+        return M(
+            room=core.empty(self.config.limits),
+            now=0.0,
+            callers=((NEW,),) * n,
+            workers=(None,) * self.config.workers,
+            bypass=(0,) * len(self.key_names),
+        )
+
+    def canon(self, m: M) -> Any:
+        callers = tuple(c if c[0] != WAITING else (WAITING,) for c in m.callers)
+        return (_canon_room(m.room), m.now, callers, m.workers, m.bypass)
 
     # ---- the actors' steps ---------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ferry._lanes import Limits
 from tests.model.checker import Config
+from tests.model.flow import FlowConfig, StepSpec
 from tests.model.shell import ShellConfig
 
 DEFAULT = [
@@ -116,3 +117,49 @@ SHELL_SLOW = [
         workers=3,
     ),
 ]
+
+# The flow (tests/model/flow.py): reserve (retried once; its compensation may raise, which blocks
+# the flow until an operator resumes it), charge (parks 10 s; on timeout: compensate), ship (no
+# compensation; may fail the flow). The world sends 2 wakes at any moment (or stops early),
+# cancels once, resumes once; the engine may crash once anywhere.
+RESERVE = StepSpec("reserve", ("continue", "raise"), ("ok", "raise"), attempts=2)
+CHARGE = StepSpec("charge", ("park",), ("ok",))
+SHIP = StepSpec("ship", ("continue", "fail"))
+ORDER = (RESERVE, CHARGE, SHIP)
+
+FLOW_DEFAULT = [
+    FlowConfig("flow: 3 steps, park with timeout, 2 wakes, cancel, resume, 1 crash", ORDER),
+    FlowConfig(
+        "flow: duplicate message id, on_timeout=continue, 1 crash",
+        ORDER,
+        wakes=("m1", "m1"),
+        on_timeout="continue",
+    ),
+    FlowConfig(
+        "flow: a write commits and loses its answer, a compensation that raises, 1 crash",
+        (
+            StepSpec("reserve", ("continue",), ("ok",)),
+            StepSpec("charge", ("park",), ("ok", "raise")),
+            SHIP,
+        ),
+        ambiguous=1,
+    ),
+]
+
+FLOW_SLOW = [
+    FlowConfig(
+        "flow: 3 steps, park with timeout, 2 wakes, cancel, resume, 2 crashes", ORDER, crashes=2
+    ),
+    FlowConfig(
+        "flow: 3 steps, 2 wakes, cancel, resume, a lost answer, 1 crash", ORDER, ambiguous=1
+    ),
+]
+
+# Versions fail closed: the engine may restart without the flow's plan version (and, after a
+# second crash, with it again). The park is at a step without a compensation, after one with.
+PLAN_MISSING = FlowConfig(
+    "flow: an engine restarts without the plan version, then with it; 2 crashes",
+    (StepSpec("reserve", ("continue",), ("ok",)), StepSpec("confirm", ("park",)), SHIP),
+    crashes=2,
+    unregistered=1,
+)

@@ -10,15 +10,15 @@ from tests.model.shell import ShellProtocol
 
 
 class ReleaseForgetsToRing(ShellProtocol):
-    """(a) `_release_txn` does not ring when the released lane goes back to READY."""
+    """(a) `Room.release` does not ring when the released lane goes back to READY."""
 
     def release_rings(self, old: Lanes[Any, Any], new: Lanes[Any, Any]) -> bool:
-        grew = new.n_waiting > old.n_waiting
-        return grew and core.next_deadline(new) != core.next_deadline(old)
+        d_new, d_old = core.next_deadline(new), core.next_deadline(old)
+        return d_new is not None and (d_old is None or d_new < d_old)
 
 
 class AdmitRingsOnlyForReady(ShellProtocol):
-    """(b) `_admit_txn` rings for a lane that became READY, not for a new earliest deadline."""
+    """(b) `Room.admit` rings for a lane that became READY, not for a new earliest deadline."""
 
     def admit_rings(self, old: Lanes[Any, Any], new: Lanes[Any, Any]) -> bool:
         return new.n_ready > old.n_ready
@@ -55,7 +55,7 @@ class CloseWaitsBeforeCancellingDirectCalls(ShellProtocol):
 
 
 class TakeNeverRings(ShellProtocol):
-    """Not a bug in these bounds: `_take_txn`'s ring is an optimisation (see the tests)."""
+    """Not a bug in these bounds: `Room.take`'s ring is an optimisation (see the tests)."""
 
     def take_rings(self, new: Lanes[Any, Any]) -> bool:
         return False

@@ -1,36 +1,37 @@
-"""Exhaustive model check of the trio shell's protocol (ferry/_ferry.py) around the pure core.
+"""Exhaustive model check of the trio shell's protocol (ferry/_shell.py) around its room.
 
 `checker.py` explores the core's transitions with abstract actors. This module replaces those
-actors by the shell's own, step for step: each step below is one `stm` transaction of `_Shell`, or
-one synchronous stretch of its trio code between two checkpoints, so any interleaving trio allows
-is an interleaving explored here (and a few more: the model never relies on "no checkpoint here"
-where the code does not rely on it either).
+actors by the shell's own, step for step: each step below is one transaction of `Room`
+(ferry/_room.py), or one synchronous stretch of `Shell`'s trio code between two checkpoints, so any
+interleaving trio allows is an interleaving explored here (and a few more: the model never relies
+on "no checkpoint here" where the code does not rely on it either).
 
-Actors and their steps (code they mirror in `_Shell`)
------------------------------------------------------
-- caller (`_submit`): `admit` is `_admit_txn` plus, synchronously, parking with `entry.task` set
-  (ADMITTED), the direct call's scope registration (CLAIMED: the scope is cancelled at once when
+Actors and their steps (code they mirror in `Shell` and `Room`)
+---------------------------------------------------------------
+- caller (`Shell.submit`): `admit` is `Room.admit` plus, synchronously, parking with `entry.task`
+  set (ADMITTED), the direct call's scope registration (CLAIMED: the scope is cancelled at once when
   the ferry is closing), or the immediate answer (REJECTED, CLOSED). A parked caller may `abort`
-  (its abort_fn: clear `task`, then `_cancel_txn`, which drops the input only if it still waits).
+  (its abort_fn: clear `task`, then `Room.cancel`, which drops the input only if it still waits).
   A direct call ends by returning, raising, the ferry's scope or the caller's own cancellation;
-  each end is one step: the `finally` releases the key (`_release_txn`), then the caller has its
+  each end is one step: the `finally` releases the key (`Room.release`), then the caller has its
   outcome.
-- worker (`_worker`): after its checkpoint, `take` is `_take_txn` (a batch, or nothing: the
+- worker (`Shell._worker`): after its checkpoint, `take` is `Room.take` (a batch, or nothing: the
   failed attempt leaves no trace) and, when nothing was ready, the peek of the doorbell and of the
   next deadline (no checkpoint in between), i.e. it goes to sleep remembering them. It `wake`s
   when the bell has rung since (the bell's value is abstracted to "rung since it slept") or its
-  deadline has passed. A call in flight ends by returning or raising (`_release_txn`, then every
+  deadline has passed (`Room.sleep` under `move_on_at`). A call in flight ends by returning or
+  raising (`Room.release`, then every
   entry whose `task` is still set is answered) or, once the ferry closes, by cancellation
   (`_close_out`: every entry still parked gets Closed; then the release). A worker that is not
   holding a batch exits at its next checkpoint once the ferry closes.
-- the doorbell: `_admit_txn` and `_release_txn` ring when `n_ready` or `n_waiting` grew and
-  (`_ring`) `n_ready` grew or the earliest deadline changed; `_take_txn` rings when lanes are
-  still ready after the take. Every sleeping worker sees a ring.
+- the doorbell: `Room.admit` and `Room.release` ring when `n_ready` grew or the earliest deadline
+  moved earlier (`ferry._room.rings`); `Room.take` rings when lanes are still ready after the
+  take. Every sleeping worker sees a ring.
 - the clock: small ticks up to a horizon, or a jump to the next event (the room's earliest
   deadline or a sleeping worker's).
-- close (`_lifetime`, ADR 0005): `close begins` (`_closing`, workers cancelled); once every
+- close (`Shell.lifetime`, ADR 0005): `close begins` (`_closing`, workers cancelled); once every
   worker has exited, `close drains` (`_close_room`: cancel the direct calls' scopes, `drain`,
-  answer the drained callers Closed); `close done` once `busy == 0` (`_idle_txn`).
+  answer the drained callers Closed); `close done` once `busy == 0` (`Room.idle`).
 
 Properties
 ----------
@@ -74,9 +75,9 @@ class ShellConfig(Config):
 
 
 class ShellProtocol(Protocol):
-    """The shell's decisions, as `_ferry.py` makes them. Subclass to plant a bug."""
+    """The shell's decisions, as `Shell` and `Room` make them. Subclass to plant a bug."""
 
-    #: the abort_fn cancels the waiting input (`_cancel_txn`) after clearing `task`
+    #: the abort_fn cancels the waiting input (`Room.cancel`) after clearing `task`
     abort_drops_input = True
     #: a worker answers only entries whose `task` is still set (and clears it first)
     answer_checks_task = True
@@ -88,21 +89,22 @@ class ShellProtocol(Protocol):
     close_cancels_direct_calls = True
 
     def ring(self, old: Lanes[Any, Any], new: Lanes[Any, Any]) -> bool:
-        """`_Shell._ring`: a lane became ready or the earliest deadline moved."""
-        return new.n_ready > old.n_ready or core.next_deadline(new) != core.next_deadline(old)
+        """The doorbell rule: a lane became ready, or the earliest deadline moved earlier."""
+        if new.n_ready > old.n_ready:
+            return True
+        d_new, d_old = core.next_deadline(new), core.next_deadline(old)
+        return d_new is not None and (d_old is None or d_new < d_old)
 
     def admit_rings(self, old: Lanes[Any, Any], new: Lanes[Any, Any]) -> bool:
-        """`_Shell._admit_txn`."""
-        grew = new.n_ready > old.n_ready or new.n_waiting > old.n_waiting
-        return grew and self.ring(old, new)
+        """`Room.admit`."""
+        return self.ring(old, new)
 
     def release_rings(self, old: Lanes[Any, Any], new: Lanes[Any, Any]) -> bool:
-        """`_Shell._release_txn`."""
-        grew = new.n_ready > old.n_ready or new.n_waiting > old.n_waiting
-        return grew and self.ring(old, new)
+        """`Room.release`."""
+        return self.ring(old, new)
 
     def take_rings(self, new: Lanes[Any, Any]) -> bool:
-        """`_Shell._take_txn`: more work than this worker."""
+        """`Room.take`: more work than this worker."""
         return bool(new.n_ready)
 
 

@@ -7,12 +7,11 @@ from typing import Any
 
 import pytest
 import trio
-import trio.testing
 
 import stm
 from ferry import _lanes as core
-from ferry._ferry import _Entry, _Shell
-from ferry._lanes import Admission, Limits
+from ferry._lanes import Admission, Item, Limits
+from ferry._room import Room
 from tests.model.checker import Counterexample
 from tests.model.configs import SHELL_DEFAULT, SHELL_SLOW
 from tests.model.planted_shell import (
@@ -151,7 +150,7 @@ def test_unplanted_shell_protocol_flags_are_on() -> None:
 
 
 def test_ring_conditions_mirror_the_real_shell() -> None:
-    """Random walks through the real `_Shell` transactions: the bell rings exactly when the
+    """Random walks through the real `Room` transactions: the bell rings exactly when the
     model's predicates say so (and never on cancel), both ways seen for every transaction.
 
     (With direct calls and zero delay an admission never rings: a new key is claimed and a busy
@@ -176,61 +175,51 @@ def test_mirror_check_sees_a_wrong_ring_condition() -> None:
 
 
 def _walk(limits: Limits, seen: set[tuple[str, bool]], proto: ShellProtocol | None = None) -> None:
+    """The room is trio-free with time passed in: no trio run, no clock, only `now`."""
     proto = proto or ShellProtocol()
     plain = not limits.one_in_flight
     keys: list[Any] = [None] if plain else ["a", "b", "c"]
+    room: Room[Any, int] = Room(limits)
+    state, bell = room.state, room.bell
+    rnd = random.Random(1234)
+    held: list[Any] = []  # keys with a call in flight (batch or direct)
+    waiting: list[tuple[Any, Item[int]]] = []
+    now = 0.0
 
-    async def send(key: Any, inputs: list[Any]) -> Any:
-        raise AssertionError("not called")
+    def rung(before: int) -> bool:
+        return bell.peek() != before
 
-    async def main() -> None:
-        shell = _Shell(send, None, limits, 2, plain=plain)
-        room, bell = shell._room, shell._bell
-        rnd = random.Random(1234)
-        held: list[Any] = []  # keys with a call in flight (batch or direct)
-        waiting: list[_Entry] = []
-
-        def rung(before: int) -> bool:
-            return bell.peek() != before
-
-        for n in range(3000):
-            op = rnd.choice(["admit", "admit", "take", "release", "cancel", "tick"])
-            old, b0 = room.peek(), bell.peek()
-            if op == "admit":
-                key = rnd.choice(keys)
-                entry = _Entry(n, key, shell)
-                now = trio.current_time()
-                got, entry.item = stm.atomically_nowait(
-                    shell._admit_txn, key, entry, 1.0, None, now
-                )
-                assert rung(b0) == proto.admit_rings(old, room.peek())
-                seen.add(("admit", rung(b0)))
-                if got is Admission.CLAIMED:
-                    held.append(key)
-                elif got is Admission.ADMITTED:
-                    waiting.append(entry)
-            elif op == "take":
-                try:
-                    batch = stm.atomically_nowait(shell._take_txn)
-                except trio.WouldBlock:
-                    assert room.peek() is old and not rung(b0)
-                    continue
-                assert rung(b0) == proto.take_rings(room.peek())
-                seen.add(("take", rung(b0)))
-                held.append(batch.key)
-            elif op == "release" and held:
-                key = held.pop(rnd.randrange(len(held)))
-                stm.atomically_nowait(shell._release_txn, key, False)
-                assert rung(b0) == proto.release_rings(old, room.peek())
-                seen.add(("release", rung(b0)))
-            elif op == "cancel" and waiting:
-                entry = waiting.pop(rnd.randrange(len(waiting)))
-                assert entry.item is not None
-                stm.atomically_nowait(shell._cancel_txn, entry.key, entry.item)
-                assert not rung(b0)
-            elif op == "tick":
-                clock.jump(0.25)
-            core.check_invariants(room.peek())
-
-    clock = trio.testing.MockClock()
-    trio.run(main, clock=clock)
+    for n in range(3000):
+        op = rnd.choice(["admit", "admit", "take", "release", "cancel", "tick"])
+        old, b0 = state.peek(), bell.peek()
+        if op == "admit":
+            key = rnd.choice(keys)
+            got, item = stm.atomically_nowait(room.admit, key, n, 1.0, None, now)
+            assert rung(b0) == proto.admit_rings(old, state.peek())
+            seen.add(("admit", rung(b0)))
+            if got is Admission.CLAIMED:
+                held.append(key)
+            elif got is Admission.ADMITTED:
+                assert item is not None
+                waiting.append((key, item))
+        elif op == "take":
+            try:
+                batch = stm.atomically_nowait(room.take, now)
+            except trio.WouldBlock:
+                assert state.peek() is old and not rung(b0)
+                continue
+            assert rung(b0) == proto.take_rings(state.peek())
+            seen.add(("take", rung(b0)))
+            held.append(batch.key)
+        elif op == "release" and held:
+            key = held.pop(rnd.randrange(len(held)))
+            stm.atomically_nowait(room.release, key, now, False)
+            assert rung(b0) == proto.release_rings(old, state.peek())
+            seen.add(("release", rung(b0)))
+        elif op == "cancel" and waiting:
+            key, item = waiting.pop(rnd.randrange(len(waiting)))
+            stm.atomically_nowait(room.cancel, key, item)
+            assert not rung(b0)
+        elif op == "tick":
+            now += 0.25
+        core.check_invariants(state.peek())

@@ -217,9 +217,8 @@ def test_bank_under_trio_schedules(accounts, tasks, ops, patience) -> None:
             src.set(src.get() - amount)
             bank.accounts[j].modify(lambda v: v + amount)
             return "done"
-        if trio.current_time() >= deadline:
-            return "timeout"
         retry(deadline=deadline)
+        return "timeout"
 
     async def worker(k: int) -> None:
         for n, (i, j, amount, blocking) in enumerate(ops):

@@ -31,11 +31,30 @@ def test_public_with_public_module(name: str) -> None:
     assert getattr(stm, name).__module__ == "stm"
 
 
-def test_outside_a_transaction_is_an_error() -> None:
+def test_outside_a_transaction_the_error_names_the_structure_operation() -> None:
+    """Not the TVar (or stm function) the operation uses inside, which the user never touched;
+    and for a structure operation nested in another (TBQueue.get uses TQueue.get), the outer one.
+    """
     q: TQueue[int] = TQueue()
-    for op in (lambda: q.put(1), q.get, lambda: len(q), TMVar[int]().take, TMap[str, int]().items):
-        with pytest.raises(stm.NoTransactionError):
+    bq: TBQueue[int] = TBQueue(1)
+    cases: list[tuple[Callable[[], object], str, str]] = [
+        (lambda: q.put(1), "TQueue.put()", "tqueue.put"),
+        (q.get, "TQueue.get()", "tqueue.get"),
+        (q.get_nowait, "TQueue.get_nowait()", "tqueue.get_nowait"),  # or_else inside
+        (lambda: len(q), "len() of a TQueue", "atomically(len, tqueue)"),
+        (bq.get, "TBQueue.get()", "tbqueue.get"),
+        (lambda: bq.put_nowait(1), "TBQueue.put_nowait()", "tbqueue.put_nowait"),
+        (TMVar[int]().take, "TMVar.take()", "tmvar.take"),
+        (TSemaphore(1).acquire, "TSemaphore.acquire()", "tsemaphore.acquire"),
+        (TMap[str, int]().items, "TMap.items()", "tmap.items"),
+        (lambda: "k" in TMap[str, int](), "`in` on a TMap", "key in tmap"),
+    ]
+    for op, names, example in cases:
+        with pytest.raises(stm.NoTransactionError) as info:
             op()
+        message = str(info.value)
+        assert message.startswith(names) and "outside a transaction" in message, message
+        assert example in message and "TVar" not in message and "peek" not in message, message
 
 
 # --- TQueue ------------------------------------------------------------------------------------
@@ -54,11 +73,12 @@ def test_tqueue_is_fifo_across_both_ends() -> None:
         nowait(q.get)
     with pytest.raises(trio.WouldBlock):
         nowait(q.peek)
-    assert nowait(q.try_get) is None
+    with pytest.raises(trio.WouldBlock):
+        nowait(q.get_nowait)
     nowait(q.put, 5)
     assert nowait(q.peek) == 5  # peek from the write end leaves it there
     assert nowait(len, q) == 1
-    assert nowait(q.try_get) == 5
+    assert nowait(q.get_nowait) == 5
 
 
 def test_tqueue_operations_compose_into_one_transaction() -> None:
@@ -99,6 +119,45 @@ async def test_tqueue_get_blocks_until_a_put() -> None:
     assert got == ["x"]
 
 
+async def test_nowait_forms_raise_instead_of_retrying_and_write_nothing() -> None:
+    """A `_nowait` operation raises `trio.WouldBlock` where its twin would retry: under `await
+    atomically` it does not park, and inside a bigger transaction the caller can catch it and
+    carry on, with the rest of the transaction intact. None is an item like any other."""
+    q: TQueue[int | None] = TQueue([None])
+    full: TBQueue[int] = TBQueue(1)
+    nowait(full.put, 0)
+    box: TMVar[int] = TMVar()
+    sem = TSemaphore(1)
+    log = TVar(0)
+    assert nowait(q.get_nowait) is None  # an item, not "empty"
+    ops: list[Callable[[], object]] = [
+        q.get_nowait,
+        lambda: full.put_nowait(1),
+        box.take_nowait,
+        lambda: sem.acquire_nowait(2),
+    ]
+    for op in ops:
+        with trio.testing.assert_checkpoints(), pytest.raises(trio.WouldBlock):
+            await atomically(op)  # never parks
+
+        def carry_on(op: Callable[[], object] = op) -> str:
+            log.set(log.get() + 1)
+            try:
+                op()
+            except trio.WouldBlock:
+                return "went without"
+            return "got it"  # pragma: no cover
+
+        assert nowait(carry_on) == "went without"
+    assert log.peek() == len(ops)  # the transactions committed their other writes
+    assert nowait(len, q) == 0 and nowait(len, full) == 1 and nowait(box.is_empty)
+    assert nowait(sem.available) == 1
+    nowait(sem.acquire_nowait)
+    assert nowait(sem.available) == 0
+    with pytest.raises(ValueError):
+        nowait(sem.acquire_nowait, 0)
+
+
 # --- TBQueue -----------------------------------------------------------------------------------
 
 
@@ -111,17 +170,20 @@ def test_tbqueue_capacity_and_fifo() -> None:
     nowait(q.put, 2)
     with pytest.raises(trio.WouldBlock):
         nowait(q.put, 3)
-    assert nowait(q.try_put, 3) is False
+    with pytest.raises(trio.WouldBlock):
+        nowait(q.put_nowait, 3)
     assert nowait(len, q) == 2
     assert nowait(q.peek) == 1
     assert nowait(q.get) == 1
-    assert nowait(q.try_put, 3) is True  # takes back the slot `get` freed
+    nowait(q.put_nowait, 3)  # takes back the slot `get` freed
     assert [nowait(q.get), nowait(q.get)] == [2, 3]
-    assert nowait(q.try_get) is None
+    with pytest.raises(trio.WouldBlock):
+        nowait(q.get_nowait)
     for round_ in range(5):  # the room/freed accounting keeps exactly `capacity` slots
         nowait(q.put, round_)
         nowait(q.put, round_)
-        assert nowait(q.try_put, 99) is False
+        with pytest.raises(trio.WouldBlock):
+            nowait(q.put_nowait, 99)
         assert nowait(q.get) == round_ and nowait(q.get) == round_
 
 
@@ -187,16 +249,18 @@ async def test_tmvar_take_put_read() -> None:
         nowait(box.take)
     with pytest.raises(trio.WouldBlock):
         nowait(box.read)
-    assert nowait(box.try_take) is None
+    with pytest.raises(trio.WouldBlock):
+        nowait(box.take_nowait)
     nowait(box.put, None)  # None is a value like any other
     assert not nowait(box.is_empty)
-    assert nowait(box.try_put, 1) is False
+    with pytest.raises(trio.WouldBlock):
+        nowait(box.put_nowait, 1)
     with pytest.raises(trio.WouldBlock):
         nowait(box.put, 1)
     assert nowait(box.read) is None
-    assert nowait(box.take) is None
-    assert nowait(box.try_put, 2) is True
-    assert nowait(box.try_take) == 2
+    assert nowait(box.take_nowait) is None
+    nowait(box.put_nowait, 2)
+    assert nowait(box.take_nowait) == 2
     assert nowait(TMVar(5).read) == 5
 
 

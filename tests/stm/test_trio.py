@@ -9,7 +9,7 @@ import trio
 import trio.testing
 
 import stm
-from stm import TVar, atomically, atomically_nowait, atomically_sync, check, or_else, retry
+from stm import TVar, atomically, atomically_nowait, atomically_sync, check, retry
 
 
 async def test_commit_is_a_checkpoint() -> None:
@@ -153,9 +153,8 @@ async def test_deadline_uses_trio_clock(autojump_clock, delta) -> None:
     def fn() -> str:
         if tv.get():
             return "set"
-        if trio.current_time() >= deadline:
-            return "timeout"
         retry(deadline=deadline)
+        return "timeout"
 
     with trio.testing.assert_checkpoints():
         assert await atomically(fn) == "timeout"
@@ -168,25 +167,10 @@ async def test_deadline_only_retry_with_nothing_read(autojump_clock) -> None:
     deadline = trio.current_time() + 3
 
     def fn() -> float:
-        now = trio.current_time()
-        if now >= deadline:
-            return now
         retry(deadline=deadline)
+        return trio.current_time()
 
     assert await atomically(fn) == deadline
-
-
-async def test_deadline_in_the_past_reruns_after_a_checkpoint(autojump_clock) -> None:
-    runs = []
-    deadline = trio.current_time() - 1
-
-    def fn() -> int:
-        runs.append(1)
-        if len(runs) < 3:
-            retry(deadline=deadline)
-        return len(runs)
-
-    assert await atomically(fn) == 3
 
 
 async def test_commit_before_deadline_wakes_early(autojump_clock) -> None:
@@ -210,43 +194,6 @@ async def test_commit_before_deadline_wakes_early(autojump_clock) -> None:
         await atomically(tv.set, 1)
     assert result == ["set"]
     assert trio.current_time() == pytest.approx(deadline - 6)
-
-
-async def test_or_else_all_retry_waits_on_union_until_earliest_deadline(autojump_clock) -> None:
-    a, b = TVar(0), TVar(0)
-    t0 = trio.current_time()
-
-    def fn() -> str:
-        def first() -> str:
-            check(a.get(), deadline=t0 + 10)
-            return "a"
-
-        def second() -> str:
-            check(b.get(), deadline=t0 + 5)
-            return "b"
-
-        def third() -> str:
-            check(trio.current_time() >= t0 + 5)
-            return "deadline"
-
-        return or_else(first, second, third)
-
-    # Woken by a write to the second branch's TVar.
-    async with trio.open_nursery() as nursery:
-        out = []
-
-        async def waiter() -> None:
-            out.append(await atomically(fn))
-
-        nursery.start_soon(waiter)
-        await trio.testing.wait_all_tasks_blocked()
-        assert stm.statistics().waiters == 2
-        await atomically(b.set, 1)
-    assert out == ["b"]
-    await atomically(b.set, 0)
-    # Nobody writes: the earliest deadline (5, not 10) wakes it.
-    assert await atomically(fn) == "deadline"
-    assert trio.current_time() == t0 + 5
 
 
 async def test_change_between_attempt_and_registration_reruns_at_once(monkeypatch, delta) -> None:

@@ -1,0 +1,833 @@
+"""Order fulfilment with `ferry.flow`: durable sagas that reserve stock, charge a card, wait for the
+payment gateway, and ship, or undo what they did.
+
+    python examples/orders.py [--orders 200] [--rate 150] [--seed 1] [--timeout 1.5]
+                              [--db PATH | --postgres DSN] [--crash] [--json] [--quiet]
+
+Every order is a flow of the plan ``order`` (version 1):
+
+1. ``reserve`` takes the stock (``fail()`` if there is not enough); compensation: put it back.
+2. ``charge`` charges the card, asks the simulated payment gateway to confirm, and parks until
+   the gateway publishes ``payment.confirmed`` or ``payment.declined`` (choreography: mappers
+   registered with ``engine.on`` turn each event into a wake of its order, the event id as
+   message id); a park that times out compensates. Compensation: refund the charge.
+3. ``ship`` fails the order if the payment was declined, else ships it (the carrier is flaky:
+   a first attempt sometimes raises, and the step is retried).
+
+The shop's services (stock, payments, carrier) are tables in the same store, and every call is
+idempotent: it carries the step's ``ctx.idempotency_key`` (putting stock back names the
+reservation), so a step that runs again after a crash repeats the call and the repeat changes
+nothing (counted as "repeats absorbed"). The gateway is
+a task that reads the charges due for an answer and publishes events: some before the order
+parks (the charge step publishes at once: the wake is ``QUEUED``), some twice (``DUPLICATE``),
+some after the order gave up (``STALE``), some never (the park times out).
+
+While it runs, a progress line (stderr) shows the flows by state. At the end a summary with a
+legend, and an audit: every completed order was charged once and shipped once and keeps its
+stock; every failed order was refunded what it was charged and has its stock back; stock adds
+up; no step outcome is recorded twice in any history. The exit code is 1 if the audit fails.
+
+``--crash`` runs the engine in a child process, SIGKILLs it mid-run (a seeded random moment),
+starts a new one on the same database, which recovers the flows, and audits the result.
+``--postgres DSN`` runs on PostgreSQL; ``--json`` prints the summary as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any, NoReturn, TextIO
+
+import attrs
+import trio
+
+if not __package__:  # run as a script: make `ferry` importable from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples import _cli as cli
+from ferry import flow
+from ferry.projected import PostgresStore, SqliteStore, Store, Tx
+
+#: What the simulated gateway does with a charge -> how often (weights)
+GATEWAY: dict[str, int] = {
+    "confirm": 50,  # confirms after a short delay: the wake is RESUMED, the order completes
+    "early": 12,  # confirms before the order parks: QUEUED, and the park takes it at once
+    "twice": 12,  # confirms twice, same event id: the second is DUPLICATE
+    "decline": 10,  # declines: ship fails the order, compensations run
+    "never": 8,  # never answers: the park times out, compensations run
+    "late": 8,  # answers after the timeout: STALE (or QUEUED while compensating)
+}
+SKUS = {"tea": 10_000, "cups": 10_000, "pot": 10_000, "kettle": 10_000, "rare-leaf": 25}
+
+SCHEMA = [
+    """CREATE TABLE IF NOT EXISTS orders_stock (
+        sku TEXT PRIMARY KEY, initial BIGINT NOT NULL, available BIGINT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS orders_reservations (
+        key TEXT PRIMARY KEY, order_id TEXT NOT NULL, sku TEXT NOT NULL, qty BIGINT NOT NULL,
+        released INTEGER NOT NULL, calls BIGINT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS orders_charges (
+        key TEXT PRIMARY KEY, order_id TEXT NOT NULL, run TEXT NOT NULL, amount BIGINT NOT NULL,
+        gateway TEXT NOT NULL, due DOUBLE PRECISION NOT NULL, published INTEGER NOT NULL,
+        calls BIGINT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS orders_refunds (
+        key TEXT PRIMARY KEY, order_id TEXT NOT NULL, amount BIGINT NOT NULL,
+        calls BIGINT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS orders_shipments (
+        key TEXT PRIMARY KEY, order_id TEXT NOT NULL, tracking TEXT NOT NULL,
+        calls BIGINT NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS orders_charges_due ON orders_charges (run, published, due)",
+]
+
+LEGEND = {
+    "orders": "flows started, one per order, and how they ended (from the store)",
+    "failed because": "why the failed orders failed (their flow's error)",
+    "time": "wall time until every order had settled (with --crash: of the whole run, restart"
+    " included)",
+    "steps": "step attempts started by the engine(s), per second of that time; retries: "
+    "attempts after a step raised (the carrier is flaky). With --crash, these counters add up"
+    " both engines, the killed one's as of its last report (every 0.2 s)",
+    "wakes": "what became of each wake sent by the gateway's events (flow.Delivery): RESUMED "
+    "woke a parked order, QUEUED was kept for an order not parked yet, DUPLICATE was a repeated "
+    "event id, STALE came after the order had ended",
+    "compensations": "compensation attempts (stock put back, charges refunded)",
+    "writes": "durable step boundaries and the database transactions that carried them "
+    "(group commit: many flows share one transaction)",
+    "repeats absorbed": "calls to the shop's services that came again with an idempotency key "
+    "already used (a step re-run after a crash) and changed nothing",
+    "crash": "engine processes killed with SIGKILL, and flows the next engine resumed",
+    "audit": "charged once and shipped once per completed order; refunded and restocked per "
+    "failed order; stock adds up; no step outcome recorded twice",
+}
+
+
+@attrs.frozen
+class Order:
+    order_id: str
+    sku: str
+    qty: int
+    amount: int
+    gateway: str  # a key of GATEWAY
+    delay: float  # seconds from the charge to the gateway's answer
+    flaky_carrier: bool
+    arrival: float  # seconds after the run's start at which the customer places the order
+
+
+def make_orders(n: int, seed: int, run: str, rate: float) -> list[Order]:
+    """`n` orders from `seed`, arriving `rate` per second on average (their ids carry the `run`
+    tag, so runs never share a flow)."""
+    rng = random.Random(seed)
+    kinds = list(GATEWAY)
+    weights = [GATEWAY[k] for k in kinds]
+    orders = []
+    for i in range(n):
+        sku = rng.choice(list(SKUS))
+        orders.append(
+            Order(
+                order_id=f"{run}-order-{i:04d}",
+                sku=sku,
+                qty=rng.randint(1, 3),
+                amount=rng.randint(5, 120),
+                gateway=rng.choices(kinds, weights)[0],
+                delay=round(rng.uniform(0.05, 0.6), 3),
+                flaky_carrier=rng.random() < 0.1,
+                arrival=round(rng.uniform(0, n / rate), 3),
+            )
+        )
+    return orders
+
+
+# ----------------------------------------------------------------------- the shop's services
+
+
+def setup(tx: Tx, run: str) -> None:
+    for statement in SCHEMA:
+        tx.execute(statement)
+    for sku, units in SKUS.items():
+        tx.execute(
+            "INSERT INTO orders_stock (sku, initial, available) VALUES (?, ?, ?)"
+            " ON CONFLICT (sku) DO NOTHING",
+            (f"{run}/{sku}", units, units),
+        )
+
+
+def _again(tx: Tx, table: str, key: str) -> bool:
+    """True if `key` was used before in `table` (and counts the repeat)."""
+    rows = tx.execute(f"UPDATE {table} SET calls = calls + 1 WHERE key = ? RETURNING key", (key,))
+    return bool(rows)
+
+
+def reserve_tx(tx: Tx, key: str, order: Order, sku: str) -> bool:
+    """Take `order.qty` of `sku` unless there is not enough; idempotent by `key`."""
+    if _again(tx, "orders_reservations", key):
+        return True
+    taken = tx.execute(
+        "UPDATE orders_stock SET available = available - ? WHERE sku = ? AND available >= ?"
+        " RETURNING sku",
+        (order.qty, sku, order.qty),
+    )
+    if not taken:
+        return False
+    tx.execute(
+        "INSERT INTO orders_reservations (key, order_id, sku, qty, released, calls)"
+        " VALUES (?, ?, ?, ?, 0, 1)",
+        (key, order.order_id, sku, order.qty),
+    )
+    return True
+
+
+def release_tx(tx: Tx, reservation: str) -> None:
+    """Put a reservation's stock back; idempotent (a released reservation stays released)."""
+    rows = tx.execute(
+        "UPDATE orders_reservations SET released = 1 WHERE key = ? AND released = 0"
+        " RETURNING sku, qty",
+        (reservation,),
+    )
+    for sku, qty in rows:
+        tx.execute("UPDATE orders_stock SET available = available + ? WHERE sku = ?", (qty, sku))
+
+
+def charge_tx(tx: Tx, key: str, order: Order, run: str, due: float, published: bool) -> bool:
+    """Charge the card and tell the gateway (`due`: when it answers); idempotent by `key`.
+    True if this call charged (False: a repeat)."""
+    if _again(tx, "orders_charges", key):
+        return False
+    tx.execute(
+        "INSERT INTO orders_charges (key, order_id, run, amount, gateway, due, published, calls)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, 1)",
+        (key, order.order_id, run, order.amount, order.gateway, due, int(published)),
+    )
+    return True
+
+
+def refund_tx(tx: Tx, key: str, charge: str) -> None:
+    """Refund what the charge `charge` took; idempotent by `key`."""
+    if _again(tx, "orders_refunds", key):
+        return
+    tx.execute(
+        "INSERT INTO orders_refunds (key, order_id, amount, calls)"
+        " SELECT ?, order_id, amount, 1 FROM orders_charges WHERE key = ?",
+        (key, charge),
+    )
+
+
+def ship_tx(tx: Tx, key: str, order_id: str) -> str:
+    """Hand the parcel to the carrier; idempotent by `key`. The tracking number."""
+    rows = tx.execute(
+        "UPDATE orders_shipments SET calls = calls + 1 WHERE key = ? RETURNING tracking", (key,)
+    )
+    if rows:
+        return str(rows[0][0])
+    tracking = f"TRK-{uuid.uuid4().hex[:10].upper()}"
+    tx.execute(
+        "INSERT INTO orders_shipments (key, order_id, tracking, calls) VALUES (?, ?, ?, 1)",
+        (key, order_id, tracking),
+    )
+    return tracking
+
+
+def due_answers(tx: Tx, run: str, now: float) -> list[tuple[str, str, str]]:
+    return [
+        (r[0], r[1], r[2])
+        for r in tx.execute(
+            "SELECT key, order_id, gateway FROM orders_charges"
+            " WHERE run = ? AND published = 0 AND due <= ? ORDER BY due",
+            (run, now),
+        )
+    ]
+
+
+def unanswered(tx: Tx, run: str) -> int:
+    """Charges the gateway still has to answer (it never answers the "never" ones)."""
+    rows = tx.execute(
+        "SELECT COUNT(*) FROM orders_charges WHERE run = ? AND published = 0"
+        " AND gateway <> 'never'",
+        (run,),
+    )
+    return int(rows[0][0])
+
+
+def mark_published(tx: Tx, keys: list[str]) -> None:
+    tx.executemany("UPDATE orders_charges SET published = 1 WHERE key = ?", [(k,) for k in keys])
+
+
+# ---------------------------------------------------------------------------------- the saga
+
+
+@attrs.define
+class Shop:
+    """The services the steps call, the run's orders, and the engine once it is open."""
+
+    store: Store
+    run: str
+    orders: dict[str, Order]
+    timeout: float
+    epoch: float  # wall-clock time of the run's start (orders arrive after it)
+    engine: flow.Engine | None = None
+    settled: int = 0
+
+    async def call(self, fn: Any, *args: Any) -> Any:
+        """``fn(tx, *args)`` in a transaction of its own, after the service's latency."""
+        await trio.sleep(0.005)
+        return await self.store.transact(lambda tx: fn(tx, *args))
+
+
+def payment_event(order_id: str) -> dict[str, str]:
+    return {"id": f"pay-{order_id}", "order": order_id}
+
+
+def make_plan(shop: Shop) -> flow.Plan:
+    order = flow.Plan("order", version=1)
+
+    async def release(ctx: flow.Context) -> None:
+        await shop.call(release_tx, ctx.data["reservation"])
+
+    async def refund(ctx: flow.Context) -> None:
+        await shop.call(refund_tx, ctx.idempotency_key, ctx.data["charge"])
+
+    @order.step(compensate=release)
+    async def reserve(ctx: flow.Context) -> flow.Outcome | None:
+        o = shop.orders[ctx.flow_id]
+        if not await shop.call(reserve_tx, ctx.idempotency_key, o, f"{shop.run}/{o.sku}"):
+            return flow.fail(f"out of stock: {o.qty} x {o.sku}")
+        ctx.data["reservation"] = ctx.idempotency_key
+        return None
+
+    @order.step(compensate=refund)
+    async def charge(ctx: flow.Context) -> flow.Outcome:
+        o = shop.orders[ctx.flow_id]
+        early = o.gateway == "early"
+        late = shop.timeout + 0.3 if o.gateway == "late" else o.delay
+        due = time.time() + late
+        await shop.call(charge_tx, ctx.idempotency_key, o, shop.run, due, early)
+        ctx.data["charge"] = ctx.idempotency_key
+        if early:  # the gateway answers before the order parks: the wake is kept (QUEUED)
+            assert shop.engine is not None
+            await shop.engine.publish("payment.confirmed", payment_event(o.order_id))
+        return flow.park(timeout=shop.timeout)
+
+    @order.step(attempts=3)
+    async def ship(ctx: flow.Context) -> flow.Outcome | None:
+        if ctx.wake["status"] == "declined":
+            return flow.fail("payment declined")
+        if shop.orders[ctx.flow_id].flaky_carrier and ctx.attempt == 1:
+            raise ConnectionError("the carrier's API timed out")
+        ctx.data["tracking"] = await shop.call(ship_tx, ctx.idempotency_key, ctx.flow_id)
+        return None
+
+    return order
+
+
+def confirmed(event: Any) -> flow.Wake:
+    return flow.Wake(event["order"], {"status": "confirmed"}, message_id=event["id"])
+
+
+def declined(event: Any) -> flow.Wake:
+    return flow.Wake(event["order"], {"status": "declined"}, message_id=event["id"])
+
+
+async def gateway(shop: Shop, engine: flow.Engine) -> None:
+    """The simulated payment gateway: answers the charges that are due, all at once, then notes
+    them as answered (so after a crash an answer may come again: events are at-least-once)."""
+
+    async def answer(order_id: str, kind: str) -> None:
+        event_type = "payment.declined" if kind == "decline" else "payment.confirmed"
+        for _ in range(2 if kind == "twice" else 1):
+            await engine.publish(event_type, payment_event(order_id))
+
+    while True:
+        due = await shop.store.transact(partial(due_answers, run=shop.run, now=time.time()))
+        async with trio.open_nursery() as nursery:
+            for _key, order_id, kind in due:
+                if kind != "never":
+                    nursery.start_soon(answer, order_id, kind)
+        if due:
+            await shop.store.transact(partial(mark_published, keys=[d[0] for d in due]))
+        await trio.sleep(0.02)
+
+
+class Progress:
+    """One status line on stderr: redrawn in place on a TTY, else a line every second."""
+
+    def __init__(self, shop: Shop, engine: flow.Engine, out: TextIO) -> None:
+        self.shop, self.engine, self.out = shop, engine, out
+        self.tty = out.isatty()
+        self.start = time.perf_counter()
+
+    def draw(self, *, final: bool = False) -> None:
+        s = self.engine.statistics()
+        elapsed = time.perf_counter() - self.start
+        text = (
+            f"{self.shop.settled:>5}/{len(self.shop.orders)} settled  running {s.running:>4}"
+            f"  parked {s.parked:>4}  completed {s.completed:>4}  failed {s.failed:>4}"
+            f"  steps {s.steps_run:>5} ({s.steps_run / max(elapsed, 1e-9):,.0f}/s)"
+            f"  {elapsed:4.1f} s"
+        )
+        if self.tty:
+            self.out.write(f"\r{text}" + ("\n" if final else ""))
+        else:
+            self.out.write(text + "\n")
+        self.out.flush()
+
+    async def run(self) -> None:
+        while True:
+            await trio.sleep(0.1 if self.tty else 1.0)
+            self.draw()
+
+
+def counters(engine: flow.Engine, settle_seconds: float | None = None) -> dict[str, Any]:
+    """The engine's statistics that the summary shows, as JSON."""
+    s = engine.statistics()
+    return {
+        "steps": s.steps_run,
+        "step_retries": s.step_retries,
+        "compensations": s.compensations_run,
+        "wakes": {d.name: n for d, n in s.wakes.items()},
+        "writes": s.writes,
+        "write_batches": s.write_batches,
+        "recovered": s.recovered,
+        "seconds": settle_seconds,
+    }
+
+
+async def drive(
+    shop: Shop, *, quiet: bool, on_open: Callable[[], None] | None = None, tick: Any = None
+) -> dict[str, Any]:
+    """Open the engine, start every order (idempotent), run the gateway, and wait until every
+    order is settled (and the gateway has sent its late answers). The engine's `counters`.
+    `tick(counters)` is called every 0.2 s while it runs, if given."""
+    plan = make_plan(shop)
+    t0 = time.perf_counter()
+    async with flow.open_engine(shop.store, plans=[plan]) as engine:
+        shop.engine = engine
+        engine.on("payment.confirmed", confirmed)
+        engine.on("payment.declined", declined)
+        if on_open is not None:
+            on_open()
+        progress = Progress(shop, engine, sys.stderr)
+        async with trio.open_nursery() as background:
+            background.start_soon(gateway, shop, engine)
+            if not quiet:
+                background.start_soon(progress.run)
+            if tick is not None:
+                background.start_soon(ticking, engine, tick)
+
+            async def one(o: Order) -> None:
+                await trio.sleep(max(0.0, shop.epoch + o.arrival - time.time()))
+                data = {"sku": o.sku, "qty": o.qty, "amount": o.amount}
+                await engine.start(plan, flow_id=o.order_id, data=data)
+                await engine.wait(o.order_id)
+                shop.settled += 1
+
+            async with trio.open_nursery() as nursery:
+                for o in shop.orders.values():
+                    nursery.start_soon(one, o)
+            settled = time.perf_counter() - t0
+            with trio.move_on_after(shop.timeout + 2.0):  # the late answers, to see them STALE
+                while await shop.store.transact(partial(unanswered, run=shop.run)):  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            if not quiet:
+                progress.draw(final=True)
+            background.cancel_scope.cancel()
+        result = counters(engine, settled)
+    shop.engine = None
+    return result
+
+
+async def ticking(engine: flow.Engine, tick: Callable[[dict[str, Any]], None]) -> None:
+    while True:
+        await trio.sleep(0.2)
+        tick(counters(engine))
+
+
+# ---------------------------------------------------------------------------------- the audit
+
+
+def _rows(tx: Tx, run: str) -> dict[str, list[tuple[Any, ...]]]:
+    like = f"{run}-%"
+    return {
+        "stock": tx.execute(
+            "SELECT sku, initial, available FROM orders_stock WHERE sku LIKE ?", (f"{run}/%",)
+        ),
+        "reservations": tx.execute(
+            "SELECT order_id, sku, qty, released, calls FROM orders_reservations"
+            " WHERE order_id LIKE ?",
+            (like,),
+        ),
+        "charges": tx.execute(
+            "SELECT order_id, amount, calls FROM orders_charges WHERE order_id LIKE ?", (like,)
+        ),
+        "refunds": tx.execute(
+            "SELECT order_id, amount, calls FROM orders_refunds WHERE order_id LIKE ?", (like,)
+        ),
+        "shipments": tx.execute(
+            "SELECT order_id, calls FROM orders_shipments WHERE order_id LIKE ?", (like,)
+        ),
+    }
+
+
+@attrs.define
+class Audit:
+    states: Counter[str] = attrs.Factory(Counter)
+    reasons: Counter[str] = attrs.Factory(Counter)
+    absorbed: int = 0
+    problems: list[str] = attrs.Factory(list)
+
+
+REASONS = {"out of stock": "out of stock", "declined": "declined", "timed out": "no answer"}
+
+
+def _reason(error: str | None) -> str:
+    """The short reason of a failed order: a value of `REASONS`, or the whole error."""
+    for cue, reason in REASONS.items():
+        if error is not None and cue in error:
+            return reason
+    return str(error)
+
+
+async def audit(store: Store, engine: flow.Engine, shop: Shop) -> Audit:
+    """Check the shop's tables against the flows' end states and histories (module doc)."""
+    result = Audit()
+    rows = await store.transact(partial(_rows, run=shop.run))
+    per: dict[str, dict[str, list[tuple[Any, ...]]]] = {}
+    for table in ("reservations", "charges", "refunds", "shipments"):
+        for row in rows[table]:
+            per.setdefault(row[0], {}).setdefault(table, []).append(row)
+            result.absorbed += row[-1] - 1
+    held: Counter[str] = Counter()
+    for oid, o in shop.orders.items():
+        snap = await engine.get(oid)
+        state = "MISSING" if snap is None else snap.state.name
+        result.states[state] += 1
+        mine = per.get(oid, {})
+        reservations = mine.get("reservations", [])
+        charged = sum(r[1] for r in mine.get("charges", []))
+        refunded = sum(r[1] for r in mine.get("refunds", []))
+        shipped = len(mine.get("shipments", []))
+        if state == "COMPLETED":
+            if len(mine.get("charges", [])) != 1 or refunded or shipped != 1:
+                result.problems.append(
+                    f"{oid} completed but was charged {len(mine.get('charges', []))} times,"
+                    f" refunded {refunded}, shipped {shipped} times"
+                )
+            if len(reservations) != 1 or reservations[0][3]:
+                result.problems.append(f"{oid} completed without its stock held")
+            if o.gateway in ("decline", "never"):
+                result.problems.append(f"{oid} completed, but its gateway said {o.gateway}")
+        elif state == "FAILED":
+            assert snap is not None
+            reason = _reason(snap.error)
+            result.reasons[reason] += 1
+            if reason not in REASONS.values():
+                result.problems.append(f"{oid} failed for an unexpected reason: {reason}")
+            if refunded != charged or shipped:
+                result.problems.append(
+                    f"{oid} failed: charged {charged}, refunded {refunded}, shipped {shipped}"
+                )
+            if any(not r[3] for r in reservations):
+                result.problems.append(f"{oid} failed but its stock was not put back")
+        else:
+            result.problems.append(f"{oid} ended {state}, not COMPLETED or FAILED")
+        for r in reservations:
+            if not r[3]:
+                held[r[1]] += r[2]
+        twice = [
+            f"{kind} {step}"
+            for (kind, step), n in Counter(
+                (e.kind, e.step)
+                for e in await engine.history(oid)
+                if e.kind in ("step", "compensated")
+            ).items()
+            if n > 1
+        ]
+        if twice:
+            result.problems.append(f"{oid}: recorded more than once: {', '.join(twice)}")
+    for sku, initial, available in rows["stock"]:
+        if available + held[sku] != initial:
+            result.problems.append(
+                f"stock of {sku}: {available} available + {held[sku]} held != {initial}"
+            )
+    return result
+
+
+# -------------------------------------------------------------------------------- the summary
+
+
+def summary(
+    shop: Shop, stats: dict[str, Any], checked: Audit, seconds: float, kills: int
+) -> dict[str, Any]:
+    return {
+        "orders": {"started": len(shop.orders), **dict(sorted(checked.states.items()))},
+        "failed because": dict(checked.reasons.most_common()),
+        "time": round(seconds, 3),
+        "steps": {
+            "run": stats["steps"],
+            "per second": round(stats["steps"] / max(seconds, 1e-9), 1),
+            "retries": stats["step_retries"],
+        },
+        "wakes": stats["wakes"],
+        "compensations": stats["compensations"],
+        "writes": {"boundaries": stats["writes"], "transactions": stats["write_batches"]},
+        "repeats absorbed": checked.absorbed,
+        "crash": {"kills": kills, "recovered": stats["recovered"]},
+        "audit": {"ok": not checked.problems, "problems": checked.problems},
+    }
+
+
+def show(report: dict[str, Any], where: str, out: TextIO) -> None:
+    def pairs(d: dict[str, Any]) -> str:
+        return "   ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in d.items())
+
+    w = report["writes"]
+    per = w["boundaries"] / w["transactions"] if w["transactions"] else 0.0
+    problems = report["audit"]["problems"]
+    rows = [
+        ("orders", pairs(report["orders"])),
+        ("failed because", pairs(report["failed because"]) or "-"),
+        ("time", f"{report['time']:.2f} s ({where})"),
+        ("steps", pairs(report["steps"])),
+        ("wakes", pairs(report["wakes"])),
+        ("compensations", f"{report['compensations']:,}"),
+        ("writes", f"{pairs(w)}   ({per:.1f} boundaries per transaction)"),
+        ("repeats absorbed", f"{report['repeats absorbed']:,}"),
+        ("crash", pairs(report["crash"])),
+        (
+            "audit",
+            f"FAILED: {len(problems)} problems"
+            if problems
+            else "OK: completed orders charged and shipped once, failed ones refunded and"
+            " restocked, stock adds up, no outcome recorded twice",
+        ),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}", file=out)
+    for problem in problems[:20]:
+        print(f"    {problem}", file=out)
+    print("\n  legend:", file=out)
+    for name, text in LEGEND.items():
+        lines = textwrap.wrap(text, 96 - width)
+        print(f"    {name:<{width}}  {lines[0]}", file=out)
+        for more in lines[1:]:
+            print(f"    {'':<{width}}  {more}", file=out)
+
+
+# ------------------------------------------------------------------------------------ running
+
+
+def open_store(args: argparse.Namespace, path: Path | None) -> Store:
+    if args.postgres:
+        return PostgresStore(args.postgres, connect_timeout=5.0)
+    assert path is not None
+    return SqliteStore(path)
+
+
+def where(args: argparse.Namespace, path: Path | None) -> str:
+    return "PostgreSQL" if args.postgres else f"SQLite {path}"
+
+
+async def prepare(store: Store, run: str, args: argparse.Namespace) -> None:
+    try:
+        await store.transact(partial(setup, run=run))
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        target = "PostgreSQL (--postgres)" if args.postgres else f"the SQLite file {args.db}"
+        fail(f"cannot use {target}: {first}")
+
+
+async def in_process(args: argparse.Namespace, path: Path | None, run: str) -> int:
+    """Everything in this process: prepare, drive, audit."""
+    async with open_store(args, path) as store:  # type: ignore[attr-defined]
+        await prepare(store, run, args)
+        shop = make_shop(store, args, run)
+        if not args.json:
+            print(f"orders: {len(shop.orders)} orders, {where(args, path)}", flush=True)
+        stats = await drive(shop, quiet=args.quiet)
+        return await finish(args, path, shop, stats, stats["seconds"], kills=0)
+
+
+async def finish(
+    args: argparse.Namespace,
+    path: Path | None,
+    shop: Shop,
+    stats: dict[str, Any],
+    seconds: float,
+    kills: int,
+) -> int:
+    async with flow.open_engine(shop.store, plans=[make_plan(shop)]) as engine:
+        checked = await audit(shop.store, engine, shop)
+    report = summary(shop, stats, checked, seconds, kills)
+    if args.json:
+        print(json.dumps({**report, "legend": LEGEND}, indent=2))
+    else:
+        show(report, where(args, path), sys.stdout)
+    return 1 if checked.problems else 0
+
+
+def make_shop(store: Store, args: argparse.Namespace, run: str) -> Shop:
+    orders = make_orders(args.orders, args.seed, run, args.rate)
+    epoch = time.time() if args.epoch is None else args.epoch
+    return Shop(store, run, {o.order_id: o for o in orders}, args.timeout, epoch)
+
+
+async def worker(args: argparse.Namespace, path: Path | None) -> None:
+    """``--crash``'s child: drive the run `args.run`. Prints ``open`` once the engine is open,
+    then its counters every 0.2 s (so a parent that kills it knows what it did), and at the end.
+    """
+
+    def tell(stats: dict[str, Any]) -> None:
+        print("stats " + json.dumps(stats), flush=True)
+
+    async with open_store(args, path) as store:  # type: ignore[attr-defined]
+        shop = make_shop(store, args, args.run)
+        opened = partial(print, "open", flush=True)
+        tell(await drive(shop, quiet=args.quiet, on_open=opened, tick=tell))
+
+
+def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
+    """Drive the run in a child, SIGKILL it mid-run, drive it to the end in a new child, audit."""
+    rng = random.Random(args.seed + 1)
+
+    async def setup_store() -> None:
+        async with open_store(args, path) as store:  # type: ignore[attr-defined]
+            await prepare(store, run, args)
+
+    trio.run(setup_store)
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--run", run]
+    command += ["--orders", str(args.orders), "--seed", str(args.seed), "--rate", str(args.rate)]
+    command += ["--epoch", repr(time.time() + 0.5)]  # about when the first engine is open
+    command += ["--timeout", str(args.timeout)] + (["--quiet"] if args.quiet or args.json else [])
+    command += ["--postgres", args.postgres] if args.postgres else ["--db", str(path)]
+
+    def say(text: str) -> None:
+        if not args.json:
+            print(text, flush=True)
+
+    say(f"orders: {args.orders} orders, {where(args, path)}, the engine in a child process")
+    t0 = time.perf_counter()
+    totals: Counter[str] = Counter()
+    wakes: Counter[str] = Counter()
+    kills = 0
+    for attempt in range(2):
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None
+        line = child.stdout.readline()
+        if line != "open\n":
+            child.wait()
+            fail(f"the engine process did not start (exit code {child.returncode})")
+        killed = False
+        if attempt == 0:
+            delay = rng.uniform(0.3, 0.9) * args.orders / args.rate  # while orders arrive
+            time.sleep(delay)
+            if child.poll() is None:
+                child.send_signal(signal.SIGKILL)
+                killed = True
+                kills += 1
+                say(f"\n  *** SIGKILL to the engine process {child.pid} after {delay:.2f} s ***")
+        out, _ = child.communicate()
+        if not killed and child.returncode != 0:
+            fail(f"the engine process failed (exit code {child.returncode})")
+        reports = [line[6:] for line in out.splitlines() if line.startswith("stats ")]
+        if reports:  # the killed engine's counters as of its last report (0.2 s apart)
+            stats = json.loads(reports[-1])
+            stats.pop("seconds")
+            wakes.update(stats.pop("wakes"))
+            totals.update(stats)
+        if not killed:
+            break
+    seconds = time.perf_counter() - t0
+    merged: dict[str, Any] = {**totals, "wakes": dict(wakes)}
+
+    async def audited() -> int:
+        async with open_store(args, path) as store:  # type: ignore[attr-defined]
+            shop = make_shop(store, args, run)
+            return await finish(args, path, shop, merged, seconds, kills)
+
+    return trio.run(audited)
+
+
+# ------------------------------------------------------------------------------ command line
+
+
+class Parser(argparse.ArgumentParser):
+    """Bad flags are one line on stderr (exit code 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        fail(f"{message} (see --help)")
+
+
+def fail(message: str) -> NoReturn:
+    print(f"orders.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = Parser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=cli.HelpFormatter,
+    )
+    p.add_argument("--orders", type=int, default=200, help="orders to fulfil (1 to 100000)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the orders and the gateway")
+    p.add_argument("--rate", type=float, default=150.0, help="orders arriving per second")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds an order waits for the gateway (default: 1.5; 3 with --crash, whose"
+        " restart takes about a second: parks that expire meanwhile time out at once)",
+    )
+    place = p.add_mutually_exclusive_group()
+    place.add_argument(
+        "--db", metavar="PATH", type=cli.new_file, help="SQLite file (default: one in a temp dir)"
+    )
+    place.add_argument(
+        "--postgres", metavar="DSN", type=cli.postgres_dsn, help="run on PostgreSQL at this DSN"
+    )
+    p.add_argument(
+        "--crash",
+        action="store_true",
+        help="run the engine in a child process, SIGKILL it mid-run, restart it, audit",
+    )
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--run", help=argparse.SUPPRESS)
+    p.add_argument("--epoch", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.timeout is None:
+        args.timeout = 3.0 if args.crash else 1.5
+    if args.orders < 1 or args.orders > 100_000:
+        p.error(f"--orders must be between 1 and 100000, got {args.orders}")
+    if not 1 <= args.rate <= 1e6:
+        p.error(f"--rate must be between 1 and 1000000 orders per second, got {args.rate}")
+    if not 0.05 <= args.timeout <= 3600:
+        p.error(f"--timeout must be between 0.05 and 3600 seconds, got {args.timeout}")
+    return args
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parse(argv)
+    run = args.run or uuid.uuid4().hex[:8]
+    with tempfile.TemporaryDirectory(prefix="orders-") as tmp:
+        path = None if args.postgres else Path(args.db or os.path.join(tmp, "orders.db"))
+        if args.worker:
+            trio.run(worker, args, path)
+            return 0
+        if args.crash:
+            return crash(args, path, run)
+        return trio.run(in_process, args, path, run)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

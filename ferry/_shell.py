@@ -1,0 +1,380 @@
+"""The task code of a ferry: callers, workers, direct calls and close, around its `Room`.
+
+Design
+------
+All scheduling state is in the room (`ferry._room`): one immutable `Lanes` value in one
+`stm.TVar`, changed only by the room's transactions. This module adds what a value cannot hold:
+parked tasks, cancel scopes and the calls themselves.
+
+- A caller computes key, rank and weight first (bad values raise at once, nothing admitted), then
+  admits itself with `stm.atomically_nowait`: the room has no lock and admission adds no
+  checkpoint of its own, so the caller parks exactly once, for its answer.
+- A caller parks with `wait_task_rescheduled`. Its `_Entry` is the only mutable per-caller object:
+  `task` is set while somebody may still answer it, and whoever answers (a worker, close, or the
+  caller's own abort) clears it first. Everything runs on the ferry's trio thread, so "clear, then
+  act" needs no lock.
+- Workers take with `stm.atomically_nowait` and, with nothing ready, sleep on the room's doorbell
+  until it rings or the earliest deadline passes (ADR 0006); nothing polls.
+- A direct call runs in its caller's task, inside a cancel scope the ferry registers, so closing the
+  ferry cancels it like a batch in flight, and cancelling the caller cancels it too. Its key is
+  released in a `finally`, only once the call is over (ADR 0004).
+- Close (ADR 0005): cancel the workers (each answers the callers it holds with `Closed` and releases
+  its lane), cancel direct calls, then one transaction marks the room closed and drains it; drained
+  callers get `Closed`. The ferry then waits, shielded, for the last in-flight call to be released,
+  so `statistics()` after the `async with` shows an empty, idle room.
+
+A ferry belongs to the trio run that opened it: call it only from tasks of that run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from types import CoroutineType
+from typing import Any, TypeVar
+
+import outcome
+import trio
+
+import stm
+
+from . import _lanes
+from ._errors import BatchContractError, Closed, Failed, InputError, Rejected
+from ._room import Room
+from ._stats import FerryStatistics
+
+F = TypeVar("F")
+
+_thread_id = threading.get_ident
+
+
+# Ctrl-C: the task code below is KI-protected (a KeyboardInterrupt that arrives while it runs goes
+# to the main task at its next checkpoint, as in trio's own code), so that taking a batch and
+# owning it, or claiming a key and releasing it, are steps a Ctrl-C cannot split. Only the user's
+# call runs unprotected, where Ctrl-C can interrupt it as it would anywhere in user code; it raises
+# there, into a `try` that answers the callers and releases the key.
+@trio.lowlevel.disable_ki_protection
+async def _unprotected(aw: Awaitable[Any]) -> Any:
+    return await aw
+
+
+class _Entry:
+    """One caller. `task` is set while the caller is parked and nobody has answered it yet.
+
+    An entry is also its caller's abort function (`__call__`), so parking allocates nothing more.
+    """
+
+    __slots__ = ("input", "item", "key", "room", "task")
+
+    def __init__(self, x: Any, key: Any, room: Room[Any, _Entry]) -> None:
+        self.input = x
+        self.key = key
+        self.room = room
+        self.item: _lanes.Item[_Entry] | None = None
+        self.task: trio.lowlevel.Task | None = None
+
+    def __call__(self, raise_cancel: Any) -> trio.lowlevel.Abort:
+        """The caller was cancelled while parked: it stops waiting, whether its input still
+        waits (dropped now, nothing is sent for it) or is in a batch in flight (which runs on
+        for the others)."""
+        self.task = None
+        item = self.item
+        if item is not None:
+            stm.atomically_nowait(self.room.cancel, self.key, item)
+        return trio.lowlevel.Abort.SUCCEEDED
+
+
+class Shell:
+    """What both ferries share: the room, the workers, answering callers, close."""
+
+    def __init__(
+        self,
+        call: Callable[..., Any],
+        extract: Callable[[Any, Any], Any] | None,
+        limits: _lanes.Limits,
+        workers: int,
+        timeout: float,
+        *,
+        plain: bool,
+    ) -> None:
+        """`call(inputs)` for the plain ferry, `call(key, inputs)` for the per-key one; each call
+        is cancelled after `timeout` seconds (inf: never)."""
+        self.room: Room[Any, _Entry] = Room(limits)
+        self._call = call
+        self._extract = extract
+        self._workers = workers
+        self._timeout = timeout
+        self._plain = plain
+        self._direct_scopes: set[trio.CancelScope] = set()
+        self._closing = False
+        # The thread of the run that opened the ferry: a thread runs one trio run at a time, so
+        # while the ferry is open, "same thread" is "same run", and cheaper to check.
+        self._thread: int | None = None
+        self._timed = limits.max_batch_delay > 0
+
+    def _now(self) -> float:
+        # Times matter only for deadlines: with zero delay there are none.
+        return trio.current_time() if self._timed else 0.0
+
+    # ---------------------------------------------------------------------------------- callers
+
+    @trio.lowlevel.enable_ki_protection
+    async def submit(self, x: Any, key: Any, weight: float, rank: Any) -> Any:
+        """Admit `x` and wait for its answer (the ferry's `__call__`). Always a checkpoint.
+
+        Raises RuntimeError, before anything else, if called outside the run that opened it.
+        """
+        if _thread_id() != self._thread:
+            raise _wrong_run()
+        await trio.lowlevel.checkpoint_if_cancelled()
+        room = self.room
+        entry = _Entry(x, key, room)
+        admission, entry.item = stm.atomically_nowait(
+            room.admit, key, entry, weight, rank, self._now()
+        )
+        if admission is _lanes.Admission.ADMITTED:
+            entry.task = trio.lowlevel.current_task()
+            return await trio.lowlevel.wait_task_rescheduled(entry)
+        if admission is _lanes.Admission.CLAIMED:
+            return await self._direct(entry)
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        if admission is _lanes.Admission.CLOSED:
+            raise Closed("the ferry is closed")
+        raise Rejected("the waiting room is full; back off and retry, or shed load")
+
+    @trio.lowlevel.enable_ki_protection
+    async def _direct(self, entry: _Entry) -> Any:
+        """The caller claimed an idle key: send its input itself, in the ferry's scope."""
+        key = entry.key
+        timeout = self._timeout
+        scope = trio.CancelScope()
+        if timeout < math.inf:
+            scope.deadline = trio.current_time() + timeout
+        self._direct_scopes.add(scope)
+        if self._closing:
+            scope.cancel()
+        failed = False
+        answer: outcome.Outcome[Any] | None = None
+        output: Any = None
+        try:
+            with scope:
+                aw = self._call([entry.input]) if self._plain else self._call(key, [entry.input])
+                if type(aw) is CoroutineType or inspect.isawaitable(aw):
+                    output = await _unprotected(aw)
+                else:
+                    answer = outcome.Error(BatchContractError(_not_awaitable(aw)))
+            if scope.cancelled_caught and not self._closing:
+                raise _too_slow(timeout)  # only the deadline cancels it while the ferry is open
+        except Exception as exc:
+            failed = True
+            answer = _failures(exc, key, [entry], self._plain)[0]
+        finally:
+            self._direct_scopes.discard(scope)
+            stm.atomically_nowait(self.room.release, key, self._now(), failed)
+        if answer is None:
+            if scope.cancelled_caught:
+                answer = outcome.Error(Closed("the ferry closed during this caller's direct call"))
+            elif self._extract is None and type(output) is list and len(output) == 1:
+                answer = _slot(output[0])  # the common shape, on a short path
+            else:
+                answer = self._answers(output, [entry])[0]
+        # A schedule point even if `call` never yielded: `await f(x)` is always a checkpoint.
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return answer.unwrap()
+
+    # ---------------------------------------------------------------------------------- workers
+
+    @trio.lowlevel.enable_ki_protection
+    async def _worker(self) -> None:
+        room, call, plain, timeout = self.room, self._call, self._plain, self._timeout
+        take, release, now = room.take, room.release, self._now
+        while True:
+            await trio.lowlevel.checkpoint()
+            try:
+                # Taking a batch and owning it are one step: nothing can cancel in between.
+                batch = stm.atomically_nowait(take, now())
+            except trio.WouldBlock:
+                # Nothing ready: sleep until the bell rings or the earliest deadline passes.
+                # No checkpoint since the failed take, so no ring can have been missed.
+                await self._sleep(room.bell.peek(), room.next_deadline())
+                continue
+            key = batch.key
+            entries = [item.entry for item in batch.items]
+            inputs = [e.input for e in entries]
+            failed = False
+            bad: str | None = None
+            try:
+                try:
+                    aw = call(inputs) if plain else call(key, inputs)
+                    if type(aw) is not CoroutineType and not inspect.isawaitable(aw):
+                        bad = _not_awaitable(aw)
+                    elif timeout == math.inf:
+                        output = await _unprotected(aw)
+                    else:
+                        with trio.CancelScope(deadline=trio.current_time() + timeout) as limit:
+                            output = await _unprotected(aw)
+                        if limit.cancelled_caught:
+                            raise _too_slow(timeout)
+                except Exception as exc:
+                    failed = True
+                    answers = _failures(exc, key, entries, plain)
+                else:
+                    if bad is None:
+                        answers = self._answers(output, entries)
+                    else:
+                        answers = _all_errors(entries, bad)
+            except BaseException:
+                # The ferry is closing (or the process is being interrupted): whoever this batch
+                # still holds is told so, and the exception goes on.
+                _close_out(entries)
+                raise
+            finally:
+                stm.atomically_nowait(release, key, now(), failed)
+            for e, answer in zip(entries, answers, strict=True):
+                task = e.task
+                if task is not None:
+                    e.task = None
+                    trio.lowlevel.reschedule(task, answer)
+
+    async def _sleep(self, rung: int, deadline: float | None) -> None:
+        """Until the bell rings past `rung`, or `deadline` passes. A checkpoint."""
+        if deadline is None:
+            await stm.atomically(self.room.sleep, rung)
+        else:
+            with trio.move_on_at(deadline):
+                await stm.atomically(self.room.sleep, rung)
+
+    def _answers(self, output: Any, entries: Sequence[_Entry]) -> list[outcome.Outcome[Any]]:
+        """One outcome per entry, from the batch call's `output` (docs/errors-and-lifecycle.md)."""
+        extract = self._extract
+        if extract is not None:
+            answers: list[outcome.Outcome[Any]] = []
+            for e in entries:
+                try:
+                    answers.append(_slot(extract(output, e.input)))
+                except Exception as exc:
+                    error = BatchContractError(f"extract raised {exc!r} for input {e.input!r}")
+                    error.__cause__ = exc
+                    answers.append(outcome.Error(error))
+            return answers
+        if not isinstance(output, Sequence) or isinstance(output, str | bytes):
+            what = type(output).__name__
+            return _all_errors(
+                entries, f"the batch call returned a {what}, not a sequence of results"
+            )
+        if len(output) != len(entries):
+            return _all_errors(
+                entries,
+                f"the batch call returned {len(output)} results for {len(entries)} inputs",
+            )
+        return [_slot(r) for r in output]
+
+    # ------------------------------------------------------------------------------------ close
+
+    @asynccontextmanager
+    @trio.lowlevel.enable_ki_protection
+    async def lifetime(self, ferry: F) -> AsyncIterator[F]:
+        """Own the workers for the `async with` block; close as ADR 0005 says when it ends."""
+        body_error: BaseException | None = None
+        self._thread = _thread_id()
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(self._workers):
+                    nursery.start_soon(self._worker)
+                try:
+                    yield ferry
+                except BaseException as exc:
+                    # Re-raised below, outside the nursery, so the user's own exception is not
+                    # wrapped in an ExceptionGroup.
+                    body_error = exc
+                finally:
+                    # Workers first: each answers the callers it holds and releases its lane.
+                    self._closing = True
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as failures:
+            # A worker failed (say, a KeyboardInterrupt in a call). If the block raised too,
+            # neither may be lost; the block's Cancelled is only the echo of this failure.
+            if body_error is None or isinstance(body_error, trio.Cancelled):
+                raise
+            raise BaseExceptionGroup(
+                "the ferry's block raised, and so did its workers while closing",
+                [body_error, *failures.exceptions],
+            ) from None
+        finally:
+            self._close_room()
+            with trio.CancelScope(shield=True):
+                await stm.atomically(self.room.idle)
+        if body_error is not None:
+            raise body_error
+
+    def _close_room(self) -> None:
+        """Mark the room closed and answer every drained caller with `Closed` (one transaction)."""
+        self._closing = True
+        for scope in self._direct_scopes:
+            scope.cancel()
+        drained = stm.atomically_nowait(self.room.drain)
+        _close_out([item.entry for item in drained])
+
+    def statistics(self) -> FerryStatistics:
+        """A snapshot of the room and the counters since open; one TVar peek, no checkpoint."""
+        return self.room.statistics(plain=self._plain)
+
+
+def _wrong_run() -> RuntimeError:
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        where = "outside any trio run"
+    else:
+        where = "from a task of another trio run"
+    return RuntimeError(
+        f"a ferry was called {where}: a ferry belongs to the trio run that opened it, and only "
+        "that run's tasks may call it. From another thread, call it in its own run with "
+        "trio.from_thread.run(f, x, trio_token=...)."
+    )
+
+
+def _slot(result: Any) -> outcome.Outcome[Any]:
+    """A caller's answer from its slot of the output: an `InputError` there is raised to it."""
+    if isinstance(result, InputError):
+        return outcome.Error(result)
+    return outcome.Value(result)
+
+
+def _failures(
+    exc: Exception, key: Any, entries: Sequence[_Entry], plain: bool
+) -> list[outcome.Outcome[Any]]:
+    """A `Failed` of its own for each caller of a batch whose call raised `exc`."""
+    answers: list[outcome.Outcome[Any]] = []
+    message = f"the batch call {'' if plain else f'for key {key!r} '}raised {exc!r}"
+    for _ in entries:
+        error = Failed(message)
+        error.__cause__ = exc
+        answers.append(outcome.Error(error))
+    return answers
+
+
+def _too_slow(timeout: float) -> trio.TooSlowError:
+    return trio.TooSlowError(f"the call ran longer than call_timeout={timeout!r} seconds")
+
+
+def _not_awaitable(result: Any) -> str:
+    return (
+        f"the batch call returned a {type(result).__name__}, not an awaitable: call must be an "
+        "async function (async def), or return an awaitable"
+    )
+
+
+def _all_errors(entries: Sequence[_Entry], message: str) -> list[outcome.Outcome[Any]]:
+    return [outcome.Error(BatchContractError(message)) for _ in entries]
+
+
+def _close_out(entries: Sequence[_Entry]) -> None:
+    for e in entries:
+        task = e.task
+        if task is not None:
+            e.task = None
+            trio.lowlevel.reschedule(task, outcome.Error(Closed("the ferry closed")))

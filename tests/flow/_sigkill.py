@@ -1,0 +1,421 @@
+"""The SIGKILL test's pieces (SPEC 5.5, issue 9): the child that runs the flows, the parent that
+kills and restarts it, and the oracle.
+
+The child (``python -m tests.flow._sigkill DIR --flows N --gen G ...``) opens an engine on
+``DIR/flows.db`` (the path form: SQLite, WAL, ``synchronous=FULL``), starts every flow of the
+scenario (idempotent, so a restarted child simply starts them again), publishes the scenario's
+payment events at their (wall-clock) times, and waits for every flow to end. Its step bodies and
+compensations are "external calls": each effective run inserts ``(idempotency key, attempt,
+generation)`` into ``DIR/side.db``, another SQLite file, in autocommit, before the body goes on
+and returns. A body that is to raise (a transient or a permanent error) raises before its call,
+as a failed call has no effect, so the side table counts exactly the runs that had an effect.
+
+The parent (`run_with_kills`) starts a child, SIGKILLs it at a seeded random moment (mostly a
+little after the child's engine opened, sometimes while it is still starting or recovering),
+and before it restarts the child it reads, from the flow store the dead process left, which
+steps and compensations were in flight: the keys of the ``RUNNING`` and ``COMPENSATING`` flows.
+That set is exactly the work the kill may have interrupted, measured independently of the side
+table. After the last kill a child runs to the end.
+
+The oracle (`audit`, pure): every flow ends ``COMPLETED`` or ``FAILED`` (and the one its scenario
+says); no step outcome and no compensation is recorded twice in its history; every key's
+effective runs are at most 1 + the number of kills that caught that key in flight; and every
+step recorded as done (or parked) ran at least once. See docs/adr/0055.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import select
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from ferry import flow
+from ferry.flow import _store
+
+from ._helpers import _InlineTx
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = ("reserve", "charge", "ship", "notify")
+COMPENSATED = frozenset({"reserve", "charge"})
+
+# ------------------------------------------------------------------------------- the scenario
+
+#: scenario -> (weight, expected end state)
+SCENARIOS: dict[str, tuple[int, flow.State]] = {
+    "woken": (40, flow.State.COMPLETED),  # a confirmation (before or after the park; maybe twice)
+    "declined": (10, flow.State.FAILED),  # a decline: ship fails, compensations run
+    "timeout": (15, flow.State.FAILED),  # no event: the park times out and compensates
+    "continue": (10, flow.State.COMPLETED),  # no event: times out, on_timeout="continue"
+    "fail": (10, flow.State.FAILED),  # ship returns fail()
+    "raise": (10, flow.State.FAILED),  # ship raises on every attempt
+    "flaky": (5, flow.State.COMPLETED),  # reserve and ship raise on their first attempt
+}
+
+
+@attrs.frozen
+class Spec:
+    """One flow of the scenario: its data, the payment events to publish, how it must end."""
+
+    flow_id: str
+    scenario: str
+    data: dict[str, Any]
+    events: tuple[tuple[float, str], ...]  # (seconds after the epoch, event id), maybe repeated
+    expected: flow.State
+
+
+def scenario(n: int, seed: int) -> list[Spec]:
+    """`n` flows from `seed` alone."""
+    rng = random.Random(seed)
+    names = list(SCENARIOS)
+    weights = [SCENARIOS[s][0] for s in names]
+    specs = []
+    for i in range(n):
+        kind = rng.choices(names, weights)[0]
+        fid = f"f{i:05d}"
+        waits = kind in ("timeout", "continue")
+        data: dict[str, Any] = {
+            "kind": kind,
+            "pause": round(rng.uniform(0.0, 0.08), 3),  # each call takes this long
+            "timeout": round(rng.uniform(0.3, 2.0), 3) if waits else None,
+            "on_timeout": "continue" if kind == "continue" else "compensate",
+        }
+        events: tuple[tuple[float, str], ...] = ()
+        if not waits:
+            at = rng.choice([0.0, round(rng.uniform(0.0, 4.0), 3)])  # 0: before the park
+            events = ((at, f"evt-{fid}"),)
+            if rng.random() < 0.3:  # the gateway sends it twice
+                events += ((at + round(rng.uniform(0.0, 0.5), 3), f"evt-{fid}"),)
+        specs.append(Spec(fid, kind, data, events, SCENARIOS[kind][1]))
+    return specs
+
+
+# ------------------------------------------------------------------------------------ the child
+
+
+def make_plan(side: sqlite3.Connection, gen: int, plant: str | None) -> flow.Plan:
+    """The plan: reserve (compensated), charge (compensated; parks), ship, notify."""
+    plan = flow.Plan("sigkill")
+
+    async def call(ctx: flow.Context) -> None:
+        """The external call: its effect is committed (autocommit) before the body goes on."""
+        side.execute(
+            "INSERT INTO runs (key, attempt, gen) VALUES (?, ?, ?)",
+            (ctx.idempotency_key, ctx.attempt, gen),
+        )
+        await trio.sleep(ctx.data["pause"])
+
+    async def replay_previous(ctx: flow.Context) -> None:
+        # The planted bug: on a re-run, an engine that "resumes" by replaying the previous step
+        # (what issue 9 reports of Prefect's resume) runs a step whose outcome is recorded.
+        if plant == "replay" and ctx.attempt > 1 and ctx.step_index > 0:
+            previous = STEPS[ctx.step_index - 1]
+            key = f"{ctx.flow_id}/{ctx.step_index - 1}/{previous}"
+            side.execute("INSERT INTO runs (key, attempt, gen) VALUES (?, ?, ?)", (key, 0, gen))
+
+    async def release(ctx: flow.Context) -> None:
+        if ctx.data["kind"] in ("raise", "timeout") and ctx.attempt == 1:
+            raise ConnectionError("stock service busy")
+        await call(ctx)
+
+    async def refund(ctx: flow.Context) -> None:
+        await call(ctx)
+
+    @plan.step(compensate=release)
+    async def reserve(ctx: flow.Context) -> None:
+        if ctx.data["kind"] == "flaky" and ctx.attempt == 1:
+            raise ConnectionError("stock service busy")
+        await call(ctx)
+
+    @plan.step(compensate=refund)
+    async def charge(ctx: flow.Context) -> flow.Outcome:
+        await replay_previous(ctx)
+        await call(ctx)
+        return flow.park(timeout=ctx.data["timeout"], on_timeout=ctx.data["on_timeout"])
+
+    @plan.step
+    async def ship(ctx: flow.Context) -> flow.Outcome | None:
+        await replay_previous(ctx)
+        kind = ctx.data["kind"]
+        if kind == "raise" or (kind == "flaky" and ctx.attempt == 1):
+            raise ConnectionError("carrier unavailable")
+        if kind == "fail":
+            return flow.fail("no carrier for this address")
+        if ctx.wake is not None and not ctx.wake["ok"]:
+            return flow.fail("payment declined")
+        await call(ctx)
+        return None
+
+    @plan.step
+    async def notify(ctx: flow.Context) -> flow.Outcome:
+        await replay_previous(ctx)
+        await call(ctx)
+        return flow.COMPLETE
+
+    assert tuple(s.name for s in plan.steps) == STEPS
+    return plan
+
+
+def open_side(path: Path) -> sqlite3.Connection:
+    side = sqlite3.connect(path, isolation_level=None)
+    side.execute("PRAGMA journal_mode=WAL")
+    side.execute("PRAGMA synchronous=NORMAL")  # a process crash loses nothing committed
+    side.execute("CREATE TABLE IF NOT EXISTS runs (key TEXT NOT NULL, attempt INT, gen INT)")
+    return side
+
+
+async def child(args: argparse.Namespace) -> None:
+    work = Path(args.dir)
+    side = open_side(work / "side.db")
+    specs = scenario(args.flows, args.seed)
+    plan = make_plan(side, args.gen, args.plant)
+    epoch = args.epoch
+
+    def mapper(event: Any) -> flow.Wake:
+        return flow.Wake(event["flow"], {"ok": event["ok"]}, message_id=event["id"])
+
+    async with flow.open_engine(work / "flows.db", plans=[plan]) as engine:
+        engine.on("payment", mapper)
+        print("open", flush=True)
+
+        async def publish(spec: Spec, at: float, event_id: str) -> None:
+            await trio.sleep(max(0.0, epoch + at - time.time()))
+            event = {"flow": spec.flow_id, "ok": spec.scenario != "declined", "id": event_id}
+            await engine.publish("payment", event)
+
+        async def one(spec: Spec) -> None:
+            await engine.start(plan, flow_id=spec.flow_id, data=spec.data)
+            async with trio.open_nursery() as nursery:
+                for at, event_id in spec.events:
+                    nursery.start_soon(publish, spec, at, event_id)
+                await engine.wait(spec.flow_id)
+
+        async with trio.open_nursery() as nursery:
+            for spec in specs:
+                nursery.start_soon(one, spec)
+        stats = engine.statistics()
+    report = {
+        "recovered": stats.recovered,
+        "steps_run": stats.steps_run,
+        "writes": stats.writes,
+        "write_batches": stats.write_batches,
+        "wakes": {d.name: n for d, n in stats.wakes.items()},
+    }
+    print("done " + json.dumps(report), flush=True)
+
+
+# ----------------------------------------------------------------------------------- the parent
+
+
+@attrs.define
+class Run:
+    """What the parent saw: per generation, whether it was killed and what it left in flight."""
+
+    dir: Path
+    flows: int
+    kills: int = 0
+    early_kills: int = 0  # kills that came before the child's engine had opened
+    hits: Counter[str] = attrs.Factory(Counter)  # key -> kills that caught it in flight
+    reports: list[dict[str, Any]] = attrs.Factory(list)
+    seconds: float = 0.0
+
+
+def _readline(proc: subprocess.Popen[str], deadline: float) -> str | None:
+    """The child's next stdout line, or None if it did not come by `deadline` (monotonic)."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+    return proc.stdout.readline() if ready else None
+
+
+def in_flight(db: Path) -> list[str]:
+    """The idempotency keys of the steps and compensations a dead engine left running."""
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        tables = conn.execute("SELECT name FROM sqlite_master WHERE name = 'flow_flows'")
+        if not tables.fetchall():
+            return []  # killed before it made its tables
+        active = _store.load_active(_InlineTx(conn))
+    finally:
+        conn.close()
+    keys = []
+    for f in active:
+        key = f"{f.flow_id}/{f.step_index}/{f.step}"
+        keys.append(key if f.state is flow.State.RUNNING else f"{key}/compensate")
+    return keys
+
+
+def run_with_kills(
+    work: Path,
+    *,
+    flows: int,
+    kills: int,
+    seed: int,
+    plant: str | None = None,
+    patience: float = 120.0,
+) -> Run:
+    """Run the scenario in child processes, SIGKILLing `kills` of them at seeded random moments;
+    the last child runs to the end. Raises AssertionError if a child fails or hangs."""
+    rng = random.Random(seed)
+    run = Run(work, flows)
+    epoch = time.time() + 0.5  # roughly when the first child's engine is open
+    t0 = time.monotonic()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for gen in range(kills + 1):
+        command = [sys.executable, "-m", "tests.flow._sigkill", str(work)]
+        command += ["--flows", str(flows), "--seed", str(seed), "--gen", str(gen)]
+        command += ["--epoch", repr(epoch)] + (["--plant", plant] if plant else [])
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        try:
+            deadline = time.monotonic() + patience
+            last = gen == kills
+            if not last and rng.random() < 0.2:  # now and then, while it starts or recovers
+                time.sleep(rng.uniform(0.05, 0.6))
+                opened = False
+            else:
+                line = _readline(proc, deadline)
+                assert line == "open\n", f"generation {gen}: {line!r}, {_stderr(proc)}"
+                opened = True
+                if not last:
+                    time.sleep(rng.uniform(0.0, 0.6))
+            if not last and proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+                run.kills += 1
+                run.early_kills += not opened
+                run.hits.update(in_flight(work / "flows.db"))
+                continue
+            run.reports.append(_report(proc, deadline, gen))
+            break
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+    run.seconds = time.monotonic() - t0
+    return run
+
+
+def _report(proc: subprocess.Popen[str], deadline: float, gen: int) -> dict[str, Any]:
+    """The last child's closing report, once it exited cleanly."""
+    while (line := _readline(proc, deadline)) is not None:
+        if line.startswith("done "):
+            assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, _stderr(proc)
+            report: dict[str, Any] = json.loads(line[5:])
+            return report
+        assert line, f"generation {gen} ended without a report: {_stderr(proc)}"
+    raise AssertionError(f"generation {gen} did not finish in time: {_stderr(proc)}")
+
+
+def _stderr(proc: subprocess.Popen[str]) -> str:
+    if proc.poll() is None:
+        proc.kill()
+    assert proc.stderr is not None
+    return proc.stderr.read()[-3000:]
+
+
+# ------------------------------------------------------------------------------------ the oracle
+
+
+@attrs.frozen
+class Observed:
+    """What the oracle reads once everything has stopped."""
+
+    states: Mapping[str, flow.State | None]  # flow id -> its end state (None: no such flow)
+    history: Mapping[str, Sequence[flow.Event]]
+    runs: Counter[str]  # idempotency key -> effective runs (side table)
+
+
+def read_outcome(work: Path, specs: Sequence[Spec]) -> Observed:
+    """The flows' end states and histories (from the store) and the side table's runs."""
+    conn = sqlite3.connect(work / "flows.db", isolation_level=None)
+    try:
+        tx: Any = _InlineTx(conn)
+        states: dict[str, flow.State | None] = {}
+        history: dict[str, list[flow.Event]] = {}
+        for spec in specs:
+            row = _store.load(tx, spec.flow_id)
+            states[spec.flow_id] = None if row is None else row.state
+            history[spec.flow_id] = _store.load_history(tx, spec.flow_id) or []
+    finally:
+        conn.close()
+    side = sqlite3.connect(work / "side.db")
+    try:
+        runs = Counter(key for (key,) in side.execute("SELECT key FROM runs"))
+    finally:
+        side.close()
+    return Observed(states, history, runs)
+
+
+def audit(specs: Sequence[Spec], outcome: Observed, hits: Counter[str]) -> list[str]:
+    """Every violation of the oracle (module doc), one line each; empty if all holds."""
+    problems = []
+    for spec in specs:
+        fid = spec.flow_id
+        state = outcome.states.get(fid)
+        if state not in (flow.State.COMPLETED, flow.State.FAILED):
+            problems.append(f"{fid} ({spec.scenario}) ended {state}, not COMPLETED or FAILED")
+        elif state is not spec.expected:
+            problems.append(f"{fid} ({spec.scenario}) ended {state}, expected {spec.expected}")
+        recorded = Counter(
+            (e.kind, e.step)
+            for e in outcome.history.get(fid, ())
+            if e.kind in ("step", "compensated")
+        )
+        for (kind, step), n in sorted(recorded.items()):
+            if n > 1:
+                problems.append(f"{fid}: the {kind} outcome of {step!r} is recorded {n} times")
+        for e in outcome.history.get(fid, ()):
+            if e.kind == "step" and e.detail["outcome"] in ("continue", "complete", "park"):
+                assert e.step is not None
+                key = f"{fid}/{STEPS.index(e.step)}/{e.step}"
+                if outcome.runs[key] < 1:
+                    problems.append(f"{key} is recorded as done but never ran")
+    for key, n in sorted(outcome.runs.items()):
+        if n > 1 + hits[key]:
+            problems.append(f"{key} ran {n} times, but only {hits[key]} kills caught it in flight")
+    return problems
+
+
+def summary(run: Run, outcome: Observed) -> str:
+    reruns = sum(max(0, n - 1) for n in outcome.runs.values())
+    ends = Counter(s.name if s else "missing" for s in outcome.states.values())
+    return (
+        f"{run.flows} flows, {run.kills} kills ({run.early_kills} before the engine opened),"
+        f" {sum(run.hits.values())} steps/compensations caught in flight, {reruns} re-runs,"
+        f" ends {dict(ends)}, {run.seconds:.1f} s"
+    )
+
+
+def main(argv: Sequence[str]) -> None:
+    p = argparse.ArgumentParser(description="the SIGKILL test's child process")
+    p.add_argument("dir")
+    p.add_argument("--flows", type=int, required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--gen", type=int, required=True)
+    p.add_argument("--epoch", type=float, required=True)
+    p.add_argument("--plant", choices=["replay"], default=None)
+    args = p.parse_args(argv)
+    assert math.isfinite(args.epoch)
+    trio.run(child, args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

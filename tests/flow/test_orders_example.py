@@ -1,0 +1,86 @@
+"""examples/orders.py runs as a script, as a user would run it: on SQLite, with a SIGKILL of
+its engine process mid-run, on the suite's PostgreSQL, and with bad flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import pg
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def orders(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "orders.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        check=False,
+    )
+
+
+def summary(*args: str) -> dict[str, Any]:
+    done = orders("--json", *args)
+    assert done.returncode == 0, done.stderr + done.stdout
+    report: dict[str, Any] = json.loads(done.stdout)
+    print(json.dumps({k: v for k, v in report.items() if k != "legend"}))
+    assert report["audit"] == {"ok": True, "problems": []}
+    started = report["orders"].pop("started")
+    assert sum(report["orders"].values()) == started
+    assert set(report["orders"]) <= {"COMPLETED", "FAILED"}
+    assert set(report["legend"]) >= {k for k in report if k != "legend"}  # it explains itself
+    return report
+
+
+def test_the_default_run_audits_clean_and_explains_its_summary(tmp_path: Path) -> None:
+    done = orders("--db", str(tmp_path / "orders.db"))
+    assert done.returncode == 0, done.stderr
+    assert "audit             OK" in done.stdout
+    assert "legend:" in done.stdout and "repeats absorbed" in done.stdout
+    assert "settled" in done.stderr  # the progress line
+
+
+def test_the_summary_counts_every_kind_of_wake(tmp_path: Path) -> None:
+    report = summary("--db", str(tmp_path / "orders.db"), "--quiet")
+    wakes = report["wakes"]
+    assert wakes["RESUMED"] > 0 and wakes["QUEUED"] > 0 and wakes["DUPLICATE"] > 0
+    assert report["compensations"] > 0 and report["crash"]["kills"] == 0
+    assert report["writes"]["boundaries"] >= report["writes"]["transactions"]
+
+
+def test_the_audit_holds_after_a_sigkill_of_the_engine(tmp_path: Path) -> None:
+    report = summary("--db", str(tmp_path / "orders.db"), "--crash", "--seed", "2")
+    assert report["crash"]["kills"] == 1
+
+
+def test_postgres(pg_server: pg.PgServer) -> None:
+    report = summary("--postgres", pg_server.fresh_schema_dsn("orders"), "--orders", "100")
+    assert report["orders"]["COMPLETED"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--orders", "many"], "argument --orders: invalid int value: 'many'"),
+        (["--orders", "0"], "--orders must be between 1 and 100000"),
+        (["--db", "x.db", "--postgres", "host=127.0.0.1 port=1"], "--postgres: cannot connect"),
+        (["--postgres", "nonsense=1"], "--postgres: not a connection string"),
+        (["--db", "/nonexistent/dir/orders.db"], "no such directory"),
+    ],
+)
+def test_a_bad_flag_is_a_one_line_error(args: list[str], message: str) -> None:
+    done = orders(*args)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("orders.py: error: ") and message in line, line

@@ -1,0 +1,305 @@
+"""The flow's model check on the default bounds, its planted bugs, and its store's fidelity."""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+import attrs
+import pytest
+
+from ferry.flow import _machine as fm
+from ferry.flow import _store as store
+from ferry.flow._machine import EMPTY_MAILBOX, Flow, Message, Received, Shape, Transition
+from ferry.flow._types import CONTINUE, State, park
+from tests.flow._helpers import _InlineTx
+from tests.model.checker import Counterexample
+from tests.model.configs import FLOW_DEFAULT, FLOW_SLOW, PLAN_MISSING
+from tests.model.flow import FlowChecker, FlowConfig, FlowProtocol, S, Write
+from tests.model.planted_flow import (
+    CompensateOldestFirst,
+    ParkIgnoresQueue,
+    RecoveryForgetsTimers,
+    RecoveryReusesTheAttempt,
+    RetryOnceTooOften,
+    TimerWithoutRevisionCheck,
+    WakeForgetsSeen,
+    WriteRevisionFromCopy,
+    WriteWithoutRevisionCheck,
+)
+
+BASE, DUPLICATE, LOST = FLOW_DEFAULT
+
+# What every default bound must reach (so a property is not vacuous): every history event kind,
+# every end, every delivery but DUPLICATE, a refused write, a timer that fires and one that finds
+# the park over, a wake queued before the park and taken by it, recovery from every state.
+REACHED = {
+    *("step", "parked", "woken", "timed_out", "cancelled", "compensated", "completed"),
+    *("failed", "blocked", "resumed"),
+    *("end COMPLETED", "end FAILED", "end BLOCKED"),
+    *("wake QUEUED", "wake RESUMED", "wake STALE", "cancel True", "cancel False", "resume True"),
+    *("write refused", "timer fires", "timer finds nothing", "queued wake taken"),
+    *(f"restart {s}" for s in ("RUNNING", "PARKED", "COMPENSATING", "BLOCKED", "FAILED")),
+}
+EXTRA = {DUPLICATE.name: {"wake DUPLICATE"}, LOST.name: {"answer lost"}}
+
+
+@pytest.mark.parametrize("config", FLOW_DEFAULT, ids=lambda c: c.name)
+def test_flow_model_check(config: FlowConfig) -> None:
+    checker = FlowChecker(config)
+    report = checker.run()
+    print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
+    assert report.states > 10_000  # the bounds really branch
+    missing = (REACHED | EXTRA.get(config.name, set())) - checker.coverage
+    assert not missing, f"the bound never reaches {sorted(missing)}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", FLOW_SLOW, ids=lambda c: c.name)
+def test_flow_model_check_larger_bounds(config: FlowConfig) -> None:
+    report = FlowChecker(config).run()
+    print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
+
+
+def _counterexample(
+    config: FlowConfig, protocol: FlowProtocol, *, check_machine: bool = True
+) -> Counterexample:
+    return FlowChecker(config, protocol, check_machine=check_machine).find()
+
+
+# ---- the four planted bugs of SPEC 5.5 ----------------------------------------------------------
+
+
+def test_catches_a_wake_before_the_park_that_is_lost() -> None:
+    found = _counterexample(BASE, ParkIgnoresQueue())
+    assert "parked with messages queued: ['m1']" in found.message  # `check_invariants`
+    alone = _counterexample(BASE, ParkIgnoresQueue(), check_machine=False)
+    assert alone.message.startswith("parked with accepted wakes ['m1'] untaken")
+    assert alone.trace == found.trace
+    assert len(found.trace) == 5
+    assert "wake 'm1' #0 while RUNNING 'charge'" in found.trace[3]
+    assert "PARKED" in found.trace[4]
+
+
+@pytest.mark.parametrize("check_machine", [True, False])
+def test_catches_a_step_recorded_twice(check_machine: bool) -> None:
+    # The runner's UPDATE does not compare the revision; its write commits, the answer is lost,
+    # and the engine sends the same write again.
+    found = _counterexample(LOST, WriteWithoutRevisionCheck(), check_machine=check_machine)
+    assert found.message == "the outcome of step 'reserve' recorded twice"
+    assert len(found.trace) == 3
+    assert "answer lost" in found.trace[1]
+
+
+def test_catches_a_stale_write_without_revision_check_after_cancel() -> None:
+    # The same bug without lost answers: the runner's stale write undoes a cancel.
+    found = _counterexample(BASE, WriteWithoutRevisionCheck(), check_machine=False)
+    assert found.message == "the flow compensated or failed, then went RUNNING"
+    assert found.trace[1].startswith("cancel while RUNNING 'reserve'")
+
+
+def test_catches_compensations_out_of_order() -> None:
+    found = _counterexample(BASE, CompensateOldestFirst())
+    assert "holds a step at or after the current one" in found.message  # `check_invariants`
+    alone = _counterexample(BASE, CompensateOldestFirst(), check_machine=False)
+    assert alone.message.startswith("compensation of 'reserve' recorded out of order")
+    assert "next should be 'charge'" in alone.message
+    assert len(alone.trace) == 7
+
+
+@pytest.mark.parametrize("check_machine", [True, False])
+def test_catches_a_timeout_after_a_wake_was_accepted(check_machine: bool) -> None:
+    found = _counterexample(BASE, TimerWithoutRevisionCheck(), check_machine=check_machine)
+    assert found.message == "the park timed out after a wake was accepted for it"
+    assert len(found.trace) == 7
+    assert "RESUMED" in found.trace[4] and "timer for revision 3 fires" in found.trace[6]
+
+
+# ---- more planted bugs: each remaining property can fail ----------------------------------------
+
+
+def test_catches_a_step_run_more_often_than_allowed() -> None:
+    found = _counterexample(BASE, RetryOnceTooOften(), check_machine=False)
+    assert found.message.startswith("step 'reserve' ran 3 times; allowed 2")
+
+
+def test_catches_a_revision_that_does_not_grow_by_one() -> None:
+    found = _counterexample(BASE, WriteRevisionFromCopy(), check_machine=False)
+    assert found.message == "revision went from 2 to 2, not +1"
+
+
+def test_catches_a_duplicate_wake_accepted_again() -> None:
+    found = _counterexample(DUPLICATE, WakeForgetsSeen(), check_machine=False)
+    assert found.message == "wake answered Delivery.QUEUED, expected Delivery.DUPLICATE"
+
+
+def test_catches_a_parked_flow_stranded_by_recovery() -> None:
+    found = _counterexample(BASE, RecoveryForgetsTimers())
+    assert found.message == "the flow stays PARKED at 'charge' until 10.0"
+    assert found.trace[-2:] == [
+        "engine 0 crashes",
+        "engine 0 restarts, recovers PARKED at 'charge' until 10.0",
+    ]
+
+
+def test_catches_a_rerun_that_repeats_an_attempt_number() -> None:
+    found = _counterexample(BASE, RecoveryReusesTheAttempt(), check_machine=False)
+    assert found.message == "step 'reserve' ran as attempt 1 again (attempts never repeat)"
+    assert found.trace[1].startswith("engine 0 crashes (step 'reserve' ran")
+
+
+def test_unplanted_protocol_flags_are_on() -> None:
+    p = FlowProtocol()
+    assert p.runner_cas and p.blind_write_bumps_stored_revision
+    assert p.timer_checks_revision and p.recovery_arms_timers and p.recovery_bumps_attempt
+
+
+# ---- a machine bug the model found: cancel does not fail closed on a missing plan version ------
+
+CANCEL_BUG = (
+    "machine bug (found by the model): `cancel` through an engine that lacks the flow's plan"
+    " version (shape=None) compensates anyway and names the top of the stack after the current"
+    " step; the flow then blocks, and `resume` with the plan back refuses it for ever"
+)
+
+
+@pytest.mark.xfail(strict=True, raises=Counterexample, reason=CANCEL_BUG)
+def test_flow_model_check_with_a_plan_version_missing() -> None:
+    checker = FlowChecker(PLAN_MISSING)
+    try:
+        report = checker.run()
+    except Counterexample as found:
+        print(f"\n{found}")
+        # A parked flow at a step without compensation; the engine comes back without v1.
+        assert found.message.startswith(
+            "flow 'f' (State.COMPENSATING): plan 'order' version 1 has step 'reserve' at index 0,"
+            " but the flow is at step 'confirm'"
+        )
+        assert "cancel (no plan)" in found.trace[-1]
+        raise
+    print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
+    assert {"resume True", "resume False", "end BLOCKED"} <= checker.coverage
+
+
+class CancelFailsClosed(FlowProtocol):
+    """A candidate fix (not the machine's code): `cancel` blocks a running or parked flow whose
+    plan version the engine lacks, as `wake` and `timeout` already do."""
+
+    def cancel(self, flow: Flow, shape: Shape | None, now: float) -> Transition:
+        reason = fm.mismatch(flow, shape)
+        if reason is not None and flow.state in (State.RUNNING, State.PARKED):
+            return fm.block(flow, reason, now)
+        return super().cancel(flow, shape, now)
+
+
+def test_the_plan_missing_bound_passes_when_cancel_fails_closed() -> None:
+    checker = FlowChecker(PLAN_MISSING, CancelFailsClosed())
+    report = checker.run()
+    print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
+    assert {"resume True", "resume False", "end BLOCKED"} <= checker.coverage
+
+
+CONFIRM_SHAPE = Shape("order", 1, ("reserve", "confirm", "ship"), (True, False, False), (1, 1, 1))
+
+
+@pytest.mark.xfail(strict=True, raises=fm.InvariantError, reason=CANCEL_BUG)
+@pytest.mark.parametrize("parked", [True, False], ids=["parked", "running"])
+def test_cancel_without_the_plan_version_keeps_the_flow_resumable(parked: bool) -> None:
+    flow = fm.start(CONFIRM_SHAPE, "f", "{}", 0.0).flow
+    flow = fm.step_done(flow, EMPTY_MAILBOX, CONFIRM_SHAPE, CONTINUE, "{}", 0.0).flow
+    if parked:
+        flow = fm.step_done(flow, EMPTY_MAILBOX, CONFIRM_SHAPE, park(10), "{}", 0.0).flow
+    assert flow.step == "confirm" and flow.stack == (0,)
+    t = fm.cancel(flow, None, "cancelled", 1.0)  # an engine that lacks ("order", 1)
+    fm.check_invariants(t.flow, t.mailbox, CONFIRM_SHAPE)
+    if t.flow.state is not State.BLOCKED:
+        t = fm.block(t.flow, "the plan is missing", 2.0)
+    assert fm.mismatch(t.flow, CONFIRM_SHAPE) is None  # resumable once the plan is back
+    assert fm.resume(t.flow, t.mailbox, CONFIRM_SHAPE, 3.0).done
+
+
+# ---- fidelity: the model's store is the real store ---------------------------------------------
+
+
+class StoreMirror(FlowChecker):
+    """The model, with every write it makes also sent to the real store (`_store.write_batch`
+    on SQLite, from the model's state, then rolled back); both must agree on the result, the
+    row, the mailbox and the history."""
+
+    def __init__(self, config: FlowConfig, *, drift: bool = False) -> None:
+        super().__init__(config)
+        self.tx = _InlineTx(sqlite3.connect(":memory:", isolation_level=None))
+        self.tx.execute("BEGIN")
+        store.create_schema(self.tx)
+        self.tx.execute("COMMIT")
+        self.writes = 0
+        self.drift = drift  # a model that forgets the mailbox's head (the check must see it)
+
+    def _write(self, m: S, w: Write) -> Transition | None:
+        drifted = attrs.evolve(w, head=False) if self.drift and w.head else w
+        t = super()._write(m, drifted)
+        tx = self.tx
+        tx.execute("BEGIN")
+        try:
+            self._load(m)
+            op = store.Change("f", w.apply, flow=w.copy, message_id=w.message_id, head=w.head)
+            (result,) = store.write_batch(tx, [op])
+            if t is None:
+                assert w.copy is not None
+                refused = store.Conflict("f", w.copy.revision, m.row.revision, None)
+                _agree("a refused write", result, refused)
+                _agree("the row", store.load(tx, "f"), m.row)
+            else:
+                before = m.row if w.copy is None else w.copy
+                _agree("the transition", result, store.Changed(t, before))
+                _agree("the row", store.load(tx, "f"), t.flow if t.written else m.row)
+                _agree("the history", store.load_history(tx, "f"), list(t.events))
+                box = store.load_mailbox(tx, "f")
+                after = self._record(m, t, "mirror").mailbox
+                _agree("the mailbox ids", box.seen, after.seen)
+                _agree("the queue", box.queued, after.queued)
+        finally:
+            tx.execute("ROLLBACK")
+        self.writes += 1
+        return t
+
+    def _load(self, m: S) -> None:
+        """Put the model's row and mailbox in the (empty) tables."""
+        for table in ("flows", "history", "mailbox"):
+            self.tx.execute(f"DELETE FROM flow_{table}")
+        (created,) = store.write_batch(self.tx, [store.Create(Transition(m.row, EMPTY_MAILBOX, 0))])
+        assert isinstance(created, store.Created)
+        payloads = {q.message_id: q.payload for q in m.mailbox.queued}
+        received = tuple(
+            Received(Message(mid, payloads.get(mid, "null")), taken=status == "taken")
+            for mid, _, status in m.ghost.ledger
+        )
+
+        def mailbox(flow: Flow, box: Any) -> Transition:
+            return Transition(flow, box, flow.revision, messages=received)
+
+        store.write_batch(self.tx, [store.Change("f", mailbox, flow=m.row)])
+
+
+def _agree(what: str, real: object, model: object) -> None:
+    if real != model:
+        raise AssertionError(f"the store and the model disagree on {what}: {real!r} != {model!r}")
+
+
+MIRRORED = attrs.evolve(BASE, name="mirrored", wakes=("m1", "m1"), crashes=0)
+
+
+def test_the_model_store_behaves_as_the_real_store() -> None:
+    mirror = StoreMirror(MIRRORED)
+    report = mirror.run()
+    print(f"\n{report.states} states, {mirror.writes} writes mirrored, {report.seconds:.2f}s")
+    assert mirror.writes > 1000
+    every_write = {"write refused", "timer fires", "timer finds nothing", "queued wake taken"}
+    every_write |= {"wake QUEUED", "wake RESUMED", "wake DUPLICATE", "wake STALE", "cancel True"}
+    every_write |= {"resume True", "blocked", "failed", "completed", "timed_out"}
+    assert every_write <= mirror.coverage, sorted(every_write - mirror.coverage)
+
+
+def test_the_store_mirror_sees_a_model_that_drifts() -> None:
+    found = StoreMirror(MIRRORED, drift=True).find()
+    assert found.message.startswith("the store and the model disagree on the transition")
