@@ -75,6 +75,7 @@ class PgServer:
     port: int
     user: str | None
     _counter: itertools.count[int] = attrs.field(factory=itertools.count)
+    options: str = ""  # the server's -o options (for `resume`)
 
     @property
     def dsn(self) -> str:
@@ -98,6 +99,30 @@ class PgServer:
             conn.execute(f'CREATE DATABASE "{name}"')
         return f"host=127.0.0.1 port={self.port} user=postgres dbname={name}"
 
+    def halt(self) -> None:
+        """Stop the server at once, as a crash would (connections drop, nothing is flushed);
+        its data directory stays, for `resume`."""
+        self._pg_ctl("stop", "-D", self.data, "-m", "immediate")
+
+    def resume(self) -> None:
+        """Start a halted server again on the same port and data (it recovers on start)."""
+        self._pg_ctl("start", "-D", self.data, "-w", "-t", "60", "-l", self.log, "-o", self.options)
+
+    def _pg_ctl(self, *args: str) -> None:
+        done = subprocess.run(
+            _as_user([os.path.join(self.bindir, "pg_ctl"), *args], self.user),
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=120,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"pg_ctl {args[0]} failed:\n{done.stdout}\n{done.stderr}")
+
+    @property
+    def log(self) -> str:
+        return os.path.join(self.root, "log")
+
     def stop(self) -> None:
         subprocess.run(
             _as_user(
@@ -116,8 +141,11 @@ class PgServer:
         return os.path.join(self.root, "data")
 
 
-def start(bindir: str) -> PgServer:
-    """initdb and start a server in a new temp dir; raise RuntimeError with its log on failure."""
+def start(bindir: str, settings: Sequence[str] = ()) -> PgServer:
+    """initdb and start a server in a new temp dir; raise RuntimeError with its log on failure.
+
+    `settings` are more ``name=value`` server settings, after (and over) the test defaults, e.g.
+    ``["fsync=on", "synchronous_commit=on"]`` for a server whose commits are durable."""
     user: str | None = None
     if os.geteuid() == 0:
         for candidate in ("postgres", "nobody"):
@@ -174,8 +202,10 @@ def start(bindir: str) -> PgServer:
             "-c full_page_writes=off",
             "-c max_connections=200",
             "-c shared_buffers=32MB",
+            *(f"-c {setting}" for setting in settings),
         ]
     )
+    server.options = options
     run(
         os.path.join(bindir, "pg_ctl"),
         "start",

@@ -87,9 +87,22 @@ _SETTLED = frozenset({State.COMPLETED, State.FAILED, State.BLOCKED})
 _BACKOFF = 0.1  # seconds before the first retry of a step; doubles with every retry
 _WRITE_BACKOFF_MAX = 5.0
 _BATCH_SIZE = 1000
-_LEASE_TRUST = 5 / 6  # an engine lets its flows go this far into a lease it could not renew
+_LEASE_MARGIN = 0.1  # of the lease: an engine lets its flows go this long before it lapses
+_PRUNE_EVERY = 100  # scans between two prunings of the engines table
+_PRUNE_AFTER = 100  # leases: an engine gone that long and holding no flow is forgotten
 _SCAN_LIMIT = 1000  # orphans taken over per scan, at most
 _POLL_MAX = 1.0  # `wait` on a fleet polls the store at most this far apart
+_GUARD = 1 / 4  # of the lease: how long a fleet engine's transaction may sit idle (locks held)
+_GUARD_MIN = 0.5
+
+
+_ROLLBACK_RETRIES = 3
+
+
+def _rolled_back(exc: BaseException) -> bool:
+    """Did the database roll the transaction back on its own (SQLSTATE class 40: a deadlock, a
+    serialization failure)? Then nothing of it was written, and running it again is safe."""
+    return str(getattr(exc, "sqlstate", None) or "").startswith("40")
 
 
 def _backoff(failures: int) -> float:
@@ -233,10 +246,18 @@ class Engine:
         self._scan_interval = lease / 3 if scan_interval is None else scan_interval
         self._t0_wall = wall_clock()
         self._t0_trio = trio.current_time()
-        # The fleet: until when (trio's clock) this engine may trust its leases, and which
-        # (flow, revision) deadlines its timer heap holds (so a scan does not arm one twice).
-        self._lease_ok_until = self._t0_trio + lease * _LEASE_TRUST
+        # The fleet: how long before a lease lapses this engine lets the flow go (for clock
+        # skew between hosts), and which (flow, revision) deadlines its timer heap holds (so
+        # that a scan does not arm one twice).
+        self._margin = lease * _LEASE_MARGIN
+        self._lease_until = -math.inf  # this engine's own lease (wall clock), renewed
+        self._released: set[str] = set()  # flows let go, to release with the next renewal
+        self._strays: dict[str, int] = {}  # flows held but not run, seen at the last check
         self._armed: dict[str, int] = {}
+        # How long the database lets one of this engine's transactions sit idle with its locks
+        # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
+        # longer than this.
+        self._guard = max(_GUARD_MIN, lease * _GUARD) if fleet else None
         self._live: dict[str, _Live] = {}
         self._watches: dict[str, _Watch] = {}
         self._sched: stm.TVar[_Sched] = stm.TVar(_Sched())
@@ -280,17 +301,16 @@ class Engine:
             raise result.error
         return result
 
-    def _leasing(self, apply: _store.Apply, now: float, *, outside: bool) -> _store.Apply:
-        """`apply`, with the lease its write leaves (`_machine.leased`): a flow left active is
-        this engine's until ``now + lease`` (an operator's engine leaves it to whoever claims
-        it); an `outside` request (wake, cancel, resume, timeout) on a flow another engine of
-        the fleet holds leaves it with that engine."""
+    def _leasing(self, apply: _store.Apply, *, outside: bool) -> _store.Apply:
+        """`apply`, with who holds the flow after its write (`_machine.leased`): a flow left
+        active is this engine's (an operator's engine leaves it to whichever engine takes it
+        over); an `outside` request (wake, cancel, resume, timeout) on a flow another engine
+        of the fleet runs leaves it with that engine."""
         owner = self._owner if self._serve else None
-        until = now + self._lease if self._serve else None
         respect = outside and self._fleet
 
         def leased(flow: Flow, box: Mailbox) -> Transition:
-            return m.leased(apply(flow, box), flow, owner, until, now, respect=respect)
+            return m.leased(apply(flow, box), flow, owner, respect=respect)
 
         return leased
 
@@ -310,8 +330,23 @@ class Engine:
         return result
 
     async def _batch(self, ops: list[_store.Op]) -> list[_store.Result]:
-        """The ferry's batch call: every op in one transaction, then their effects in memory."""
-        results = await self._store.transact(partial(_store.write_batch, ops=ops))
+        """The ferry's batch call: every op in one transaction, then their effects in memory.
+
+        A transaction the database rolled back on its own (a deadlock or a serialization
+        failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times."""
+        tries = 0
+        while True:
+            try:
+                results = await self._store.transact(
+                    partial(_store.write_batch, ops=ops, guard=self._guard)
+                )
+            except Exception as exc:
+                tries += 1
+                if tries > _ROLLBACK_RETRIES or not _rolled_back(exc):
+                    raise
+                await trio.sleep(0.01 * tries)
+                continue
+            break
         self._stats["write_batches"] += 1
         for op, result in zip(ops, results, strict=True):
             self._applied(op, result)
@@ -332,17 +367,23 @@ class Engine:
             self._stats["conflicts"] += 1
 
     def _track(self, before: State | None, flow: Flow, own: bool, *, write: bool = True) -> None:
-        """A committed row of `flow` (by this engine's write, or read back): follow it."""
+        """A committed row of `flow` (by this engine's write, or read back): follow it. Only
+        this engine's writes count in its `completed`/`failed`/`blocked` statistics."""
         stats = self._stats
         if write:
             stats["writes"] += 1
         fid = flow.flow_id
         state = flow.state
+        live = self._live.get(fid)
+        if live is not None and flow.revision <= live.flow.revision:
+            return  # already known (a read that raced this engine's own write)
         if state is not before:
             if before is _PARKED:
                 self._parked -= 1
             if state is _PARKED:
                 self._parked += 1
+            elif not write:
+                pass
             elif state is State.COMPLETED:
                 stats["completed"] += 1
             elif state is State.FAILED:
@@ -352,10 +393,7 @@ class Engine:
         watch = self._watches.get(fid)
         if watch is not None:
             stm.atomically_nowait(watch.tvar.set, flow)
-        live = self._live.get(fid)
         if live is not None:
-            if flow.revision <= live.flow.revision:
-                return
             live.flow = flow
             if not own and live.scope is not None:
                 live.scope.cancel()  # someone else moved the flow: its running step is void
@@ -383,7 +421,7 @@ class Engine:
         flow = live.flow
         delay = _BACKOFF
         while True:
-            leased = self._leasing(apply, self._now(), outside=False)  # a fresh lease each try
+            leased = self._leasing(apply, outside=False)
             op = _store.Change(flow.flow_id, leased, flow=flow, head=head, fenced=self._fencing)
             try:
                 result = await self._write(op)
@@ -489,12 +527,10 @@ class Engine:
         be retried, the backoff after it). None if the flow was moved by someone else meanwhile
         (a cancel): the attempt is void and its changes are discarded."""
         flow = live.flow
-        if self._fleet and trio.current_time() >= self._lease_ok_until:
-            # This engine could not renew its leases in time: another engine may hold the flow
+        if self._fleet and self._lapsing():
+            # This engine could not renew the lease in time: another engine may hold the flow
             # by now. Let it go rather than run a step on the strength of a stale lease.
-            if self._live.get(flow.flow_id) is live:
-                del self._live[flow.flow_id]
-                self._stats["lost"] += 1
+            self._let_go(live, release=True)
             await trio.lowlevel.checkpoint()
             return None
         ctx = self._context(flow, step.name, flow.state is _COMPENSATING)
@@ -641,7 +677,7 @@ class Engine:
 
         # The machine ignores it unless the flow is still parked at `revision`: across a fleet,
         # every engine that armed this deadline fires it, and exactly one of them takes it.
-        op = _store.Change(flow_id, self._leasing(apply, now, outside=True))
+        op = _store.Change(flow_id, self._leasing(apply, outside=True))
         delay = _BACKOFF
         while True:
             try:
@@ -668,7 +704,15 @@ class Engine:
         self._parked = (await store.transact(_store.count_states)).get(_PARKED, 0)
         if self._fleet:
             owner = self._owner
-            mine = await store.transact(partial(_store.load_active, owner=owner))
+            now = self._now()
+            until = now + self._lease
+            await store.transact(partial(_store.heartbeat, owner=owner, until=until, now=now))
+            self._lease_until = until
+            held = await store.transact(partial(_store.load_active, owner=owner))
+            mine = [f for f in held if (f.plan, f.version) in self._shapes]
+            others = [f.flow_id for f in held if (f.plan, f.version) not in self._shapes]
+            if others:  # a version this engine lacks: leave those to an engine that has it
+                await store.transact(partial(_store.release, owner=owner, flow_ids=others, at=now))
             self._stats["recovered"] = await self._resume_active(mine)
             with contextlib.suppress(Exception):  # the scan loop tries again
                 await self._scan()
@@ -689,7 +733,7 @@ class Engine:
                 apply = _on_row(m.next_attempt, now)
             else:
                 apply = _on_row(m.block, reason, now)
-            leased = self._leasing(apply, now, outside=False)
+            leased = self._leasing(apply, outside=False)
             ops.append(_store.Change(flow.flow_id, leased, flow=flow, fenced=self._fencing))
         results = await _gather([partial(self._write, op) for op in ops])
         return sum(
@@ -702,23 +746,23 @@ class Engine:
 
     async def _scan(self) -> None:
         """One scan of a fleet engine (at open, then every `scan_interval`): take over orphans
-        (active flows of this engine's plan versions whose lease lapsed), as many as it has room
-        for, each by a compare-and-set on its revision and on the lease still being lapsed; and
-        arm the timers of parked flows whose deadline comes before the next scan but one (parked
-        by any engine: exactly one engine's timeout takes each). Raises on a database error."""
+        (active flows of this engine's plan versions that no engine holds), as many as it has
+        room for, each by a compare-and-set on its revision and on its still being nobody's;
+        and arm the timers of parked flows whose deadline comes before the next scan but one
+        (parked by any engine: exactly one engine's timeout takes each). An engine whose own
+        lease is lapsing takes nothing. Raises on a database error."""
         now = self._now()
         room = min(self._max_running - len(self._live), _SCAN_LIMIT)
-        if room > 0 and self._shapes:
+        if room > 0 and self._shapes and not self._lapsing():
             keys = list(self._shapes)
             orphans = await self._store.transact(
                 partial(_store.load_orphans, now=now, limit=room, plans=keys)
             )
-            until = now + self._lease
             ops: list[_store.Op] = []
             for flow in orphans:
                 if flow.flow_id in self._live:
-                    continue  # ours, its renewal late: the renewal loop sees to it
-                apply = _on_row(m.take_over, self._owner, until, now)
+                    continue  # let go a moment ago and not yet forgotten
+                apply = _on_row(m.take_over, self._owner, now)
                 op = _store.Change(
                     flow.flow_id, apply, flow=flow, lapsed_at=now, fenced=self._fencing
                 )
@@ -731,76 +775,115 @@ class Engine:
             self._arm(deadline, fid, revision)
 
     async def _scan_loop(self) -> None:
+        scans = 0
         while True:
             await trio.sleep(self._scan_interval)
             with contextlib.suppress(Exception):  # a database outage: the next scan tries again
                 await self._scan()
+                scans += 1
+                if scans % _PRUNE_EVERY == 0:  # engines long gone that hold nothing
+                    before = self._now() - _PRUNE_AFTER * self._lease
+                    await self._store.transact(partial(_store.prune_engines, before=before))
 
-    async def _renew_loop(self) -> None:
-        """Renew the leases of the flows this engine runs, every ``lease / 3``, in one statement;
-        re-read the flows whose row moved on without it (a cancel through another engine) or
-        that it no longer holds. If it cannot renew in time (the database is down, or the
-        process was frozen), it lets every flow go before another engine may take them."""
+    async def _heartbeat_loop(self) -> None:
+        """Renew this engine's lease every ``lease / 3`` (one row: `_store.heartbeat`), then
+        check the flows the store says it holds against those it runs (`_check_held`). If the
+        lease is about to lapse before a renewal got through (the database is down or slow, or
+        the process was frozen), let every flow go: another engine may take them over from
+        then on."""
         while True:
             await trio.sleep(self._lease / 3)
-            started = trio.current_time()
-            ids = list(self._live)
-            if not ids:
-                self._lease_ok_until = started + self._lease * _LEASE_TRUST
-                continue
-            renewed: list[tuple[str, int]] | None = None
-            with trio.move_on_at(self._lease_ok_until):
-                with contextlib.suppress(Exception):
-                    renewed = await self._store.transact(
-                        partial(
-                            _store.renew,
-                            owner=self._owner,
-                            flow_ids=ids,
-                            until=self._now() + self._lease,
-                        )
-                    )
-            if renewed is None:
-                if trio.current_time() >= self._lease_ok_until:
-                    self._let_go_all()
-                continue
-            self._stats["renewals"] += 1
-            self._lease_ok_until = started + self._lease * _LEASE_TRUST
-            got = dict(renewed)
-            moved = [
-                fid
-                for fid in ids
-                if (live := self._live.get(fid)) is not None
-                and got.get(fid, math.inf) > live.flow.revision
-            ]
-            if moved:
-                with contextlib.suppress(Exception):  # the next renewal tries again
-                    rows = await self._store.transact(partial(_store.load_many, flow_ids=moved))
-                    for row in rows:
-                        live = self._live.get(row.flow_id)
-                        if live is not None:
-                            self._track(live.flow.state, row, False, write=False)
+            await self._heartbeat()
+            with contextlib.suppress(Exception):  # the next round tries again
+                await self._check_held()
 
-    def _let_go_all(self) -> None:
-        """This engine's leases may have lapsed: stop every step and compensation it runs and
-        forget the flows (their changes are discarded); whoever takes them over runs them."""
-        # Flows leased from now on have their whole lease ahead of them.
-        self._lease_ok_until = trio.current_time() + self._lease * _LEASE_TRUST
-        for live in list(self._live.values()):
-            del self._live[live.flow.flow_id]
+    async def _heartbeat(self) -> None:
+        """One renewal of this engine's lease, given up at the margin before it lapses. The
+        flows it let go meanwhile are released in the same transaction: the moment its lease
+        runs again, they are orphans for any engine to take, not stranded under its name."""
+        now = self._now()
+        until = now + self._lease
+        deadline = self._trio_time(max(self._lease_until - self._margin, now + self._lease / 3))
+        released = list(self._released)
+        with trio.move_on_at(deadline), contextlib.suppress(Exception):
+            await self._store.transact(
+                partial(
+                    _store.renew,
+                    owner=self._owner,
+                    until=until,
+                    now=now,
+                    let_go=released,
+                )
+            )
+            self._lease_until = until
+            self._stats["renewals"] += 1
+            self._released.difference_update(released)
+            return
+        if self._lapsing():
+            for live in list(self._live.values()):
+                self._let_go(live, release=True)
+            # Until a renewal gets through it runs nothing: what it starts or accepts is let go
+            # at once (`_attempt`), an orphan for the others to take over.
+            self._lease_until = min(self._lease_until, self._now())
+
+    async def _check_held(self) -> None:
+        """Compare the active flows the store says this engine holds with those it runs: follow
+        a flow whose row moved on without it (a cancel through another engine) or that it no
+        longer holds; adopt (attempt + 1) one it holds but does not run, seen so twice in a row
+        (a takeover whose answer was lost with its connection: it must not stay stranded)."""
+        ids = set(self._live)
+        rows = await self._store.transact(partial(_store.load_active, owner=self._owner))
+        strays: dict[str, int] = {}
+        adopt: list[Flow] = []
+        for row in rows:
+            fid = row.flow_id
+            if row.lease_until is not None or fid in self._released:
+                continue  # let go: any engine may take it
+            live = self._live.get(fid)
+            if live is None:
+                if self._strays.get(fid) == row.revision:
+                    adopt.append(row)
+                else:
+                    strays[fid] = row.revision
+                continue
+            ids.discard(fid)
+            if row.revision > live.flow.revision:
+                self._track(live.flow.state, row, False, write=False)
+        self._strays = strays
+        gone = [fid for fid in ids if fid in self._live]
+        if gone:
+            for row in await self._store.transact(partial(_store.load_many, flow_ids=gone)):
+                live = self._live.get(row.flow_id)
+                if live is not None:
+                    self._track(live.flow.state, row, False, write=False)
+        if adopt and not self._lapsing():
+            self._stats["claimed"] += await self._resume_active(adopt)
+
+    def _lapsing(self) -> bool:
+        """Is this engine's lease about to lapse (within the margin)?"""
+        return self._now() >= self._lease_until - self._margin
+
+    def _let_go(self, live: _Live, *, release: bool = False) -> None:
+        """Stop the flow's step or compensation (its changes are discarded) and forget it:
+        whoever takes it over runs it. With `release` (this engine's lease is lapsing: the
+        store may still name it), the next renewal releases the flow in the store."""
+        fid = live.flow.flow_id
+        if self._live.get(fid) is live:
+            del self._live[fid]
             self._stats["lost"] += 1
-            if live.scope is not None:
-                live.scope.cancel()
+            if release:
+                self._released.add(fid)
+        if live.scope is not None:
+            live.scope.cancel()
 
     async def _release(self) -> None:
-        """At close, in a fleet: end the leases of the flows this engine ran (their steps are
-        cancelled by then), so that another engine takes them over at its next scan instead of
-        after the lease. Best effort: a database error leaves them to lapse."""
-        ids = list(self._live)
-        if not ids:
-            return
+        """At close, in a fleet: end this engine's lease (its steps are cancelled by then), so
+        that other engines take its flows over at their next scan instead of after the lease.
+        Best effort: a database error leaves them to lapse."""
+        now = self._now()
         with contextlib.suppress(Exception):
             await self._store.transact(
-                partial(_store.renew, owner=self._owner, flow_ids=ids, until=None)
+                partial(_store.heartbeat, owner=self._owner, until=now, now=now)
             )
 
     # ----------------------------------------------------------------------------- the calls
@@ -844,10 +927,8 @@ class Engine:
         fid = uuid.uuid4().hex if flow_id is None else _check_flow_id(flow_id)
         text = _json_object_text({} if data is None else data, "data")
         now = self._now()
-        owner, until = (self._owner, now + self._lease) if self._serve else (None, None)
-        result = await self._request(
-            _store.Create(m.start(shape, fid, text, now, owner=owner, lease_until=until))
-        )
+        owner = self._owner if self._serve else None
+        result = await self._request(_store.Create(m.start(shape, fid, text, now, owner=owner)))
         if isinstance(result, _store.Existing) and not result.same:
             raise IdReused(
                 f"flow id {fid!r} is already used by a flow of plan {result.flow.plan!r} with"
@@ -877,7 +958,7 @@ class Engine:
         def apply(f: Flow, box: Mailbox) -> Transition:
             return m.wake(f, box, message, shapes.get((f.plan, f.version)), now)
 
-        op = _store.Change(fid, self._leasing(apply, now, outside=True), message_id=message_id)
+        op = _store.Change(fid, self._leasing(apply, outside=True), message_id=message_id)
         result = await self._request(op)
         if isinstance(result, _store.Changed):
             assert result.transition.delivery is not None
@@ -1035,7 +1116,7 @@ class Engine:
         def apply(f: Flow, _b: Mailbox) -> Transition:
             return m.cancel(f, shapes.get((f.plan, f.version)), reason, now)
 
-        result = await self._request(_store.Change(fid, self._leasing(apply, now, outside=True)))
+        result = await self._request(_store.Change(fid, self._leasing(apply, outside=True)))
         return isinstance(result, _store.Changed) and result.transition.done
 
     async def resume(self, flow_id: str) -> bool:
@@ -1050,7 +1131,7 @@ class Engine:
         def apply(f: Flow, box: Mailbox) -> Transition:
             return m.resume(f, box, shapes.get((f.plan, f.version)), now)
 
-        op = _store.Change(fid, self._leasing(apply, now, outside=True), head=True)
+        op = _store.Change(fid, self._leasing(apply, outside=True), head=True)
         result = await self._request(op)
         return isinstance(result, _store.Changed) and result.transition.done
 
@@ -1249,7 +1330,9 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
         ferry_cm = open_ferry(
             engine._batch,
             max_batch_size=_BATCH_SIZE,
-            max_in_flight_batches=1 if engine._store.dialect == "sqlite" else 4,
+            # PostgreSQL: three batches in flight leave one connection of a default store's
+            # four for lease renewals, scans and reads, which must not queue behind batches.
+            max_in_flight_batches=1 if engine._store.dialect == "sqlite" else 3,
             max_queueing=1 << 40,
         )
     else:
@@ -1264,7 +1347,7 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                     if engine._serve:
                         nursery.start_soon(engine._timer_loop)
                     if engine._serve and engine._fleet:
-                        nursery.start_soon(engine._renew_loop)
+                        nursery.start_soon(engine._heartbeat_loop)
                         nursery.start_soon(engine._scan_loop)
                     yield engine
                 except BaseException as exc:

@@ -41,12 +41,14 @@ States and transitions (who asks for each)
     any --wake--> DUPLICATE (seen id; before anything else), STALE (terminal), QUEUED (running,
                   compensating, blocked: the message is kept, the row does not change)
 
-Leases (the fleet, SPEC 5.4): an active flow is run by the engine named in `owner` until
-`lease_until` (wall-clock seconds), which that engine renews without a new revision. `leased` is
-the one rule for what lease a write leaves (the writer's, an operator's none, or the running
-engine's kept); `take_over` is how an engine takes an active flow whose lease `lapsed` (a
-compare-and-set on the revision and on the lease still being lapsed, attempt + 1 if someone may
-have run the step). Non-active flows hold no lease.
+Leases (the fleet, SPEC 5.4): an active flow is run by the engine named in `owner`, for as long
+as that engine's own lease runs (one row per engine, renewed by the engine: no flow row is
+written to renew it). `lease_until` is None while the owner holds the flow, and the time it let
+it go once it has (then any engine may take it over). `leased` is the one rule for who holds a
+flow after a write (the writer, nobody after an operator's write, or the engine that runs it
+kept); `take_over` is how an engine takes an active flow that its owner no longer holds (a
+compare-and-set on the revision and on the owner's lease having lapsed, checked by the store;
+attempt + 1 if someone may have run the step). Non-active flows are nobody's.
 
 `step_done`, `step_failed`, `next_attempt`, `compensated` and `compensation_failed` are asked by
 the one task that runs the flow and raise `InvalidTransition` in a state where they cannot
@@ -109,7 +111,6 @@ __all__ = [
     "claim",
     "compensated",
     "compensation_failed",
-    "lapsed",
     "leased",
     "mismatch",
     "next_action",
@@ -725,51 +726,38 @@ def claim(flow: Flow, owner: str, lease_until: float | None, now: float) -> Tran
 # ------------------------------------------------------------------------- leases (the fleet)
 
 
-def lapsed(flow: Flow, now: float) -> bool:
-    """True if no engine holds a lease on the flow at `now` (never leased, or the lease ran
-    out): an active flow in that state is an orphan that any engine may take over. No cost."""
-    return flow.lease_until is None or flow.lease_until < now
-
-
-def take_over(flow: Flow, owner: str, lease_until: float, now: float) -> Transition:
-    """`owner` takes over an active flow that no engine holds (`lapsed`): a write (revision + 1,
-    no event), to be made as a compare-and-set on the revision the taker read *and* on the lease
-    still being lapsed (an owner's renewal does not change the revision).
+def take_over(flow: Flow, owner: str, now: float) -> Transition:
+    """`owner` takes over an active flow that no engine holds: a write (revision + 1, no event),
+    to be made as a compare-and-set on the revision the taker read *and* on the flow still
+    being nobody's (its owner's lease lapsed, or it let the flow go, or it never had one):
+    the store checks that, since an owner's renewal writes no flow row.
 
     Its step or compensation runs again: attempt + 1 if the flow had an owner, who may have run
     it (as recovery after a crash); the same attempt if it had none (an operator made it
-    runnable: nobody ran it yet). Raises `InvalidTransition` unless the flow is active and
-    lapsed."""
-    _require(flow.state in ACTIVE and lapsed(flow, now), flow, "take_over")
+    runnable: nobody ran it yet). Raises `InvalidTransition` unless the flow is active."""
+    _require(flow.state in ACTIVE, flow, "take_over")
     attempt = flow.attempt + 1 if flow.owner is not None else flow.attempt
-    new = _bump(flow, now, owner=owner, lease_until=lease_until, attempt=attempt)
+    new = _bump(flow, now, owner=owner, lease_until=None, attempt=attempt)
     return Transition(new, EMPTY_MAILBOX, flow.revision)
 
 
-def leased(
-    t: Transition,
-    before: Flow | None,
-    owner: str | None,
-    lease_until: float | None,
-    now: float,
-    *,
-    respect: bool,
-) -> Transition:
-    """The lease a write leaves on the flow: `t` with its row's `owner`/`lease_until` set.
+def leased(t: Transition, before: Flow | None, owner: str | None, *, respect: bool) -> Transition:
+    """Who holds the flow after a write: `t` with its row's `owner`/`lease_until` set.
 
-    - A flow that the write leaves active is leased to `owner` until `lease_until` (the engine
-      that made the write runs it; an operator passes None/None and leaves it to whichever
-      engine claims it) -- except, with `respect`, when `before` was active and leased to
-      another engine at `now`: an outside request (a cancel) on a flow another engine is
-      running leaves it with that engine, whose step must stop before anything else runs (one
-      step at a time, across a fleet too).
-    - A flow that is not active holds no lease (owner and lease None): a parked flow is nobody's.
+    - A flow that the write leaves active is held by `owner` (the engine that made the write
+      runs it; an operator's engine passes None and leaves it to whichever engine takes it
+      over) -- except, with `respect`, when `before` was active and held by another engine: an
+      outside request (a cancel) on a flow another engine runs leaves it with that engine, whose
+      step must stop before anything else runs (one step at a time, across a fleet too). If
+      that engine is gone, the flow is an orphan like its others, and is taken over as one.
+    - A flow that is not active is nobody's (owner and lease None): a parked flow holds nothing.
 
     Unwritten transitions are returned as they are. No cost beyond one `attrs.evolve`.
     """
     if not t.written:
         return t
     flow = t.flow
+    holder = owner
     if flow.state in ACTIVE:
         if (
             respect
@@ -777,15 +765,13 @@ def leased(
             and before.state in ACTIVE
             and before.owner is not None
             and before.owner != owner
-            and not lapsed(before, now)
         ):
-            return t
-        if flow.owner == owner and flow.lease_until == lease_until:
-            return t
-        return attrs.evolve(t, flow=attrs.evolve(flow, owner=owner, lease_until=lease_until))
-    if flow.owner is None and flow.lease_until is None:
+            holder = before.owner
+    else:
+        holder = None
+    if flow.owner == holder and flow.lease_until is None:
         return t
-    return attrs.evolve(t, flow=attrs.evolve(flow, owner=None, lease_until=None))
+    return attrs.evolve(t, flow=attrs.evolve(flow, owner=holder, lease_until=None))
 
 
 # ------------------------------------------------------------------------------------ checking

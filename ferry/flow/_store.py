@@ -175,8 +175,12 @@ def ddl(ns: str, dialect: str) -> list[str]:
         " WHERE state IN ('RUNNING', 'COMPENSATING')",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_deadline ON {ns}_flows (park_deadline)"
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
-        f"CREATE INDEX IF NOT EXISTS {ns}_flows_lease ON {ns}_flows (lease_until)"
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_owner ON {ns}_flows (owner)"
         " WHERE state IN ('RUNNING', 'COMPENSATING')",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_engines (
+            owner TEXT PRIMARY KEY,
+            lease_until DOUBLE PRECISION NOT NULL,
+            started_at DOUBLE PRECISION NOT NULL)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_plans (
             plan TEXT NOT NULL,
             version BIGINT NOT NULL,
@@ -206,12 +210,45 @@ def ddl(ns: str, dialect: str) -> list[str]:
     ]
 
 
+_OBJECT = re.compile(r"IF NOT EXISTS (\w+)")
+
+
 def create_schema(tx: Tx, ns: str = "flow") -> None:
-    """Create the flow tables and indexes if missing (safe to run concurrently)."""
-    if tx.dialect == "postgres":  # concurrent CREATE ... IF NOT EXISTS can race in PostgreSQL
-        tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(f"{ns}_flows".encode()),))
-    for statement in ddl(check_namespace(ns), tx.dialect):
+    """Create the flow tables and indexes if missing (safe to run concurrently).
+
+    On PostgreSQL, objects that exist are found in the catalog and not touched: a ``CREATE
+    INDEX IF NOT EXISTS`` would still take a share lock on its table, and an engine that opens
+    while others write would deadlock with them. Missing ones are made under an advisory lock
+    (concurrent ``CREATE ... IF NOT EXISTS`` can race)."""
+    statements = ddl(check_namespace(ns), tx.dialect)
+    if tx.dialect != "postgres":
+        for statement in statements:
+            tx.execute(statement)
+        return
+
+    def missing() -> list[str]:
+        named = [(_OBJECT.search(st), st) for st in statements]
+        exists = tx.execute(
+            "SELECT " + ", ".join("to_regclass(?) IS NOT NULL" for _ in named),
+            [m.group(1) if m else "" for m, _st in named],
+        )[0]
+        return [st for (_m, st), there in zip(named, exists, strict=True) if not there]
+
+    if not missing():
+        return
+    tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(f"{ns}_flows".encode()),))
+    for statement in missing():
         tx.execute(statement)
+
+
+def _orphan(ns: str, row: str) -> str:
+    """SQL: the active flow `row` is nobody's at the time given twice as parameters: it has no
+    owner, or its owner let it go (``lease_until`` earlier), or its owner's engine lease (in
+    ``ns_engines``) lapsed or is unknown."""
+    return (
+        f"({row}.owner IS NULL OR {row}.lease_until < ? OR NOT EXISTS (SELECT 1 FROM"
+        f" {ns}_engines e WHERE e.owner = {row}.owner AND e.lease_until >= ?))"
+    )
 
 
 @attrs.frozen
@@ -222,7 +259,7 @@ class _Sql:
     existing: str
     update: str
     update_owned: str
-    update_lapsed: str
+    update_orphan: str
     update_blind: str
     hold_blind: str
     select: str
@@ -267,8 +304,8 @@ class _Sql:
             " RETURNING revision",
             update_owned=f"UPDATE {flows} SET {sets} WHERE flow_id = ? AND revision = ?"
             " AND owner = ? RETURNING revision",
-            update_lapsed=f"UPDATE {flows} SET {sets} WHERE flow_id = ? AND revision = ?"
-            " AND (lease_until IS NULL OR lease_until < ?) RETURNING revision",
+            update_orphan=f"UPDATE {flows} SET {sets} WHERE flow_id = ? AND revision = ?"
+            f" AND {_orphan(ns, flows)} RETURNING revision",
             update_blind=f"UPDATE {flows} SET {blind_sets} WHERE flow_id = ? RETURNING revision",
             hold_blind=hold_blind,
             select=f"SELECT {cols} FROM {flows} WHERE flow_id = ?",
@@ -312,9 +349,9 @@ class Change:
     - `message_id`: look it up in the mailbox (the mailbox passed to `apply` has it in ``seen``
       if it is known). `head`: pass the first queued message (a park or a resume needs it).
     - `owner`: the write also requires this owner (None: any).
-    - `lapsed_at` (with `flow`): the write also requires that no lease holds the row at this time
-      (``lease_until`` NULL or earlier): a takeover (`_machine.take_over`), which must lose to
-      the owner's renewal as much as to another writer.
+    - `lapsed_at` (with `flow`): the write also requires that no engine holds the flow at this
+      time (`_orphan`): a takeover (`_machine.take_over`), which must lose to the owner's
+      renewal of its engine lease as much as to another writer.
     - `fenced=False` is for tests only: a write from `flow` that does not compare-and-set (the
       row is overwritten whatever its revision, which becomes the stored one + 1), to show that
       the fleet's oracle catches an engine without fencing.
@@ -425,7 +462,9 @@ class _Batch:
         values = _mutable_values(t.flow)
         fid = t.flow.flow_id
         if lapsed_at is not None:
-            rows = self.tx.execute(self.sql.update_lapsed, (*values, fid, t.expected, lapsed_at))
+            rows = self.tx.execute(
+                self.sql.update_orphan, (*values, fid, t.expected, lapsed_at, lapsed_at)
+            )
         elif owner is None:
             rows = self.tx.execute(self.sql.update, (*values, fid, t.expected))
         else:
@@ -523,29 +562,59 @@ class _Batch:
         return Changed(t, flow)
 
 
+# History rows go in as one multi-row INSERT per 500 (not `executemany`: psycopg pipelines
+# that, and a client frozen mid-pipeline holds its locks beyond any idle-in-transaction timeout,
+# which only starts once the server has answered a whole request).
+_HISTORY_CHUNK = 500
+_HISTORY_ROW = "(?, ?, ?, ?, ?, ?, ?, ?)"
+
+
+@functools.lru_cache(maxsize=_HISTORY_CHUNK)
+def _more_rows(n: int) -> str:
+    """The VALUES tail of a history insert of `n` rows (its first row is in `_Sql.history`)."""
+    return ", " + ", ".join([_HISTORY_ROW] * (n - 1)) if n > 1 else ""
+
+
 def _flow_id(op: Op) -> str:
     return op.flow_id if isinstance(op, Change) else op.transition.flow.flow_id
 
 
-def write_batch(tx: Tx, ops: Sequence[Op], *, ns: str = "flow") -> list[Result]:
-    """Apply `ops` in this transaction; one result per op, in the order of `ops`.
+def guard_locks(tx: Tx, seconds: float | None) -> None:
+    """On PostgreSQL, have the server end this transaction (and its session) if its client
+    goes quiet inside it for `seconds`: a process frozen mid-transaction (SIGSTOP, a long pause)
+    must not hold row locks that stall every other engine of a fleet for as long as it sleeps.
+    Its locks go at once; its writes roll back; it finds its connection closed when it wakes.
+    One statement; nothing on SQLite (one engine per file) or with None."""
+    if seconds is not None and tx.dialect == "postgres":
+        ms = max(1, int(seconds * 1000))
+        tx.execute(f"SET LOCAL idle_in_transaction_session_timeout = {ms}")
+
+
+def write_batch(
+    tx: Tx, ops: Sequence[Op], *, ns: str = "flow", guard: float | None = None
+) -> list[Result]:
+    """Apply `ops` in this transaction; one result per op, in the order of `ops`. `guard`: see
+    `guard_locks`.
 
     Ops run in flow id order (the ops of one flow in the order given), so that concurrent
     batches take row locks in one global order and cannot deadlock on PostgreSQL. Each op's
     compare-and-set is checked on its own: an op that finds another revision gets `Conflict`
     (or `Missing`) and writes nothing, and the others are applied; an op whose transition raises
     gets `Refused`. Raises only on a database error (the caller's transaction then rolls back,
-    and every op fails with it). Cost: a few statements per op plus one ``executemany`` for all
+    and every op fails with it). Cost: a few statements per op plus one multi-row insert for all
     history rows, and a sort of the batch.
     """
+    guard_locks(tx, guard)
     batch = _Batch(tx, _Sql.of(ns, tx.dialect))
     results: list[Result | None] = [None] * len(ops)
     order = sorted(range(len(ops)), key=lambda i: _flow_id(ops[i]))
     for i in order:
         op = ops[i]
         results[i] = batch.change(op) if isinstance(op, Change) else batch.create(op)
-    if batch.history:
-        tx.executemany(batch.sql.history, batch.history)
+    rows = batch.history
+    for i in range(0, len(rows), _HISTORY_CHUNK):
+        chunk = rows[i : i + _HISTORY_CHUNK]
+        tx.execute(batch.sql.history + _more_rows(len(chunk)), [v for r in chunk for v in r])
     return results  # type: ignore[return-value]  # every slot is filled
 
 
@@ -632,60 +701,100 @@ def load_orphans(
     limit: int = 1000,
     plans: Sequence[tuple[str, int]] | None = None,
 ) -> list[Flow]:
-    """At most `limit` active flows that no engine holds at `now` (never leased, or the lease
-    ran out), of the given (plan, version)s if `plans` is given, those whose lease ran out
-    first. Uses the lease index."""
-    cols = ", ".join(_FIELDS)
+    """At most `limit` active flows that no engine holds at `now` (`_orphan`), of the given
+    (plan, version)s if `plans` is given, least recently written first. Cost: a pass over the
+    active flows (the partial index), each checked against the small engines table."""
+    cols = ", ".join(f"f.{c}" for c in _FIELDS)
     sql = (
-        f"SELECT {cols} FROM {ns}_flows WHERE state IN ('RUNNING', 'COMPENSATING')"
-        " AND (lease_until IS NULL OR lease_until < ?)"
+        f"SELECT {cols} FROM {ns}_flows f WHERE f.state IN ('RUNNING', 'COMPENSATING')"
+        f" AND {_orphan(ns, 'f')}"
     )
-    params: list[Any] = [now]
+    params: list[Any] = [now, now]
     if plans is not None:
         if not plans:
             return []
-        sql += " AND (" + " OR ".join("(plan = ? AND version = ?)" for _ in plans) + ")"
+        sql += " AND (" + " OR ".join("(f.plan = ? AND f.version = ?)" for _ in plans) + ")"
         for name, version in plans:
             params += [name, version]
-    rows = tx.execute(sql + f" ORDER BY lease_until, flow_id LIMIT {int(limit)}", params)
+    rows = tx.execute(sql + f" ORDER BY f.updated_at, f.flow_id LIMIT {int(limit)}", params)
     return [_to_flow(r) for r in rows]
 
 
-_RENEW_CHUNK = 500
+def heartbeat(tx: Tx, owner: str, until: float, now: float, *, ns: str = "flow") -> None:
+    """Record that engine `owner` holds its flows until `until` (its engine lease; an `until`
+    in the past lets them all go at once). One row per engine, nothing else is written: a
+    renewal costs the same for one flow or a million, and never waits for a flow's row lock."""
+    tx.execute(
+        f"INSERT INTO {ns}_engines (owner, lease_until, started_at) VALUES (?, ?, ?)"
+        " ON CONFLICT (owner) DO UPDATE SET lease_until = excluded.lease_until",
+        (owner, until, now),
+    )
 
 
 def renew(
-    tx: Tx, owner: str, flow_ids: Sequence[str], until: float | None, *, ns: str = "flow"
-) -> list[tuple[str, int]]:
-    """Extend `owner`'s lease on those of `flow_ids` it still holds and that are still active,
-    to `until` (None: end it now, so that any engine may take them over); ``(flow_id,
-    revision)`` of each row changed. No new revision: a renewal never makes another writer's
-    compare-and-set fail. A flow taken over by another engine (or no longer active) is not
-    touched and not returned. Cost: one statement per 500 ids."""
-    renewed: list[tuple[str, int]] = []
-    where = "owner = ? AND state IN ('RUNNING', 'COMPENSATING')"
-    for i in range(0, len(flow_ids), _RENEW_CHUNK):
-        chunk = list(flow_ids[i : i + _RENEW_CHUNK])
-        params: tuple[Any, ...]
-        if tx.dialect == "postgres":
-            ids, params = "flow_id = ANY(?)", (until, chunk, owner)
-        else:
-            ids, params = f"flow_id IN ({', '.join('?' * len(chunk))})", (until, *chunk, owner)
+    tx: Tx,
+    owner: str,
+    until: float,
+    now: float,
+    *,
+    let_go: Sequence[str] = (),
+    ns: str = "flow",
+) -> None:
+    """An engine's renewal: first the flows in `let_go` are released (`release`), then its
+    lease is renewed (`heartbeat`), in this one transaction."""
+    if let_go:
+        release(tx, owner, let_go, now, ns=ns)
+    heartbeat(tx, owner, until, now, ns=ns)
+
+
+_CHUNK = 500
+
+
+def release(tx: Tx, owner: str, flow_ids: Sequence[str], at: float, *, ns: str = "flow") -> int:
+    """`owner` lets those of `flow_ids` it holds go (no new revision): any engine may take them
+    over from `at` on. How many it held."""
+    released = 0
+    ordered = sorted(flow_ids)
+    for i in range(0, len(ordered), _CHUNK):
+        chunk = ordered[i : i + _CHUNK]
+        marks = ", ".join("?" * len(chunk))
         rows = tx.execute(
-            f"UPDATE {ns}_flows SET lease_until = ? WHERE {ids} AND {where}"
-            " RETURNING flow_id, revision",
-            params,
+            f"UPDATE {ns}_flows SET lease_until = ? WHERE flow_id IN ({marks}) AND owner = ?"
+            " AND state IN ('RUNNING', 'COMPENSATING') RETURNING flow_id",
+            (at, *chunk, owner),
         )
-        renewed.extend((r[0], r[1]) for r in rows)
-    return renewed
+        released += len(rows)
+    return released
+
+
+def prune_engines(tx: Tx, before: float, *, ns: str = "flow") -> int:
+    """Forget engines whose lease lapsed before `before` and that hold no active flow; how
+    many."""
+    rows = tx.execute(
+        f"DELETE FROM {ns}_engines WHERE lease_until < ? AND NOT EXISTS (SELECT 1 FROM"
+        f" {ns}_flows f WHERE f.owner = {ns}_engines.owner"
+        " AND f.state IN ('RUNNING', 'COMPENSATING')) RETURNING owner",
+        (before,),
+    )
+    return len(rows)
+
+
+def load_engines(tx: Tx, *, ns: str = "flow") -> list[tuple[str, float, float, int]]:
+    """``(owner, lease_until, started_at, active flows it holds)`` of every known engine."""
+    rows = tx.execute(
+        f"SELECT e.owner, e.lease_until, e.started_at, (SELECT COUNT(*) FROM {ns}_flows f"
+        " WHERE f.owner = e.owner AND f.state IN ('RUNNING', 'COMPENSATING'))"
+        f" FROM {ns}_engines e ORDER BY e.owner"
+    )
+    return [(r[0], r[1], r[2], r[3]) for r in rows]
 
 
 def load_many(tx: Tx, flow_ids: Sequence[str], *, ns: str = "flow") -> list[Flow]:
     """The rows of those of `flow_ids` that exist (in no particular order)."""
     cols = ", ".join(_FIELDS)
     flows: list[Flow] = []
-    for i in range(0, len(flow_ids), _RENEW_CHUNK):
-        chunk = list(flow_ids[i : i + _RENEW_CHUNK])
+    for i in range(0, len(flow_ids), _CHUNK):
+        chunk = list(flow_ids[i : i + _CHUNK])
         if tx.dialect == "postgres":
             rows = tx.execute(f"SELECT {cols} FROM {ns}_flows WHERE flow_id = ANY(?)", (chunk,))
         else:
@@ -741,3 +850,80 @@ def count_states(tx: Tx, *, ns: str = "flow") -> dict[State, int]:
     """How many flows are in each state."""
     rows = tx.execute(f"SELECT state, COUNT(*) FROM {ns}_flows GROUP BY state")
     return {_STATES[r[0]]: r[1] for r in rows}
+
+
+# ------------------------------------------------------------------------ reads for operators
+
+
+def has_tables(tx: Tx, *, ns: str = "flow") -> bool:
+    """Does the store hold the flow tables (has an engine ever opened it)?"""
+    if tx.dialect == "postgres":
+        rows = tx.execute("SELECT to_regclass(?) IS NOT NULL", (f"{ns}_flows",))
+        return bool(rows[0][0])
+    rows = tx.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (f"{ns}_flows",)
+    )
+    return bool(rows)
+
+
+def query_flows(
+    tx: Tx,
+    *,
+    ns: str = "flow",
+    state: State | None = None,
+    plan: str | None = None,
+    limit: int = 50,
+) -> list[Flow]:
+    """Flows (of `state`, of `plan` if given), most recently written first, at most `limit`."""
+    cols = ", ".join(_FIELDS)
+    where, params = [], []
+    if state is not None:
+        where.append("state = ?")
+        params.append(state.value)
+    if plan is not None:
+        where.append("plan = ?")
+        params.append(plan)
+    sql = f"SELECT {cols} FROM {ns}_flows"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += f" ORDER BY updated_at DESC, flow_id LIMIT {int(limit)}"
+    return [_to_flow(r) for r in tx.execute(sql, params)]
+
+
+def count_plans(tx: Tx, *, ns: str = "flow") -> list[tuple[str, int, State, int]]:
+    """``(plan, version, state, flows)`` for every plan version and state that has flows."""
+    rows = tx.execute(
+        f"SELECT plan, version, state, COUNT(*) FROM {ns}_flows"
+        " GROUP BY plan, version, state ORDER BY plan, version, state"
+    )
+    return [(r[0], r[1], _STATES[r[2]], r[3]) for r in rows]
+
+
+def oldest_parked(tx: Tx, *, ns: str = "flow", limit: int = 10) -> list[Flow]:
+    """The parked flows that have waited longest (since their last write), at most `limit`."""
+    cols = ", ".join(_FIELDS)
+    rows = tx.execute(
+        f"SELECT {cols} FROM {ns}_flows WHERE state = 'PARKED'"
+        f" ORDER BY updated_at, flow_id LIMIT {int(limit)}"
+    )
+    return [_to_flow(r) for r in rows]
+
+
+def blocked_reasons(tx: Tx, *, ns: str = "flow", limit: int = 20) -> list[tuple[str, int, str]]:
+    """``(reason, flows, one of them)`` of blocked flows, the most common reason first."""
+    rows = tx.execute(
+        f"SELECT blocked, COUNT(*), MIN(flow_id) FROM {ns}_flows WHERE state = 'BLOCKED'"
+        f" GROUP BY blocked ORDER BY COUNT(*) DESC, blocked LIMIT {int(limit)}"
+    )
+    return [(r[0], r[1], r[2]) for r in rows]
+
+
+def count_orphans(tx: Tx, now: float, *, ns: str = "flow") -> int:
+    """How many active flows no engine holds at `now` (`_orphan`): engines of a fleet take them
+    over at their next scan; on SQLite, the next engine to open the file runs them."""
+    rows = tx.execute(
+        f"SELECT COUNT(*) FROM {ns}_flows f WHERE f.state IN ('RUNNING', 'COMPENSATING')"
+        f" AND {_orphan(ns, 'f')}",
+        (now, now),
+    )
+    return int(rows[0][0])

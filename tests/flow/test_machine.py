@@ -485,3 +485,40 @@ def test_random_walk_keeps_the_invariants(actions) -> None:
     # steps are compensated in reverse order of completion: charge before reserve
     assert compensated == sorted(compensated, key=SHAPE.steps.index, reverse=True)
     assert len(set(compensated)) == len(compensated)
+
+
+# ------------------------------------------------------------------------- leases (the fleet)
+
+
+def test_take_over_reruns_the_step_as_the_next_attempt_if_someone_may_have_run_it() -> None:
+    f = attrs.evolve(run_to(started(), 1), owner="dead", lease_until=None)
+    t = m.take_over(f, "b", T0 + 5)
+    assert t.written and t.events == () and t.expected == f.revision
+    assert (t.flow.owner, t.flow.lease_until, t.flow.attempt) == ("b", None, f.attempt + 1)
+    nobodys = attrs.evolve(f, owner=None)  # an operator made it runnable: nobody ran it yet
+    assert m.take_over(nobodys, "b", T0).flow.attempt == f.attempt
+    with pytest.raises(m.InvalidTransition):
+        m.take_over(parked(), "b", T0)
+
+
+def test_leased_gives_the_flow_to_the_writer_keeps_a_runner_and_frees_a_parked_flow() -> None:
+    f = attrs.evolve(run_to(started(), 1), owner="a")
+    step = m.step_done(f, EMPTY_MAILBOX, SHAPE, CONTINUE, f.data, T0)
+    assert m.leased(step, f, "a", respect=False).flow.owner == "a"
+    # a cancel through b of a flow a runs leaves it with a (a's step must stop first) ...
+    cancel = m.cancel(f, SHAPE, "x", T0)
+    assert m.leased(cancel, f, "b", respect=True).flow.owner == "a"
+    # ... one engine per file (respect off) or an operator's engine: the writer's, or nobody's
+    assert m.leased(cancel, f, "b", respect=False).flow.owner == "b"
+    ops = m.leased(m.cancel(f, SHAPE, "x", T0), f, None, respect=True)
+    assert ops.flow.owner == "a"
+    p = attrs.evolve(parked(), owner="a", lease_until=T0)
+    woken = m.wake(p, EMPTY_MAILBOX, Message("m", "1"), SHAPE, T0)
+    assert m.leased(woken, p, "b", respect=True).flow.owner == "b"  # b accepted it: b runs it
+    assert m.leased(woken, p, None, respect=True).flow.owner is None  # an operator's: the fleet's
+    parks = m.step_done(f, EMPTY_MAILBOX, SHAPE, park(60), f.data, T0)
+    left = m.leased(parks, f, "a", respect=False).flow
+    assert (left.state, left.owner, left.lease_until) == (State.PARKED, None, None)
+    assert m.leased(m.block(left, "r", T0), left, "a", respect=False).flow.owner is None
+    queued = m.wake(f, EMPTY_MAILBOX, Message("q", "1"), SHAPE, T0)  # the row does not change
+    assert not queued.written and m.leased(queued, f, "z", respect=False) is queued

@@ -356,74 +356,80 @@ async def test_a_transition_that_raises_is_refused_alone(store: Store) -> None:
 # ---------------------------------------------------------------------------------- the fleet
 
 
-def leased_start(flow_id: str, owner: str | None, until: float | None) -> s.Create:
-    return s.Create(m.start(SHAPE, flow_id, "{}", T0, owner=owner, lease_until=until))
+def owned_start(flow_id: str, owner: str | None) -> s.Create:
+    return s.Create(m.start(SHAPE, flow_id, "{}", T0, owner=owner))
 
 
-async def test_renew_extends_only_the_owners_active_flows_and_writes_no_revision(
-    store: Store,
-) -> None:
+async def heartbeat(store: Store, owner: str, until: float) -> None:
+    await store.transact(partial(s.heartbeat, owner=owner, until=until, now=T0))
+
+
+async def test_orphans_are_the_active_flows_that_no_live_engine_holds(store: Store) -> None:
+    await heartbeat(store, "alive", T0 + 10)
+    await heartbeat(store, "dead", T0 - 1)
     await write(
         store,
-        leased_start("a1", "a", T0 + 10),
-        leased_start("a2", "a", T0 + 10),
-        leased_start("b1", "b", T0 + 10),
+        owned_start("held", "alive"),
+        owned_start("let-go", "alive"),
+        owned_start("dead's", "dead"),
+        owned_start("unknown's", "never-heard-of"),
+        owned_start("nobody's", None),
     )
-    a2 = await load(store, "a2")
-    assert a2 is not None
-    changed((await write(store, step(a2, park(60))))[0])  # parked: a2 is no longer active
-    renewed = await store.transact(
-        partial(s.renew, owner="a", flow_ids=["a1", "a2", "b1", "nope"], until=T0 + 40)
-    )
-    assert renewed == [("a1", 1)]
-    a1, b1 = await load(store, "a1"), await load(store, "b1")
-    assert a1 is not None and a1.lease_until == T0 + 40 and a1.revision == 1
-    assert b1 is not None and b1.lease_until == T0 + 10
-    ids = [f"x{i}" for i in range(1200)]  # more than one statement's worth
-    await write(store, *(leased_start(fid, "a", T0) for fid in ids))
-    renewed = await store.transact(partial(s.renew, owner="a", flow_ids=ids, until=None))
-    assert len(renewed) == 1200
-    rows = await store.transact(partial(s.load_many, flow_ids=[*ids[:3], "nope"]))
-    assert sorted((f.flow_id, f.lease_until) for f in rows) == [(i, None) for i in ids[:3]]
-
-
-async def test_orphans_are_the_active_flows_whose_lease_lapsed(store: Store) -> None:
-    await write(
-        store,
-        leased_start("held", "a", T0 + 10),
-        leased_start("lapsed", "a", T0 - 1),
-        leased_start("nobodys", None, None),
-    )
-    other = m.start(attrs.evolve(SHAPE, version=2), "v2", "{}", T0, owner="a", lease_until=T0)
+    assert await store.transact(partial(s.release, owner="alive", flow_ids=["let-go"], at=T0))
+    assert not await store.transact(partial(s.release, owner="x", flow_ids=["held"], at=T0))
+    other = m.start(attrs.evolve(SHAPE, version=2), "v2", "{}", T0, owner="dead")
     await write(store, s.Create(other))
+    p = await load(store, "held")
+    assert p is not None
+    changed((await write(store, step(p, park(60))))[0])  # parked: not active
     orphans = await store.transact(partial(s.load_orphans, now=T0 + 1))
-    assert sorted(f.flow_id for f in orphans) == ["lapsed", "nobodys", "v2"]
+    assert sorted(f.flow_id for f in orphans) == [
+        "dead's",
+        "let-go",
+        "nobody's",
+        "unknown's",
+        "v2",
+    ]
     mine = await store.transact(partial(s.load_orphans, now=T0 + 1, plans=[("order", 1)]))
-    assert sorted(f.flow_id for f in mine) == ["lapsed", "nobodys"]
+    assert "v2" not in {f.flow_id for f in mine} and len(mine) == 4
     assert await store.transact(partial(s.load_orphans, now=T0 + 1, plans=[])) == []
     assert len(await store.transact(partial(s.load_orphans, now=T0 + 1, limit=1))) == 1
-    owned = await store.transact(partial(s.load_active, owner="a"))
-    assert sorted(f.flow_id for f in owned) == ["held", "lapsed", "v2"]
+    later = await store.transact(partial(s.load_orphans, now=T0 + 11))  # "alive" lapsed too
+    assert len(later) == 5
+    owned = await store.transact(partial(s.load_active, owner="dead"))
+    assert sorted(f.flow_id for f in owned) == ["dead's", "v2"]
+    engines = await store.transact(s.load_engines)
+    assert engines == [("alive", T0 + 10, T0, 1), ("dead", T0 - 1, T0, 2)]
+    assert await store.transact(partial(s.prune_engines, before=T0)) == 0  # dead holds flows
+    await heartbeat(store, "gone", T0 - 5)
+    assert await store.transact(partial(s.prune_engines, before=T0)) == 1
+    ids = [f"x{i}" for i in range(1200)]  # more than one statement's worth
+    await write(store, *(owned_start(fid, "alive") for fid in ids))
+    released = await store.transact(partial(s.release, owner="alive", flow_ids=ids, at=T0))
+    assert released == 1200
+    rows = await store.transact(partial(s.load_many, flow_ids=[*ids[:3], "nope"]))
+    assert sorted((f.flow_id, f.lease_until) for f in rows) == [(i, T0) for i in ids[:3]]
 
 
 async def test_a_takeover_loses_to_a_renewal_and_to_a_write(store: Store) -> None:
-    await write(store, leased_start("f", "a", T0 - 1))
+    await heartbeat(store, "a", T0 - 1)
+    await write(store, owned_start("f", "a"))
     seen = await load(store, "f")
-    assert seen is not None and m.lapsed(seen, T0)
+    assert seen is not None
 
     def take(by: str) -> s.Change:
         def apply(f: Flow, _b: Mailbox) -> Transition:
-            return m.take_over(f, by, T0 + 30, T0)
+            return m.take_over(f, by, T0)
 
         return s.Change("f", apply, flow=seen, lapsed_at=T0)
 
-    await store.transact(partial(s.renew, owner="a", flow_ids=["f"], until=T0 + 30))
-    (r,) = await write(store, take("b"))  # the revision is the same, the lease is not lapsed
+    await heartbeat(store, "a", T0 + 30)  # a renewed its lease meanwhile
+    (r,) = await write(store, take("b"))  # the revision is the same, the flow is not an orphan
     assert r == s.Conflict("f", 1, 1, "a")
-    await store.transact(partial(s.renew, owner="a", flow_ids=["f"], until=T0 - 1))
+    await heartbeat(store, "a", T0 - 1)
     (won,) = await write(store, take("b"))
     f = changed(won).flow
-    assert (f.owner, f.lease_until, f.attempt, f.revision) == ("b", T0 + 30, 2, 2)
+    assert (f.owner, f.lease_until, f.attempt, f.revision) == ("b", None, 2, 2)
     (lost,) = await write(store, take("c"))  # the same read, now stale
     assert isinstance(lost, s.Conflict) and lost.owner == "b"
 

@@ -1,0 +1,522 @@
+"""The flow inspector: ``python -m ferry.flow STORE COMMAND``, for operators.
+
+It looks at the flows of a store (an SQLite file or a PostgreSQL DSN) -- ``list``, ``show``,
+``stats`` -- and acts on one flow -- ``wake``, ``cancel``, ``resume`` -- through the engine API,
+with an operator's engine (``open_engine(store, [], serve=False)``): it needs none of the
+application's plans (it reads the plan shapes that engines recorded in the store), it runs no
+step and holds no lease. What its action makes runnable is left to the engines that serve the
+store: on PostgreSQL the next scan of any of them takes it over; on SQLite, where one engine at a
+time holds the file (an OS-level lock), the operator's engine needs that lock too, so while a
+service engine holds the file the actions are refused with a clear error (make the call through
+that engine's API, or stop it first) and the next engine to open the file runs what the action
+made runnable. The reading commands take no lock and work while engines run.
+
+Output is a readable table, or JSON with ``--json``. Errors are one line on stderr: exit status
+2 for bad arguments, 1 for everything else that went wrong (an unknown flow, an action that did
+not apply, an unreachable store).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, NoReturn
+
+import trio
+
+from ferry.projected import PostgresStore, SqliteStore, Store
+
+from . import _machine as m
+from . import _store
+from ._engine import open_engine
+from ._errors import StoreLocked
+from ._machine import Flow
+from ._types import Delivery, Json, State
+
+PROG = "python -m ferry.flow"
+
+
+class Problem(Exception):
+    """What went wrong, in one line for the operator (exit status 1)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line (and a pointer to ``--help``), not a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _state(text: str) -> State:
+    try:
+        return State[text.upper()]
+    except KeyError:
+        names = ", ".join(s.name for s in State)
+        raise argparse.ArgumentTypeError(f"no state {text!r}; one of {names}") from None
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return n
+
+
+def _json_value(text: str) -> Json:
+    try:
+        value: Json = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Look at the flows of a ferry.flow store, and wake, cancel or resume one.",
+        epilog="STORE is an SQLite file, or a PostgreSQL DSN"
+        " ('postgresql://user@host/db' or 'host=... dbname=...').",
+    )
+    p.add_argument("store", metavar="STORE", help="an SQLite file or a PostgreSQL DSN")
+    common = _Parser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    def command(name: str, summary: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], help=summary, description=summary)
+
+    ls = command("list", "List flows, most recently written first.")
+    ls.add_argument("--state", type=_state, help="only flows in this state (e.g. BLOCKED)")
+    ls.add_argument("--plan", help="only flows of this plan (its name)")
+    ls.add_argument("--limit", type=_count, default=50, help="at most this many (default 50)")
+    show = command("show", "One flow: its state, and its history as a table.")
+    show.add_argument("flow_id", metavar="FLOW_ID")
+    stats = command(
+        "stats",
+        "Counts by state and plan, the oldest parked flows, why flows are blocked, the engines.",
+    )
+    stats.add_argument(
+        "--oldest", type=_count, default=10, help="how many parked flows to list (default 10)"
+    )
+    wake = command("wake", "Put a message in a flow's mailbox (Engine.wake).")
+    wake.add_argument("flow_id", metavar="FLOW_ID")
+    wake.add_argument("--payload", type=_json_value, default=None, help="JSON (default null)")
+    wake.add_argument("--message-id", help="deduplicates: a repeat is reported DUPLICATE")
+    cancel = command("cancel", "Stop a running or parked flow; it compensates (Engine.cancel).")
+    cancel.add_argument("flow_id", metavar="FLOW_ID")
+    cancel.add_argument("--reason", default="cancelled by an operator", help="recorded as why")
+    resume = command("resume", "Re-drive a BLOCKED flow (Engine.resume).")
+    resume.add_argument("flow_id", metavar="FLOW_ID")
+    return p
+
+
+# ------------------------------------------------------------------------------------ stores
+
+
+def _is_dsn(spec: str) -> bool:
+    return spec.startswith(("postgres://", "postgresql://")) or (
+        "=" in spec and not os.path.exists(spec)
+    )
+
+
+def open_store(spec: str) -> Store:
+    """The store `spec` names (nothing is connected yet). Raises `Problem` for a missing file."""
+    if _is_dsn(spec):
+        return PostgresStore(spec, connections=1, connect_timeout=5.0)
+    if not os.path.isfile(spec):
+        raise Problem(
+            f"no such SQLite file: {spec!r} (give the path of an engine's SQLite file, or a"
+            " PostgreSQL DSN)"
+        )
+    return SqliteStore(spec)
+
+
+async def _read(store: Store, spec: str, fn: Callable[[Any], Any]) -> Any:
+    """Run ``fn(tx)`` in one transaction, after checking that the store has flow tables."""
+
+    def both(tx: Any) -> Any:
+        if not _store.has_tables(tx):
+            raise Problem(f"{spec!r} holds no flows (no flow engine has opened it)")
+        return fn(tx)
+
+    return await store.transact(both)
+
+
+# ------------------------------------------------------------------------------------ output
+
+
+def _when(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def _cut(text: str, width: int = 60) -> str:
+    text = text.replace("\n", " ")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table: a header row, a rule, then the rows; columns as wide as needed."""
+    cells = [[str(h) for h in headers], *[["-" if c is None else str(c) for c in r] for r in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _step(f: Flow) -> str:
+    return (
+        "-"
+        if f.step is None and f.state.name in ("COMPLETED", "FAILED")
+        else f"{f.step_index}:{f.step}"
+    )
+
+
+def flow_json(f: Flow) -> dict[str, Json]:
+    snap = m.snapshot(f)
+    return {
+        "flow_id": f.flow_id,
+        "plan": f.plan,
+        "version": f.version,
+        "state": f.state.name,
+        "step": f.step,
+        "step_index": f.step_index,
+        "attempt": f.attempt,
+        "revision": f.revision,
+        "updated_at": f.updated_at,
+        "error": snap.error,
+        "park_deadline": f.park_deadline,
+        "owner": f.owner,
+        "data": snap.data,
+    }
+
+
+def _flow_rows(flows: Sequence[Flow]) -> list[list[object]]:
+    return [
+        [
+            f.flow_id,
+            f"{f.plan}@{f.version}",
+            f.state.name,
+            _step(f),
+            f.revision,
+            _when(f.updated_at),
+            f.owner,
+        ]
+        for f in flows
+    ]
+
+
+_FLOW_HEADERS = ("FLOW", "PLAN", "STATE", "STEP", "REV", "UPDATED", "OWNER")
+
+
+def _print(args: argparse.Namespace, text: str, data: object) -> None:
+    if args.json:
+        print(json.dumps(data, indent=2, ensure_ascii=False))
+    else:
+        print(text)
+
+
+# ---------------------------------------------------------------------------------- commands
+
+
+async def do_list(args: argparse.Namespace, store: Store) -> None:
+    flows = await _read(
+        store,
+        args.store,
+        partial(_store.query_flows, state=args.state, plan=args.plan, limit=args.limit),
+    )
+    text = table(_FLOW_HEADERS, _flow_rows(flows)) if flows else "no flows"
+    _print(args, text, [flow_json(f) for f in flows])
+
+
+async def do_show(args: argparse.Namespace, store: Store) -> None:
+    def read(tx: Any) -> tuple[Flow | None, Any, Any, Any]:
+        f = _store.load(tx, args.flow_id)
+        if f is None:
+            return None, None, None, None
+        events = _store.load_history(tx, args.flow_id) or []
+        box = _store.load_mailbox(tx, args.flow_id)
+        engines = {e[0]: e[1] for e in _store.load_engines(tx)}
+        return f, events, box, engines
+
+    f, events, box, engines = await _read(store, args.store, read)
+    if f is None:
+        raise Problem(f"no flow has id {args.flow_id!r} in {args.store!r}")
+    held = None
+    if f.owner is not None and f.state in m.ACTIVE:
+        until = f.lease_until if f.lease_until is not None else engines.get(f.owner)
+        held = {"owner": f.owner, "until": until, "lapsed": until is None or until < time.time()}
+    data = {
+        "flow": flow_json(f),
+        "held": held,
+        "queued": [
+            {"message_id": q.message_id, "payload": json.loads(q.payload)} for q in box.queued
+        ],
+        "history": [
+            {
+                "revision": e.revision,
+                "at": e.at,
+                "kind": e.kind,
+                "step": e.step,
+                "attempt": e.attempt,
+                "detail": e.detail,
+            }
+            for e in events
+        ],
+    }
+    snap = m.snapshot(f)
+    lines = [
+        f"flow      {f.flow_id}",
+        f"plan      {f.plan} version {f.version}",
+        f"state     {f.state.name}",
+        f"step      {_step(f)} (attempt {f.attempt})",
+        f"revision  {f.revision}, last written {_when(f.updated_at)}",
+    ]
+    if snap.error is not None:
+        lines.append(f"{'blocked' if f.state is State.BLOCKED else 'error':<9} {snap.error}")
+    if f.park_deadline is not None:
+        lines.append(f"deadline  {_when(f.park_deadline)} ({f.on_timeout} on timeout)")
+    if held is not None:
+        status = "lapsed: any engine may take it over" if held["lapsed"] else "held"
+        lines.append(f"engine    {f.owner}, until {_when(held['until'])} ({status})")
+    elif f.state in m.ACTIVE:
+        lines.append("engine    none: the next engine to scan or open the store runs it")
+    if box.queued:
+        lines.append(f"queued    {', '.join(q.message_id for q in box.queued)}")
+    lines.append(f"data      {_cut(json.dumps(snap.data, ensure_ascii=False), 200)}")
+    rows = [
+        [
+            e.revision,
+            _when(e.at),
+            e.kind,
+            e.step,
+            e.attempt,
+            "" if e.detail is None else _cut(json.dumps(e.detail, ensure_ascii=False)),
+        ]
+        for e in events
+    ]
+    lines += ["", table(("REV", "AT", "KIND", "STEP", "ATTEMPT", "DETAIL"), rows)]
+    _print(args, "\n".join(lines), data)
+
+
+async def do_stats(args: argparse.Namespace, store: Store) -> None:
+    now = time.time()
+
+    def read(tx: Any) -> dict[str, Any]:
+        return {
+            "plans": _store.count_plans(tx),
+            "parked": _store.oldest_parked(tx, limit=args.oldest),
+            "blocked": _store.blocked_reasons(tx),
+            "engines": _store.load_engines(tx),
+            "orphans": _store.count_orphans(tx, now),
+            "registered": _store.load_plans(tx),
+        }
+
+    r = await _read(store, args.store, read)
+    by_state = dict.fromkeys((s.name for s in State), 0)
+    by_plan: dict[str, dict[str, int]] = {}
+    for plan, version, state, n in r["plans"]:
+        by_state[state.name] += n
+        by_plan.setdefault(f"{plan}@{version}", dict.fromkeys((s.name for s in State), 0))
+        by_plan[f"{plan}@{version}"][state.name] += n
+    data = {
+        "states": by_state,
+        "plans": by_plan,
+        "orphans": r["orphans"],
+        "oldest_parked": [
+            {
+                "flow_id": f.flow_id,
+                "plan": f.plan,
+                "version": f.version,
+                "step": f.step,
+                "since": f.updated_at,
+                "deadline": f.park_deadline,
+            }
+            for f in r["parked"]
+        ],
+        "blocked": [{"reason": why, "flows": n, "example": fid} for why, n, fid in r["blocked"]],
+        "engines": [
+            {"owner": o, "lease_until": until, "alive": until >= now, "started_at": at, "flows": n}
+            for o, until, at, n in r["engines"]
+        ],
+        "registered_plans": [
+            {"plan": sh.name, "version": sh.version, "steps": list(sh.steps), "at": at}
+            for sh, at in r["registered"]
+        ],
+    }
+    states = [s.name for s in State]
+    parts = [
+        table(("STATE", "FLOWS"), [[s, by_state[s]] for s in states]),
+        f"\nrunning flows no engine holds (orphans): {r['orphans']}",
+    ]
+    if by_plan:
+        rows = [[p, *(counts[s] for s in states)] for p, counts in by_plan.items()]
+        parts.append("\n" + table(("PLAN", *states), rows))
+    if r["parked"]:
+        rows = [
+            [
+                f.flow_id,
+                f"{f.plan}@{f.version}",
+                f.step,
+                _when(f.updated_at),
+                _when(f.park_deadline),
+            ]
+            for f in r["parked"]
+        ]
+        parts.append(
+            "\noldest parked\n" + table(("FLOW", "PLAN", "STEP", "SINCE", "DEADLINE"), rows)
+        )
+    if r["blocked"]:
+        rows = [[n, fid, _cut(why, 80)] for why, n, fid in r["blocked"]]
+        parts.append("\nblocked, by reason\n" + table(("FLOWS", "E.G.", "REASON"), rows))
+    if r["engines"]:
+        rows = [
+            [o, "alive" if until >= now else "gone", _when(until), n]
+            for o, until, _at, n in r["engines"]
+        ]
+        parts.append("\nengines\n" + table(("ENGINE", "LEASE", "UNTIL", "FLOWS"), rows))
+    _print(args, "\n".join(parts), data)
+
+
+async def _act(
+    args: argparse.Namespace, store: Store, call: Callable[[Any], Any]
+) -> tuple[Any, Flow | None]:
+    """Run ``call(engine)`` with an operator's engine; its result, and the flow's row after."""
+    await _read(store, args.store, lambda tx: None)  # a store without flows: say so
+    try:
+        async with open_engine(store, [], serve=False) as engine:
+            result = await call(engine)
+            after = await store.transact(partial(_store.load, flow_id=args.flow_id))
+    except StoreLocked:
+        raise Problem(
+            f"a flow engine is serving {args.store!r} right now: on SQLite one engine holds the"
+            " file, so make the call through that engine's API (Engine.wake/cancel/resume) or"
+            " stop it first (list, show and stats work meanwhile)"
+        ) from None
+    return result, after
+
+
+def _runs_next(args: argparse.Namespace) -> str:
+    if _is_dsn(args.store):
+        return "the next scan of an engine serving the store runs it"
+    return "the next engine to open the file runs it"
+
+
+async def do_wake(args: argparse.Namespace, store: Store) -> None:
+    delivery, after = await _act(
+        args,
+        store,
+        lambda e: e.wake(args.flow_id, args.payload, message_id=args.message_id),
+    )
+    if delivery is Delivery.UNKNOWN:
+        raise Problem(f"no flow has id {args.flow_id!r} in {args.store!r}")
+    notes = {
+        Delivery.RESUMED: f"it was parked and runs its next step: {_runs_next(args)}",
+        Delivery.QUEUED: "kept in its mailbox: its next park takes it",
+        Delivery.DUPLICATE: "this message id was delivered before: nothing changed",
+        Delivery.STALE: "the flow has ended: nothing changed",
+    }
+    if after is not None and after.state is State.BLOCKED:
+        notes[Delivery.QUEUED] = "kept in its mailbox: the flow is BLOCKED (resume it)"
+    _print(
+        args,
+        f"{delivery.name}: {notes[delivery]}",
+        {
+            "flow_id": args.flow_id,
+            "delivery": delivery.name,
+            "state": None if after is None else after.state.name,
+        },
+    )
+
+
+async def do_cancel(args: argparse.Namespace, store: Store) -> None:
+    done, after = await _act(args, store, lambda e: e.cancel(args.flow_id, args.reason))
+    if after is None:
+        raise Problem(f"no flow has id {args.flow_id!r} in {args.store!r}")
+    if not done:
+        raise Problem(
+            f"not cancelled: flow {args.flow_id!r} is {after.state.name} (only a running or"
+            " parked flow can be cancelled)"
+        )
+    if after.state is State.FAILED:
+        text = "cancelled: it had nothing to compensate, and has FAILED"
+    elif after.owner is not None:
+        text = f"cancelled: engine {after.owner} stops its step and compensates"
+    else:
+        text = f"cancelled: it compensates; {_runs_next(args)}"
+    _print(args, text, {"flow_id": args.flow_id, "cancelled": True, "state": after.state.name})
+
+
+async def do_resume(args: argparse.Namespace, store: Store) -> None:
+    done, after = await _act(args, store, lambda e: e.resume(args.flow_id))
+    if after is None:
+        raise Problem(f"no flow has id {args.flow_id!r} in {args.store!r}")
+    if not done:
+        why = (
+            f"plan {after.plan!r} version {after.version} still cannot drive it ({after.blocked})"
+            if after.state is State.BLOCKED
+            else f"it is {after.state.name} (only a BLOCKED flow can be resumed)"
+        )
+        raise Problem(f"not resumed: flow {args.flow_id!r}: {why}")
+    where = _runs_next(args) if after.state in m.ACTIVE else f"it is {after.state.name} again"
+    _print(
+        args,
+        f"resumed: {where}",
+        {"flow_id": args.flow_id, "resumed": True, "state": after.state.name},
+    )
+
+
+COMMANDS = {
+    "list": do_list,
+    "show": do_show,
+    "stats": do_stats,
+    "wake": do_wake,
+    "cancel": do_cancel,
+    "resume": do_resume,
+}
+
+
+async def run(args: argparse.Namespace) -> None:
+    store = open_store(args.store)
+    try:
+        await COMMANDS[args.command](args, store)
+    finally:
+        with trio.CancelScope(shield=True):
+            await store.aclose()
+
+
+def _one_line(error: BaseException, spec: str) -> str:
+    """What went wrong: a `Problem` as it is; anything else (an unreachable store, a refusal)
+    named by its type, not as a traceback."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    if isinstance(error, Problem):
+        return str(error)
+    return f"{spec!r}: {type(error).__name__}: {_cut(str(error), 300)}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; its exit status (0, 1 for a problem, 2 for bad arguments)."""
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as done:
+        return int(done.code or 0)
+    try:
+        trio.run(run, args)
+    except Exception as error:
+        print(f"{PROG}: error: {_one_line(error, args.store)}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,623 @@
+"""The flow fleet test's pieces (issue 10): engine processes, the chaos, what is read back, and
+the oracle.
+
+The engine process (``python -m tests.fleet._flows DSN --owner NAME ...``) opens a flow engine
+on PostgreSQL (its connections carry ``application_name=NAME``, so the database knows who wrote
+what), says ``ready``, waits for ``go EPOCH`` on stdin (or takes ``--epoch``), and then plays
+its part of the seeded scenario: it starts the flows assigned to it, and sends the payment wakes
+and events assigned to it (each wake or event goes to a random engine, some of them to a second
+one too) at their times after the epoch, either as `Engine.wake` or as `Engine.publish` through
+a mapper. A restarted process (a new owner name) plays its part again from the start: starts
+are idempotent, and a wake or event it sends again is a `DUPLICATE`. It serves until SIGTERM,
+then closes the engine and prints its statistics.
+
+The plan is an order: ``reserve`` (compensated by ``release``), ``charge`` (compensated by
+``refund``; parks until the payment arrives, or times out and compensates), ``ship`` (which may
+fail, or raise on every attempt). Every step body and compensation makes its "external call"
+first: it inserts ``(idempotency key, attempt, owner)`` into the side table ``side_runs`` in
+autocommit, then pauses a few milliseconds; a body that raises does so before its call, so the
+side table counts exactly the runs that had an effect.
+
+What the database records beside the flows (`prepare`): an ``AFTER UPDATE`` trigger writes every
+change of a flow's revision to ``audit`` with the writer's ``application_name``, the old and new
+owner, state and position, and until when the old owner held the flow (its engine's lease, read
+from ``flow_engines`` by the trigger, or the time it let the flow go). The oracle reads it, not
+the engines' word.
+
+The oracle (`check`, pure):
+- every flow is ``COMPLETED`` or ``FAILED``;
+- no step outcome and no compensation is recorded twice in a flow's history;
+- every key's effective runs are at most 1 + the takeovers that caught it in flight (an audit row
+  that moved an active flow at that key from one owner to another: the SIGKILL's and the
+  SIGSTOP's orphans, and any lease that lapsed on its own);
+- no engine wrote a flow that another engine held under a lease that had not lapsed (by the
+  writer's clock); and the frozen owner advanced nothing after it woke from the revisions it
+  held when it was frozen;
+- every failed flow's compensations ran in the reverse order of its completed steps, each once,
+  and a completed flow compensated nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+import ferry
+from ferry import flow
+from ferry.flow import _store
+from ferry.projected import PostgresStore
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = ("reserve", "charge", "ship")
+COMPENSATED = {"reserve": 0, "charge": 1}
+
+# ------------------------------------------------------------------------------- the scenario
+
+#: kind -> weight
+KINDS = {"paid": 55, "declined": 15, "timeout": 15, "broken": 10, "refused": 5}
+
+
+@attrs.frozen
+class Send:
+    """One wake or event: to which engine, when (seconds after the epoch), how."""
+
+    engine: int
+    at: float
+    via: str  # "wake" or "publish"
+    message_id: str
+    ok: bool
+
+
+@attrs.frozen
+class Spec:
+    flow_id: str
+    kind: str
+    start_on: int  # the engine that starts it
+    start_at: float
+    data: dict[str, Any]
+    sends: tuple[Send, ...]
+
+
+def scenario(n: int, engines: int, seed: int, *, spread: float) -> list[Spec]:
+    """`n` flows, started over `spread` seconds on random engines, from `seed` alone."""
+    rng = random.Random(seed)
+    kinds, weights = list(KINDS), list(KINDS.values())
+    specs = []
+    for i in range(n):
+        kind = rng.choices(kinds, weights)[0]
+        start_at = round(rng.uniform(0.0, spread), 3)
+        data = {
+            "kind": kind,
+            "pause": round(rng.uniform(0.0, 0.03), 3),
+            "timeout": round(rng.uniform(1.0, 3.0), 3) if kind == "timeout" else 60.0,
+        }
+        sends: tuple[Send, ...] = ()
+        if kind != "timeout":
+            at = start_at + rng.choice([0.0, round(rng.uniform(0.1, 2.5), 3)])  # 0: early
+            mid = f"pay-{i}"
+            first = rng.randrange(engines)
+            sends = (Send(first, at, rng.choice(["wake", "publish"]), mid, kind != "declined"),)
+            if rng.random() < 0.3:  # delivered twice, to another engine
+                other = rng.choice([e for e in range(engines) if e != first])
+                later = at + round(rng.uniform(0.0, 0.5), 3)
+                sends += (
+                    Send(other, later, rng.choice(["wake", "publish"]), mid, kind != "declined"),
+                )
+        specs.append(Spec(f"o{i:05d}", kind, rng.randrange(engines), start_at, data, sends))
+    return specs
+
+
+# ------------------------------------------------------------------------ the engine process
+
+
+def make_plan(side: Any, owner: str) -> flow.Plan:
+    plan = flow.Plan("order")
+
+    async def call(ctx: flow.Context) -> None:
+        """The external call: committed (autocommit) before the body goes on."""
+        await trio.to_thread.run_sync(
+            side.execute,
+            "INSERT INTO side_runs (key, attempt, owner) VALUES (%s, %s, %s)",
+            (ctx.idempotency_key, ctx.attempt, owner),
+        )
+        await trio.sleep(ctx.data["pause"])
+
+    async def release(ctx: flow.Context) -> None:
+        await call(ctx)
+
+    async def refund(ctx: flow.Context) -> None:
+        await call(ctx)
+
+    @plan.step(compensate=release)
+    async def reserve(ctx: flow.Context) -> None:
+        await call(ctx)
+
+    @plan.step(compensate=refund, attempts=2)
+    async def charge(ctx: flow.Context) -> flow.Outcome:
+        await call(ctx)
+        return flow.park(timeout=ctx.data["timeout"])
+
+    @plan.step(attempts=2)
+    async def ship(ctx: flow.Context) -> flow.Outcome | None:
+        kind = ctx.data["kind"]
+        if kind == "broken":
+            raise ConnectionError("carrier unavailable")  # before the call: no effect
+        if kind == "refused" or not ctx.wake["ok"]:
+            return flow.fail("payment declined" if kind == "declined" else "no carrier")
+        await call(ctx)
+        return None
+
+    assert tuple(s.name for s in plan.steps) == STEPS
+    return plan
+
+
+async def serve(args: argparse.Namespace) -> None:
+    import psycopg
+
+    side = psycopg.connect(args.dsn, autocommit=True)
+    specs = scenario(args.flows, args.engines, args.seed, spread=args.spread)
+    plan = make_plan(side, args.owner)
+    dsn = f"{args.dsn} application_name={args.owner}"
+
+    def mapper(event: Any) -> flow.Wake:
+        return flow.Wake(event["flow"], {"ok": event["ok"]}, message_id=event["id"])
+
+    async with PostgresStore(dsn, connections=4) as store:
+        async with flow.open_engine(
+            store,
+            plans=[plan],
+            owner=args.owner,
+            lease=args.lease,
+            _fencing=not args.no_fencing,
+        ) as engine:
+            engine.on("payment", mapper)
+            print("ready", flush=True)
+            epoch = args.epoch
+            if epoch is None:
+                line = await trio.to_thread.run_sync(sys.stdin.readline)
+                assert line.startswith("go "), line
+                epoch = float(line[3:])
+
+            async def at(t: float) -> None:
+                await trio.sleep(max(0.0, epoch + t - time.time()))
+
+            async def start(spec: Spec) -> None:
+                await at(spec.start_at)
+                for _ in range(100):  # like a client: on any doubt, again (it is idempotent)
+                    with contextlib.suppress(ferry.Failed):
+                        await engine.start(plan, flow_id=spec.flow_id, data=spec.data)
+                        return
+                    await trio.sleep(0.1)
+
+            async def send(spec: Spec, s: Send) -> None:
+                """Like a gateway: an order it does not know yet (UNKNOWN) is tried again."""
+                await at(s.at)
+                for _ in range(600):
+                    d: object = None
+                    with contextlib.suppress(ferry.Failed):  # on any doubt, again
+                        if s.via == "wake":
+                            d = await engine.wake(
+                                spec.flow_id, {"ok": s.ok}, message_id=s.message_id
+                            )
+                        else:
+                            event = {"flow": spec.flow_id, "ok": s.ok, "id": s.message_id}
+                            (d,) = await engine.publish("payment", event)
+                    if d not in (None, flow.Delivery.UNKNOWN):
+                        return
+                    await trio.sleep(0.1)
+
+            async with trio.open_nursery() as nursery:
+                with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                    for spec in specs:
+                        if spec.start_on == args.index:
+                            nursery.start_soon(start, spec)
+                        for s in spec.sends:
+                            if s.engine == args.index:
+                                nursery.start_soon(send, spec, s)
+                    async for _ in signals:
+                        nursery.cancel_scope.cancel()
+                        break
+            stats = engine.statistics()
+    side.close()
+    report = {k: v for k, v in attrs.asdict(stats).items() if k != "wakes"}
+    report["wakes"] = {d.name: n for d, n in stats.wakes.items()}
+    print("stats " + json.dumps(report), flush=True)
+
+
+def main(argv: Sequence[str]) -> None:
+    p = argparse.ArgumentParser(description="one engine process of the flow fleet test")
+    p.add_argument("dsn")
+    p.add_argument("--owner", required=True)
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--engines", type=int, required=True)
+    p.add_argument("--flows", type=int, required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--spread", type=float, required=True)
+    p.add_argument("--lease", type=float, required=True)
+    p.add_argument("--epoch", type=float, default=None)
+    p.add_argument("--no-fencing", action="store_true")
+    trio.run(serve, p.parse_args(argv))
+
+
+# ------------------------------------------------------------------------------ the processes
+
+
+def _die_with_parent() -> None:  # in the child, between fork and exec (Linux only)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class EngineProcess:
+    """One engine process; a restart is a new process with a new owner name."""
+
+    def __init__(self, index: int, dsn: str, workdir: Path, options: Sequence[str]) -> None:
+        self.index = index
+        self.dsn = dsn
+        self.workdir = workdir
+        self.options = list(options)
+        self.generation = 0
+        self.proc: subprocess.Popen[str] | None = None
+        self.reports: list[dict[str, Any]] = []
+
+    @property
+    def owner(self) -> str:
+        return f"e{self.index}.g{self.generation}"
+
+    def _close_pipes(self) -> None:
+        if self.proc is not None:
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+
+    def spawn(self, epoch: float | None = None) -> None:
+        self._close_pipes()
+        self.generation += 1
+        command = [sys.executable, "-m", "tests.fleet._flows", self.dsn, "--owner", self.owner]
+        command += ["--index", str(self.index), *self.options]
+        if epoch is not None:
+            command += ["--epoch", repr(epoch)]
+        log = open(self.workdir / f"{self.owner}.log", "w")  # noqa: SIM115 (the child owns it)
+        self.proc = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            preexec_fn=_die_with_parent,
+        )
+        log.close()
+
+    def readline(self, timeout: float) -> str:
+        assert self.proc is not None and self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise AssertionError(f"{self.owner} said nothing for {timeout} s: {self.log()}")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"{self.owner} exited: {self.log()}")
+        return line
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        line = self.readline(timeout)
+        assert line == "ready\n", f"{self.owner}: {line!r} {self.log()}"
+
+    def go(self, epoch: float) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write(f"go {epoch!r}\n")
+        self.proc.stdin.flush()
+
+    def signal(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM; read its statistics (SIGKILL if it does not stop in time)."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._close_pipes()
+            return
+        self.proc.send_signal(signal.SIGCONT)  # in case it is frozen
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            line = self.readline(timeout)
+            if line.startswith("stats "):
+                self.reports.append({"owner": self.owner, **json.loads(line[6:])})
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self._close_pipes()
+
+    def log(self) -> str:
+        path = self.workdir / f"{self.owner}.log"
+        return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
+# ------------------------------------------------------------------------- the database side
+
+AUDIT = """
+CREATE TABLE side_runs (key TEXT NOT NULL, attempt BIGINT, owner TEXT);
+CREATE TABLE audit (
+    id BIGSERIAL PRIMARY KEY,
+    flow_id TEXT, app TEXT,
+    old_revision BIGINT, new_revision BIGINT,
+    old_owner TEXT, new_owner TEXT,
+    old_state TEXT, new_state TEXT,
+    old_lease DOUBLE PRECISION, new_updated DOUBLE PRECISION,
+    old_step_index BIGINT, old_step TEXT,
+    old_attempt BIGINT, new_attempt BIGINT);
+CREATE FUNCTION audit_flow() RETURNS trigger AS $$
+BEGIN
+    INSERT INTO audit (flow_id, app, old_revision, new_revision, old_owner, new_owner,
+                       old_state, new_state, old_lease, new_updated, old_step_index, old_step,
+                       old_attempt, new_attempt)
+    VALUES (OLD.flow_id, current_setting('application_name'), OLD.revision, NEW.revision,
+            OLD.owner, NEW.owner, OLD.state, NEW.state,
+            coalesce(OLD.lease_until,
+                     (SELECT e.lease_until FROM flow_engines e WHERE e.owner = OLD.owner)),
+            NEW.updated_at,
+            OLD.step_index, OLD.step, OLD.attempt, NEW.attempt);
+    RETURN NEW;
+END $$ LANGUAGE plpgsql;
+CREATE TRIGGER audit_flow AFTER UPDATE ON flow_flows FOR EACH ROW
+    WHEN (OLD.revision IS DISTINCT FROM NEW.revision) EXECUTE FUNCTION audit_flow();
+"""
+
+
+def prepare(dsn: str) -> None:
+    """The flow tables (as an engine makes them), the side table and the audit trigger."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        tx = _SyncTx(conn)
+        _store.create_schema(tx)
+        conn.execute(AUDIT)
+
+
+class _SyncTx:
+    dialect = "postgres"
+
+    def __init__(self, conn: Any) -> None:
+        self.connection = conn
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        cur = self.connection.execute(sql.replace("%", "%%").replace("?", "%s"), params)
+        return cur.fetchall() if cur.description is not None else []
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        raise NotImplementedError
+
+
+def query(dsn: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def key_of(flow_id: str, state: str, step_index: int, step: str | None) -> str:
+    key = f"{flow_id}/{step_index}/{step}"
+    return key if state == "RUNNING" else f"{key}/compensate"
+
+
+def in_flight(dsn: str, owner: str) -> dict[str, tuple[str, int]]:
+    """The active flows `owner` holds now: flow id -> (the key in flight, the revision)."""
+    rows = query(
+        dsn,
+        "SELECT flow_id, state, step_index, step, revision FROM flow_flows"
+        " WHERE owner = %s AND state IN ('RUNNING', 'COMPENSATING')",
+        (owner,),
+    )
+    return {r[0]: (key_of(r[0], r[1], r[2], r[3]), r[4]) for r in rows}
+
+
+def still_held(dsn: str, owner: str, flow_ids: Mapping[str, object]) -> int:
+    """How many of `flow_ids` `owner` still holds."""
+    rows = query(
+        dsn,
+        "SELECT count(*) FROM flow_flows WHERE owner = %s AND flow_id = ANY(%s)"
+        " AND state IN ('RUNNING', 'COMPENSATING')",
+        (owner, list(flow_ids)),
+    )
+    return int(rows[0][0])
+
+
+def unsettled(dsn: str) -> int:
+    rows = query(dsn, "SELECT count(*) FROM flow_flows WHERE state NOT IN ('COMPLETED', 'FAILED')")
+    return int(rows[0][0])
+
+
+def last_audit_id(dsn: str) -> int:
+    return int(query(dsn, "SELECT coalesce(max(id), 0) FROM audit")[0][0])
+
+
+@attrs.frozen
+class AuditRow:
+    id: int
+    flow_id: str
+    app: str
+    old_revision: int
+    new_revision: int
+    old_owner: str | None
+    new_owner: str | None
+    old_state: str
+    new_state: str
+    old_lease: float | None
+    new_updated: float
+    old_step_index: int
+    old_step: str | None
+    old_attempt: int
+    new_attempt: int
+
+    @property
+    def takeover(self) -> bool:
+        """An active flow moved from one engine to another (its step may have run on both)."""
+        active = ("RUNNING", "COMPENSATING")
+        return (
+            self.old_state in active
+            and self.new_state in active
+            and self.old_owner is not None
+            and self.new_owner != self.old_owner
+        )
+
+    @property
+    def rerun(self) -> bool:
+        """An engine took over an active flow whose lease had lapsed (from another engine, or
+        back from itself after it let it go): its step may have run before, and runs again."""
+        active = ("RUNNING", "COMPENSATING")
+        return (
+            self.old_state in active
+            and self.new_state == self.old_state
+            and self.old_owner is not None
+            and self.new_attempt > self.old_attempt
+            and (self.old_lease is None or self.old_lease < self.new_updated)
+        )
+
+    @property
+    def key(self) -> str:
+        return key_of(self.flow_id, self.old_state, self.old_step_index, self.old_step)
+
+
+@attrs.frozen
+class Observed:
+    """Everything the oracle reads, once every engine has stopped."""
+
+    states: Mapping[str, str]
+    history: Mapping[str, Sequence[flow.Event]]
+    runs: Counter[str]  # key -> effective runs (side table)
+    audit: Sequence[AuditRow]
+
+
+def observe(dsn: str) -> Observed:
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        tx = _SyncTx(conn)
+        states = {r[0]: r[1] for r in tx.execute("SELECT flow_id, state FROM flow_flows")}
+        history = {fid: _store.load_history(tx, fid) or [] for fid in states}
+        runs = Counter(r[0] for r in tx.execute("SELECT key FROM side_runs"))
+        cols = ", ".join(a.name for a in attrs.fields(AuditRow))
+        audit = [AuditRow(*r) for r in tx.execute(f"SELECT {cols} FROM audit ORDER BY id")]
+    return Observed(states, history, runs, audit)
+
+
+# ------------------------------------------------------------------------------------ the oracle
+
+
+@attrs.frozen
+class Freeze:
+    """The frozen owner: its name, the flows it held when it was frozen (flow id -> revision),
+    and the last audit ids before it was frozen and before it was thawed."""
+
+    owner: str
+    held: Mapping[str, int]
+    frozen_after: int
+    thawed_after: int
+
+    def taken_while_frozen(self, seen: Observed) -> set[str]:
+        """Which of its flows other engines took over while it was frozen."""
+        return {
+            a.flow_id
+            for a in seen.audit
+            if self.frozen_after < a.id <= self.thawed_after
+            and a.takeover
+            and a.old_owner == self.owner
+        }
+
+
+def check(specs: Sequence[Spec], seen: Observed, freeze: Freeze | None) -> list[str]:
+    """Every violation of the oracle (module doc), one line each; empty if all holds."""
+    problems: list[str] = []
+    for spec in specs:
+        fid = spec.flow_id
+        state = seen.states.get(fid)
+        if state not in ("COMPLETED", "FAILED"):
+            problems.append(f"{fid} ({spec.kind}) ended {state}, not COMPLETED or FAILED")
+        events = seen.history.get(fid, ())
+        recorded = Counter((e.kind, e.step) for e in events if e.kind in ("step", "compensated"))
+        for (kind, step), n in sorted(recorded.items()):
+            if n > 1:
+                problems.append(f"{fid}: the {kind} outcome of {step!r} is recorded {n} times")
+        done = [
+            e.step
+            for e in events
+            if e.kind == "step"
+            and e.step in COMPENSATED
+            and e.detail["outcome"] in ("continue", "park")
+        ]
+        undone = [e.step for e in events if e.kind == "compensated"]
+        expected = list(reversed(done)) if state == "FAILED" else []
+        if undone != expected:
+            problems.append(f"{fid} ({state}): compensated {undone}, completed {done}")
+    hits: Counter[str] = Counter(a.key for a in seen.audit if a.rerun)
+    for key, n in sorted(seen.runs.items()):
+        if n > 1 + hits[key]:
+            problems.append(f"{key} ran {n} times; takeovers that caught it: {hits[key]}")
+    for a in seen.audit:
+        if (
+            a.old_state in ("RUNNING", "COMPENSATING")
+            and a.old_owner not in (None, a.app)
+            and a.old_lease is not None
+            and a.old_lease >= a.new_updated
+        ):
+            problems.append(
+                f"{a.flow_id}: {a.app} wrote revision {a.new_revision} over {a.old_owner}'s"
+                f" lease (until {a.old_lease:.3f}, written at {a.new_updated:.3f})"
+            )
+    if freeze is not None:
+        for a in seen.audit:
+            if (
+                a.id > freeze.thawed_after
+                and a.app == freeze.owner
+                and freeze.held.get(a.flow_id) == a.old_revision
+            ):
+                problems.append(
+                    f"{a.flow_id}: the frozen owner {freeze.owner} advanced it after it woke,"
+                    f" from revision {a.old_revision}, which it held when it was frozen"
+                )
+    return problems
+
+
+def summary(specs: Sequence[Spec], seen: Observed, reports: Sequence[Mapping[str, Any]]) -> str:
+    ends = Counter(seen.states.values())
+    takeovers = Counter(a.old_owner for a in seen.audit if a.takeover)
+    reruns = sum(n - 1 for n in seen.runs.values() if n > 1)
+    lines = [
+        f"{len(specs)} flows: {dict(ends)}; {len(seen.audit)} audited writes;"
+        f" takeovers by former owner {dict(takeovers)}; {reruns} re-runs of a body",
+    ]
+    for r in reports:
+        lines.append(
+            f"  {r['owner']}: completed {r['completed']} failed {r['failed']} steps"
+            f" {r['steps_run']} claimed {r['claimed']} lost {r['lost']} conflicts"
+            f" {r['conflicts']} renewals {r['renewals']} writes {r['writes']}/"
+            f"{r['write_batches']} batches wakes {r['wakes']}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

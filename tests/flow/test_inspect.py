@@ -1,0 +1,339 @@
+"""The flow inspector, ``python -m ferry.flow STORE COMMAND`` (issue 10): each subcommand, as a
+table and as JSON, on SQLite (and a read and an action on PostgreSQL); operator actions through an
+operator's engine (no plans); what happens while a service engine holds an SQLite file; bad
+arguments as one-line errors.
+
+The stores are filled through the store module (`populate`), with flows in every state.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from ferry.flow import _inspect, _store
+from ferry.flow import _machine as m
+from ferry.flow._machine import Flow, Shape
+from ferry.flow._types import CONTINUE, State, fail, park
+from ferry.projected import PostgresStore
+from tests import pg
+
+from ._helpers import _InlineTx
+
+T0 = 1_700_000_000.0
+ORDER = Shape("order", 1, ("reserve", "charge", "ship"), (True, True, False), (3, 3, 3))
+REFUND = Shape("refund", 2, ("pay",), (False,), (1,))
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def populate(tx: Any) -> None:
+    """Flows in every state: running, parked (two, one older), completed, failed, blocked (twice,
+    one reason), and a running flow of another plan held by a gone engine (an orphan)."""
+    _store.create_schema(tx)
+    _store.register_plans(tx, [ORDER, REFUND], T0)
+    _store.heartbeat(tx, "svc", T0 + 10**9, T0)  # a service engine, alive
+
+    def write(*ops: _store.Op) -> list[_store.Result]:
+        return _store.write_batch(tx, ops)
+
+    def started(fid: str, at: float, shape: Shape = ORDER, owner: str | None = "svc") -> Flow:
+        (r,) = write(_store.Create(m.start(shape, fid, '{"sku":"A1"}', at, owner=owner)))
+        assert isinstance(r, _store.Created)
+        return r.transition.flow
+
+    def step(f: Flow, outcome: Any, at: float) -> Flow:
+        def apply(flow: Flow, box: m.Mailbox) -> m.Transition:
+            return m.leased(
+                m.step_done(flow, box, ORDER, outcome, flow.data, at), flow, "svc", respect=False
+            )
+
+        (r,) = write(_store.Change(f.flow_id, apply, flow=f, head=True))
+        assert isinstance(r, _store.Changed)
+        return r.transition.flow
+
+    started("running", T0 + 5)
+    step(step(started("parked", T0 + 3), CONTINUE, T0 + 3), park(3600), T0 + 3)
+    step(step(started("parked-old", T0 + 1), CONTINUE, T0 + 1), park(None), T0 + 1)
+    done = step(step(started("done", T0), CONTINUE, T0), CONTINUE, T0)
+    step(done, CONTINUE, T0)
+    step(started("failed", T0), fail("no stock"), T0)
+    for fid in ("blocked", "blocked-2"):
+        f = step(started(fid, T0 + 2), CONTINUE, T0 + 2)
+        f = step(f, fail("declined"), T0 + 2)
+        (r,) = write(
+            _store.Change(fid, lambda fl, _b: m.compensation_failed(fl, "refund down", T0 + 2))
+        )
+        assert isinstance(r, _store.Changed)
+    started("orphan", T0 + 4, REFUND, owner="gone")
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> str:
+    path = str(tmp_path / "flows.db")
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("BEGIN")
+    populate(_InlineTx(conn))
+    conn.execute("COMMIT")
+    conn.close()
+    return path
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = _inspect.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> Any:
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def state(path: str, fid: str) -> Flow:
+    conn = sqlite3.connect(path)
+    try:
+        f = _store.load(_InlineTx(conn), fid)
+    finally:
+        conn.close()
+    assert f is not None
+    return f
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+def test_list(db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, db, "list")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["FLOW", "PLAN", "STATE", "STEP", "REV", "UPDATED", "OWNER"]
+    assert lines[2].split()[:4] == ["running", "order@1", "RUNNING", "0:reserve"]  # newest
+    assert len(lines) == 2 + 8
+    parked = run_json(capsys, db, "list", "--state", "parked")
+    assert [f["flow_id"] for f in parked] == ["parked", "parked-old"]
+    assert parked[0]["step"] == "charge" and parked[0]["park_deadline"] == T0 + 3 + 3600
+    assert [f["flow_id"] for f in run_json(capsys, db, "list", "--plan", "refund")] == ["orphan"]
+    assert len(run_json(capsys, db, "list", "--limit", "2")) == 2
+    assert run(capsys, db, "list", "--plan", "nope")[1] == "no flows\n"
+
+
+def test_show(db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, db, "show", "blocked")
+    assert code == 0
+    assert "state     BLOCKED" in out
+    assert "compensation of step 'reserve' failed: refund down" in out
+    history = out.split("\n\n")[1].splitlines()
+    assert history[0].split() == ["REV", "AT", "KIND", "STEP", "ATTEMPT", "DETAIL"]
+    assert [line.split()[3] for line in history[2:]] == [
+        "started",
+        "step",
+        "step",
+        "blocked",
+    ]
+    shown = run_json(capsys, db, "show", "orphan")
+    assert shown["flow"]["state"] == "RUNNING" and shown["held"]["lapsed"] is True
+    assert [e["kind"] for e in shown["history"]] == ["started"]
+    assert "lapsed: any engine may take it over" in run(capsys, db, "show", "orphan")[1]
+    code, out, err = run(capsys, db, "show", "nope")
+    assert (code, out) == (1, "")
+    assert err == f"python -m ferry.flow: error: no flow has id 'nope' in {db!r}\n"
+
+
+def test_stats(db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, db, "stats")
+    assert code == 0
+    assert "running flows no engine holds (orphans): 1" in out
+    assert "oldest parked" in out and out.index("parked-old") < out.index("parked ")
+    assert "compensation of step 'reserve' failed: refund down" in out
+    s = run_json(capsys, db, "stats", "--oldest", "1")
+    assert s["states"] == {
+        "RUNNING": 2,
+        "PARKED": 2,
+        "COMPENSATING": 0,
+        "COMPLETED": 1,
+        "FAILED": 1,
+        "BLOCKED": 2,
+    }
+    assert s["plans"]["refund@2"]["RUNNING"] == 1 and s["orphans"] == 1
+    assert [p["flow_id"] for p in s["oldest_parked"]] == ["parked-old"]
+    assert s["blocked"] == [
+        {
+            "reason": "compensation of step 'reserve' failed: refund down",
+            "flows": 2,
+            "example": "blocked",
+        }
+    ]
+    assert s["engines"][0]["owner"] == "svc" and s["engines"][0]["alive"]
+    assert [(p["plan"], p["version"]) for p in s["registered_plans"]] == [
+        ("order", 1),
+        ("refund", 2),
+    ]
+
+
+# ------------------------------------------------------------------------------------ actions
+
+
+def test_wake(db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, db, "wake", "parked", "--payload", '{"ok": true}', "--message-id", "m1"
+    )
+    assert code == 0
+    assert out == (
+        "RESUMED: it was parked and runs its next step: the next engine to open the file runs it\n"
+    )
+    f = state(db, "parked")
+    assert (f.state, f.step, f.owner, json.loads(f.wake or "null")) == (
+        State.RUNNING,
+        "ship",
+        None,
+        {"ok": True},
+    )
+    again = run_json(capsys, db, "wake", "parked", "--message-id", "m1")
+    assert again == {"flow_id": "parked", "delivery": "DUPLICATE", "state": "RUNNING"}
+    assert run_json(capsys, db, "wake", "running")["delivery"] == "QUEUED"
+    assert run_json(capsys, db, "wake", "done")["delivery"] == "STALE"
+    code, _, err = run(capsys, db, "wake", "nope")
+    assert code == 1 and err.count("\n") == 1 and "no flow has id 'nope'" in err
+
+
+def test_cancel(db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, db, "cancel", "parked", "--reason", "customer")
+    assert (code, out) == (
+        0,
+        "cancelled: it compensates; the next engine to open the file runs it\n",
+    )
+    f = state(db, "parked")
+    assert (f.state, f.step, f.error, f.owner) == (State.COMPENSATING, "charge", "customer", None)
+    running = run_json(capsys, db, "cancel", "running")
+    assert running == {"flow_id": "running", "cancelled": True, "state": "FAILED"}
+    code, _, err = run(capsys, db, "cancel", "done")
+    assert code == 1 and "not cancelled: flow 'done' is COMPLETED" in err
+
+
+def test_resume(db: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, db, "resume", "blocked")
+    assert (code, out) == (0, "resumed: the next engine to open the file runs it\n")
+    f = state(db, "blocked")
+    assert (f.state, f.step, f.attempt) == (State.COMPENSATING, "reserve", 2)
+    code, _, err = run(capsys, db, "resume", "running")
+    assert code == 1 and "only a BLOCKED flow can be resumed" in err
+
+
+@pytest.fixture
+def service_lock(db: str) -> Iterator[None]:
+    """Holds the file's engine lock, as a service engine serving it would."""
+    fd = os.open(f"{db}.engine-lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def test_while_a_service_engine_holds_the_sqlite_file_actions_are_refused_reads_work(
+    db: str, service_lock: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for action in (["wake", "parked"], ["cancel", "parked"], ["resume", "blocked"]):
+        code, out, err = run(capsys, db, *action)
+        assert (code, out) == (1, "")
+        assert err.startswith(f"python -m ferry.flow: error: a flow engine is serving {db!r}")
+        assert err.count("\n") == 1
+    assert state(db, "parked").state is State.PARKED  # nothing changed
+    assert run(capsys, db, "list")[0] == 0
+    assert run(capsys, db, "stats")[0] == 0
+
+
+# --------------------------------------------------------------------------- bad arguments, help
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "the following arguments are required: STORE"),
+        (["x.db"], "the following arguments are required: COMMAND"),
+        (["x.db", "explode"], "invalid choice: 'explode'"),
+        (["x.db", "list", "--state", "sleeping"], "no state 'sleeping'; one of RUNNING"),
+        (["x.db", "list", "--limit", "0"], "'0' is not a whole number >= 1"),
+        (["x.db", "wake", "f", "--payload", "{oops"], "not JSON"),
+        (["x.db", "show"], "the following arguments are required: FLOW_ID"),
+    ],
+)
+def test_bad_arguments_are_one_line(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(capsys, *argv)
+    assert (code, out) == (2, "")
+    assert err.count("\n") == 1 and message in err and "--help" in err
+
+
+def test_a_store_that_is_not_there_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(capsys, str(tmp_path / "missing.db"), "list")
+    assert code == 1 and err.count("\n") == 1 and "no such SQLite file" in err
+    empty = tmp_path / "empty.db"
+    sqlite3.connect(empty).close()
+    code, _, err = run(capsys, str(empty), "stats")
+    assert code == 1 and "holds no flows (no flow engine has opened it)" in err
+    code, _, err = run(capsys, "host=127.0.0.1 port=1 dbname=nope connect_timeout=1", "list")
+    assert code == 1 and err.count("\n") == 1 and "OperationalError" in err
+
+
+@pytest.mark.parametrize("command", [None, "list", "show", "stats", "wake", "cancel", "resume"])
+def test_help_everywhere(command: str | None, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--help"] if command is None else ["x.db", command, "--help"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and out.startswith("usage: python -m ferry.flow")
+    if command is not None:
+        assert "--json" in out
+
+
+def test_the_module_runs_as_a_command(db: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ferry.flow", db, "list", "--state", "BLOCKED"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert [line.split()[0] for line in done.stdout.splitlines()[2:]] == ["blocked", "blocked-2"]
+
+
+# ---------------------------------------------------------------------------------- PostgreSQL
+
+
+def test_on_postgres_reads_and_an_action_leave_the_flow_to_the_fleet(
+    pg_server: pg.PgServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dsn = pg_server.fresh_schema_dsn()
+
+    async def fill() -> None:
+        async with PostgresStore(dsn, connections=1) as store:
+            await store.transact(populate)
+
+    trio.run(fill)
+    assert [f["flow_id"] for f in run_json(capsys, dsn, "list", "--state", "BLOCKED")] == [
+        "blocked",
+        "blocked-2",
+    ]
+    code, out, _ = run(capsys, dsn, "wake", "parked", "--message-id", "m1")
+    assert (code, out) == (
+        0,
+        "RESUMED: it was parked and runs its next step: the next scan of an engine serving the"
+        " store runs it\n",
+    )
+    shown = run_json(capsys, dsn, "show", "parked")
+    assert shown["flow"]["state"] == "RUNNING" and shown["flow"]["owner"] is None
+    assert run_json(capsys, dsn, "stats")["orphans"] == 2  # the gone engine's, and this one

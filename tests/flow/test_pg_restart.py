@@ -1,0 +1,129 @@
+"""Recovery that strands nothing (issue 10): PostgreSQL goes down in the middle of an engine's
+recovery and comes back; every flow still runs to its end, none stays pending for ever.
+
+The engine opens on a database holding hundreds of orphaned flows (running, held by an engine
+that is gone) and takes them over a hundred at a time (`max_running`), so its recovery spans
+several scans. Once it has taken some, the server is halted (as a crash: connections drop) for
+longer than a lease, and started again. The same run with an engine whose scan loop gives up on
+the first database error (planted) strands flows: the test can fail.
+
+Runs on a throwaway server of its own (tests/pg.py), which it halts; the session's server is
+not touched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from functools import partial
+
+import pytest
+import trio
+
+from ferry import flow
+from ferry.flow import _engine, _store
+from ferry.flow import _machine as m
+from ferry.projected import PostgresStore
+from tests import pg
+
+FLOWS = 600
+LEASE = 1.5
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[pg.PgServer]:
+    bindir = pg.find_binaries()
+    if bindir is None:
+        pytest.skip(pg.SKIP_REASON)
+    srv = pg.start(bindir)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def plan() -> flow.Plan:
+    p = flow.Plan("order")
+
+    async def work(ctx: flow.Context) -> None:
+        await trio.sleep(0.01)
+
+    for name in ("reserve", "charge", "ship"):
+        p.step(name=name)(work)
+    return p
+
+
+async def orphans(store: PostgresStore, shape: m.Shape) -> None:
+    """`FLOWS` flows running their first step, held by an engine that is gone."""
+    await store.transact(_store.create_schema)
+    now = time.time()
+    ops: list[_store.Op] = [
+        _store.Create(m.start(shape, f"o{i:04d}", "{}", now, owner="gone")) for i in range(FLOWS)
+    ]
+    await store.transact(partial(_store.write_batch, ops=ops))
+
+
+async def unfinished(dsn: str) -> int:
+    async with PostgresStore(dsn, connections=1) as store:
+        counts = await store.transact(_store.count_states)
+    return sum(n for state, n in counts.items() if state is not flow.State.COMPLETED)
+
+
+async def recover_through_an_outage(
+    srv: pg.PgServer, *, patience: float
+) -> tuple[int, dict[str, int]]:
+    """Run the scenario; (flows not completed after `patience` s, the engine's statistics)."""
+    dsn = srv.fresh_database_dsn("restart")
+    p = plan()
+    async with PostgresStore(dsn) as setup:
+        await orphans(setup, p._close())
+    async with PostgresStore(dsn, connect_timeout=2) as store:
+        async with flow.open_engine(store, [p], owner="a", lease=LEASE, max_running=100) as e:
+            with trio.fail_after(60):
+                while e.statistics().claimed < 50:  # noqa: ASYNC110 (a statistic, no event)
+                    await trio.sleep(0.01)
+            await trio.to_thread.run_sync(srv.halt)  # mid-recovery: most flows not taken yet
+            await trio.sleep(2 * LEASE)
+            await trio.to_thread.run_sync(srv.resume)
+            deadline = trio.current_time() + patience
+            left = FLOWS
+            while trio.current_time() < deadline:
+                await trio.sleep(0.5)
+                try:
+                    left = await unfinished(dsn)
+                except Exception:  # the server may still be starting
+                    continue
+                if left == 0:
+                    break
+            stats = e.statistics()
+    return left, {"claimed": stats.claimed, "lost": stats.lost, "completed": stats.completed}
+
+
+async def test_postgres_down_during_recovery_strands_no_flow(server: pg.PgServer) -> None:
+    left, stats = await recover_through_an_outage(server, patience=60)
+    print(f"\n{stats}")
+    assert left == 0
+    # The outage came mid-recovery: the engine had taken some flows, lost them when its lease
+    # could not be renewed, and took them (and the rest) over once the database was back.
+    assert stats["lost"] > 0 and stats["claimed"] >= FLOWS
+
+
+async def test_a_recovery_that_gives_up_on_an_error_strands_flows(
+    server: pg.PgServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted: the scan loop ends at the first database error, as a one-shot recovery would."""
+
+    async def gives_up(self: _engine.Engine) -> None:
+        while True:
+            await trio.sleep(self._scan_interval)
+            await self._scan()
+
+    async def quietly(self: _engine.Engine) -> None:
+        try:
+            await gives_up(self)
+        except Exception:
+            return
+
+    monkeypatch.setattr(_engine.Engine, "_scan_loop", quietly)
+    left, _stats = await recover_through_an_outage(server, patience=4 * LEASE)
+    assert left > 0
