@@ -15,6 +15,7 @@ from ferry.flow._types import CONTINUE, State, park
 from tests.flow._helpers import _InlineTx
 from tests.model.checker import Counterexample
 from tests.model.configs import FLOW_DEFAULT, FLOW_SLOW, PLAN_MISSING
+from tests.model.fleet import NAMES
 from tests.model.flow import FlowChecker, FlowConfig, FlowProtocol, S, Write
 from tests.model.planted_flow import (
     CompensateOldestFirst,
@@ -154,55 +155,23 @@ def test_unplanted_protocol_flags_are_on() -> None:
     assert p.timer_checks_revision and p.recovery_arms_timers and p.recovery_bumps_attempt
 
 
-# ---- a machine bug the model found: cancel does not fail closed on a missing plan version ------
-
-CANCEL_BUG = (
-    "machine bug (found by the model): `cancel` through an engine that lacks the flow's plan"
-    " version (shape=None) compensates anyway and names the top of the stack after the current"
-    " step; the flow then blocks, and `resume` with the plan back refuses it for ever"
-)
+# ---- a machine bug the model found, fixed: cancel without the plan version ----------------------
+# `cancel` through an engine that lacks the flow's plan version used to compensate from a top of
+# the stack named after the current step; the flow then blocked, and `resume` with the plan back
+# refused it for ever (ADR 0050). Since the fix (the compensation waits for the plan to name it),
+# the bound passes.
 
 
-@pytest.mark.xfail(strict=True, raises=Counterexample, reason=CANCEL_BUG)
 def test_flow_model_check_with_a_plan_version_missing() -> None:
     checker = FlowChecker(PLAN_MISSING)
-    try:
-        report = checker.run()
-    except Counterexample as found:
-        print(f"\n{found}")
-        # A parked flow at a step without compensation; the engine comes back without v1.
-        assert found.message.startswith(
-            "flow 'f' (State.COMPENSATING): plan 'order' version 1 has step 'reserve' at index 0,"
-            " but the flow is at step 'confirm'"
-        )
-        assert "cancel (no plan)" in found.trace[-1]
-        raise
-    print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
-    assert {"resume True", "resume False", "end BLOCKED"} <= checker.coverage
-
-
-class CancelFailsClosed(FlowProtocol):
-    """A candidate fix (not the machine's code): `cancel` blocks a running or parked flow whose
-    plan version the engine lacks, as `wake` and `timeout` already do."""
-
-    def cancel(self, flow: Flow, shape: Shape | None, now: float) -> Transition:
-        reason = fm.mismatch(flow, shape)
-        if reason is not None and flow.state in (State.RUNNING, State.PARKED):
-            return fm.block(flow, reason, now)
-        return super().cancel(flow, shape, now)
-
-
-def test_the_plan_missing_bound_passes_when_cancel_fails_closed() -> None:
-    checker = FlowChecker(PLAN_MISSING, CancelFailsClosed())
     report = checker.run()
     print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
-    assert {"resume True", "resume False", "end BLOCKED"} <= checker.coverage
+    assert {"resume True", "resume False", "end BLOCKED", "cancel True"} <= checker.coverage
 
 
 CONFIRM_SHAPE = Shape("order", 1, ("reserve", "confirm", "ship"), (True, False, False), (1, 1, 1))
 
 
-@pytest.mark.xfail(strict=True, raises=fm.InvariantError, reason=CANCEL_BUG)
 @pytest.mark.parametrize("parked", [True, False], ids=["parked", "running"])
 def test_cancel_without_the_plan_version_keeps_the_flow_resumable(parked: bool) -> None:
     flow = fm.start(CONFIRM_SHAPE, "f", "{}", 0.0).flow
@@ -236,17 +205,19 @@ class StoreMirror(FlowChecker):
         self.drift = drift  # a model that forgets the mailbox's head (the check must see it)
 
     def _write(self, m: S, w: Write) -> Transition | None:
-        drifted = attrs.evolve(w, head=False) if self.drift and w.head else w
-        t = super()._write(m, drifted)
+        t = super()._write(m, self._drifted(w) if self.drift else w)
         tx = self.tx
         tx.execute("BEGIN")
         try:
             self._load(m)
-            op = store.Change("f", w.apply, flow=w.copy, message_id=w.message_id, head=w.head)
+            lapsed_at = m.now if w.orphan else None
+            op = store.Change(
+                "f", w.apply, flow=w.copy, message_id=w.message_id, head=w.head, lapsed_at=lapsed_at
+            )
             (result,) = store.write_batch(tx, [op])
             if t is None:
                 assert w.copy is not None
-                refused = store.Conflict("f", w.copy.revision, m.row.revision, None)
+                refused = store.Conflict("f", w.copy.revision, m.row.revision, m.row.owner)
                 _agree("a refused write", result, refused)
                 _agree("the row", store.load(tx, "f"), m.row)
             else:
@@ -263,10 +234,17 @@ class StoreMirror(FlowChecker):
         self.writes += 1
         return t
 
+    def _drifted(self, w: Write) -> Write:
+        """The write as a drifting model makes it: without the mailbox's head."""
+        return attrs.evolve(w, head=False) if w.head else w
+
     def _load(self, m: S) -> None:
-        """Put the model's row and mailbox in the (empty) tables."""
-        for table in ("flows", "history", "mailbox"):
+        """Put the model's row, mailbox and (in a fleet) engine leases in the (empty) tables."""
+        for table in ("flows", "history", "mailbox", "engines"):
             self.tx.execute(f"DELETE FROM flow_{table}")
+        for e, held in enumerate(m.leases):  # held: until well after now; lapsed: well before
+            until = m.now + (100.0 if held else -100.0)
+            store.heartbeat(self.tx, NAMES[e], until, m.now)
         (created,) = store.write_batch(self.tx, [store.Create(Transition(m.row, EMPTY_MAILBOX, 0))])
         assert isinstance(created, store.Created)
         payloads = {q.message_id: q.payload for q in m.mailbox.queued}
