@@ -110,6 +110,8 @@ class FleetProtocol(FlowProtocol):
     outside_respects_owner = True
     #: a renewal releases the flow the engine let go (`_store.renew(let_go=...)`)
     renewal_releases = True
+    #: ... only if the flow is still under its name (`_store.release`: ``AND owner = ?``)
+    release_checks_owner = True
     #: a renewal after the lease lapsed re-reads the flow before the engine trusts it again
     renewal_rereads = False
     #: a flow let go and then left with this engine again (a wake, a timer, a cancel through it)
@@ -212,16 +214,26 @@ class FleetChecker(FlowChecker):
         label = f"engine {e}'s lease lapses"
         label += " while it is frozen" if engine.frozen else "" if engine.up else " (down)"
         leases = _set(m.leases, e, False)
-        runner, g = engine.runner, m.ghost
-        void = engine.void
-        if runner is not None and runner[0] == DONE and not void:
-            key = self._key(runner[1])
+        key, g, void = self._in_flight(m, e), m.ghost, engine.void
+        if key is not None:
             g = g._replace(hits=_bumped(g.hits, key))
             void = True
             label += f" ({self._key_name(key)} ran, its result not written)"
             self.coverage.add("lapse hits a run")
         m = self._set_engine(m, e, trust=False, void=void)
         return label, m._replace(leases=leases, ghost=g)
+
+    def _in_flight(self, m: S, e: int) -> int | None:
+        """The key of engine e's run in flight: its body ran, its outcome is not recorded (nor
+        counted already: a lapse during the run makes it void); else None."""
+        engine, g = m.engines[e], m.ghost
+        runner = engine.runner
+        if runner is None or runner[0] != DONE or engine.void:
+            return None
+        key = self._key(runner[1])
+        # Over if its outcome is recorded (a write whose answer was lost, to be sent again)
+        index, recorded = (key, g.outcomes) if key < self.n else (key - self.n, g.compensated)
+        return None if index in recorded else key
 
     def _fleet_steps(self, m: S, e: int) -> list[tuple[str, S]]:
         """Renewal, letting go, scans and adoption of engine e (up, not frozen)."""
@@ -257,12 +269,10 @@ class FleetChecker(FlowChecker):
     def _let_go(self, m: S, e: int, why: str) -> tuple[str, S]:
         """`Engine._let_go`: the runner stops (a body that ran is discarded: a hit, as a crash's);
         the next renewal releases the flow."""
-        engine, g = m.engines[e], m.ghost
         label = f"engine {e} {why}: lets the flow go"
-        runner = engine.runner
-        assert runner is not None
-        if runner[0] == DONE and not engine.void:
-            key = self._key(runner[1])
+        assert m.engines[e].runner is not None
+        key, g = self._in_flight(m, e), m.ghost
+        if key is not None:
             g = g._replace(hits=_bumped(g.hits, key))
             label += f" ({self._key_name(key)} ran, its result not written)"
         self.coverage.add("let go")
@@ -275,7 +285,8 @@ class FleetChecker(FlowChecker):
         label = f"engine {e} renews its lease"
         if not m.leases[e]:
             label += " (it had lapsed)"
-        if engine.released and p.renewal_releases and row.state in ACTIVE and row.owner == name:
+        ours = row.owner == name or not p.release_checks_owner
+        if engine.released and p.renewal_releases and row.state in ACTIVE and ours:
             # `_store.release`: no new revision; made a moment before any later scan's check
             row = attrs.evolve(row, lease_until=m.now - 1.0)
             label += ", releasing the flow it let go"
@@ -406,20 +417,13 @@ class FleetChecker(FlowChecker):
             raise _step_violation(
                 label, f"engine {e} runs a body of a flow engine {holder} holds: two at once"
             )
-        g = m.ghost
-        for f, other in enumerate(m.engines):
-            running = other.runner
-            if f == e or running is None or running[0] != DONE or other.void:
-                continue
-            key = self._key(running[1])
-            # Over if its outcome is recorded (a write whose answer was lost, to be sent again)
-            index, recorded = (key, g.outcomes) if key < self.n else (key - self.n, g.compensated)
-            if index not in recorded:
-                name = self._key_name(key)
+        for f in range(len(m.engines)):
+            key = None if f == e else self._in_flight(m, f)
+            if key is not None:
                 raise _step_violation(
                     label,
-                    f"engine {f}'s run of {name} is in flight under a lease that never lapsed:"
-                    " two steps at once",
+                    f"engine {f}'s run of {self._key_name(key)} is in flight under a lease that"
+                    " never lapsed: two steps at once",
                 )
 
     def _check_write(self, m: S, e: int, copy: Flow, label: str) -> None:

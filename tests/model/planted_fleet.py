@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import attrs
+
+from ferry.flow._machine import Flow, Transition
 from tests.model.fleet import FleetProtocol
 
 
@@ -56,3 +59,19 @@ class FleetTimerWithoutRevisionCheck(FleetEngine):
     times out once per engine."""
 
     timer_checks_revision = False
+
+
+class TakeoverKeepsTheAttempt(FleetEngine):
+    """(7) A takeover keeps the attempt number: the run it starts claims the number of a run
+    the old owner may have made."""
+
+    def take_over(self, flow: Flow, owner: str, now: float) -> Transition:
+        t = super().take_over(flow, owner, now)
+        return attrs.evolve(t, flow=attrs.evolve(t.flow, attempt=flow.attempt))
+
+
+class ReleaseOfAnotherOwnersFlow(FleetEngine):
+    """(8) The release in a renewal does not check the owner: an engine that let a flow go
+    releases it again after another engine took it over, and a third takeover runs it twice."""
+
+    release_checks_owner = False

@@ -16,7 +16,9 @@ from tests.model.planted_fleet import (
     FleetEngine,
     FleetTimerWithoutRevisionCheck,
     FleetWriteWithoutRevisionCheck,
+    ReleaseOfAnotherOwnersFlow,
     RunnerIgnoresItsLease,
+    TakeoverKeepsTheAttempt,
     TakeoverWithoutOrphanCheck,
     TakeoverWithoutRevisionCheck,
 )
@@ -185,10 +187,25 @@ def test_catches_a_timeout_that_fires_once_per_engine() -> None:
     assert sorted(fired) == ["engine 0", "engine 1"]
 
 
+def test_catches_a_takeover_that_keeps_the_attempt() -> None:
+    found = FleetChecker(FROZEN, TakeoverKeepsTheAttempt()).find()
+    assert found.message == "step 'reserve' ran as attempt 1 again (attempts never repeat)"
+    assert len(found.trace) == 6
+
+
+def test_catches_a_release_of_a_flow_another_engine_took_over() -> None:
+    found = FleetChecker(OUTAGE, ReleaseOfAnotherOwnersFlow()).find()
+    assert found.message == "engine 1 runs a body of a flow engine 0 holds: two at once"
+    assert "engine 0 renews its lease (it had lapsed), releasing the flow it let go" in (
+        found.trace
+    )
+    assert len(found.trace) == 8
+
+
 def test_fleet_protocol_flags_are_the_engine_s() -> None:
     p = FleetProtocol()
     assert p.takeover_cas and p.takeover_checks_orphan and p.runner_checks_lease
-    assert p.outside_respects_owner and p.renewal_releases
+    assert p.outside_respects_owner and p.renewal_releases and p.release_checks_owner
     assert not p.renewal_rereads and not p.retaken_not_released  # the findings
 
 
