@@ -1,23 +1,17 @@
-"""Bugs that the flow's model check (tests/model/flow.py, ADR 0050) found, on the real engine."""
+"""Bugs that the flow's model check (tests/model/flow.py, ADR 0050) found, on the real engine:
+each test failed before its fix."""
 
 from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
 
-import pytest
 import trio
 import trio.testing
 
 from ferry import flow
 
 from ._helpers import InlineSqliteStore
-
-CANCEL_BUG = (
-    "machine bug (found by the model check): `cancel` through an engine that lacks the flow's"
-    " plan version compensates anyway and names the top of the stack after the current step;"
-    " once the version is back, `resume` refuses the blocked flow for ever"
-)
 
 
 def reserve_confirm_ship(log: list[str], version: int) -> flow.Plan:
@@ -70,15 +64,15 @@ async def cancel_without_the_version(path: str) -> tuple[bool, object, object, l
     return resumed, blocked, snap, log
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=CANCEL_BUG)
 def test_a_cancel_without_the_plan_version_can_be_finished_once_it_is_back(
     tmp_path: Path,
 ) -> None:
+    """Fixed in the machine (b1141ea): the v2 engine's cancel used to make the flow COMPENSATING
+    at index 0 but step 'confirm'; it blocked it, and with v1 back `resume` refused it for ever
+    (the step name did not match). Now the compensation waits for a plan to name it."""
     clock = trio.testing.MockClock(autojump_threshold=0)
     run = partial(cancel_without_the_version, str(tmp_path / "flows.db"))
     resumed, blocked, snap, log = trio.run(run, clock=clock)
-    # Today: the v2 engine's cancel made the flow COMPENSATING at index 0 but step 'confirm',
-    # it blocked it, and with v1 back `resume` refuses it (the step name does not match).
     assert resumed, f"resume refused the flow blocked at {blocked}"
     assert isinstance(snap, flow.Snapshot) and snap.state is flow.State.FAILED
     assert log == ["reserve", "release"]
