@@ -8,6 +8,7 @@ import argparse
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -22,11 +23,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {'off' if default is False else '%(default)s'})"
 
 
-def parser(description: str | None, epilog: str | None = None) -> argparse.ArgumentParser:
+class ArgumentParser(argparse.ArgumentParser):
+    """Reports a bad command line in one line on stderr (`prog: error: ... (see --help)`, exit
+    code 2), without the usage block that argparse prints first."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def parser(description: str | None, epilog: str | None = None) -> ArgumentParser:
     """An `ArgumentParser` for an example: `description` is its docstring, shown as written."""
-    return argparse.ArgumentParser(
-        description=description, epilog=epilog, formatter_class=HelpFormatter
-    )
+    return ArgumentParser(description=description, epilog=epilog, formatter_class=HelpFormatter)
 
 
 def add_ferry_options(parser: argparse.ArgumentParser) -> None:

@@ -4,17 +4,24 @@
 - `withdraw` blocks (stm.retry) until the account holds enough, or gives up at a deadline.
 - an auditor checks, in every transaction it runs, that no money was created or lost.
 
-Run it: python examples/bank.py
+Run it: python examples/bank.py [--seed N]
 """
 
 from __future__ import annotations
 
 import random
+import sys
 import threading
+from collections.abc import Sequence
+from pathlib import Path
 
 import trio
 
+if not __package__:  # run as a script: make `stm` and `examples` importable from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import stm
+from examples import _cli as cli
 from stm import TVar
 
 ACCOUNTS = 10
@@ -75,14 +82,14 @@ def clerk_thread(bank: Bank, transfers: int, done: list[int]) -> None:
     done.append(count)
 
 
-async def main() -> None:
+async def run(seed: int) -> None:
     bank = Bank()
     results: list[int] = []
     thread_done: list[int] = []
     withdrawals: list[bool] = []
 
-    async def run_customer(seed: int) -> None:
-        results.append(await customer(bank, seed, 200))
+    async def run_customer(n: int) -> None:
+        results.append(await customer(bank, seed * 1000 + n, 200))
 
     async def big_withdrawal(amount: int, patience: float) -> None:
         deadline = trio.current_time() + patience
@@ -93,8 +100,8 @@ async def main() -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(big_withdrawal, 150, 2.0)  # waits until account 0 holds 150
         nursery.start_soon(big_withdrawal, TOTAL + 1, 0.2)  # can never succeed: times out
-        for seed in range(20):
-            nursery.start_soon(run_customer, seed)
+        for n in range(20):
+            nursery.start_soon(run_customer, n)
         # Make sure account 0 eventually holds enough, even if the random traffic never does.
         await trio.sleep(0.05)
         for src in range(1, ACCOUNTS):
@@ -114,5 +121,18 @@ async def main() -> None:
     assert total == TOTAL and sorted(withdrawals) == [False, True] and stats.waiters == 0
 
 
+def build_parser() -> cli.ArgumentParser:
+    parser = cli.parser(__doc__)
+    parser.add_argument(
+        "--seed", metavar="N", type=cli.integer(0), default=0, help="seed of the random traffic"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    trio.run(run, args.seed)
+
+
 if __name__ == "__main__":
-    trio.run(main)
+    main()

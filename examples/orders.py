@@ -761,23 +761,13 @@ def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
 # ------------------------------------------------------------------------------ command line
 
 
-class Parser(argparse.ArgumentParser):
-    """Bad flags are one line on stderr (exit code 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        fail(f"{message} (see --help)")
-
-
 def fail(message: str) -> NoReturn:
     print(f"orders.py: error: {message}", file=sys.stderr)
     sys.exit(2)
 
 
-def parse(argv: Sequence[str]) -> argparse.Namespace:
-    p = Parser(
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-        formatter_class=cli.HelpFormatter,
-    )
+def build_parser() -> cli.ArgumentParser:
+    p = cli.parser(__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--orders", type=int, default=200, help="orders to fulfil (1 to 100000)")
     p.add_argument("--seed", type=int, default=1, help="seed of the orders and the gateway")
     p.add_argument("--rate", type=float, default=150.0, help="orders arriving per second")
@@ -792,7 +782,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         "--db", metavar="PATH", type=cli.new_file, help="SQLite file (default: one in a temp dir)"
     )
     place.add_argument(
-        "--postgres", metavar="DSN", type=cli.postgres_dsn, help="run on PostgreSQL at this DSN"
+        "--postgres",
+        metavar="DSN",
+        type=cli.postgres_dsn,
+        help="run on PostgreSQL at this DSN (default: SQLite, see --db)",
     )
     p.add_argument(
         "--crash",
@@ -804,6 +797,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run", help=argparse.SUPPRESS)
     p.add_argument("--epoch", type=float, help=argparse.SUPPRESS)
+    return p
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.timeout is None:
         args.timeout = 3.0 if args.crash else 1.5

@@ -53,6 +53,19 @@ def _check_real(name: str, value: object, *, positive: bool, finite: bool) -> fl
     return v
 
 
+def _check_bound(value: object, workers: int) -> float:
+    if value is None:
+        return workers
+    if value == math.inf:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            "max_in_flight_calls must be an int >= 1, math.inf (direct calls not bounded), or "
+            f"None (the default: max_in_flight_batches), got {value!r}"
+        )
+    return value
+
+
 def _check_callable(name: str, value: object) -> None:
     if not callable(value):
         raise ValueError(f"{name} must be callable, got {value!r}")
@@ -289,6 +302,7 @@ def open_per_key_ferry(
     max_queueing: int = ...,
     max_queued_weight: float = ...,
     direct_calls: bool = ...,
+    max_in_flight_calls: float | None = ...,
     extract: None = None,
 ) -> AbstractAsyncContextManager[PerKeyFerry[I, R]]: ...
 
@@ -308,6 +322,7 @@ def open_per_key_ferry(
     max_queueing: int = ...,
     max_queued_weight: float = ...,
     direct_calls: bool = ...,
+    max_in_flight_calls: float | None = ...,
     extract: Callable[[O, I], R],
 ) -> AbstractAsyncContextManager[PerKeyFerry[I, R]]: ...
 
@@ -326,13 +341,17 @@ def open_per_key_ferry(
     max_queueing: int = 10_000,
     max_queued_weight: float = math.inf,
     direct_calls: bool = True,
+    max_in_flight_calls: float | None = None,
     extract: Callable[[Any, Any], Any] | None = None,
 ) -> AbstractAsyncContextManager[PerKeyFerry[Any, Any]]:
     """Open a per-key ferry over `call(key, inputs) -> outputs` for an `async with` block.
 
     At most one call is in flight per key; keys with inputs ready are served first come, first
-    served. `call` must be async (`TypeError` otherwise). Options are checked here (`ValueError`
-    naming the option); each call is cancelled after `call_timeout` seconds (ADR 0015).
+    served. At most `max_in_flight_calls` calls are in flight at once, batched or direct (default:
+    `max_in_flight_batches`; `math.inf`: direct calls are not bounded); an input for an idle key
+    is sent at once by its caller only while fewer calls are in flight or ready to go (ADR 0031).
+    `call` must be async (`TypeError` otherwise). Options are checked here (`ValueError` naming
+    the option); each call is cancelled after `call_timeout` seconds (ADR 0015).
     """
     _check_async(call)
     _check_callable("key", key)
@@ -352,7 +371,10 @@ def open_per_key_ferry(
             "means 'direct calls only' (a call for a busy key is rejected); otherwise every call "
             "would be rejected. Give max_queueing >= 1."
         )
+    workers = _check_int("max_in_flight_batches", max_in_flight_batches, 1)
+    bound = _check_bound(max_in_flight_calls, workers)
     limits = _lanes.Limits(
+        max_in_flight=bound,
         max_batch_size=_check_int("max_batch_size", max_batch_size, 1),
         max_batch_weight=_check_real(
             "max_batch_weight", max_batch_weight, positive=True, finite=False
@@ -363,7 +385,6 @@ def open_per_key_ferry(
         direct_calls=direct_calls,
         one_in_flight=True,
     )
-    workers = _check_int("max_in_flight_batches", max_in_flight_batches, 1)
     timeout = _check_real("call_timeout", call_timeout, positive=True, finite=False)
     shell = Shell(call, extract, limits, workers, timeout, plain=False)
     return shell.lifetime(PerKeyFerry(shell, key, rank, weight, max_queued_weight))

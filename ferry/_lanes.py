@@ -7,9 +7,9 @@ TVar; the model check (tests/model/) explores every interleaving of them.
 State (`Lanes`, the root value)
 -------------------------------
 - `lanes`: key -> `Lane`, for every key with inputs waiting or a call in flight, and no other.
-- `ready`: FIFO of lanes that can be taken. A `PVector` of `(stamp, key)` plus a head index.
+- `ready`: FIFO of lanes that can be taken: `(stamp, key)` in an `Array` from `ready_head` on.
 - `waiting`: lanes with a partial batch, by deadline. A binary min-heap of
-  `(deadline, stamp, key)` kept in a `PVector` (the first `waiting_size` slots; the rest are None).
+  `(deadline, stamp, key)` in an `Array` (slots 0 to `waiting_size` - 1).
 - `queued`, `weight`: inputs waiting (not in flight) and their total weight, over all lanes.
 - `busy`: calls in flight (batches and direct calls); always the sum of `Lane.calls`.
 - counters for statistics, all plain fields of the root, listed once (`COUNTERS`).
@@ -44,7 +44,7 @@ Why these structures
 
 The plain ferry is the same core with `one_in_flight=False` and a single key, so its lane may be
 queued while batches from it are in flight; its `lanes` is a one-slot `OneLane` map instead of a
-`PMap` (same interface, no 1.3 us `PMap.set` per admission).
+`immutables.Map` (same interface, less per admission).
 
 Open question: a lane's deadline is not postponed when its oldest input is cancelled (it may be
 taken a little early, never late).
@@ -54,15 +54,18 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import attrs
+import immutables
 from pyrsistent import PMap, PVector, pmap
 
 from ._persistent import (
     CHUNK,
+    EMPTY_ARRAY,
     EMPTY_VECTOR,
     SHIFT,
+    Array,
     LaneMap,
     OneLane,
     Tombstone,
@@ -73,6 +76,9 @@ from ._persistent import (
     fifo_trim,
     heap_pop,
     heap_push,
+    queue_drop,
+    queue_iter,
+    queue_push,
     treap_delete,
     treap_insert,
     treap_iter,
@@ -132,6 +138,9 @@ class Limits:
     max_queued_weight: float = math.inf
     direct_calls: bool = False
     one_in_flight: bool = True
+    #: most calls in flight at once, batched or direct (`busy`); `take` and the direct-call rule
+    #: of `admit` respect it. math.inf: no bound beyond the number of workers.
+    max_in_flight: float = math.inf
 
     def __attrs_post_init__(self) -> None:
         assert self.max_batch_size >= 1
@@ -140,17 +149,24 @@ class Limits:
         assert self.max_queueing >= 0
         assert self.max_queued_weight >= 0
         assert not (self.direct_calls and not self.one_in_flight), "direct calls are per-key only"
+        assert self.max_in_flight >= 1
 
 
-@attrs.frozen
-class Item(Generic[E]):
-    """One caller's input: its entry (opaque to the core), weight, submission time, rank, seq."""
+class Item(NamedTuple, Generic[E]):
+    """One caller's input: its entry (opaque to the core), weight, submission time, rank, seq.
+
+    A named tuple, made with `tuple.__new__`: one is made per input, and that costs a third of
+    an attrs record's `__init__`. Compared by identity (`cancel`), never by value.
+    """
 
     entry: E
     weight: float
     submitted: float
     rank: Any
     seq: int
+
+
+_new_tuple = tuple.__new__
 
 
 @attrs.frozen
@@ -202,9 +218,9 @@ class Lanes(Generic[K, E]):
 
     limits: Limits
     lanes: LaneMap[K, Lane[E]]
-    ready: PVector[tuple[int, K]]
+    ready: Array[int, tuple[int, K]]
     ready_head: int
-    waiting: PVector[Any]
+    waiting: Array[int, Any]
     waiting_size: int
     queued: int
     weight: float
@@ -231,7 +247,7 @@ class Lanes(Generic[K, E]):
         """Keys of the READY lanes, first come first. O(len(ready))."""
         lanes = self.lanes
         out = []
-        for stamp, key in self.ready[self.ready_head :]:
+        for stamp, key in queue_iter(self.ready, self.ready_head):
             lane = lanes.get(key)
             if lane is not None and lane.stamp == stamp and lane.where == READY:
                 out.append(key)
@@ -241,7 +257,7 @@ class Lanes(Generic[K, E]):
         """(deadline, key) of the WAITING lanes, earliest first. O(n log n)."""
         lanes = self.lanes
         out = []
-        for entry in self.waiting[: self.waiting_size]:
+        for entry in self.waiting.values():
             deadline, stamp, key = entry
             lane = lanes.get(key)
             if lane is not None and lane.stamp == stamp and lane.where == WAITING:
@@ -305,14 +321,17 @@ def _busy_lane(calls: int) -> Lane[Any]:
     return _lane(False, EMPTY_VECTOR, (), 0, None, 0, 0.0, IDLE, calls, math.inf, 0)
 
 
+_CLAIMED = _busy_lane(1)  # immutable, so every claimed key can share it
+
+
 def empty(limits: Limits) -> Lanes[Any, Any]:
     """A new, open, empty room. O(1)."""
     return Lanes(
         limits=limits,
-        lanes=pmap() if limits.one_in_flight else OneLane(),
-        ready=EMPTY_VECTOR,
+        lanes=immutables.Map() if limits.one_in_flight else OneLane(),
+        ready=EMPTY_ARRAY,
         ready_head=0,
-        waiting=EMPTY_VECTOR,
+        waiting=EMPTY_ARRAY,
         waiting_size=0,
         queued=0,
         weight=0.0,
@@ -324,7 +343,7 @@ def empty(limits: Limits) -> Lanes[Any, Any]:
     )
 
 
-def _purge(heap: PVector[Any], size: int, lanes: Any) -> tuple[PVector[Any], int]:
+def _purge(heap: Array[int, Any], size: int, lanes: Any) -> tuple[Array[int, Any], int]:
     """Pop dead entries off the top of `waiting` until the top is live. O(d log n) for d dead."""
     while size:
         _, stamp, key = heap[0]
@@ -355,16 +374,20 @@ def admit(
 ) -> tuple[Lanes[K, E], Admission, Item[E] | None]:
     """Admission of one input: CLOSED, CLAIMED, ADMITTED or REJECTED, the first whose rule holds.
 
-    CLOSED once `drain` has run; CLAIMED (direct calls on, zero delay, no lane for `key`); ADMITTED
-    if there is room by count and weight; else REJECTED (docs/guide.md, "Backpressure").
-    `submitted` always counts, and one of `after_close`, `direct_calls`, `admitted` or `rejected`
-    by outcome. CLAIMED makes
-    a busy lane with no items for `key` (the caller makes a direct call, then `release`s). Only
-    ADMITTED returns the new `Item` (keep it to `cancel`). `rank=None` orders by arrival; a lane
-    holds either rank-free or ranked items, not both. Never raises on a valid state.
+    - CLOSED once `drain` has run;
+    - CLAIMED when direct calls are on, the delay is zero, `key` has no lane, and the room is quiet:
+      the calls in flight plus the lanes ready for a worker are fewer than `max_in_flight`
+      (ADR 0031). Makes a busy lane with no items for `key`; the caller makes a direct call,
+      then `release`s;
+    - ADMITTED if there is room by count and weight; it returns the new `Item` (keep it to
+      `cancel`). `rank=None` orders by arrival; a lane holds ranked or rank-free items, not both;
+    - else REJECTED (docs/guide.md, "Backpressure").
 
-    Cost: O(log n) in waiting inputs (one PMap write, one PVector append or one treap insert, at
-    most one heap push); amortized O(1) extra for dead heap tops.
+    `submitted` always counts, and one of `after_close`, `direct_calls`, `admitted` or `rejected`
+    by outcome. Never raises on a valid state.
+
+    Cost: O(log n) in waiting inputs (one map write, one tail copy or treap insert, at most one
+    heap push); amortized O(1) extra for dead heap tops.
     """
     limits = state.limits
     if state.closed:
@@ -372,7 +395,12 @@ def admit(
         return _evolve(state, counts), Admission.CLOSED, None
     lanes = state.lanes
     lane = lanes.get(key)
-    if lane is None and limits.direct_calls and limits.max_batch_delay == 0:
+    if (
+        lane is None
+        and limits.direct_calls
+        and limits.max_batch_delay == 0
+        and state.busy + state.n_ready < limits.max_in_flight
+    ):
         return _claim(state, key), Admission.CLAIMED, None
     new_weight = state.weight + weight
     if state.queued >= limits.max_queueing or new_weight > limits.max_queued_weight:
@@ -380,7 +408,7 @@ def admit(
         return _evolve(state, counts), Admission.REJECTED, None
 
     seq = state.seq
-    item: Item[E] = Item(entry, weight, now, rank, seq)
+    item: Item[E] = _new_tuple(Item, (entry, weight, now, rank, seq))
     changes: dict[str, Any] = {
         "submitted": state.submitted + 1,
         "admitted": state.admitted + 1,
@@ -425,7 +453,7 @@ def admit(
                 seq += 1
                 d["stamp"] = seq
                 d["where"] = READY
-                changes["ready"] = state.ready.append((seq, key))
+                changes["ready"] = queue_push(state.ready, state.ready_head, (seq, key))
                 changes["n_ready"] = state.n_ready + 1
                 changes["n_waiting"] = state.n_waiting - 1
                 changes["seq"] = seq + 1
@@ -466,7 +494,7 @@ def _queue_new(
         or limits.max_batch_size == 1
         or weight >= limits.max_batch_weight
     ):
-        changes["ready"] = state.ready.append((stamp, key))
+        changes["ready"] = queue_push(state.ready, state.ready_head, (stamp, key))
         changes["n_ready"] = state.n_ready + 1
         return READY, stamp
     changes["waiting"] = heap_push(state.waiting, state.waiting_size, (deadline, stamp, key))
@@ -479,7 +507,7 @@ def _claim(state: Lanes[K, E], key: K) -> Lanes[K, E]:
     return _evolve(
         state,
         {
-            "lanes": state.lanes.set(key, _busy_lane(1)),
+            "lanes": state.lanes.set(key, _CLAIMED),
             "busy": state.busy + 1,
             "direct_calls": state.direct_calls + 1,
             "submitted": state.submitted + 1,
@@ -520,7 +548,10 @@ def _requeue(
         deadline = _oldest(_evolve_lane(d)) + limits.max_batch_delay
     if full or deadline <= now:
         d["where"] = READY
-        changes["ready"] = changes.get("ready", state.ready).append((seq, key))
+        ready = changes.get("ready", state.ready)
+        changes["ready"] = queue_push(
+            ready, changes.get("ready_head", state.ready_head), (seq, key)
+        )
         changes["n_ready"] = changes.get("n_ready", state.n_ready) + 1
     else:
         d["where"] = WAITING
@@ -536,6 +567,8 @@ def _requeue(
 def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | None]:
     """Promote due lanes, then take the first READY lane's batch; None if nothing is ready.
 
+    Nothing at all (`state` itself, None) while `max_in_flight` calls are in flight.
+
     A batch is the lane's longest prefix within `max_batch_size` and `max_batch_weight`, at
     least one input, tombstones skipped. The lane becomes busy (with the per-key guard: IDLE
     until `release`; without it, the rest is queued again at once). Counts `batches`,
@@ -545,6 +578,8 @@ def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | Non
     skipped on the way are paid for by whoever killed them.
     """
     limits = state.limits
+    if state.busy >= limits.max_in_flight:
+        return state, None  # no call may start before one ends
     lanes = state.lanes
     heap, size = state.waiting, state.waiting_size
     changes: dict[str, Any] = {}
@@ -561,7 +596,7 @@ def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | Non
                 d = lane.__dict__.copy()
                 d["where"] = READY
                 d["stamp"] = seq
-                ready = ready.append((seq, key))
+                ready = queue_push(ready, state.ready_head, (seq, key))
                 seq += 1
                 n_ready += 1
                 n_waiting -= 1
@@ -584,17 +619,14 @@ def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | Non
 
     # Find the first live READY entry.
     ready = changes.get("ready", state.ready)
-    head = state.ready_head
+    first = head = state.ready_head
     while True:
         stamp, key = ready[head]
         head += 1
         lane = updated.get(key) or lanes.get(key)
         if lane is not None and lane.stamp == stamp and lane.where == READY:
             break
-    if head >= 32 and head * 2 >= len(ready):
-        ready = ready[head:]  # compaction: O(n) once per n/2 takes
-        head = 0
-    changes["ready"] = ready
+    changes["ready"] = queue_drop(ready, first, head)  # the dead entries passed, and this one
     changes["ready_head"] = head
 
     max_size, max_weight = limits.max_batch_size, limits.max_batch_weight
@@ -650,16 +682,16 @@ def take(state: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | Non
 
 
 def _write(lanes: LaneMap[K, Lane[E]], updated: dict[K, Lane[E]]) -> LaneMap[K, Lane[E]]:
-    """`lanes` with the `updated` entries: a plain set for one, one evolver for several."""
+    """`lanes` with the `updated` entries: a plain set for one, one mutation for several."""
     if len(updated) == 1:
         ((key, lane),) = updated.items()
         return lanes.set(key, lane)
     if not updated:
         return lanes
-    evolver = lanes.evolver()
+    mutation = lanes.mutate()
     for key, lane in updated.items():
-        evolver.set(key, lane)
-    return evolver.persistent()
+        mutation.set(key, lane)
+    return mutation.finish()
 
 
 def release(state: Lanes[K, E], key: K, now: float, *, failed: bool = False) -> Lanes[K, E]:
@@ -679,7 +711,7 @@ def release(state: Lanes[K, E], key: K, now: float, *, failed: bool = False) -> 
         changes["failed_batches"] = state.failed_batches + 1
     calls = lane.calls - 1
     if calls == 0 and lane.count == 0:
-        changes["lanes"] = state.lanes.remove(key)
+        changes["lanes"] = state.lanes.delete(key)
         return _evolve(state, changes)
     d = lane.__dict__.copy()
     d["calls"] = calls
@@ -741,7 +773,7 @@ def cancel(state: Lanes[K, E], key: K, item: Item[E]) -> tuple[Lanes[K, E], bool
         elif lane.where == WAITING:
             changes["n_waiting"] = state.n_waiting - 1
         if lane.calls == 0:
-            lanes = state.lanes.remove(key)
+            lanes = state.lanes.delete(key)
         else:
             d.update(fifo=EMPTY_VECTOR, tail=(), head=0, tree=None, weight=0.0, where=IDLE)
             lanes = state.lanes.set(key, _evolve_lane(d))
@@ -763,7 +795,7 @@ def drain(state: Lanes[K, E]) -> tuple[Lanes[K, E], list[Item[E]]]:
     Idempotent. Cost: O(lanes + items).
     """
     out: list[Item[E]] = []
-    lanes = state.lanes.evolver()
+    lanes = state.lanes.mutate()
     for key, lane in state.lanes.items():
         if lane.count:
             out.extend(lane.items())
@@ -771,16 +803,16 @@ def drain(state: Lanes[K, E]) -> tuple[Lanes[K, E], list[Item[E]]]:
             if lane.count or lane.where != IDLE:
                 lanes.set(key, _busy_lane(lane.calls))
         else:
-            lanes.remove(key)
+            del lanes[key]
     return (
         _evolve(
             state,
             {
                 "closed": True,
-                "lanes": lanes.persistent(),
-                "ready": EMPTY_VECTOR,
+                "lanes": lanes.finish(),
+                "ready": EMPTY_ARRAY,
                 "ready_head": 0,
-                "waiting": EMPTY_VECTOR,
+                "waiting": EMPTY_ARRAY,
                 "waiting_size": 0,
                 "n_ready": 0,
                 "n_waiting": 0,
@@ -847,6 +879,7 @@ def check_invariants(state: Lanes[Any, Any]) -> None:
     assert state.queued == queued, f"queued {state.queued} != {queued}"
     assert math.isclose(state.weight, weight, abs_tol=1e-9), f"weight {state.weight} != {weight}"
     assert state.busy == busy, f"busy {state.busy} != {busy}"
+    assert busy <= limits.max_in_flight, f"{busy} calls in flight, above {limits.max_in_flight}"
     assert state.n_ready == n_ready, f"n_ready {state.n_ready} != {n_ready}"
     assert state.n_waiting == n_waiting, f"n_waiting {state.n_waiting} != {n_waiting}"
     ready = state.ready_keys()
@@ -857,12 +890,14 @@ def check_invariants(state: Lanes[Any, Any]) -> None:
     for deadline, key in waiting:
         assert state.lanes[key].deadline == deadline, f"{key!r}: stale deadline entry"
     heap, size = state.waiting, state.waiting_size
-    assert all(heap[i] is None for i in range(size, len(heap))), "waiting: junk past the end"
+    assert sorted(heap) == list(range(size)), "waiting: slots are not 0 to size - 1"
     for i in range(1, size):
         assert heap[(i - 1) >> 1] <= heap[i], "waiting: heap order broken"
     if size:
         assert waiting and waiting[0][0] == heap[0][0], "waiting: dead entry on top"
-    assert 0 <= state.ready_head <= len(state.ready)
+    assert all(state.ready_head <= i < state.ready_head + len(state.ready) for i in state.ready), (
+        "ready: slots are not from its head on"
+    )
     if state.closed:
         assert queued == 0 and not ready and not waiting, "inputs in a closed room"
     # The conservation equations of docs/guide.md ("Watching it"), from public numbers.

@@ -7,12 +7,21 @@ rerun transaction can start again from the value it read):
 - the chunked FIFO of a rank-free lane: full chunks (tuples of `CHUNK` slots) in a `PVector`, a
   short `tail` tuple, and a head index kept by the lane;
 - the treap of a ranked lane, keyed by `(rank, seq)`;
-- the binary min-heap of waiting lanes, in the first `size` slots of a `PVector`;
-- `OneLane`, the plain room's one-slot map, and `LaneMap`, what the transitions need of a map.
+- `Array`s: an `immutables.Map` from int to value used as a persistent array, for the FIFO of
+  ready lanes (from a head index on) and the binary min-heap of waiting lanes (slots 0 to size-1);
+- `LaneMap`, what the transitions need of a map of lanes: an `immutables.Map` (a hash array
+  mapped trie in C) for the per-key room, or `OneLane`, the plain room's one-slot map.
 
 Why chunks and not one flat `PVector` for a lane: pvectorc's GC traversal visits every element,
 so a young 100k-element vector made by each append costs about 1 ms in every gen-0 collection,
 more than the admissions themselves at 100k waiting inputs. A young tail tuple costs nothing.
+Why `immutables.Map` for the lanes (ADR 0030): a write costs about 0.5 us and copies only the
+path to the key (a few nodes of at most 32 slots), so both its cost and what it leaves for the
+next gen-0 collection stay flat up to any number of keys; a `PMap` rebuilds its bucket vector,
+which a gen-0 collection then traverses, O(keys). The same holds for the queues of ready and
+waiting lanes, which hold an entry per key: as a `PVector` of 100k entries, each new version
+costs about 1 ms in the next gen-0 collection, so they are arrays over `immutables.Map` too.
+
 Why a treap for ranks: inserts anywhere and pops of the minimum in O(log n), persistent, with
 deterministic priorities (so runs replay); the rank-free path never pays for it.
 """
@@ -23,6 +32,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 import attrs
+import immutables
 from pyrsistent import PVector, pvector
 
 K = TypeVar("K")
@@ -167,10 +177,37 @@ def treap_iter(node: Node | None) -> Iterator[Any]:
         node = node[4]
 
 
-# ---- the waiting heap: a binary min-heap in the first `size` slots of a PVector ----------------
+# ---- arrays: the FIFO of ready lanes and the heap of waiting lanes -------------------------------
+
+# A persistent array: slot index -> value. A write copies the path to one slot (a few nodes of
+# at most 32 entries), so neither its cost nor its garbage grows with the length.
+Array = immutables.Map
+
+EMPTY_ARRAY: Array[int, Any] = immutables.Map()
 
 
-def heap_push(heap: PVector[Any], size: int, entry: Any) -> PVector[Any]:
+def queue_push(queue: Array[int, Any], head: int, entry: Any) -> Array[int, Any]:
+    """Append `entry` to a FIFO that holds its slots from `head` on. O(log32 n)."""
+    return queue.set(head + len(queue), entry)
+
+
+def queue_drop(queue: Array[int, Any], head: int, new_head: int) -> Array[int, Any]:
+    """Forget the slots from `head` to `new_head` (exclusive), already consumed. O(k log32 n)."""
+    if new_head == head + 1:
+        return queue.delete(head)
+    mutation = queue.mutate()
+    for i in range(head, new_head):
+        del mutation[i]
+    return mutation.finish()
+
+
+def queue_iter(queue: Array[int, Any], head: int) -> Iterator[Any]:
+    """The slots in FIFO order. O(n)."""
+    for i in range(head, head + len(queue)):
+        yield queue[i]
+
+
+def heap_push(heap: Array[int, Any], size: int, entry: Any) -> Array[int, Any]:
     """O(log n); O(1) on average when entries arrive in order (the common case for deadlines)."""
     i = size
     while i > 0:
@@ -178,17 +215,16 @@ def heap_push(heap: PVector[Any], size: int, entry: Any) -> PVector[Any]:
         above = heap[parent]
         if above <= entry:
             break
-        heap = heap.set(i, above) if i < len(heap) else heap.append(above)
+        heap = heap.set(i, above)
         i = parent
-    return heap.set(i, entry) if i < len(heap) else heap.append(entry)
+    return heap.set(i, entry)
 
 
-def heap_pop(heap: PVector[Any], size: int) -> PVector[Any]:
+def heap_pop(heap: Array[int, Any], size: int) -> Array[int, Any]:
     """Remove the top of a non-empty heap of `size` entries. O(log n)."""
     last = size - 1
     moved = heap[last]
-    # Shrink the spare slots at a quarter full: O(n) once per n pops.
-    heap = heap[:last] if last > 64 and last * 4 < len(heap) else heap.set(last, None)
+    heap = heap.delete(last)
     if last == 0:
         return heap
     i = 0
@@ -210,14 +246,16 @@ def heap_pop(heap: PVector[Any], size: int) -> PVector[Any]:
 # ---- maps of lanes -------------------------------------------------------------------------------
 
 
-class MapEvolver(Protocol[K, V]):
-    def set(self, key: K, val: V) -> MapEvolver[K, V]: ...
-    def remove(self, key: K) -> MapEvolver[K, V]: ...
-    def persistent(self) -> LaneMap[K, V]: ...
+class MapMutation(Protocol[K, V]):
+    """Several writes to a persistent map at once (`immutables.MapMutation`)."""
+
+    def set(self, key: K, val: V, /) -> None: ...
+    def __delitem__(self, key: K, /) -> None: ...
+    def finish(self) -> LaneMap[K, V]: ...
 
 
 class LaneMap(Protocol[K, V]):
-    """What the transitions need of `Lanes.lanes`: a persistent map (a `PMap`, or `OneLane`)."""
+    """What the transitions need of `Lanes.lanes`: `immutables.Map`'s interface (or `OneLane`)."""
 
     def get(self, key: K, /) -> V | None: ...
     def __getitem__(self, key: K, /) -> V: ...
@@ -227,16 +265,16 @@ class LaneMap(Protocol[K, V]):
     def items(self) -> Iterable[tuple[K, V]]: ...
     def values(self) -> Iterable[V]: ...
     def set(self, key: K, val: V, /) -> LaneMap[K, V]: ...
-    def remove(self, key: K, /) -> LaneMap[K, V]: ...
-    def evolver(self) -> MapEvolver[K, V]: ...
+    def delete(self, key: K, /) -> LaneMap[K, V]: ...
+    def mutate(self) -> MapMutation[K, V]: ...
 
 
 class OneLane(Mapping[K, V]):
     """The plain room's `lanes`: it never holds more than its one lane.
 
-    Same interface as the `PMap` of the per-key room, without its cost: a `PMap.set` is about
-    1.3 us of pure Python and the plain room pays one on every admission. Persistent like a
-    `PMap`: `set` and `remove` return a new map. O(1) everything.
+    Same interface as the `immutables.Map` of the per-key room, for less: the plain room writes
+    its lane on every admission. Persistent: `set` and `delete` return a new map. O(1)
+    everything.
     """
 
     __slots__ = ("_key", "_value")
@@ -271,31 +309,29 @@ class OneLane(Mapping[K, V]):
         assert self._value is None or key == self._key, "the plain room has a single lane"
         return OneLane(key, val)
 
-    def remove(self, key: K) -> OneLane[K, V]:
+    def delete(self, key: K) -> OneLane[K, V]:
         if key not in self:
             raise KeyError(key)
         return OneLane()
 
-    def evolver(self) -> _OneLaneEvolver[K, V]:
-        return _OneLaneEvolver(self)
+    def mutate(self) -> _OneLaneMutation[K, V]:
+        return _OneLaneMutation(self)
 
     def __repr__(self) -> str:
         return f"OneLane({dict(self.items())!r})"
 
 
-class _OneLaneEvolver(Generic[K, V]):
+class _OneLaneMutation(Generic[K, V]):
     __slots__ = ("_map",)
 
     def __init__(self, lanes: OneLane[K, V]) -> None:
         self._map = lanes
 
-    def set(self, key: K, val: V) -> _OneLaneEvolver[K, V]:
+    def set(self, key: K, val: V) -> None:
         self._map = self._map.set(key, val)
-        return self
 
-    def remove(self, key: K) -> _OneLaneEvolver[K, V]:
-        self._map = self._map.remove(key)
-        return self
+    def __delitem__(self, key: K) -> None:
+        self._map = self._map.delete(key)
 
-    def persistent(self) -> OneLane[K, V]:
+    def finish(self) -> OneLane[K, V]:
         return self._map

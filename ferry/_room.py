@@ -8,9 +8,10 @@ the task code (`ferry._shell`) runs it in exactly one `stm` transaction (`atomic
   pure transition of `ferry._lanes`.
 - `bell`: not state, a doorbell (ADR 0006). Workers with nothing to do sleep on it alone, and a
   transaction rings it (in the same commit as its change to `state`) exactly when it makes work a
-  sleeping worker could do: a lane became ready, or the earliest deadline moved earlier. So an
-  admission into a lane already queued, a claim, a cancel, or a release of an emptied lane wakes
-  nobody.
+  sleeping worker could do (`rings`): a lane became ready while a call may start, a call ended
+  that made room under `max_in_flight` for work that waits, or the earliest deadline moved
+  earlier. So an admission into a lane already queued, a claim, a cancel, or a release of an
+  emptied lane with nothing waiting wakes nobody.
 """
 
 from __future__ import annotations
@@ -33,10 +34,22 @@ def _earlier(new: float | None, old: float | None) -> bool:
 
 
 def rings(old: Lanes[Any, Any], new: Lanes[Any, Any]) -> bool:
-    """The doorbell rule: `new` has a lane ready that `old` had not, or an earlier deadline."""
-    return new.n_ready > old.n_ready or _earlier(
-        _lanes.next_deadline(new), _lanes.next_deadline(old)
-    )
+    """The doorbell rule, for an admission or a release from `old` to `new` (ADR 0006).
+
+    True when a sleeping worker could now do something it could not before: a lane became ready
+    and a call may start (`busy < max_in_flight`); or a call ended that brought `busy` back under
+    `max_in_flight` while lanes are ready or waiting (a worker blocked by the bound sleeps
+    without a deadline, so it must look again); or the earliest waiting deadline moved earlier
+    (a sleeper wakes at its own deadline anyway, so a later one needs no ring).
+    """
+    bound = new.limits.max_in_flight
+    if new.busy < bound and (
+        new.n_ready > old.n_ready or (old.busy >= bound and (new.n_ready or new.waiting_size))
+    ):
+        return True
+    if not new.waiting_size:
+        return False  # no deadline at all
+    return _earlier(_lanes.next_deadline(new), _lanes.next_deadline(old))
 
 
 class Room(Generic[K, E]):
@@ -74,16 +87,18 @@ class Room(Generic[K, E]):
         return admission, item
 
     def take(self, now: float) -> Batch[K, E]:
-        """`_lanes.take`: a batch, now owned by the caller; `stm.retry()` if nothing is ready.
+        """`_lanes.take`: a batch, now owned by the caller; `stm.retry()` if nothing is ready (or
+        `max_in_flight` calls are in flight).
 
-        Rings when lanes are still ready after the take, so that another sleeping worker comes.
+        Rings when lanes are still ready and another call may start, so that another sleeping
+        worker comes.
         """
         state = self.state
         new, batch = _lanes.take(state.get(), now)
         if batch is None:
             stm.retry()
         state.set(new)
-        if new.n_ready:
+        if new.n_ready and new.busy < new.limits.max_in_flight:
             self._ring()
         return batch
 
@@ -122,9 +137,14 @@ class Room(Generic[K, E]):
 
     # ---- reads without a transaction ------------------------------------------------------------
 
-    def next_deadline(self) -> float | None:
-        """The earliest waiting deadline as last committed. One TVar peek."""
-        return _lanes.next_deadline(self.state.peek())
+    def sleep_deadline(self) -> float | None:
+        """Until when a worker that found nothing to take sleeps, unless the bell rings: the
+        earliest waiting deadline, or None (only the bell) while `max_in_flight` calls are in
+        flight, since then only a call's end can make work, and it rings. One TVar peek."""
+        state = self.state.peek()
+        if state.busy >= state.limits.max_in_flight:
+            return None
+        return _lanes.next_deadline(state)
 
     def statistics(self, *, plain: bool) -> FerryStatistics:
         """A snapshot of the room and its counters. One TVar peek; O(1)."""

@@ -32,6 +32,11 @@ durable write (a compare-and-set on the flow's revision) shared with other flows
 transaction. A step that was running when the process died runs again: pass
 `Context.idempotency_key` to external calls. Choreography: ``engine.on(event_type, mapper)`` and
 ``await engine.publish(event_type, event)``.
+
+Several engine processes may share one PostgreSQL database (docs/flow-fleet.md): each holds a
+lease, takes over the flows of engines that died, and can never advance a flow another engine
+took over. ``python -m ferry.flow STORE`` lists, shows and counts flows, and wakes, cancels or
+resumes one as an operator.
 """
 
 from __future__ import annotations

@@ -28,6 +28,15 @@ since, so `trio.testing.MockClock` drives hour-long parks in a test. Attempts: a
 attempt + 1 before it runs, and recovery writes attempt + 1 before re-running a step that was
 running when the process died or the engine closed (docs/adr/0024). An SQLite file is served by
 one engine at a time (an ``flock`` on ``<path>.engine-lock``, docs/adr/0025).
+
+The fleet (PostgreSQL, docs/flow-fleet.md): an engine holds a lease of its own, one row renewed
+every ``lease / 3`` (`_heartbeat_loop`), and runs the active flows whose row names it (`_mine`).
+Who holds a flow after a write is one pure rule (`_machine.leased`, via `_leasing`). Every
+``lease / 3`` it also scans (`_scan`): orphans (active flows nobody holds) are taken over by a
+compare-and-set, and the deadlines of flows parked by any engine are armed. An engine that could
+not renew in time lets its flows go and releases them with its next renewal; a flow it holds but
+does not run is adopted (docs/adr/0040-0043). ``serve=False`` makes an operator's engine, which
+runs and leases nothing (docs/adr/0044).
 """
 
 from __future__ import annotations
@@ -84,6 +93,7 @@ _COMPENSATING = State.COMPENSATING
 _PARKED = State.PARKED
 _ACTIVE = m.ACTIVE
 _SETTLED = frozenset({State.COMPLETED, State.FAILED, State.BLOCKED})
+_ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
 _BACKOFF = 0.1  # seconds before the first retry of a step; doubles with every retry
 _WRITE_BACKOFF_MAX = 5.0
 _BATCH_SIZE = 1000
@@ -382,14 +392,8 @@ class Engine:
                 self._parked -= 1
             if state is _PARKED:
                 self._parked += 1
-            elif not write:
-                pass
-            elif state is State.COMPLETED:
-                stats["completed"] += 1
-            elif state is State.FAILED:
-                stats["failed"] += 1
-            elif state is State.BLOCKED:
-                stats["blocked"] += 1
+            elif write and state in _ENDS:
+                stats[_ENDS[state]] += 1
         watch = self._watches.get(fid)
         if watch is not None:
             stm.atomically_nowait(watch.tvar.set, flow)
@@ -404,7 +408,7 @@ class Engine:
             return
         if live is not None:
             del self._live[fid]
-            if state in _ACTIVE:  # another engine holds it now: let go of it
+            if state in _ACTIVE or not write:  # it moved on without this engine: let go of it
                 stats["lost"] += 1
                 if live.scope is not None:
                     live.scope.cancel()
@@ -1247,17 +1251,18 @@ async def open_engine(
     One SQLite file is served by one engine: at open every running and compensating flow runs
     again (attempt + 1) and every parked flow's timer is armed (overdue ones time out at once).
 
-    On PostgreSQL engines form a fleet (docs/flow-fleet.md): a running flow is leased to one
-    engine for `lease` seconds, renewed every ``lease / 3`` in one statement for all its flows.
-    Every ``lease / 3`` an engine also scans for orphans (running flows of its plan versions
-    whose lease lapsed: their engine died, froze or closed) and takes them over, each by a
-    compare-and-set, and arms the timers of flows parked by any engine whose deadline is near
-    (exactly one engine's timeout takes each). At open it resumes the flows its own `owner` name
-    held (a restart under the same name) and scans. An engine that could not renew in time lets
-    its flows go (`FlowStatistics.lost`); one that lost a flow to another engine finds out at
-    its next write, which fails, or renewal. Closing ends the leases of the flows it ran, so
-    that others take them over at their next scan. A slow or frozen engine can never advance a
-    flow another engine took over: every write is a compare-and-set on the flow's revision.
+    On PostgreSQL engines form a fleet (docs/flow-fleet.md): each engine holds a lease of
+    `lease` seconds, renewed every ``lease / 3`` (one row, whatever the number of flows), and
+    runs the running flows that name it. Every ``lease / 3`` it also scans for orphans (running
+    flows of its plan versions that no live engine holds: their engine died, froze or closed)
+    and takes them over, each by a compare-and-set, and arms the timers of flows parked by any
+    engine whose deadline is near (exactly one engine's timeout takes each). At open it resumes
+    the flows its own `owner` name held (a restart under the same name) and scans. An engine
+    that could not renew in time lets its flows go (`FlowStatistics.lost`) and releases them
+    with its next renewal; one that lost a flow to another engine finds out at its next write,
+    which fails, or its next check. Closing ends its lease, so that others take its flows over
+    at their next scan. A slow or frozen engine can never advance a flow another engine took
+    over: every write is a compare-and-set on the flow's revision.
 
     `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
     plans (it reads the plan shapes engines recorded in the store), runs no step, leases

@@ -10,14 +10,20 @@ row it holds, and records what the transition says (docs/adr/0021).
 Tables, for a namespace ``ns`` (default ``flow``):
 
 - ``ns_flows``: one row per flow (`_machine.Flow`'s fields, plus ``start_data`` and
-  ``created_at``). ``revision`` is the compare-and-set token of every write; ``owner`` and
-  ``lease_until`` are for a fleet of engines (issue 10). Partial indexes: the active flows
-  (``RUNNING``/``COMPENSATING``, for recovery) and the parked flows by deadline (for timers).
+  ``created_at``). ``revision`` is the compare-and-set token of every write; ``owner`` (the
+  engine that runs an active flow) and ``lease_until`` (when it let it go) are for a fleet.
+  Partial indexes: the active flows (``RUNNING``/``COMPENSATING``, for recovery) and the parked
+  flows by deadline (for timers).
 - ``ns_history(flow_id, revision, n, at, kind, step, attempt, detail)``: every durable transition,
   primary key ``(flow_id, revision, n)``.
 - ``ns_mailbox(seq, flow_id, message_id, payload, status, at)``: one row per accepted message,
   unique ``(flow_id, message_id)`` (the `DUPLICATE` check); ``status`` is ``QUEUED`` (kept for the
   next park) or ``TAKEN``; a partial index on the queued ones, in arrival (``seq``) order.
+- ``ns_engines(owner, lease_until, started_at)``: a fleet's engines and their leases (one row per
+  engine, its heartbeat); an active flow is held while the engine its ``owner`` names holds its
+  lease (`_orphan`, docs/adr/0040). A partial index on the active flows' ``owner``.
+- ``ns_plans(plan, version, shape, registered_at)``: the shape of every plan version an engine
+  registered, for processes without the plans (an operator's engine, docs/adr/0044).
 
 Concurrency: every write first holds its flow's row (the compare-and-set ``UPDATE``, or ``SELECT
 ... FOR UPDATE`` on PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` already serializes writers) and only

@@ -262,7 +262,7 @@ class FlowStatistics:
     by this engine, at open or by its periodic scan), `lost` (flows this engine was running and
     let go: another engine holds them now, or this engine's own lease ran out before it could
     renew it; their step or compensation was cancelled and its changes discarded), `renewals`
-    (lease renewals: one statement for all of the engine's flows).
+    (renewals of the engine's lease: one row, whatever the number of flows).
     """
 
     running: int

@@ -12,6 +12,8 @@ import functools
 import gc
 import math
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,6 +25,7 @@ import ferry
 from tests.bench._harness import Row, paired
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 async def echo(xs: list[int]) -> list[int]:
@@ -124,6 +127,26 @@ async def _plain_await(n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
+async def _lock_round(n: int) -> float:
+    lock = trio.Lock()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        async with lock:
+            pass
+    return (time.perf_counter() - t0) / n
+
+
+def _direct_overhead(rounds: int, n: int = 20_000) -> tuple[float, float, float]:
+    """(direct call, awaiting the call itself, a trio.Lock round): seconds each, best of
+    `rounds`, the three interleaved so that they see the same machine."""
+    direct, bare, lock = [], [], []
+    for _ in range(rounds):
+        bare.append(_run(_plain_await, n))
+        direct.append(_run(_direct, n))
+        lock.append(_run(_lock_round, n))
+    return min(direct), min(bare), min(lock)
+
+
 async def slow_call(key: int, xs: list[int]) -> list[int]:
     await trio.sleep(0.001)  # a typical database or service round trip
     return xs
@@ -195,6 +218,65 @@ async def _admission(waiting: int, extra: int = 10_000) -> float:
     return took
 
 
+async def _admission_keys(waiting: int, extra: int = 10_000) -> float:
+    """Seconds per admission of `extra` callers, each with a key of its own, into a per-key room
+    already holding `waiting` callers, each with a key of its own (so `waiting` lanes)."""
+    async with ferry.open_per_key_ferry(
+        echo_key,
+        key=lambda x: x,
+        max_batch_delay=1e6,
+        max_batch_size=10**9,
+        max_queueing=10**9,
+    ) as f:
+        async with trio.open_nursery() as n_:
+            for i in range(waiting):
+                n_.start_soon(f, i)
+            await trio_testing.wait_all_tasks_blocked()
+            gc.collect()
+            t0 = time.perf_counter()
+            for i in range(waiting, waiting + extra):
+                n_.start_soon(f, i)
+            await trio_testing.wait_all_tasks_blocked()
+            took = (time.perf_counter() - t0) / extra
+            n_.cancel_scope.cancel()
+    return took
+
+
+def _rss_per_waiting(distinct: bool, n: int = 100_000) -> float:
+    """KiB of RSS per waiting caller of a per-key ferry, each with a key of its own (`distinct`)
+    or all on one key; measured in a fresh process, so that earlier rounds do not pad it."""
+    code = (
+        "import trio, tests.bench.bench_ferry as b; "
+        f"print(trio.run(b._rss_waiting, {distinct!r}, {n}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=_ROOT
+    )
+    return float(out.stdout.split()[-1])
+
+
+async def _rss_waiting(distinct: bool, n: int) -> float:
+    async with ferry.open_per_key_ferry(
+        echo_key,
+        key=(lambda x: x) if distinct else (lambda x: 0),
+        max_batch_delay=1e6,
+        max_batch_size=10**9,
+        max_queueing=10**9,
+    ) as f:
+        async with trio.open_nursery() as n_:
+            n_.start_soon(f, -1)  # warm up
+            await trio_testing.wait_all_tasks_blocked()
+            gc.collect()
+            before = _rss_kib()
+            for i in range(n):
+                n_.start_soon(f, i)
+            await trio_testing.wait_all_tasks_blocked()
+            gc.collect()
+            per = (_rss_kib() - before) / n
+            n_.cancel_scope.cancel()
+    return per
+
+
 def _run(fn: Any, *args: Any) -> float:
     gc.collect()
     result: float = trio.run(fn, *args)
@@ -232,8 +314,19 @@ def benchmarks() -> list[Row]:
         rows.append(Row(f"ferry plain, {n:,} callers, batch 100", s, b, 1.0))
         s, b = paired(rounds, run(_run, _per_key, n), run(_run, _baseline, n))
         rows.append(Row(f"ferry per-key over 1k keys, {n:,} callers", s, b, 1.5))
-    s, b = paired(ROUNDS, run(_run, _direct, 20_000), run(_run, _plain_await, 20_000))
-    rows.append(Row("direct call at idle vs awaiting call", s, b, 1.5, note="call = 1 checkpoint"))
+    direct, bare, lock = _direct_overhead(ROUNDS + 2)
+    rows.append(
+        Row("direct call at idle vs awaiting call", direct, bare, 1.5, note="call = 1 checkpoint")
+    )
+    rows.append(
+        Row(
+            "direct call overhead (direct - bare) vs a Lock round",
+            direct - bare,
+            lock,
+            2.0,
+            note=f"{(direct - bare) * 1e6:.1f} us of overhead",
+        )
+    )
     s, b = paired(
         ROUNDS,
         run(_run, _with_echo_peer, 10_000, True),
@@ -245,6 +338,21 @@ def benchmarks() -> list[Row]:
     small = min(_run(_admission, 1_000) for _ in range(ROUNDS))
     large = min(_run(_admission, 100_000) for _ in range(max(1, ROUNDS - 1)))
     rows.append(Row("admission at 100k waiting vs 1k", large, small, 1.5))
+    large, small = paired(
+        max(1, ROUNDS - 1), run(_run, _admission_keys, 100_000), run(_run, _admission_keys, 1_000)
+    )
+    rows.append(Row("admission, 100k distinct keys waiting vs 1k", large, small, 1.5))
+    distinct, shared = _rss_per_waiting(True), _rss_per_waiting(False)
+    rows.append(
+        Row(
+            "RSS per waiting caller, own key vs one key",
+            distinct,
+            shared,
+            1.5,
+            unit="KiB",
+            note=f"{distinct - shared:.2f} KiB per waiting key",
+        )
+    )
     before, after, lanes = trio.run(_many_keys, 1_000_000)
     rows.append(
         Row(

@@ -1,18 +1,18 @@
-"""The ledger through a per-key ferry vs one transaction per input, on SQLite and PostgreSQL.
+"""The ledger through a per-key ferry, on SQLite and PostgreSQL: three rows per store.
 
-Both sides run the same `ProjectedWrite` (examples/ledger_domain.py) on the same kind of store,
-fresh for every round, with the same 1,000 concurrent clients over 100 accounts taking inputs
-from one shared workload. Through the ferry, the inputs waiting for one account go in one batch
-(one journal transaction and one projection transaction for all of them); the baseline calls the
-`ProjectedWrite` directly with a batch of one per input (it serializes per key on its own lock,
-so it is just as correct). Figures are seconds per input, including the clients' task spawning.
-
-The ferry runs with ``direct_calls=False``: under this load a key often goes idle for an instant
-between batches, and with direct calls on, the first input to arrive then goes alone (and direct
-calls are not bounded by ``max_in_flight_batches``), which roughly halves the mean batch size.
-The fast path is for latency at low load; a write path under heavy load batches better without.
-
-Target: the ferry at most 0.2x the baseline's time per input (at least 5x the throughput).
+1. The ferry with default options against one transaction per input. Both sides run the same
+   `ProjectedWrite` (examples/ledger_domain.py) on the same kind of store, fresh for every round,
+   with the same 1,000 concurrent clients over 100 accounts taking inputs from one shared
+   workload. Through the ferry, the inputs waiting for one account go in one batch (one journal
+   transaction and one projection transaction for all of them); the baseline calls the
+   `ProjectedWrite` directly with a batch of one per input (it serializes per key on its own
+   lock, so it is just as correct). Seconds per input, the clients' task spawning included.
+   Target: at most 0.2x (at least 5x the throughput).
+2. Default options against ``direct_calls=False``, same load. Direct calls are for latency at low
+   load; under load they must not cost batching (ADR 0031). Target: within 5%.
+3. Latency at idle: one client, one input at a time, with default options against the first
+   design (``max_in_flight_calls=math.inf``: every idle key's input goes as a direct call). Both
+   make direct calls at idle; the bound must not slow them. Target: within 5%.
 """
 
 from __future__ import annotations
@@ -82,14 +82,16 @@ async def _warm(store: Store, connections: int = 4) -> None:
             nursery.start_soon(store.transact, hold)
 
 
-async def _round(make_store: Callable[[], Store], batched: bool) -> float:
+async def _round(
+    make_store: Callable[[], Store], batched: bool, options: dict[str, Any] | None = None
+) -> float:
     async with make_store() as store:  # type: ignore[attr-defined]
         pw = ledger.make_write(store)
         await pw.setup()
         await _warm(store)
         ops = workload("f" if batched else "u")
         if batched:
-            async with ferry.open_per_key_ferry(pw, key=ledger.op_key, direct_calls=False) as f:
+            async with ferry.open_per_key_ferry(pw, key=ledger.op_key, **(options or {})) as f:
                 took = await _clients(ops, f)
         else:
 
@@ -101,13 +103,57 @@ async def _round(make_store: Callable[[], Store], batched: bool) -> float:
         return took
 
 
-def _row(name: str, make_store: Callable[[], Store], note: str) -> Row:
-    value, baseline = paired(
-        ROUNDS,
-        lambda: trio.run(_round, make_store, True),
-        lambda: trio.run(_round, make_store, False),
+async def _idle(make_store: Callable[[], Store], options: dict[str, Any]) -> float:
+    """Seconds per input for one client sending 400 inputs one after the other."""
+    async with make_store() as store:  # type: ignore[attr-defined]
+        pw = ledger.make_write(store)
+        await pw.setup()
+        await _warm(store)
+        ops = workload("i")[:400]
+        async with ferry.open_per_key_ferry(pw, key=ledger.op_key, **options) as f:
+            t0 = time.perf_counter()
+            for op in ops:
+                await f(op)
+            took = (time.perf_counter() - t0) / len(ops)
+            assert f.statistics().direct_calls == len(ops)
+        return took
+
+
+def _rows(store: str, make_store: Callable[[], Store], note: str) -> list[Row]:
+    def default() -> float:
+        return trio.run(_round, make_store, True)
+
+    value, baseline = paired(ROUNDS, default, lambda: trio.run(_round, make_store, False))
+    rows = [
+        Row(
+            f"ledger, {store}: ferry (default options) vs 1 tx/input",
+            value,
+            baseline,
+            0.2,
+            note=note,
+        )
+    ]
+    no_direct: dict[str, Any] = {"direct_calls": False}
+    value, baseline = paired(ROUNDS, default, lambda: trio.run(_round, make_store, True, no_direct))
+    rows.append(
+        Row(f"ledger, {store}: default options vs direct_calls=False", value, baseline, 1.05)
     )
-    return Row(name, value, baseline, 0.2, note=note)
+    seed: dict[str, Any] = {"max_in_flight_calls": math.inf}
+    value, baseline = paired(  # both sides make the same direct calls: more rounds, less noise
+        ROUNDS + 2,
+        lambda: trio.run(_idle, make_store, {}),
+        lambda: trio.run(_idle, make_store, seed),
+    )
+    rows.append(
+        Row(
+            f"ledger, {store}: idle latency, default vs unbounded direct calls",
+            value,
+            baseline,
+            1.05,
+            note="1 client, 1 input at a time",
+        )
+    )
+    return rows
 
 
 def benchmarks() -> list[Row]:
@@ -118,16 +164,11 @@ def benchmarks() -> list[Row]:
         def sqlite() -> Store:
             return SqliteStore(Path(tmp) / f"l{next(counter)}.db")
 
-        rows.append(
-            _row(
-                f"ledger, SQLite, {CLIENTS} clients / {ACCOUNTS} accounts: ferry vs 1 tx/input",
-                sqlite,
-                f"{INPUTS} inputs/round, synchronous=FULL, direct_calls off",
-            )
-        )
-    name = f"ledger, PostgreSQL, {CLIENTS} clients / {ACCOUNTS} accounts: ferry vs 1 tx/input"
+        load = f"{CLIENTS} clients, {ACCOUNTS} accounts, {INPUTS} inputs/round"
+        rows += _rows("SQLite", sqlite, f"{load}, synchronous=FULL")
     server = pg.acquire()
     if server is None:
+        name = "ledger, PostgreSQL: ferry (default options) vs 1 tx/input"
         rows.append(Row(name, math.nan, math.nan, 0.2, note="skipped: " + pg.SKIP_REASON[:60]))
         return rows
     try:
@@ -135,7 +176,7 @@ def benchmarks() -> list[Row]:
         def postgres() -> Store:
             return PostgresStore(server.fresh_schema_dsn("bench"))
 
-        rows.append(_row(name, postgres, f"{INPUTS} inputs/round, 4 connections, direct_calls off"))
+        rows += _rows("PostgreSQL", postgres, f"{load}, 4 connections")
     finally:
         pg.release()
     return rows

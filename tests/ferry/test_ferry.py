@@ -89,6 +89,9 @@ async def test_plain_options_are_checked_at_open(option: str, value: Any) -> Non
         ("max_batch_weight", -1.0),
         ("max_queued_weight", math.nan),
         ("max_queued_weight", 0),
+        ("max_in_flight_calls", 0),
+        ("max_in_flight_calls", 2.5),
+        ("max_in_flight_calls", -math.inf),
         ("direct_calls", 1),
         ("rank", 3),
         ("weight", "heavy"),
@@ -607,9 +610,10 @@ async def test_ready_keys_are_served_first_come_first_served(
 # ------------------------------------------------------------------------------ direct calls
 
 
-async def test_idle_key_is_served_directly_while_every_worker_is_busy(
+async def test_with_unbounded_direct_calls_an_idle_key_is_served_while_every_worker_is_busy(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    """The first design's behaviour, kept with `max_in_flight_calls=math.inf`."""
     hold_a1, hold_a2 = trio.Event(), trio.Event()
 
     async def call(key: str, xs: list[Any]) -> list[Any]:
@@ -622,7 +626,7 @@ async def test_idle_key_is_served_directly_while_every_worker_is_busy(
 
     async with (
         ferry.open_per_key_ferry(
-            call, key=lambda x: x[0], max_in_flight_batches=1, direct_calls=True
+            call, key=lambda x: x[0], max_in_flight_batches=1, max_in_flight_calls=math.inf
         ) as f,
         trio.open_nursery() as n,
     ):
@@ -1201,3 +1205,149 @@ async def test_an_exception_from_the_block_alone_comes_out_as_it_was_raised() ->
     with pytest.raises(KeyError):
         async with ferry.open_ferry(_echo):
             raise KeyError("user bug")
+
+
+# ------------------------------------------------------------------------------ memory per caller
+
+
+async def _tracked_per_waiting_caller(open_it: Any, n: int = 4000) -> float:
+    """GC-tracked objects that one more caller parked in a ferry holds (its task included)."""
+    import gc
+
+    async with open_it() as f, trio.open_nursery() as n_:
+        n_.start_soon(f, -1)
+        await settle()
+        gc.collect()
+        before = len(gc.get_objects())
+        for i in range(n):
+            n_.start_soon(f, i)
+        await settle()
+        gc.collect()
+        per = (len(gc.get_objects()) - before) / n
+        n_.cancel_scope.cancel()
+    return per
+
+
+async def test_a_waiting_caller_holds_no_more_gc_tracked_objects_than_before() -> None:
+    """11 per caller parked by `start_soon(f, x)` (a bare trio task alone holds 9), and 16 with a
+    key of its own before the lanes map was an `immutables.Map`. A careless design doubles the
+    cost of every gen-0 collection at 100k waiting callers, so this must not grow."""
+    many: dict[str, Any] = {"max_batch_delay": 1e6, "max_batch_size": 10**9, "max_queueing": 10**9}
+    plain = await _tracked_per_waiting_caller(lambda: ferry.open_ferry(_echo, **many))
+    one_key = await _tracked_per_waiting_caller(
+        lambda: ferry.open_per_key_ferry(_echo_key, key=lambda x: 0, **many)
+    )
+    own_keys = await _tracked_per_waiting_caller(
+        lambda: ferry.open_per_key_ferry(_echo_key, key=lambda x: x, **many)
+    )
+    assert plain <= 11.05 and one_key <= 11.05, (plain, one_key)
+    assert own_keys <= 16.0, own_keys  # plus a lane, its tail tuple, its map and queue slots
+
+
+# --------------------------------------------------------------- direct calls under load
+
+
+async def test_calls_in_flight_never_exceed_the_bound_under_thousands_of_idle_keys(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    bounds: list[tuple[int, dict[str, Any]]] = [(4, {}), (7, {"max_in_flight_calls": 7})]
+    for bound, options in bounds:
+        rec = Recorder(delay=1.0)
+        async with (
+            ferry.open_per_key_ferry(rec.per_key, key=lambda x: x, **options) as f,
+            trio.open_nursery() as n,
+        ):
+            for i in range(3000):  # every key idle when its input arrives
+                n.start_soon(f, i)
+        assert rec.max_in_flight == bound  # reached, never exceeded
+        s = f.statistics()
+        assert 0 < s.direct_calls < 3000 and s.batches > 0  # the rest went in batches
+        assert s.direct_calls + s.inputs_sent == 3000 == sum(len(xs) for _, xs in rec.calls)
+
+
+async def test_an_infinite_bound_sends_every_idle_key_directly_as_before(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder(delay=1.0)
+    async with (
+        ferry.open_per_key_ferry(rec.per_key, key=lambda x: x, max_in_flight_calls=math.inf) as f,
+        trio.open_nursery() as n,
+    ):
+        for i in range(3000):
+            n.start_soon(f, i)
+    assert f.statistics().direct_calls == 3000 and rec.max_in_flight == 3000
+
+
+async def test_an_idle_key_on_a_quiet_ferry_still_gets_a_direct_call(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    callers: list[Any] = []
+
+    async def call(key: str, xs: list[Any]) -> list[Any]:
+        callers.append(trio.lowlevel.current_task())
+        await trio.lowlevel.checkpoint()
+        return xs
+
+    async with ferry.open_per_key_ferry(call, key=lambda x: x[0]) as f:
+        for i in range(3):  # one after the other: the ferry is quiet each time
+            start = trio.current_time()
+            assert await f(("a", i)) == ("a", i)
+            assert trio.current_time() == start  # no wait for a worker
+        assert callers == [trio.lowlevel.current_task()] * 3  # sent by the caller itself
+        s = f.statistics()
+        assert (s.direct_calls, s.batches) == (3, 0)
+
+
+async def test_an_idle_key_on_a_loaded_ferry_waits_for_a_batch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rec = Recorder()
+    rec.gate = trio.Event()
+    async with (
+        ferry.open_per_key_ferry(rec.per_key, key=lambda x: x[0], max_in_flight_batches=2) as f,
+        trio.open_nursery() as n,
+    ):
+        for k in "ab":  # two direct calls hold both call slots
+            n.start_soon(f, (k, 1))
+            await settle()
+        n.start_soon(f, ("c", 1))  # idle key, but no slot: it waits, ready, for a worker
+        await settle()
+        n.start_soon(f, ("c", 2))  # and company joins it
+        await settle()
+        s = f.statistics()
+        assert (s.direct_calls, s.busy, s.queued, s.ready) == (2, 2, 2, 1)
+        rec.gate.set()
+    assert ("c", [("c", 1), ("c", 2)]) in rec.calls  # one batch, taken when a slot came free
+    assert f.statistics().batches == 1
+
+
+async def test_a_direct_call_that_yields_adds_no_schedule_point_of_its_own(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The call's own checkpoint is the checkpoint of `await f(x)`: the caller's task runs one
+    step up to it and one after, as if it had awaited the call itself (ADR 0032). A call that
+    never yields still gets one (test above)."""
+
+    async def call(key: int, xs: list[int]) -> list[int]:
+        await trio.lowlevel.checkpoint()
+        return xs
+
+    counter = StepCounter()
+    async with ferry.open_per_key_ferry(call, key=lambda x: x) as f:
+
+        async def caller() -> None:
+            with trio.testing.assert_checkpoints():
+                assert await f(1) == 1
+
+        async def bare() -> None:
+            assert await call(1, [1]) == [1]
+
+        trio.lowlevel.add_instrument(counter)
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(caller, name="through the ferry")
+                n.start_soon(bare, name="the call alone")
+        finally:
+            trio.lowlevel.remove_instrument(counter)
+        assert f.statistics().direct_calls == 1
+    assert counter.steps["through the ferry"] == counter.steps["the call alone"] == 2

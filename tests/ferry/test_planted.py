@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from hypothesis import find, settings
@@ -20,7 +21,7 @@ async def direct_releasing_early(self: Any, entry: Any) -> Any:
     """Planted bug: the real direct call, except that the key is released as the call starts."""
     key = entry.key
     scope = trio.CancelScope()
-    self._direct_scopes.add(scope)
+    self._direct_scopes[scope] = 0.0
     if self._closing:
         scope.cancel()
     stm.atomically_nowait(self.room.release, key, 0.0, False)  # the bug: too early
@@ -30,7 +31,7 @@ async def direct_releasing_early(self: Any, entry: Any) -> Any:
     except Exception as exc:
         raise ferry.Failed("batch call failed") from exc
     finally:
-        self._direct_scopes.discard(scope)
+        del self._direct_scopes[scope]
     if scope.cancelled_caught:
         raise ferry.Closed("closed")
     return self._answers(output, [entry])[0].unwrap()
@@ -104,3 +105,31 @@ def test_checker_catches_inputs_that_close_loses_count_of(
     subs = [Sub(0, at=0.0, key=0, rank=0, weight=1, behaviour="ok", cancel_after=None)]
     with pytest.raises(AssertionError, match="admitted inputs not conserved"):
         check(opts, subs, run_scenario(opts, subs, close_at=1.0))  # closes while 0 waits
+
+
+def test_checker_catches_direct_calls_beyond_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted bug: admission claims idle keys however many calls are in flight."""
+    real_admit = lanes_module.admit
+
+    def admit_unbounded(state: Any, *args: Any, **kw: Any) -> Any:
+        limits = state.limits
+        free = lanes_module._evolve(state, {"limits": attrs.evolve(limits, max_in_flight=math.inf)})
+        new, admission, item = real_admit(free, *args, **kw)
+        return lanes_module._evolve(new, {"limits": limits}), admission, item
+
+    monkeypatch.setattr(lanes_module, "admit", admit_unbounded)
+    opts = Options(
+        max_batch_size=2,
+        max_batch_weight=math.inf,
+        max_batch_delay=0.0,
+        max_in_flight_batches=1,
+        max_queueing=4,
+        max_queued_weight=math.inf,
+        direct_calls=True,
+        ranked=False,
+    )
+    subs = [
+        Sub(i, at=0.0, key=i, rank=0, weight=1, behaviour="ok", cancel_after=None) for i in range(3)
+    ]
+    with pytest.raises(AssertionError, match="calls in flight, above 1"):
+        check(opts, subs, run_scenario(opts, subs, close_at=10.0))

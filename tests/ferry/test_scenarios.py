@@ -46,6 +46,13 @@ class Options:
     direct_calls: bool
     ranked: bool
     call_timeout: float = math.inf
+    max_in_flight_calls: float | None = None  # None: max_in_flight_batches
+
+    @property
+    def bound(self) -> float:
+        if self.max_in_flight_calls is None:
+            return self.max_in_flight_batches
+        return self.max_in_flight_calls
 
 
 @attrs.define
@@ -65,6 +72,8 @@ async def scenario(opts: Options, subs: list[Sub], close_at: float) -> Run:
         run.in_flight[key] += 1
         if run.in_flight[key] > 1:
             run.violations.append(f"two calls in flight for key {key}")
+        if run.in_flight.total() > opts.bound:
+            run.violations.append(f"{run.in_flight.total()} calls in flight, above {opts.bound}")
         try:
             behaviours = {x.behaviour for x in xs}
             if "hang" in behaviours:
@@ -128,6 +137,7 @@ async def _run_callers(
             max_queued_weight=opts.max_queued_weight,
             direct_calls=opts.direct_calls,
             call_timeout=opts.call_timeout,
+            max_in_flight_calls=opts.max_in_flight_calls,
         ) as f:
             for sub in subs:
                 callers.start_soon(caller, f, sub)
@@ -199,6 +209,7 @@ options = st.builds(
     direct_calls=st.booleans(),
     ranked=st.booleans(),
     call_timeout=st.sampled_from([math.inf, 60.0, 2.5]),
+    max_in_flight_calls=st.sampled_from([None, None, 1, 2, math.inf]),
 )
 
 

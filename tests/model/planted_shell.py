@@ -54,6 +54,17 @@ class CloseWaitsBeforeCancellingDirectCalls(ShellProtocol):
     close_cancels_direct_calls = False
 
 
+class ReleaseIgnoresTheBound(ShellProtocol):
+    """(h) A call's end that brings `busy` back under the bound rings only by the old rule (a lane
+    became ready, or an earlier deadline): workers the bound held back are never told."""
+
+    def release_rings(self, old: Lanes[Any, Any], new: Lanes[Any, Any]) -> bool:
+        if new.n_ready > old.n_ready and new.busy < new.limits.max_in_flight:
+            return True
+        d_new, d_old = core.next_deadline(new), core.next_deadline(old)
+        return d_new is not None and (d_old is None or d_new < d_old)
+
+
 class TakeNeverRings(ShellProtocol):
     """Not a bug in these bounds: `Room.take`'s ring is an optimisation (see the tests)."""
 

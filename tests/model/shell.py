@@ -24,9 +24,12 @@ Actors and their steps (code they mirror in `Shell` and `Room`)
   entry whose `task` is still set is answered) or, once the ferry closes, by cancellation
   (`_close_out`: every entry still parked gets Closed; then the release). A worker that is not
   holding a batch exits at its next checkpoint once the ferry closes.
-- the doorbell: `Room.admit` and `Room.release` ring when `n_ready` grew or the earliest deadline
-  moved earlier (`ferry._room.rings`); `Room.take` rings when lanes are still ready after the
-  take. Every sleeping worker sees a ring.
+- the doorbell: `Room.admit` and `Room.release` ring when a lane became ready while a call may
+  start, when a call's end brought `busy` back under `max_in_flight` while lanes are ready or
+  waiting, or when the earliest deadline moved earlier (`ferry._room.rings`); `Room.take` rings
+  when lanes are still ready after the take and another call may start. Every sleeping worker
+  sees a ring. A worker that finds nothing while `max_in_flight` calls are in flight sleeps with
+  no deadline (`Room.sleep_deadline`).
 - the clock: small ticks up to a horizon, or a jump to the next event (the room's earliest
   deadline or a sleeping worker's).
 - close (`Shell.lifetime`, ADR 0005): `close begins` (`_closing`, workers cancelled); once every
@@ -35,12 +38,13 @@ Actors and their steps (code they mirror in `Shell` and `Room`)
 
 Properties
 ----------
-In every state: the core's `check_invariants`; every parked caller's input is in exactly one
-place (the room or one worker's batch) and no other caller's input is in the room; at most one
-call in flight per key (batches and direct calls); while the ferry is open, no lost wake-up: if a
-lane is ready (or waiting, due at its deadline) and every worker sleeps, one of them has been rung
-or wakes by then; and, stronger, no worker oversleeps: every sleeping worker has been rung or wakes
-by the time the earliest work is due (so due work never waits for a busy worker while one idles).
+In every state: the core's `check_invariants` (among them: no more than `max_in_flight` calls in
+flight); every parked caller's input is in exactly one place (the room or one worker's batch) and
+no other caller's input is in the room; at most one call in flight per key (batches and direct
+calls); while the ferry is open, no lost wake-up: if a lane is ready (or waiting, due at its
+deadline), a call may start, and every worker sleeps, one of them has been rung or wakes by then;
+and, stronger, no worker oversleeps: every sleeping worker has been rung or wakes by the time the
+earliest work is due (so due work never waits for a busy worker while one idles).
 On each step: nobody is answered twice (whoever answers clears `task` first); a batch holds only
 inputs of parked callers (nothing is sent for a cancelled caller); no admission after the drain;
 takes are first come first served. In terminal states: every caller has exactly
@@ -89,8 +93,13 @@ class ShellProtocol(Protocol):
     close_cancels_direct_calls = True
 
     def ring(self, old: Lanes[Any, Any], new: Lanes[Any, Any]) -> bool:
-        """The doorbell rule: a lane became ready, or the earliest deadline moved earlier."""
-        if new.n_ready > old.n_ready:
+        """The doorbell rule: a lane became ready while a call may start; a call ended that made
+        room under the bound while lanes are ready or waiting; the earliest deadline moved
+        earlier."""
+        bound = new.limits.max_in_flight
+        if new.busy < bound and new.n_ready > old.n_ready:
+            return True
+        if old.busy >= bound > new.busy and (new.n_ready or new.waiting_size):
             return True
         d_new, d_old = core.next_deadline(new), core.next_deadline(old)
         return d_new is not None and (d_old is None or d_new < d_old)
@@ -104,8 +113,14 @@ class ShellProtocol(Protocol):
         return self.ring(old, new)
 
     def take_rings(self, new: Lanes[Any, Any]) -> bool:
-        """`Room.take`: more work than this worker."""
-        return bool(new.n_ready)
+        """`Room.take`: more work than this worker, and room for another call."""
+        return bool(new.n_ready) and new.busy < new.limits.max_in_flight
+
+    def sleep_deadline(self, room: Lanes[Any, Any]) -> float | None:
+        """`Room.sleep_deadline`: no deadline while the bound holds every call back."""
+        if room.busy >= room.limits.max_in_flight:
+            return None
+        return core.next_deadline(room)
 
 
 class S(NamedTuple):
@@ -264,7 +279,7 @@ class ShellChecker(Checker):
         elif status == IDLE:
             yield self._worker_take(m, w)
         elif status == PEEK:
-            deadline = core.next_deadline(m.room)
+            deadline = self.protocol.sleep_deadline(m.room)
             label = f"worker {w} reads the bell, sleeps until {deadline}"
             yield label, self._set_worker(m, w, (SLEEP, deadline, False))
         elif status == SLEEP:
@@ -281,7 +296,7 @@ class ShellChecker(Checker):
         if batch is None:  # `stm.retry()`: the attempt's writes are discarded
             if not self.protocol.peek_without_checkpoint:
                 return f"worker {w} takes nothing", self._set_worker(m, w, (PEEK,))
-            deadline = core.next_deadline(before)
+            deadline = self.protocol.sleep_deadline(before)
             label = f"worker {w} takes nothing, sleeps until {deadline}"
             return label, self._set_worker(m, w, (SLEEP, deadline, False))
         ids = tuple(it.entry for it in batch.items)
@@ -412,6 +427,8 @@ class ShellChecker(Checker):
         and sleeps past it, so the work waits for a busy worker while this one idles.
         """
         room = m.room
+        if room.busy >= room.limits.max_in_flight:
+            return  # no call may start: no work is due for any worker
         due = m.now if room.n_ready else core.next_deadline(room)
         if due is None:
             return

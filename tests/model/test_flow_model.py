@@ -155,11 +155,8 @@ def test_unplanted_protocol_flags_are_on() -> None:
     assert p.timer_checks_revision and p.recovery_arms_timers and p.recovery_bumps_attempt
 
 
-# ---- a machine bug the model found, fixed: cancel without the plan version ----------------------
-# `cancel` through an engine that lacks the flow's plan version used to compensate from a top of
-# the stack named after the current step; the flow then blocked, and `resume` with the plan back
-# refused it for ever (ADR 0050). Since the fix (the compensation waits for the plan to name it),
-# the bound passes.
+# ---- a machine bug the model found (fixed, ADR 0046): a cancel through an engine that lacked the
+# flow's plan version compensated under the wrong step name, and `resume` then refused the flow.
 
 
 def test_flow_model_check_with_a_plan_version_missing() -> None:

@@ -6,7 +6,14 @@ import pytest
 
 from tests.model.checker import Checker, Config, Counterexample, Protocol
 from tests.model.configs import DEFAULT, SLOW
-from tests.model.planted import EarlyDirectRelease, RetakeBusy, SplitAdmission
+from tests.model.planted import (
+    ClaimIgnoresTheBound,
+    EarlyDirectRelease,
+    RetakeBusy,
+    SplitAdmission,
+)
+
+BOUND_DIRECT = next(c for c in DEFAULT if "at most 2 calls" in c.name)
 
 
 @pytest.mark.parametrize("config", DEFAULT, ids=lambda c: c.name)
@@ -50,6 +57,16 @@ def test_catches_admission_not_atomic_with_close() -> None:
     found = _counterexample(DEFAULT[2], SplitAdmission())
     assert "admitted after close" in found.message
     assert found.trace[:2] == ["look 0 (a): open", "close"]
+
+
+def test_catches_direct_calls_beyond_the_bound() -> None:
+    found = _counterexample(BOUND_DIRECT, ClaimIgnoresTheBound())
+    assert found.message == "3 calls in flight, above 2"
+    assert [step.split(" at ")[0] for step in found.trace] == [
+        "admit 0 (a)",
+        "admit 1 (b)",
+        "admit 2 (c)",
+    ]
 
 
 def test_unplanted_protocol_flags_are_off() -> None:

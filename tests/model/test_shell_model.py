@@ -22,11 +22,12 @@ from tests.model.planted_shell import (
     CancelledWorkerForgetsCallers,
     CloseWaitsBeforeCancellingDirectCalls,
     ReleaseForgetsToRing,
+    ReleaseIgnoresTheBound,
     TakeNeverRings,
 )
 from tests.model.shell import ShellChecker, ShellConfig, ShellProtocol
 
-DIRECT, WEIGHTS, DELAY, RANKED, PLAIN, HANG, NEVER_CLOSED = SHELL_DEFAULT
+DIRECT, WEIGHTS, DELAY, RANKED, BOUND_DIRECT, BOUND_DELAY, PLAIN, HANG, NEVER_CLOSED = SHELL_DEFAULT
 
 
 @pytest.mark.parametrize("config", SHELL_DEFAULT, ids=lambda c: c.name)
@@ -132,6 +133,17 @@ def test_catches_close_that_waits_before_cancelling_direct_calls() -> None:
     assert found.trace[-1] == "close drains"
 
 
+def test_catches_a_release_that_does_not_tell_workers_the_bound_held_back() -> None:
+    # Direct calls fill the bound; the next key waits, ready; a direct call ends and nobody comes.
+    found = _counterexample(BOUND_DIRECT, ReleaseIgnoresTheBound(), wakeups="stuck")
+    assert found.message.startswith("lost wake-up: a lane ready"), found.message
+    assert found.trace[-1].endswith("key released")
+    # With batches only, the releasing worker takes the lane itself, but the other one, held
+    # back by the bound, sleeps on while it could serve it.
+    found = _counterexample(BOUND_DELAY, ReleaseIgnoresTheBound())
+    assert "oversleeps" in found.message, found.message
+
+
 @pytest.mark.parametrize("config", [DIRECT, DELAY, PLAIN], ids=["direct", "delay", "plain"])
 def test_take_ring_is_not_needed_for_wakeups(config: ShellConfig) -> None:
     """A finding, not a bug: every worker asleep when a take leaves lanes ready was already
@@ -159,7 +171,9 @@ def test_ring_conditions_mirror_the_real_shell() -> None:
     seen: set[tuple[str, bool]] = set()
     for limits in (
         Limits(max_batch_size=2, direct_calls=True),
+        Limits(max_batch_size=2, direct_calls=True, max_in_flight=2),
         Limits(max_batch_size=2, max_batch_delay=1.0),
+        Limits(max_batch_size=2, max_batch_delay=1.0, max_in_flight=1),
         Limits(max_batch_size=3, max_batch_delay=0.5, one_in_flight=False),
     ):
         _walk(limits, seen)
