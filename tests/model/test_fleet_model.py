@@ -73,7 +73,7 @@ def test_fleet_model_check_with_the_candidate_fixes(config: FlowConfig) -> None:
 def test_fleet_model_check_larger_bounds(config: FlowConfig) -> None:
     report = FleetChecker(config, FleetEngine()).run()
     print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
-    assert report.states > 50_000
+    assert report.states > 30_000  # larger than every default bound
 
 
 # ---- findings: the engine as it is fails the bounds with a frozen owner or failed renewals ------
