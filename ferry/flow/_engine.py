@@ -34,9 +34,11 @@ every ``lease / 3`` (`_heartbeat_loop`), and runs the active flows whose row nam
 Who holds a flow after a write is one pure rule (`_machine.leased`, via `_leasing`). Every
 ``lease / 3`` it also scans (`_scan`): orphans (active flows nobody holds) are taken over by a
 compare-and-set, and the deadlines of flows parked by any engine are armed. An engine that could
-not renew in time lets its flows go and releases them with its next renewal; a flow it holds but
-does not run is adopted (docs/adr/0040-0043). ``serve=False`` makes an operator's engine, which
-runs and leases nothing (docs/adr/0044).
+not renew in time lets its flows go and releases them with its next renewal (each at the
+revision it let go); a flow it holds but does not run is adopted (docs/adr/0040-0043). A renewal
+after the lease may have lapsed starts a new epoch: no copy from before it runs a body until it
+has been read again (`_heartbeat`, `_confirm`, docs/adr/0047). ``serve=False`` makes an
+operator's engine, which runs and leases nothing (docs/adr/0044).
 """
 
 from __future__ import annotations
@@ -167,11 +169,15 @@ def _classify(result: object) -> Outcome | str | None:
 class _Live:
     """A flow that is running or compensating in this engine (or waiting for a runner slot)."""
 
-    __slots__ = ("flow", "scope")
+    __slots__ = ("epoch", "flow", "scope")
 
-    def __init__(self, flow: Flow) -> None:
+    def __init__(self, flow: Flow, epoch: int) -> None:
         self.flow = flow  # the latest committed row this engine knows
         self.scope: trio.CancelScope | None = None  # around the running step or compensation
+        # The fleet: the engine's `_epoch` when the write or read that gave `flow` began. A
+        # copy from an older epoch may predate a lapse of the lease: it is re-read before a
+        # body runs on it (`_confirm`).
+        self.epoch = epoch
 
 
 @attrs.frozen
@@ -261,7 +267,13 @@ class Engine:
         # that a scan does not arm one twice).
         self._margin = lease * _LEASE_MARGIN
         self._lease_until = -math.inf  # this engine's own lease (wall clock), renewed
-        self._released: set[str] = set()  # flows let go, to release with the next renewal
+        # Flows let go (to the revision they were let go at), to release with the next renewal.
+        # An id leaves when that renewal is through, or when a write gives the flow back to
+        # this engine (`_track`): the release is then void, and is made only at that revision.
+        self._released: dict[str, int] = {}
+        # Renewals that got through after the lease may have lapsed (ADR 0047): a live flow
+        # whose copy is from an older epoch is not trusted until it has been read again.
+        self._epoch = 0
         self._strays: dict[str, int] = {}  # flows held but not run, seen at the last check
         self._armed: dict[str, int] = {}
         # How long the database lets one of this engine's transactions sit idle with its locks
@@ -326,9 +338,12 @@ class Engine:
 
     def _mine(self, flow: Flow) -> bool:
         """Is this an active flow this engine should run? (On one SQLite file: every active
-        flow; in a fleet: those leased to it; an operator's engine runs none.)"""
+        flow; in a fleet: those leased to it and not released; an operator's engine runs
+        none.)"""
         return (
-            self._serve and flow.state in _ACTIVE and (not self._fleet or flow.owner == self._owner)
+            self._serve
+            and flow.state in _ACTIVE
+            and (not self._fleet or (flow.owner == self._owner and flow.lease_until is None))
         )
 
     async def _request(self, op: _store.Op) -> _store.Result:
@@ -346,6 +361,7 @@ class Engine:
         failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times."""
         tries = 0
         while True:
+            epoch = self._epoch
             try:
                 results = await self._store.transact(
                     partial(_store.write_batch, ops=ops, guard=self._guard)
@@ -359,26 +375,30 @@ class Engine:
             break
         self._stats["write_batches"] += 1
         for op, result in zip(ops, results, strict=True):
-            self._applied(op, result)
+            self._applied(op, result, epoch)
         return results
 
-    def _applied(self, op: _store.Op, result: _store.Result) -> None:
-        """Bring memory up to date with one committed result (trio thread, commit order)."""
+    def _applied(self, op: _store.Op, result: _store.Result, epoch: int) -> None:
+        """Bring memory up to date with one committed result (trio thread, commit order) of a
+        batch begun in `epoch`."""
         if isinstance(result, _store.Changed):
             t = result.transition
             if t.delivery is not None:
                 self._wakes[t.delivery] += 1
             if t.written:
                 own = isinstance(op, _store.Change) and op.flow is not None
-                self._track(result.before.state, t.flow, own)
+                self._track(result.before.state, t.flow, own, epoch=epoch)
         elif isinstance(result, _store.Created):
-            self._track(None, result.transition.flow, True)
+            self._track(None, result.transition.flow, True, epoch=epoch)
         elif isinstance(result, _store.Conflict):
             self._stats["conflicts"] += 1
 
-    def _track(self, before: State | None, flow: Flow, own: bool, *, write: bool = True) -> None:
-        """A committed row of `flow` (by this engine's write, or read back): follow it. Only
-        this engine's writes count in its `completed`/`failed`/`blocked` statistics."""
+    def _track(
+        self, before: State | None, flow: Flow, own: bool, *, epoch: int, write: bool = True
+    ) -> None:
+        """A committed row of `flow` (by this engine's write, or read back; the write or read
+        began in `epoch`): follow it. Only this engine's writes count in its
+        `completed`/`failed`/`blocked` statistics."""
         stats = self._stats
         if write:
             stats["writes"] += 1
@@ -399,11 +419,15 @@ class Engine:
             stm.atomically_nowait(watch.tvar.set, flow)
         if live is not None:
             live.flow = flow
+            live.epoch = epoch
             if not own and live.scope is not None:
                 live.scope.cancel()  # someone else moved the flow: its running step is void
         if self._mine(flow):
             if live is None:
-                live = self._live[fid] = _Live(flow)
+                # Given back to this engine by a write: a release still pending from when it
+                # let the flow go is void (the renewal would release it while it runs here).
+                self._released.pop(fid, None)
+                live = self._live[fid] = _Live(flow, epoch)
                 self._enqueue(live)
             return
         if live is not None:
@@ -440,6 +464,7 @@ class Engine:
             return False
         delay = _BACKOFF
         while True:
+            epoch = self._epoch
             try:
                 stored = await self._load(flow.flow_id)
             except Exception:  # the store is unavailable: try again, the flow is still ours
@@ -452,7 +477,7 @@ class Engine:
         if stored is None:
             del self._live[flow.flow_id]
         else:
-            self._track(flow.state, stored, True, write=False)
+            self._track(flow.state, stored, True, epoch=epoch, write=False)
         return False
 
     # ---------------------------------------------------------------------------- scheduling
@@ -530,13 +555,16 @@ class Engine:
         """Run one attempt of the flow's current step or compensation (and, if it raised and may
         be retried, the backoff after it). None if the flow was moved by someone else meanwhile
         (a cancel): the attempt is void and its changes are discarded."""
+        if self._fleet:
+            if live.epoch != self._epoch and not await self._confirm(live):
+                return None  # moved on without this engine, or let go
+            if self._lapsing():
+                # This engine could not renew the lease in time: another engine may hold the
+                # flow by now. Let it go rather than run a step on the strength of a stale lease.
+                self._let_go(live, release=True)
+                await trio.lowlevel.checkpoint()
+                return None
         flow = live.flow
-        if self._fleet and self._lapsing():
-            # This engine could not renew the lease in time: another engine may hold the flow
-            # by now. Let it go rather than run a step on the strength of a stale lease.
-            self._let_go(live, release=True)
-            await trio.lowlevel.checkpoint()
-            return None
         ctx = self._context(flow, step.name, flow.state is _COMPENSATING)
         result: object = None
         error: BaseException | None = None
@@ -714,9 +742,10 @@ class Engine:
             self._lease_until = until
             held = await store.transact(partial(_store.load_active, owner=owner))
             mine = [f for f in held if (f.plan, f.version) in self._shapes]
-            others = [f.flow_id for f in held if (f.plan, f.version) not in self._shapes]
+            have = self._shapes
+            others = [(f.flow_id, f.revision) for f in held if (f.plan, f.version) not in have]
             if others:  # a version this engine lacks: leave those to an engine that has it
-                await store.transact(partial(_store.release, owner=owner, flow_ids=others, at=now))
+                await store.transact(partial(_store.release, owner=owner, flows=others, at=now))
             self._stats["recovered"] = await self._resume_active(mine)
             with contextlib.suppress(Exception):  # the scan loop tries again
                 await self._scan()
@@ -804,24 +833,42 @@ class Engine:
     async def _heartbeat(self) -> None:
         """One renewal of this engine's lease, given up at the margin before it lapses. The
         flows it let go meanwhile are released in the same transaction: the moment its lease
-        runs again, they are orphans for any engine to take, not stranded under its name."""
+        runs again, they are orphans for any engine to take, not stranded under its name.
+
+        A renewal that may come after the lease lapsed (the engine stopped trusting it before
+        the renewal, or the renewal came back past the margin) must not make the engine trust
+        what it has in memory: another engine may have taken those flows over meanwhile, and
+        nothing forbids renewing a lapsed lease. So it starts a new epoch, in which no copy
+        made before is trusted until it has been read again: the renewal itself re-reads the
+        flows the engine runs (`_recheck`: followed, dropped or confirmed before the lease is
+        trusted again, with no checkpoint in between), and a runner re-reads any other copy
+        before it runs a body on it (`_confirm`). ADR 0047."""
         now = self._now()
         until = now + self._lease
+        lapsed = self._lapsing()
         deadline = self._trio_time(max(self._lease_until - self._margin, now + self._lease / 3))
-        released = list(self._released)
+        released = dict(self._released)
+        renew = partial(
+            _store.renew,
+            owner=self._owner,
+            until=until,
+            now=now,
+            let_go=sorted(released.items()),
+            reread=sorted(self._live) if lapsed else None,
+        )
         with trio.move_on_at(deadline), contextlib.suppress(Exception):
-            await self._store.transact(
-                partial(
-                    _store.renew,
-                    owner=self._owner,
-                    until=until,
-                    now=now,
-                    let_go=released,
-                )
-            )
+            rows = await self._store.transact(renew)
+            if lapsed or self._lapsing():
+                self._epoch += 1
+                for row in rows:
+                    live = self._live.get(row.flow_id)
+                    if live is not None:
+                        self._recheck(live, row, self._epoch)
             self._lease_until = until
             self._stats["renewals"] += 1
-            self._released.difference_update(released)
+            for fid, revision in released.items():
+                if self._released.get(fid) == revision:
+                    del self._released[fid]
             return
         if self._lapsing():
             for live in list(self._live.values()):
@@ -836,32 +883,76 @@ class Engine:
         longer holds; adopt (attempt + 1) one it holds but does not run, seen so twice in a row
         (a takeover whose answer was lost with its connection: it must not stay stranded)."""
         ids = set(self._live)
+        epoch = self._epoch
         rows = await self._store.transact(partial(_store.load_active, owner=self._owner))
         strays: dict[str, int] = {}
         adopt: list[Flow] = []
         for row in rows:
             fid = row.flow_id
-            if row.lease_until is not None or fid in self._released:
-                continue  # let go: any engine may take it
             live = self._live.get(fid)
-            if live is None:
-                if self._strays.get(fid) == row.revision:
-                    adopt.append(row)
-                else:
-                    strays[fid] = row.revision
+            if live is not None:
+                ids.discard(fid)
+                self._recheck(live, row, epoch)
                 continue
-            ids.discard(fid)
-            if row.revision > live.flow.revision:
-                self._track(live.flow.state, row, False, write=False)
+            if row.lease_until is not None or self._released.get(fid) == row.revision:
+                continue  # let go: any engine may take it (once the next renewal releases it)
+            if self._strays.get(fid) == row.revision:
+                adopt.append(row)
+            else:
+                strays[fid] = row.revision
         self._strays = strays
         gone = [fid for fid in ids if fid in self._live]
         if gone:
+            epoch = self._epoch
             for row in await self._store.transact(partial(_store.load_many, flow_ids=gone)):
                 live = self._live.get(row.flow_id)
                 if live is not None:
-                    self._track(live.flow.state, row, False, write=False)
+                    self._recheck(live, row, epoch)
         if adopt and not self._lapsing():
             self._stats["claimed"] += await self._resume_active(adopt)
+
+    async def _confirm(self, live: _Live) -> bool:
+        """Read the flow's row again before a body runs on a copy made before the last renewal
+        that came after a lapse (ADR 0047): True if the row is still that copy and the flow is
+        still held by this engine; else the row is followed (a newer one) or the flow let go,
+        and False. Retries while the store is unavailable. A checkpoint."""
+        fid = live.flow.flow_id
+        delay = _BACKOFF
+        while True:
+            epoch = self._epoch
+            try:
+                row = await self._load(fid)
+            except Exception:  # the store is unavailable: try again (the runner waits)
+                await trio.sleep(delay)
+                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
+                continue
+            if self._live.get(fid) is not live:
+                return False
+            if not self._recheck(live, row, epoch):
+                return False
+            if epoch == self._epoch:
+                return True
+            # another renewal after a lapse came meanwhile: read again
+
+    def _recheck(self, live: _Live, row: Flow | None, epoch: int) -> bool:
+        """A row of the live flow, read in `epoch`: True if it is the copy this engine runs and
+        the flow is still held by this engine (the copy is then trusted in `epoch`); else the
+        row is followed (`_track`: a newer row, which may drop the flow) or the flow let go (it
+        is released, or gone), and False. An older row (a write of this engine that the read
+        did not see yet) changes nothing. No checkpoint."""
+        if row is None:
+            self._let_go(live)
+            return False
+        if row.revision > live.flow.revision:
+            self._track(live.flow.state, row, False, epoch=epoch, write=False)
+            return False
+        if row.revision < live.flow.revision:
+            return False
+        if self._mine(row):
+            live.epoch = epoch
+            return True
+        self._let_go(live)
+        return False
 
     def _lapsing(self) -> bool:
         """Is this engine's lease about to lapse (within the margin)?"""
@@ -876,7 +967,7 @@ class Engine:
             del self._live[fid]
             self._stats["lost"] += 1
             if release:
-                self._released.add(fid)
+                self._released[fid] = live.flow.revision
         if live.scope is not None:
             live.scope.cancel()
 

@@ -761,34 +761,55 @@ def renew(
     until: float,
     now: float,
     *,
-    let_go: Sequence[str] = (),
+    let_go: Sequence[tuple[str, int]] = (),
+    reread: Sequence[str] | None = None,
     ns: str = "flow",
-) -> None:
-    """An engine's renewal, in this one transaction: its lease is renewed (`heartbeat`), then
-    the flows in `let_go` are released (`release`). The lease row comes first: a takeover locks
-    it before the flow's row (`_Batch.cas`), so a renewal that locked released flows first could
-    deadlock with a takeover of them (ADR 0048)."""
+) -> list[Flow]:
+    """An engine's renewal, in this one transaction: its lease is renewed (`heartbeat`), the
+    flows in `let_go` (``(flow_id, revision it let go at)``) are released (`release`), and the
+    rows of the flows in `reread` are read (`load_many`) and returned (``[]`` without it).
+
+    The lease row comes first: a takeover locks it (`_Batch.cas`), so on PostgreSQL a takeover
+    either committed before this renewal took the row, and the rows read here show it, or it
+    waits for this renewal to commit and is refused (docs/adr/0048). An engine whose lease may
+    have lapsed re-reads what it runs in this transaction before it trusts it again (ADR 0047).
+    Cost: one statement for the lease, one per 500 flows released or read."""
     heartbeat(tx, owner, until, now, ns=ns)
     if let_go:
         release(tx, owner, let_go, now, ns=ns)
+    return [] if reread is None else load_many(tx, reread, ns=ns)
 
 
 _CHUNK = 500
 
 
-def release(tx: Tx, owner: str, flow_ids: Sequence[str], at: float, *, ns: str = "flow") -> int:
-    """`owner` lets those of `flow_ids` it holds go (no new revision): any engine may take them
-    over from `at` on. How many it held."""
+def release(
+    tx: Tx, owner: str, flows: Sequence[tuple[str, int]], at: float, *, ns: str = "flow"
+) -> int:
+    """`owner` lets go those of `flows` (``(flow_id, revision)``) it still holds at that very
+    revision (no new revision): any engine may take them over from `at` on. A flow written
+    since (taken over, or given back to this engine by a wake, a timer or a cancel) is left as
+    it is. How many were released."""
     released = 0
-    ordered = sorted(flow_ids)
+    ordered = sorted(flows)
+    active = "state IN ('RUNNING', 'COMPENSATING')"
     for i in range(0, len(ordered), _CHUNK):
         chunk = ordered[i : i + _CHUNK]
-        marks = ", ".join("?" * len(chunk))
-        rows = tx.execute(
-            f"UPDATE {ns}_flows SET lease_until = ? WHERE flow_id IN ({marks}) AND owner = ?"
-            " AND state IN ('RUNNING', 'COMPENSATING') RETURNING flow_id",
-            (at, *chunk, owner),
-        )
+        if tx.dialect == "postgres":
+            rows = tx.execute(
+                f"UPDATE {ns}_flows f SET lease_until = ? FROM unnest(?::text[], ?::bigint[])"
+                " AS l(flow_id, revision) WHERE f.flow_id = l.flow_id"
+                f" AND f.revision = l.revision AND f.owner = ? AND f.{active}"
+                " RETURNING f.flow_id",
+                (at, [fid for fid, _r in chunk], [r for _f, r in chunk], owner),
+            )
+        else:
+            pairs = ", ".join(["(?, ?)"] * len(chunk))
+            rows = tx.execute(
+                f"UPDATE {ns}_flows SET lease_until = ? WHERE (flow_id, revision) IN"
+                f" (VALUES {pairs}) AND owner = ? AND {active} RETURNING flow_id",
+                (at, *(v for pair in chunk for v in pair), owner),
+            )
         released += len(rows)
     return released
 

@@ -377,8 +377,11 @@ async def test_orphans_are_the_active_flows_that_no_live_engine_holds(store: Sto
         owned_start("unknown's", "never-heard-of"),
         owned_start("nobody's", None),
     )
-    assert await store.transact(partial(s.release, owner="alive", flow_ids=["let-go"], at=T0))
-    assert not await store.transact(partial(s.release, owner="x", flow_ids=["held"], at=T0))
+    assert not await store.transact(  # let go at another revision: written since
+        partial(s.release, owner="alive", flows=[("let-go", 2)], at=T0)
+    )
+    assert await store.transact(partial(s.release, owner="alive", flows=[("let-go", 1)], at=T0))
+    assert not await store.transact(partial(s.release, owner="x", flows=[("held", 1)], at=T0))
     other = m.start(attrs.evolve(SHAPE, version=2), "v2", "{}", T0, owner="dead")
     await write(store, s.Create(other))
     p = await load(store, "held")
@@ -407,7 +410,8 @@ async def test_orphans_are_the_active_flows_that_no_live_engine_holds(store: Sto
     assert await store.transact(partial(s.prune_engines, before=T0)) == 1
     ids = [f"x{i}" for i in range(1200)]  # more than one statement's worth
     await write(store, *(owned_start(fid, "alive") for fid in ids))
-    released = await store.transact(partial(s.release, owner="alive", flow_ids=ids, at=T0))
+    flows = [(fid, 1) for fid in ids]
+    released = await store.transact(partial(s.release, owner="alive", flows=flows, at=T0))
     assert released == 1200
     rows = await store.transact(partial(s.load_many, flow_ids=[*ids[:3], "nope"]))
     assert sorted((f.flow_id, f.lease_until) for f in rows) == [(i, T0) for i in ids[:3]]
@@ -448,11 +452,11 @@ def takeover(seen: Flow, by: str, now: float = T0) -> s.Change:
 async def test_a_takeover_waits_for_a_renewal_in_flight_and_loses_to_it(
     pg_server: pg.PgServer,
 ) -> None:
-    """PostgreSQL, where transactions overlap: engine a renews its lapsed lease and reads its
-    flow in one transaction, still open. Engine b's takeover of that flow must wait for the
-    renewal (it locks a's lease row) and then lose to it. Without the lock, the takeover's
-    statement reads a's lease in a snapshot taken before the renewal commits, finds it lapsed
-    and takes the flow a has just read as its own: both would run it (ADR 0048)."""
+    """PostgreSQL, where transactions overlap: engine a renews its lapsed lease and re-reads
+    its flow in one transaction, still open (ADR 0047). Engine b's takeover of that flow must
+    wait for the renewal (it locks a's lease row) and then lose to it. Without the lock, the
+    takeover's statement reads a's lease in a snapshot taken before the renewal commits, finds
+    it lapsed and takes the flow a has just read as its own: both would run it (ADR 0048)."""
     dsn = pg_server.fresh_schema_dsn()
     async with PostgresStore(dsn, connections=1) as a, PostgresStore(dsn, connections=1) as b:
         await setup(a)
@@ -463,8 +467,7 @@ async def test_a_takeover_waits_for_a_renewal_in_flight_and_loses_to_it(
         read, commit = threading.Event(), threading.Event()
 
         def renewal(tx: Tx) -> list[Flow]:
-            s.heartbeat(tx, "a", T0 + 30, T0)
-            rows = s.load_many(tx, ["f"])
+            rows = s.renew(tx, "a", T0 + 30, T0, reread=["f"])
             read.set()
             commit.wait(30)  # the renewal stays open until b's takeover has tried
             return rows

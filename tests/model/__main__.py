@@ -1,6 +1,6 @@
 """`python -m tests.model [slow] [flow | fleet]`: run the core, shell, flow and fleet model checks
 (with `flow`: only the flow's and the fleet's; with `fleet`: only the fleet's); states and time
-each. The fleet's bounds run with the candidate fixes of its findings (`FleetEngine`)."""
+each."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from tests.model.configs import (
 )
 from tests.model.fleet import FleetChecker
 from tests.model.flow import FlowChecker
-from tests.model.planted_fleet import FleetEngine
 from tests.model.shell import ShellChecker
 
 
@@ -33,7 +32,7 @@ def main(argv: list[str]) -> int:
         reports = []
     if "fleet" not in argv[1:]:
         reports += [FlowChecker(c).run for c in flow]
-    reports += [FleetChecker(c, FleetEngine()).run for c in fleet]
+    reports += [FleetChecker(c).run for c in fleet]
     for run in reports:
         r = run()
         print(

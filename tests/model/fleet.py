@@ -23,10 +23,14 @@ Actors and their steps (on top of `flow.py`'s)
     due, whichever engine parked it, and fires it (`Engine._arm`: arming earlier changes
     nothing until the deadline); the engine that parked the flow armed its own already.
   - renews its lease (`Engine._heartbeat`) when it lapsed or the engine stopped trusting it,
-    releasing in the same transaction the flow it let go meanwhile (`_store.renew`).
+    releasing in the same transaction the flow it let go meanwhile if the row is still at the
+    revision it let go (`_store.renew`). A renewal after the engine stopped trusting its lease
+    re-reads the flow before the engine trusts it again: a copy the row moved past sends the
+    runner to read it (ADR 0047).
   - lets the flow go (`Engine._let_go`) when it no longer trusts its lease: the runner stops,
     a body that ran is discarded, and the next renewal releases the flow. A runner about to
-    run a body without trusting the lease does the same (`Engine._attempt`).
+    run a body without trusting the lease does the same (`Engine._attempt`). A write that
+    leaves the flow with this engine again cancels the release (`Engine._track`).
   - adopts a flow held under its name that it does not run (`Engine._check_held`: a takeover
     whose answer was lost), writing attempt + 1 as a compare-and-set.
 - the leases and time: an engine stops trusting its lease before the lease lapses in the store
@@ -112,11 +116,14 @@ class FleetProtocol(FlowProtocol):
     renewal_releases = True
     #: ... only if the flow is still under its name (`_store.release`: ``AND owner = ?``)
     release_checks_owner = True
-    #: a renewal after the lease lapsed re-reads the flow before the engine trusts it again
-    renewal_rereads = False
+    #: ... and still at the revision it was let go at (``AND revision = ?``)
+    release_checks_revision = True
+    #: a renewal after the engine stopped trusting its lease re-reads the flow before the
+    #: engine trusts it again (`Engine._heartbeat`, ADR 0047)
+    renewal_rereads = True
     #: a flow let go and then left with this engine again (a wake, a timer, a cancel through it)
-    #: is no longer released by the next renewal
-    retaken_not_released = False
+    #: is no longer released by the next renewal (`Engine._track`)
+    retaken_not_released = True
 
     def take_over(self, flow: Flow, owner: str, now: float) -> Transition:
         return fm.take_over(flow, owner, now)
@@ -157,7 +164,7 @@ class FleetChecker(FlowChecker):
         leases = list(m.leases)
         for e, engine in enumerate(engines):
             if engine.runner is None:
-                engines[e] = engine._replace(timer=None, trust=engine.up, released=False)
+                engines[e] = engine._replace(timer=None, trust=engine.up, released=0)
                 leases[e] = True
         return m._replace(engines=tuple(engines), leases=tuple(leases))
 
@@ -270,13 +277,18 @@ class FleetChecker(FlowChecker):
         """`Engine._let_go`: the runner stops (a body that ran is discarded: a hit, as a crash's);
         the next renewal releases the flow."""
         label = f"engine {e} {why}: lets the flow go"
-        assert m.engines[e].runner is not None
+        runner = m.engines[e].runner
+        assert runner is not None
         key, g = self._in_flight(m, e), m.ghost
         if key is not None:
             g = g._replace(hits=_bumped(g.hits, key))
             label += f" ({self._key_name(key)} ran, its result not written)"
         self.coverage.add("let go")
-        m = self._set_engine(m, e, runner=None, released=True, void=False)
+        # The revision of the engine's copy; re-reading (READY), it lets go at the row's (its
+        # copy once the read is in; after a refused write the real engine may still hold the
+        # older copy, whose release then matches nothing and the flow is adopted as a stray).
+        revision = runner[1].revision if len(runner) > 1 else m.row.revision
+        m = self._set_engine(m, e, runner=None, released=revision, void=False)
         return label, m._replace(ghost=g)
 
     def _renew(self, m: S, e: int) -> tuple[str, S]:
@@ -286,7 +298,8 @@ class FleetChecker(FlowChecker):
         if not m.leases[e]:
             label += " (it had lapsed)"
         ours = row.owner == name or not p.release_checks_owner
-        if engine.released and p.renewal_releases and row.state in ACTIVE and ours:
+        same = row.revision == engine.released or not p.release_checks_revision
+        if engine.released and p.renewal_releases and row.state in ACTIVE and ours and same:
             # `_store.release`: no new revision; made a moment before any later scan's check
             row = attrs.evolve(row, lease_until=m.now - 1.0)
             label += ", releasing the flow it let go"
@@ -294,10 +307,10 @@ class FleetChecker(FlowChecker):
         runner = engine.runner
         copy = runner[1] if runner is not None and len(runner) > 1 else None
         moved = copy is not None and (row.owner != name or row.revision != copy.revision)
-        if p.renewal_rereads and not m.leases[e] and moved:
+        if p.renewal_rereads and not engine.trust and moved:
             runner = (READY,)
             label += ", and reads the flow again"
-        m = self._set_engine(m, e, trust=True, released=False, runner=runner)
+        m = self._set_engine(m, e, trust=True, released=0, runner=runner)
         return label, m._replace(row=row, leases=_set(m.leases, e, True))
 
     def _runner_steps(self, m: S, e: int, runner: tuple[Any, ...]) -> Iterator[tuple[str, S]]:
@@ -348,7 +361,7 @@ class FleetChecker(FlowChecker):
         if flow.state in ACTIVE and m.engines[e].released:
             self.coverage.add("let go, then ours again")
             if self.protocol.retaken_not_released:
-                m = self._set_engine(m, e, released=False)
+                m = self._set_engine(m, e, released=0)
         return super()._after_write(m, e, flow, failures)
 
     def _drive(self, m: S, e: int, flow: Flow) -> S:
@@ -368,7 +381,7 @@ class FleetChecker(FlowChecker):
 
     def _crash(self, m: S, e: int) -> tuple[str, S]:
         label, m = super()._crash(m, e)
-        return label, self._set_engine(m, e, frozen=False, trust=False, released=False, void=False)
+        return label, self._set_engine(m, e, frozen=False, trust=False, released=0, void=False)
 
     def _restart(self, m: S, e: int) -> Iterator[tuple[str, S]]:
         """`Engine._recover` in a fleet: renew the lease under the same name, then re-run the

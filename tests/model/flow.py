@@ -237,7 +237,9 @@ class Engine(NamedTuple):
     # The fleet (tests/model/fleet.py); constant in the one-engine model.
     frozen: bool = False  # SIGSTOP: it takes no step and answers no call until it thaws
     trust: bool = True  # it believes its lease holds (not `Engine._lapsing()`)
-    released: bool = False  # it let the flow go; its next renewal releases it in the store
+    # It let the flow go at this revision (0: it did not); its next renewal releases the flow
+    # in the store if the row is still at that revision.
+    released: int = 0
     void: bool = False  # ghost: its lease lapsed while its current run was in flight
 
 

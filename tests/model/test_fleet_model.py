@@ -7,16 +7,16 @@ import attrs
 import pytest
 
 from ferry.flow import _store as store
-from tests.model.checker import Counterexample
 from tests.model.configs import FLEET_DEFAULT, FLEET_SLOW
 from tests.model.fleet import NAMES, FleetChecker, FleetProtocol
 from tests.model.flow import FlowConfig, S, Write
 from tests.model.planted_fleet import (
     CancelTakesTheFlow,
-    FleetEngine,
     FleetTimerWithoutRevisionCheck,
     FleetWriteWithoutRevisionCheck,
     ReleaseOfAnotherOwnersFlow,
+    RenewalTrustsWithoutRereading,
+    RetakenFlowReleased,
     RunnerIgnoresItsLease,
     TakeoverKeepsTheAttempt,
     TakeoverWithoutOrphanCheck,
@@ -53,91 +53,69 @@ def _run(config: FlowConfig, protocol: FleetProtocol) -> FleetChecker:
     return checker
 
 
-@pytest.mark.parametrize("config", [EITHER, CANCEL], ids=lambda c: c.name)
+@pytest.mark.parametrize("config", FLEET_DEFAULT, ids=lambda c: c.name)
 def test_fleet_model_check(config: FlowConfig) -> None:
-    """The engine as it is: wakes, the timeout, a cancel and crashes through either engine.
-    (No engine lets a flow go or renews a lapsed lease here, so the fixes below change nothing.)"""
+    """The engine as it is: wakes, the timeout, a cancel and crashes through either engine; a
+    frozen owner; renewals that fail and a takeover whose answer is lost."""
     _run(config, FleetProtocol())
-
-
-@pytest.mark.parametrize("config", [FROZEN, OUTAGE], ids=lambda c: c.name)
-def test_fleet_model_check_with_the_candidate_fixes(config: FlowConfig) -> None:
-    """Frozen owners and failed renewals: the bounds pass once the engine's renewal re-reads
-    what it held before it trusts it again, and forgets a release that a flow taken back made
-    stale (`FleetEngine`; the findings below fail them as the engine is)."""
-    _run(config, FleetEngine())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", FLEET_SLOW, ids=lambda c: c.name)
 def test_fleet_model_check_larger_bounds(config: FlowConfig) -> None:
-    report = FleetChecker(config, FleetEngine()).run()
+    report = FleetChecker(config, FleetProtocol()).run()
     print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
     assert report.states > 30_000  # larger than every default bound
 
 
-# ---- findings: the engine as it is fails the bounds with a frozen owner or failed renewals ------
+# ---- the model's findings (ADR 0052), fixed in the engine (ADR 0047): planted back, caught ------
 
-RETRUST = (
-    "engine bug (found by the model): a renewal after the engine's lease lapsed trusts every flow"
-    " the engine still has in memory, also one another engine took over meanwhile; a runner that"
-    " reaches `_attempt` before `_check_held` runs its body beside the new owner's"
+
+def test_catches_a_renewal_after_a_lapse_that_trusts_a_flow_taken_over() -> None:
+    """The first finding: the engine before ADR 0047 (its renewal does not re-read what it
+    runs), with the second finding's fix in: the shortest trace is the finding's 7 steps."""
+    found = FleetChecker(FROZEN, RenewalTrustsWithoutRereading()).find()
+    print(f"\n{found}")
+    assert found.message == "engine 0 runs a body of a flow engine 1 holds: two at once"
+    assert found.trace == [
+        "engine 0 freezes",
+        "engine 0's lease lapses while it is frozen",
+        "engine 0 thaws",
+        "engine 1's scan reads RUNNING 'reserve' attempt 1 (engine 0, whose lease lapsed):"
+        " nobody's",
+        "engine 1 takes over revision 1: revision 2, RUNNING 'reserve' attempt 2",
+        "engine 0 renews its lease (it had lapsed)",
+        "engine 0 runs step 'reserve', attempt 1  <-- fails here",
+    ]
+
+
+def test_catches_a_release_of_a_flow_taken_back() -> None:
+    """The second finding: the engine before ADR 0047 (a flow given back to the engine that let
+    it go stays marked for release, at any revision), with the first finding's fix in."""
+    found = FleetChecker(OUTAGE, RetakenFlowReleased()).find()
+    print(f"\n{found}")
+    assert found.message.endswith("two at once")
+    assert len(found.trace) == 11
+    steps = "\n".join(found.trace)
+    assert "engine 0 cannot renew: lets the flow go" in steps
+    assert "engine 0's timer for revision 3 fires" in steps
+    assert "engine 0 renews its lease, releasing the flow it let go" in steps
+    assert "engine 1 takes over" in found.trace[-2]
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"retaken_not_released": False}, {"release_checks_revision": False}],
+    ids=["release-at-the-revision-only", "forget-when-retaken-only"],
 )
-RERELEASE = (
-    "engine bug (found by the model): a flow the engine let go stays in `_released` when it"
-    " comes back to that engine (a timer, a wake or a cancel through it); the next renewal"
-    " releases it while the engine runs it, and another engine takes it over: two at once"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=Counterexample, reason=RETRUST)
-def test_finding_a_renewal_after_a_lapse_trusts_a_flow_taken_over() -> None:
-    try:
-        FleetChecker(FROZEN, FleetProtocol()).run()
-    except Counterexample as found:
-        print(f"\n{found}")
-        assert found.message == "engine 0 runs a body of a flow engine 1 holds: two at once"
-        assert found.trace[:6] == [
-            "engine 0 freezes",
-            "engine 0's lease lapses while it is frozen",
-            "engine 0 thaws",
-            "engine 1's scan reads RUNNING 'reserve' attempt 1 (engine 0, whose lease lapsed):"
-            " nobody's",
-            "engine 1 takes over revision 1: revision 2, RUNNING 'reserve' attempt 2",
-            "engine 0 renews its lease (it had lapsed)",
-        ]
-        raise
-
-
-class RereadingEngine(FleetProtocol):
-    """The engine with the first finding's fix only (so that the second one shows alone)."""
-
-    renewal_rereads = True
-
-
-@pytest.mark.xfail(strict=True, raises=Counterexample, reason=RERELEASE)
-def test_finding_a_flow_taken_back_is_released_while_it_runs() -> None:
-    try:
-        FleetChecker(OUTAGE, RereadingEngine()).run()
-    except Counterexample as found:
-        print(f"\n{found}")
-        assert found.message.endswith("two at once")
-        steps = "\n".join(found.trace)
-        assert "engine 0 cannot renew: lets the flow go" in steps
-        assert "engine 0's timer for revision 3 fires" in steps
-        assert "engine 0 renews its lease, releasing the flow it let go" in steps
-        assert "engine 1 takes over" in found.trace[-2]
-        raise
-
-
-def test_the_first_finding_alone_is_not_the_second() -> None:
-    """Each candidate fix is needed: with the second one only, the first finding remains."""
-
-    class Forgetting(FleetProtocol):
-        retaken_not_released = True
-
-    found = FleetChecker(FROZEN, Forgetting()).find()
-    assert found.trace[-2] == "engine 0 renews its lease (it had lapsed)"
+def test_either_half_of_the_second_fix_is_enough(flags: dict[str, bool]) -> None:
+    """The engine has both (ADR 0047): a flow given back is no longer marked for release, and a
+    release is made only at the revision let go (which also covers a renewal in flight when the
+    flow comes back, which the model, whose renewal is one step, cannot show)."""
+    protocol = FleetProtocol()
+    for name, value in flags.items():
+        setattr(protocol, name, value)
+    _run(OUTAGE, protocol)
 
 
 # ---- planted bugs: each is caught with a shortest trace ------------------------------------------
@@ -206,7 +184,8 @@ def test_fleet_protocol_flags_are_the_engine_s() -> None:
     p = FleetProtocol()
     assert p.takeover_cas and p.takeover_checks_orphan and p.runner_checks_lease
     assert p.outside_respects_owner and p.renewal_releases and p.release_checks_owner
-    assert not p.renewal_rereads and not p.retaken_not_released  # the findings
+    assert p.release_checks_revision  # `_store.release` (ADR 0047)
+    assert p.renewal_rereads and p.retaken_not_released  # the findings, fixed (ADR 0047)
 
 
 # ---- fidelity: takeovers and releases as the real store makes them ------------------------------
@@ -230,7 +209,7 @@ class FleetStoreMirror(StoreMirror, FleetChecker):
         try:
             self._load(m)
             released = engine.released and self.protocol.renewal_releases
-            let_go = ["f"] if released else []
+            let_go = [("f", engine.released)] if released else []
             # The model marks a release as made a moment before now (see `_renew`).
             store.renew(tx, NAMES[e], m.now + 100.0, m.now - 1.0, let_go=let_go)
             _agree("the row after a renewal", store.load(tx, "f"), after.row)
@@ -244,7 +223,6 @@ class FleetStoreMirror(StoreMirror, FleetChecker):
 
 def test_the_fleet_model_store_behaves_as_the_real_store() -> None:
     mirror = FleetStoreMirror(OUTAGE)
-    mirror.protocol = FleetEngine()
     report = mirror.run()
     print(f"\n{report.states} states, {mirror.writes} writes, {mirror.renewals} renewals mirrored")
     assert mirror.writes > 1000 and mirror.renewals > 50
@@ -253,7 +231,6 @@ def test_the_fleet_model_store_behaves_as_the_real_store() -> None:
 
 def test_the_fleet_store_mirror_sees_a_model_without_the_orphan_check() -> None:
     mirror = FleetStoreMirror(FROZEN, drift=True)
-    mirror.protocol = FleetEngine()
     found = mirror.find()
     # The real store refuses the takeover (`Conflict`): the owner renewed since the scan.
     assert found.message.startswith("the store and the model disagree on the transition: Conf")
