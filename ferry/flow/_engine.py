@@ -1208,10 +1208,48 @@ def _registry(plans: Iterable[Plan]) -> dict[tuple[str, int], Plan]:
     return registry
 
 
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _check_sqlite_path(path: str) -> None:
+    """Refuse, in the user's words, a path that cannot hold an SQLite file: its directory is
+    missing, it is a directory, or it is a file of another kind (before anything is created)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"no such directory: {directory!r}, where the flow store {path!r} would be; create"
+            " the directory first, or give open_engine another path"
+        )
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            f"{path!r} is a directory: give open_engine the path of an SQLite file (it is"
+            " created if missing)"
+        )
+    try:
+        with open(path, "rb") as file:
+            header = file.read(len(_SQLITE_HEADER))
+    except FileNotFoundError:
+        return  # a new file: the store creates it
+    except OSError as exc:
+        raise type(exc)(f"cannot read the flow store {path!r}: {exc.strerror}") from None
+    if header and header != _SQLITE_HEADER:
+        raise ValueError(
+            f"{path!r} is not an SQLite database: give open_engine the path of an engine's SQLite"
+            " file, or of a new file"
+        )
+
+
 def _lock_sqlite(path: str) -> int:
     """Take the engine lock of an SQLite file (an flock on a sidecar file); its fd."""
+    _check_sqlite_path(path)
     lock_path = f"{path}.engine-lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise type(exc)(
+            f"cannot open the flow store {path!r}: {exc.strerror} in its directory (an engine"
+            f" keeps a lock file beside the store, {os.path.basename(lock_path)!r})"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -1,0 +1,83 @@
+"""`ferry.flow` as a newcomer meets it: each mistake is answered at once, in one clear line that
+says what was wrong and what to do, and leaves nothing behind (no file, no row).
+
+Engine tests run under `MockClock(autojump_threshold=0)` on the inline SQLite store (see
+_helpers); the path tests use real paths in a temporary directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ferry import flow
+
+from ._helpers import InlineSqliteStore
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> InlineSqliteStore:
+    return InlineSqliteStore(str(tmp_path / "flows.db"))
+
+
+async def _noop(ctx: flow.Context) -> None:
+    pass
+
+
+async def _park(ctx: flow.Context) -> flow.Outcome:
+    return flow.park()
+
+
+def plan_of(*steps: Any, name: str = "p") -> flow.Plan:
+    plan = flow.Plan(name)
+    for i, fn in enumerate(steps):
+        plan.step(name=f"s{i}")(fn)
+    return plan
+
+
+def files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+@asynccontextmanager
+async def engine_on(store: Any, *plans: flow.Plan, **options: Any) -> AsyncIterator[flow.Engine]:
+    async with flow.open_engine(store, plans=list(plans), **options) as engine:
+        yield engine
+
+
+async def refused(error: type[BaseException], store: Any, *plans: flow.Plan, **options: Any) -> str:
+    """The message of the `error` that opening an engine raised (one line)."""
+    with pytest.raises(error) as caught:
+        async with engine_on(store, *plans, **options):
+            pass
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+# ------------------------------------------------------------------------------ opening a file
+
+
+async def test_a_path_in_a_missing_directory_names_the_directory(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such"
+    message = await refused(FileNotFoundError, str(missing / "x.db"), plan_of(_noop))
+    assert f"no such directory: {str(missing)!r}" in message
+    assert repr(str(missing / "x.db")) in message and "engine-lock" not in message
+    assert files(tmp_path) == []
+
+
+async def test_a_directory_or_a_file_that_is_not_sqlite_is_refused_and_left_alone(
+    tmp_path: Path,
+) -> None:
+    message = await refused(IsADirectoryError, str(tmp_path), plan_of(_noop))
+    assert f"{str(tmp_path)!r} is a directory" in message
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a database\n")
+    message = await refused(ValueError, str(notes), plan_of(_noop))
+    assert f"{str(notes)!r} is not an SQLite database" in message
+    assert files(tmp_path) == ["notes.txt"]  # no lock file either
+    assert f"{tmp_path.name}.engine-lock" not in files(tmp_path.parent)
