@@ -1194,7 +1194,9 @@ async def _gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
 
 
 def _registry(plans: Iterable[Plan]) -> dict[tuple[str, int], Plan]:
-    if not isinstance(plans, Iterable):
+    if isinstance(plans, Plan):
+        raise TypeError(f"plans must be a list of flow.Plan: plans=[{plans.name}], got {plans!r}")
+    if not isinstance(plans, Iterable) or isinstance(plans, str | bytes):
         raise TypeError(f"plans must be a list of flow.Plan, got {plans!r}")
     registry: dict[tuple[str, int], Plan] = {}
     for plan in plans:
@@ -1280,9 +1282,10 @@ async def open_engine(
 
     `store`: a path (an SQLite file, created if missing, closed with the engine) or an open
     `SqliteStore`/`PostgresStore` (left open). `plans`: the plans it runs (several versions of
-    one plan may be given). At most `max_running` flows run at once; the others wait their turn,
-    first come first served. `owner` names this engine in the rows it leases (default: a new
-    uuid; names must be unique among live engines). Creates the tables if missing, records its
+    one plan may be given; at least one, unless ``serve=False``). At most `max_running` flows
+    run at once; the others wait their turn, first come first served. `owner` names this
+    engine in the rows it leases (default: a new uuid; names must be unique among live
+    engines). Creates the tables if missing, records its
     plans' shapes in the store, takes the SQLite file's engine lock (`StoreLocked` if another
     engine holds it), then recovers (SPEC 5.4).
 
@@ -1310,10 +1313,11 @@ async def open_engine(
     holds the file's lock like any engine, the next engine to open the file). Its `wait`
     polls the store.
 
-    Definition errors (a bad plan, an empty plan) and bad options are raised as they are,
-    before anything is opened. Leaving the block closes the engine: running steps and
-    compensations are cancelled (their changes discarded; they run again, as attempt + 1, when
-    an engine next takes them), parked flows stay parked, and later calls raise `ferry.Closed`.
+    Definition errors (a bad plan, an empty plan, no plans for a serving engine) and bad
+    options are raised as they are, before anything is opened. Leaving the block closes the
+    engine: running steps and compensations are cancelled (their changes discarded; they run
+    again, as attempt + 1, when an engine next takes them), parked flows stay parked, and later
+    calls raise `ferry.Closed`.
 
     For tests and benchmarks only: `_group_commit=False` commits every write in its own
     transaction; `_fleet` forces the fleet's leases on (or off) whatever the store;
@@ -1329,6 +1333,12 @@ async def open_engine(
         raise ValueError(f"owner must be a non-empty str or None, got {owner!r}")
     if not isinstance(serve, bool):
         raise TypeError(f"serve must be a bool, got {serve!r}")
+    if serve and not registry:
+        raise ValueError(
+            "open_engine got no plans: an engine that serves a store runs only the plans it is"
+            " given, so this one could run no flow; give it plans=[...], or serve=False for an"
+            " operator's engine (it wakes, cancels and resumes flows, and runs none)"
+        )
     if _scan_interval is not None and not (0 < _scan_interval < math.inf):
         raise ValueError(f"_scan_interval must be a finite number > 0, got {_scan_interval!r}")
     own_store = isinstance(store, str | os.PathLike)

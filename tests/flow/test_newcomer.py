@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
+import trio.testing
 
 from ferry import flow
+from ferry.flow import _store
 
 from ._helpers import InlineSqliteStore
 
@@ -81,3 +84,31 @@ async def test_a_directory_or_a_file_that_is_not_sqlite_is_refused_and_left_alon
     assert f"{str(notes)!r} is not an SQLite database" in message
     assert files(tmp_path) == ["notes.txt"]  # no lock file either
     assert f"{tmp_path.name}.engine-lock" not in files(tmp_path.parent)
+
+
+# ----------------------------------------------------------------------------------- the plans
+
+
+async def test_a_serving_engine_without_plans_is_refused_an_operators_engine_is_not(
+    store: InlineSqliteStore, autojump_clock: Any
+) -> None:
+    message = await refused(ValueError, store)
+    assert "no plans" in message and "serve=False" in message
+    assert not await store.transact(_store.has_tables)  # nothing was opened
+    async with engine_on(store, plan_of(_park)) as engine:
+        fid = await engine.start(engine._plans[("p", 1)])
+        await trio.testing.wait_all_tasks_blocked()  # parked
+    async with engine_on(store, serve=False) as ops:  # an operator's engine needs none
+        assert await ops.wake(fid, "go") is flow.Delivery.RESUMED
+
+
+async def test_plans_that_are_not_a_list_of_plans_say_how_to_give_them(
+    store: InlineSqliteStore,
+) -> None:
+    plan = plan_of(_noop)
+    with pytest.raises(TypeError, match=r"plans=\[p\]"):
+        async with flow.open_engine(store, plans=plan):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(TypeError, match=r"plans must be a list of flow\.Plan, got 'p'"):
+        async with flow.open_engine(store, plans="p"):  # type: ignore[arg-type]
+            pass
