@@ -1193,7 +1193,7 @@ async def _gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
 # --------------------------------------------------------------------------------- opening
 
 
-def _registry(plans: Iterable[Plan]) -> dict[tuple[str, int], Plan]:
+def _registry(plans: object) -> dict[tuple[str, int], Plan]:
     if isinstance(plans, Plan):
         raise TypeError(f"plans must be a list of flow.Plan: plans=[{plans.name}], got {plans!r}")
     if not isinstance(plans, Iterable) or isinstance(plans, str | bytes):
