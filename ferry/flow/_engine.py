@@ -47,6 +47,7 @@ import inspect
 import json
 import math
 import os
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -107,12 +108,29 @@ _GUARD_MIN = 0.5
 
 
 _ROLLBACK_RETRIES = 3
+_thread_id = threading.get_ident
 
 
 def _rolled_back(exc: BaseException) -> bool:
     """Did the database roll the transaction back on its own (SQLSTATE class 40: a deadlock, a
     serialization failure)? Then nothing of it was written, and running it again is safe."""
     return str(getattr(exc, "sqlstate", None) or "").startswith("40")
+
+
+def _wrong_run(method: str) -> RuntimeError:
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        where = "outside any trio run (a plain thread)"
+    else:
+        where = "from a task of another trio run"
+    run = "run_sync" if method in ("on", "statistics") else "run"
+    return RuntimeError(
+        f"flow.Engine.{method} was called {where}: an engine belongs to the trio run that"
+        " opened it, and only that run's tasks may call it. From another thread, call it in"
+        f" its run: trio.from_thread.{run}(engine.{method}, ..., trio_token=token), with the"
+        " token of that run (trio.lowlevel.current_trio_token() there)"
+    )
 
 
 def _backoff(failures: int) -> float:
@@ -220,6 +238,8 @@ class Engine:
     """Runs the flows of one store (SPEC 5.2). Made by `open_engine`; no public constructor.
 
     Every async method is a checkpoint and raises `ferry.Closed` once the engine is closed.
+    Only the tasks of the trio run that opened the engine may call it: a call from another
+    run or thread raises `RuntimeError` (use ``trio.from_thread.run(..., trio_token=...)``).
     A database error in a call is raised as `ferry.Failed` (its `__cause__` is the error);
     nothing of that call was written then, unless the error came while committing (unknown).
     """
@@ -280,6 +300,7 @@ class Engine:
         self._parked = 0
         self._nursery: trio.Nursery | None = None
         self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
+        self._thread = _thread_id()  # of the run that opened it: only its tasks may call it
 
     # ------------------------------------------------------------------------------- clocks
 
@@ -901,9 +922,17 @@ class Engine:
         stored = await self._store.transact(_store.load_plans)
         return {**{(sh.name, sh.version): sh for sh, _at in stored}, **self._shapes}
 
-    def _check_open(self) -> None:
+    def _check(self, method: str) -> None:
+        """Raise unless `method` is called by a task of the engine's own run, while it is open.
+        Cheap: one thread id compared (a thread runs one trio run at a time, so while the
+        engine is open, "this thread" is "its run"), as ferry's own calls do."""
+        if _thread_id() != self._thread:
+            raise _wrong_run(method)
         if self._closing:
-            raise Closed("the flow engine is closed")
+            raise Closed(
+                f"Engine.{method}: the flow engine is closed (its `async with open_engine(...)`"
+                " block has ended); call the engine inside that block"
+            )
 
     def _shape_of(self, plan: object) -> Shape:
         if not isinstance(plan, Plan):
@@ -926,7 +955,7 @@ class Engine:
         `open_engine`), `IdReused` (the id names a flow of another plan or other start data),
         `TypeError` (data not a JSON object); nothing is stored then.
         """
-        self._check_open()
+        self._check("start")
         shape = self._shape_of(plan)
         fid = uuid.uuid4().hex if flow_id is None else _check_flow_id(flow_id)
         text = _json_object_text({} if data is None else data, "data")
@@ -950,7 +979,7 @@ class Engine:
         (`message_id` was delivered before), `STALE` (completed or failed) or `UNKNOWN`.
         Raises `TypeError` for a payload that is not JSON or a bad id (nothing stored).
         """
-        self._check_open()
+        self._check("wake")
         fid = _check_flow_id(flow_id)
         text = _json_text(payload, "payload")
         if message_id is not None and not isinstance(message_id, str):
@@ -976,7 +1005,7 @@ class Engine:
         ``mapper(event)`` is a plain function returning `Wake`, `Start`, `IGNORE` or None;
         several mappers of one type run in registration order.
         """
-        self._check_open()
+        self._check("on")
         if not isinstance(event_type, str):
             raise TypeError(f"event_type must be a str, got {event_type!r}")
         if not callable(mapper):
@@ -993,7 +1022,7 @@ class Engine:
         any is applied: a mapper that returns anything else raises `TypeError` and nothing is
         applied. Events are at-least-once: give wakes a `message_id` (the event's id).
         """
-        self._check_open()
+        self._check("publish")
         if not isinstance(event_type, str):
             raise TypeError(f"event_type must be a str, got {event_type!r}")
         decisions: list[Wake | Start | None] = []
@@ -1037,7 +1066,7 @@ class Engine:
         `UnknownFlow`, `trio.TooSlowError` after `timeout` seconds, `ferry.Closed` if the engine
         closes meanwhile.
         """
-        self._check_open()
+        self._check("wait")
         fid = _check_flow_id(flow_id)
         if timeout is not None and not (
             isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout >= 0
@@ -1100,7 +1129,7 @@ class Engine:
 
     async def get(self, flow_id: str) -> Snapshot | None:
         """The flow's durable state, read from the store; None if there is no such flow."""
-        self._check_open()
+        self._check("get")
         flow = await self._load(_check_flow_id(flow_id))
         return None if flow is None else m.snapshot(flow)
 
@@ -1110,7 +1139,7 @@ class Engine:
         A running step is cancelled and its changes discarded. Returns False (nothing changes)
         for a flow that is terminal, compensating, blocked or unknown.
         """
-        self._check_open()
+        self._check("cancel")
         fid = _check_flow_id(flow_id)
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {reason!r}")
@@ -1127,7 +1156,7 @@ class Engine:
         """Re-drive a `BLOCKED` flow from where it stopped (a step or compensation runs again as
         attempt + 1; a park is restored). False if it is not blocked, unknown, or its plan
         version is still not registered."""
-        self._check_open()
+        self._check("resume")
         fid = _check_flow_id(flow_id)
         shapes = await self._known_shapes()
         now = self._now()
@@ -1141,7 +1170,7 @@ class Engine:
 
     async def history(self, flow_id: str) -> list[Event]:
         """Every durable transition of the flow, in order. Raises `UnknownFlow`."""
-        self._check_open()
+        self._check("history")
         fid = _check_flow_id(flow_id)
         events = await self._store.transact(partial(_store.load_history, flow_id=fid))
         if events is None:
@@ -1149,7 +1178,12 @@ class Engine:
         return events
 
     def statistics(self) -> FlowStatistics:
-        """Gauges and counters of this engine (see `FlowStatistics`). No checkpoint; O(1)."""
+        """Gauges and counters of this engine (see `FlowStatistics`). No checkpoint; O(1).
+
+        Readable after the engine closed; while it is open, only from its own run's tasks
+        (`RuntimeError` otherwise)."""
+        if _thread_id() != self._thread and not self._closing:
+            raise _wrong_run("statistics")
         return FlowStatistics(
             running=len(self._live),
             parked=self._parked,

@@ -7,8 +7,9 @@ _helpers); the path tests use real paths in a temporary directory.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 import trio
 import trio.testing
 
+import ferry
 from ferry import flow
 from ferry.flow import _store
 
@@ -112,3 +114,69 @@ async def test_plans_that_are_not_a_list_of_plans_say_how_to_give_them(
     with pytest.raises(TypeError, match=r"plans must be a list of flow\.Plan, got 'p'"):
         async with flow.open_engine(store, plans="p"):  # type: ignore[arg-type]
             pass
+
+
+# ------------------------------------------------------------------------------- another run
+
+
+async def test_every_engine_call_from_another_run_or_thread_names_the_engine_and_the_way(
+    store: InlineSqliteStore,
+) -> None:
+    plan = plan_of(_park)
+    async with engine_on(store, plan) as engine:
+        fid = await engine.start(plan, flow_id="f")
+        await trio.testing.wait_all_tasks_blocked()
+        before = await store.transact(_store.count_states)
+        calls: dict[str, Callable[[], Awaitable[object]]] = {
+            "start": partial(engine.start, plan),
+            "wake": partial(engine.wake, fid, "x"),
+            "publish": partial(engine.publish, "e", {}),
+            "wait": partial(engine.wait, fid, timeout=0),
+            "get": partial(engine.get, fid),
+            "cancel": partial(engine.cancel, fid),
+            "resume": partial(engine.resume, fid),
+            "history": partial(engine.history, fid),
+        }
+        errors: dict[str, BaseException] = {}
+
+        async def in_another_run() -> None:
+            for name, call in calls.items():
+                try:
+                    await call()
+                except BaseException as exc:
+                    errors[name] = exc
+
+        def in_a_thread() -> None:
+            trio.run(in_another_run)
+            for name, sync in (
+                ("on", partial(engine.on, "e", print)),
+                ("statistics", engine.statistics),
+            ):
+                try:
+                    sync()
+                except BaseException as exc:
+                    errors[name] = exc
+
+        await trio.to_thread.run_sync(in_a_thread)
+        assert set(errors) == {*calls, "on", "statistics"}
+        for name, error in errors.items():
+            assert type(error) is RuntimeError
+            text = str(error)
+            assert text.startswith(f"flow.Engine.{name} was called "), text
+            assert "ferry was called" not in text and "trio_token" in text
+        assert "from a task of another trio run" in str(errors["wake"])
+        assert "outside any trio run" in str(errors["on"])
+        assert "trio.from_thread.run_sync(engine.on" in str(errors["on"])
+        # nothing happened: no flow, no wake, no mapper
+        assert await store.transact(_store.count_states) == before
+        assert await engine.publish("e", {}) == []
+        assert (await engine.get(fid)).state is flow.State.PARKED  # type: ignore[union-attr]
+        assert engine.statistics().wakes[flow.Delivery.QUEUED] == 0
+    engine.statistics()  # readable from anywhere once closed
+
+
+async def test_calls_after_close_say_the_block_has_ended(store: InlineSqliteStore) -> None:
+    async with engine_on(store, plan_of(_noop)) as engine:
+        pass
+    with pytest.raises(ferry.Closed, match=r"Engine.get: .*block has ended"):
+        await engine.get("f")
