@@ -1063,8 +1063,8 @@ class Engine:
         """Until the flow is `COMPLETED`, `FAILED` or `BLOCKED`; its snapshot then.
 
         A retry on the engine's state (no polling) for the flows this engine writes. Raises
-        `UnknownFlow`, `trio.TooSlowError` after `timeout` seconds, `ferry.Closed` if the engine
-        closes meanwhile.
+        `UnknownFlow`, `trio.TooSlowError` after `timeout` seconds (its message says where the
+        flow still is), `ferry.Closed` if the engine closes meanwhile.
         """
         self._check("wait")
         fid = _check_flow_id(flow_id)
@@ -1092,8 +1092,12 @@ class Engine:
                 return f
 
             if flow.state not in _SETTLED:
-                with trio.fail_after(math.inf if timeout is None else timeout):
+                with trio.move_on_after(math.inf if timeout is None else timeout) as waited:
                     flow = await self._until_settled(fid, watch, settled)
+                if waited.cancelled_caught:
+                    assert timeout is not None
+                    latest = stm.atomically_nowait(tvar.get)
+                    raise trio.TooSlowError(_still(flow if latest is None else latest, timeout))
             else:
                 await trio.lowlevel.checkpoint()
             return m.snapshot(flow)
@@ -1193,6 +1197,19 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"<flow.Engine running={len(self._live)} parked={self._parked}>"
+
+
+def _still(flow: Flow, timeout: float) -> str:
+    """Why `wait` gave up: where the flow still is (as this engine last knew it)."""
+    where = f"flow {flow.flow_id!r} is still {flow.state.name} at step {flow.step!r}"
+    if flow.state is _PARKED:
+        where += " (a parked flow goes on when it is woken: Engine.wake"
+        if flow.park_deadline is not None:
+            where += ", or when its park times out"
+        where += ")"
+    elif flow.attempt > 1:
+        where += f" (attempt {flow.attempt})"
+    return f"{where} after {timeout:g} s"
 
 
 def _on_row(fn: Callable[..., Transition], *args: Any) -> _store.Apply:

@@ -180,3 +180,41 @@ async def test_calls_after_close_say_the_block_has_ended(store: InlineSqliteStor
         pass
     with pytest.raises(ferry.Closed, match=r"Engine.get: .*block has ended"):
         await engine.get("f")
+
+
+# -------------------------------------------------------------------------------------- wait
+
+
+async def test_a_wait_that_times_out_says_where_the_flow_still_is(
+    store: InlineSqliteStore, autojump_clock: Any
+) -> None:
+    flaky_runs = 0
+
+    async def flaky(ctx: flow.Context) -> None:
+        nonlocal flaky_runs
+        flaky_runs += 1
+        raise ConnectionError("down")
+
+    async def parks_for_an_hour(ctx: flow.Context) -> flow.Outcome:
+        return flow.park(timeout=3600)
+
+    plan = plan_of(_park)
+    timed = plan_of(parks_for_an_hour, name="timed")
+    retried = plan_of(flaky, name="retried")
+    async with engine_on(store, plan, timed, retried) as engine:
+        for p, fid in ((plan, "a"), (timed, "b"), (retried, "c")):
+            await engine.start(p, flow_id=fid)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(trio.TooSlowError) as running:
+            await engine.wait("c", timeout=0.15)  # its second attempt waits out its backoff
+        assert (
+            str(running.value) == "flow 'c' is still RUNNING at step 's0' (attempt 2) after 0.15 s"
+        )
+        with pytest.raises(trio.TooSlowError) as parked:
+            await engine.wait("a", timeout=0.1)
+        assert str(parked.value) == (
+            "flow 'a' is still PARKED at step 's0' (a parked flow goes on when it is woken:"
+            " Engine.wake) after 0.1 s"
+        )
+        with pytest.raises(trio.TooSlowError, match=r"or when its park times out\) after 2 s"):
+            await engine.wait("b", timeout=2)
