@@ -85,6 +85,8 @@ from ._types import (
     Wake,
     _Complete,
     _Continue,
+    fail,
+    park,
 )
 
 T = TypeVar("T")
@@ -174,8 +176,15 @@ def _classify(result: object) -> Outcome | str | None:
     """The step's return value as an outcome (None = continue), or a str saying what is wrong."""
     if result is None or isinstance(result, _Continue | _Complete | Park | Fail):
         return result
+    hint = ""
+    if result is park or result is fail:
+        hint = f": call it, return flow.{result.__name__}(...)"
+    elif inspect.iscoroutine(result):
+        result.close()  # never to be awaited now: no "never awaited" warning
+        hint = ": an await is missing"
     return (
-        f"returned {result!r}, which is not an outcome (None, CONTINUE, COMPLETE, park(), fail())"
+        f"returned {result!r}, which is not an outcome (None, CONTINUE, COMPLETE, park(),"
+        f" fail()){hint}"
     )
 
 
@@ -629,8 +638,8 @@ class Engine:
             await self._own(live, _on_row(m.step_failed, shape, problem, now))
         else:
             assert not isinstance(outcome, str)
-            park = isinstance(outcome, Park)
-            await self._own(live, _on_row_box(m.step_done, shape, outcome, data, now), head=park)
+            parks = isinstance(outcome, Park)
+            await self._own(live, _on_row_box(m.step_done, shape, outcome, data, now), head=parks)
 
     async def _run_compensation(self, live: _Live, shape: Shape, step: StepDef) -> None:
         assert step.compensate is not None  # the machine stacks only steps with one

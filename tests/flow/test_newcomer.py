@@ -218,3 +218,64 @@ async def test_a_wait_that_times_out_says_where_the_flow_still_is(
         )
         with pytest.raises(trio.TooSlowError, match=r"or when its park times out\) after 2 s"):
             await engine.wait("b", timeout=2)
+
+
+# ------------------------------------------------------------------------------ defining steps
+
+
+def test_step_misuse_is_refused_at_definition_with_the_fix() -> None:
+    plan = flow.Plan("p")
+    with pytest.raises(
+        TypeError, match=r"a step's name is given by keyword, @plan.step\(name='a'\)"
+    ):
+        plan.step("a")  # type: ignore[call-overload]
+
+    async def no_ctx() -> None:
+        pass
+
+    async def two(ctx: flow.Context, extra: int) -> None:
+        pass
+
+    for fn in (no_ctx, two):
+        with pytest.raises(TypeError, match=r"must take one argument, the flow\.Context"):
+            plan.step(fn)  # type: ignore[type-var]
+        with pytest.raises(TypeError, match=r"compensate must take one argument"):
+            plan.step(compensate=fn)  # type: ignore[arg-type]
+
+    async def flexible(ctx: flow.Context, extra: int = 0, *more: int) -> None:
+        pass
+
+    plan.step(flexible)
+    plan.step(name="kw")(partial(flexible, extra=1))
+    assert [s.name for s in plan.steps] == ["flexible", "kw"]
+
+
+async def _returns_park(ctx: flow.Context) -> Any:
+    return flow.park
+
+
+async def _returns_fail(ctx: flow.Context) -> Any:
+    return flow.fail
+
+
+async def _returns_a_coroutine(ctx: flow.Context) -> Any:
+    return _noop(ctx)
+
+
+@pytest.mark.parametrize(
+    ("step", "hint"),
+    [
+        (_returns_park, "call it, return flow.park(...)"),
+        (_returns_fail, "call it, return flow.fail(...)"),
+        (_returns_a_coroutine, "an await is missing"),
+    ],
+)
+async def test_a_step_that_returns_a_near_miss_fails_with_the_fix(
+    store: InlineSqliteStore, autojump_clock: Any, step: Any, hint: str
+) -> None:
+    plan = plan_of(step)
+    async with engine_on(store, plan) as engine:
+        snap = await engine.wait(await engine.start(plan), timeout=60)
+    assert snap.state is flow.State.FAILED
+    assert snap.error is not None and snap.error.startswith("step 's0' returned ")
+    assert snap.error.endswith(hint)
