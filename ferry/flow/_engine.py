@@ -947,6 +947,12 @@ class Engine:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a flow.Plan, got {plan!r}")
         key = self._registered.get(id(plan))
+        if key is None and (plan.name, plan.version) in self._plans:
+            raise UnknownPlan(
+                f"this flow.Plan {plan.name!r} version {plan.version} is not the object given to"
+                " open_engine, which has another Plan of that name and version (was the plan"
+                " built twice?): start flows with the Plan object the engine was opened with"
+            )
         if key is None:
             raise UnknownPlan(
                 f"plan {plan.name!r} version {plan.version} was not given to open_engine; an"
@@ -1021,6 +1027,18 @@ class Engine:
             raise TypeError(f"mapper must be a function, got {mapper!r}")
         if _is_async(mapper):
             raise TypeError(f"mapper must be a plain function, not async: {mapper!r}")
+        try:
+            signature = inspect.signature(mapper)
+        except (TypeError, ValueError):  # no signature to read: publish will tell
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind(None)
+            except TypeError:
+                raise TypeError(
+                    f"mapper must take one argument, the event (def mapper(event): ...), got"
+                    f" {mapper!r} taking {signature}"
+                ) from None
         self._mappers.setdefault(event_type, []).append(mapper)
 
     async def publish(self, event_type: str, event: Json) -> list[Delivery | str | None]:
@@ -1037,24 +1055,13 @@ class Engine:
         decisions: list[Wake | Start | None] = []
         for mapper in self._mappers.get(event_type, ()):
             decision = mapper(event)
-            if decision is None or decision is IGNORE:
-                decisions.append(None)
-            elif isinstance(decision, Wake):
-                _check_flow_id(decision.flow_id)
-                _json_text(decision.payload, "Wake.payload")
-                if decision.message_id is not None and not isinstance(decision.message_id, str):
-                    raise TypeError(f"Wake.message_id must be a str or None, got {decision!r}")
-                decisions.append(decision)
-            elif isinstance(decision, Start):
-                self._shape_of(decision.plan)
-                _check_flow_id(decision.flow_id)
-                _json_object_text({} if decision.data is None else decision.data, "Start.data")
-                decisions.append(decision)
-            else:
-                raise TypeError(
-                    f"mapper {mapper!r} for {event_type!r} returned {decision!r}: a mapper must"
-                    " return flow.Wake, flow.Start, flow.IGNORE or None; nothing was applied"
-                )
+            try:
+                decisions.append(self._decision(decision))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(
+                    f"mapper {mapper!r} for {event_type!r} returned {decision!r}: {exc};"
+                    " nothing was applied"
+                ) from None
         results: list[Delivery | str | None] = []
         await trio.lowlevel.checkpoint_if_cancelled()
         with trio.CancelScope(shield=True):  # all of them, or (if Cancelled) none
@@ -1067,6 +1074,25 @@ class Engine:
                     results.append(None)
             await trio.lowlevel.cancel_shielded_checkpoint()
         return results
+
+    def _decision(self, decision: object) -> Wake | Start | None:
+        """A mapper's result, checked (type, ids, JSON, plan); raises `TypeError`/`ValueError`."""
+        if decision is None or decision is IGNORE:
+            return None
+        if isinstance(decision, Wake):
+            _check_flow_id(decision.flow_id)
+            _json_text(decision.payload, "Wake.payload")
+            if decision.message_id is not None and not isinstance(decision.message_id, str):
+                raise TypeError(
+                    f"Wake.message_id must be a str or None, got {decision.message_id!r}"
+                )
+            return decision
+        if isinstance(decision, Start):
+            self._shape_of(decision.plan)
+            _check_flow_id(decision.flow_id)
+            _json_object_text({} if decision.data is None else decision.data, "Start.data")
+            return decision
+        raise TypeError("a mapper must return flow.Wake, flow.Start, flow.IGNORE or None")
 
     async def wait(self, flow_id: str, *, timeout: float | None = None) -> Snapshot:  # noqa: ASYNC109
         """Until the flow is `COMPLETED`, `FAILED` or `BLOCKED`; its snapshot then.

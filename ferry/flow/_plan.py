@@ -120,8 +120,7 @@ class Plan:
         """
         if isinstance(fn, str):
             raise TypeError(
-                f"@plan.step({fn!r}): a step's name is given by keyword,"
-                f" @plan.step(name={fn!r})"
+                f"@plan.step({fn!r}): a step's name is given by keyword, @plan.step(name={fn!r})"
             )
         if isinstance(attempts, bool) or not isinstance(attempts, int):
             raise TypeError(f"attempts must be an int, got {attempts!r}")

@@ -279,3 +279,40 @@ async def test_a_step_that_returns_a_near_miss_fails_with_the_fix(
     assert snap.state is flow.State.FAILED
     assert snap.error is not None and snap.error.startswith("step 's0' returned ")
     assert snap.error.endswith(hint)
+
+
+# ---------------------------------------------------------------------- plans, choreography
+
+
+async def test_a_plan_built_twice_is_named_as_such(
+    store: InlineSqliteStore, autojump_clock: Any
+) -> None:
+    async with engine_on(store, plan_of(_noop)) as engine:
+        with pytest.raises(flow.UnknownPlan, match="is not the object given to open_engine"):
+            await engine.start(plan_of(_noop))
+        with pytest.raises(flow.UnknownPlan, match="was not given to open_engine"):
+            await engine.start(plan_of(_noop, name="other"))
+        assert await store.transact(_store.count_states) == {}
+
+
+async def test_a_mapper_mistake_names_the_mapper_and_the_event_type(
+    store: InlineSqliteStore, autojump_clock: Any
+) -> None:
+    plan = plan_of(_park)
+    async with engine_on(store, plan) as engine:
+        with pytest.raises(TypeError, match=r"mapper must take one argument, the event"):
+            engine.on("e", lambda: None)  # type: ignore[arg-type,misc]
+
+        def bad_id(event: Any) -> flow.Wake:
+            return flow.Wake(event["order"])
+
+        engine.on("paid", bad_id)
+        with pytest.raises(TypeError) as caught:
+            await engine.publish("paid", {"order": 42})
+        assert str(caught.value).startswith(f"mapper {bad_id!r} for 'paid' returned Wake(")
+        assert "flow_id must be a str, got 42; nothing was applied" in str(caught.value)
+        other = plan_of(_noop)
+        engine.on("placed", lambda e: flow.Start(other, flow_id="x"))
+        with pytest.raises(flow.UnknownPlan, match=r"for 'placed' returned Start.*not the object"):
+            await engine.publish("placed", {})
+        assert await store.transact(_store.count_states) == {}
