@@ -50,9 +50,10 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
+from types import TracebackType
 from typing import Any, TypeVar, final
 
 import attrs
@@ -1349,8 +1350,7 @@ def _lock_sqlite(path: str) -> int:
     return fd
 
 
-@asynccontextmanager
-async def open_engine(
+def open_engine(
     store: Store | str | os.PathLike[str],
     plans: Iterable[Plan],
     *,
@@ -1363,7 +1363,7 @@ async def open_engine(
     _fleet: bool | None = None,
     _fencing: bool = True,
     _scan_interval: float | None = None,
-) -> AsyncIterator[Engine]:
+) -> contextlib.AbstractAsyncContextManager[Engine]:
     """Open a flow engine on `store` for the duration of an ``async with`` (SPEC 5.2).
 
     `store`: a path (an SQLite file, created if missing, closed with the engine) or an open
@@ -1410,6 +1410,75 @@ async def open_engine(
     `_fencing=False` makes the runner's writes and takeovers skip the compare-and-set (to show
     that the fleet's oracle catches it); `_scan_interval` overrides ``lease / 3``.
     """
+    return _Opening(
+        _opened(
+            store,
+            plans,
+            owner=owner,
+            max_running=max_running,
+            lease=lease,
+            serve=serve,
+            group_commit=_group_commit,
+            wall_clock=_wall_clock,
+            fleet=_fleet,
+            fencing=_fencing,
+            scan_interval=_scan_interval,
+        )
+    )
+
+
+_NOT_WITH = (
+    "open_engine(...) is an async context manager, not the engine: open it with"
+    " `async with flow.open_engine(store, plans=[...]) as engine:` and call the engine inside"
+    " that block"
+)
+
+
+@final
+class _Opening(contextlib.AbstractAsyncContextManager[Engine]):
+    """What `open_engine` returns: the engine's context manager, which also answers the
+    mistake of leaving out ``async with`` (awaiting it, or calling it as if it were the
+    engine) with a `TypeError`/`AttributeError` that says how to open it."""
+
+    def __init__(self, opened: contextlib.AbstractAsyncContextManager[Engine]) -> None:
+        self._opened = opened
+
+    async def __aenter__(self) -> Engine:
+        return await self._opened.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        return await self._opened.__aexit__(exc_type, exc, tb)
+
+    def __await__(self) -> Generator[Any, None, Engine]:
+        raise TypeError(_NOT_WITH)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"{_NOT_WITH} ('.{name}' was asked of the context manager)")
+
+
+@asynccontextmanager
+async def _opened(
+    store: Store | str | os.PathLike[str],
+    plans: Iterable[Plan],
+    *,
+    owner: str | None,
+    max_running: int,
+    lease: float,
+    serve: bool,
+    group_commit: bool,
+    wall_clock: Callable[[], float],
+    fleet: bool | None,
+    fencing: bool,
+    scan_interval: float | None,
+) -> AsyncIterator[Engine]:
+    """The body of `open_engine` (its docstring says what it promises)."""
     registry = _registry(plans)
     if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
         raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
@@ -1425,8 +1494,8 @@ async def open_engine(
             " given, so this one could run no flow; give it plans=[...], or serve=False for an"
             " operator's engine (it wakes, cancels and resumes flows, and runs none)"
         )
-    if _scan_interval is not None and not (0 < _scan_interval < math.inf):
-        raise ValueError(f"_scan_interval must be a finite number > 0, got {_scan_interval!r}")
+    if scan_interval is not None and not (0 < scan_interval < math.inf):
+        raise ValueError(f"_scan_interval must be a finite number > 0, got {scan_interval!r}")
     own_store = isinstance(store, str | os.PathLike)
     if own_store:
         db: Store = SqliteStore(os.fspath(store))  # type: ignore[arg-type]
@@ -1444,11 +1513,11 @@ async def open_engine(
             max_running=max_running,
             lease=lease,
             serve=serve,
-            fleet=db.dialect == "postgres" if _fleet is None else _fleet,
-            group_commit=_group_commit,
-            fencing=_fencing,
-            scan_interval=_scan_interval,
-            wall_clock=_wall_clock,
+            fleet=db.dialect == "postgres" if fleet is None else fleet,
+            group_commit=group_commit,
+            fencing=fencing,
+            scan_interval=scan_interval,
+            wall_clock=wall_clock,
         )
         async with _lifetime(engine) as running:
             yield running

@@ -88,6 +88,19 @@ async def test_a_directory_or_a_file_that_is_not_sqlite_is_refused_and_left_alon
     assert f"{tmp_path.name}.engine-lock" not in files(tmp_path.parent)
 
 
+async def test_open_engine_without_async_with_says_how_to_open_it(
+    store: InlineSqliteStore,
+) -> None:
+    opening = flow.open_engine(store, plans=[plan_of(_noop)])
+    with pytest.raises(TypeError, match=r"async with flow\.open_engine\(store, plans=\[\.\.\.\]\)"):
+        await opening  # type: ignore[misc]
+    with pytest.raises(AttributeError, match=r"not the engine.*'\.start' was asked"):
+        opening.start  # type: ignore[attr-defined]  # noqa: B018
+    assert not await store.transact(_store.has_tables)  # nothing was opened
+    async with opening as engine:  # the same object still opens the engine
+        assert isinstance(engine, flow.Engine)
+
+
 # ----------------------------------------------------------------------------------- the plans
 
 
