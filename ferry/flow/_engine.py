@@ -1297,9 +1297,6 @@ def _registry(plans: object) -> dict[tuple[str, int], Plan]:
     return registry
 
 
-_SQLITE_HEADER = b"SQLite format 3\x00"
-
-
 def _check_sqlite_path(path: str) -> None:
     """Refuse, in the user's words, a path that cannot hold an SQLite file: its directory is
     missing, it is a directory, or it is a file of another kind (before anything is created)."""
@@ -1316,12 +1313,12 @@ def _check_sqlite_path(path: str) -> None:
         )
     try:
         with open(path, "rb") as file:
-            header = file.read(len(_SQLITE_HEADER))
+            header = file.read(len(_store.SQLITE_HEADER))
     except FileNotFoundError:
         return  # a new file: the store creates it
     except OSError as exc:
         raise type(exc)(f"cannot read the flow store {path!r}: {exc.strerror}") from None
-    if header and header != _SQLITE_HEADER:
+    if header and header != _store.SQLITE_HEADER:
         raise ValueError(
             f"{path!r} is not an SQLite database: give open_engine the path of an engine's SQLite"
             " file, or of a new file"

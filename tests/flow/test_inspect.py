@@ -290,6 +290,60 @@ def test_a_store_that_is_not_there_is_one_line(
     assert code == 1 and err.count("\n") == 1 and "OperationalError" in err
 
 
+def test_a_file_that_is_no_flow_store_is_one_line_and_left_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = tmp_path / "other.db"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.close()
+    before = other.read_bytes()
+    (tmp_path / "empty.db").touch()
+    (tmp_path / "notes.txt").write_text("not a database")
+    cases = {
+        str(other): "holds no flows (no flow engine has opened it)",
+        str(
+            tmp_path / "empty.db"
+        ): "holds no flows (no flow engine has opened it): the file is empty",
+        str(tmp_path / "notes.txt"): "is not an SQLite database",
+        str(tmp_path): "is a directory",
+    }
+    for spec, message in cases.items():
+        for command in ("list", "stats", "wake"):
+            code, out, err = run(capsys, spec, command, *(["f"] if command == "wake" else []))
+            assert (code, out) == (1, "")
+            assert err.startswith(f"python -m ferry.flow: error: {spec!r} {message}"), err
+            assert err.count("\n") == 1
+    assert other.read_bytes() == before  # still in rollback-journal mode: not switched to WAL
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.db", "notes.txt", "other.db"]
+    assert (tmp_path / "empty.db").read_bytes() == b""
+
+
+def test_a_dsn_password_is_never_shown(capsys: pytest.CaptureFixture[str]) -> None:
+    for dsn, shown in [
+        ("host=127.0.0.1 port=1 password=hunter2 connect_timeout=1", "password=***"),
+        ("postgresql://bob:hunter2@127.0.0.1:1/db?connect_timeout=1", "bob:***@"),
+        ("postgresql://bob:hunter2@[::1", "bob:***@"),
+    ]:
+        code, _, err = run(capsys, dsn, "list")
+        assert code == 1 and err.count("\n") == 1
+        assert shown in err and "hunter2" not in err
+    code, _, err = run(capsys, "a=b.db", "list")
+    assert code == 1
+    assert "'a=b.db' is neither an SQLite file (there is no such file) nor a PostgreSQL DSN" in err
+
+
+def test_list_says_when_more_flows_match_than_it_shows(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, db, "list", "--limit", "3")
+    assert code == 0 and len(out.splitlines()) == 2 + 3 + 1
+    assert out.endswith("(the 3 most recently written; more match: --limit N shows more)\n")
+    assert "more match" not in run(capsys, db, "list", "--limit", "8")[1]  # exactly 8 flows
+    assert len(run_json(capsys, db, "list", "--limit", "3")) == 3
+
+
 @pytest.mark.parametrize("command", [None, "list", "show", "stats", "wake", "cancel", "resume"])
 def test_help_everywhere(command: str | None, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--help"] if command is None else ["x.db", command, "--help"]
