@@ -398,6 +398,19 @@ async def do_show(args: argparse.Namespace, store: Store) -> None:
     _print(args, "\n".join(lines), data)
 
 
+#: What the terms of `stats` mean (the legend under its tables names those shown).
+STATS_LEGEND = {
+    "orphans": "running or compensating flows no live engine holds: the next engine to scan"
+    " or open the store runs them",
+    "PLAN": "a plan's name@version",
+    "SINCE": "when the flow parked (its last write)",
+    "DEADLINE": "when its park times out (-: never; it waits for a wake)",
+    "E.G.": "one flow blocked for that reason: `show` it, fix the cause, then `resume` it",
+    "LEASE": "alive while the engine renews its lease (UNTIL); gone: it closed or died",
+    "FLOWS": "(engines) the running or compensating flows the engine holds",
+}
+
+
 async def do_stats(args: argparse.Namespace, store: Store) -> None:
     now = time.time()
 
@@ -448,7 +461,9 @@ async def do_stats(args: argparse.Namespace, store: Store) -> None:
         table(("STATE", "FLOWS"), [[s, by_state[s]] for s in states]),
         f"\nrunning flows no engine holds (orphans): {r['orphans']}",
     ]
+    legend = ["orphans"]
     if by_plan:
+        legend.append("PLAN")
         rows = [[p, *(counts[s] for s in states)] for p, counts in by_plan.items()]
         parts.append("\n" + table(("PLAN", *states), rows))
     if r["parked"]:
@@ -465,15 +480,20 @@ async def do_stats(args: argparse.Namespace, store: Store) -> None:
         parts.append(
             "\noldest parked\n" + table(("FLOW", "PLAN", "STEP", "SINCE", "DEADLINE"), rows)
         )
+        legend += ["SINCE", "DEADLINE"]
     if r["blocked"]:
         rows = [[n, fid, _cut(why, 80)] for why, n, fid in r["blocked"]]
         parts.append("\nblocked, by reason\n" + table(("FLOWS", "E.G.", "REASON"), rows))
+        legend.append("E.G.")
     if r["engines"]:
         rows = [
             [o, "alive" if until >= now else "gone", _when(until), n]
             for o, until, _at, n in r["engines"]
         ]
         parts.append("\nengines\n" + table(("ENGINE", "LEASE", "UNTIL", "FLOWS"), rows))
+        legend += ["LEASE", "FLOWS"]
+    width = max(len(k) for k in legend)
+    parts.append("\nlegend\n" + "\n".join(f"  {k:<{width}}  {STATS_LEGEND[k]}" for k in legend))
     _print(args, "\n".join(parts), data)
 
 

@@ -156,6 +156,16 @@ def test_stats(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert "running flows no engine holds (orphans): 1" in out
     assert "oldest parked" in out and out.index("parked-old") < out.index("parked ")
     assert "compensation of step 'reserve' failed: refund down" in out
+    legend = out.split("\nlegend\n")[1].splitlines()
+    assert [line.split()[0] for line in legend] == [
+        "orphans",
+        "PLAN",
+        "SINCE",
+        "DEADLINE",
+        "E.G.",
+        "LEASE",
+        "FLOWS",
+    ]
     s = run_json(capsys, db, "stats", "--oldest", "1")
     assert s["states"] == {
         "RUNNING": 2,
