@@ -90,6 +90,9 @@ def parser() -> argparse.ArgumentParser:
         " ('postgresql://user@host/db' or 'host=... dbname=...').",
     )
     p.add_argument("store", metavar="STORE", help="an SQLite file or a PostgreSQL DSN")
+    p.add_argument(
+        "--json", dest="json_first", action="store_true", help="the same as COMMAND --json"
+    )
     common = _Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -620,16 +623,39 @@ def _one_line(error: BaseException, spec: str) -> str:
     return f"cannot use {what} {shown(spec)}: {type(error).__name__}: {text}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The command line; its exit status (0, 1 for a problem, 2 for bad arguments)."""
+def _usage(p: argparse.ArgumentParser, message: str) -> int:
+    """Report bad arguments as argparse does (one line); the exit status, 2."""
     try:
-        args = parser().parse_args(argv)
+        p.error(message)
     except SystemExit as done:
         return int(done.code or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; its exit status (0, 1 for a problem, 2 for bad arguments)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = parser()
+    if argv and argv[0] in COMMANDS and not os.path.exists(argv[0]):
+        rest = " ".join(argv[1:]) or "STORE"
+        return _usage(p, f"the store comes first: {PROG} {rest.split()[0]} {argv[0]} ...")
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as done:
+        return int(done.code or 0)
+    args.json = args.json or args.json_first
     args.where = shown(args.store)
     try:
         trio.run(run, args)
     except Exception as error:
+        if _broken_pipe(error):  # the reader went away (`| head`): nothing to say to anyone
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
         print(f"{PROG}: error: {_one_line(error, args.store)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _broken_pipe(error: BaseException) -> bool:
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return isinstance(error, BrokenPipeError)

@@ -354,6 +354,35 @@ def test_list_says_when_more_flows_match_than_it_shows(
     assert len(run_json(capsys, db, "list", "--limit", "3")) == 3
 
 
+def test_json_first_the_store_second_and_a_closed_pipe(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, "--json", db, "list", "--limit", "1")
+    assert code == 0 and len(json.loads(out)) == 1
+    code, out, _ = run(capsys, db, "--json", "stats")
+    assert code == 0 and json.loads(out)["orphans"] == 1
+    code, out, err = run(capsys, "show", db, "blocked")
+    assert (code, out) == (2, "")
+    assert err == (
+        "python -m ferry.flow: error: the store comes first: python -m ferry.flow"
+        f" {db} show ... (see python -m ferry.flow --help)\n"
+    )
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written (as `| head` that quit)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "ferry.flow", db, "list"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (1, "")
+
+
 @pytest.mark.parametrize("command", [None, "list", "show", "stats", "wake", "cancel", "resume"])
 def test_help_everywhere(command: str | None, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--help"] if command is None else ["x.db", command, "--help"]
