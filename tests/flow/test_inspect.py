@@ -430,3 +430,20 @@ def test_on_postgres_reads_and_an_action_leave_the_flow_to_the_fleet(
     shown = run_json(capsys, dsn, "show", "parked")
     assert shown["flow"]["state"] == "RUNNING" and shown["flow"]["owner"] is None
     assert run_json(capsys, dsn, "stats")["orphans"] == 2  # the gone engine's, and this one
+
+
+def test_on_postgres_a_schema_without_flows_is_one_line_and_stays_empty(
+    pg_server: pg.PgServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dsn = pg_server.fresh_schema_dsn()
+    for command in (["list"], ["stats"], ["show", "f"], ["wake", "f"], ["cancel", "f"]):
+        code, out, err = run(capsys, dsn, *command)
+        assert (code, out) == (1, "")
+        assert err.endswith("holds no flows (no flow engine has opened it)\n")
+
+    async def tables() -> bool:
+        async with PostgresStore(dsn, connections=1) as store:
+            found: bool = await store.transact(_store.has_tables)
+        return found
+
+    assert not trio.run(tables)  # nothing was created
