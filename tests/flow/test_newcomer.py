@@ -329,3 +329,16 @@ async def test_a_mapper_mistake_names_the_mapper_and_the_event_type(
         with pytest.raises(flow.UnknownPlan, match=r"for 'placed' returned Start.*not the object"):
             await engine.publish("placed", {})
         assert await store.transact(_store.count_states) == {}
+
+
+async def test_a_step_that_sets_a_read_only_field_of_its_context_is_told_which(
+    store: InlineSqliteStore, autojump_clock: Any
+) -> None:
+    async def sets_wake(ctx: flow.Context) -> None:
+        ctx.wake = {"paid": True}
+
+    plan = plan_of(sets_wake)
+    async with engine_on(store, plan) as engine:
+        snap = await engine.wait(await engine.start(plan), timeout=60)
+    assert snap.error is not None
+    assert "ctx.wake is read-only: a step may change only ctx.data" in snap.error
