@@ -7,6 +7,7 @@ _helpers); the path tests use real paths in a temporary directory.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -342,3 +343,21 @@ async def test_a_step_that_sets_a_read_only_field_of_its_context_is_told_which(
         snap = await engine.wait(await engine.start(plan), timeout=60)
     assert snap.error is not None
     assert "ctx.wake is read-only: a step may change only ctx.data" in snap.error
+
+
+# ------------------------------------------------------------------------------------- docs
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_docs_lead_to_the_fleet_page_and_the_inspector() -> None:
+    guide = (ROOT / "docs" / "flow.md").read_text()
+    assert "](flow-fleet.md)" in guide and "python -m ferry.flow orders.db list" in guide
+    readme = (ROOT / "README.md").read_text()
+    assert "python -m ferry.flow orders.db\nlist" in readme  # after the tour
+    assert "[docs/flow-fleet.md](docs/flow-fleet.md)" in readme
+    for page in ("flow.md", "flow-fleet.md"):  # every relative link of the flow pages resolves
+        text = (ROOT / "docs" / page).read_text()
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
+            assert (ROOT / "docs" / target).exists(), f"{page} links {target}, which is missing"
