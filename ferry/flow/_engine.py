@@ -173,6 +173,20 @@ def _check_flow_id(flow_id: object) -> str:
     return flow_id
 
 
+def _check_message_id(message_id: object, what: str) -> None:
+    """A message id is a non-empty str or None: an empty one (an event without its id) would
+    make every later wake with it a silent `DUPLICATE`."""
+    if message_id is None:
+        return
+    if not isinstance(message_id, str):
+        raise TypeError(f"{what} must be a str or None, got {message_id!r}")
+    if not message_id:
+        raise ValueError(
+            f"{what} must not be empty: every later wake with it would be a DUPLICATE (give the"
+            " event's id, or None for a wake that is never deduplicated)"
+        )
+
+
 def _classify(result: object) -> Outcome | str | None:
     """The step's return value as an outcome (None = continue), or a str saying what is wrong."""
     if result is None or isinstance(result, _Continue | _Complete | Park | Fail):
@@ -993,13 +1007,13 @@ class Engine:
         Returns `Delivery.RESUMED` (the flow was parked and now runs its next step with
         ``ctx.wake = payload``), `QUEUED` (kept: its next park takes it at once), `DUPLICATE`
         (`message_id` was delivered before), `STALE` (completed or failed) or `UNKNOWN`.
-        Raises `TypeError` for a payload that is not JSON or a bad id (nothing stored).
+        Raises `TypeError` for a payload that is not JSON or a bad id, `ValueError` for an empty
+        one (nothing stored).
         """
         self._check("wake")
         fid = _check_flow_id(flow_id)
         text = _json_text(payload, "payload")
-        if message_id is not None and not isinstance(message_id, str):
-            raise TypeError(f"message_id must be a str or None, got {message_id!r}")
+        _check_message_id(message_id, "message_id")
         message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
         shapes = await self._known_shapes()
         now = self._now()
@@ -1083,10 +1097,7 @@ class Engine:
         if isinstance(decision, Wake):
             _check_flow_id(decision.flow_id)
             _json_text(decision.payload, "Wake.payload")
-            if decision.message_id is not None and not isinstance(decision.message_id, str):
-                raise TypeError(
-                    f"Wake.message_id must be a str or None, got {decision.message_id!r}"
-                )
+            _check_message_id(decision.message_id, "Wake.message_id")
             return decision
         if isinstance(decision, Start):
             self._shape_of(decision.plan)

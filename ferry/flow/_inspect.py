@@ -38,7 +38,7 @@ from ferry.projected import PostgresStore, SqliteStore, Store
 from . import _machine as m
 from . import _store
 from ._engine import open_engine
-from ._errors import StoreLocked
+from ._errors import FlowError, StoreLocked
 from ._machine import Flow
 from ._types import Delivery, Json, State
 
@@ -72,6 +72,12 @@ def _count(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
     return n
+
+
+def _nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (leave it out for no deduplication)")
+    return text
 
 
 def _json_value(text: str) -> Json:
@@ -117,7 +123,11 @@ def parser() -> argparse.ArgumentParser:
     wake = command("wake", "Put a message in a flow's mailbox (Engine.wake).")
     wake.add_argument("flow_id", metavar="FLOW_ID")
     wake.add_argument("--payload", type=_json_value, default=None, help="JSON (default null)")
-    wake.add_argument("--message-id", help="deduplicates: a repeat is reported DUPLICATE")
+    wake.add_argument(
+        "--message-id",
+        type=_nonempty,
+        help="deduplicates: a repeat is reported DUPLICATE",
+    )
     cancel = command("cancel", "Stop a running or parked flow; it compensates (Engine.cancel).")
     cancel.add_argument("flow_id", metavar="FLOW_ID")
     cancel.add_argument("--reason", default="cancelled by an operator", help="recorded as why")
@@ -618,6 +628,8 @@ def _one_line(error: BaseException, spec: str) -> str:
         error = error.exceptions[0]
     if isinstance(error, Problem):
         return str(error)
+    if isinstance(error, FlowError | ValueError | TypeError):  # the engine refused an argument
+        return _PASSWORD.sub(_mask, _first_line(error))
     what = "the PostgreSQL database" if _is_dsn(spec) else "the SQLite file"
     text = _PASSWORD.sub(_mask, _cut(_first_line(error), 300))
     return f"cannot use {what} {shown(spec)}: {type(error).__name__}: {text}"

@@ -215,6 +215,8 @@ def test_wake(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_json(capsys, db, "wake", "done")["delivery"] == "STALE"
     code, _, err = run(capsys, db, "wake", "nope")
     assert code == 1 and err.count("\n") == 1 and "no flow has id 'nope'" in err
+    code, _, err = run(capsys, db, "wake", "")  # the engine's own refusal, as it words it
+    assert (code, err) == (1, "python -m ferry.flow: error: flow_id must not be empty\n")
 
 
 def test_cancel(db: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -277,6 +279,7 @@ def test_while_a_service_engine_holds_the_sqlite_file_actions_are_refused_reads_
         (["x.db", "list", "--limit", "0"], "'0' is not a whole number >= 1"),
         (["x.db", "wake", "f", "--payload", "{oops"], "not JSON"),
         (["x.db", "show"], "the following arguments are required: FLOW_ID"),
+        (["x.db", "wake", "f", "--message-id", ""], "--message-id: must not be empty"),
     ],
 )
 def test_bad_arguments_are_one_line(

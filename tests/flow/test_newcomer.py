@@ -361,3 +361,21 @@ def test_the_docs_lead_to_the_fleet_page_and_the_inspector() -> None:
         text = (ROOT / "docs" / page).read_text()
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
             assert (ROOT / "docs" / target).exists(), f"{page} links {target}, which is missing"
+
+
+async def test_an_empty_message_id_is_refused_before_it_swallows_later_wakes(
+    store: InlineSqliteStore, autojump_clock: Any
+) -> None:
+    plan = plan_of(_park, _park)
+    async with engine_on(store, plan) as engine:
+        fid = await engine.start(plan)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(ValueError, match="message_id must not be empty"):
+            await engine.wake(fid, "paid", message_id="")
+        engine.on("paid", lambda e: flow.Wake(fid, e, message_id=e.get("id", "")))
+        with pytest.raises(
+            ValueError, match=r"returned Wake\(.*Wake\.message_id must not be empty"
+        ):
+            await engine.publish("paid", {})
+        assert (await engine.get(fid)).revision == 2  # type: ignore[union-attr]  # not woken
+        assert await engine.wake(fid, "paid") is flow.Delivery.RESUMED
