@@ -49,11 +49,13 @@ import inspect
 import json
 import math
 import os
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
+from types import TracebackType
 from typing import Any, TypeVar, final
 
 import attrs
@@ -86,6 +88,8 @@ from ._types import (
     Wake,
     _Complete,
     _Continue,
+    fail,
+    park,
 )
 
 T = TypeVar("T")
@@ -109,12 +113,29 @@ _GUARD_MIN = 0.5
 
 
 _ROLLBACK_RETRIES = 3
+_thread_id = threading.get_ident
 
 
 def _rolled_back(exc: BaseException) -> bool:
     """Did the database roll the transaction back on its own (SQLSTATE class 40: a deadlock, a
     serialization failure)? Then nothing of it was written, and running it again is safe."""
     return str(getattr(exc, "sqlstate", None) or "").startswith("40")
+
+
+def _wrong_run(method: str) -> RuntimeError:
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        where = "outside any trio run (a plain thread)"
+    else:
+        where = "from a task of another trio run"
+    run = "run_sync" if method in ("on", "statistics") else "run"
+    return RuntimeError(
+        f"flow.Engine.{method} was called {where}: an engine belongs to the trio run that"
+        " opened it, and only that run's tasks may call it. From another thread, call it in"
+        f" its run: trio.from_thread.{run}(engine.{method}, ..., trio_token=token), with the"
+        " token of that run (trio.lowlevel.current_trio_token() there)"
+    )
 
 
 def _backoff(failures: int) -> float:
@@ -154,12 +175,33 @@ def _check_flow_id(flow_id: object) -> str:
     return flow_id
 
 
+def _check_message_id(message_id: object, what: str) -> None:
+    """A message id is a non-empty str or None: an empty one (an event without its id) would
+    make every later wake with it a silent `DUPLICATE`."""
+    if message_id is None:
+        return
+    if not isinstance(message_id, str):
+        raise TypeError(f"{what} must be a str or None, got {message_id!r}")
+    if not message_id:
+        raise ValueError(
+            f"{what} must not be empty: every later wake with it would be a DUPLICATE (give the"
+            " event's id, or None for a wake that is never deduplicated)"
+        )
+
+
 def _classify(result: object) -> Outcome | str | None:
     """The step's return value as an outcome (None = continue), or a str saying what is wrong."""
     if result is None or isinstance(result, _Continue | _Complete | Park | Fail):
         return result
+    hint = ""
+    if result is park or result is fail:
+        hint = f": call it, return flow.{result.__name__}(...)"
+    elif inspect.iscoroutine(result):
+        result.close()  # never to be awaited now: no "never awaited" warning
+        hint = ": an await is missing"
     return (
-        f"returned {result!r}, which is not an outcome (None, CONTINUE, COMPLETE, park(), fail())"
+        f"returned {result!r}, which is not an outcome (None, CONTINUE, COMPLETE, park(),"
+        f" fail()){hint}"
     )
 
 
@@ -226,6 +268,8 @@ class Engine:
     """Runs the flows of one store (SPEC 5.2). Made by `open_engine`; no public constructor.
 
     Every async method is a checkpoint and raises `ferry.Closed` once the engine is closed.
+    Only the tasks of the trio run that opened the engine may call it: a call from another
+    run or thread raises `RuntimeError` (use ``trio.from_thread.run(..., trio_token=...)``).
     A database error in a call is raised as `ferry.Failed` (its `__cause__` is the error);
     nothing of that call was written then, unless the error came while committing (unknown).
     """
@@ -292,6 +336,7 @@ class Engine:
         self._parked = 0
         self._nursery: trio.Nursery | None = None
         self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
+        self._thread = _thread_id()  # of the run that opened it: only its tasks may call it
 
     # ------------------------------------------------------------------------------- clocks
 
@@ -636,8 +681,8 @@ class Engine:
             await self._own(live, _on_row(m.step_failed, shape, problem, now))
         else:
             assert not isinstance(outcome, str)
-            park = isinstance(outcome, Park)
-            await self._own(live, _on_row_box(m.step_done, shape, outcome, data, now), head=park)
+            parks = isinstance(outcome, Park)
+            await self._own(live, _on_row_box(m.step_done, shape, outcome, data, now), head=parks)
 
     async def _run_compensation(self, live: _Live, shape: Shape, step: StepDef) -> None:
         assert step.compensate is not None  # the machine stacks only steps with one
@@ -992,14 +1037,28 @@ class Engine:
         stored = await self._store.transact(_store.load_plans)
         return {**{(sh.name, sh.version): sh for sh, _at in stored}, **self._shapes}
 
-    def _check_open(self) -> None:
+    def _check(self, method: str) -> None:
+        """Raise unless `method` is called by a task of the engine's own run, while it is open.
+        Cheap: one thread id compared (a thread runs one trio run at a time, so while the
+        engine is open, "this thread" is "its run"), as ferry's own calls do."""
+        if _thread_id() != self._thread:
+            raise _wrong_run(method)
         if self._closing:
-            raise Closed("the flow engine is closed")
+            raise Closed(
+                f"Engine.{method}: the flow engine is closed (its `async with open_engine(...)`"
+                " block has ended); call the engine inside that block"
+            )
 
     def _shape_of(self, plan: object) -> Shape:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a flow.Plan, got {plan!r}")
         key = self._registered.get(id(plan))
+        if key is None and (plan.name, plan.version) in self._plans:
+            raise UnknownPlan(
+                f"this flow.Plan {plan.name!r} version {plan.version} is not the object given to"
+                " open_engine, which has another Plan of that name and version (was the plan"
+                " built twice?): start flows with the Plan object the engine was opened with"
+            )
         if key is None:
             raise UnknownPlan(
                 f"plan {plan.name!r} version {plan.version} was not given to open_engine; an"
@@ -1017,7 +1076,7 @@ class Engine:
         `open_engine`), `IdReused` (the id names a flow of another plan or other start data),
         `TypeError` (data not a JSON object); nothing is stored then.
         """
-        self._check_open()
+        self._check("start")
         shape = self._shape_of(plan)
         fid = uuid.uuid4().hex if flow_id is None else _check_flow_id(flow_id)
         text = _json_object_text({} if data is None else data, "data")
@@ -1039,13 +1098,13 @@ class Engine:
         Returns `Delivery.RESUMED` (the flow was parked and now runs its next step with
         ``ctx.wake = payload``), `QUEUED` (kept: its next park takes it at once), `DUPLICATE`
         (`message_id` was delivered before), `STALE` (completed or failed) or `UNKNOWN`.
-        Raises `TypeError` for a payload that is not JSON or a bad id (nothing stored).
+        Raises `TypeError` for a payload that is not JSON or a bad id, `ValueError` for an empty
+        one (nothing stored).
         """
-        self._check_open()
+        self._check("wake")
         fid = _check_flow_id(flow_id)
         text = _json_text(payload, "payload")
-        if message_id is not None and not isinstance(message_id, str):
-            raise TypeError(f"message_id must be a str or None, got {message_id!r}")
+        _check_message_id(message_id, "message_id")
         message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
         shapes = await self._known_shapes()
         now = self._now()
@@ -1067,13 +1126,25 @@ class Engine:
         ``mapper(event)`` is a plain function returning `Wake`, `Start`, `IGNORE` or None;
         several mappers of one type run in registration order.
         """
-        self._check_open()
+        self._check("on")
         if not isinstance(event_type, str):
             raise TypeError(f"event_type must be a str, got {event_type!r}")
         if not callable(mapper):
             raise TypeError(f"mapper must be a function, got {mapper!r}")
         if _is_async(mapper):
             raise TypeError(f"mapper must be a plain function, not async: {mapper!r}")
+        try:
+            signature = inspect.signature(mapper)
+        except (TypeError, ValueError):  # no signature to read: publish will tell
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind(None)
+            except TypeError:
+                raise TypeError(
+                    f"mapper must take one argument, the event (def mapper(event): ...), got"
+                    f" {mapper!r} taking {signature}"
+                ) from None
         self._mappers.setdefault(event_type, []).append(mapper)
 
     async def publish(self, event_type: str, event: Json) -> list[Delivery | str | None]:
@@ -1084,30 +1155,19 @@ class Engine:
         any is applied: a mapper that returns anything else raises `TypeError` and nothing is
         applied. Events are at-least-once: give wakes a `message_id` (the event's id).
         """
-        self._check_open()
+        self._check("publish")
         if not isinstance(event_type, str):
             raise TypeError(f"event_type must be a str, got {event_type!r}")
         decisions: list[Wake | Start | None] = []
         for mapper in self._mappers.get(event_type, ()):
             decision = mapper(event)
-            if decision is None or decision is IGNORE:
-                decisions.append(None)
-            elif isinstance(decision, Wake):
-                _check_flow_id(decision.flow_id)
-                _json_text(decision.payload, "Wake.payload")
-                if decision.message_id is not None and not isinstance(decision.message_id, str):
-                    raise TypeError(f"Wake.message_id must be a str or None, got {decision!r}")
-                decisions.append(decision)
-            elif isinstance(decision, Start):
-                self._shape_of(decision.plan)
-                _check_flow_id(decision.flow_id)
-                _json_object_text({} if decision.data is None else decision.data, "Start.data")
-                decisions.append(decision)
-            else:
-                raise TypeError(
-                    f"mapper {mapper!r} for {event_type!r} returned {decision!r}: a mapper must"
-                    " return flow.Wake, flow.Start, flow.IGNORE or None; nothing was applied"
-                )
+            try:
+                decisions.append(self._decision(decision))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(
+                    f"mapper {mapper!r} for {event_type!r} returned {decision!r}: {exc};"
+                    " nothing was applied"
+                ) from None
         results: list[Delivery | str | None] = []
         await trio.lowlevel.checkpoint_if_cancelled()
         with trio.CancelScope(shield=True):  # all of them, or (if Cancelled) none
@@ -1121,14 +1181,30 @@ class Engine:
             await trio.lowlevel.cancel_shielded_checkpoint()
         return results
 
+    def _decision(self, decision: object) -> Wake | Start | None:
+        """A mapper's result, checked (type, ids, JSON, plan); raises `TypeError`/`ValueError`."""
+        if decision is None or decision is IGNORE:
+            return None
+        if isinstance(decision, Wake):
+            _check_flow_id(decision.flow_id)
+            _json_text(decision.payload, "Wake.payload")
+            _check_message_id(decision.message_id, "Wake.message_id")
+            return decision
+        if isinstance(decision, Start):
+            self._shape_of(decision.plan)
+            _check_flow_id(decision.flow_id)
+            _json_object_text({} if decision.data is None else decision.data, "Start.data")
+            return decision
+        raise TypeError("a mapper must return flow.Wake, flow.Start, flow.IGNORE or None")
+
     async def wait(self, flow_id: str, *, timeout: float | None = None) -> Snapshot:  # noqa: ASYNC109
         """Until the flow is `COMPLETED`, `FAILED` or `BLOCKED`; its snapshot then.
 
         A retry on the engine's state (no polling) for the flows this engine writes. Raises
-        `UnknownFlow`, `trio.TooSlowError` after `timeout` seconds, `ferry.Closed` if the engine
-        closes meanwhile.
+        `UnknownFlow`, `trio.TooSlowError` after `timeout` seconds (its message says where the
+        flow still is), `ferry.Closed` if the engine closes meanwhile.
         """
-        self._check_open()
+        self._check("wait")
         fid = _check_flow_id(flow_id)
         if timeout is not None and not (
             isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout >= 0
@@ -1154,8 +1230,12 @@ class Engine:
                 return f
 
             if flow.state not in _SETTLED:
-                with trio.fail_after(math.inf if timeout is None else timeout):
+                with trio.move_on_after(math.inf if timeout is None else timeout) as waited:
                     flow = await self._until_settled(fid, watch, settled)
+                if waited.cancelled_caught:
+                    assert timeout is not None
+                    latest = stm.atomically_nowait(tvar.get)
+                    raise trio.TooSlowError(_still(flow if latest is None else latest, timeout))
             else:
                 await trio.lowlevel.checkpoint()
             return m.snapshot(flow)
@@ -1191,7 +1271,7 @@ class Engine:
 
     async def get(self, flow_id: str) -> Snapshot | None:
         """The flow's durable state, read from the store; None if there is no such flow."""
-        self._check_open()
+        self._check("get")
         flow = await self._load(_check_flow_id(flow_id))
         return None if flow is None else m.snapshot(flow)
 
@@ -1201,7 +1281,7 @@ class Engine:
         A running step is cancelled and its changes discarded. Returns False (nothing changes)
         for a flow that is terminal, compensating, blocked or unknown.
         """
-        self._check_open()
+        self._check("cancel")
         fid = _check_flow_id(flow_id)
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {reason!r}")
@@ -1218,7 +1298,7 @@ class Engine:
         """Re-drive a `BLOCKED` flow from where it stopped (a step or compensation runs again as
         attempt + 1; a park is restored). False if it is not blocked, unknown, or its plan
         version is still not registered."""
-        self._check_open()
+        self._check("resume")
         fid = _check_flow_id(flow_id)
         shapes = await self._known_shapes()
         now = self._now()
@@ -1232,7 +1312,7 @@ class Engine:
 
     async def history(self, flow_id: str) -> list[Event]:
         """Every durable transition of the flow, in order. Raises `UnknownFlow`."""
-        self._check_open()
+        self._check("history")
         fid = _check_flow_id(flow_id)
         events = await self._store.transact(partial(_store.load_history, flow_id=fid))
         if events is None:
@@ -1240,7 +1320,12 @@ class Engine:
         return events
 
     def statistics(self) -> FlowStatistics:
-        """Gauges and counters of this engine (see `FlowStatistics`). No checkpoint; O(1)."""
+        """Gauges and counters of this engine (see `FlowStatistics`). No checkpoint; O(1).
+
+        Readable after the engine closed; while it is open, only from its own run's tasks
+        (`RuntimeError` otherwise)."""
+        if _thread_id() != self._thread and not self._closing:
+            raise _wrong_run("statistics")
         return FlowStatistics(
             running=len(self._live),
             parked=self._parked,
@@ -1250,6 +1335,19 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"<flow.Engine running={len(self._live)} parked={self._parked}>"
+
+
+def _still(flow: Flow, timeout: float) -> str:
+    """Why `wait` gave up: where the flow still is (as this engine last knew it)."""
+    where = f"flow {flow.flow_id!r} is still {flow.state.name} at step {flow.step!r}"
+    if flow.state is _PARKED:
+        where += " (a parked flow goes on when it is woken: Engine.wake"
+        if flow.park_deadline is not None:
+            where += ", or when its park times out"
+        where += ")"
+    elif flow.attempt > 1:
+        where += f" (attempt {flow.attempt})"
+    return f"{where} after {timeout:g} s"
 
 
 def _on_row(fn: Callable[..., Transition], *args: Any) -> _store.Apply:
@@ -1284,8 +1382,10 @@ async def _gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
 # --------------------------------------------------------------------------------- opening
 
 
-def _registry(plans: Iterable[Plan]) -> dict[tuple[str, int], Plan]:
-    if not isinstance(plans, Iterable):
+def _registry(plans: object) -> dict[tuple[str, int], Plan]:
+    if isinstance(plans, Plan):
+        raise TypeError(f"plans must be a list of flow.Plan: plans=[{plans.name}], got {plans!r}")
+    if not isinstance(plans, Iterable) or isinstance(plans, str | bytes):
         raise TypeError(f"plans must be a list of flow.Plan, got {plans!r}")
     registry: dict[tuple[str, int], Plan] = {}
     for plan in plans:
@@ -1299,10 +1399,45 @@ def _registry(plans: Iterable[Plan]) -> dict[tuple[str, int], Plan]:
     return registry
 
 
+def _check_sqlite_path(path: str) -> None:
+    """Refuse, in the user's words, a path that cannot hold an SQLite file: its directory is
+    missing, it is a directory, or it is a file of another kind (before anything is created)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"no such directory: {directory!r}, where the flow store {path!r} would be; create"
+            " the directory first, or give open_engine another path"
+        )
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            f"{path!r} is a directory: give open_engine the path of an SQLite file (it is"
+            " created if missing)"
+        )
+    try:
+        with open(path, "rb") as file:
+            header = file.read(len(_store.SQLITE_HEADER))
+    except FileNotFoundError:
+        return  # a new file: the store creates it
+    except OSError as exc:
+        raise type(exc)(f"cannot read the flow store {path!r}: {exc.strerror}") from None
+    if header and header != _store.SQLITE_HEADER:
+        raise ValueError(
+            f"{path!r} is not an SQLite database: give open_engine the path of an engine's SQLite"
+            " file, or of a new file"
+        )
+
+
 def _lock_sqlite(path: str) -> int:
     """Take the engine lock of an SQLite file (an flock on a sidecar file); its fd."""
+    _check_sqlite_path(path)
     lock_path = f"{path}.engine-lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise type(exc)(
+            f"cannot open the flow store {path!r}: {exc.strerror} in its directory (an engine"
+            f" keeps a lock file beside the store, {os.path.basename(lock_path)!r})"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -1314,8 +1449,7 @@ def _lock_sqlite(path: str) -> int:
     return fd
 
 
-@asynccontextmanager
-async def open_engine(
+def open_engine(
     store: Store | str | os.PathLike[str],
     plans: Iterable[Plan],
     *,
@@ -1328,14 +1462,15 @@ async def open_engine(
     _fleet: bool | None = None,
     _fencing: bool = True,
     _scan_interval: float | None = None,
-) -> AsyncIterator[Engine]:
+) -> contextlib.AbstractAsyncContextManager[Engine]:
     """Open a flow engine on `store` for the duration of an ``async with`` (SPEC 5.2).
 
     `store`: a path (an SQLite file, created if missing, closed with the engine) or an open
     `SqliteStore`/`PostgresStore` (left open). `plans`: the plans it runs (several versions of
-    one plan may be given). At most `max_running` flows run at once; the others wait their turn,
-    first come first served. `owner` names this engine in the rows it leases (default: a new
-    uuid; names must be unique among live engines). Creates the tables if missing, records its
+    one plan may be given; at least one, unless ``serve=False``). At most `max_running` flows
+    run at once; the others wait their turn, first come first served. `owner` names this
+    engine in the rows it leases (default: a new uuid; names must be unique among live
+    engines). Creates the tables if missing, records its
     plans' shapes in the store, takes the SQLite file's engine lock (`StoreLocked` if another
     engine holds it), then recovers (SPEC 5.4).
 
@@ -1363,16 +1498,86 @@ async def open_engine(
     holds the file's lock like any engine, the next engine to open the file). Its `wait`
     polls the store.
 
-    Definition errors (a bad plan, an empty plan) and bad options are raised as they are,
-    before anything is opened. Leaving the block closes the engine: running steps and
-    compensations are cancelled (their changes discarded; they run again, as attempt + 1, when
-    an engine next takes them), parked flows stay parked, and later calls raise `ferry.Closed`.
+    Definition errors (a bad plan, an empty plan, no plans for a serving engine) and bad
+    options are raised as they are, before anything is opened. Leaving the block closes the
+    engine: running steps and compensations are cancelled (their changes discarded; they run
+    again, as attempt + 1, when an engine next takes them), parked flows stay parked, and later
+    calls raise `ferry.Closed`.
 
     For tests and benchmarks only: `_group_commit=False` commits every write in its own
     transaction; `_fleet` forces the fleet's leases on (or off) whatever the store;
     `_fencing=False` makes the runner's writes and takeovers skip the compare-and-set (to show
     that the fleet's oracle catches it); `_scan_interval` overrides ``lease / 3``.
     """
+    return _Opening(
+        _opened(
+            store,
+            plans,
+            owner=owner,
+            max_running=max_running,
+            lease=lease,
+            serve=serve,
+            group_commit=_group_commit,
+            wall_clock=_wall_clock,
+            fleet=_fleet,
+            fencing=_fencing,
+            scan_interval=_scan_interval,
+        )
+    )
+
+
+_NOT_WITH = (
+    "open_engine(...) is an async context manager, not the engine: open it with"
+    " `async with flow.open_engine(store, plans=[...]) as engine:` and call the engine inside"
+    " that block"
+)
+
+
+@final
+class _Opening(contextlib.AbstractAsyncContextManager[Engine]):
+    """What `open_engine` returns: the engine's context manager, which also answers the
+    mistake of leaving out ``async with`` (awaiting it, or calling it as if it were the
+    engine) with a `TypeError`/`AttributeError` that says how to open it."""
+
+    def __init__(self, opened: contextlib.AbstractAsyncContextManager[Engine]) -> None:
+        self._opened = opened
+
+    async def __aenter__(self) -> Engine:
+        return await self._opened.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        return await self._opened.__aexit__(exc_type, exc, tb)
+
+    def __await__(self) -> Generator[Any, None, Engine]:
+        raise TypeError(_NOT_WITH)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"{_NOT_WITH} ('.{name}' was asked of the context manager)")
+
+
+@asynccontextmanager
+async def _opened(
+    store: Store | str | os.PathLike[str],
+    plans: Iterable[Plan],
+    *,
+    owner: str | None,
+    max_running: int,
+    lease: float,
+    serve: bool,
+    group_commit: bool,
+    wall_clock: Callable[[], float],
+    fleet: bool | None,
+    fencing: bool,
+    scan_interval: float | None,
+) -> AsyncIterator[Engine]:
+    """The body of `open_engine` (its docstring says what it promises)."""
     registry = _registry(plans)
     if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
         raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
@@ -1382,8 +1587,14 @@ async def open_engine(
         raise ValueError(f"owner must be a non-empty str or None, got {owner!r}")
     if not isinstance(serve, bool):
         raise TypeError(f"serve must be a bool, got {serve!r}")
-    if _scan_interval is not None and not (0 < _scan_interval < math.inf):
-        raise ValueError(f"_scan_interval must be a finite number > 0, got {_scan_interval!r}")
+    if serve and not registry:
+        raise ValueError(
+            "open_engine got no plans: an engine that serves a store runs only the plans it is"
+            " given, so this one could run no flow; give it plans=[...], or serve=False for an"
+            " operator's engine (it wakes, cancels and resumes flows, and runs none)"
+        )
+    if scan_interval is not None and not (0 < scan_interval < math.inf):
+        raise ValueError(f"_scan_interval must be a finite number > 0, got {scan_interval!r}")
     own_store = isinstance(store, str | os.PathLike)
     if own_store:
         db: Store = SqliteStore(os.fspath(store))  # type: ignore[arg-type]
@@ -1401,11 +1612,11 @@ async def open_engine(
             max_running=max_running,
             lease=lease,
             serve=serve,
-            fleet=db.dialect == "postgres" if _fleet is None else _fleet,
-            group_commit=_group_commit,
-            fencing=_fencing,
-            scan_interval=_scan_interval,
-            wall_clock=_wall_clock,
+            fleet=db.dialect == "postgres" if fleet is None else fleet,
+            group_commit=group_commit,
+            fencing=fencing,
+            scan_interval=scan_interval,
+            wall_clock=wall_clock,
         )
         async with _lifetime(engine) as running:
             yield running

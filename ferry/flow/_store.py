@@ -902,6 +902,10 @@ def count_states(tx: Tx, *, ns: str = "flow") -> dict[State, int]:
 # ------------------------------------------------------------------------ reads for operators
 
 
+#: The first bytes of every SQLite database file.
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
 def has_tables(tx: Tx, *, ns: str = "flow") -> bool:
     """Does the store hold the flow tables (has an engine ever opened it)?"""
     if tx.dialect == "postgres":
