@@ -89,7 +89,10 @@ def number(
 
 def new_file(text: str) -> str:
     """An argparse type: a file path whose directory exists (the file itself may not yet)."""
-    directory = Path(text).expanduser().resolve().parent
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory: give a file's path")
+    directory = path.resolve().parent
     if not directory.is_dir():
         raise argparse.ArgumentTypeError(f"no such directory: {directory}")
     return text

@@ -110,6 +110,8 @@ LEGEND = {
     "crash": "engine processes killed with SIGKILL, and flows the next engine resumed",
     "audit": "charged once and shipped once per completed order; refunded and restocked per "
     "failed order; stock adds up; no step outcome recorded twice",
+    "note": "shown when more orders timed out than the gateway left unanswered by design: the "
+    "machine could not keep up with --rate",
 }
 
 
@@ -583,6 +585,22 @@ def summary(
         "repeats absorbed": checked.absorbed,
         "crash": {"kills": kills, "recovered": stats["recovered"]},
         "audit": {"ok": not checked.problems, "problems": checked.problems},
+        **overload(shop, checked),
+    }
+
+
+def overload(shop: Shop, checked: Audit) -> dict[str, str]:
+    """A note if more orders timed out than the gateway left unanswered by design ("never" and
+    "late"): then answers came too late because the machine could not keep up with the rate."""
+    timed_out = checked.reasons.get(REASONS["timed out"], 0)
+    by_design = sum(1 for o in shop.orders.values() if o.gateway in ("never", "late"))
+    if timed_out <= by_design:
+        return {}
+    return {
+        "note": f"{timed_out - by_design:,} more orders timed out than the gateway left unanswered"
+        f" ({by_design:,}): its answers came too late for --timeout {shop.timeout:g} because this"
+        " machine could not keep up with the orders' rate; try a lower --rate or a longer"
+        " --timeout"
     }
 
 
@@ -611,9 +629,14 @@ def show(report: dict[str, Any], where: str, out: TextIO) -> None:
             " restocked, stock adds up, no outcome recorded twice",
         ),
     ]
+    if "note" in report:
+        rows.append(("note", report["note"]))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
-        print(f"  {name:<{width}}  {value}", file=out)
+        lines = textwrap.wrap(value, 100 - width) if name == "note" else [value]
+        print(f"  {name:<{width}}  {lines[0]}", file=out)
+        for more in lines[1:]:
+            print(f"  {'':<{width}}  {more}", file=out)
     for problem in problems[:20]:
         print(f"    {problem}", file=out)
     print("\n  legend:", file=out)
@@ -632,6 +655,12 @@ def open_store(args: argparse.Namespace, path: Path | None) -> Store:
         return PostgresStore(args.postgres, connect_timeout=5.0)
     assert path is not None
     return SqliteStore(path)
+
+
+def arriving(args: argparse.Namespace) -> str:
+    """How many orders, and over how long they arrive (a large --orders at a low --rate takes
+    a while: say so before it starts)."""
+    return f"{args.orders} orders arriving over {args.orders / args.rate:.1f} s ({args.rate:g}/s)"
 
 
 def where(args: argparse.Namespace, path: Path | None) -> str:
@@ -653,7 +682,7 @@ async def in_process(args: argparse.Namespace, path: Path | None, run: str) -> i
         await prepare(store, run, args)
         shop = make_shop(store, args, run)
         if not args.json:
-            print(f"orders: {len(shop.orders)} orders, {where(args, path)}", flush=True)
+            print(f"orders: {arriving(args)}, {where(args, path)}", flush=True)
         stats = await drive(shop, quiet=args.quiet)
         return await finish(args, path, shop, stats, stats["seconds"], kills=0)
 
@@ -666,6 +695,8 @@ async def finish(
     seconds: float,
     kills: int,
 ) -> int:
+    if not (args.quiet or args.json):
+        print(f"auditing {len(shop.orders)} orders ...", file=sys.stderr, flush=True)
     async with flow.open_engine(shop.store, plans=[make_plan(shop)]) as engine:
         checked = await audit(shop.store, engine, shop)
     report = summary(shop, stats, checked, seconds, kills)
@@ -715,7 +746,7 @@ def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
         if not args.json:
             print(text, flush=True)
 
-    say(f"orders: {args.orders} orders, {where(args, path)}, the engine in a child process")
+    say(f"orders: {arriving(args)}, {where(args, path)}, the engine in a child process")
     t0 = time.perf_counter()
     totals: Counter[str] = Counter()
     wakes: Counter[str] = Counter()
@@ -811,6 +842,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"--rate must be between 1 and 1000000 orders per second, got {args.rate}")
     if not 0.05 <= args.timeout <= 3600:
         p.error(f"--timeout must be between 0.05 and 3600 seconds, got {args.timeout}")
+    if args.worker and (args.run is None or args.crash):
+        p.error("--worker is the engine process that --crash starts: use --crash")
     return args
 
 
@@ -819,12 +852,18 @@ def main(argv: Sequence[str]) -> int:
     run = args.run or uuid.uuid4().hex[:8]
     with tempfile.TemporaryDirectory(prefix="orders-") as tmp:
         path = None if args.postgres else Path(args.db or os.path.join(tmp, "orders.db"))
-        if args.worker:
-            trio.run(worker, args, path)
-            return 0
-        if args.crash:
-            return crash(args, path, run)
-        return trio.run(in_process, args, path, run)
+        try:
+            if args.worker:
+                trio.run(worker, args, path)
+                return 0
+            if args.crash:
+                return crash(args, path, run)
+            return trio.run(in_process, args, path, run)
+        except flow.StoreLocked:
+            fail(
+                f"another engine is serving {path} right now (another orders.py?): wait for it"
+                " to finish, or give another --db"
+            )
 
 
 if __name__ == "__main__":

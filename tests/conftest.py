@@ -51,6 +51,17 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         timer.cancel()
 
 
+# `long` tests (minute-scale runs) are left out unless the marker expression names them: `make test`
+# runs everything else, `-m long` runs them alone.
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "long" in config.getoption("-m"):
+        return
+    skip = pytest.mark.skip(reason="a minute-scale run: select it with -m long")
+    for item in items:
+        if item.get_closest_marker("long") is not None:
+            item.add_marker(skip)
+
+
 # One throwaway PostgreSQL for the whole session (tests/pg.py), shared by the store contract
 # suite and the fleet test; skipped with a clear reason when the server binaries are missing.
 @pytest.fixture(scope="session")

@@ -34,9 +34,11 @@ every ``lease / 3`` (`_heartbeat_loop`), and runs the active flows whose row nam
 Who holds a flow after a write is one pure rule (`_machine.leased`, via `_leasing`). Every
 ``lease / 3`` it also scans (`_scan`): orphans (active flows nobody holds) are taken over by a
 compare-and-set, and the deadlines of flows parked by any engine are armed. An engine that could
-not renew in time lets its flows go and releases them with its next renewal; a flow it holds but
-does not run is adopted (docs/adr/0040-0043). ``serve=False`` makes an operator's engine, which
-runs and leases nothing (docs/adr/0044).
+not renew in time lets its flows go and releases them with its next renewal (each at the
+revision it let go); a flow it holds but does not run is adopted (docs/adr/0040-0043). A renewal
+after the lease may have lapsed starts a new epoch: no copy from before it runs a body until it
+has been read again (`_heartbeat`, `_confirm`, docs/adr/0047). ``serve=False`` makes an
+operator's engine, which runs and leases nothing (docs/adr/0044).
 """
 
 from __future__ import annotations
@@ -47,11 +49,13 @@ import inspect
 import json
 import math
 import os
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
+from types import TracebackType
 from typing import Any, TypeVar, final
 
 import attrs
@@ -84,6 +88,8 @@ from ._types import (
     Wake,
     _Complete,
     _Continue,
+    fail,
+    park,
 )
 
 T = TypeVar("T")
@@ -107,12 +113,29 @@ _GUARD_MIN = 0.5
 
 
 _ROLLBACK_RETRIES = 3
+_thread_id = threading.get_ident
 
 
 def _rolled_back(exc: BaseException) -> bool:
     """Did the database roll the transaction back on its own (SQLSTATE class 40: a deadlock, a
     serialization failure)? Then nothing of it was written, and running it again is safe."""
     return str(getattr(exc, "sqlstate", None) or "").startswith("40")
+
+
+def _wrong_run(method: str) -> RuntimeError:
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        where = "outside any trio run (a plain thread)"
+    else:
+        where = "from a task of another trio run"
+    run = "run_sync" if method in ("on", "statistics") else "run"
+    return RuntimeError(
+        f"flow.Engine.{method} was called {where}: an engine belongs to the trio run that"
+        " opened it, and only that run's tasks may call it. From another thread, call it in"
+        f" its run: trio.from_thread.{run}(engine.{method}, ..., trio_token=token), with the"
+        " token of that run (trio.lowlevel.current_trio_token() there)"
+    )
 
 
 def _backoff(failures: int) -> float:
@@ -152,12 +175,33 @@ def _check_flow_id(flow_id: object) -> str:
     return flow_id
 
 
+def _check_message_id(message_id: object, what: str) -> None:
+    """A message id is a non-empty str or None: an empty one (an event without its id) would
+    make every later wake with it a silent `DUPLICATE`."""
+    if message_id is None:
+        return
+    if not isinstance(message_id, str):
+        raise TypeError(f"{what} must be a str or None, got {message_id!r}")
+    if not message_id:
+        raise ValueError(
+            f"{what} must not be empty: every later wake with it would be a DUPLICATE (give the"
+            " event's id, or None for a wake that is never deduplicated)"
+        )
+
+
 def _classify(result: object) -> Outcome | str | None:
     """The step's return value as an outcome (None = continue), or a str saying what is wrong."""
     if result is None or isinstance(result, _Continue | _Complete | Park | Fail):
         return result
+    hint = ""
+    if result is park or result is fail:
+        hint = f": call it, return flow.{result.__name__}(...)"
+    elif inspect.iscoroutine(result):
+        result.close()  # never to be awaited now: no "never awaited" warning
+        hint = ": an await is missing"
     return (
-        f"returned {result!r}, which is not an outcome (None, CONTINUE, COMPLETE, park(), fail())"
+        f"returned {result!r}, which is not an outcome (None, CONTINUE, COMPLETE, park(),"
+        f" fail()){hint}"
     )
 
 
@@ -167,11 +211,15 @@ def _classify(result: object) -> Outcome | str | None:
 class _Live:
     """A flow that is running or compensating in this engine (or waiting for a runner slot)."""
 
-    __slots__ = ("flow", "scope")
+    __slots__ = ("epoch", "flow", "scope")
 
-    def __init__(self, flow: Flow) -> None:
+    def __init__(self, flow: Flow, epoch: int) -> None:
         self.flow = flow  # the latest committed row this engine knows
         self.scope: trio.CancelScope | None = None  # around the running step or compensation
+        # The fleet: the engine's `_epoch` when the write or read that gave `flow` began. A
+        # copy from an older epoch may predate a lapse of the lease: it is re-read before a
+        # body runs on it (`_confirm`).
+        self.epoch = epoch
 
 
 @attrs.frozen
@@ -220,6 +268,8 @@ class Engine:
     """Runs the flows of one store (SPEC 5.2). Made by `open_engine`; no public constructor.
 
     Every async method is a checkpoint and raises `ferry.Closed` once the engine is closed.
+    Only the tasks of the trio run that opened the engine may call it: a call from another
+    run or thread raises `RuntimeError` (use ``trio.from_thread.run(..., trio_token=...)``).
     A database error in a call is raised as `ferry.Failed` (its `__cause__` is the error);
     nothing of that call was written then, unless the error came while committing (unknown).
     """
@@ -261,7 +311,13 @@ class Engine:
         # that a scan does not arm one twice).
         self._margin = lease * _LEASE_MARGIN
         self._lease_until = -math.inf  # this engine's own lease (wall clock), renewed
-        self._released: set[str] = set()  # flows let go, to release with the next renewal
+        # Flows let go (to the revision they were let go at), to release with the next renewal.
+        # An id leaves when that renewal is through, or when a write gives the flow back to
+        # this engine (`_track`): the release is then void, and is made only at that revision.
+        self._released: dict[str, int] = {}
+        # Renewals that got through after the lease may have lapsed (ADR 0047): a live flow
+        # whose copy is from an older epoch is not trusted until it has been read again.
+        self._epoch = 0
         self._strays: dict[str, int] = {}  # flows held but not run, seen at the last check
         self._armed: dict[str, int] = {}
         # How long the database lets one of this engine's transactions sit idle with its locks
@@ -280,6 +336,7 @@ class Engine:
         self._parked = 0
         self._nursery: trio.Nursery | None = None
         self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
+        self._thread = _thread_id()  # of the run that opened it: only its tasks may call it
 
     # ------------------------------------------------------------------------------- clocks
 
@@ -326,9 +383,12 @@ class Engine:
 
     def _mine(self, flow: Flow) -> bool:
         """Is this an active flow this engine should run? (On one SQLite file: every active
-        flow; in a fleet: those leased to it; an operator's engine runs none.)"""
+        flow; in a fleet: those leased to it and not released; an operator's engine runs
+        none.)"""
         return (
-            self._serve and flow.state in _ACTIVE and (not self._fleet or flow.owner == self._owner)
+            self._serve
+            and flow.state in _ACTIVE
+            and (not self._fleet or (flow.owner == self._owner and flow.lease_until is None))
         )
 
     async def _request(self, op: _store.Op) -> _store.Result:
@@ -346,6 +406,7 @@ class Engine:
         failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times."""
         tries = 0
         while True:
+            epoch = self._epoch
             try:
                 results = await self._store.transact(
                     partial(_store.write_batch, ops=ops, guard=self._guard)
@@ -359,26 +420,30 @@ class Engine:
             break
         self._stats["write_batches"] += 1
         for op, result in zip(ops, results, strict=True):
-            self._applied(op, result)
+            self._applied(op, result, epoch)
         return results
 
-    def _applied(self, op: _store.Op, result: _store.Result) -> None:
-        """Bring memory up to date with one committed result (trio thread, commit order)."""
+    def _applied(self, op: _store.Op, result: _store.Result, epoch: int) -> None:
+        """Bring memory up to date with one committed result (trio thread, commit order) of a
+        batch begun in `epoch`."""
         if isinstance(result, _store.Changed):
             t = result.transition
             if t.delivery is not None:
                 self._wakes[t.delivery] += 1
             if t.written:
                 own = isinstance(op, _store.Change) and op.flow is not None
-                self._track(result.before.state, t.flow, own)
+                self._track(result.before.state, t.flow, own, epoch=epoch)
         elif isinstance(result, _store.Created):
-            self._track(None, result.transition.flow, True)
+            self._track(None, result.transition.flow, True, epoch=epoch)
         elif isinstance(result, _store.Conflict):
             self._stats["conflicts"] += 1
 
-    def _track(self, before: State | None, flow: Flow, own: bool, *, write: bool = True) -> None:
-        """A committed row of `flow` (by this engine's write, or read back): follow it. Only
-        this engine's writes count in its `completed`/`failed`/`blocked` statistics."""
+    def _track(
+        self, before: State | None, flow: Flow, own: bool, *, epoch: int, write: bool = True
+    ) -> None:
+        """A committed row of `flow` (by this engine's write, or read back; the write or read
+        began in `epoch`): follow it. Only this engine's writes count in its
+        `completed`/`failed`/`blocked` statistics."""
         stats = self._stats
         if write:
             stats["writes"] += 1
@@ -399,11 +464,15 @@ class Engine:
             stm.atomically_nowait(watch.tvar.set, flow)
         if live is not None:
             live.flow = flow
+            live.epoch = epoch
             if not own and live.scope is not None:
                 live.scope.cancel()  # someone else moved the flow: its running step is void
         if self._mine(flow):
             if live is None:
-                live = self._live[fid] = _Live(flow)
+                # Given back to this engine by a write: a release still pending from when it
+                # let the flow go is void (the renewal would release it while it runs here).
+                self._released.pop(fid, None)
+                live = self._live[fid] = _Live(flow, epoch)
                 self._enqueue(live)
             return
         if live is not None:
@@ -440,6 +509,7 @@ class Engine:
             return False
         delay = _BACKOFF
         while True:
+            epoch = self._epoch
             try:
                 stored = await self._load(flow.flow_id)
             except Exception:  # the store is unavailable: try again, the flow is still ours
@@ -452,7 +522,7 @@ class Engine:
         if stored is None:
             del self._live[flow.flow_id]
         else:
-            self._track(flow.state, stored, True, write=False)
+            self._track(flow.state, stored, True, epoch=epoch, write=False)
         return False
 
     # ---------------------------------------------------------------------------- scheduling
@@ -530,13 +600,16 @@ class Engine:
         """Run one attempt of the flow's current step or compensation (and, if it raised and may
         be retried, the backoff after it). None if the flow was moved by someone else meanwhile
         (a cancel): the attempt is void and its changes are discarded."""
+        if self._fleet:
+            if live.epoch != self._epoch and not await self._confirm(live):
+                return None  # moved on without this engine, or let go
+            if self._lapsing():
+                # This engine could not renew the lease in time: another engine may hold the
+                # flow by now. Let it go rather than run a step on the strength of a stale lease.
+                self._let_go(live, release=True)
+                await trio.lowlevel.checkpoint()
+                return None
         flow = live.flow
-        if self._fleet and self._lapsing():
-            # This engine could not renew the lease in time: another engine may hold the flow
-            # by now. Let it go rather than run a step on the strength of a stale lease.
-            self._let_go(live, release=True)
-            await trio.lowlevel.checkpoint()
-            return None
         ctx = self._context(flow, step.name, flow.state is _COMPENSATING)
         result: object = None
         error: BaseException | None = None
@@ -608,8 +681,8 @@ class Engine:
             await self._own(live, _on_row(m.step_failed, shape, problem, now))
         else:
             assert not isinstance(outcome, str)
-            park = isinstance(outcome, Park)
-            await self._own(live, _on_row_box(m.step_done, shape, outcome, data, now), head=park)
+            parks = isinstance(outcome, Park)
+            await self._own(live, _on_row_box(m.step_done, shape, outcome, data, now), head=parks)
 
     async def _run_compensation(self, live: _Live, shape: Shape, step: StepDef) -> None:
         assert step.compensate is not None  # the machine stacks only steps with one
@@ -714,9 +787,10 @@ class Engine:
             self._lease_until = until
             held = await store.transact(partial(_store.load_active, owner=owner))
             mine = [f for f in held if (f.plan, f.version) in self._shapes]
-            others = [f.flow_id for f in held if (f.plan, f.version) not in self._shapes]
+            have = self._shapes
+            others = [(f.flow_id, f.revision) for f in held if (f.plan, f.version) not in have]
             if others:  # a version this engine lacks: leave those to an engine that has it
-                await store.transact(partial(_store.release, owner=owner, flow_ids=others, at=now))
+                await store.transact(partial(_store.release, owner=owner, flows=others, at=now))
             self._stats["recovered"] = await self._resume_active(mine)
             with contextlib.suppress(Exception):  # the scan loop tries again
                 await self._scan()
@@ -804,24 +878,42 @@ class Engine:
     async def _heartbeat(self) -> None:
         """One renewal of this engine's lease, given up at the margin before it lapses. The
         flows it let go meanwhile are released in the same transaction: the moment its lease
-        runs again, they are orphans for any engine to take, not stranded under its name."""
+        runs again, they are orphans for any engine to take, not stranded under its name.
+
+        A renewal that may come after the lease lapsed (the engine stopped trusting it before
+        the renewal, or the renewal came back past the margin) must not make the engine trust
+        what it has in memory: another engine may have taken those flows over meanwhile, and
+        nothing forbids renewing a lapsed lease. So it starts a new epoch, in which no copy
+        made before is trusted until it has been read again: the renewal itself re-reads the
+        flows the engine runs (`_recheck`: followed, dropped or confirmed before the lease is
+        trusted again, with no checkpoint in between), and a runner re-reads any other copy
+        before it runs a body on it (`_confirm`). ADR 0047."""
         now = self._now()
         until = now + self._lease
+        lapsed = self._lapsing()
         deadline = self._trio_time(max(self._lease_until - self._margin, now + self._lease / 3))
-        released = list(self._released)
+        released = dict(self._released)
+        renew = partial(
+            _store.renew,
+            owner=self._owner,
+            until=until,
+            now=now,
+            let_go=sorted(released.items()),
+            reread=sorted(self._live) if lapsed else None,
+        )
         with trio.move_on_at(deadline), contextlib.suppress(Exception):
-            await self._store.transact(
-                partial(
-                    _store.renew,
-                    owner=self._owner,
-                    until=until,
-                    now=now,
-                    let_go=released,
-                )
-            )
+            rows = await self._store.transact(renew)
+            if lapsed or self._lapsing():
+                self._epoch += 1
+                for row in rows:
+                    live = self._live.get(row.flow_id)
+                    if live is not None:
+                        self._recheck(live, row, self._epoch)
             self._lease_until = until
             self._stats["renewals"] += 1
-            self._released.difference_update(released)
+            for fid, revision in released.items():
+                if self._released.get(fid) == revision:
+                    del self._released[fid]
             return
         if self._lapsing():
             for live in list(self._live.values()):
@@ -836,32 +928,76 @@ class Engine:
         longer holds; adopt (attempt + 1) one it holds but does not run, seen so twice in a row
         (a takeover whose answer was lost with its connection: it must not stay stranded)."""
         ids = set(self._live)
+        epoch = self._epoch
         rows = await self._store.transact(partial(_store.load_active, owner=self._owner))
         strays: dict[str, int] = {}
         adopt: list[Flow] = []
         for row in rows:
             fid = row.flow_id
-            if row.lease_until is not None or fid in self._released:
-                continue  # let go: any engine may take it
             live = self._live.get(fid)
-            if live is None:
-                if self._strays.get(fid) == row.revision:
-                    adopt.append(row)
-                else:
-                    strays[fid] = row.revision
+            if live is not None:
+                ids.discard(fid)
+                self._recheck(live, row, epoch)
                 continue
-            ids.discard(fid)
-            if row.revision > live.flow.revision:
-                self._track(live.flow.state, row, False, write=False)
+            if row.lease_until is not None or self._released.get(fid) == row.revision:
+                continue  # let go: any engine may take it (once the next renewal releases it)
+            if self._strays.get(fid) == row.revision:
+                adopt.append(row)
+            else:
+                strays[fid] = row.revision
         self._strays = strays
         gone = [fid for fid in ids if fid in self._live]
         if gone:
+            epoch = self._epoch
             for row in await self._store.transact(partial(_store.load_many, flow_ids=gone)):
                 live = self._live.get(row.flow_id)
                 if live is not None:
-                    self._track(live.flow.state, row, False, write=False)
+                    self._recheck(live, row, epoch)
         if adopt and not self._lapsing():
             self._stats["claimed"] += await self._resume_active(adopt)
+
+    async def _confirm(self, live: _Live) -> bool:
+        """Read the flow's row again before a body runs on a copy made before the last renewal
+        that came after a lapse (ADR 0047): True if the row is still that copy and the flow is
+        still held by this engine; else the row is followed (a newer one) or the flow let go,
+        and False. Retries while the store is unavailable. A checkpoint."""
+        fid = live.flow.flow_id
+        delay = _BACKOFF
+        while True:
+            epoch = self._epoch
+            try:
+                row = await self._load(fid)
+            except Exception:  # the store is unavailable: try again (the runner waits)
+                await trio.sleep(delay)
+                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
+                continue
+            if self._live.get(fid) is not live:
+                return False
+            if not self._recheck(live, row, epoch):
+                return False
+            if epoch == self._epoch:
+                return True
+            # another renewal after a lapse came meanwhile: read again
+
+    def _recheck(self, live: _Live, row: Flow | None, epoch: int) -> bool:
+        """A row of the live flow, read in `epoch`: True if it is the copy this engine runs and
+        the flow is still held by this engine (the copy is then trusted in `epoch`); else the
+        row is followed (`_track`: a newer row, which may drop the flow) or the flow let go (it
+        is released, or gone), and False. An older row (a write of this engine that the read
+        did not see yet) changes nothing. No checkpoint."""
+        if row is None:
+            self._let_go(live)
+            return False
+        if row.revision > live.flow.revision:
+            self._track(live.flow.state, row, False, epoch=epoch, write=False)
+            return False
+        if row.revision < live.flow.revision:
+            return False
+        if self._mine(row):
+            live.epoch = epoch
+            return True
+        self._let_go(live)
+        return False
 
     def _lapsing(self) -> bool:
         """Is this engine's lease about to lapse (within the margin)?"""
@@ -876,7 +1012,7 @@ class Engine:
             del self._live[fid]
             self._stats["lost"] += 1
             if release:
-                self._released.add(fid)
+                self._released[fid] = live.flow.revision
         if live.scope is not None:
             live.scope.cancel()
 
@@ -901,14 +1037,28 @@ class Engine:
         stored = await self._store.transact(_store.load_plans)
         return {**{(sh.name, sh.version): sh for sh, _at in stored}, **self._shapes}
 
-    def _check_open(self) -> None:
+    def _check(self, method: str) -> None:
+        """Raise unless `method` is called by a task of the engine's own run, while it is open.
+        Cheap: one thread id compared (a thread runs one trio run at a time, so while the
+        engine is open, "this thread" is "its run"), as ferry's own calls do."""
+        if _thread_id() != self._thread:
+            raise _wrong_run(method)
         if self._closing:
-            raise Closed("the flow engine is closed")
+            raise Closed(
+                f"Engine.{method}: the flow engine is closed (its `async with open_engine(...)`"
+                " block has ended); call the engine inside that block"
+            )
 
     def _shape_of(self, plan: object) -> Shape:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan must be a flow.Plan, got {plan!r}")
         key = self._registered.get(id(plan))
+        if key is None and (plan.name, plan.version) in self._plans:
+            raise UnknownPlan(
+                f"this flow.Plan {plan.name!r} version {plan.version} is not the object given to"
+                " open_engine, which has another Plan of that name and version (was the plan"
+                " built twice?): start flows with the Plan object the engine was opened with"
+            )
         if key is None:
             raise UnknownPlan(
                 f"plan {plan.name!r} version {plan.version} was not given to open_engine; an"
@@ -926,7 +1076,7 @@ class Engine:
         `open_engine`), `IdReused` (the id names a flow of another plan or other start data),
         `TypeError` (data not a JSON object); nothing is stored then.
         """
-        self._check_open()
+        self._check("start")
         shape = self._shape_of(plan)
         fid = uuid.uuid4().hex if flow_id is None else _check_flow_id(flow_id)
         text = _json_object_text({} if data is None else data, "data")
@@ -948,13 +1098,13 @@ class Engine:
         Returns `Delivery.RESUMED` (the flow was parked and now runs its next step with
         ``ctx.wake = payload``), `QUEUED` (kept: its next park takes it at once), `DUPLICATE`
         (`message_id` was delivered before), `STALE` (completed or failed) or `UNKNOWN`.
-        Raises `TypeError` for a payload that is not JSON or a bad id (nothing stored).
+        Raises `TypeError` for a payload that is not JSON or a bad id, `ValueError` for an empty
+        one (nothing stored).
         """
-        self._check_open()
+        self._check("wake")
         fid = _check_flow_id(flow_id)
         text = _json_text(payload, "payload")
-        if message_id is not None and not isinstance(message_id, str):
-            raise TypeError(f"message_id must be a str or None, got {message_id!r}")
+        _check_message_id(message_id, "message_id")
         message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
         shapes = await self._known_shapes()
         now = self._now()
@@ -976,13 +1126,25 @@ class Engine:
         ``mapper(event)`` is a plain function returning `Wake`, `Start`, `IGNORE` or None;
         several mappers of one type run in registration order.
         """
-        self._check_open()
+        self._check("on")
         if not isinstance(event_type, str):
             raise TypeError(f"event_type must be a str, got {event_type!r}")
         if not callable(mapper):
             raise TypeError(f"mapper must be a function, got {mapper!r}")
         if _is_async(mapper):
             raise TypeError(f"mapper must be a plain function, not async: {mapper!r}")
+        try:
+            signature = inspect.signature(mapper)
+        except (TypeError, ValueError):  # no signature to read: publish will tell
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind(None)
+            except TypeError:
+                raise TypeError(
+                    f"mapper must take one argument, the event (def mapper(event): ...), got"
+                    f" {mapper!r} taking {signature}"
+                ) from None
         self._mappers.setdefault(event_type, []).append(mapper)
 
     async def publish(self, event_type: str, event: Json) -> list[Delivery | str | None]:
@@ -993,30 +1155,19 @@ class Engine:
         any is applied: a mapper that returns anything else raises `TypeError` and nothing is
         applied. Events are at-least-once: give wakes a `message_id` (the event's id).
         """
-        self._check_open()
+        self._check("publish")
         if not isinstance(event_type, str):
             raise TypeError(f"event_type must be a str, got {event_type!r}")
         decisions: list[Wake | Start | None] = []
         for mapper in self._mappers.get(event_type, ()):
             decision = mapper(event)
-            if decision is None or decision is IGNORE:
-                decisions.append(None)
-            elif isinstance(decision, Wake):
-                _check_flow_id(decision.flow_id)
-                _json_text(decision.payload, "Wake.payload")
-                if decision.message_id is not None and not isinstance(decision.message_id, str):
-                    raise TypeError(f"Wake.message_id must be a str or None, got {decision!r}")
-                decisions.append(decision)
-            elif isinstance(decision, Start):
-                self._shape_of(decision.plan)
-                _check_flow_id(decision.flow_id)
-                _json_object_text({} if decision.data is None else decision.data, "Start.data")
-                decisions.append(decision)
-            else:
-                raise TypeError(
-                    f"mapper {mapper!r} for {event_type!r} returned {decision!r}: a mapper must"
-                    " return flow.Wake, flow.Start, flow.IGNORE or None; nothing was applied"
-                )
+            try:
+                decisions.append(self._decision(decision))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(
+                    f"mapper {mapper!r} for {event_type!r} returned {decision!r}: {exc};"
+                    " nothing was applied"
+                ) from None
         results: list[Delivery | str | None] = []
         await trio.lowlevel.checkpoint_if_cancelled()
         with trio.CancelScope(shield=True):  # all of them, or (if Cancelled) none
@@ -1030,14 +1181,30 @@ class Engine:
             await trio.lowlevel.cancel_shielded_checkpoint()
         return results
 
+    def _decision(self, decision: object) -> Wake | Start | None:
+        """A mapper's result, checked (type, ids, JSON, plan); raises `TypeError`/`ValueError`."""
+        if decision is None or decision is IGNORE:
+            return None
+        if isinstance(decision, Wake):
+            _check_flow_id(decision.flow_id)
+            _json_text(decision.payload, "Wake.payload")
+            _check_message_id(decision.message_id, "Wake.message_id")
+            return decision
+        if isinstance(decision, Start):
+            self._shape_of(decision.plan)
+            _check_flow_id(decision.flow_id)
+            _json_object_text({} if decision.data is None else decision.data, "Start.data")
+            return decision
+        raise TypeError("a mapper must return flow.Wake, flow.Start, flow.IGNORE or None")
+
     async def wait(self, flow_id: str, *, timeout: float | None = None) -> Snapshot:  # noqa: ASYNC109
         """Until the flow is `COMPLETED`, `FAILED` or `BLOCKED`; its snapshot then.
 
         A retry on the engine's state (no polling) for the flows this engine writes. Raises
-        `UnknownFlow`, `trio.TooSlowError` after `timeout` seconds, `ferry.Closed` if the engine
-        closes meanwhile.
+        `UnknownFlow`, `trio.TooSlowError` after `timeout` seconds (its message says where the
+        flow still is), `ferry.Closed` if the engine closes meanwhile.
         """
-        self._check_open()
+        self._check("wait")
         fid = _check_flow_id(flow_id)
         if timeout is not None and not (
             isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout >= 0
@@ -1063,8 +1230,12 @@ class Engine:
                 return f
 
             if flow.state not in _SETTLED:
-                with trio.fail_after(math.inf if timeout is None else timeout):
+                with trio.move_on_after(math.inf if timeout is None else timeout) as waited:
                     flow = await self._until_settled(fid, watch, settled)
+                if waited.cancelled_caught:
+                    assert timeout is not None
+                    latest = stm.atomically_nowait(tvar.get)
+                    raise trio.TooSlowError(_still(flow if latest is None else latest, timeout))
             else:
                 await trio.lowlevel.checkpoint()
             return m.snapshot(flow)
@@ -1100,7 +1271,7 @@ class Engine:
 
     async def get(self, flow_id: str) -> Snapshot | None:
         """The flow's durable state, read from the store; None if there is no such flow."""
-        self._check_open()
+        self._check("get")
         flow = await self._load(_check_flow_id(flow_id))
         return None if flow is None else m.snapshot(flow)
 
@@ -1110,7 +1281,7 @@ class Engine:
         A running step is cancelled and its changes discarded. Returns False (nothing changes)
         for a flow that is terminal, compensating, blocked or unknown.
         """
-        self._check_open()
+        self._check("cancel")
         fid = _check_flow_id(flow_id)
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {reason!r}")
@@ -1127,7 +1298,7 @@ class Engine:
         """Re-drive a `BLOCKED` flow from where it stopped (a step or compensation runs again as
         attempt + 1; a park is restored). False if it is not blocked, unknown, or its plan
         version is still not registered."""
-        self._check_open()
+        self._check("resume")
         fid = _check_flow_id(flow_id)
         shapes = await self._known_shapes()
         now = self._now()
@@ -1141,7 +1312,7 @@ class Engine:
 
     async def history(self, flow_id: str) -> list[Event]:
         """Every durable transition of the flow, in order. Raises `UnknownFlow`."""
-        self._check_open()
+        self._check("history")
         fid = _check_flow_id(flow_id)
         events = await self._store.transact(partial(_store.load_history, flow_id=fid))
         if events is None:
@@ -1149,7 +1320,12 @@ class Engine:
         return events
 
     def statistics(self) -> FlowStatistics:
-        """Gauges and counters of this engine (see `FlowStatistics`). No checkpoint; O(1)."""
+        """Gauges and counters of this engine (see `FlowStatistics`). No checkpoint; O(1).
+
+        Readable after the engine closed; while it is open, only from its own run's tasks
+        (`RuntimeError` otherwise)."""
+        if _thread_id() != self._thread and not self._closing:
+            raise _wrong_run("statistics")
         return FlowStatistics(
             running=len(self._live),
             parked=self._parked,
@@ -1159,6 +1335,19 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"<flow.Engine running={len(self._live)} parked={self._parked}>"
+
+
+def _still(flow: Flow, timeout: float) -> str:
+    """Why `wait` gave up: where the flow still is (as this engine last knew it)."""
+    where = f"flow {flow.flow_id!r} is still {flow.state.name} at step {flow.step!r}"
+    if flow.state is _PARKED:
+        where += " (a parked flow goes on when it is woken: Engine.wake"
+        if flow.park_deadline is not None:
+            where += ", or when its park times out"
+        where += ")"
+    elif flow.attempt > 1:
+        where += f" (attempt {flow.attempt})"
+    return f"{where} after {timeout:g} s"
 
 
 def _on_row(fn: Callable[..., Transition], *args: Any) -> _store.Apply:
@@ -1193,8 +1382,10 @@ async def _gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
 # --------------------------------------------------------------------------------- opening
 
 
-def _registry(plans: Iterable[Plan]) -> dict[tuple[str, int], Plan]:
-    if not isinstance(plans, Iterable):
+def _registry(plans: object) -> dict[tuple[str, int], Plan]:
+    if isinstance(plans, Plan):
+        raise TypeError(f"plans must be a list of flow.Plan: plans=[{plans.name}], got {plans!r}")
+    if not isinstance(plans, Iterable) or isinstance(plans, str | bytes):
         raise TypeError(f"plans must be a list of flow.Plan, got {plans!r}")
     registry: dict[tuple[str, int], Plan] = {}
     for plan in plans:
@@ -1208,10 +1399,45 @@ def _registry(plans: Iterable[Plan]) -> dict[tuple[str, int], Plan]:
     return registry
 
 
+def _check_sqlite_path(path: str) -> None:
+    """Refuse, in the user's words, a path that cannot hold an SQLite file: its directory is
+    missing, it is a directory, or it is a file of another kind (before anything is created)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"no such directory: {directory!r}, where the flow store {path!r} would be; create"
+            " the directory first, or give open_engine another path"
+        )
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            f"{path!r} is a directory: give open_engine the path of an SQLite file (it is"
+            " created if missing)"
+        )
+    try:
+        with open(path, "rb") as file:
+            header = file.read(len(_store.SQLITE_HEADER))
+    except FileNotFoundError:
+        return  # a new file: the store creates it
+    except OSError as exc:
+        raise type(exc)(f"cannot read the flow store {path!r}: {exc.strerror}") from None
+    if header and header != _store.SQLITE_HEADER:
+        raise ValueError(
+            f"{path!r} is not an SQLite database: give open_engine the path of an engine's SQLite"
+            " file, or of a new file"
+        )
+
+
 def _lock_sqlite(path: str) -> int:
     """Take the engine lock of an SQLite file (an flock on a sidecar file); its fd."""
+    _check_sqlite_path(path)
     lock_path = f"{path}.engine-lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise type(exc)(
+            f"cannot open the flow store {path!r}: {exc.strerror} in its directory (an engine"
+            f" keeps a lock file beside the store, {os.path.basename(lock_path)!r})"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -1223,8 +1449,7 @@ def _lock_sqlite(path: str) -> int:
     return fd
 
 
-@asynccontextmanager
-async def open_engine(
+def open_engine(
     store: Store | str | os.PathLike[str],
     plans: Iterable[Plan],
     *,
@@ -1237,14 +1462,15 @@ async def open_engine(
     _fleet: bool | None = None,
     _fencing: bool = True,
     _scan_interval: float | None = None,
-) -> AsyncIterator[Engine]:
+) -> contextlib.AbstractAsyncContextManager[Engine]:
     """Open a flow engine on `store` for the duration of an ``async with`` (SPEC 5.2).
 
     `store`: a path (an SQLite file, created if missing, closed with the engine) or an open
     `SqliteStore`/`PostgresStore` (left open). `plans`: the plans it runs (several versions of
-    one plan may be given). At most `max_running` flows run at once; the others wait their turn,
-    first come first served. `owner` names this engine in the rows it leases (default: a new
-    uuid; names must be unique among live engines). Creates the tables if missing, records its
+    one plan may be given; at least one, unless ``serve=False``). At most `max_running` flows
+    run at once; the others wait their turn, first come first served. `owner` names this
+    engine in the rows it leases (default: a new uuid; names must be unique among live
+    engines). Creates the tables if missing, records its
     plans' shapes in the store, takes the SQLite file's engine lock (`StoreLocked` if another
     engine holds it), then recovers (SPEC 5.4).
 
@@ -1272,16 +1498,86 @@ async def open_engine(
     holds the file's lock like any engine, the next engine to open the file). Its `wait`
     polls the store.
 
-    Definition errors (a bad plan, an empty plan) and bad options are raised as they are,
-    before anything is opened. Leaving the block closes the engine: running steps and
-    compensations are cancelled (their changes discarded; they run again, as attempt + 1, when
-    an engine next takes them), parked flows stay parked, and later calls raise `ferry.Closed`.
+    Definition errors (a bad plan, an empty plan, no plans for a serving engine) and bad
+    options are raised as they are, before anything is opened. Leaving the block closes the
+    engine: running steps and compensations are cancelled (their changes discarded; they run
+    again, as attempt + 1, when an engine next takes them), parked flows stay parked, and later
+    calls raise `ferry.Closed`.
 
     For tests and benchmarks only: `_group_commit=False` commits every write in its own
     transaction; `_fleet` forces the fleet's leases on (or off) whatever the store;
     `_fencing=False` makes the runner's writes and takeovers skip the compare-and-set (to show
     that the fleet's oracle catches it); `_scan_interval` overrides ``lease / 3``.
     """
+    return _Opening(
+        _opened(
+            store,
+            plans,
+            owner=owner,
+            max_running=max_running,
+            lease=lease,
+            serve=serve,
+            group_commit=_group_commit,
+            wall_clock=_wall_clock,
+            fleet=_fleet,
+            fencing=_fencing,
+            scan_interval=_scan_interval,
+        )
+    )
+
+
+_NOT_WITH = (
+    "open_engine(...) is an async context manager, not the engine: open it with"
+    " `async with flow.open_engine(store, plans=[...]) as engine:` and call the engine inside"
+    " that block"
+)
+
+
+@final
+class _Opening(contextlib.AbstractAsyncContextManager[Engine]):
+    """What `open_engine` returns: the engine's context manager, which also answers the
+    mistake of leaving out ``async with`` (awaiting it, or calling it as if it were the
+    engine) with a `TypeError`/`AttributeError` that says how to open it."""
+
+    def __init__(self, opened: contextlib.AbstractAsyncContextManager[Engine]) -> None:
+        self._opened = opened
+
+    async def __aenter__(self) -> Engine:
+        return await self._opened.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        return await self._opened.__aexit__(exc_type, exc, tb)
+
+    def __await__(self) -> Generator[Any, None, Engine]:
+        raise TypeError(_NOT_WITH)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"{_NOT_WITH} ('.{name}' was asked of the context manager)")
+
+
+@asynccontextmanager
+async def _opened(
+    store: Store | str | os.PathLike[str],
+    plans: Iterable[Plan],
+    *,
+    owner: str | None,
+    max_running: int,
+    lease: float,
+    serve: bool,
+    group_commit: bool,
+    wall_clock: Callable[[], float],
+    fleet: bool | None,
+    fencing: bool,
+    scan_interval: float | None,
+) -> AsyncIterator[Engine]:
+    """The body of `open_engine` (its docstring says what it promises)."""
     registry = _registry(plans)
     if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
         raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
@@ -1291,8 +1587,14 @@ async def open_engine(
         raise ValueError(f"owner must be a non-empty str or None, got {owner!r}")
     if not isinstance(serve, bool):
         raise TypeError(f"serve must be a bool, got {serve!r}")
-    if _scan_interval is not None and not (0 < _scan_interval < math.inf):
-        raise ValueError(f"_scan_interval must be a finite number > 0, got {_scan_interval!r}")
+    if serve and not registry:
+        raise ValueError(
+            "open_engine got no plans: an engine that serves a store runs only the plans it is"
+            " given, so this one could run no flow; give it plans=[...], or serve=False for an"
+            " operator's engine (it wakes, cancels and resumes flows, and runs none)"
+        )
+    if scan_interval is not None and not (0 < scan_interval < math.inf):
+        raise ValueError(f"_scan_interval must be a finite number > 0, got {scan_interval!r}")
     own_store = isinstance(store, str | os.PathLike)
     if own_store:
         db: Store = SqliteStore(os.fspath(store))  # type: ignore[arg-type]
@@ -1310,11 +1612,11 @@ async def open_engine(
             max_running=max_running,
             lease=lease,
             serve=serve,
-            fleet=db.dialect == "postgres" if _fleet is None else _fleet,
-            group_commit=_group_commit,
-            fencing=_fencing,
-            scan_interval=_scan_interval,
-            wall_clock=_wall_clock,
+            fleet=db.dialect == "postgres" if fleet is None else fleet,
+            group_commit=group_commit,
+            fencing=fencing,
+            scan_interval=scan_interval,
+            wall_clock=wall_clock,
         )
         async with _lifetime(engine) as running:
             yield running

@@ -22,8 +22,11 @@ import argparse
 import datetime
 import json
 import os
+import re
+import sqlite3
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, NoReturn
@@ -35,7 +38,7 @@ from ferry.projected import PostgresStore, SqliteStore, Store
 from . import _machine as m
 from . import _store
 from ._engine import open_engine
-from ._errors import StoreLocked
+from ._errors import FlowError, StoreLocked
 from ._machine import Flow
 from ._types import Delivery, Json, State
 
@@ -71,6 +74,12 @@ def _count(text: str) -> int:
     return n
 
 
+def _nonempty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (leave it out for no deduplication)")
+    return text
+
+
 def _json_value(text: str) -> Json:
     try:
         value: Json = json.loads(text)
@@ -87,6 +96,9 @@ def parser() -> argparse.ArgumentParser:
         " ('postgresql://user@host/db' or 'host=... dbname=...').",
     )
     p.add_argument("store", metavar="STORE", help="an SQLite file or a PostgreSQL DSN")
+    p.add_argument(
+        "--json", dest="json_first", action="store_true", help="the same as COMMAND --json"
+    )
     common = _Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -111,7 +123,11 @@ def parser() -> argparse.ArgumentParser:
     wake = command("wake", "Put a message in a flow's mailbox (Engine.wake).")
     wake.add_argument("flow_id", metavar="FLOW_ID")
     wake.add_argument("--payload", type=_json_value, default=None, help="JSON (default null)")
-    wake.add_argument("--message-id", help="deduplicates: a repeat is reported DUPLICATE")
+    wake.add_argument(
+        "--message-id",
+        type=_nonempty,
+        help="deduplicates: a repeat is reported DUPLICATE",
+    )
     cancel = command("cancel", "Stop a running or parked flow; it compensates (Engine.cancel).")
     cancel.add_argument("flow_id", metavar="FLOW_ID")
     cancel.add_argument("--reason", default="cancelled by an operator", help="recorded as why")
@@ -129,24 +145,103 @@ def _is_dsn(spec: str) -> bool:
     )
 
 
-def open_store(spec: str) -> Store:
-    """The store `spec` names (nothing is connected yet). Raises `Problem` for a missing file."""
-    if _is_dsn(spec):
-        return PostgresStore(spec, connections=1, connect_timeout=5.0)
+_NO_FLOWS = "{where} holds no flows (no flow engine has opened it)"
+_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)|(://[^:/@\s]*:)([^@\s]*)(@)")
+
+
+def shown(spec: str) -> str:
+    """`spec` as the inspector prints it (quoted), with a DSN's password masked."""
+    return repr(_PASSWORD.sub(_mask, spec))
+
+
+def _mask(match: re.Match[str]) -> str:
+    if match.group(1) is not None:
+        return f"{match.group(1)}***"
+    return f"{match.group(3)}***{match.group(5)}"
+
+
+def _check_dsn(spec: str, where: str) -> None:
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        raise Problem(
+            f"{where} looks like a PostgreSQL DSN, and PostgreSQL needs psycopg:"
+            " pip install 'stm-ferry[postgres]'"
+        ) from None
+    try:
+        conninfo_to_dict(spec)
+    except Exception as exc:
+        raise Problem(
+            f"{where} is neither an SQLite file (there is no such file) nor a PostgreSQL DSN"
+            f" ({_PASSWORD.sub(_mask, _first_line(exc))})"
+        ) from None
+
+
+def _check_sqlite(spec: str, where: str) -> None:
+    """Refuse, without writing to it, a path that is no flow store: no file, a directory, an
+    empty file, a file of another kind, or an SQLite database no flow engine has opened. (An
+    `SqliteStore` switches a database to WAL mode: that would change somebody else's file.)"""
+    if os.path.isdir(spec):
+        raise Problem(f"{where} is a directory: give the path of an engine's SQLite file")
     if not os.path.isfile(spec):
         raise Problem(
-            f"no such SQLite file: {spec!r} (give the path of an engine's SQLite file, or a"
+            f"no such SQLite file: {where} (give the path of an engine's SQLite file, or a"
             " PostgreSQL DSN)"
         )
+    with open(spec, "rb") as file:
+        header = file.read(100)
+    if not header:
+        raise Problem(_NO_FLOWS.format(where=where) + ": the file is empty")
+    if not header.startswith(_store.SQLITE_HEADER):
+        raise Problem(f"{where} is not an SQLite database: give the path of an engine's file")
+    if header[18] == 2:
+        return  # in WAL mode already, as every engine leaves its file: opening it changes nothing
+    # A rollback-journal database: look at it read-only first.
+    conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(spec))}?mode=ro", uri=True)
+    try:
+        found = _store.has_tables(_ReadOnly(conn))
+    finally:
+        conn.close()
+    if not found:
+        raise Problem(_NO_FLOWS.format(where=where))
+
+
+class _ReadOnly:
+    """A `Tx` over a plain read-only SQLite connection (for reads outside a store)."""
+
+    dialect = "sqlite"
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    @property
+    def connection(self) -> sqlite3.Connection:
+        return self._conn
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return self._conn.execute(sql, params).fetchall()
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        raise sqlite3.OperationalError("read-only")
+
+
+def open_store(spec: str) -> Store:
+    """The store `spec` names (nothing is connected yet). Raises `Problem` for a path that is
+    no flow store, or a DSN that does not parse."""
+    where = shown(spec)
+    if _is_dsn(spec):
+        _check_dsn(spec, where)
+        return PostgresStore(spec, connections=1, connect_timeout=5.0)
+    _check_sqlite(spec, where)
     return SqliteStore(spec)
 
 
-async def _read(store: Store, spec: str, fn: Callable[[Any], Any]) -> Any:
+async def _read(store: Store, where: str, fn: Callable[[Any], Any]) -> Any:
     """Run ``fn(tx)`` in one transaction, after checking that the store has flow tables."""
 
     def both(tx: Any) -> Any:
         if not _store.has_tables(tx):
-            raise Problem(f"{spec!r} holds no flows (no flow engine has opened it)")
+            raise Problem(_NO_FLOWS.format(where=where))
         return fn(tx)
 
     return await store.transact(both)
@@ -235,10 +330,14 @@ def _print(args: argparse.Namespace, text: str, data: object) -> None:
 async def do_list(args: argparse.Namespace, store: Store) -> None:
     flows = await _read(
         store,
-        args.store,
-        partial(_store.query_flows, state=args.state, plan=args.plan, limit=args.limit),
+        args.where,
+        partial(_store.query_flows, state=args.state, plan=args.plan, limit=args.limit + 1),
     )
+    more = len(flows) > args.limit
+    flows = flows[: args.limit]
     text = table(_FLOW_HEADERS, _flow_rows(flows)) if flows else "no flows"
+    if more:
+        text += f"\n(the {args.limit} most recently written; more match: --limit N shows more)"
     _print(args, text, [flow_json(f) for f in flows])
 
 
@@ -252,9 +351,9 @@ async def do_show(args: argparse.Namespace, store: Store) -> None:
         engines = {e[0]: e[1] for e in _store.load_engines(tx)}
         return f, events, box, engines
 
-    f, events, box, engines = await _read(store, args.store, read)
+    f, events, box, engines = await _read(store, args.where, read)
     if f is None:
-        raise Problem(f"no flow has id {args.flow_id!r} in {args.store!r}")
+        raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
     held = None
     if f.owner is not None and f.state in m.ACTIVE:
         until = f.lease_until if f.lease_until is not None else engines.get(f.owner)
@@ -312,6 +411,19 @@ async def do_show(args: argparse.Namespace, store: Store) -> None:
     _print(args, "\n".join(lines), data)
 
 
+#: What the terms of `stats` mean (the legend under its tables names those shown).
+STATS_LEGEND = {
+    "orphans": "running or compensating flows no live engine holds: the next engine to scan"
+    " or open the store runs them",
+    "PLAN": "a plan's name@version",
+    "SINCE": "when the flow parked (its last write)",
+    "DEADLINE": "when its park times out (-: never; it waits for a wake)",
+    "E.G.": "one flow blocked for that reason: `show` it, fix the cause, then `resume` it",
+    "LEASE": "alive while the engine renews its lease (UNTIL); gone: it closed or died",
+    "FLOWS": "(engines) the running or compensating flows the engine holds",
+}
+
+
 async def do_stats(args: argparse.Namespace, store: Store) -> None:
     now = time.time()
 
@@ -325,7 +437,7 @@ async def do_stats(args: argparse.Namespace, store: Store) -> None:
             "registered": _store.load_plans(tx),
         }
 
-    r = await _read(store, args.store, read)
+    r = await _read(store, args.where, read)
     by_state = dict.fromkeys((s.name for s in State), 0)
     by_plan: dict[str, dict[str, int]] = {}
     for plan, version, state, n in r["plans"]:
@@ -362,7 +474,9 @@ async def do_stats(args: argparse.Namespace, store: Store) -> None:
         table(("STATE", "FLOWS"), [[s, by_state[s]] for s in states]),
         f"\nrunning flows no engine holds (orphans): {r['orphans']}",
     ]
+    legend = ["orphans"]
     if by_plan:
+        legend.append("PLAN")
         rows = [[p, *(counts[s] for s in states)] for p, counts in by_plan.items()]
         parts.append("\n" + table(("PLAN", *states), rows))
     if r["parked"]:
@@ -379,15 +493,20 @@ async def do_stats(args: argparse.Namespace, store: Store) -> None:
         parts.append(
             "\noldest parked\n" + table(("FLOW", "PLAN", "STEP", "SINCE", "DEADLINE"), rows)
         )
+        legend += ["SINCE", "DEADLINE"]
     if r["blocked"]:
         rows = [[n, fid, _cut(why, 80)] for why, n, fid in r["blocked"]]
         parts.append("\nblocked, by reason\n" + table(("FLOWS", "E.G.", "REASON"), rows))
+        legend.append("E.G.")
     if r["engines"]:
         rows = [
             [o, "alive" if until >= now else "gone", _when(until), n]
             for o, until, _at, n in r["engines"]
         ]
         parts.append("\nengines\n" + table(("ENGINE", "LEASE", "UNTIL", "FLOWS"), rows))
+        legend += ["LEASE", "FLOWS"]
+    width = max(len(k) for k in legend)
+    parts.append("\nlegend\n" + "\n".join(f"  {k:<{width}}  {STATS_LEGEND[k]}" for k in legend))
     _print(args, "\n".join(parts), data)
 
 
@@ -395,14 +514,14 @@ async def _act(
     args: argparse.Namespace, store: Store, call: Callable[[Any], Any]
 ) -> tuple[Any, Flow | None]:
     """Run ``call(engine)`` with an operator's engine; its result, and the flow's row after."""
-    await _read(store, args.store, lambda tx: None)  # a store without flows: say so
+    await _read(store, args.where, lambda tx: None)  # a store without flows: say so
     try:
         async with open_engine(store, [], serve=False) as engine:
             result = await call(engine)
             after = await store.transact(partial(_store.load, flow_id=args.flow_id))
     except StoreLocked:
         raise Problem(
-            f"a flow engine is serving {args.store!r} right now: on SQLite one engine holds the"
+            f"a flow engine is serving {args.where} right now: on SQLite one engine holds the"
             " file, so make the call through that engine's API (Engine.wake/cancel/resume) or"
             " stop it first (list, show and stats work meanwhile)"
         ) from None
@@ -422,7 +541,7 @@ async def do_wake(args: argparse.Namespace, store: Store) -> None:
         lambda e: e.wake(args.flow_id, args.payload, message_id=args.message_id),
     )
     if delivery is Delivery.UNKNOWN:
-        raise Problem(f"no flow has id {args.flow_id!r} in {args.store!r}")
+        raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
     notes = {
         Delivery.RESUMED: f"it was parked and runs its next step: {_runs_next(args)}",
         Delivery.QUEUED: "kept in its mailbox: its next park takes it",
@@ -445,7 +564,7 @@ async def do_wake(args: argparse.Namespace, store: Store) -> None:
 async def do_cancel(args: argparse.Namespace, store: Store) -> None:
     done, after = await _act(args, store, lambda e: e.cancel(args.flow_id, args.reason))
     if after is None:
-        raise Problem(f"no flow has id {args.flow_id!r} in {args.store!r}")
+        raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
     if not done:
         raise Problem(
             f"not cancelled: flow {args.flow_id!r} is {after.state.name} (only a running or"
@@ -463,7 +582,7 @@ async def do_cancel(args: argparse.Namespace, store: Store) -> None:
 async def do_resume(args: argparse.Namespace, store: Store) -> None:
     done, after = await _act(args, store, lambda e: e.resume(args.flow_id))
     if after is None:
-        raise Problem(f"no flow has id {args.flow_id!r} in {args.store!r}")
+        raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
     if not done:
         why = (
             f"plan {after.plan!r} version {after.version} still cannot drive it ({after.blocked})"
@@ -498,25 +617,57 @@ async def run(args: argparse.Namespace) -> None:
             await store.aclose()
 
 
+def _first_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def _one_line(error: BaseException, spec: str) -> str:
     """What went wrong: a `Problem` as it is; anything else (an unreachable store, a refusal)
-    named by its type, not as a traceback."""
+    named by its type, not as a traceback; a DSN's password never shown."""
     while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
         error = error.exceptions[0]
     if isinstance(error, Problem):
         return str(error)
-    return f"{spec!r}: {type(error).__name__}: {_cut(str(error), 300)}"
+    if isinstance(error, FlowError | ValueError | TypeError):  # the engine refused an argument
+        return _PASSWORD.sub(_mask, _first_line(error))
+    what = "the PostgreSQL database" if _is_dsn(spec) else "the SQLite file"
+    text = _PASSWORD.sub(_mask, _cut(_first_line(error), 300))
+    return f"cannot use {what} {shown(spec)}: {type(error).__name__}: {text}"
+
+
+def _usage(p: argparse.ArgumentParser, message: str) -> int:
+    """Report bad arguments as argparse does (one line); the exit status, 2."""
+    try:
+        p.error(message)
+    except SystemExit as done:
+        return int(done.code or 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; its exit status (0, 1 for a problem, 2 for bad arguments)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = parser()
+    if argv and argv[0] in COMMANDS and not os.path.exists(argv[0]):
+        rest = " ".join(argv[1:]) or "STORE"
+        return _usage(p, f"the store comes first: {PROG} {rest.split()[0]} {argv[0]} ...")
     try:
-        args = parser().parse_args(argv)
+        args = p.parse_args(argv)
     except SystemExit as done:
         return int(done.code or 0)
+    args.json = args.json or args.json_first
+    args.where = shown(args.store)
     try:
         trio.run(run, args)
     except Exception as error:
+        if _broken_pipe(error):  # the reader went away (`| head`): nothing to say to anyone
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
         print(f"{PROG}: error: {_one_line(error, args.store)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _broken_pipe(error: BaseException) -> bool:
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return isinstance(error, BrokenPipeError)

@@ -34,6 +34,7 @@ class StepDef:
 
 
 def _check_async(what: str, fn: object) -> None:
+    """`fn` must be an ``async def`` that takes one argument, the `Context`."""
     if not callable(fn):
         raise TypeError(f"{what} must be an async function, got {fn!r}")
     if not inspect.iscoroutinefunction(fn):
@@ -41,6 +42,18 @@ def _check_async(what: str, fn: object) -> None:
             f"{what} must be an async function (async def), got {fn!r}: steps and compensations"
             " are awaited by the engine"
         )
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: the engine's call will tell
+        return
+    try:
+        signature.bind(None)
+    except TypeError:
+        raise TypeError(
+            f"{what} must take one argument, the flow.Context (async def"
+            f" {getattr(fn, '__name__', 'step')}(ctx: flow.Context)), got {fn!r} taking"
+            f" {signature}"
+        ) from None
 
 
 @final
@@ -105,6 +118,10 @@ class Plan:
         compensation) is tried when it raises, with backoff from 0.1 s doubling, before it counts
         as failed. Raises `TypeError`/`ValueError` at once for a bad definition.
         """
+        if isinstance(fn, str):
+            raise TypeError(
+                f"@plan.step({fn!r}): a step's name is given by keyword, @plan.step(name={fn!r})"
+            )
         if isinstance(attempts, bool) or not isinstance(attempts, int):
             raise TypeError(f"attempts must be an int, got {attempts!r}")
         if attempts < 1:

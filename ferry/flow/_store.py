@@ -267,6 +267,7 @@ class _Sql:
     update_owned: str
     update_orphan: str
     update_blind: str
+    lock_engine: str
     hold_blind: str
     select: str
     select_locked: str
@@ -313,6 +314,7 @@ class _Sql:
             update_orphan=f"UPDATE {flows} SET {sets} WHERE flow_id = ? AND revision = ?"
             f" AND {_orphan(ns, flows)} RETURNING revision",
             update_blind=f"UPDATE {flows} SET {blind_sets} WHERE flow_id = ? RETURNING revision",
+            lock_engine=f"SELECT 1 FROM {ns}_engines WHERE owner = ? FOR SHARE",
             hold_blind=hold_blind,
             select=f"SELECT {cols} FROM {flows} WHERE flow_id = ?",
             select_locked=f"SELECT {cols} FROM {flows} WHERE flow_id = ?{lock}",
@@ -462,12 +464,27 @@ class _Batch:
             else:
                 self.tx.execute(self.sql.take, (fid, msg.message_id))
 
-    def cas(self, t: Transition, owner: str | None, lapsed_at: float | None = None) -> bool:
+    def cas(
+        self,
+        t: Transition,
+        owner: str | None,
+        lapsed_at: float | None = None,
+        holder: str | None = None,
+    ) -> bool:
         """Write the transition's row if the stored revision is still ``t.expected`` (and the
-        owner is `owner`, and no lease holds it at `lapsed_at`, where given)."""
+        owner is `owner`, and no lease holds it at `lapsed_at`, where given: a takeover of a
+        flow its copy shows held by `holder`).
+
+        On PostgreSQL a takeover first locks `holder`'s lease row (``FOR SHARE``), so that the
+        lease it reads is the one committed when it writes: a renewal of that lease in flight
+        either waits for this takeover to commit, or makes it wait and refuses it. Without the
+        lock, a takeover whose statement began before the renewal committed could still find
+        the lease lapsed after the renewed engine had read the flow as its own (ADR 0048)."""
         values = _mutable_values(t.flow)
         fid = t.flow.flow_id
         if lapsed_at is not None:
+            if holder is not None and self.tx.dialect == "postgres":
+                self.tx.execute(self.sql.lock_engine, (holder,))
             rows = self.tx.execute(
                 self.sql.update_orphan, (*values, fid, t.expected, lapsed_at, lapsed_at)
             )
@@ -520,7 +537,7 @@ class _Batch:
                     if blind is None:
                         return Missing(op.flow_id)
                     t = blind
-                elif not self.cas(t, op.owner, op.lapsed_at):
+                elif not self.cas(t, op.owner, op.lapsed_at, known.owner):
                     return self.conflict(op.flow_id, t.expected)
                 self.record(t)
             self.messages(t)
@@ -729,7 +746,8 @@ def load_orphans(
 def heartbeat(tx: Tx, owner: str, until: float, now: float, *, ns: str = "flow") -> None:
     """Record that engine `owner` holds its flows until `until` (its engine lease; an `until`
     in the past lets them all go at once). One row per engine, nothing else is written: a
-    renewal costs the same for one flow or a million, and never waits for a flow's row lock."""
+    renewal costs the same for one flow or a million, and never waits for a flow's row lock (on
+    PostgreSQL it may wait for a takeover of one of its own flows to commit: `_Batch.cas`)."""
     tx.execute(
         f"INSERT INTO {ns}_engines (owner, lease_until, started_at) VALUES (?, ?, ?)"
         " ON CONFLICT (owner) DO UPDATE SET lease_until = excluded.lease_until",
@@ -743,32 +761,55 @@ def renew(
     until: float,
     now: float,
     *,
-    let_go: Sequence[str] = (),
+    let_go: Sequence[tuple[str, int]] = (),
+    reread: Sequence[str] | None = None,
     ns: str = "flow",
-) -> None:
-    """An engine's renewal: first the flows in `let_go` are released (`release`), then its
-    lease is renewed (`heartbeat`), in this one transaction."""
+) -> list[Flow]:
+    """An engine's renewal, in this one transaction: its lease is renewed (`heartbeat`), the
+    flows in `let_go` (``(flow_id, revision it let go at)``) are released (`release`), and the
+    rows of the flows in `reread` are read (`load_many`) and returned (``[]`` without it).
+
+    The lease row comes first: a takeover locks it (`_Batch.cas`), so on PostgreSQL a takeover
+    either committed before this renewal took the row, and the rows read here show it, or it
+    waits for this renewal to commit and is refused (docs/adr/0048). An engine whose lease may
+    have lapsed re-reads what it runs in this transaction before it trusts it again (ADR 0047).
+    Cost: one statement for the lease, one per 500 flows released or read."""
+    heartbeat(tx, owner, until, now, ns=ns)
     if let_go:
         release(tx, owner, let_go, now, ns=ns)
-    heartbeat(tx, owner, until, now, ns=ns)
+    return [] if reread is None else load_many(tx, reread, ns=ns)
 
 
 _CHUNK = 500
 
 
-def release(tx: Tx, owner: str, flow_ids: Sequence[str], at: float, *, ns: str = "flow") -> int:
-    """`owner` lets those of `flow_ids` it holds go (no new revision): any engine may take them
-    over from `at` on. How many it held."""
+def release(
+    tx: Tx, owner: str, flows: Sequence[tuple[str, int]], at: float, *, ns: str = "flow"
+) -> int:
+    """`owner` lets go those of `flows` (``(flow_id, revision)``) it still holds at that very
+    revision (no new revision): any engine may take them over from `at` on. A flow written
+    since (taken over, or given back to this engine by a wake, a timer or a cancel) is left as
+    it is. How many were released."""
     released = 0
-    ordered = sorted(flow_ids)
+    ordered = sorted(flows)
+    active = "state IN ('RUNNING', 'COMPENSATING')"
     for i in range(0, len(ordered), _CHUNK):
         chunk = ordered[i : i + _CHUNK]
-        marks = ", ".join("?" * len(chunk))
-        rows = tx.execute(
-            f"UPDATE {ns}_flows SET lease_until = ? WHERE flow_id IN ({marks}) AND owner = ?"
-            " AND state IN ('RUNNING', 'COMPENSATING') RETURNING flow_id",
-            (at, *chunk, owner),
-        )
+        if tx.dialect == "postgres":
+            rows = tx.execute(
+                f"UPDATE {ns}_flows f SET lease_until = ? FROM unnest(?::text[], ?::bigint[])"
+                " AS l(flow_id, revision) WHERE f.flow_id = l.flow_id"
+                f" AND f.revision = l.revision AND f.owner = ? AND f.{active}"
+                " RETURNING f.flow_id",
+                (at, [fid for fid, _r in chunk], [r for _f, r in chunk], owner),
+            )
+        else:
+            pairs = ", ".join(["(?, ?)"] * len(chunk))
+            rows = tx.execute(
+                f"UPDATE {ns}_flows SET lease_until = ? WHERE (flow_id, revision) IN"
+                f" (VALUES {pairs}) AND owner = ? AND {active} RETURNING flow_id",
+                (at, *(v for pair in chunk for v in pair), owner),
+            )
         released += len(rows)
     return released
 
@@ -859,6 +900,10 @@ def count_states(tx: Tx, *, ns: str = "flow") -> dict[State, int]:
 
 
 # ------------------------------------------------------------------------ reads for operators
+
+
+#: The first bytes of every SQLite database file.
+SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 def has_tables(tx: Tx, *, ns: str = "flow") -> bool:

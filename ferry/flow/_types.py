@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeAlias, final
+from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeAlias, final
 
 import attrs
 
@@ -129,7 +129,14 @@ def fail(reason: str = "failed") -> Fail:
 # ------------------------------------------------------------------------------------- context
 
 
-_FROZEN = attrs.setters.frozen
+def _read_only(instance: object, attribute: attrs.Attribute[Any], value: object) -> NoReturn:
+    raise AttributeError(
+        f"ctx.{attribute.name} is read-only: a step may change only ctx.data (saved with its"
+        " outcome)"
+    )
+
+
+_FROZEN = _read_only
 
 
 @final

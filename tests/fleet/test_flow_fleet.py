@@ -161,13 +161,9 @@ def test_without_fencing_the_fleet_oracle_fails(pg_server: pg.PgServer, tmp_path
     assert "recorded 2 times" in text
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("seed", [3])
-def test_a_larger_fleet_run(
-    pg_server: pg.PgServer, tmp_path: Path, seed: int, request: pytest.FixtureRequest
-) -> None:
-    if "slow" not in request.config.getoption("-m"):
-        pytest.skip("6,000 flows (about a minute): select it with -m slow")
+def test_a_larger_fleet_run(pg_server: pg.PgServer, tmp_path: Path, seed: int) -> None:
     dsn = pg_server.fresh_database_dsn("flowfleetslow")
     specs, seen, chaos, reports = run_fleet(dsn, tmp_path, flows=6000, spread=10.0, seed=seed)
     print(f"\n{summary(specs, seen, reports)}\n{chaos.seconds:.1f} s")

@@ -83,3 +83,113 @@ class InlineSqliteStore:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+
+
+def kind(fn: Callable[..., Any]) -> str:
+    """The name of the store function a transaction runs (``write_batch``, ``renew``, ...)."""
+    return getattr(getattr(fn, "func", fn), "__name__", repr(fn))
+
+
+class _Waiting:
+    __slots__ = ("answer", "fail", "fn", "go")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.go = trio.Event()
+        self.fail = False
+        self.answer: trio.Event | None = None
+
+
+class ValveStore(InlineSqliteStore):
+    """An `InlineSqliteStore` whose transactions a test lets through one at a time.
+
+    A transaction of a *held* kind (the name of the store function it runs, `kind`; ``"*"``
+    holds every kind) waits before it runs until the test lets it through (`let_through`),
+    as the database calls of a process that stalls or freezes would; the wait is cancellable,
+    and a transaction cancelled while it waits never ran. A transaction let through with
+    ``answer=False`` commits at once but its answer waits until `answer` (a reply that comes
+    back late: what it read or wrote may be stale by then). `hold_after(trigger, *kinds)` holds
+    `kinds` from the moment a transaction of kind `trigger` has committed (between two
+    transactions of one task, where a test cannot step in). Deterministic under
+    `MockClock(autojump_threshold=0)`: what waits here is blocked, and goes on only when the test
+    says so.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.held: set[str] = set()
+        self._after: dict[str, set[str]] = {}
+        self._waiting: list[_Waiting] = []
+        self._unanswered: list[_Waiting] = []
+
+    def hold_after(self, trigger: str, *kinds: str) -> None:
+        self._after[trigger] = set(kinds)
+
+    def waiting(self, name: str) -> list[Callable[..., Any]]:
+        """The waiting transactions of kind `name`, oldest first."""
+        return [w.fn for w in self._waiting if kind(w.fn) == name]
+
+    def let_through(
+        self,
+        name: str,
+        where: Callable[[Callable[..., Any]], bool] = lambda fn: True,
+        *,
+        fail: bool = False,
+        answer: bool = True,
+    ) -> None:
+        """The oldest waiting transaction of kind `name` (for which `where` holds) goes on; with
+        `fail`, it raises instead, as a transaction the database failed would (nothing of it
+        was written); without `answer`, it commits but its caller waits for `answer`. Raises
+        `LookupError` if none waits."""
+        for w in self._waiting:
+            if kind(w.fn) == name and where(w.fn):
+                self._waiting.remove(w)
+                w.fail = fail
+                if not answer:
+                    w.answer = trio.Event()
+                    self._unanswered.append(w)
+                w.go.set()
+                return
+        raise LookupError(f"no {name} transaction waits")
+
+    def answer(self, name: str) -> None:
+        """The oldest committed transaction of kind `name` whose answer waits gets it."""
+        for w in self._unanswered:
+            if kind(w.fn) == name:
+                self._unanswered.remove(w)
+                assert w.answer is not None
+                w.answer.set()
+                return
+        raise LookupError(f"no {name} answer waits")
+
+    def open(self) -> None:
+        """Hold nothing any more, and let every waiting transaction through."""
+        self.held.clear()
+        self._after.clear()
+        for w in self._waiting:
+            w.go.set()
+        self._waiting.clear()
+        for w in self._unanswered:
+            assert w.answer is not None
+            w.answer.set()
+        self._unanswered.clear()
+
+    async def transact(self, fn: Callable[[Tx], T]) -> T:
+        name = kind(fn)
+        if name in self.held or "*" in self.held:
+            w = _Waiting(fn)
+            self._waiting.append(w)
+            try:
+                await w.go.wait()
+            finally:
+                if w in self._waiting:
+                    self._waiting.remove(w)
+            if w.fail:
+                raise sqlite3.OperationalError(f"{name} failed (planted by the test)")
+            result = await super().transact(fn)
+            if w.answer is not None:
+                await w.answer.wait()
+        else:
+            result = await super().transact(fn)
+        self.held |= self._after.pop(name, set())
+        return result

@@ -156,6 +156,16 @@ def test_stats(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert "running flows no engine holds (orphans): 1" in out
     assert "oldest parked" in out and out.index("parked-old") < out.index("parked ")
     assert "compensation of step 'reserve' failed: refund down" in out
+    legend = out.split("\nlegend\n")[1].splitlines()
+    assert [line.split()[0] for line in legend] == [
+        "orphans",
+        "PLAN",
+        "SINCE",
+        "DEADLINE",
+        "E.G.",
+        "LEASE",
+        "FLOWS",
+    ]
     s = run_json(capsys, db, "stats", "--oldest", "1")
     assert s["states"] == {
         "RUNNING": 2,
@@ -205,6 +215,8 @@ def test_wake(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_json(capsys, db, "wake", "done")["delivery"] == "STALE"
     code, _, err = run(capsys, db, "wake", "nope")
     assert code == 1 and err.count("\n") == 1 and "no flow has id 'nope'" in err
+    code, _, err = run(capsys, db, "wake", "")  # the engine's own refusal, as it words it
+    assert (code, err) == (1, "python -m ferry.flow: error: flow_id must not be empty\n")
 
 
 def test_cancel(db: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -267,6 +279,7 @@ def test_while_a_service_engine_holds_the_sqlite_file_actions_are_refused_reads_
         (["x.db", "list", "--limit", "0"], "'0' is not a whole number >= 1"),
         (["x.db", "wake", "f", "--payload", "{oops"], "not JSON"),
         (["x.db", "show"], "the following arguments are required: FLOW_ID"),
+        (["x.db", "wake", "f", "--message-id", ""], "--message-id: must not be empty"),
     ],
 )
 def test_bad_arguments_are_one_line(
@@ -288,6 +301,89 @@ def test_a_store_that_is_not_there_is_one_line(
     assert code == 1 and "holds no flows (no flow engine has opened it)" in err
     code, _, err = run(capsys, "host=127.0.0.1 port=1 dbname=nope connect_timeout=1", "list")
     assert code == 1 and err.count("\n") == 1 and "OperationalError" in err
+
+
+def test_a_file_that_is_no_flow_store_is_one_line_and_left_as_it_was(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = tmp_path / "other.db"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE t (x)")
+    conn.commit()
+    conn.close()
+    before = other.read_bytes()
+    (tmp_path / "empty.db").touch()
+    (tmp_path / "notes.txt").write_text("not a database")
+    cases = {
+        str(other): "holds no flows (no flow engine has opened it)",
+        str(
+            tmp_path / "empty.db"
+        ): "holds no flows (no flow engine has opened it): the file is empty",
+        str(tmp_path / "notes.txt"): "is not an SQLite database",
+        str(tmp_path): "is a directory",
+    }
+    for spec, message in cases.items():
+        for command in ("list", "stats", "wake"):
+            code, out, err = run(capsys, spec, command, *(["f"] if command == "wake" else []))
+            assert (code, out) == (1, "")
+            assert err.startswith(f"python -m ferry.flow: error: {spec!r} {message}"), err
+            assert err.count("\n") == 1
+    assert other.read_bytes() == before  # still in rollback-journal mode: not switched to WAL
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty.db", "notes.txt", "other.db"]
+    assert (tmp_path / "empty.db").read_bytes() == b""
+
+
+def test_a_dsn_password_is_never_shown(capsys: pytest.CaptureFixture[str]) -> None:
+    for dsn, shown in [
+        ("host=127.0.0.1 port=1 password=hunter2 connect_timeout=1", "password=***"),
+        ("postgresql://bob:hunter2@127.0.0.1:1/db?connect_timeout=1", "bob:***@"),
+        ("postgresql://bob:hunter2@[::1", "bob:***@"),
+    ]:
+        code, _, err = run(capsys, dsn, "list")
+        assert code == 1 and err.count("\n") == 1
+        assert shown in err and "hunter2" not in err
+    code, _, err = run(capsys, "a=b.db", "list")
+    assert code == 1
+    assert "'a=b.db' is neither an SQLite file (there is no such file) nor a PostgreSQL DSN" in err
+
+
+def test_list_says_when_more_flows_match_than_it_shows(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, db, "list", "--limit", "3")
+    assert code == 0 and len(out.splitlines()) == 2 + 3 + 1
+    assert out.endswith("(the 3 most recently written; more match: --limit N shows more)\n")
+    assert "more match" not in run(capsys, db, "list", "--limit", "8")[1]  # exactly 8 flows
+    assert len(run_json(capsys, db, "list", "--limit", "3")) == 3
+
+
+def test_json_first_the_store_second_and_a_closed_pipe(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, "--json", db, "list", "--limit", "1")
+    assert code == 0 and len(json.loads(out)) == 1
+    code, out, _ = run(capsys, db, "--json", "stats")
+    assert code == 0 and json.loads(out)["orphans"] == 1
+    code, out, err = run(capsys, "show", db, "blocked")
+    assert (code, out) == (2, "")
+    assert err == (
+        "python -m ferry.flow: error: the store comes first: python -m ferry.flow"
+        f" {db} show ... (see python -m ferry.flow --help)\n"
+    )
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before anything is written (as `| head` that quit)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "ferry.flow", db, "list"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (1, "")
 
 
 @pytest.mark.parametrize("command", [None, "list", "show", "stats", "wake", "cancel", "resume"])
@@ -337,3 +433,20 @@ def test_on_postgres_reads_and_an_action_leave_the_flow_to_the_fleet(
     shown = run_json(capsys, dsn, "show", "parked")
     assert shown["flow"]["state"] == "RUNNING" and shown["flow"]["owner"] is None
     assert run_json(capsys, dsn, "stats")["orphans"] == 2  # the gone engine's, and this one
+
+
+def test_on_postgres_a_schema_without_flows_is_one_line_and_stays_empty(
+    pg_server: pg.PgServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dsn = pg_server.fresh_schema_dsn()
+    for command in (["list"], ["stats"], ["show", "f"], ["wake", "f"], ["cancel", "f"]):
+        code, out, err = run(capsys, dsn, *command)
+        assert (code, out) == (1, "")
+        assert err.endswith("holds no flows (no flow engine has opened it)\n")
+
+    async def tables() -> bool:
+        async with PostgresStore(dsn, connections=1) as store:
+            found: bool = await store.transact(_store.has_tables)
+        return found
+
+    assert not trio.run(tables)  # nothing was created

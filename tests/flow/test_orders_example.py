@@ -3,6 +3,7 @@ its engine process mid-run, on the suite's PostgreSQL, and with bad flags."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -46,7 +47,9 @@ def test_the_default_run_audits_clean_and_explains_its_summary(tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     assert "audit             OK" in done.stdout
     assert "legend:" in done.stdout and "repeats absorbed" in done.stdout
+    assert done.stdout.startswith("orders: 200 orders arriving over 1.3 s (150/s), SQLite ")
     assert "settled" in done.stderr  # the progress line
+    assert "auditing 200 orders ..." in done.stderr  # and what comes after it
 
 
 def test_the_summary_counts_every_kind_of_wake(tmp_path: Path) -> None:
@@ -76,6 +79,8 @@ def test_postgres(pg_server: pg.PgServer) -> None:
         (["--db", "x.db", "--postgres", "host=127.0.0.1 port=1"], "--postgres: cannot connect"),
         (["--postgres", "nonsense=1"], "--postgres: not a connection string"),
         (["--db", "/nonexistent/dir/orders.db"], "no such directory"),
+        (["--db", str(ROOT)], "is a directory: give a file's path"),
+        (["--worker"], "--worker is the engine process that --crash starts: use --crash"),
     ],
 )
 def test_a_bad_flag_is_a_one_line_error(args: list[str], message: str) -> None:
@@ -84,3 +89,36 @@ def test_a_bad_flag_is_a_one_line_error(args: list[str], message: str) -> None:
     assert done.stdout == ""
     (line,) = done.stderr.splitlines()
     assert line.startswith("orders.py: error: ") and message in line, line
+
+
+def test_a_database_another_engine_serves_is_a_one_line_error(tmp_path: Path) -> None:
+    db = tmp_path / "orders.db"
+    fd = os.open(f"{db}.engine-lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as an engine serving the file does
+        done = orders("--db", str(db), "--orders", "1", "--quiet")
+    finally:
+        os.close(fd)
+    assert (done.returncode, done.stdout.count("\n")) == (2, 1)  # the header line only
+    (line,) = done.stderr.splitlines()
+    assert line == (
+        f"orders.py: error: another engine is serving {db} right now (another orders.py?): wait"
+        " for it to finish, or give another --db"
+    )
+
+
+def test_the_summary_notes_when_the_machine_could_not_keep_up() -> None:
+    from examples import orders as demo
+
+    made = demo.make_orders(100, seed=1, run="r", rate=100.0)
+    by_design = sum(1 for o in made if o.gateway in ("never", "late"))
+    shop = demo.Shop(None, "r", {o.order_id: o for o in made}, 1.5, 0.0)  # type: ignore[arg-type]
+    checked = demo.Audit()
+    checked.reasons["no answer"] = by_design
+    assert demo.overload(shop, checked) == {}
+    checked.reasons["no answer"] = by_design + 7
+    (note,) = demo.overload(shop, checked).values()
+    assert note.startswith(
+        f"7 more orders timed out than the gateway left unanswered ({by_design})"
+    )
+    assert "try a lower --rate or a longer --timeout" in note

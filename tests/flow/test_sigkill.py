@@ -32,13 +32,9 @@ def test_flows_survive_sigkills(tmp_path: Path) -> None:
     check(tmp_path, flows=400, kills=5, seed=1)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("seed", [2, 3])
-def test_flows_survive_many_sigkills(
-    tmp_path: Path, seed: int, request: pytest.FixtureRequest
-) -> None:
-    if "slow" not in request.config.getoption("-m"):
-        pytest.skip("a bigger run (about 15 s each): select it with -m slow")
+def test_flows_survive_many_sigkills(tmp_path: Path, seed: int) -> None:
     check(tmp_path, flows=1500, kills=10, seed=seed)
 
 

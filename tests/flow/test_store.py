@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 from typing import Any
 
@@ -13,7 +14,8 @@ from ferry.flow import _machine as m
 from ferry.flow import _store as s
 from ferry.flow._machine import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Transition
 from ferry.flow._types import CONTINUE, Delivery, State, park
-from ferry.projected import Store
+from ferry.projected import PostgresStore, Store, Tx
+from tests import pg
 from tests.stores.conftest import StoreFactory
 
 SHAPE = Shape("order", 1, ("reserve", "charge", "ship"), (True, True, False), (3, 3, 3))
@@ -375,8 +377,11 @@ async def test_orphans_are_the_active_flows_that_no_live_engine_holds(store: Sto
         owned_start("unknown's", "never-heard-of"),
         owned_start("nobody's", None),
     )
-    assert await store.transact(partial(s.release, owner="alive", flow_ids=["let-go"], at=T0))
-    assert not await store.transact(partial(s.release, owner="x", flow_ids=["held"], at=T0))
+    assert not await store.transact(  # let go at another revision: written since
+        partial(s.release, owner="alive", flows=[("let-go", 2)], at=T0)
+    )
+    assert await store.transact(partial(s.release, owner="alive", flows=[("let-go", 1)], at=T0))
+    assert not await store.transact(partial(s.release, owner="x", flows=[("held", 1)], at=T0))
     other = m.start(attrs.evolve(SHAPE, version=2), "v2", "{}", T0, owner="dead")
     await write(store, s.Create(other))
     p = await load(store, "held")
@@ -405,7 +410,8 @@ async def test_orphans_are_the_active_flows_that_no_live_engine_holds(store: Sto
     assert await store.transact(partial(s.prune_engines, before=T0)) == 1
     ids = [f"x{i}" for i in range(1200)]  # more than one statement's worth
     await write(store, *(owned_start(fid, "alive") for fid in ids))
-    released = await store.transact(partial(s.release, owner="alive", flow_ids=ids, at=T0))
+    flows = [(fid, 1) for fid in ids]
+    released = await store.transact(partial(s.release, owner="alive", flows=flows, at=T0))
     assert released == 1200
     rows = await store.transact(partial(s.load_many, flow_ids=[*ids[:3], "nope"]))
     assert sorted((f.flow_id, f.lease_until) for f in rows) == [(i, T0) for i in ids[:3]]
@@ -432,6 +438,61 @@ async def test_a_takeover_loses_to_a_renewal_and_to_a_write(store: Store) -> Non
     assert (f.owner, f.lease_until, f.attempt, f.revision) == ("b", None, 2, 2)
     (lost,) = await write(store, take("c"))  # the same read, now stale
     assert isinstance(lost, s.Conflict) and lost.owner == "b"
+
+
+def takeover(seen: Flow, by: str, now: float = T0) -> s.Change:
+    """`by`'s takeover of the flow its scan read as `seen` (compare-and-set, orphan check)."""
+
+    def apply(f: Flow, _b: Mailbox) -> Transition:
+        return m.take_over(f, by, now)
+
+    return s.Change(seen.flow_id, apply, flow=seen, lapsed_at=now)
+
+
+async def test_a_takeover_waits_for_a_renewal_in_flight_and_loses_to_it(
+    pg_server: pg.PgServer,
+) -> None:
+    """PostgreSQL, where transactions overlap: engine a renews its lapsed lease and re-reads
+    its flow in one transaction, still open (ADR 0047). Engine b's takeover of that flow must
+    wait for the renewal (it locks a's lease row) and then lose to it. Without the lock, the
+    takeover's statement reads a's lease in a snapshot taken before the renewal commits, finds
+    it lapsed and takes the flow a has just read as its own: both would run it (ADR 0048)."""
+    dsn = pg_server.fresh_schema_dsn()
+    async with PostgresStore(dsn, connections=1) as a, PostgresStore(dsn, connections=1) as b:
+        await setup(a)
+        await heartbeat(a, "a", T0 - 1)  # a's lease lapsed (a was frozen, say)
+        await write(a, owned_start("f", "a"))
+        seen = await load(b, "f")  # b's scan read f: nobody's
+        assert seen is not None
+        read, commit = threading.Event(), threading.Event()
+
+        def renewal(tx: Tx) -> list[Flow]:
+            rows = s.renew(tx, "a", T0 + 30, T0, reread=["f"])
+            read.set()
+            commit.wait(30)  # the renewal stays open until b's takeover has tried
+            return rows
+
+        def impatient_takeover(tx: Tx) -> list[s.Result]:
+            tx.execute("SET LOCAL lock_timeout = 200")  # ms: fail rather than wait
+            return s.write_batch(tx, [takeover(seen, "b")])
+
+        renewed: list[list[Flow]] = []
+
+        async def renew() -> None:
+            renewed.append(await a.transact(renewal))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(renew)
+            assert await trio.to_thread.run_sync(read.wait, 30)
+            try:
+                with pytest.raises(Exception) as waited:  # its SQLSTATE is checked below
+                    await b.transact(impatient_takeover)
+            finally:
+                commit.set()
+        assert getattr(waited.value, "sqlstate", None) == "55P03"  # lock_not_available
+        assert [(f.owner, f.revision) for f in renewed[0]] == [("a", 1)]
+        (lost,) = await write(b, takeover(seen, "b"))  # after the renewal committed
+        assert lost == s.Conflict("f", 1, 1, "a")
 
 
 async def test_an_unfenced_write_overwrites_whatever_the_revision(store: Store) -> None:

@@ -183,3 +183,76 @@ PLAN_MISSING = FlowConfig(
     crashes=2,
     unregistered=1,
 )
+
+# The fleet (tests/model/fleet.py): the same flow on two engines with leases. Engine 0 starts
+# it; either engine may crash (and restart under its name); the engine that runs the flow may
+# freeze past its lease (SIGSTOP) or fail to renew it in time; wakes, the cancel and the
+# timeout reach either engine. LEAN is ORDER without the retry and the raising compensation,
+# for the bounds where the leases branch most.
+LEAN = (StepSpec("reserve", ("continue",), ("ok",)), CHARGE, SHIP)
+
+FLEET_DEFAULT = [
+    FlowConfig(
+        "fleet: 3 steps, park with timeout, 2 wakes through either engine, 1 crash",
+        LEAN,
+        cancel=False,
+        resumes=0,
+        engines=2,
+    ),
+    FlowConfig(
+        "fleet: 3 steps, 2 wakes, a cancel through either engine, 1 crash",
+        LEAN,
+        resumes=0,
+        engines=2,
+    ),
+    FlowConfig(
+        "fleet: a frozen owner, 1 wake, the timeout, 1 freeze",
+        LEAN,
+        wakes=("m1",),
+        cancel=False,
+        resumes=0,
+        crashes=0,
+        engines=2,
+        freezes=1,
+    ),
+    FlowConfig(
+        "fleet: renewals that fail, a takeover whose answer is lost, the timeout",
+        LEAN,
+        wakes=(),
+        cancel=False,
+        resumes=0,
+        crashes=0,
+        ambiguous=1,
+        engines=2,
+        outages=1,
+    ),
+]
+
+FLEET_SLOW = [
+    FlowConfig(
+        "fleet: ORDER's retry and raising compensation, 1 wake, a cancel, 1 crash",
+        ORDER,
+        wakes=("m1",),
+        resumes=0,
+        engines=2,
+    ),
+    FlowConfig(
+        "fleet: a frozen owner, 2 wakes, the timeout, 1 freeze",
+        LEAN,
+        cancel=False,
+        resumes=0,
+        crashes=0,
+        engines=2,
+        freezes=1,
+    ),
+    FlowConfig(
+        "fleet: a crash, a freeze and renewals that fail, the timeout",
+        LEAN,
+        wakes=(),
+        cancel=False,
+        resumes=0,
+        engines=2,
+        freezes=1,
+        outages=1,
+    ),
+]

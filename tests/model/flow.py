@@ -16,7 +16,7 @@ Actors and their steps
   sees the mailbox as the store shows it: ``message_id in seen`` and the first queued message.
   The store applies `Transition.messages` to the mailbox (not `Transition.mailbox`), as
   `_store._Batch.messages` does.
-- an engine (`Engine`; the model keeps a tuple of them so that issue 10 can run two) is up or
+- an engine (`Engine`; a tuple of them: `tests/model/fleet.py` runs two with leases) is up or
   down. Up, it has at most one runner for the flow and at most one armed timer:
   - runner ``(READY,)``: read the row; run it if it is running or compensating, arm its timer if
     it is parked with a deadline, else stop. ``(RUN, copy, failures)``: run the step's or the
@@ -129,6 +129,8 @@ class FlowConfig:
     ambiguous: int = 0  # writes that commit and lose their answer
     unregistered: int = 0  # restarts that may come up without the flow's plan version
     engines: int = 1
+    freezes: int = 0  # the fleet: an engine that runs the flow may freeze (SIGSTOP), then thaw
+    outages: int = 0  # the fleet: an engine that runs the flow may fail to renew in time
 
     @property
     def shape(self) -> Shape:
@@ -154,6 +156,10 @@ class Write:
     copy: Flow | None = None
     message_id: str | None = None
     head: bool = False
+    #: the fleet's takeover (`_store.Change.lapsed_at`): the row must also be nobody's
+    orphan: bool = False
+    #: compare-and-set the copy's revision (None: as the protocol's `runner_cas` says)
+    cas: bool | None = None
 
 
 class FlowProtocol:
@@ -193,8 +199,8 @@ class FlowProtocol:
     def compensated(self, flow: Flow, shape: Shape, now: float) -> Transition:
         return fm.compensated(flow, shape, flow.data, now)
 
-    def compensation_failed(self, flow: Flow, error: str, now: float) -> Transition:
-        return fm.compensation_failed(flow, error, now)
+    def compensation_failed(self, flow: Flow, shape: Shape, error: str, now: float) -> Transition:
+        return fm.compensation_failed(flow, error, now, shape)
 
     # Asked from outside, also through an engine that lacks the plan version (`shape` None).
 
@@ -223,10 +229,18 @@ class Engine(NamedTuple):
 
     up: bool
     # (READY,) | (RUN, copy, failures) | (DONE, copy, result, failures) | (BLOCK, copy); None:
-    # not running the flow. `failures`: raises in this drive of the flow.
+    # not running the flow. `failures`: raises in this drive of the flow. The fleet adds
+    # (TAKE, copy): a scan read the flow as an orphan and is about to take it over.
     runner: tuple[Any, ...] | None
     timer: Flow | None  # the parked row it armed a timer for (at its `park_deadline`)
     plan: bool  # it has the flow's plan version (else it blocks the flow instead of running it)
+    # The fleet (tests/model/fleet.py); constant in the one-engine model.
+    frozen: bool = False  # SIGSTOP: it takes no step and answers no call until it thaws
+    trust: bool = True  # it believes its lease holds (not `Engine._lapsing()`)
+    # It let the flow go at this revision (0: it did not); its next renewal releases the flow
+    # in the store if the row is still at that revision.
+    released: int = 0
+    void: bool = False  # ghost: its lease lapsed while its current run was in flight
 
 
 class World(NamedTuple):
@@ -238,6 +252,8 @@ class World(NamedTuple):
     crashes: int
     ambiguous: int
     unregistered: int
+    freezes: int = 0  # the fleet: engines frozen (SIGSTOP) so far
+    outages: int = 0  # the fleet: renewals an engine could not make in time while it ran on
 
 
 class Ghost(NamedTuple):
@@ -266,6 +282,7 @@ class S(NamedTuple):
     engines: tuple[Engine, ...]
     world: World
     ghost: Ghost
+    leases: tuple[bool, ...] = ()  # the fleet: each engine's lease in the store (True: held)
 
 
 class FlowChecker(Search):
@@ -307,21 +324,32 @@ class FlowChecker(Search):
 
     def successors(self, m: S) -> Iterator[tuple[str, S]]:
         steps: list[tuple[str, S]] = []
-        for e, engine in enumerate(m.engines):
-            if not engine.up:
-                steps += self._restart(m, e)
-                continue
-            if engine.runner is not None:
-                steps += self._runner_steps(m, e, engine.runner)
-            deadline = None if engine.timer is None else engine.timer.park_deadline
-            if engine.timer is not None and deadline is not None and deadline <= m.now:
-                steps.append(self._timer_fires(m, e, engine.timer))
+        for e in range(len(m.engines)):
+            steps += self._engine_steps(m, e)
         steps += self._world_steps(m)
         steps += self._clock(m)
         yield from steps
         # A crash can hit every point where something else could happen; once nothing can, the
         # state is terminal (a crash there would only hide a flow left stranded).
-        if steps and m.world.crashes < self.config.crashes:
+        if steps:
+            yield from self._disruptions(m)
+
+    def _engine_steps(self, m: S, e: int) -> list[tuple[str, S]]:
+        """Engine e's own steps: restart if down; else its runner's and its timer's."""
+        engine = m.engines[e]
+        if not engine.up:
+            return list(self._restart(m, e))
+        steps: list[tuple[str, S]] = []
+        if engine.runner is not None:
+            steps += self._runner_steps(m, e, engine.runner)
+        deadline = None if engine.timer is None else engine.timer.park_deadline
+        if engine.timer is not None and deadline is not None and deadline <= m.now:
+            steps.append(self._timer_fires(m, e, engine.timer))
+        return steps
+
+    def _disruptions(self, m: S) -> Iterator[tuple[str, S]]:
+        """What may hit any point where something else could happen: a crash of an engine."""
+        if m.world.crashes < self.config.crashes:
             for e, engine in enumerate(m.engines):
                 if engine.up:
                     yield self._crash(m, e)
@@ -335,13 +363,19 @@ class FlowChecker(Search):
         view = Mailbox(m.mailbox.queued[:1] if w.head else (), seen)
         if w.copy is None:
             return w.apply(m.row, view)
-        cas = self.protocol.runner_cas
+        cas = self.protocol.runner_cas if w.cas is None else w.cas
         if cas and m.row.revision != w.copy.revision:
+            return None
+        if w.orphan and not self._nobodys(m):
             return None
         t = w.apply(w.copy, view)
         if not cas and t.written and self.protocol.blind_write_bumps_stored_revision:
             t = _rebased(t, m.row.revision)  # ``SET revision = revision + 1``, no compare
         return t
+
+    def _nobodys(self, m: S) -> bool:
+        """Does no engine hold the flow (the fleet's takeover condition)? Never, with one."""
+        return False
 
     def _record(self, m: S, t: Transition, step: str) -> S:
         """The store applies `t` (row if written, events, mailbox writes); step properties."""
@@ -518,12 +552,17 @@ class FlowChecker(Search):
             assert phase == BLOCK
             copy = runner[1]
             what = f"engine {e} lacks the plan: blocks {_where(copy)}"
-            t = self._write(m, self._block(copy, m.now))
+            t = self._write(m, self._lease(self._block(copy, m.now), e))
             if t is None:
                 yield f"{what}: refused", self._set_engine(m, e, runner=(READY,))
             else:
                 label = f"{what} (revision {t.flow.revision})"
                 yield label, self._after_write(self._record(m, t, label), e, t.flow)
+
+    def _lease(self, w: Write, e: int, *, outside: bool = False) -> Write:
+        """`w` as engine e sends it: the fleet adds who holds the flow after it
+        (`Engine._leasing`); one engine on SQLite needs nothing."""
+        return w
 
     def _block(self, copy: Flow, now: float) -> Write:
         """An engine that lacks the plan version blocks the flow (a compare-and-set on `copy`)."""
@@ -538,6 +577,7 @@ class FlowChecker(Search):
         assert results is not None
         g = m.ghost
         label = f"engine {e} runs {name}, attempt {copy.attempt}"
+        self._check_run(m, e, copy, label)
         if copy.step_index in (g.outcomes if key < self.n else g.compensated):
             raise _step_violation(label, f"{name} ran again after its outcome was recorded")
         if copy.attempt <= g.attempts[key]:
@@ -561,6 +601,12 @@ class FlowChecker(Search):
             runner = (DONE, copy, result, failures)
             yield f"{label}: {result}", self._set_engine(nxt, e, runner=runner)
 
+    def _check_run(self, m: S, e: int, copy: Flow, label: str) -> None:
+        """Properties of a body about to run (the fleet's: one step at a time)."""
+
+    def _check_write(self, m: S, e: int, copy: Flow, label: str) -> None:
+        """Properties of a runner's write the store accepted (the fleet's: only the owner)."""
+
     def _runner_write(self, copy: Flow, result: str, failures: int, now: float) -> Write:
         """The runner's write for its body's `result` (a compare-and-set on `copy`)."""
         p, shape = self.protocol, self.shape
@@ -577,13 +623,13 @@ class FlowChecker(Search):
         elif result == "ok":
             apply = lambda f, _b: p.compensated(f, shape, now)  # noqa: E731
         else:
-            apply = lambda f, _b: p.compensation_failed(f, "it raised", now)  # noqa: E731
+            apply = lambda f, _b: p.compensation_failed(f, shape, "it raised", now)  # noqa: E731
         return Write(apply, copy)
 
     def _write_result(
         self, m: S, e: int, copy: Flow, result: str, failures: int
     ) -> Iterator[tuple[str, S]]:
-        t = self._write(m, self._runner_write(copy, result, failures, m.now))
+        t = self._write(m, self._lease(self._runner_write(copy, result, failures, m.now), e))
         what = f"engine {e} writes {self._key_name(self._key(copy))} {result}"
         if t is None:
             self.coverage.add("write refused")
@@ -591,6 +637,8 @@ class FlowChecker(Search):
             yield label, self._set_engine(m, e, runner=(READY,))
             return
         label = f"{what}: revision {t.flow.revision}, {_where(t.flow)}"
+        if t.written:
+            self._check_write(m, e, copy, label)
         done = self._record(m, t, label)
         retried = result == "raise" and self.protocol.retries(copy, self.shape, failures)
         yield label, self._after_write(done, e, t.flow, failures + 1 if retried else 0)
@@ -605,10 +653,11 @@ class FlowChecker(Search):
         what = f"engine {e}'s timer for revision {armed.revision} fires at {m.now}"
         if p.timer_checks_revision:
             fire = Write(lambda f, _b: p.timeout(f, shape, m.now, armed.revision))
-            t = self._write(m, fire)
+            t = self._write(m, self._lease(fire, e, outside=True))
             assert t is not None
         else:  # computed on the armed copy, written over the row without a compare
-            t = p.timeout(armed, shape, m.now, None)
+            fire = Write(lambda f, _b: p.timeout(f, shape, m.now, None))
+            t = self._lease(fire, e, outside=True).apply(armed, Mailbox())
             if t.written:
                 t = _rebased(t, m.row.revision)
         self.coverage.add(f"timer {'fires' if t.written else 'finds nothing'}")
@@ -622,7 +671,7 @@ class FlowChecker(Search):
         runner = m.engines[e].runner
         g = m.ghost
         label = f"engine {e} crashes"
-        if runner is not None and runner[0] == DONE:
+        if runner is not None and runner[0] == DONE and not m.engines[e].void:
             key = self._key(runner[1])
             g = g._replace(hits=_bumped(g.hits, key))
             label += f" ({self._key_name(key)} ran, its result not written)"
@@ -651,7 +700,7 @@ class FlowChecker(Search):
                     write = Write(lambda f, _b: p.next_attempt(f, now), row)
                 else:
                     write = self._block(row, now)
-                t = self._write(nxt, write)
+                t = self._write(nxt, self._lease(write, e))
                 assert t is not None  # nothing else writes during recovery
                 label += f": revision {t.flow.revision}, {_where(t.flow)}"
                 yield label, self._after_write(self._record(nxt, t, label), e, t.flow)
@@ -668,12 +717,12 @@ class FlowChecker(Search):
 
     def _world_steps(self, m: S) -> Iterator[tuple[str, S]]:
         """Wakes, cancel and resume, through each engine that is up (it drives the flow on)."""
-        up = [e for e, engine in enumerate(m.engines) if engine.up]
+        up = [e for e, engine in enumerate(m.engines) if engine.up and not engine.frozen]
         calls = 0
         for e in up:
             for what, write, world in self._calls(m, self._shape(m, e)):
                 calls += 1
-                t = self._write(m, write)
+                t = self._write(m, self._lease(write, e, outside=True))
                 assert t is not None
                 answer = str(t.written) if t.delivery is None else t.delivery.name
                 via = f" (engine {e})" if len(m.engines) > 1 else ""
