@@ -71,6 +71,7 @@ GATEWAY: dict[str, int] = {
     "late": 8,  # answers after the timeout: STALE (or QUEUED while compensating)
 }
 SKUS = {"tea": 10_000, "cups": 10_000, "pot": 10_000, "kettle": 10_000, "rare-leaf": 25}
+TICK = 0.05  # seconds between the counters a --crash child reports to its parent
 
 SCHEMA = [
     """CREATE TABLE IF NOT EXISTS orders_stock (
@@ -98,7 +99,7 @@ LEGEND = {
     " included)",
     "steps": "step attempts started by the engine(s), per second of that time; retries: "
     "attempts after a step raised (the carrier is flaky). With --crash, these counters add up"
-    " both engines, the killed one's as of its last report (every 0.2 s)",
+    " both engines, the killed one's as of its last report (every 0.05 s)",
     "wakes": "what became of each wake sent by the gateway's events (flow.Delivery): RESUMED "
     "woke a parked order, QUEUED was kept for an order not parked yet, DUPLICATE was a repeated "
     "event id, STALE came after the order had ended",
@@ -409,7 +410,7 @@ async def drive(
 ) -> dict[str, Any]:
     """Open the engine, start every order (idempotent), run the gateway, and wait until every
     order is settled (and the gateway has sent its late answers). The engine's `counters`.
-    `tick(counters)` is called every 0.2 s while it runs, if given."""
+    `tick(counters)` is called every `TICK` seconds while it runs, if given."""
     plan = make_plan(shop)
     t0 = time.perf_counter()
     async with flow.open_engine(shop.store, plans=[plan]) as engine:
@@ -450,7 +451,7 @@ async def drive(
 
 async def ticking(engine: flow.Engine, tick: Callable[[dict[str, Any]], None]) -> None:
     while True:
-        await trio.sleep(0.2)
+        await trio.sleep(TICK)
         tick(counters(engine))
 
 
@@ -715,8 +716,8 @@ def make_shop(store: Store, args: argparse.Namespace, run: str) -> Shop:
 
 async def worker(args: argparse.Namespace, path: Path | None) -> None:
     """``--crash``'s child: drive the run `args.run`. Prints ``open`` once the engine is open,
-    then its counters every 0.2 s (so a parent that kills it knows what it did), and at the end.
-    """
+    then its counters every `TICK` seconds (so a parent that kills it knows what it did), and at
+    the end."""
 
     def tell(stats: dict[str, Any]) -> None:
         print("stats " + json.dumps(stats), flush=True)
@@ -771,7 +772,7 @@ def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
         if not killed and child.returncode != 0:
             fail(f"the engine process failed (exit code {child.returncode})")
         reports = [line[6:] for line in out.splitlines() if line.startswith("stats ")]
-        if reports:  # the killed engine's counters as of its last report (0.2 s apart)
+        if reports:  # the killed engine's counters as of its last report (`TICK` apart)
             stats = json.loads(reports[-1])
             stats.pop("seconds")
             wakes.update(stats.pop("wakes"))
