@@ -37,7 +37,7 @@ Why these structures
   tombstone (found by binary search on the arrival sequence). Ranked lanes use a persistent treap
   keyed by `(rank, seq)`; the rank-free path never pays for it. `ferry._persistent` says why.
 - The root and `Lane` are slotted records, frozen once built: a transition copies the old one
-  into a writable draft, changes a few fields and freezes it (see "records" below; ADR 0034).
+  into a writable draft, changes a few fields and freezes it (see "records" below; ADR 0033).
   Items are named tuples created once per input.
 - Float weights are summed incrementally; the room resets its weight to exactly 0.0 whenever it is
   empty, and `check_invariants` compares sums with a tolerance.
@@ -187,7 +187,7 @@ class Batch(Generic[K, E]):
 # class (`new.__class__ = Lanes`, allowed between two classes of the same layout). Only a draft
 # the running transition made is ever written, and it is frozen before it is returned.
 #
-# Why not attrs records (ADR 0034): a frozen slotted attrs record can be built only through
+# Why not attrs records (ADR 0033): a frozen slotted attrs record can be built only through
 # `object.__setattr__`, several times the cost of this copy; the records without slots used
 # before made the copy one dict copy, but then every attribute read is a generic dict lookup,
 # about twelve times a slot read (370 against 30 instructions under callgrind), and a transition
