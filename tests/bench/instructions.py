@@ -26,6 +26,8 @@ from typing import Any
 import trio
 
 import ferry
+from ferry import _lanes
+from ferry._room import Room
 from tests.bench import bench_ferry as b
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,6 +59,31 @@ async def _claim_release(n: int) -> float:
     return 0.0
 
 
+_PLAIN_LIMITS = _lanes.Limits(max_batch_size=100, max_queueing=10**9, one_in_flight=False)
+
+
+async def _room_admit(n: int) -> float:
+    """The plain ferry's admission transaction (`Room.admit`), a batch taken every 100 inputs."""
+    room: Room[Any, Any] = Room(_PLAIN_LIMITS)
+    for i in range(n):
+        room.admit(None, i, 1.0, None, 0.0)
+        if i % 100 == 99:
+            room.take(0.0)
+            room.release(None, 0.0, False)
+    return 0.0
+
+
+async def _pure_admit(n: int) -> float:
+    """The pure transition alone (`_lanes.admit`), a batch taken every 100 inputs."""
+    state = _lanes.empty(_PLAIN_LIMITS)
+    for i in range(n):
+        state, _, _ = _lanes.admit(state, None, i, now=0.0)
+        if i % 100 == 99:
+            state, _ = _lanes.take(state, 0.0)
+            state = _lanes.release(state, None, 0.0)
+    return 0.0
+
+
 async def _nothing(n: int) -> float:
     return 0.0
 
@@ -71,6 +98,8 @@ WORKLOADS: dict[str, tuple[Callable[[int], Awaitable[float]], int]] = {
     "scope": (_scope, 20_000),
     "checkpoint": (_checkpoint, 20_000),
     "claim_release": (_claim_release, 20_000),
+    "room_admit": (_room_admit, 20_000),
+    "pure_admit": (_pure_admit, 20_000),
     "nothing": (_nothing, 1),
 }
 
