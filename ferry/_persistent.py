@@ -269,6 +269,9 @@ class LaneMap(Protocol[K, V]):
     def mutate(self) -> MapMutation[K, V]: ...
 
 
+_new_object = object.__new__
+
+
 class OneLane(Mapping[K, V]):
     """The plain room's `lanes`: it never holds more than its one lane.
 
@@ -307,7 +310,10 @@ class OneLane(Mapping[K, V]):
 
     def set(self, key: K, val: V) -> OneLane[K, V]:
         assert self._value is None or key == self._key, "the plain room has a single lane"
-        return OneLane(key, val)
+        new: OneLane[K, V] = _new_object(OneLane)  # no __init__ frame: once per admission
+        new._key = key
+        new._value = val
+        return new
 
     def delete(self, key: K) -> OneLane[K, V]:
         if key not in self:

@@ -28,6 +28,8 @@ from . import _lanes
 from ._lanes import Admission, Batch, Item, Lanes, Limits
 from ._stats import FerryStatistics
 
+_ADMITTED = Admission.ADMITTED
+
 K = TypeVar("K")
 E = TypeVar("E")
 
@@ -73,7 +75,15 @@ def _admit(
             f"waiting for key {key!r}: {exc}"
         ) from exc
     # Only an admitted input can make work: a claim, a refusal or a count after close cannot.
-    return new, (admission, item), admission is Admission.ADMITTED and rings(old, new)
+    if admission is not _ADMITTED:
+        return new, (admission, item), False
+    # `rings` for an admission, which leaves `busy` as it was: a lane became ready while a call
+    # may start, or the earliest deadline moved earlier.
+    if new.n_ready > old.n_ready and new.busy < new.limits.max_in_flight:
+        return new, (admission, item), True
+    if not new.waiting_size:
+        return new, (admission, item), False
+    return new, (admission, item), _earlier(new.waiting[0][0], _lanes.next_deadline(old))
 
 
 def _take(old: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | None, bool]:

@@ -49,6 +49,7 @@ from ._stats import FerryStatistics
 F = TypeVar("F")
 
 _thread_id = threading.get_ident
+_new_object = object.__new__
 _reschedule = trio.lowlevel.reschedule
 _Value, _Error = outcome.Value, outcome.Error
 _ADMITTED, _CLAIMED = _lanes.Admission.ADMITTED, _lanes.Admission.CLAIMED
@@ -76,16 +77,16 @@ class _Entry:
     """One caller. `task` is set while the caller is parked and nobody has answered it yet.
 
     An entry is also its caller's abort function (`__call__`), so parking allocates nothing more.
+    `submit` makes it with `object.__new__` and writes every slot (no `__init__` frame per caller).
     """
 
     __slots__ = ("input", "item", "key", "room", "task")
 
-    def __init__(self, x: Any, key: Any, room: Room[Any, _Entry]) -> None:
-        self.input = x
-        self.key = key
-        self.room = room
-        self.item: _lanes.Item[_Entry] | None = None
-        self.task: trio.lowlevel.Task | None = None
+    input: Any
+    key: Any
+    room: Room[Any, _Entry]
+    item: _lanes.Item[_Entry] | None
+    task: trio.lowlevel.Task | None
 
     def __call__(self, raise_cancel: Any) -> trio.lowlevel.Abort:
         """The caller was cancelled while parked: it stops waiting, whether its input still
@@ -159,7 +160,12 @@ class Shell:
             raise _wrong_run()
         await trio.lowlevel.checkpoint_if_cancelled()
         room = self.room
-        entry = _Entry(x, key, room)
+        entry: _Entry = _new_object(_Entry)  # its slots written here: no __init__ frame
+        entry.input = x
+        entry.key = key
+        entry.room = room
+        entry.item = None
+        entry.task = None
         admission, entry.item = room.admit(
             key, entry, weight, rank, self._clock_now() if self._timed else 0.0
         )

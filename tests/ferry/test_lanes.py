@@ -10,6 +10,7 @@ import pytest
 
 from ferry import _lanes as core
 from ferry import _persistent as persistent
+from ferry import _room
 from ferry._lanes import (
     Admission,
     Lanes,
@@ -508,3 +509,49 @@ def test_the_plain_rooms_one_lane_map_is_persistent_and_behaves_like_the_per_key
     plain = empty(Limits(one_in_flight=False))
     assert isinstance(plain.lanes, persistent.OneLane)
     assert not isinstance(empty(Limits()).lanes, persistent.OneLane)
+
+
+# ---- the room's admission transaction ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [0.0, 1.0])
+@pytest.mark.parametrize("one_in_flight", [True, False])
+def test_an_admission_rings_exactly_when_the_doorbell_rule_says(
+    delay: float, one_in_flight: bool
+) -> None:
+    """`Room.admit`'s transaction function specializes the doorbell rule for an admission (which
+    never changes `busy`); it must agree with `rings` on every admission of a random run."""
+    rng = random.Random(f"{delay}-{one_in_flight}")
+    limits = Limits(
+        max_batch_size=3,
+        max_batch_delay=delay,
+        max_in_flight=2,
+        one_in_flight=one_in_flight,
+        direct_calls=one_in_flight and delay == 0.0,
+    )
+    state = core.empty(limits)
+    keys = ["a", "b", "c", "d"] if one_in_flight else [None]
+    in_flight: list[Any] = []
+    now, rang = 0.0, 0
+    for step in range(2000):
+        now += rng.choice([0.0, 0.3, 1.5])
+        move = rng.random()
+        if move < 0.4:
+            key = rng.choice(keys)
+            new, (admission, _), ring = _room._admit(state, (key, step, 1.0, None, now))
+            assert type(new) is Lanes
+            if admission is Admission.CLAIMED:
+                in_flight.append(key)
+            expected = admission is Admission.ADMITTED and _room.rings(state, new)
+            assert ring == expected, (step, admission, state, new)
+            rang += ring
+            state = new
+        elif move < 0.7:
+            state, batch = core.take(state, now)
+            if batch is not None:
+                in_flight.append(batch.key)
+        elif in_flight:
+            key = in_flight.pop(rng.randrange(len(in_flight)))
+            state = core.release(state, key, now)
+        core.check_invariants(state)
+    assert rang > 10  # the run did ring, on ready lanes and on new deadlines
