@@ -19,7 +19,7 @@ class Row:
     name: str
     value: float
     baseline: float
-    target: float  # the highest acceptable ratio value / baseline
+    target: float  # the highest acceptable ratio value / baseline; math.inf: reported, no target
     unit: str = "us/op"
     note: str = ""
 
@@ -66,9 +66,12 @@ def print_table(rows: list[Row]) -> None:
     width = max([len(r.name) for r in rows] + [10])
     print(f"{'figure':<{width}}  {'value':>13}  {'baseline':>13}  {'ratio':>7}  {'target':>7}  ok")
     for r in rows:
-        mark = "yes" if r.ok else "NO"
+        reported = r.target == float("inf")  # a figure to report, with no target to meet
+        mark = "-" if reported else "yes" if r.ok else "NO"
+        target = f"{'-':>7}" if reported else f"{r.target:>6.2f}x"
         value, baseline = _show(r.value, r.unit), _show(r.baseline, r.unit)
         print(
-            f"{r.name:<{width}}  {value}  {baseline}  {r.ratio:>6.2f}x  {r.target:>6.2f}x"
+            f"{r.name:<{width}}  {value}  {baseline}  {r.ratio:>6.2f}x  {target}"
             f"  {mark:<3}  {r.note}"
         )
+    print("(ok: ratio <= target; '-': a figure reported, with no target)")
