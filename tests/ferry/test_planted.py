@@ -13,21 +13,24 @@ import ferry._lanes as lanes_module
 import ferry._shell as shell_module
 from tests.ferry.test_scenarios import Options, Sub, check, options, run_scenario, submissions
 
+#: Per-key, zero delay, direct calls, one worker: the ferry of the direct-call planted bugs.
+DIRECT_ONE_WORKER = Options(
+    max_batch_size=2,
+    max_batch_weight=math.inf,
+    max_batch_delay=0.0,
+    max_in_flight_batches=1,
+    max_queueing=4,
+    max_queued_weight=math.inf,
+    direct_calls=True,
+    ranked=False,
+)
+
 
 def test_checker_catches_a_key_released_before_its_direct_call_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(shell_module, "_UNSAFE_RELEASE_EARLY", True)
-    opts = Options(
-        max_batch_size=2,
-        max_batch_weight=math.inf,
-        max_batch_delay=0.0,
-        max_in_flight_batches=1,
-        max_queueing=4,
-        max_queued_weight=math.inf,
-        direct_calls=True,
-        ranked=False,
-    )
+    opts = DIRECT_ONE_WORKER
     subs = [
         Sub(i, at=i / 2, key=0, rank=0, weight=1, behaviour="ok", cancel_after=None) for i in (0, 1)
     ]
@@ -95,16 +98,7 @@ def test_checker_catches_direct_calls_beyond_the_bound(monkeypatch: pytest.Monke
         return lanes_module._evolve(new, {"limits": limits}), admission, item
 
     monkeypatch.setattr(lanes_module, "admit", admit_unbounded)
-    opts = Options(
-        max_batch_size=2,
-        max_batch_weight=math.inf,
-        max_batch_delay=0.0,
-        max_in_flight_batches=1,
-        max_queueing=4,
-        max_queued_weight=math.inf,
-        direct_calls=True,
-        ranked=False,
-    )
+    opts = DIRECT_ONE_WORKER
     subs = [
         Sub(i, at=0.0, key=i, rank=0, weight=1, behaviour="ok", cancel_after=None) for i in range(3)
     ]
