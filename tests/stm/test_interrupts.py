@@ -156,7 +156,14 @@ def _run_once(at: int | None, scenario: str) -> tuple[_Interrupter, bool]:
     assert after.conflicts == before.conflicts, f"{where}: a reader conflicted"
     assert after.irrevocable_runs == before.irrevocable_runs
     committed = values == (90, 10)
-    for waiter in (on_a, on_both):
+    _check_waiters(where, committed, (on_a, on_both), baseline)
+    return interrupter, committed
+
+
+def _check_waiters(where: str, committed: bool, waiters: tuple[Any, ...], baseline: int) -> None:
+    """A commit woke each waiter once; without it none fired, and each is still registered
+    (unregistered here); either way no registration is left behind."""
+    for waiter in waiters:
         if committed:
             assert waiter.fired and waiter.woken == 1, f"{where}: a fired waiter was not woken"
         else:
@@ -164,7 +171,6 @@ def _run_once(at: int | None, scenario: str) -> tuple[_Interrupter, bool]:
             assert _txn.unregister(waiter)
     left = stm.statistics().waiters - baseline
     assert left == 0, f"{where}: {left} waiter registrations left behind"
-    return interrupter, committed
 
 
 @pytest.fixture
@@ -235,14 +241,7 @@ def _update_once(at: int | None) -> tuple[_Interrupter, bool]:
     for tv in (pair, bell):
         assert tv._state[0] <= _txn._clock, f"{where}: a version is ahead of the clock"
     committed = state[1] == 1
-    for waiter in (on_pair, on_both):
-        if committed:
-            assert waiter.fired and waiter.woken == 1, f"{where}: a fired waiter was not woken"
-        else:
-            assert not waiter.fired and waiter.woken == 0
-            assert _txn.unregister(waiter)
-    left = stm.statistics().waiters - baseline
-    assert left == 0, f"{where}: {left} waiter registrations left behind"
+    _check_waiters(where, committed, (on_pair, on_both), baseline)
     return interrupter, committed
 
 
