@@ -67,7 +67,7 @@ from ferry import Closed, Failed, open_ferry
 from ferry.projected import SqliteStore, Store, canonical_json
 
 from . import _machine as m
-from . import _store
+from . import _retry, _store
 from . import _timers as timers
 from ._errors import IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from ._machine import Flow, Mailbox, Message, Shape, Transition
@@ -101,7 +101,6 @@ _ACTIVE = m.ACTIVE
 _SETTLED = frozenset({State.COMPLETED, State.FAILED, State.BLOCKED})
 _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
 _BACKOFF = 0.1  # seconds before the first retry of a step; doubles with every retry
-_WRITE_BACKOFF_MAX = 5.0
 _BATCH_SIZE = 1000
 _LEASE_MARGIN = 0.1  # of the lease: an engine lets its flows go this long before it lapses
 _PRUNE_EVERY = 100  # scans between two prunings of the engines table
@@ -136,6 +135,24 @@ def _wrong_run(method: str) -> RuntimeError:
         f" its run: trio.from_thread.{run}(engine.{method}, ..., trio_token=token), with the"
         " token of that run (trio.lowlevel.current_trio_token() there)"
     )
+
+
+def _named(flow: Flow) -> str:
+    """The flow, its plan, step and attempt, for a log line or an error."""
+    return (
+        f"flow {flow.flow_id!r} (plan {flow.plan!r} v{flow.version}, step {flow.step_index}"
+        f" {flow.step!r}, attempt {flow.attempt}, {flow.state.name})"
+    )
+
+
+def _about(flow: Flow) -> dict[str, object]:
+    """The `extra=` of a log record about the flow."""
+    return {
+        "flow_id": flow.flow_id,
+        "plan": flow.plan,
+        "step": flow.step,
+        "attempt": flow.attempt,
+    }
 
 
 def _backoff(failures: int) -> float:
@@ -492,31 +509,24 @@ class Engine:
         on without this runner: it re-reads the row and carries on from there (or lets go).
         """
         flow = live.flow
-        delay = _BACKOFF
-        while True:
-            leased = self._leasing(apply, outside=False)
-            op = _store.Change(flow.flow_id, leased, flow=flow, head=head, fenced=self._fencing)
-            try:
-                result = await self._write(op)
-            except Failed:
-                await trio.sleep(delay)
-                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
-                continue
-            break
+        leased = self._leasing(apply, outside=False)
+        op = _store.Change(flow.flow_id, leased, flow=flow, head=head, fenced=self._fencing)
+        extra = _about(flow)
+        result = await _retry.retrying(
+            partial(self._write, op), what=f"writing {_named(flow)}", extra=extra
+        )
         if isinstance(result, _store.Changed):
             return True
         if live.flow.revision > flow.revision:
             return False
-        delay = _BACKOFF
-        while True:
+        epoch = self._epoch
+
+        async def load() -> Flow | None:
+            nonlocal epoch
             epoch = self._epoch
-            try:
-                stored = await self._load(flow.flow_id)
-            except Exception:  # the store is unavailable: try again, the flow is still ours
-                await trio.sleep(delay)
-                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
-                continue
-            break
+            return await self._load(flow.flow_id)
+
+        stored = await _retry.retrying(load, what=f"reading {_named(flow)}", extra=extra)
         if self._live.get(flow.flow_id) is not live or live.flow.revision > flow.revision:
             return False
         if stored is None:
@@ -755,15 +765,11 @@ class Engine:
         # The machine ignores it unless the flow is still parked at `revision`: across a fleet,
         # every engine that armed this deadline fires it, and exactly one of them takes it.
         op = _store.Change(flow_id, self._leasing(apply, outside=True))
-        delay = _BACKOFF
-        while True:
-            try:
-                await self._write(op)
-            except Failed:
-                await trio.sleep(delay)
-                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
-                continue
-            return
+        await _retry.retrying(
+            partial(self._write, op),
+            what=f"timing out flow {flow_id!r} (parked at revision {revision})",
+            extra={"flow_id": flow_id},
+        )
 
     # ------------------------------------------------------------------------------ recovery
 
@@ -792,8 +798,10 @@ class Engine:
             if others:  # a version this engine lacks: leave those to an engine that has it
                 await store.transact(partial(_store.release, owner=owner, flows=others, at=now))
             self._stats["recovered"] = await self._resume_active(mine)
-            with contextlib.suppress(Exception):  # the scan loop tries again
+            try:
                 await self._scan()
+            except Exception as exc:
+                _retry.log_or_raise(exc, "the first scan for orphans (the scan loop goes on)")
             return
         deadlines = await store.transact(_store.load_deadlines)
         stm.atomically_nowait(self._timers.set, timers.from_sorted(deadlines))
@@ -856,12 +864,14 @@ class Engine:
         scans = 0
         while True:
             await trio.sleep(self._scan_interval)
-            with contextlib.suppress(Exception):  # a database outage: the next scan tries again
+            try:
                 await self._scan()
                 scans += 1
                 if scans % _PRUNE_EVERY == 0:  # engines long gone that hold nothing
                     before = self._now() - _PRUNE_AFTER * self._lease
                     await self._store.transact(partial(_store.prune_engines, before=before))
+            except Exception as exc:  # unavailable: the next scan tries again; else raised
+                _retry.log_or_raise(exc, "a scan for orphans (the next scan tries again)")
 
     async def _heartbeat_loop(self) -> None:
         """Renew this engine's lease every ``lease / 3`` (one row: `_store.heartbeat`), then
@@ -872,8 +882,10 @@ class Engine:
         while True:
             await trio.sleep(self._lease / 3)
             await self._heartbeat()
-            with contextlib.suppress(Exception):  # the next round tries again
+            try:
                 await self._check_held()
+            except Exception as exc:  # unavailable: the next round tries again; else raised
+                _retry.log_or_raise(exc, "checking the flows this engine holds (next round)")
 
     async def _heartbeat(self) -> None:
         """One renewal of this engine's lease, given up at the margin before it lapses. The
@@ -901,8 +913,13 @@ class Engine:
             let_go=sorted(released.items()),
             reread=sorted(self._live) if lapsed else None,
         )
-        with trio.move_on_at(deadline), contextlib.suppress(Exception):
-            rows = await self._store.transact(renew)
+        rows: list[Flow] | None = None
+        with trio.move_on_at(deadline):
+            try:
+                rows = await self._store.transact(renew)
+            except Exception as exc:  # unavailable: let go below if lapsing; else raised
+                _retry.log_or_raise(exc, "renewing this engine's lease")
+        if rows is not None:
             if lapsed or self._lapsing():
                 self._epoch += 1
                 for row in rows:
@@ -962,14 +979,13 @@ class Engine:
         still held by this engine; else the row is followed (a newer one) or the flow let go,
         and False. Retries while the store is unavailable. A checkpoint."""
         fid = live.flow.flow_id
-        delay = _BACKOFF
+        backoff = _retry.Backoff(f"re-reading {_named(live.flow)}", extra=_about(live.flow))
         while True:
             epoch = self._epoch
             try:
                 row = await self._load(fid)
-            except Exception:  # the store is unavailable: try again (the runner waits)
-                await trio.sleep(delay)
-                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
+            except Exception as exc:
+                await backoff.pause(exc)  # raises unless the store is unavailable
                 continue
             if self._live.get(fid) is not live:
                 return False
@@ -1021,10 +1037,12 @@ class Engine:
         that other engines take its flows over at their next scan instead of after the lease.
         Best effort: a database error leaves them to lapse."""
         now = self._now()
-        with contextlib.suppress(Exception):
+        try:
             await self._store.transact(
                 partial(_store.heartbeat, owner=self._owner, until=now, now=now)
             )
+        except Exception as exc:  # unavailable: the flows are taken over once it lapses
+            _retry.log_or_raise(exc, "ending this engine's lease at close (it will lapse)")
 
     # ----------------------------------------------------------------------------- the calls
 
@@ -1632,6 +1650,7 @@ async def _opened(
 async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
     """Own the write ferry and the engine's tasks for the ``async with`` block."""
     body_error: BaseException | None = None
+    engine_error: BaseException | None = None
     ferry_cm: contextlib.AbstractAsyncContextManager[Any]
     if engine._group_commit:
         ferry_cm = open_ferry(
@@ -1647,27 +1666,52 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
     try:
         async with ferry_cm as write_ferry:
             engine._ferry = write_ferry
-            async with trio.open_nursery() as nursery:
-                engine._nursery = nursery
-                try:
-                    await engine._recover()
-                    if engine._serve:
-                        nursery.start_soon(engine._timer_loop)
-                    if engine._serve and engine._fleet:
-                        nursery.start_soon(engine._heartbeat_loop)
-                        nursery.start_soon(engine._scan_loop)
-                    yield engine
-                except BaseException as exc:
-                    body_error = exc  # re-raised below, not wrapped in an exception group
-                finally:
-                    engine._closing = True
-                    stm.atomically_nowait(engine._closed_tv.set, True)
-                    nursery.cancel_scope.cancel()
+            try:
+                async with trio.open_nursery() as nursery:
+                    engine._nursery = nursery
+                    try:
+                        await engine._recover()
+                        if engine._serve:
+                            nursery.start_soon(engine._timer_loop)
+                        if engine._serve and engine._fleet:
+                            nursery.start_soon(engine._heartbeat_loop)
+                            nursery.start_soon(engine._scan_loop)
+                        yield engine
+                    except BaseException as exc:
+                        body_error = exc  # re-raised below, not wrapped in an exception group
+                    finally:
+                        engine._closing = True
+                        stm.atomically_nowait(engine._closed_tv.set, True)
+                        nursery.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                # A task of the engine raised (a bug, or an error that is not the store's
+                # unavailability): the block ends with that exception, not a group of it.
+                engine_error = _one_error(group)
+                if engine_error is None:
+                    raise
             if engine._serve and engine._fleet:
                 with trio.CancelScope(shield=True), trio.move_on_after(engine._lease / 3):
                     await engine._release()
     finally:
         engine._closing = True
         engine._ferry = None
+    if engine_error is not None:
+        raise engine_error
     if body_error is not None:
         raise body_error
+
+
+def _one_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception of `group` that is not a `trio.Cancelled`, if there is one only."""
+    _, rest = group.split(trio.Cancelled)
+    if rest is None:
+        return None
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [rest]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    return leaves[0] if len(leaves) == 1 else None

@@ -139,3 +139,16 @@ async def retrying(
             if backoff is None:
                 backoff = Backoff(what, extra=extra)
             await backoff.pause(exc)
+
+
+def log_or_raise(exc: BaseException, what: str, *, extra: Mapping[str, Any] | None = None) -> None:
+    """For a loop that tries again on its own next round (a fleet's scan, a lease renewal):
+    raise `exc` unless the store is unavailable; else log it (WARNING) and return."""
+    if not unavailable(exc):
+        raise exc
+    _log.warning(
+        "flow store unavailable while %s: %r",
+        what,
+        exc.__cause__ if isinstance(exc, Failed) and exc.__cause__ is not None else exc,
+        extra={**(extra or {}), "what": what},
+    )

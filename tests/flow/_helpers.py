@@ -63,7 +63,9 @@ class InlineSqliteStore:
             await self.gate.wait()
         if self.fail_next:
             self.fail_next -= 1
-            raise sqlite3.OperationalError("database is unavailable (planted by the test)")
+            busy = sqlite3.OperationalError("database is unavailable (planted by the test)")
+            busy.sqlite_errorcode = 5  # SQLITE_BUSY: what the engine retries
+            raise busy
         if self._conn is None:
             self._conn = sqlite3.connect(self.path, isolation_level=None)
             self._conn.execute("PRAGMA journal_mode=WAL")

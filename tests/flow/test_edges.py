@@ -3,20 +3,22 @@ time wins at the deadline, attempts count runs, publish is all or nothing, keys 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sqlite3
+from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
 
-from ferry import Failed
+from ferry import Failed, flow
 from ferry.flow import _retry
 
 
 def _sqlite_error(code: int, text: str) -> sqlite3.OperationalError:
     exc = sqlite3.OperationalError(text)
-    exc.sqlite_errorcode = code  # type: ignore[attr-defined]
+    exc.sqlite_errorcode = code
     return exc
 
 
@@ -64,8 +66,10 @@ async def test_retrying_retries_unavailability_with_its_own_delays(
         return "done"
 
     caplog.set_level(logging.WARNING, logger="ferry.flow")
-    assert await _retry.retrying(call, what="writing flow 'o-1'", extra={"flow_id": "o-1"}) == "done"
-    gaps = [round(b - a, 3) for a, b in zip(calls, calls[1:], strict=False)]
+    assert (
+        await _retry.retrying(call, what="writing flow 'o-1'", extra={"flow_id": "o-1"}) == "done"
+    )
+    gaps = [round(b - a, 3) for a, b in itertools.pairwise(calls)]
     assert gaps == [0.05, 0.1, 0.2, 0.4, 0.8, 1.6]
     records = [r for r in caplog.records if r.name == "ferry.flow"]
     assert len(records) == 6
@@ -86,3 +90,32 @@ async def test_retrying_caps_the_delay_and_raises_anything_else() -> None:
 
     with pytest.raises(KeyError):
         await _retry.retrying(broken, what="reading flow 'x'")
+
+
+# ----------------------------------------------------------------- a bug ends the engine's block
+
+
+async def test_a_corrupted_row_ends_the_engine_block_instead_of_spinning(tmp_path: Path) -> None:
+    """A runner that finds its row moved on re-reads it; a state column that names no state is
+    a bug to be seen: the `async with` ends with that error (it was retried for ever)."""
+    path = str(tmp_path / "flows.db")
+    gate = trio.Event()
+    began = trio.Event()
+    plan = flow.Plan("corrupt", version=1)
+
+    @plan.step
+    async def first(ctx: flow.Context) -> None:
+        began.set()
+        await gate.wait()
+
+    with trio.fail_after(10), pytest.raises(KeyError, match="BOGUS"):
+        async with flow.open_engine(path, plans=[plan]) as engine:
+            await engine.start(plan, flow_id="f")
+            await began.wait()
+            with sqlite3.connect(path) as conn:  # someone writes a state no engine knows
+                conn.execute(
+                    "UPDATE flow_flows SET state = 'BOGUS', revision = revision + 1"
+                    " WHERE flow_id = 'f'"
+                )
+            gate.set()
+            await trio.sleep_forever()
