@@ -64,10 +64,10 @@ from pyrsistent import PVector, pvector
 
 import stm
 from ferry import Closed, Failed, open_ferry
-from ferry.projected import SqliteStore, Store, canonical_json
+from ferry.projected import SqliteStore, Store
 
+from . import _checks, _retry, _store
 from . import _machine as m
-from . import _retry, _store
 from . import _timers as timers
 from ._errors import IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from ._machine import Flow, Mailbox, Message, Shape, Transition
@@ -77,19 +77,13 @@ from ._types import (
     Context,
     Delivery,
     Event,
-    Fail,
     FlowStatistics,
     Json,
-    Outcome,
     Park,
     Snapshot,
     Start,
     State,
     Wake,
-    _Complete,
-    _Continue,
-    fail,
-    park,
 )
 
 T = TypeVar("T")
@@ -157,69 +151,6 @@ def _about(flow: Flow) -> dict[str, object]:
 
 def _backoff(failures: int) -> float:
     return _BACKOFF * 2.0 ** (failures - 1)
-
-
-# ------------------------------------------------------------------------------------ JSON input
-
-
-def _json_text(value: Json, what: str) -> str:
-    """Canonical JSON text of `value`, or `TypeError` naming `what` if it is not plain JSON."""
-    try:
-        text = canonical_json(value)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(
-            f"{what} must be JSON (None, bool, int, float, str, list, dict): {exc}"
-        ) from None
-    if json.loads(text) != value:
-        raise TypeError(
-            f"{what} must be JSON and survive a round trip unchanged (dict keys must be str,"
-            f" sequences lists), got {value!r}"
-        )
-    return text
-
-
-def _json_object_text(value: Json, what: str) -> str:
-    if not isinstance(value, dict):
-        raise TypeError(f"{what} must be a JSON object (a dict), got {type(value).__name__}")
-    return _json_text(value, what)
-
-
-def _check_flow_id(flow_id: object) -> str:
-    if not isinstance(flow_id, str):
-        raise TypeError(f"flow_id must be a str, got {flow_id!r}")
-    if not flow_id:
-        raise ValueError("flow_id must not be empty")
-    return flow_id
-
-
-def _check_message_id(message_id: object, what: str) -> None:
-    """A message id is a non-empty str or None: an empty one (an event without its id) would
-    make every later wake with it a silent `DUPLICATE`."""
-    if message_id is None:
-        return
-    if not isinstance(message_id, str):
-        raise TypeError(f"{what} must be a str or None, got {message_id!r}")
-    if not message_id:
-        raise ValueError(
-            f"{what} must not be empty: every later wake with it would be a DUPLICATE (give the"
-            " event's id, or None for a wake that is never deduplicated)"
-        )
-
-
-def _classify(result: object) -> Outcome | str | None:
-    """The step's return value as an outcome (None = continue), or a str saying what is wrong."""
-    if result is None or isinstance(result, _Continue | _Complete | Park | Fail):
-        return result
-    hint = ""
-    if result is park or result is fail:
-        hint = f": call it, return flow.{result.__name__}(...)"
-    elif inspect.iscoroutine(result):
-        result.close()  # never to be awaited now: no "never awaited" warning
-        hint = ": an await is missing"
-    return (
-        f"returned {result!r}, which is not an outcome (None, CONTINUE, COMPLETE, park(),"
-        f" fail()){hint}"
-    )
 
 
 # ------------------------------------------------------------------------------- in-memory state
@@ -301,6 +232,7 @@ class Engine:
         lease: float,
         serve: bool,
         fleet: bool,
+        max_data_bytes: int,
         group_commit: bool,
         fencing: bool,
         scan_interval: float | None,
@@ -315,6 +247,7 @@ class Engine:
         self._registered = {id(p): k for k, p in plans.items()}
         self._owner = owner
         self._max_running = max_running
+        self._max_data = max_data_bytes  # of a flow's data (or a payload) as UTF-8 JSON text
         self._lease = float(lease)
         self._serve = serve  # False: an operator's engine, which never leases or runs a flow
         self._fleet = fleet  # leases are respected (PostgreSQL); else one engine per store
@@ -671,21 +604,23 @@ class Engine:
         if ran is None:
             return
         ctx, result, error, failures = ran
-        outcome = _classify(result)
+        outcome = _checks.outcome(result)
         problem: str | None = None
         data = ""
         if error is not None:
             problem = (
-                f"step {step.name!r} raised {error!r} on attempt {live.flow.attempt}"
-                f" ({failures} of {step.attempts} tries)"
+                f"step {step.name!r} raised {_checks.describe(error)} on attempt"
+                f" {live.flow.attempt} ({failures} of {step.attempts} tries)"
             )
         elif isinstance(outcome, str):
             problem = f"step {step.name!r} {outcome}"
         else:
             try:
-                data = _json_object_text(ctx.data, "ctx.data")
+                data = _checks.json_object_text(ctx.data, "ctx.data", max_bytes=self._max_data)
             except TypeError as exc:
                 problem = f"step {step.name!r} left data that is not JSON: {exc}"
+            except ValueError as exc:
+                problem = f"step {step.name!r} left data that cannot be stored: {exc}"
         now = self._now()
         if problem is not None:
             await self._own(live, _on_row(m.step_failed, shape, problem, now))
@@ -703,14 +638,19 @@ class Engine:
         now = self._now()
         if error is None:
             try:
-                data = _json_object_text(ctx.data, "ctx.data")
+                data = _checks.json_object_text(ctx.data, "ctx.data", max_bytes=self._max_data)
             except TypeError as exc:
                 message = f"it left data that is not JSON: {exc}"
-                await self._own(live, _on_row(m.compensation_failed, message, now, shape))
+            except ValueError as exc:
+                message = f"it left data that cannot be stored: {exc}"
+            else:
+                await self._own(live, _on_row(m.compensated, shape, data, now))
                 return
-            await self._own(live, _on_row(m.compensated, shape, data, now))
-            return
-        message = f"{error!r} on attempt {live.flow.attempt} ({failures} of {step.attempts} tries)"
+        else:
+            message = (
+                f"{_checks.describe(error)} on attempt {live.flow.attempt} ({failures} of"
+                f" {step.attempts} tries)"
+            )
         await self._own(live, _on_row(m.compensation_failed, message, now, shape))
 
     # -------------------------------------------------------------------------------- timers
@@ -1096,8 +1036,10 @@ class Engine:
         """
         self._check("start")
         shape = self._shape_of(plan)
-        fid = uuid.uuid4().hex if flow_id is None else _check_flow_id(flow_id)
-        text = _json_object_text({} if data is None else data, "data")
+        fid = uuid.uuid4().hex if flow_id is None else _checks.flow_id(flow_id)
+        text = _checks.json_object_text(
+            {} if data is None else data, "data", max_bytes=self._max_data
+        )
         now = self._now()
         owner = self._owner if self._serve else None
         result = await self._request(_store.Create(m.start(shape, fid, text, now, owner=owner)))
@@ -1120,9 +1062,9 @@ class Engine:
         one (nothing stored).
         """
         self._check("wake")
-        fid = _check_flow_id(flow_id)
-        text = _json_text(payload, "payload")
-        _check_message_id(message_id, "message_id")
+        fid = _checks.flow_id(flow_id)
+        text = _checks.json_text(payload, "payload", max_bytes=self._max_data)
+        _checks.message_id(message_id, "message_id")
         message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
         shapes = await self._known_shapes()
         now = self._now()
@@ -1204,14 +1146,15 @@ class Engine:
         if decision is None or decision is IGNORE:
             return None
         if isinstance(decision, Wake):
-            _check_flow_id(decision.flow_id)
-            _json_text(decision.payload, "Wake.payload")
-            _check_message_id(decision.message_id, "Wake.message_id")
+            _checks.flow_id(decision.flow_id)
+            _checks.json_text(decision.payload, "Wake.payload", max_bytes=self._max_data)
+            _checks.message_id(decision.message_id, "Wake.message_id")
             return decision
         if isinstance(decision, Start):
             self._shape_of(decision.plan)
-            _check_flow_id(decision.flow_id)
-            _json_object_text({} if decision.data is None else decision.data, "Start.data")
+            _checks.flow_id(decision.flow_id)
+            data = {} if decision.data is None else decision.data
+            _checks.json_object_text(data, "Start.data", max_bytes=self._max_data)
             return decision
         raise TypeError("a mapper must return flow.Wake, flow.Start, flow.IGNORE or None")
 
@@ -1223,7 +1166,7 @@ class Engine:
         flow still is), `ferry.Closed` if the engine closes meanwhile.
         """
         self._check("wait")
-        fid = _check_flow_id(flow_id)
+        fid = _checks.flow_id(flow_id)
         if timeout is not None and not (
             isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout >= 0
         ):
@@ -1290,7 +1233,7 @@ class Engine:
     async def get(self, flow_id: str) -> Snapshot | None:
         """The flow's durable state, read from the store; None if there is no such flow."""
         self._check("get")
-        flow = await self._load(_check_flow_id(flow_id))
+        flow = await self._load(_checks.flow_id(flow_id))
         return None if flow is None else m.snapshot(flow)
 
     async def cancel(self, flow_id: str, reason: str = "cancelled") -> bool:
@@ -1300,7 +1243,7 @@ class Engine:
         for a flow that is terminal, compensating, blocked or unknown.
         """
         self._check("cancel")
-        fid = _check_flow_id(flow_id)
+        fid = _checks.flow_id(flow_id)
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {reason!r}")
         shapes = await self._known_shapes()
@@ -1317,7 +1260,7 @@ class Engine:
         attempt + 1; a park is restored). False if it is not blocked, unknown, or its plan
         version is still not registered."""
         self._check("resume")
-        fid = _check_flow_id(flow_id)
+        fid = _checks.flow_id(flow_id)
         shapes = await self._known_shapes()
         now = self._now()
 
@@ -1331,7 +1274,7 @@ class Engine:
     async def history(self, flow_id: str) -> list[Event]:
         """Every durable transition of the flow, in order. Raises `UnknownFlow`."""
         self._check("history")
-        fid = _check_flow_id(flow_id)
+        fid = _checks.flow_id(flow_id)
         events = await self._store.transact(partial(_store.load_history, flow_id=fid))
         if events is None:
             raise UnknownFlow(f"no flow has id {fid!r}")
@@ -1475,6 +1418,7 @@ def open_engine(
     max_running: int = 10_000,
     lease: float = 30.0,
     serve: bool = True,
+    max_data_bytes: int = _checks.MAX_DATA_BYTES,
     _group_commit: bool = True,
     _wall_clock: Callable[[], float] = time.time,
     _fleet: bool | None = None,
@@ -1508,6 +1452,15 @@ def open_engine(
     at their next scan. A slow or frozen engine can never advance a flow another engine took
     over: every write is a compare-and-set on the flow's revision.
 
+    `max_data_bytes` (default 1 MiB): the most UTF-8 JSON text a flow's data (at `start` and
+    after every step) or a wake's payload may take. A step that leaves more, or returns a
+    malformed outcome, fails its flow alone (it compensates and ends `FAILED` with an error
+    naming the step and the problem); bad input at a call is refused at that call.
+
+    Only the store's unavailability (a lock held elsewhere, a lost connection, a serialization
+    failure) is retried by the engine's own tasks, with a WARNING on the ``ferry.flow`` logger
+    per retry; any other error in them ends the ``async with`` block with that exception.
+
     `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
     plans (it reads the plan shapes engines recorded in the store), runs no step, leases
     nothing, arms no timer and does no recovery; its `wake`, `cancel` and `resume` are
@@ -1535,6 +1488,7 @@ def open_engine(
             max_running=max_running,
             lease=lease,
             serve=serve,
+            max_data_bytes=max_data_bytes,
             group_commit=_group_commit,
             wall_clock=_wall_clock,
             fleet=_fleet,
@@ -1589,6 +1543,7 @@ async def _opened(
     max_running: int,
     lease: float,
     serve: bool,
+    max_data_bytes: int,
     group_commit: bool,
     wall_clock: Callable[[], float],
     fleet: bool | None,
@@ -1605,6 +1560,12 @@ async def _opened(
         raise ValueError(f"owner must be a non-empty str or None, got {owner!r}")
     if not isinstance(serve, bool):
         raise TypeError(f"serve must be a bool, got {serve!r}")
+    if (
+        isinstance(max_data_bytes, bool)
+        or not isinstance(max_data_bytes, int)
+        or max_data_bytes < 2  # "{}" must fit
+    ):
+        raise ValueError(f"max_data_bytes must be an int >= 2, got {max_data_bytes!r}")
     if serve and not registry:
         raise ValueError(
             "open_engine got no plans: an engine that serves a store runs only the plans it is"
@@ -1631,6 +1592,7 @@ async def _opened(
             lease=lease,
             serve=serve,
             fleet=db.dialect == "postgres" if fleet is None else fleet,
+            max_data_bytes=max_data_bytes,
             group_commit=group_commit,
             fencing=fencing,
             scan_interval=scan_interval,

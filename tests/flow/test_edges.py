@@ -6,12 +6,14 @@ from __future__ import annotations
 import itertools
 import logging
 import sqlite3
+from functools import partial
 from pathlib import Path
 
 import pytest
 import trio
 import trio.testing
 
+import ferry
 from ferry import Failed, flow
 from ferry.flow import _retry
 
@@ -119,3 +121,215 @@ async def test_a_corrupted_row_ends_the_engine_block_instead_of_spinning(tmp_pat
                 )
             gate.set()
             await trio.sleep_forever()
+
+
+# ------------------------------------------------------------------------------ plan definitions
+
+
+@pytest.mark.parametrize("name", ["", "pay/0/charge", "a/b", "x\udc80", "nul\x00"])
+def test_a_step_name_that_is_empty_or_holds_a_slash_is_refused_at_definition(name: str) -> None:
+    plan = flow.Plan("names", version=1)
+
+    async def step(ctx: flow.Context) -> None:
+        pass
+
+    with pytest.raises(ValueError, match="name"):
+        plan.step(name=name)(step)
+    assert plan.steps == ()
+
+
+@pytest.mark.parametrize("version", [0, -1, 2**31, 2**63])
+def test_a_version_outside_a_32_bit_int_is_refused_at_the_plan(version: int) -> None:
+    with pytest.raises(ValueError, match=r"1\.\.2147483647"):
+        flow.Plan("versions", version=version)
+
+
+def test_the_largest_version_is_a_version_and_a_bool_is_not() -> None:
+    assert flow.Plan("versions", version=2**31 - 1).version == 2**31 - 1
+    with pytest.raises(TypeError, match="int"):
+        flow.Plan("versions", version=True)
+
+
+# ---------------------------------------------------------- a flow's bad outcome or data: its own
+
+
+def _deep(levels: int) -> dict[str, object]:
+    """A dict nested `levels` levels deep in all (itself counted)."""
+    value: dict[str, object] = {}
+    for _ in range(levels - 1):
+        value = {"d": value}
+    return value
+
+
+class _NotJson:
+    pass
+
+
+def _set_data(key: str, value: object) -> object:
+    def change(ctx: flow.Context) -> None:
+        ctx.data[key] = value
+
+    return change
+
+
+# case: (what the bad step returns, how it changes ctx.data, words in the flow's error)
+_BAD: dict[str, tuple[object, object, str]] = {
+    "park timeout a str": (flow.Park("60", "continue"), None, "timeout"),  # type: ignore[arg-type]
+    "park timeout nan": (flow.Park(float("nan"), "compensate"), None, "timeout"),
+    "park timeout < 0": (flow.Park(-1.0, "compensate"), None, "timeout"),
+    "park on_timeout unknown": (flow.Park(1.0, "explode"), None, "on_timeout"),  # type: ignore[arg-type]
+    "fail reason an exception": (flow.Fail(RuntimeError("x")), None, "reason must be a str"),  # type: ignore[arg-type]
+    "fail reason a surrogate": (flow.Fail("bad \udc80"), None, "surrogate"),
+    "not an outcome": (42, None, "not an outcome"),
+    "data with a lone surrogate": (None, _set_data("x", "\udc80"), "surrogate"),
+    "data with a surrogate key": (None, _set_data("\udc80", 1), "surrogate"),
+    "data 5000 levels deep": (None, _set_data("d", _deep(5000)), "deeper than 64"),
+    "data 65 levels deep": (None, _set_data("d", _deep(64)), "deeper than 64"),
+    "data that is not JSON": (None, _set_data("s", _NotJson()), "must be JSON"),
+    "data too big": (None, _set_data("s", "x" * 2000), "max_data_bytes=1000"),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD))
+async def test_a_bad_outcome_or_data_fails_that_flow_alone(tmp_path: Path, case: str) -> None:
+    """The bad flow compensates and ends FAILED naming the step and the problem; the good flows
+    that shared its batches complete; the engine goes on; a reopen does not run it again."""
+    returned, change, words = _BAD[case]
+    path = str(tmp_path / "flows.db")
+    ran: list[str] = []
+    undone: list[str] = []
+    plan = flow.Plan("edges", version=1)
+
+    async def undo(ctx: flow.Context) -> None:
+        undone.append(ctx.flow_id)
+
+    @plan.step(compensate=undo)
+    async def reserve(ctx: flow.Context) -> None:
+        ctx.data["reserved"] = True
+
+    @plan.step
+    async def decide(ctx: flow.Context) -> object:
+        if ctx.data.get("bad"):
+            ran.append(ctx.flow_id)
+            if callable(change):
+                change(ctx)
+            return returned
+        return flow.CONTINUE
+
+    @plan.step
+    async def ship(ctx: flow.Context) -> None:
+        ctx.data["shipped"] = True
+
+    good = [f"good-{i}" for i in range(20)]
+    with trio.fail_after(10):
+        async with flow.open_engine(path, plans=[plan], max_data_bytes=1000) as engine:
+            async with trio.open_nursery() as nursery:
+                for fid in good[:10]:
+                    nursery.start_soon(partial(engine.start, plan, flow_id=fid))
+                nursery.start_soon(partial(engine.start, plan, flow_id="bad", data={"bad": 1}))
+                for fid in good[10:]:
+                    nursery.start_soon(partial(engine.start, plan, flow_id=fid))
+            snap = await engine.wait("bad")
+            assert snap.state is flow.State.FAILED
+            assert snap.error is not None
+            assert "'decide'" in snap.error
+            assert words in snap.error
+            for fid in good:
+                assert (await engine.wait(fid)).state is flow.State.COMPLETED
+            # the engine keeps running flows after it
+            await engine.start(plan, flow_id="after")
+            assert (await engine.wait("after")).state is flow.State.COMPLETED
+        assert undone == ["bad"]
+        async with flow.open_engine(path, plans=[plan], max_data_bytes=1000) as engine:
+            assert (await engine.wait("bad")).state is flow.State.FAILED
+    assert ran == ["bad"]
+
+
+# ------------------------------------------------------------------------ bad input at the call
+
+
+async def test_a_bad_start_is_refused_at_its_call_and_fails_no_neighbour(tmp_path: Path) -> None:
+    """One start with a lone surrogate among 40 concurrent ones: it alone raises ValueError
+    (it was ferry.Failed, and so were the others of its batch); nothing is stored for it."""
+    plan = flow.Plan("calls", version=1)
+
+    @plan.step
+    async def only(ctx: flow.Context) -> None:
+        pass
+
+    refused: list[BaseException] = []
+    started: list[str] = []
+
+    async def start(fid: str, data: dict[str, object]) -> None:
+        try:
+            started.append(await engine.start(plan, flow_id=fid, data=data))
+        except (TypeError, ValueError, ferry.Failed) as exc:
+            refused.append(exc)
+
+    async with flow.open_engine(str(tmp_path / "flows.db"), plans=[plan]) as engine:
+        async with trio.open_nursery() as nursery:
+            for i in range(40):
+                data: dict[str, object] = {"x": "\udc80"} if i == 20 else {"i": i}
+                nursery.start_soon(start, f"f-{i}", data)
+        assert len(refused) == 1
+        assert isinstance(refused[0], ValueError)
+        assert "surrogate" in str(refused[0])
+        assert sorted(started) == sorted(f"f-{i}" for i in range(40) if i != 20)
+        assert await engine.get("f-20") is None
+
+
+@pytest.mark.parametrize(
+    ("data", "error", "words"),
+    [
+        (_deep(10_000), ValueError, "deeper than 64"),
+        (_deep(65), ValueError, "deeper than 64"),
+        ({"x": "y" * 1000}, ValueError, "max_data_bytes=1000"),
+        ({"x": {1, 2}}, TypeError, "must be JSON"),
+        ({1: "x"}, TypeError, "round trip"),
+    ],
+)
+async def test_bad_start_data_is_a_clear_error(
+    tmp_path: Path, data: dict[str, object], error: type[Exception], words: str
+) -> None:
+    plan = flow.Plan("calls", version=1)
+
+    @plan.step
+    async def only(ctx: flow.Context) -> None:
+        pass
+
+    path = str(tmp_path / "f.db")
+    async with flow.open_engine(path, plans=[plan], max_data_bytes=1000) as engine:
+        with pytest.raises(error, match=words):
+            await engine.start(plan, flow_id="f", data=data)
+        assert await engine.get("f") is None
+        assert await engine.start(plan, flow_id="ok", data=_deep(64)) == "ok"  # 64 levels in all
+
+
+async def test_bad_wakes_and_publishes_are_refused_at_their_call(tmp_path: Path) -> None:
+    plan = flow.Plan("calls", version=1)
+
+    @plan.step
+    async def wait_here(ctx: flow.Context) -> flow.Park:
+        return flow.park()
+
+    @plan.step
+    async def after(ctx: flow.Context) -> None:
+        ctx.data["woken"] = ctx.wake
+
+    async with flow.open_engine(str(tmp_path / "f.db"), plans=[plan]) as engine:
+        await engine.start(plan, flow_id="p")
+        with pytest.raises(ValueError, match="surrogate"):
+            await engine.wake("p", {"x": "\udc80"})
+        with pytest.raises(ValueError, match="deeper"):
+            await engine.wake("p", _deep(100))
+        with pytest.raises(ValueError, match="message_id"):
+            await engine.wake("p", None, message_id="evt-\udc80")
+        with pytest.raises(ValueError, match="flow_id"):
+            await engine.wake("p\x00", None)
+        engine.on("bad", lambda event: flow.Start(plan, "s", data={"x": "\udc80"}))
+        with pytest.raises(ValueError, match="surrogate"):
+            await engine.publish("bad", {})
+        assert await engine.get("s") is None
+        assert await engine.wake("p", {"ok": 1}) is flow.Delivery.RESUMED
+        snap = await engine.wait("p")
+        assert snap.state is flow.State.COMPLETED and snap.data == {"woken": {"ok": 1}}
