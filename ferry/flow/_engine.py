@@ -1057,9 +1057,11 @@ class Engine:
 
         Returns `Delivery.RESUMED` (the flow was parked and now runs its next step with
         ``ctx.wake = payload``), `QUEUED` (kept: its next park takes it at once), `DUPLICATE`
-        (`message_id` was delivered before), `STALE` (completed or failed) or `UNKNOWN`.
+        (`message_id` was delivered before), `STALE` (completed, failed or compensating) or
+        `UNKNOWN`. Time wins at the deadline: a wake at or after a parked flow's deadline meets
+        the timeout first (`STALE` if it then compensates, `QUEUED` if it runs on).
         Raises `TypeError` for a payload that is not JSON or a bad id, `ValueError` for an empty
-        one (nothing stored).
+        or unstorable one (nothing stored).
         """
         self._check("wake")
         fid = _checks.flow_id(flow_id)

@@ -38,7 +38,7 @@ class Delivery(enum.Enum):
     RESUMED = "RESUMED"  # the flow was parked and now runs its next step with this payload
     QUEUED = "QUEUED"  # kept in the mailbox; the flow's next park takes it at once
     DUPLICATE = "DUPLICATE"  # this message_id was delivered to this flow before
-    STALE = "STALE"  # the flow is completed or failed
+    STALE = "STALE"  # the flow is completed, failed or compensating (it will not park again)
     UNKNOWN = "UNKNOWN"  # no such flow
 
     def __repr__(self) -> str:

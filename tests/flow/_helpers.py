@@ -40,6 +40,14 @@ class _InlineTx:
         self._conn.executemany(sql, rows)
 
 
+def planted_busy(text: str) -> sqlite3.OperationalError:
+    """A planted "the store is unavailable now": SQLite's SQLITE_BUSY, which the engine retries
+    (any other error ends the engine's block, docs/adr/0061)."""
+    busy = sqlite3.OperationalError(text)
+    busy.sqlite_errorcode = 5  # SQLITE_BUSY
+    return busy
+
+
 class InlineSqliteStore:
     """A real SQLite store whose transactions run on the trio thread (see the module doc).
 
@@ -63,9 +71,7 @@ class InlineSqliteStore:
             await self.gate.wait()
         if self.fail_next:
             self.fail_next -= 1
-            busy = sqlite3.OperationalError("database is unavailable (planted by the test)")
-            busy.sqlite_errorcode = 5  # SQLITE_BUSY: what the engine retries
-            raise busy
+            raise planted_busy("database is unavailable (planted by the test)")
         if self._conn is None:
             self._conn = sqlite3.connect(self.path, isolation_level=None)
             self._conn.execute("PRAGMA journal_mode=WAL")
@@ -187,7 +193,7 @@ class ValveStore(InlineSqliteStore):
                 if w in self._waiting:
                     self._waiting.remove(w)
             if w.fail:
-                raise sqlite3.OperationalError(f"{name} failed (planted by the test)")
+                raise planted_busy(f"{name} failed (planted by the test)")
             result = await super().transact(fn)
             if w.answer is not None:
                 await w.answer.wait()
