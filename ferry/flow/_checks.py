@@ -206,3 +206,17 @@ def _fail_problem(f: Fail) -> str | None:
     if problem is not None:
         return f"returned a fail whose reason cannot be stored: {problem}"
     return None
+
+
+def idempotency_key(flow_id: str, step_index: int, step: str, *, compensation: bool) -> str:
+    """The idempotency key of a step, ``f"{flow_id}/{step_index}/{step}"``, or of its
+    compensation, ``f"{flow_id}/{step_index}-compensate/{step}"``.
+
+    No two (flow, step or compensation) share a key, whatever characters flow ids hold: a step
+    name holds no ``/`` (`Plan.step` refuses it), so a key splits from the right into its step
+    name, then a middle part, then the flow id; the middle part is a bare number for a step and
+    ``<number>-compensate`` for a compensation, so neither kind can be mistaken for the other.
+    """
+    if compensation:
+        return f"{flow_id}/{step_index}-compensate/{step}"
+    return f"{flow_id}/{step_index}/{step}"

@@ -522,7 +522,9 @@ class Engine:
                 await self._run_compensation(live, shape, self._steps[key][flow.step_index])
 
     def _context(self, flow: Flow, name: str, compensating: bool) -> Context:
-        key = f"{flow.flow_id}/{flow.step_index}/{name}"
+        key = _checks.idempotency_key(
+            flow.flow_id, flow.step_index, name, compensation=compensating
+        )
         return Context(
             flow_id=flow.flow_id,
             plan=flow.plan,
@@ -534,7 +536,7 @@ class Engine:
             wake=None if flow.wake is None else json.loads(flow.wake),
             timed_out=flow.timed_out,
             error=flow.error if compensating else None,
-            idempotency_key=f"{key}/compensate" if compensating else key,
+            idempotency_key=key,
         )
 
     async def _attempt(

@@ -152,8 +152,9 @@ class Context:
     - `wake`: the payload of the wake that resumed the flow, for the step after a park; else None.
     - `timed_out`: True for the step after a park that timed out with ``on_timeout="continue"``.
     - `error`: in a compensation, why the flow is compensating; else None.
-    - `idempotency_key`: ``f"{flow_id}/{step_index}/{step}"`` (a compensation's key ends in
-      ``"/compensate"``), the same on every attempt: hand it to external calls so that a re-run
+    - `idempotency_key`: ``f"{flow_id}/{step_index}/{step}"``, and for a compensation
+      ``f"{flow_id}/{step_index}-compensate/{step}"``; the same on every attempt, and never the
+      same for two (flow, step or compensation): hand it to external calls so that a re-run
       after a crash does not repeat their effect.
     """
 

@@ -7,6 +7,7 @@ import itertools
 import logging
 import sqlite3
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 
@@ -440,3 +441,44 @@ async def test_a_wake_to_a_compensating_flow_is_stale(tmp_path: Path) -> None:
         assert snap.state is flow.State.FAILED and snap.error == "no stock"
         # the message was not kept: the same id again is STALE, not DUPLICATE
         assert await engine.wake("c", None, message_id="m-1") is flow.Delivery.STALE
+
+
+# ------------------------------------------------------------------------------ idempotency keys
+
+
+async def test_no_compensation_key_is_another_flows_step_key(tmp_path: Path) -> None:
+    """Flow `a`, step `1` at index 0, compensated; flow `a/0`, step `compensate` at index 1:
+    their keys were both `a/0/1/compensate`."""
+    keys: dict[str, tuple[str, str]] = {}
+
+    def record(kind: str) -> Callable[[flow.Context], Awaitable[None]]:
+        async def run(ctx: flow.Context) -> None:
+            assert keys.setdefault(ctx.idempotency_key, (ctx.flow_id, kind)) == (
+                ctx.flow_id,
+                kind,
+            ), f"{ctx.idempotency_key!r} given twice"
+
+        return run
+
+    first = flow.Plan("first", version=1)
+    first.step(name="1", compensate=record("undo 1"))(record("step 1"))
+
+    @first.step
+    async def refuse(ctx: flow.Context) -> flow.Fail:
+        return flow.fail("no")
+
+    second = flow.Plan("second", version=1)
+    second.step(name="x")(record("step x"))
+    second.step(name="compensate")(record("step compensate"))
+
+    async with flow.open_engine(str(tmp_path / "f.db"), plans=[first, second]) as engine:
+        await engine.start(first, flow_id="a")
+        await engine.start(second, flow_id="a/0")
+        assert (await engine.wait("a")).state is flow.State.FAILED
+        assert (await engine.wait("a/0")).state is flow.State.COMPLETED
+    assert keys == {
+        "a/0/1": ("a", "step 1"),
+        "a/0-compensate/1": ("a", "undo 1"),
+        "a/0/0/x": ("a/0", "step x"),
+        "a/0/1/compensate": ("a/0", "step compensate"),
+    }
