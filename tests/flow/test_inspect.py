@@ -31,6 +31,7 @@ from tests import pg
 from ._helpers import _InlineTx
 
 T0 = 1_700_000_000.0
+PARK_FOR = 2_000_000_000.0  # seconds: the "parked" flow's deadline is after 2080
 ORDER = Shape("order", 1, ("reserve", "charge", "ship"), (True, True, False), (3, 3, 3))
 REFUND = Shape("refund", 2, ("pay",), (False,), (1,))
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +63,8 @@ def populate(tx: Any) -> None:
         return r.transition.flow
 
     started("running", T0 + 5)
-    step(step(started("parked", T0 + 3), CONTINUE, T0 + 3), park(3600), T0 + 3)
+    # a deadline decades ahead: a wake at or after it would meet the timeout first
+    step(step(started("parked", T0 + 3), CONTINUE, T0 + 3), park(PARK_FOR), T0 + 3)
     step(step(started("parked-old", T0 + 1), CONTINUE, T0 + 1), park(None), T0 + 1)
     done = step(step(started("done", T0), CONTINUE, T0), CONTINUE, T0)
     step(done, CONTINUE, T0)
@@ -122,7 +124,7 @@ def test_list(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert len(lines) == 2 + 8
     parked = run_json(capsys, db, "list", "--state", "parked")
     assert [f["flow_id"] for f in parked] == ["parked", "parked-old"]
-    assert parked[0]["step"] == "charge" and parked[0]["park_deadline"] == T0 + 3 + 3600
+    assert parked[0]["step"] == "charge" and parked[0]["park_deadline"] == T0 + 3 + PARK_FOR
     assert [f["flow_id"] for f in run_json(capsys, db, "list", "--plan", "refund")] == ["orphan"]
     assert len(run_json(capsys, db, "list", "--limit", "2")) == 2
     assert run(capsys, db, "list", "--plan", "nope")[1] == "no flows\n"
