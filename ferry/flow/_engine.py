@@ -159,11 +159,14 @@ def _backoff(failures: int) -> float:
 class _Live:
     """A flow that is running or compensating in this engine (or waiting for a runner slot)."""
 
-    __slots__ = ("epoch", "flow", "scope")
+    __slots__ = ("began", "epoch", "flow", "scope")
 
     def __init__(self, flow: Flow, epoch: int) -> None:
         self.flow = flow  # the latest committed row this engine knows
         self.scope: trio.CancelScope | None = None  # around the running step or compensation
+        # The revision of the row whose run (of its step or compensation) began in this engine:
+        # a flow whose current row's run has not begun is let go at close (`_let_go_unbegun`).
+        self.began = 0
         # The fleet: the engine's `_epoch` when the write or read that gave `flow` began. A
         # copy from an older epoch may predate a lapse of the lease: it is re-read before a
         # body runs on it (`_confirm`).
@@ -560,6 +563,7 @@ class Engine:
         error: BaseException | None = None
         with trio.CancelScope() as scope:
             live.scope = scope
+            live.began = flow.revision
             try:
                 result = await fn(ctx)
             except Exception as exc:
@@ -751,16 +755,14 @@ class Engine:
         self._stats["recovered"] = await self._resume_active(active)
 
     async def _resume_active(self, active: list[Flow]) -> int:
-        """Run `active` flows again as attempt + 1 (a compare-and-set on the row read), or block
-        those whose plan version this engine lacks; how many run again."""
+        """Run `active` flows again (a compare-and-set on the row read): as attempt + 1 if a run
+        may have begun, else as the same attempt (`_machine.rerun`); or block those whose plan
+        version this engine lacks; how many run again."""
         now = self._now()
         ops: list[_store.Op] = []
         for flow in active:
             reason = m.mismatch(flow, self._shapes.get((flow.plan, flow.version)))
-            if reason is None:
-                apply = _on_row(m.next_attempt, now)
-            else:
-                apply = _on_row(m.block, reason, now)
+            apply = _on_row(m.rerun, now) if reason is None else _on_row(m.block, reason, now)
             leased = self._leasing(apply, outside=False)
             ops.append(_store.Change(flow.flow_id, leased, flow=flow, fenced=self._fencing))
         results = await _gather([partial(self._write, op) for op in ops])
@@ -973,6 +975,25 @@ class Engine:
                 self._released[fid] = live.flow.revision
         if live.scope is not None:
             live.scope.cancel()
+
+    async def _let_go_unbegun(self) -> None:
+        """At close: let go of the flows whose current run had not begun in this engine (they
+        waited for a runner slot, or for a retry's backoff), each by a compare-and-set on the
+        row it knows, so that the engine that runs them next keeps their attempt number
+        (attempts count runs that began). A flow that moved on meanwhile is left as it is (its
+        next run then counts as attempt + 1: numbers may skip, never repeat)."""
+        now = self._now()
+        ops: list[_store.Op] = [
+            _store.Change(live.flow.flow_id, _on_row(m.let_go, now), flow=live.flow)
+            for live in self._live.values()
+            if live.began != live.flow.revision and live.flow.state in _ACTIVE
+        ]
+        if not ops:
+            return
+        try:
+            await self._store.transact(partial(_store.write_batch, ops=ops, guard=self._guard))
+        except Exception as exc:  # unavailable: they run again as attempt + 1
+            _retry.log_or_raise(exc, f"letting go of {len(ops)} flows not begun, at close")
 
     async def _release(self) -> None:
         """At close, in a fleet: end this engine's lease (its steps are cancelled by then), so
@@ -1655,9 +1676,11 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                 engine_error = _one_error(group)
                 if engine_error is None:
                     raise
-            if engine._serve and engine._fleet:
+            if engine._serve:
                 with trio.CancelScope(shield=True), trio.move_on_after(engine._lease / 3):
-                    await engine._release()
+                    await engine._let_go_unbegun()
+                    if engine._fleet:
+                        await engine._release()
     finally:
         engine._closing = True
         engine._ferry = None

@@ -114,10 +114,12 @@ __all__ = [
     "compensated",
     "compensation_failed",
     "leased",
+    "let_go",
     "mismatch",
     "next_action",
     "next_attempt",
     "parse_stack",
+    "rerun",
     "resume",
     "snapshot",
     "stack_text",
@@ -753,8 +755,33 @@ def take_over(flow: Flow, owner: str, now: float) -> Transition:
     it (as recovery after a crash); the same attempt if it had none (an operator made it
     runnable: nobody ran it yet). Raises `InvalidTransition` unless the flow is active."""
     _require(flow.state in ACTIVE, flow, "take_over")
-    attempt = flow.attempt + 1 if flow.owner is not None else flow.attempt
-    new = _bump(flow, now, owner=owner, lease_until=None, attempt=attempt)
+    new = _bump(flow, now, owner=owner, lease_until=None, attempt=_next_run(flow))
+    return Transition(new, EMPTY_MAILBOX, flow.revision)
+
+
+def _next_run(flow: Flow) -> int:
+    """The attempt number of the next run of an active flow's step or compensation, taken up
+    by an engine that did not make the last write: one more if an engine held the flow (it may
+    have begun a run that recorded nothing), the same if nobody did (an operator's write, or an
+    engine that let the flow go before its run began: `let_go`)."""
+    return flow.attempt + 1 if flow.owner is not None else flow.attempt
+
+
+def rerun(flow: Flow, now: float) -> Transition:
+    """Recovery at open: the active flow runs again in the engine that opens, as attempt + 1 if
+    a run may have begun (`_next_run`), else as the same attempt (attempts count runs that
+    began). Raises `InvalidTransition` unless the flow is active."""
+    _require(flow.state in ACTIVE, flow, "rerun")
+    new = _bump(flow, now, attempt=_next_run(flow))
+    return Transition(new, EMPTY_MAILBOX, flow.revision)
+
+
+def let_go(flow: Flow, now: float) -> Transition:
+    """An engine that closes lets go of an active flow whose current run had not begun (it
+    waited for a runner, or for its retry's backoff): nobody holds it, so the engine that runs
+    it next keeps its attempt number. Raises `InvalidTransition` unless the flow is active."""
+    _require(flow.state in ACTIVE, flow, "let_go")
+    new = _bump(flow, now, owner=None, lease_until=None)
     return Transition(new, EMPTY_MAILBOX, flow.revision)
 
 
