@@ -56,7 +56,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Itera
 from contextlib import asynccontextmanager
 from functools import partial
 from types import TracebackType
-from typing import Any, TypeVar, final
+from typing import Any, NoReturn, TypeVar, final
 
 import attrs
 import trio
@@ -352,8 +352,9 @@ class Engine:
             result = await self._write(op)
         return result
 
-    async def _batch(self, ops: list[_store.Op]) -> list[_store.Result]:
+    async def _batch(self, ops: list[_store.Op], *, whole: bool = False) -> list[_store.Result]:
         """The ferry's batch call: every op in one transaction, then their effects in memory.
+        With `whole` (a `publish`), all or nothing: `_store.Undone` if one op was not applied.
 
         A transaction the database rolled back on its own (a deadlock or a serialization
         failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times."""
@@ -361,9 +362,8 @@ class Engine:
         while True:
             epoch = self._epoch
             try:
-                results = await self._store.transact(
-                    partial(_store.write_batch, ops=ops, guard=self._guard)
-                )
+                write = _store.write_all if whole else _store.write_batch
+                results = await self._store.transact(partial(write, ops=ops, guard=self._guard))
             except Exception as exc:
                 tries += 1
                 if tries > _ROLLBACK_RETRIES or not _rolled_back(exc):
@@ -1058,14 +1058,23 @@ class Engine:
         `TypeError` (data not a JSON object); nothing is stored then.
         """
         self._check("start")
+        op = self._start_op(plan, flow_id, data, "data")
+        return self._started(op, await self._request(op))
+
+    def _start_op(
+        self, plan: Plan, flow_id: str | None, data: dict[str, Json] | None, what: str
+    ) -> _store.Create:
+        """The op of a start, its input checked (raises `TypeError`/`ValueError`/`UnknownPlan`)."""
         shape = self._shape_of(plan)
         fid = uuid.uuid4().hex if flow_id is None else _checks.flow_id(flow_id)
-        text = _checks.json_object_text(
-            {} if data is None else data, "data", max_bytes=self._max_data
-        )
-        now = self._now()
+        data = {} if data is None else data
+        text = _checks.json_object_text(data, what, max_bytes=self._max_data)
         owner = self._owner if self._serve else None
-        result = await self._request(_store.Create(m.start(shape, fid, text, now, owner=owner)))
+        return _store.Create(m.start(shape, fid, text, self._now(), owner=owner))
+
+    @staticmethod
+    def _started(op: _store.Create, result: _store.Result) -> str:
+        fid = op.transition.flow.flow_id
         if isinstance(result, _store.Existing) and not result.same:
             raise IdReused(
                 f"flow id {fid!r} is already used by a flow of plan {result.flow.plan!r} with"
@@ -1087,18 +1096,34 @@ class Engine:
         or unstorable one (nothing stored).
         """
         self._check("wake")
-        fid = _checks.flow_id(flow_id)
-        text = _checks.json_text(payload, "payload", max_bytes=self._max_data)
-        _checks.message_id(message_id, "message_id")
+        text = self._wake_input(flow_id, payload, message_id, "")
+        op = self._wake_op(flow_id, text, message_id, await self._known_shapes())
+        return self._delivered(await self._request(op))
+
+    def _wake_input(self, flow_id: str, payload: Json, message_id: str | None, what: str) -> str:
+        """A wake's input checked (`TypeError`/`ValueError`); the payload's JSON text."""
+        _checks.flow_id(flow_id)
+        text = _checks.json_text(payload, f"{what}payload", max_bytes=self._max_data)
+        _checks.message_id(message_id, f"{what}message_id")
+        return text
+
+    def _wake_op(
+        self,
+        flow_id: str,
+        text: str,
+        message_id: str | None,
+        shapes: dict[tuple[str, int], Shape],
+    ) -> _store.Change:
+        """The op of a wake whose input was checked (`_wake_input`: `text` is its payload)."""
         message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
-        shapes = await self._known_shapes()
         now = self._now()
 
         def apply(f: Flow, box: Mailbox) -> Transition:
             return m.wake(f, box, message, shapes.get((f.plan, f.version)), now)
 
-        op = _store.Change(fid, self._leasing(apply, outside=True), message_id=message_id)
-        result = await self._request(op)
+        return _store.Change(flow_id, self._leasing(apply, outside=True), message_id=message_id)
+
+    def _delivered(self, result: _store.Result) -> Delivery:
         if isinstance(result, _store.Changed):
             assert result.transition.delivery is not None
             return result.transition.delivery
@@ -1138,7 +1163,10 @@ class Engine:
         A `Wake` is delivered (its `Delivery`), a `Start` started (its flow id), `IGNORE`/None
         gives None. Every mapper runs and every decision is checked (type, JSON, plan) before
         any is applied: a mapper that returns anything else raises `TypeError` and nothing is
-        applied. Events are at-least-once: give wakes a `message_id` (the event's id).
+        applied. All or nothing: the decisions are applied in one transaction, and if one
+        cannot be (a `Start` whose id is taken: `IdReused`), none is and that error is raised;
+        a database error raises `ferry.Failed`, nothing applied. Events are at-least-once:
+        give wakes a `message_id` (the event's id).
         """
         self._check("publish")
         if not isinstance(event_type, str):
@@ -1153,18 +1181,48 @@ class Engine:
                     f"mapper {mapper!r} for {event_type!r} returned {decision!r}: {exc};"
                     " nothing was applied"
                 ) from None
-        results: list[Delivery | str | None] = []
+        shapes = await self._known_shapes() if any(isinstance(d, Wake) for d in decisions) else {}
+        ops: list[_store.Op] = []
+        for d in decisions:
+            if isinstance(d, Wake):
+                text = self._wake_input(d.flow_id, d.payload, d.message_id, "Wake.")
+                ops.append(self._wake_op(d.flow_id, text, d.message_id, shapes))
+            elif isinstance(d, Start):
+                ops.append(self._start_op(d.plan, d.flow_id, d.data, "Start.data"))
         await trio.lowlevel.checkpoint_if_cancelled()
-        with trio.CancelScope(shield=True):  # all of them, or (if Cancelled) none
-            for d in decisions:
-                if isinstance(d, Wake):
-                    results.append(await self.wake(d.flow_id, d.payload, message_id=d.message_id))
-                elif isinstance(d, Start):
-                    results.append(await self.start(d.plan, flow_id=d.flow_id, data=d.data))
-                else:
-                    results.append(None)
+        if not ops:
             await trio.lowlevel.cancel_shielded_checkpoint()
+            return [None] * len(decisions)
+        with trio.CancelScope(shield=True):  # all of them, or (if Cancelled) none
+            try:
+                done = await self._batch(ops, whole=True)
+            except _store.Undone as undone:
+                self._undone(ops, undone.results)
+                raise AssertionError("unreachable: _undone raises") from None
+            except Exception as exc:
+                raise Failed(f"the flow store raised {exc!r}; nothing was applied") from exc
+        answers = iter(done)
+        op_of = iter(ops)
+        results: list[Delivery | str | None] = []
+        for d in decisions:
+            if d is None:
+                results.append(None)
+                continue
+            op, result = next(op_of), next(answers)
+            if isinstance(op, _store.Create):
+                results.append(self._started(op, result))
+            else:
+                results.append(self._delivered(result))
         return results
+
+    def _undone(self, ops: list[_store.Op], results: list[_store.Result]) -> NoReturn:
+        """Raise why an all-or-nothing batch (a `publish`) was rolled back."""
+        for op, result in zip(ops, results, strict=True):
+            if isinstance(result, _store.Refused):
+                raise result.error
+            if isinstance(op, _store.Create):
+                self._started(op, result)  # raises IdReused
+        raise AssertionError(f"a publish was rolled back for no reason: {results!r}")
 
     def _decision(self, decision: object) -> Wake | Start | None:
         """A mapper's result, checked (type, ids, JSON, plan); raises `TypeError`/`ValueError`."""

@@ -641,6 +641,26 @@ def write_batch(
     return results  # type: ignore[return-value]  # every slot is filled
 
 
+class Undone(Exception):
+    """`write_all` rolled its transaction back: one op could not be applied as asked (a
+    `Refused` transition, a start whose id is taken by another flow); `results` says which."""
+
+    def __init__(self, results: list[Result]) -> None:
+        super().__init__("one op of an all-or-nothing batch was not applied: nothing was")
+        self.results = results
+
+
+def write_all(
+    tx: Tx, ops: Sequence[Op], *, ns: str = "flow", guard: float | None = None
+) -> list[Result]:
+    """`write_batch`, all or nothing (one `publish`): raises `Undone` (so the transaction rolls
+    back) if any op is `Refused` or is a `Create` that found another flow under its id."""
+    results = write_batch(tx, ops, ns=ns, guard=guard)
+    if any(isinstance(r, Refused) or (isinstance(r, Existing) and not r.same) for r in results):
+        raise Undone(results)
+    return results
+
+
 # -------------------------------------------------------------------------------------- reads
 
 
