@@ -69,6 +69,7 @@ from ferry.projected import SqliteStore, Store
 from . import _checks, _retry, _store
 from . import _machine as m
 from . import _timers as timers
+from ._apart import write_apart
 from ._errors import IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from ._machine import Flow, Mailbox, Message, Shape, Transition
 from ._plan import Plan, StepDef
@@ -305,9 +306,21 @@ class Engine:
     async def _write(self, op: _store.Op) -> _store.Result:
         """One op, durable when this returns; through the ferry (group commit) or alone.
 
-        Raises `ferry.Failed` if the transaction failed (nothing of it was written), and the
-        exception of a transition that raised (a bug, raised to whoever asked for it alone).
+        Raises `ferry.Failed` if the transaction failed or the database refused this op's row
+        alone (ADR 0063; nothing of it was written either way), and the exception of a
+        transition that raised (a bug, raised to whoever asked for it alone).
         """
+        result = await self._write_own(op)
+        if isinstance(result, _store.Rejected):
+            raise Failed(
+                f"the database refused the write of flow {result.flow_id!r}:"
+                f" {_checks.describe(result.error)}; nothing of it was written"
+            ) from result.error
+        return result
+
+    async def _write_own(self, op: _store.Op) -> _store.Result:
+        """`_write`, but a row the database refused is answered (`_store.Rejected`), not
+        raised: a runner fails its flow with it."""
         if self._group_commit:
             if self._ferry is None:
                 raise Closed("the flow engine is closed")
@@ -319,6 +332,8 @@ class Engine:
                 raise Failed(f"the flow store raised {exc!r}") from exc
         if isinstance(result, _store.Refused):
             raise result.error
+        if isinstance(result, _store.Unwritten):
+            raise Failed(f"the flow store raised {result.error!r}") from result.error
         return result
 
     def _leasing(self, apply: _store.Apply, *, outside: bool) -> _store.Apply:
@@ -357,12 +372,22 @@ class Engine:
         With `whole` (a `publish`), all or nothing: `_store.Undone` if one op was not applied.
 
         A transaction the database rolled back on its own (a deadlock or a serialization
-        failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times."""
+        failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times.
+        Without `whole`, a row the database refuses is answered `Rejected` to its op alone and
+        the others are written without it (`_apart.write_apart`, ADR 0063)."""
+        if whole:
+            return await self._transact(ops, _store.write_all)
+        return await write_apart(partial(self._transact, write=_store.write_batch), ops)
+
+    async def _transact(
+        self, ops: Sequence[_store.Op], write: Callable[..., list[_store.Result]]
+    ) -> list[_store.Result]:
+        """`ops` in one transaction (retried if the database rolled it back on its own), then
+        their effects in memory, in commit order."""
         tries = 0
         while True:
             epoch = self._epoch
             try:
-                write = _store.write_all if whole else _store.write_batch
                 results = await self._store.transact(partial(write, ops=ops, guard=self._guard))
             except Exception as exc:
                 tries += 1
@@ -437,22 +462,33 @@ class Engine:
         if state is _PARKED and flow.park_deadline is not None and self._serve:
             self._arm(flow.park_deadline, fid, flow.revision)
 
-    async def _own(self, live: _Live, apply: _store.Apply, *, head: bool = False) -> bool:
+    async def _own(
+        self, live: _Live, apply: _store.Apply, *, head: bool = False, fallback: bool = False
+    ) -> bool:
         """Write a transition of the flow this runner drives, as a compare-and-set on its copy;
         True if it was accepted.
 
-        A database error is retried (with backoff); a lost compare-and-set means the flow moved
-        on without this runner: it re-reads the row and carries on from there (or lets go).
+        The store's unavailability is retried (`_retry`); a lost compare-and-set means the flow
+        moved on without this runner: it re-reads the row and carries on from there (or lets
+        go). A row the database refuses fails the flow instead (`_refused`; False).
         """
         flow = live.flow
         leased = self._leasing(apply, outside=False)
         op = _store.Change(flow.flow_id, leased, flow=flow, head=head, fenced=self._fencing)
         extra = _about(flow)
         result = await _retry.retrying(
-            partial(self._write, op), what=f"writing {_named(flow)}", extra=extra
+            partial(self._write_own, op), what=f"writing {_named(flow)}", extra=extra
         )
         if isinstance(result, _store.Changed):
             return True
+        if isinstance(result, _store.Rejected):
+            if fallback:  # even the write that fails the flow was refused: a bug to be seen
+                raise Failed(
+                    f"the database refused the write that fails {_named(flow)}:"
+                    f" {_checks.describe(result.error)}"
+                ) from result.error
+            await self._refused(live, result)
+            return False
         if live.flow.revision > flow.revision:
             return False
         epoch = self._epoch
@@ -470,6 +506,23 @@ class Engine:
         else:
             self._track(flow.state, stored, True, epoch=epoch, write=False)
         return False
+
+    async def _refused(self, live: _Live, rejected: _store.Rejected) -> None:
+        """The database refused a write of the flow this runner drives (its row alone, ADR
+        0063): fail the flow with that error (a running step compensates; a compensation
+        blocks), so that it is this flow's problem alone."""
+        flow = live.flow
+        problem = (
+            f"the database refused the write of step {flow.step!r} (attempt {flow.attempt}):"
+            f" {_checks.describe(rejected.error)}"
+        )
+        shape = self._shapes.get((flow.plan, flow.version))
+        now = self._now()
+        if flow.state is _RUNNING:
+            apply = _on_row(m.step_failed, shape, problem, now)
+        else:
+            apply = _on_row(m.compensation_failed, problem, now, shape)
+        await self._own(live, apply, fallback=True)
 
     # ---------------------------------------------------------------------------- scheduling
 
@@ -711,11 +764,14 @@ class Engine:
         # The machine ignores it unless the flow is still parked at `revision`: across a fleet,
         # every engine that armed this deadline fires it, and exactly one of them takes it.
         op = _store.Change(flow_id, self._leasing(apply, outside=True))
-        await _retry.retrying(
-            partial(self._write, op),
-            what=f"timing out flow {flow_id!r} (parked at revision {revision})",
-            extra={"flow_id": flow_id},
-        )
+        what = f"timing out flow {flow_id!r} (parked at revision {revision})"
+        extra = {"flow_id": flow_id}
+        result = await _retry.retrying(partial(self._write_own, op), what=what, extra=extra)
+        if isinstance(result, _store.Rejected):  # the flow's own problem: it blocks (ADR 0063)
+            reason = f"the database refused its timeout: {_checks.describe(result.error)}"
+            block = self._leasing(_on_row(m.block, reason, now), outside=True)
+            op = _store.Change(flow_id, block, expected=revision)
+            await _retry.retrying(partial(self._write, op), what=what, extra=extra)
 
     # ------------------------------------------------------------------------------ recovery
 

@@ -434,7 +434,27 @@ class Refused:
     error: Exception = attrs.field(eq=False)
 
 
-Result: TypeAlias = Created | Existing | Changed | Conflict | Missing | Refused
+@attrs.frozen
+class Rejected:
+    """The database refused this op's row (its transaction failed with `error` while the others
+    of the batch committed without it: `_apart.write_apart`). Nothing was written for it."""
+
+    flow_id: str
+    error: Exception = attrs.field(eq=False)
+
+
+@attrs.frozen
+class Unwritten:
+    """The store became unavailable (`error`) while a batch was being split: this op was not
+    written, and may be tried again."""
+
+    flow_id: str
+    error: Exception = attrs.field(eq=False)
+
+
+Result: TypeAlias = (
+    Created | Existing | Changed | Conflict | Missing | Refused | Rejected | Unwritten
+)
 
 
 class _Batch:
@@ -598,7 +618,8 @@ def _more_rows(n: int) -> str:
     return ", " + ", ".join([_HISTORY_ROW] * (n - 1)) if n > 1 else ""
 
 
-def _flow_id(op: Op) -> str:
+def op_flow_id(op: Op) -> str:
+    """The id of the flow `op` writes."""
     return op.flow_id if isinstance(op, Change) else op.transition.flow.flow_id
 
 
@@ -630,7 +651,7 @@ def write_batch(
     guard_locks(tx, guard)
     batch = _Batch(tx, _Sql.of(ns, tx.dialect))
     results: list[Result | None] = [None] * len(ops)
-    order = sorted(range(len(ops)), key=lambda i: _flow_id(ops[i]))
+    order = sorted(range(len(ops)), key=lambda i: op_flow_id(ops[i]))
     for i in order:
         op = ops[i]
         results[i] = batch.change(op) if isinstance(op, Change) else batch.create(op)
