@@ -47,6 +47,7 @@ import contextlib
 import fcntl
 import inspect
 import json
+import logging
 import math
 import os
 import threading
@@ -89,6 +90,8 @@ from ._types import (
 
 T = TypeVar("T")
 
+_log = logging.getLogger("ferry.flow")
+
 _RUNNING = State.RUNNING
 _COMPENSATING = State.COMPENSATING
 _PARKED = State.PARKED
@@ -129,6 +132,32 @@ def _wrong_run(method: str) -> RuntimeError:
         " opened it, and only that run's tasks may call it. From another thread, call it in"
         f" its run: trio.from_thread.{run}(engine.{method}, ..., trio_token=token), with the"
         " token of that run (trio.lowlevel.current_trio_token() there)"
+    )
+
+
+_LOGGED = frozenset({State.FAILED, State.BLOCKED})
+
+
+def _log_ended(before: Flow, after: Flow) -> None:
+    """INFO: this engine's write left the flow `FAILED` or `BLOCKED` (an operator may act)."""
+    why = after.blocked if after.state is State.BLOCKED else after.error
+    _log.info(
+        "flow %r (plan %r v%d) is %s at step %r (attempt %d): %s",
+        after.flow_id,
+        after.plan,
+        after.version,
+        after.state.name,
+        before.step,
+        before.attempt,
+        why,
+        extra={
+            "flow_id": after.flow_id,
+            "plan": after.plan,
+            "step": before.step,
+            "attempt": before.attempt,
+            "state": after.state.name,
+            "error": why,
+        },
     )
 
 
@@ -410,6 +439,8 @@ class Engine:
                 self._wakes[t.delivery] += 1
             if t.written:
                 own = isinstance(op, _store.Change) and op.flow is not None
+                if t.flow.state in _LOGGED and t.flow.state is not result.before.state:
+                    _log_ended(result.before, t.flow)
                 self._track(result.before.state, t.flow, own, epoch=epoch)
         elif isinstance(result, _store.Created):
             self._track(None, result.transition.flow, True, epoch=epoch)
@@ -614,6 +645,17 @@ class Engine:
         ctx = self._context(flow, step.name, flow.state is _COMPENSATING)
         result: object = None
         error: BaseException | None = None
+        if _log.isEnabledFor(logging.DEBUG):
+            kind = "compensation of step" if flow.state is _COMPENSATING else "step"
+            _log.debug(
+                "flow %r (plan %r): running %s %r, attempt %d",
+                flow.flow_id,
+                flow.plan,
+                kind,
+                step.name,
+                flow.attempt,
+                extra=_about(flow),
+            )
         with trio.CancelScope() as scope:
             live.scope = scope
             live.began = flow.revision
@@ -1031,6 +1073,44 @@ class Engine:
                 self._released[fid] = live.flow.revision
         if live.scope is not None:
             live.scope.cancel()
+
+    def _log_opened(self) -> None:
+        """INFO: the engine is open, and what it recovered."""
+        s = self._stats
+        _log.info(
+            "flow engine %r opened on %s (%s): %d flows recovered, %d parked, plans %s",
+            self._owner,
+            _where(self._store),
+            "serving" if self._serve else "operator, runs nothing",
+            s["recovered"],
+            self._parked,
+            ", ".join(f"{name} v{version}" for name, version in sorted(self._shapes)) or "none",
+            extra={"owner": self._owner, "recovered": s["recovered"], "parked": self._parked},
+        )
+
+    def _log_closed(self, error: BaseException | None) -> None:
+        """INFO: the engine closed (what it left to the next engine), or why it ended."""
+        running = len(self._live)
+        if error is not None and not isinstance(error, trio.Cancelled | GeneratorExit):
+            _log.info(
+                "flow engine %r closed by %s; %d flows running left to the next engine",
+                self._owner,
+                _checks.describe(error, 200),
+                running,
+                extra={"owner": self._owner, "running": running},
+            )
+            return
+        _log.info(
+            "flow engine %r closed; %d flows running left to the next engine (steps run %d,"
+            " completed %d, failed %d, blocked %d)",
+            self._owner,
+            running,
+            self._stats["steps_run"],
+            self._stats["completed"],
+            self._stats["failed"],
+            self._stats["blocked"],
+            extra={"owner": self._owner, "running": running},
+        )
 
     async def _let_go_unbegun(self) -> None:
         """At close: let go of the flows whose current run had not begun in this engine (they
@@ -1772,6 +1852,7 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                     engine._nursery = nursery
                     try:
                         await engine._recover()
+                        engine._log_opened()
                         if engine._serve:
                             nursery.start_soon(engine._timer_loop)
                         if engine._serve and engine._fleet:
@@ -1798,10 +1879,18 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
     finally:
         engine._closing = True
         engine._ferry = None
+        engine._log_closed(engine_error or body_error)
     if engine_error is not None:
         raise engine_error
     if body_error is not None:
         raise body_error
+
+
+def _where(store: Store) -> str:
+    """The store, for a log line: an SQLite path, or the kind of store (no DSN: it may hold a
+    password)."""
+    path = getattr(store, "path", None)
+    return f"SQLite file {path!r}" if isinstance(path, str) else type(store).__name__
 
 
 def _one_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
