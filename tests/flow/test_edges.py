@@ -19,6 +19,8 @@ import ferry
 from ferry import Failed, flow
 from ferry.flow import _machine as m
 from ferry.flow import _retry
+from ferry.projected import PostgresStore
+from tests import pg
 
 
 def _sqlite_error(code: int, text: str) -> sqlite3.OperationalError:
@@ -708,3 +710,61 @@ async def test_the_engine_logs_open_close_failed_blocked_and_steps(
     debug = [r.getMessage() for r in records if r.levelno == logging.DEBUG]
     assert any("running step 'charge', attempt 1" in d for d in debug)
     assert any("running compensation of step 'reserve', attempt 1" in d for d in debug)
+
+
+_PG_POISON = """
+CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.data LIKE '%poison%' THEN
+        RAISE EXCEPTION 'poisoned row' USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER refuse_poison BEFORE INSERT OR UPDATE ON flow_flows
+    FOR EACH ROW EXECUTE FUNCTION refuse_poison();
+"""
+
+
+async def test_on_postgres_a_refused_row_fails_its_flow_alone(pg_server: pg.PgServer) -> None:
+    """The same on PostgreSQL, where a failed statement aborts the whole transaction: a start
+    the database refuses fails at its call alone, a refused step write fails its flow alone."""
+    plan = flow.Plan("refused", version=1)
+    go = trio.Event()
+
+    @plan.step
+    async def first(ctx: flow.Context) -> None:
+        await go.wait()
+
+    @plan.step
+    async def second(ctx: flow.Context) -> None:
+        if ctx.flow_id == "bad":
+            ctx.data["note"] = "poison"
+
+    errors: dict[str, BaseException] = {}
+
+    async def start(fid: str, data: dict[str, object]) -> None:
+        try:
+            await engine.start(plan, flow_id=fid, data=data)
+        except Exception as exc:
+            errors[fid] = exc
+
+    async with PostgresStore(pg_server.fresh_schema_dsn()) as store:
+        with trio.fail_after(20):
+            async with flow.open_engine(store, plans=[plan]) as engine:
+                await store.transact(lambda tx: tx.execute(_PG_POISON))
+                async with trio.open_nursery() as nursery:
+                    for i in range(20):
+                        data: dict[str, object] = {"poison": 1} if i == 10 else {}
+                        nursery.start_soon(start, f"s-{i}", data)
+                    nursery.start_soon(start, "bad", {})
+                assert list(errors) == ["s-10"]
+                assert isinstance(errors["s-10"], ferry.Failed)
+                assert "poisoned row" in str(errors["s-10"])
+                await trio.testing.wait_all_tasks_blocked()
+                go.set()
+                bad = await engine.wait("bad")
+                assert bad.state is flow.State.FAILED
+                assert bad.error is not None and "poisoned row" in bad.error
+                for i in range(20):
+                    if i != 10:
+                        assert (await engine.wait(f"s-{i}")).state is flow.State.COMPLETED
