@@ -1465,6 +1465,9 @@ class Engine:
         fid = _checks.flow_id(flow_id)
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {reason!r}")
+        problem = _checks.text_problem(reason)
+        if problem is not None:
+            raise ValueError(f"reason {reason!r} cannot be stored: {problem}")
         shapes = await self._known_shapes()
         now = self._now()
 

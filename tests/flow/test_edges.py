@@ -768,3 +768,22 @@ async def test_on_postgres_a_refused_row_fails_its_flow_alone(pg_server: pg.PgSe
                 for i in range(20):
                     if i != 10:
                         assert (await engine.wait(f"s-{i}")).state is flow.State.COMPLETED
+
+
+async def test_a_cancel_reason_that_cannot_be_stored_is_refused_at_the_call(
+    tmp_path: Path,
+) -> None:
+    plan = flow.Plan("calls", version=1)
+
+    @plan.step
+    async def hold(ctx: flow.Context) -> flow.Park:
+        return flow.park()
+
+    async with flow.open_engine(str(tmp_path / "f.db"), plans=[plan]) as engine:
+        await engine.start(plan, flow_id="p")
+        while (snap := await engine.get("p")) is None or snap.state is not flow.State.PARKED:
+            await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(ValueError, match="surrogate"):
+            await engine.cancel("p", reason="bad \udc80")
+        assert (await engine.get("p")).state is flow.State.PARKED  # type: ignore[union-attr]
+        assert await engine.cancel("p", reason="customer") is True
