@@ -18,6 +18,7 @@ Unavailable (`unavailable`):
   is shutting down, crashed or is starting), and ``25P03`` (the server ended one of our
   transactions that sat idle too long, see `_store.guard_locks`).
 - `ferry.Failed` whose cause (``__cause__``) is one of those: a batch that went through a ferry.
+- An exception group all of whose exceptions are one of those (concurrent writes of a scan).
 
 Delays: 0.05 s, doubling, at most 2 s (not the step backoff, which is the user's retry policy). Each
 retry logs a WARNING on ``logging.getLogger("ferry.flow")`` naming what failed and the next delay.
@@ -76,7 +77,10 @@ def _pg_unavailable(exc: BaseException) -> bool:
 
 
 def unavailable(exc: BaseException) -> bool:
-    """Does `exc` say that the store is not available now (so the same call may be retried)?"""
+    """Does `exc` say that the store is not available now (so the same call may be retried)?
+    An exception group (concurrent writes, say) does if every exception in it does."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(unavailable(e) for e in exc.exceptions)
     if isinstance(exc, Failed):
         cause = exc.__cause__
         return cause is not None and unavailable(cause)

@@ -49,6 +49,8 @@ def test_unavailable_is_the_store_saying_not_now() -> None:
     assert _retry.unavailable(pg.AdminShutdown())
     assert _retry.unavailable(pg.OperationalError("the connection is lost"))
     assert _retry.unavailable(_failed(pg.OperationalError("consuming input failed")))
+    idle = pg.IdleInTransactionSessionTimeout()
+    assert _retry.unavailable(ExceptionGroup("writes", [_failed(idle), _failed(busy)]))
     # Not unavailability: raised at once.
     assert not _retry.unavailable(_sqlite_error(19, "UNIQUE constraint failed"))
     assert not _retry.unavailable(sqlite3.IntegrityError("UNIQUE constraint failed"))
@@ -59,6 +61,7 @@ def test_unavailable_is_the_store_saying_not_now() -> None:
     assert not _retry.unavailable(UnicodeEncodeError("utf-8", "\udc80", 0, 1, "surrogates"))
     assert not _retry.unavailable(_failed(KeyError("state")))
     assert not _retry.unavailable(Failed("no cause"))
+    assert not _retry.unavailable(ExceptionGroup("writes", [_failed(busy), KeyError("state")]))
 
 
 async def test_retrying_retries_unavailability_with_its_own_delays(
