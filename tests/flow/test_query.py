@@ -154,12 +154,15 @@ def _expected(made: dict[str, tuple[Shape, float, State]], keep: Any, by_id: boo
     return sorted(ids, key=lambda i: (made[i][1], i.encode()), reverse=True)
 
 
-async def _all_pages(store: Store, f: q.FlowFilter, limit: int) -> list[str]:
+async def _all_pages(
+    store: Store, f: q.FlowFilter, limit: int, made: dict[str, tuple[Shape, float, State]]
+) -> list[str]:
     got: list[str] = []
     after = None
     for _ in range(len(IDS) + 2):
         page = await store.transact(partial(q.query_page, flt=f, limit=limit, after=after))
-        assert len(page.flows) <= limit
+        assert len(page.flows) <= limit and len(page.created) == len(page.flows)
+        assert list(page.created) == [made[fl.flow_id][1] for fl in page.flows]
         got += [fl.flow_id for fl in page.flows]
         after = page.next
         if after is None:
@@ -198,7 +201,7 @@ async def test_every_filter_pages_through_exactly_its_flows(make_store: StoreFac
     for f, keep in CASES:
         want = _expected(made, keep, f.by_id)
         for limit in (1, 2, 5, 50):
-            assert await _all_pages(store, f, limit) == want, (f, limit)
+            assert await _all_pages(store, f, limit, made) == want, (f, limit)
         assert await store.transact(partial(q.count, flt=f)) == len(want), f
 
 

@@ -117,8 +117,10 @@ def _environment() -> jinja2.Environment:
         lstrip_blocks=True,
     )
     env.filters["when"] = _when
+    env.filters["compact"] = lambda v: json.dumps(v, ensure_ascii=False, sort_keys=True)
     env.filters["quote"] = lambda s: urllib.parse.quote(str(s), safe="")
     env.globals["ago"] = _ago
+    env.globals["zip"] = zip
     env.globals["states"] = [s.name for s in State]
     return env
 
