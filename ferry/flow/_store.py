@@ -190,7 +190,7 @@ def ddl(ns: str, dialect: str) -> list[str]:
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_plan_created ON {ns}_flows"
         " (plan, version, created_at, flow_id)",
         # Finished flows by when they ended (a finished flow is never written again).
-        f"CREATE INDEX IF NOT EXISTS {ns}_flows_ended ON {ns}_flows (updated_at)"
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_ended ON {ns}_flows (updated_at, state)"
         " WHERE state IN ('COMPLETED', 'FAILED')",
         *(
             [f'CREATE INDEX IF NOT EXISTS {ns}_flows_id_c ON {ns}_flows (flow_id COLLATE "C")']

@@ -26,8 +26,8 @@ import trio
 from ferry import flow
 from ferry.flow import _machine as m
 from ferry.flow import _store
-from ferry.flow._dashboard._app import Dashboard, loopback_hosts
-from ferry.flow._dashboard._reads import Reader
+from ferry.flow._dashboard._app import Dashboard, chart, loopback_hosts
+from ferry.flow._dashboard._reads import Reader, page_overview
 from ferry.flow._machine import Flow
 
 from ._helpers import _InlineTx
@@ -270,7 +270,10 @@ async def test_metrics_scrape(web: httpx.AsyncClient) -> None:
         line.rsplit(" ", 1) for line in r.text.splitlines() if line and not line.startswith("#")
     )
     assert float(lines['ferry_flow_flows{state="BLOCKED"}']) == 2
+    assert float(lines['ferry_flow_flows{state="COMPLETED"}']) == 1
     assert float(lines['ferry_flow_plan_flows{plan="refund",state="RUNNING",version="2"}']) == 1
+    assert float(lines['ferry_flow_plan_flows{plan="order",state="BLOCKED",version="1"}']) == 2
+    assert not any("COMPLETED" in k for k in lines if k.startswith("ferry_flow_plan_flows"))
 
 
 # ------------------------------------------------------------------------------ the command
@@ -317,3 +320,26 @@ async def test_import_ferry_flow_imports_no_web_toolkit() -> None:
     )
     out = await trio.run_process([sys.executable, "-c", code], capture_stdout=True, cwd=ROOT)
     assert out.stdout.decode().strip() == "[]"
+
+
+def test_overview_reads(db: str) -> None:
+    """The overview's figures: unfinished flows by plan, and the per-minute series of the
+    last hour (started by creation time, completed and failed by their last write)."""
+    conn = sqlite3.connect(db)
+    try:
+        tx = _InlineTx(conn)
+        o = page_overview(tx, now=T0 + 30)
+        later = page_overview(tx, now=T0 + 3 * 3600)
+    finally:
+        conn.close()
+    assert o.plans == [
+        ("order", 1, {"RUNNING": 2, "PARKED": 2, "COMPENSATING": 0, "BLOCKED": 2}),
+        ("refund", 2, {"RUNNING": 1, "PARKED": 0, "COMPENSATING": 0, "BLOCKED": 0}),
+    ]
+    assert o.total == 9 and o.parked_forever == 1 and [f.flow_id for f in o.deadlines] == ["parked"]
+    assert len(o.series.started) == 60
+    assert o.series.started[-1] == 9  # T0 .. T0 + 6 all fall in the minute of T0 + 30
+    assert sum(o.series.completed) == 1 and sum(o.series.failed) == 1
+    assert sum(later.series.started) == sum(later.series.completed) == 0
+    drawn = chart(o.series)
+    assert drawn["top"] == 9 and all(len(p.split()) == 60 for _n, p, _t in drawn["lines"])

@@ -48,7 +48,16 @@ from .. import _query
 from .._engine import open_engine
 from .._errors import FlowError, StoreLocked
 from .._types import Delivery, State
-from ._reads import MINUTES, Reader, Series, Unavailable, page_flow, page_flows, page_overview
+from ._reads import (
+    MINUTES,
+    UNFINISHED,
+    Reader,
+    Series,
+    Unavailable,
+    page_flow,
+    page_flows,
+    page_overview,
+)
 
 #: How often the overview reloads itself, and a page that found the store unavailable.
 REFRESH = 5
@@ -122,6 +131,7 @@ def _environment() -> jinja2.Environment:
     env.globals["ago"] = _ago
     env.globals["zip"] = zip
     env.globals["states"] = [s.name for s in State]
+    env.globals["unfinished"] = UNFINISHED
     return env
 
 

@@ -3,8 +3,9 @@
 The dashboard runs no engine, so it has no engine statistics to export (an application's
 engines register their own collector, served by the application). What it can say for any
 store, whoever runs the engines, is how many flows are in each state, per plan version: that is
-``ferry_flow_flows{state}`` and ``ferry_flow_plan_flows{plan,version,state}``, gauges read at
-each scrape (one count over the flows), and ``ferry_flow_engines{alive}``.
+``ferry_flow_flows{state}`` and, for the unfinished states, ``ferry_flow_plan_flows{plan,version,
+state}``: gauges read at each scrape (a pass over the state index, and a row per unfinished
+flow); and ``ferry_flow_engines{alive}``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from prometheus_client.registry import Collector
 from ferry.projected import Tx
 
 from .. import _store
-from .._types import State
+from ._reads import count_by_state, count_unfinished_plans
 
 
 class _Counts(Collector):
@@ -32,7 +33,7 @@ class _Counts(Collector):
         )
         plans = GaugeMetricFamily(
             "ferry_flow_plan_flows",
-            "Flows in the store, by plan version and state",
+            "Unfinished flows in the store, by plan version and state",
             labels=["plan", "version", "state"],
         )
         engines = GaugeMetricFamily(
@@ -40,12 +41,10 @@ class _Counts(Collector):
             "Engines known to the store, by whether their lease runs",
             labels=["alive"],
         )
-        by_state = dict.fromkeys((s.name for s in State), 0)
-        for plan, version, state, n in _store.count_plans(self.tx, ns=self.ns):
-            by_state[state.name] += n
-            plans.add_metric([plan, str(version), state.name], n)
-        for name, n in by_state.items():
+        for name, n in count_by_state(self.tx, ns=self.ns).items():
             flows.add_metric([name], n)
+        for plan, version, state, n in count_unfinished_plans(self.tx, ns=self.ns):
+            plans.add_metric([plan, str(version), state], n)
         now = time.time()
         known = _store.load_engines(self.tx, ns=self.ns)
         alive = sum(1 for e in known if e[1] >= now)

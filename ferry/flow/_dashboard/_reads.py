@@ -142,7 +142,7 @@ class Series:
 class Overview:
     states: dict[str, int]
     total: int
-    plans: list[tuple[str, int, dict[str, int]]]  # (plan, version, counts by state)
+    plans: list[tuple[str, int, dict[str, int]]]  # (plan, version, unfinished by state)
     deadlines: list[Flow]  # parked flows with a deadline, soonest first
     parked_forever: int  # parked flows without a deadline
     engines: list[tuple[str, float, float, int]]
@@ -153,16 +153,49 @@ class Overview:
 MINUTES = 60
 
 
+def _indexed_by(tx: Tx, index: str) -> str:
+    """SQLite: use this index (its planner, with or without ``ANALYZE``, may prefer a range
+    over the state index that reads every finished flow); PostgreSQL chooses well by itself.
+    Nothing if the index is missing (a store no engine of this version has opened yet)."""
+    if tx.dialect != "sqlite":
+        return ""
+    there = tx.execute("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = ?", (index,))
+    return f" INDEXED BY {index}" if there else ""
+
+
+#: The states whose flows are counted per plan (the finished are counted only by state: there
+#: are usually many of them, and counting them per plan reads every row).
+UNFINISHED = ("RUNNING", "PARKED", "COMPENSATING", "BLOCKED")
+
+
+def count_unfinished_plans(tx: Tx, *, ns: str = "flow") -> list[tuple[str, int, str, int]]:
+    """``(plan, version, state, flows)`` of the unfinished flows. Cost: the state index's range
+    of each unfinished state, and a row read per unfinished flow."""
+    marks = ", ".join(f"'{s}'" for s in UNFINISHED)
+    rows = tx.execute(
+        f"SELECT plan, version, state, COUNT(*) FROM {ns}_flows"
+        f"{_indexed_by(tx, f'{ns}_flows_state_created')} WHERE state IN ({marks})"
+        " GROUP BY plan, version, state ORDER BY plan, version, state"
+    )
+    return [(r[0], r[1], r[2], r[3]) for r in rows]
+
+
+def count_by_state(tx: Tx, *, ns: str = "flow") -> dict[str, int]:
+    """Flows in each state (every state, 0 if none). Cost: one pass over the state index."""
+    counts = dict.fromkeys((s.name for s in State), 0)
+    for state, n in tx.execute(f"SELECT state, COUNT(*) FROM {ns}_flows GROUP BY state"):
+        counts[state] = n
+    return counts
+
+
 def page_overview(tx: Tx, *, now: float, ns: str = "flow", deadlines: int = 15) -> Overview:
-    """Counts by state and by plan version, the parked flows by deadline, the engines, and the
-    per-minute series. Cost: a count over the flows (an index scan) and index ranges for the
-    rest."""
-    states = dict.fromkeys((s.name for s in State), 0)
+    """Counts by state, the unfinished flows by plan version, the parked flows by deadline, the
+    engines, and the per-minute series. Cost: a pass over the state index (the counts), a row
+    per unfinished flow, and index ranges for the rest (about a second at a million flows)."""
+    states = count_by_state(tx, ns=ns)
     plans: dict[tuple[str, int], dict[str, int]] = {}
-    for plan, version, state, n in _store.count_plans(tx, ns=ns):
-        states[state.name] += n
-        plans.setdefault((plan, version), dict.fromkeys((s.name for s in State), 0))
-        plans[(plan, version)][state.name] = n
+    for plan, version, state, n in count_unfinished_plans(tx, ns=ns):
+        plans.setdefault((plan, version), dict.fromkeys(UNFINISHED, 0))[state] = n
     cols = ", ".join(_store._FIELDS)
     soon = [
         _store._to_flow(r)
@@ -202,6 +235,7 @@ def _series(tx: Tx, now: float, ns: str) -> Series:
             started[b] = n
     rows = tx.execute(
         f"SELECT state, {bucket.replace('t', 'updated_at')}, COUNT(*) FROM {ns}_flows"
+        f"{_indexed_by(tx, f'{ns}_flows_ended')}"
         " WHERE state IN ('COMPLETED', 'FAILED') AND updated_at >= ? GROUP BY 1, 2",
         (start, start),
     )
