@@ -8,12 +8,14 @@ flow whose id and data hold markup. The browser test is tests/flow/test_dashboar
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import urllib.parse
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,7 +29,7 @@ from ferry import flow
 from ferry.flow import _machine as m
 from ferry.flow import _store
 from ferry.flow._dashboard._app import Dashboard, chart, loopback_hosts
-from ferry.flow._dashboard._reads import Reader, page_overview
+from ferry.flow._dashboard._reads import Reader, Unavailable, page_overview
 from ferry.flow._machine import Flow
 
 from ._helpers import _InlineTx
@@ -343,3 +345,37 @@ def test_overview_reads(db: str) -> None:
     assert sum(later.series.started) == sum(later.series.completed) == 0
     drawn = chart(o.series)
     assert drawn["top"] == 9 and all(len(p.split()) == 60 for _n, p, _t in drawn["lines"])
+
+
+async def test_a_read_past_its_time_limit_is_interrupted(db: str) -> None:
+    """A read that runs too long is said to be unavailable at the time limit, and its statement
+    is interrupted: the worker thread ends instead of reading on (here: for ever)."""
+    reader = Reader(path=db, timeout=0.2)
+    ended = threading.Event()
+
+    def forever(tx: Any) -> Any:
+        try:
+            return tx.execute(
+                "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c)"
+                " SELECT COUNT(*) FROM c"
+            )
+        finally:
+            ended.set()
+
+    with pytest.raises(Unavailable, match=r"no answer within 0\.2 s"):
+        await reader.read(forever)
+    assert await trio.to_thread.run_sync(ended.wait, 10.0)
+
+
+async def test_actions_and_refusals_are_logged(
+    web: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="ferry.flow")
+    await web.post("/flow/resume", data={"id": "blocked", "token": "nope" * 5})
+    await web.post("/flow/resume", data={"id": "blocked", "token": TOKEN})
+    mine = [r for r in caplog.records if r.getMessage().startswith("dashboard:")]
+    assert [(r.levelname, getattr(r, "flow_id", None)) for r in mine] == [
+        ("WARNING", "blocked"),
+        ("INFO", "blocked"),
+    ]
+    assert "wrong token" in mine[0].getMessage() and "resume" in mine[1].getMessage()

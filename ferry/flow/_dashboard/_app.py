@@ -25,6 +25,8 @@ from __future__ import annotations
 import datetime
 import hmac
 import json
+import logging
+import math
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -58,6 +60,8 @@ from ._reads import (
     page_flows,
     page_overview,
 )
+
+_log = logging.getLogger("ferry.flow")
 
 #: How often the overview reloads itself, and a page that found the store unavailable.
 REFRESH = 5
@@ -216,11 +220,15 @@ class Dashboard:
 
     async def overview(self, request: Request) -> Response:
         now = self.clock()
+        began = time.monotonic()
         try:
             o = await self.reader.read(lambda tx: page_overview(tx, now=now, ns=self.reader.ns))
         except Unavailable as why:
             return self.unavailable("Overview", why)
-        return self.render("overview.html", refresh=REFRESH, o=o, chart=chart(o.series))
+        # A store so big that the counts take long is asked less often (at most a tenth of the
+        # time spent counting).
+        refresh = max(REFRESH, math.ceil(10 * (time.monotonic() - began)))
+        return self.render("overview.html", refresh=refresh, o=o, chart=chart(o.series))
 
     async def flows(self, request: Request) -> Response:
         q = request.query_params
@@ -312,6 +320,13 @@ class Dashboard:
         form = await _form(request)
         refused = self._allowed(form)
         if refused is not None:
+            _log.warning(
+                "dashboard: %s of flow %r refused: %s",
+                action,
+                form.get("id"),
+                refused,
+                extra={"flow_id": form.get("id")},
+            )
             return await self._after(request, problem=refused, status=403)
         fid = form.get("id", "")
         if not fid:
@@ -333,7 +348,14 @@ class Dashboard:
             )
         except (FlowError, ValueError, TypeError) as exc:
             return await self._after(request, problem=f"refused: {exc}", status=409)
-        except Exception as exc:
+        except Exception as exc:  # the store: said on the page, and logged
+            _log.warning(
+                "dashboard: %s of flow %r failed",
+                action,
+                fid,
+                exc_info=True,
+                extra={"flow_id": fid},
+            )
             return await self._after(
                 request,
                 status=503,
@@ -341,6 +363,13 @@ class Dashboard:
                 f" {' '.join(str(exc).split())}",
             )
         key = _outcome_key(action, outcome)
+        _log.info(
+            "dashboard: %s of flow %r by an operator: %s",
+            action,
+            fid,
+            key or "did not apply",
+            extra={"flow_id": fid},
+        )
         if key is None:
             return await self._after(
                 request, status=409, problem=f"{action} did not apply: {_NOT_DONE[action]}"

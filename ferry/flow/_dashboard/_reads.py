@@ -15,9 +15,11 @@ transaction); they return plain records for the templates.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sqlite3
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -34,6 +36,7 @@ from .._machine import Flow
 from .._types import Event, State
 
 T = TypeVar("T")
+_log = logging.getLogger("ferry.flow")
 
 
 class Unavailable(Exception):
@@ -96,22 +99,42 @@ class Reader:
             with trio.fail_after(self.timeout):
                 if self._store is not None:
                     return await self._store.transact(partial_pg(checked, self.timeout))
-                return await trio.to_thread.run_sync(self._sqlite, checked)
+                return await self._read_sqlite(checked)
         except (Unavailable, ValueError):
             raise
         except trio.TooSlowError:
-            raise Unavailable(f"no answer within {self.timeout:g} s") from None
+            why = f"no answer within {self.timeout:g} s"
         except Exception as exc:  # a database error: down, locked, a file gone
-            raise Unavailable(f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
+            why = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        _log.warning("dashboard: the store is unavailable (%s); the page retries by itself", why)
+        raise Unavailable(why)
 
-    def _sqlite(self, fn: Callable[[Tx], T]) -> T:  # worker thread
+    async def _read_sqlite(self, fn: Callable[[Tx], T]) -> T:
+        """`fn` on a read-only connection in a worker thread. Cancelled (the time limit), the
+        statement in progress is interrupted and the thread left to close its connection."""
         assert self._uri is not None
-        conn = sqlite3.connect(self._uri, uri=True, timeout=self.timeout, isolation_level=None)
+        uri, timeout = self._uri, self.timeout
+        opened: list[sqlite3.Connection] = []
+        gone = threading.Event()
+
+        def work() -> T:  # worker thread
+            conn = sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None)
+            opened.append(conn)
+            try:
+                if gone.is_set():
+                    raise trio.TooSlowError  # abandoned before it began
+                conn.execute("BEGIN")  # one snapshot for the whole page
+                return fn(_RoTx(conn))
+            finally:
+                conn.close()
+
         try:
-            conn.execute("BEGIN")  # one snapshot for the whole page
-            return fn(_RoTx(conn))
-        finally:
-            conn.close()
+            return await trio.to_thread.run_sync(work, abandon_on_cancel=True)
+        except trio.Cancelled:
+            gone.set()
+            for conn in opened:
+                conn.interrupt()  # thread-safe; the thread's statement raises and it closes
+            raise
 
 
 def partial_pg(fn: Callable[[Tx], T], timeout: float) -> Callable[[Tx], T]:
