@@ -379,3 +379,11 @@ async def test_actions_and_refusals_are_logged(
         ("INFO", "blocked"),
     ]
     assert "wrong token" in mine[0].getMessage() and "resume" in mine[1].getMessage()
+
+
+def test_the_screenshot_in_the_docs_is_a_png() -> None:
+    """docs/dashboard.md and docs/flow.md show the flow page the browser test photographs."""
+    doc = ROOT / "docs" / "img" / "dashboard-flow.png"
+    assert doc.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and doc.stat().st_size > 10_000
+    for page in ("dashboard.md", "flow.md"):
+        assert "img/dashboard-flow.png" in (ROOT / "docs" / page).read_text()
