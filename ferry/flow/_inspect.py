@@ -625,7 +625,7 @@ async def do_serve(args: argparse.Namespace, store: Store) -> None:
         from ._dashboard._serve import run_command
     except ImportError as exc:
         raise Problem(
-            f"the dashboard needs its extra ({exc.name} is missing):"
+            f"the dashboard needs its extra ({(exc.name or '?').split('.')[0]} is missing):"
             " pip install 'stm-ferry[dashboard]'"
         ) from None
     await run_command(

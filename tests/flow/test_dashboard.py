@@ -387,3 +387,16 @@ def test_the_screenshot_in_the_docs_is_a_png() -> None:
     assert doc.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and doc.stat().st_size > 10_000
     for page in ("dashboard.md", "flow.md"):
         assert "img/dashboard-flow.png" in (ROOT / "docs" / page).read_text()
+
+
+def test_serve_without_the_extra_says_what_to_install(
+    db: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ferry.flow._inspect import main
+
+    monkeypatch.setitem(sys.modules, "hypercorn", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "ferry.flow._dashboard._serve", raising=False)
+    assert main([db, "serve"]) == 1
+    err = capsys.readouterr().err
+    assert "the dashboard needs its extra (hypercorn is missing)" in err
+    assert "pip install 'stm-ferry[dashboard]'" in err
