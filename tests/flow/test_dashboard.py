@@ -210,6 +210,8 @@ async def test_read_only_shows_no_buttons_and_refuses_posts(db: str) -> None:
 async def test_sqlite_engine_lock_is_explained(web: httpx.AsyncClient, db: str) -> None:
     before = row(db, "blocked")
     async with flow.open_engine(db, [], serve=False):
+        for url in ("/", "/flows", flow_url("blocked")):  # the pages take no lock
+            assert (await web.get(url)).status_code == 200, url
         r = await web.post("/flow/resume", data={"id": "blocked", "token": TOKEN})
     assert r.status_code == 409 and "a flow engine is serving this SQLite file" in r.text
     assert row(db, "blocked") == before

@@ -247,7 +247,12 @@ def _series(tx: Tx, now: float, ns: str) -> Series:
     started = [0] * MINUTES
     completed = [0] * MINUTES
     failed = [0] * MINUTES
-    bucket = "CAST((t - ?) / 60 AS INTEGER)"
+    # The minute since `start` (t >= start): SQLite's CAST truncates, PostgreSQL's rounds.
+    bucket = (
+        "CAST(FLOOR((t - ?) / 60) AS INTEGER)"
+        if tx.dialect == "postgres"
+        else "CAST((t - ?) / 60 AS INTEGER)"
+    )
     rows = tx.execute(
         f"SELECT {bucket.replace('t', 'created_at')}, COUNT(*) FROM {ns}_flows"
         " WHERE created_at >= ? GROUP BY 1",
