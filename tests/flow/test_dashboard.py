@@ -402,3 +402,21 @@ def test_serve_without_the_extra_says_what_to_install(
     err = capsys.readouterr().err
     assert "the dashboard needs its extra (hypercorn is missing)" in err
     assert "pip install 'stm-ferry[dashboard]'" in err
+
+
+async def test_pages_never_wait_for_the_writer(db: str) -> None:
+    """An engine's write transaction in progress (SQLite's write lock held) does not hold a
+    page up: the dashboard reads a snapshot and takes no write lock."""
+    dash = Dashboard(reader=Reader(path=db, timeout=0.5), store=db, where="x", token=TOKEN)
+    writer = sqlite3.connect(db, isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")
+    writer.execute("UPDATE flow_flows SET attempt = attempt + 1 WHERE flow_id = 'running'")
+    try:
+        async with await client_of(dash) as web:
+            for url in ("/", "/flows", flow_url("running")):
+                r = await web.get(url)
+                assert r.status_code == 200, url
+            assert "(attempt 1)" in r.text  # the last committed state, not the writer's
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
