@@ -622,20 +622,23 @@ async def do_resume(args: argparse.Namespace, store: Store) -> None:
 
 async def do_serve(args: argparse.Namespace, store: Store) -> None:
     try:
-        from ._dashboard._serve import run_command
+        from ._dashboard._serve import CannotListen, run_command
     except ImportError as exc:
         raise Problem(
             f"the dashboard needs its extra ({(exc.name or '?').split('.')[0]} is missing):"
             " pip install 'stm-ferry[dashboard]'"
         ) from None
-    await run_command(
-        args.store,
-        where=args.where,
-        is_dsn=_is_dsn(args.store),
-        host=args.host,
-        port=args.port,
-        read_only=args.read_only,
-    )
+    try:
+        await run_command(
+            args.store,
+            where=args.where,
+            is_dsn=_is_dsn(args.store),
+            host=args.host,
+            port=args.port,
+            read_only=args.read_only,
+        )
+    except CannotListen as exc:
+        raise Problem(str(exc)) from None
 
 
 COMMANDS = {

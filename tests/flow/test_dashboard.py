@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -315,6 +316,13 @@ def test_serve_refuses_bad_arguments(db: str, capsys: pytest.CaptureFixture[str]
 
     assert main([db, "serve", "--port", "99999"]) == 2
     assert "'99999' is not a port" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main([db, "serve", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in err
 
 
 async def test_import_ferry_flow_imports_no_web_toolkit() -> None:

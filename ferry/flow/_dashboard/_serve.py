@@ -12,6 +12,7 @@ import contextlib
 import logging
 import secrets
 import signal
+import socket
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -26,6 +27,10 @@ from ._app import Dashboard, loopback_hosts
 from ._reads import Reader
 
 _log = logging.getLogger("ferry.flow")
+
+
+class CannotListen(Exception):
+    """The server could not bind its address (the message says which, and why)."""
 
 
 @contextlib.asynccontextmanager
@@ -59,6 +64,22 @@ def _bind(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+async def _check_address(host: str, port: int) -> None:
+    """Bind `host`:`port` once and let it go, so that an address in use (or not this
+    machine's) is one clear `CannotListen` rather than an error from inside the server."""
+    try:
+        infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _name, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        raise CannotListen(
+            f"cannot listen on {_bind(host, port)}: {exc.strerror or exc}"
+            " (pick another --port or --host)"
+        ) from None
+
+
 async def serve(
     dashboard: Dashboard,
     *,
@@ -90,6 +111,7 @@ async def run_command(
             open_dashboard(spec, where=where, is_dsn=is_dsn, read_only=read_only) as dashboard,
             trio.open_nursery() as nursery,
         ):
+            await _check_address(host, port)
             url = await nursery.start(partial(serve, dashboard, host=host, port=port))
             lines = [f"ferry.flow dashboard for {where} on {url}/"]
             if read_only:
