@@ -404,9 +404,11 @@ def test_serve_without_the_extra_says_what_to_install(
 ) -> None:
     from ferry.flow._inspect import main
 
-    monkeypatch.setitem(sys.modules, "hypercorn", None)  # as if it were not installed
+    for name in ["hypercorn", *(n for n in sys.modules if n.startswith("hypercorn."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
     monkeypatch.delitem(sys.modules, "ferry.flow._dashboard._serve", raising=False)
-    assert main([db, "serve"]) == 1
+    # (an address that cannot be bound: were the import to work, this ends, not serves)
+    assert main([db, "serve", "--host", "256.1.1.1"]) == 1
     err = capsys.readouterr().err
     assert "the dashboard needs its extra (hypercorn is missing)" in err
     assert "pip install 'stm-ferry[dashboard]'" in err
