@@ -1422,7 +1422,9 @@ def open_engine(
     engine in the rows it leases (default: a new uuid; names must be unique among live
     engines). Creates the tables if missing, records its
     plans' shapes in the store, takes the SQLite file's engine lock (`StoreLocked` if another
-    engine holds it), then recovers (SPEC 5.4).
+    engine holds the file, by whatever path), then recovers (SPEC 5.4). A path that cannot be
+    an engine's file (``":memory:"``, a ``file:`` URI, a directory, an empty path, a file that
+    is not SQLite) is a `ValueError` saying what to give instead, before anything is created.
 
     One SQLite file is served by one engine: at open every running and compensating flow runs
     again (attempt + 1) and every parked flow's timer is armed (overdue ones time out at once).

@@ -434,6 +434,10 @@ def test_on_postgres_reads_and_an_action_leave_the_flow_to_the_fleet(
     shown = run_json(capsys, dsn, "show", "parked")
     assert shown["flow"]["state"] == "RUNNING" and shown["flow"]["owner"] is None
     assert run_json(capsys, dsn, "stats")["orphans"] == 2  # the gone engine's, and this one
+    # `show` follows the rule `stats` counts with
+    assert run_json(capsys, dsn, "show", "orphan")["held"]["lapsed"] is True
+    assert run_json(capsys, dsn, "show", "running")["held"]["lapsed"] is False
+    assert "(held)" in run(capsys, dsn, "show", "running")[1]
 
 
 def test_on_postgres_a_schema_without_flows_is_one_line_and_stays_empty(
