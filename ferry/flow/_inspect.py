@@ -41,7 +41,7 @@ from . import _store
 from ._engine import open_engine
 from ._errors import FlowError, StoreLocked
 from ._machine import Flow
-from ._sqlite_file import SQLITE_HEADER, check_path
+from ._sqlite_file import SQLITE_HEADER, check_path, read_header
 from ._types import Delivery, Json, State
 
 PROG = "python -m ferry.flow"
@@ -193,8 +193,7 @@ def _check_sqlite(spec: str, where: str) -> None:
             f"no such SQLite file: {where} (give the path of an engine's SQLite file, or a"
             " PostgreSQL DSN)"
         )
-    with open(spec, "rb") as file:
-        header = file.read(100)
+    header = read_header(spec)
     if not header:
         raise Problem(_NO_FLOWS.format(where=where) + ": the file is empty")
     if not header.startswith(SQLITE_HEADER):

@@ -154,6 +154,18 @@ def _open(path: str, shown: str) -> tuple[int, tuple[int, int]]:
     return fd, (st.st_dev, st.st_ino)
 
 
+def read_header(path: str, size: int = 100) -> bytes:
+    """The first `size` bytes of the file at `path` (`OSError` if it cannot be read), read so
+    that no SQLite lock of this process is dropped (the descriptor is closed only if no other
+    descriptor of the process has the file open, else kept: see the module doc)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    try:
+        return os.pread(fd, size, 0)
+    finally:
+        _close(fd, (st.st_dev, st.st_ino))
+
+
 def _check_header(fd: int, path: str) -> None:
     header = os.pread(fd, len(SQLITE_HEADER), 0)
     if header and header != SQLITE_HEADER:
