@@ -29,7 +29,7 @@ import trio
 import trio.testing
 
 from ferry import flow
-from ferry.flow import _inspect
+from ferry.flow import _inspect, _sqlite_file
 from ferry.projected import PostgresStore, SqliteStore
 from tests import pg
 
@@ -106,6 +106,23 @@ async def test_the_engine_lock_belongs_to_the_file_whatever_the_path(
     assert files(tmp_path) == ["elsewhere", "flows.db", "hard.db", "link.db"]  # no side file
     async with engine_on(str(tmp_path / "hard.db"), plan) as engine:  # released at close
         assert (await engine.get(fid)) is not None
+
+
+async def test_where_flock_would_block_sqlite_the_lock_is_beside_the_real_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, autojump_clock: Any
+) -> None:
+    # macOS and the BSDs keep flock and POSIX locks in one list: there the lock is an flock on
+    # a sidecar beside the file's real path (symlinks and relative paths meet there).
+    monkeypatch.setattr(_sqlite_file, "ON_THE_FILE", False)
+    db = tmp_path / "flows.db"
+    (tmp_path / "link.db").symlink_to(db)
+    async with engine_on(str(db), plan_of(_noop)):
+        with pytest.raises(flow.StoreLocked, match=r"flows\.db\.engine-lock"):
+            async with engine_on(str(tmp_path / "link.db"), plan_of(_noop)):
+                pass
+    async with engine_on(str(tmp_path / "link.db"), plan_of(_noop)):
+        pass
+    assert files(tmp_path) == ["flows.db", "flows.db.engine-lock", "link.db"]
 
 
 def _posix_locks(path: Path) -> set[tuple[str, str, str]]:
