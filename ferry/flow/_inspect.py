@@ -135,11 +135,12 @@ def parser() -> argparse.ArgumentParser:
     cancel.add_argument("--reason", default="cancelled by an operator", help="recorded as why")
     resume = command("resume", "Re-drive a BLOCKED flow (Engine.resume).")
     resume.add_argument("flow_id", metavar="FLOW_ID")
-    serve = command(
-        "serve",
+    what = (
         "Serve the dashboard, a web page of the flows with wake, cancel and resume buttons"
-        " (needs: pip install 'stm-ferry[dashboard]').",
+        " (needs: pip install 'stm-ferry[dashboard]')."
     )
+    serve = sub.add_parser("serve", help=what, description=what)  # no --json: it prints no table
+    serve.set_defaults(json=False)
     serve.add_argument(
         "--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine)"
     )
