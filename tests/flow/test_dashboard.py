@@ -430,3 +430,14 @@ async def test_pages_never_wait_for_the_writer(db: str) -> None:
     finally:
         writer.execute("ROLLBACK")
         writer.close()
+
+
+async def test_a_long_history_shows_its_latest_events(
+    web: httpx.AsyncClient, db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ferry.flow._dashboard import _reads
+
+    monkeypatch.setattr(_reads, "HISTORY", 2)
+    r = await web.get(flow_url("blocked"))
+    assert re.findall(r'<span class="kind">([a-z_]+)</span>', r.text) == ["step", "blocked"]
+    assert text_of(r.text, "history-cut") == "The last 2 of 4 events."

@@ -290,6 +290,11 @@ class FlowPage:
     mailbox: list[Message]
     held: tuple[str, float | None, bool] | None  # (engine, until, lapsed) of an active flow
     created_at: float
+    events: int  # in its whole history (`history` holds the last `HISTORY` of them)
+
+
+#: The most history events a flow's page shows (the latest).
+HISTORY = 500
 
 
 def pretty(text: str) -> str:
@@ -306,6 +311,8 @@ def page_flow(tx: Tx, flow_id: str, *, ns: str = "flow") -> FlowPage | None:
     if f is None:
         return None
     history = _store.load_history(tx, flow_id, ns=ns) or []
+    events = len(history)
+    history = history[-HISTORY:]
     rows = tx.execute(
         f"SELECT message_id, payload, status, at FROM {ns}_mailbox WHERE flow_id = ? ORDER BY seq",
         (flow_id,),
@@ -327,6 +334,7 @@ def page_flow(tx: Tx, flow_id: str, *, ns: str = "flow") -> FlowPage | None:
         mailbox=[Message(r[0], pretty(r[1]), r[2], r[3]) for r in rows],
         held=held,
         created_at=created[0][0] if created else f.updated_at,
+        events=events,
     )
 
 
