@@ -121,6 +121,7 @@ def chrome(profile: str) -> Any:
 
 
 async def test_the_dashboard_in_a_browser(pg_server: pg.PgServer, tmp_path: Path) -> None:
+    reached.clear()  # (a second run in one process starts afresh)
     dsn = pg_server.fresh_schema_dsn()
     shots = tmp_path / "screenshots"
     shots.mkdir()
