@@ -1831,7 +1831,8 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                     raise
             if engine._serve:
                 with trio.CancelScope(shield=True), trio.move_on_after(engine._lease / 3):
-                    await engine._let_go_unbegun()
+                    if engine_error is None:  # after a bug, touch no flow: they run again
+                        await engine._let_go_unbegun()
                     if engine._fleet:
                         await engine._release()
     finally:
