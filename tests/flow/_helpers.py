@@ -63,7 +63,9 @@ class InlineSqliteStore:
             await self.gate.wait()
         if self.fail_next:
             self.fail_next -= 1
-            raise sqlite3.OperationalError("database is unavailable (planted by the test)")
+            busy = sqlite3.OperationalError("database is unavailable (planted by the test)")
+            busy.sqlite_errorcode = 5  # SQLITE_BUSY: what the engine retries
+            raise busy
         if self._conn is None:
             self._conn = sqlite3.connect(self.path, isolation_level=None)
             self._conn.execute("PRAGMA journal_mode=WAL")
@@ -185,7 +187,9 @@ class ValveStore(InlineSqliteStore):
                 if w in self._waiting:
                     self._waiting.remove(w)
             if w.fail:
-                raise sqlite3.OperationalError(f"{name} failed (planted by the test)")
+                busy = sqlite3.OperationalError(f"{name} failed (planted by the test)")
+                busy.sqlite_errorcode = 5  # SQLITE_BUSY: the store is unavailable
+                raise busy
             result = await super().transact(fn)
             if w.answer is not None:
                 await w.answer.wait()
