@@ -224,6 +224,13 @@ async def test_an_orphan_is_claimed_by_exactly_one_engine(
         assert sum(claims) == 3 and [e[0] for e in log].count("reserve") == 3
 
 
+def gone_pid() -> int:
+    """The id of a process of this host that is gone (it ran, exited and was reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
 async def _as_if_killed(store: InlineSqliteStore, owner: str, until: float, pid: int) -> None:
     """The engine row of `owner` as a killed engine leaves it: its lease still runs, and it
     names the process `pid`."""
@@ -248,9 +255,7 @@ async def test_a_restart_under_the_same_name_resumes_at_once_when_the_old_proces
         await trio.testing.wait_all_tasks_blocked()
         until = await engine_lease(store, "a")
     assert until is not None
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()  # a process of this host that is gone
-    await _as_if_killed(store, "a", until, proc.pid)
+    await _as_if_killed(store, "a", until, gone_pid())
     async with fleet_engine(InlineSqliteStore(path), plan, owner="a") as again:
         await trio.testing.wait_all_tasks_blocked()
         assert ("charge", "f", 2) in log and trio.current_time() < LEASE / 10
@@ -269,7 +274,7 @@ async def test_a_second_engine_under_a_live_name_is_refused_until_the_lease_laps
     async with fleet_engine(store, plan, owner="a") as a:
         await a.start(plan, flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
-        with pytest.raises(flow.StoreLocked, match="owner 'a'.*one live engine per owner name"):
+        with pytest.raises(flow.StoreLocked, match=r"owner 'a'.*one live engine per owner name"):
             async with fleet_engine(InlineSqliteStore(path), plan, owner="a"):
                 pytest.fail("a second engine opened under a live owner name")  # pragma: no cover
         assert [e for e in log if e[0] == "charge"] == [("charge", "f", 1)]  # nothing ran twice
