@@ -909,7 +909,7 @@ def live_plans(tx: Tx, now: float, *, ns: str = "flow") -> list[Shape]:
     live engines' lists, then the registered shapes."""
     have: set[tuple[str, int]] = set()
     rows = tx.execute(
-        f"SELECT plans FROM {ns}_engines WHERE lease_until >= ? AND plans IS NOT NULL", (now,)
+        f"SELECT plans FROM {ns}_engines WHERE lease_until > ? AND plans IS NOT NULL", (now,)
     )
     for (text,) in rows:
         have.update((name, version) for name, version in json.loads(text))
