@@ -103,7 +103,7 @@ def engines(tmp_path: Path, dsn: str) -> Iterator[Callable[..., Engine]]:
 
 
 def runs(dsn: str) -> list[tuple[str, str, int, str]]:
-    return sorted(tuple(r) for r in query(dsn, "SELECT * FROM edge_runs"))  # type: ignore[misc]
+    return sorted(tuple(r) for r in query(dsn, "SELECT * FROM edge_runs"))
 
 
 def until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
@@ -114,7 +114,7 @@ def until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
 
 
 def states(dsn: str) -> dict[str, str]:
-    return dict(query(dsn, "SELECT flow_id, state FROM flow_flows"))  # type: ignore[arg-type]
+    return dict(query(dsn, "SELECT flow_id, state FROM flow_flows"))
 
 
 def all_completed(dsn: str, n: int) -> Callable[[], bool]:
