@@ -150,10 +150,10 @@ def test_a_step_that_holds_the_loop_longer_than_the_lease_loses_nothing(
 ) -> None:
     """Engine a's step keeps the trio loop busy for 2.5 s with a lease of 1 s: its heartbeat
     thread keeps the lease, so engine b takes nothing over and the step runs once."""
+    b = engines("b", "--lease", "1", "--hold", "0")
+    b.ready()  # b scans every third of a second from now on
     a = engines("a", "--lease", "1", "--hold", "2.5", "--busy", "--start", "1")
     a.ready()
-    b = engines("b", "--lease", "1", "--hold", "0")
-    b.ready()
     until(all_completed(dsn, 1), "completed flow")
     b_stats, a_stats = b.stop(), a.stop()
     assert b_stats["claimed"] == 0 and a_stats["lost"] == 0
