@@ -604,6 +604,8 @@ class Engine:
             key = (flow.plan, flow.version)
             shape = self._shapes.get(key)
             reason = m.mismatch(flow, shape)
+            if reason is not None and self._fleet and await self._to_the_fleet(live):
+                return  # a version another live engine has: left to it, not blocked
             if reason is not None:
                 now = self._now()
                 await self._own(live, _on_row(m.block, reason, now))
@@ -902,6 +904,23 @@ class Engine:
             self._lease,
             extra={"owner": self._owner},
         )
+
+    async def _to_the_fleet(self, live: _Live) -> bool:
+        """A flow this fleet engine holds but lacks the plan version of (it came back to it
+        while no engine with the version was live, or the fleet's list was stale): if a live
+        engine has the version now, let the flow go (released with the next renewal, then
+        taken over by such an engine) and say True; else False (it is blocked: no live engine
+        could run it). A checkpoint; a store error counts as "no"."""
+        try:
+            await self._fleet_shapes(self._now())
+        except Exception as exc:
+            if not _retry.unavailable(exc):
+                raise
+            return False
+        if self._live.get(live.flow.flow_id) is not live or not self._elsewhere(live.flow):
+            return False
+        self._let_go(live, release=True)
+        return True
 
     def _lease_runs_until(self) -> float:
         """How long this engine's lease is known to run (wall clock): its own renewals and its
