@@ -39,6 +39,13 @@ revision it let go); a flow it holds but does not run is adopted (docs/adr/0040-
 after the lease may have lapsed starts a new epoch: no copy from before it runs a body until it
 has been read again (`_heartbeat`, `_confirm`, docs/adr/0047). ``serve=False`` makes an
 operator's engine, which runs and leases nothing (docs/adr/0044).
+
+At the fleet's edges (docs/adr/0071-0075): each opening is an incarnation of its owner name
+(`_claim`: `StoreLocked` while another live one holds it); on PostgreSQL a thread renews the
+lease without the trio loop (`_heartbeat.Keeper`); every body runs under a deadline at the
+lease's margin, moved on with each renewal (`_trust_deadline`, `_retrust`), so a loop that
+wakes after a lapse cancels its steps before they go on (`_lose_all`); a flow of a version this
+engine lacks and a live engine has is left to that engine (`_versioned`, `_elsewhere`).
 """
 
 from __future__ import annotations
@@ -1820,8 +1827,9 @@ def open_engine(
     `SqliteStore`/`PostgresStore` (left open). `plans`: the plans it runs (several versions of
     one plan may be given; at least one, unless ``serve=False``). At most `max_running` flows
     run at once; the others wait their turn, first come first served. `owner` names this
-    engine in the rows it leases (default: a new uuid; names must be unique among live
-    engines). Creates the tables if missing, records its
+    engine in the rows it leases (default: a new uuid; printable, 1 to 200 characters; on a
+    fleet one live engine per name: `StoreLocked` naming the owner while another holds it).
+    `lease`: 0.5 s to 86,400 s (`ValueError` outside). Creates the tables if missing, records its
     plans' shapes in the store, takes the SQLite file's engine lock (`StoreLocked` if another
     engine holds it), then recovers (SPEC 5.4).
 
