@@ -141,7 +141,7 @@ async def test_a_renewal_that_fails_is_retried_at_once_and_logged(
         await trio.testing.wait_all_tasks_blocked()
         store.fail_next = 1  # the next renewal's transaction fails (the database is busy)
         renewals = a.statistics().renewals
-        await until(lambda: _true(a.statistics().renewals > renewals), step=0.01)
+        await until(lambda: _true(a.statistics().renewals > renewals), step=1.0)
         # ... and its retry went through at once: same moment, nothing let go.
         assert a.statistics().lost == 0
         retries = [r for r in caplog.records if "renewing its lease failed" in r.getMessage()]
