@@ -132,6 +132,15 @@ def _rolled_back(exc: BaseException) -> bool:
     return str(getattr(exc, "sqlstate", None) or "").startswith("40")
 
 
+def _transient(exc: BaseException) -> bool:
+    """Is `exc` the store failing for now (unavailable, or a write the ferry could not get
+    through: `ferry.Failed`), also as an exception group of those? A scan or a check that meets
+    one tries again at its next round; anything else is a bug and is raised."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_transient(e) for e in exc.exceptions)
+    return isinstance(exc, Failed) or _retry.unavailable(exc)
+
+
 def _wrong_run(method: str) -> RuntimeError:
     try:
         trio.lowlevel.current_trio_token()
@@ -846,7 +855,7 @@ class Engine:
             try:
                 await self._scan()
             except Exception as exc:
-                if not _retry.unavailable(exc):
+                if not _transient(exc):
                     raise
                 _log.warning(
                     "flow engine %r: its first scan failed (%r); the next one is in %.1f s",
@@ -921,7 +930,7 @@ class Engine:
         try:
             await self._fleet_shapes(self._now())
         except Exception as exc:
-            if not _retry.unavailable(exc):
+            if not _transient(exc):
                 raise
             return False
         if self._live.get(live.flow.flow_id) is not live or not self._elsewhere(live.flow):
@@ -1069,7 +1078,7 @@ class Engine:
                     before = self._now() - _PRUNE_AFTER * self._lease
                     await self._store.transact(partial(_store.prune_engines, before=before))
             except Exception as exc:
-                if not _retry.unavailable(exc):
+                if not _transient(exc):
                     raise
                 _log.warning(
                     "flow engine %r: a scan of the fleet failed (%r); the next one is in %.1f s",
@@ -1091,7 +1100,7 @@ class Engine:
             try:
                 await self._check_held()
             except Exception as exc:
-                if not _retry.unavailable(exc):
+                if not _transient(exc):
                     raise
                 _log.warning(
                     "flow engine %r: reading the flows it holds failed (%r); again in %.1f s",
@@ -1291,7 +1300,7 @@ class Engine:
         try:
             await self._store.transact(end)
         except Exception as exc:
-            if not _retry.unavailable(exc):
+            if not _transient(exc):
                 raise
             _log.warning(
                 "flow engine %r: ending its lease at close failed (%r): its flows wait for the"

@@ -7,8 +7,9 @@ flows over and runs their steps again while the first one's steps are still goin
 thread keeps running while the loop is held (Python switches threads every few milliseconds even
 under CPU-bound code), so it renews on time.
 
-`Keeper` owns one connection of its own (not one of the store's pool, which may all be busy
-with batches or dead after a network fault) and, every third of the lease, extends the
+`Keeper` owns one connection of its own, in autocommit (not one of the store's pool, which
+may all be busy with batches or dead after a network fault) and, every third of the lease,
+extends the
 incarnation's lease (`_store.renew_lease`). It renews only a lease that still runs: past the
 margin the renewal is the engine's own, through the store, with the re-read of the flows it runs
 (ADR 0047); that is also what a process frozen as a whole (SIGSTOP) sees when it thaws, since the
@@ -184,23 +185,15 @@ class Keeper:
             import psycopg
 
             guard = max(1, int(self._lease * 250))  # ms: a quarter of the lease
+            # Autocommit: each statement commits on its own, so a process frozen between two
+            # statements holds no lock on its lease row (a takeover of its flows locks that
+            # row, ADR 0048, and would wait for as long as the process sleeps).
             conn = psycopg.connect(
-                self._dsn, autocommit=False, connect_timeout=max(2, round(self._lease / 4))
+                self._dsn, autocommit=True, connect_timeout=max(2, round(self._lease / 4))
             )
             conn.execute(f"SET statement_timeout = {guard}")
-            conn.commit()
             self._conn = conn
-        conn = self._conn
-        try:
-            result = fn(_ConnTx(conn))
-            conn.commit()
-        except BaseException:
-            try:
-                conn.rollback()
-            except Exception:  # the connection is dead: the next try opens a fresh one
-                self._close()
-            raise
-        return result
+        return fn(_ConnTx(self._conn))
 
     def _close(self) -> None:
         conn, self._conn = self._conn, None
