@@ -222,10 +222,13 @@ class FleetChecker(FlowChecker):
         row = m.row
         if row.owner is None:
             return "no owner"
+        named = [e for e, name in enumerate(self.names) if name == row.owner]
+        if len(named) > 1:  # incarnations of one name: the one that holds it, if any
+            named = [e for e in named if m.holders[e]] or named
+        e = named[0]
         if row.lease_until is not None:
-            return f"{row.owner} let it go"
-        holders = self._holders(m)
-        return f"{row.owner}" + (f" (engine {holders})" if holders else ", whose lease lapsed")
+            return f"engine {e} let it go"
+        return f"engine {e}" + ("" if m.leases[e] and m.holders[e] else ", whose lease lapsed")
 
     def _live_with_plan(self, m: S, e: int) -> bool:
         """Does an engine other than e, up and with a lease that runs, have the plan version?"""
