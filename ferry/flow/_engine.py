@@ -1146,6 +1146,13 @@ class Engine:
                     rows = await self._store.transact(renew)
                 except _store.Superseded:
                     self._superseded = True
+                    _log.warning(
+                        "flow engine %r lost its lease for good: another engine opened under the"
+                        " same owner name after this one's lease lapsed; this one runs no flow"
+                        " any more (close it)",
+                        self._owner,
+                        extra={"owner": self._owner},
+                    )
                     self._lose_all("another engine opened under the same owner name")
                     return
                 except Exception as exc:

@@ -364,3 +364,40 @@ async def test_parked_is_not_negative_on_postgres_either(pg_server: pg.PgServer)
         for i in range(20):
             await b.wait(f"p{i}", timeout=30)
         assert b.statistics().parked >= 0 and a.statistics().parked >= 0
+
+
+# ------------------------------------------------------------------------- incarnations
+
+
+async def test_an_incarnation_whose_name_was_taken_runs_nothing_more(
+    path: str, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Engine x is cut off from the database (its store held) past its lease; a new opening
+    under the name x claims it (the lease lapsed) and resumes the flow as attempt 2. When the
+    old incarnation is back, its renewal finds the name taken: it runs nothing more and says
+    so, and only the new one's run counts."""
+    caplog.set_level(logging.WARNING, logger="ferry.flow")
+    log: Log = []
+    gates: dict[str, trio.Event] = {}
+    plan = saga(log, gates)
+    old_store = InlineSqliteStore(path)
+    async with fleet_engine(old_store, plan, owner="x") as old:
+        await old.start(plan, flow_id="f")
+        await trio.testing.wait_all_tasks_blocked()
+        old_store.gate = trio.Event()  # cut off: nothing it sends reaches the database
+        await trio.sleep(LEASE * 1.5)  # its lease lapsed
+        async with fleet_engine(InlineSqliteStore(path), plan, owner="x") as new:
+            await trio.testing.wait_all_tasks_blocked()
+            assert ("charge", "f", 2) in log and new.statistics().recovered == 1
+            old_store.gate.set()  # the old incarnation is back
+            old_store.gate = None
+            await trio.sleep(LEASE)  # its renewals meet the name taken
+            assert old.statistics().running == 0
+            gates["f/2"].set()
+            assert (await new.wait("f", timeout=60)).state is flow.State.COMPLETED
+            gates["f/1"].set()  # (its run, if it still went on, would return now)
+            await trio.sleep(LEASE)
+            assert old.statistics().running == 0
+    assert [e for e in log if e[0] == "ship"] == [("ship", "f", 1, None)]
+    said = [r.getMessage() for r in caplog.records]
+    assert any("lost its lease" in m and "same owner name" in m for m in said), said
