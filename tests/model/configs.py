@@ -242,8 +242,9 @@ FLEET_EDGES = [
         same_name=True,
     ),
     FlowConfig(
-        "fleet: engine 1 lacks the version, 2 wakes and a cancel through either, 1 crash",
+        "fleet: engine 1 lacks the version, 1 wake and a cancel through either, 1 crash",
         LEAN,
+        wakes=("m1",),
         resumes=0,
         engines=2,
         versions=True,
