@@ -28,7 +28,7 @@ from ferry.flow import _store
 from ferry.projected import PostgresStore
 from tests import pg
 
-from ._helpers import InlineSqliteStore
+from ._helpers import PlantedStore
 from .test_leases import LEASE, Log, fleet_engine, path, row, saga, until
 
 __all__ = ["path"]  # the fixture, shared
@@ -105,7 +105,7 @@ async def test_a_loop_that_wakes_after_its_lease_lapsed_cancels_its_steps_first(
     caplog.set_level(logging.INFO, logger="ferry.flow")
     log: Log = []
     plan = slow_plan(log, hold=LEASE / 2)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     async with fleet_engine(store, plan, owner="a") as a:
         for i in range(3):
             await a.start(plan, flow_id=f"f{i}")
@@ -135,7 +135,7 @@ async def test_a_renewal_that_fails_is_retried_at_once_and_logged(
     caplog.set_level(logging.WARNING, logger="ferry.flow")
     gates: dict[str, trio.Event] = {}
     plan = saga([], gates)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     async with fleet_engine(store, plan, owner="a", _scan_interval=1e9) as a:
         await a.start(plan, flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
@@ -168,8 +168,8 @@ async def test_parked_is_never_negative_and_is_the_fleets_count_after_a_scan(
         return flow.park() if ctx.wake is None else flow.COMPLETE
 
     async with (
-        fleet_engine(InlineSqliteStore(path), plan, parking, owner="b") as b,
-        fleet_engine(InlineSqliteStore(path), plan, parking, owner="a") as a,
+        fleet_engine(PlantedStore(path), plan, parking, owner="b") as b,
+        fleet_engine(PlantedStore(path), plan, parking, owner="a") as a,
     ):
         for i in range(5):
             await a.start(parking, flow_id=f"p{i}")
@@ -216,8 +216,8 @@ async def both(
 ) -> AsyncIterator[tuple[flow.Engine, flow.Engine]]:
     """Engine "new" with versions 1 and 2, engine "old" with version 1 only."""
     async with (
-        fleet_engine(InlineSqliteStore(path), v1, v2, owner="new") as new,
-        fleet_engine(InlineSqliteStore(path), v1, owner="old") as old,
+        fleet_engine(PlantedStore(path), v1, v2, owner="new") as new,
+        fleet_engine(PlantedStore(path), v1, owner="old") as old,
     ):
         yield new, old
 
@@ -227,7 +227,7 @@ async def test_a_wake_through_an_engine_without_the_version_runs_on_one_with_it(
 ) -> None:
     log: Log = []
     v1, v2 = versions(log)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     async with both(path, v1, v2) as (new, old):
         await new.start(v2, flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
@@ -245,16 +245,16 @@ async def test_timers_of_a_version_wait_for_an_engine_with_it(
 ) -> None:
     log: Log = []
     v1, v2 = versions(log, timeout=60.0)
-    store = InlineSqliteStore(path)
-    async with fleet_engine(InlineSqliteStore(path), v1, owner="old"):
-        async with fleet_engine(InlineSqliteStore(path), v1, v2, owner="new") as new:
+    store = PlantedStore(path)
+    async with fleet_engine(PlantedStore(path), v1, owner="old"):
+        async with fleet_engine(PlantedStore(path), v1, v2, owner="new") as new:
             await new.start(v2, flow_id="f")
             await trio.testing.wait_all_tasks_blocked()
         # Only "old" (without v2) is up when the park times out: it fires nothing, blocks nothing.
         await trio.sleep(120.0)
         assert (await row(store, "f")).state is flow.State.PARKED
         assert log == []
-        async with fleet_engine(InlineSqliteStore(path), v1, v2, owner="new") as back:
+        async with fleet_engine(PlantedStore(path), v1, v2, owner="new") as back:
             # ... and the flow goes on by itself once an engine with v2 is up.
             assert (await back.wait("f", timeout=LEASE)).state is flow.State.COMPLETED
     assert log == [("after", "f", "timed out")]
@@ -265,10 +265,10 @@ async def test_a_version_no_live_engine_has_still_fails_closed(
 ) -> None:
     log: Log = []
     v1, v2 = versions(log)
-    async with fleet_engine(InlineSqliteStore(path), v1, v2, owner="new") as new:
+    async with fleet_engine(PlantedStore(path), v1, v2, owner="new") as new:
         await new.start(v2, flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
-    async with fleet_engine(InlineSqliteStore(path), v1, owner="old") as old:
+    async with fleet_engine(PlantedStore(path), v1, owner="old") as old:
         assert await old.wake("f", "paid") is flow.Delivery.QUEUED
         snap = await old.wait("f", timeout=LEASE)
         assert snap.state is flow.State.BLOCKED
@@ -380,13 +380,13 @@ async def test_an_incarnation_whose_name_was_taken_runs_nothing_more(
     log: Log = []
     gates: dict[str, trio.Event] = {}
     plan = saga(log, gates)
-    old_store = InlineSqliteStore(path)
+    old_store = PlantedStore(path)
     async with fleet_engine(old_store, plan, owner="x") as old:
         await old.start(plan, flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
         old_store.gate = trio.Event()  # cut off: nothing it sends reaches the database
         await trio.sleep(LEASE * 1.5)  # its lease lapsed
-        async with fleet_engine(InlineSqliteStore(path), plan, owner="x") as new:
+        async with fleet_engine(PlantedStore(path), plan, owner="x") as new:
             await trio.testing.wait_all_tasks_blocked()
             assert ("charge", "f", 2) in log and new.statistics().recovered == 1
             old_store.gate.set()  # the old incarnation is back
