@@ -401,3 +401,23 @@ async def test_an_incarnation_whose_name_was_taken_runs_nothing_more(
     assert [e for e in log if e[0] == "ship"] == [("ship", "f", 1, None)]
     said = [r.getMessage() for r in caplog.records]
     assert any("lost its lease" in m and "same owner name" in m for m in said), said
+
+
+async def test_a_version_that_came_up_since_the_last_scan_is_read_before_a_wake_decides(
+    path: str, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Engine "old" (v1) opened first and has not scanned since "new" (v1, v2) came up: its
+    list of the fleet's versions is stale. A wake of a v2 flow through it reads the live
+    versions again instead of blocking the flow."""
+    log: Log = []
+    v1, v2 = versions(log)
+    store = PlantedStore(path)
+    async with fleet_engine(PlantedStore(path), v1, owner="old", _scan_interval=1e9) as old:
+        async with fleet_engine(PlantedStore(path), v1, v2, owner="new") as new:
+            await new.start(v2, flow_id="f")
+            await trio.testing.wait_all_tasks_blocked()
+            assert old._fleet_known == {}  # (what its last scan saw: no v2 anywhere)
+            assert await old.wake("f", "paid") is flow.Delivery.RESUMED
+            assert (await row(store, "f")).owner is None
+            assert (await new.wait("f", timeout=LEASE)).state is flow.State.COMPLETED
+    assert log == [("after", "f", "paid")]
