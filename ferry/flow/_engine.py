@@ -71,6 +71,7 @@ from . import _store
 from . import _timers as timers
 from ._errors import IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from ._machine import Flow, Mailbox, Message, Shape, Transition
+from ._observe import Observer
 from ._plan import Plan, StepDef
 from ._types import (
     IGNORE,
@@ -334,6 +335,7 @@ class Engine:
         self._stats = dict.fromkeys(_COUNTERS, 0)
         self._wakes = dict.fromkeys(Delivery, 0)
         self._parked = 0
+        self._observers: tuple[Observer, ...] = ()  # ferry.metrics (empty: nothing is observed)
         self._nursery: trio.Nursery | None = None
         self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
         self._thread = _thread_id()  # of the run that opened it: only its tasks may call it
@@ -459,6 +461,8 @@ class Engine:
                 self._parked += 1
             elif write and state in _ENDS:
                 stats[_ENDS[state]] += 1
+                for observer in self._observers:
+                    observer.ended(flow)
         watch = self._watches.get(fid)
         if watch is not None:
             stm.atomically_nowait(watch.tvar.set, flow)
@@ -613,16 +617,24 @@ class Engine:
         ctx = self._context(flow, step.name, flow.state is _COMPENSATING)
         result: object = None
         error: BaseException | None = None
+        observers = self._observers
+        began = trio.current_time() if observers else 0.0
+        seconds = math.nan
         with trio.CancelScope() as scope:
             live.scope = scope
             try:
                 result = await fn(ctx)
             except Exception as exc:
                 error = exc
-                if failures + 1 < step.attempts:
-                    await trio.sleep(_backoff(failures + 1))
+            if observers:
+                seconds = trio.current_time() - began
+            if error is not None and failures + 1 < step.attempts:
+                await trio.sleep(_backoff(failures + 1))
         live.scope = None
-        if scope.cancelled_caught or live.flow is not flow:
+        void = scope.cancelled_caught or live.flow is not flow
+        for observer in observers:
+            observer.ran(flow, step.name, flow.state is _COMPENSATING, result, error, seconds, void)
+        if void:
             return None
         return ctx, result, error
 
@@ -1326,6 +1338,11 @@ class Engine:
         (`RuntimeError` otherwise)."""
         if _thread_id() != self._thread and not self._closing:
             raise _wrong_run("statistics")
+        return self._statistics()
+
+    def _statistics(self) -> FlowStatistics:
+        """`statistics()` from any thread (`ferry.metrics` reads it while serving a scrape):
+        it copies a few integers and two dicts whose keys never change."""
         return FlowStatistics(
             running=len(self._live),
             parked=self._parked,
