@@ -27,9 +27,16 @@ legend, and an audit: every completed order was charged once and shipped once an
 stock; every failed order was refunded what it was charged and has its stock back; stock adds
 up; no step outcome is recorded twice in any history. The exit code is 1 if the audit fails.
 
-``--crash`` runs the engine in a child process, SIGKILLs it mid-run (a seeded random moment),
-starts a new one on the same database, which recovers the flows, and audits the result.
-``--postgres DSN`` runs on PostgreSQL; ``--json`` prints the summary as JSON.
+``--crash`` runs the engine in a child process and SIGKILLs it mid-run, at the worst moment for
+one order (picked at random from the seed among those arriving mid-run): its card has just been
+charged and its ``charge`` step has not returned, so nothing durable says the charge happened.
+A new engine on the same database recovers the flows, runs that step again, and the repeated
+charge is absorbed by its idempotency key (at least one "repeat absorbed"; other steps caught in
+flight add theirs). The progress line and the summary count both engines.
+
+``--db PATH`` keeps the store (``python -m ferry.flow PATH list`` looks at its flows); without
+it the store is a file in a temporary directory, removed at the end. ``--postgres DSN`` runs on
+PostgreSQL; ``--json`` prints the summary as JSON.
 """
 
 from __future__ import annotations
@@ -94,21 +101,24 @@ SCHEMA = [
 
 LEGEND = {
     "orders": "flows started, one per order, and how they ended (from the store)",
-    "failed because": "why the failed orders failed (their flow's error)",
+    "failed_because": "why the failed orders failed (their flow's error)",
     "time": "wall time until every order had settled (with --crash: of the whole run, restart"
     " included)",
     "steps": "step attempts started by the engine(s), per second of that time; retries: "
     "attempts after a step raised (the carrier is flaky). With --crash, these counters add up"
-    " both engines, the killed one's as of its last report (every 0.05 s)",
+    " both engines, the killed one's as of its last report (every 0.05 s), so a few steps it ran"
+    " in its last moments may be missing",
     "wakes": "what became of each wake sent by the gateway's events (flow.Delivery): RESUMED "
     "woke a parked order, QUEUED was kept for an order not parked yet, DUPLICATE was a repeated "
     "event id, STALE came after the order had ended",
     "compensations": "compensation attempts (stock put back, charges refunded)",
     "writes": "durable step boundaries and the database transactions that carried them "
     "(group commit: many flows share one transaction)",
-    "repeats absorbed": "calls to the shop's services that came again with an idempotency key "
+    "repeats_absorbed": "calls to the shop's services that came again with an idempotency key "
     "already used (a step re-run after a crash) and changed nothing",
     "crash": "engine processes killed with SIGKILL, and flows the next engine resumed",
+    "store": "where the flows and the shop's tables are: an SQLite file (kept: it is still there"
+    " after the run, for python -m ferry.flow PATH list; --db PATH keeps it) or PostgreSQL",
     "audit": "charged once and shipped once per completed order; refunded and restocked per "
     "failed order; stock adds up; no step outcome recorded twice",
     "note": "shown when more orders timed out than the gateway left unanswered by design: the "
@@ -280,6 +290,9 @@ class Shop:
     epoch: float  # wall-clock time of the run's start (orders arrive after it)
     engine: flow.Engine | None = None
     settled: int = 0
+    ended: Counter[str] = attrs.Factory(Counter)  # orders settled (seen by `wait`), by state
+    steps_before: int = 0  # steps a killed engine ran before this one (--crash), as reported
+    mark: str | None = None  # --crash: the order whose charge the parent kills the engine in
 
     async def call(self, fn: Any, *args: Any) -> Any:
         """``fn(tx, *args)`` in a transaction of its own, after the service's latency."""
@@ -315,6 +328,9 @@ def make_plan(shop: Shop) -> flow.Plan:
         late = shop.timeout + 0.3 if o.gateway == "late" else o.delay
         due = time.time() + late
         await shop.call(charge_tx, ctx.idempotency_key, o, shop.run, due, early)
+        if ctx.flow_id == shop.mark:  # --crash: charged, the step not returned: kill me now
+            print(f"charged {ctx.flow_id}", flush=True)
+            await trio.sleep(30)  # the parent's SIGKILL comes first
         ctx.data["charge"] = ctx.idempotency_key
         if early:  # the gateway answers before the order parks: the wake is kept (QUEUED)
             assert shop.engine is not None
@@ -367,15 +383,20 @@ class Progress:
     def __init__(self, shop: Shop, engine: flow.Engine, out: TextIO) -> None:
         self.shop, self.engine, self.out = shop, engine, out
         self.tty = out.isatty()
-        self.start = time.perf_counter()
 
     def draw(self, *, final: bool = False) -> None:
+        """Settled orders by state as their `wait` saw them (after a --crash restart, every
+        order is waited for again, so these add up to the summary); running and parked: this
+        engine's; steps and the clock: the whole run's, the killed engine's included."""
         s = self.engine.statistics()
-        elapsed = time.perf_counter() - self.start
+        shop = self.shop
+        elapsed = max(0.0, time.time() - shop.epoch)
+        steps = shop.steps_before + s.steps_run
         text = (
-            f"{self.shop.settled:>5}/{len(self.shop.orders)} settled  running {s.running:>4}"
-            f"  parked {s.parked:>4}  completed {s.completed:>4}  failed {s.failed:>4}"
-            f"  steps {s.steps_run:>5} ({s.steps_run / max(elapsed, 1e-9):,.0f}/s)"
+            f"{shop.settled:>5}/{len(shop.orders)} settled  running {s.running:>4}"
+            f"  parked {s.parked:>4}  completed {shop.ended['COMPLETED']:>4}"
+            f"  failed {shop.ended['FAILED']:>4}"
+            f"  steps {steps:>5} ({steps / max(elapsed, 1e-9):,.0f}/s)"
             f"  {elapsed:4.1f} s"
         )
         if self.tty:
@@ -431,7 +452,8 @@ async def drive(
                 await trio.sleep(max(0.0, shop.epoch + o.arrival - time.time()))
                 data = {"sku": o.sku, "qty": o.qty, "amount": o.amount}
                 await engine.start(plan, flow_id=o.order_id, data=data)
-                await engine.wait(o.order_id)
+                snap = await engine.wait(o.order_id)
+                shop.ended[snap.state.name] += 1
                 shop.settled += 1
 
             async with trio.open_nursery() as nursery:
@@ -489,7 +511,7 @@ class Audit:
     problems: list[str] = attrs.Factory(list)
 
 
-REASONS = {"out of stock": "out of stock", "declined": "declined", "timed out": "no answer"}
+REASONS = {"out of stock": "out_of_stock", "declined": "declined", "timed out": "no_answer"}
 
 
 def _reason(error: str | None) -> str:
@@ -569,25 +591,40 @@ async def audit(store: Store, engine: flow.Engine, shop: Shop) -> Audit:
 
 
 def summary(
-    shop: Shop, stats: dict[str, Any], checked: Audit, seconds: float, kills: int
+    shop: Shop,
+    stats: dict[str, Any],
+    checked: Audit,
+    seconds: float,
+    kills: int,
+    store: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "orders": {"started": len(shop.orders), **dict(sorted(checked.states.items()))},
-        "failed because": dict(checked.reasons.most_common()),
+        "failed_because": dict(checked.reasons.most_common()),
         "time": round(seconds, 3),
         "steps": {
             "run": stats["steps"],
-            "per second": round(stats["steps"] / max(seconds, 1e-9), 1),
+            "per_second": round(stats["steps"] / max(seconds, 1e-9), 1),
             "retries": stats["step_retries"],
         },
         "wakes": stats["wakes"],
         "compensations": stats["compensations"],
         "writes": {"boundaries": stats["writes"], "transactions": stats["write_batches"]},
-        "repeats absorbed": checked.absorbed,
+        "repeats_absorbed": checked.absorbed,
         "crash": {"kills": kills, "recovered": stats["recovered"]},
+        "store": store or {"kind": "postgres"},
         "audit": {"ok": not checked.problems, "problems": checked.problems},
         **overload(shop, checked),
     }
+
+
+def kept(store: dict[str, Any]) -> str:
+    """The summary's "store" row: where the store is, and whether it is still there."""
+    if store["kind"] == "postgres":
+        return "PostgreSQL (--postgres)"
+    if store["kept"]:
+        return f"{store['path']} (kept: python -m ferry.flow {store['path']} list shows its flows)"
+    return f"{store['path']} (a temporary file, removed now: --db PATH keeps the store)"
 
 
 def overload(shop: Shop, checked: Audit) -> dict[str, str]:
@@ -607,21 +644,25 @@ def overload(shop: Shop, checked: Audit) -> dict[str, str]:
 
 def show(report: dict[str, Any], where: str, out: TextIO) -> None:
     def pairs(d: dict[str, Any]) -> str:
-        return "   ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in d.items())
+        return "   ".join(
+            f"{k.replace('_', ' ')} {v:,}" if isinstance(v, int) else f"{k.replace('_', ' ')} {v}"
+            for k, v in d.items()
+        )
 
     w = report["writes"]
     per = w["boundaries"] / w["transactions"] if w["transactions"] else 0.0
     problems = report["audit"]["problems"]
     rows = [
         ("orders", pairs(report["orders"])),
-        ("failed because", pairs(report["failed because"]) or "-"),
+        ("failed because", pairs(report["failed_because"]) or "-"),
         ("time", f"{report['time']:.2f} s ({where})"),
         ("steps", pairs(report["steps"])),
         ("wakes", pairs(report["wakes"])),
         ("compensations", f"{report['compensations']:,}"),
         ("writes", f"{pairs(w)}   ({per:.1f} boundaries per transaction)"),
-        ("repeats absorbed", f"{report['repeats absorbed']:,}"),
+        ("repeats absorbed", f"{report['repeats_absorbed']:,}"),
         ("crash", pairs(report["crash"])),
+        ("store", kept(report["store"])),
         (
             "audit",
             f"FAILED: {len(problems)} problems"
@@ -641,7 +682,8 @@ def show(report: dict[str, Any], where: str, out: TextIO) -> None:
     for problem in problems[:20]:
         print(f"    {problem}", file=out)
     print("\n  legend:", file=out)
-    for name, text in LEGEND.items():
+    for key, text in LEGEND.items():
+        name = key.replace("_", " ")
         lines = textwrap.wrap(text, 96 - width)
         print(f"    {name:<{width}}  {lines[0]}", file=out)
         for more in lines[1:]:
@@ -700,7 +742,8 @@ async def finish(
         print(f"auditing {len(shop.orders)} orders ...", file=sys.stderr, flush=True)
     async with flow.open_engine(shop.store, plans=[make_plan(shop)]) as engine:
         checked = await audit(shop.store, engine, shop)
-    report = summary(shop, stats, checked, seconds, kills)
+    store = None if path is None else {"kind": "sqlite", "path": str(path), "kept": bool(args.db)}
+    report = summary(shop, stats, checked, seconds, kills, store)
     if args.json:
         print(json.dumps({**report, "legend": LEGEND}, indent=2))
     else:
@@ -724,13 +767,24 @@ async def worker(args: argparse.Namespace, path: Path | None) -> None:
 
     async with open_store(args, path) as store:  # type: ignore[attr-defined]
         shop = make_shop(store, args, args.run)
+        shop.mark, shop.steps_before = args.mark, args.steps_before
         opened = partial(print, "open", flush=True)
         tell(await drive(shop, quiet=args.quiet, on_open=opened, tick=tell))
 
 
+def victim(args: argparse.Namespace, run: str) -> str:
+    """The order whose charge the --crash run kills the engine in: picked from the seed among the
+    orders that arrive mid-run (30% to 90% of the arrivals) and whose stock cannot run out."""
+    orders = make_orders(args.orders, args.seed, run, args.rate)
+    span = args.orders / args.rate
+    mid = [o for o in orders if 0.3 * span <= o.arrival <= 0.9 * span and o.sku != "rare-leaf"]
+    pool = mid or [o for o in orders if o.sku != "rare-leaf"] or orders
+    return random.Random(args.seed + 1).choice(pool).order_id
+
+
 def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
-    """Drive the run in a child, SIGKILL it mid-run, drive it to the end in a new child, audit."""
-    rng = random.Random(args.seed + 1)
+    """Drive the run in a child, SIGKILL it right after one order's charge (`victim`), drive it
+    to the end in a new child, audit."""
 
     async def setup_store() -> None:
         async with open_store(args, path) as store:  # type: ignore[attr-defined]
@@ -742,6 +796,7 @@ def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
     command += ["--epoch", repr(time.time() + 0.5)]  # about when the first engine is open
     command += ["--timeout", str(args.timeout)] + (["--quiet"] if args.quiet or args.json else [])
     command += ["--postgres", args.postgres] if args.postgres else ["--db", str(path)]
+    mark = victim(args, run)
 
     def say(text: str) -> None:
         if not args.json:
@@ -753,25 +808,33 @@ def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
     wakes: Counter[str] = Counter()
     kills = 0
     for attempt in range(2):
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        more = ["--mark", mark] if attempt == 0 else ["--steps-before", str(totals["steps"])]
+        child = subprocess.Popen(command + more, stdout=subprocess.PIPE, text=True)
         assert child.stdout is not None
         line = child.stdout.readline()
         if line != "open\n":
             child.wait()
             fail(f"the engine process did not start (exit code {child.returncode})")
         killed = False
+        lines = []
         if attempt == 0:
-            delay = rng.uniform(0.3, 0.9) * args.orders / args.rate  # while orders arrive
-            time.sleep(delay)
-            if child.poll() is None:
-                child.send_signal(signal.SIGKILL)
-                killed = True
-                kills += 1
-                say(f"\n  *** SIGKILL to the engine process {child.pid} after {delay:.2f} s ***")
+            for line in child.stdout:  # its counters every TICK s, until the victim is charged
+                lines.append(line)
+                if line == f"charged {mark}\n":
+                    child.send_signal(signal.SIGKILL)
+                    killed = True
+                    kills += 1
+                    say(
+                        f"\n  *** SIGKILL to the engine process {child.pid} after"
+                        f" {time.perf_counter() - t0:.2f} s: order {mark} was just charged, and"
+                        " its charge step had not returned ***"
+                    )
+                    break
         out, _ = child.communicate()
+        lines += out.splitlines()
         if not killed and child.returncode != 0:
             fail(f"the engine process failed (exit code {child.returncode})")
-        reports = [line[6:] for line in out.splitlines() if line.startswith("stats ")]
+        reports = [line[6:] for line in lines if line.startswith("stats ")]
         if reports:  # the killed engine's counters as of its last report (`TICK` apart)
             stats = json.loads(reports[-1])
             stats.pop("seconds")
@@ -800,24 +863,42 @@ def fail(message: str) -> NoReturn:
 
 def build_parser() -> cli.ArgumentParser:
     p = cli.parser(__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--orders", type=int, default=200, help="orders to fulfil (1 to 100000)")
-    p.add_argument("--seed", type=int, default=1, help="seed of the orders and the gateway")
-    p.add_argument("--rate", type=float, default=150.0, help="orders arriving per second")
+    p.add_argument(
+        "--orders",
+        metavar="N",
+        type=cli.integer(1, 100_000),
+        default=200,
+        help="orders to fulfil (1 to 100000)",
+    )
+    cli.add_seed(p, 1, "seed of the orders and the gateway")
+    p.add_argument(
+        "--rate",
+        metavar="PER_SECOND",
+        type=cli.number(1, 1e6),
+        default=150.0,
+        help="orders arriving per second (1 to 1000000)",
+    )
     p.add_argument(
         "--timeout",
-        type=float,
+        metavar="SECONDS",
+        type=cli.number(0.05, 3600),
         help="seconds an order waits for the gateway (default: 1.5; 3 with --crash, whose"
         " restart takes about a second: parks that expire meanwhile time out at once)",
     )
     place = p.add_mutually_exclusive_group()
     place.add_argument(
-        "--db", metavar="PATH", type=cli.new_file, help="SQLite file (default: one in a temp dir)"
+        "--db",
+        metavar="PATH",
+        type=cli.new_file,
+        help="SQLite file, kept after the run (default: one in a temporary directory, removed)",
     )
-    place.add_argument(
-        "--postgres",
-        metavar="DSN",
-        type=cli.postgres_dsn,
-        help="run on PostgreSQL at this DSN (default: SQLite, see --db)",
+    p.connects(
+        place.add_argument(
+            "--postgres",
+            metavar="DSN",
+            type=cli.postgres_dsn,
+            help="run on PostgreSQL at this DSN (default: SQLite, see --db)",
+        )
     )
     p.add_argument(
         "--crash",
@@ -829,6 +910,8 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run", help=argparse.SUPPRESS)
     p.add_argument("--epoch", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--mark", help=argparse.SUPPRESS)  # see `victim`
+    p.add_argument("--steps-before", type=int, default=0, help=argparse.SUPPRESS)
     return p
 
 
@@ -837,12 +920,6 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.timeout is None:
         args.timeout = 3.0 if args.crash else 1.5
-    if args.orders < 1 or args.orders > 100_000:
-        p.error(f"--orders must be between 1 and 100000, got {args.orders}")
-    if not 1 <= args.rate <= 1e6:
-        p.error(f"--rate must be between 1 and 1000000 orders per second, got {args.rate}")
-    if not 0.05 <= args.timeout <= 3600:
-        p.error(f"--timeout must be between 0.05 and 3600 seconds, got {args.timeout}")
     if args.worker and (args.run is None or args.crash):
         p.error("--worker is the engine process that --crash starts: use --crash")
     return args
