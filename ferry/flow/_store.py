@@ -12,7 +12,8 @@ Tables, for a namespace ``ns`` (default ``flow``):
 - ``ns_flows``: one row per flow (`_machine.Flow`'s fields, plus ``start_data``). ``revision``
   is the compare-and-set token of every write; ``owner`` (the engine that runs an active flow)
   and ``lease_until`` (when it let it go) are for a fleet. Partial indexes: the active flows
-  (``RUNNING``/``COMPENSATING``, for recovery) and the parked flows by deadline (for timers).
+  (``RUNNING``/``COMPENSATING``, for recovery) and the parked flows by deadline (for timers);
+  the operators' filters and their order (`_query`).
 - ``ns_history(flow_id, revision, n, at, kind, step, attempt, detail)``: every durable transition,
   primary key ``(flow_id, revision, n)``.
 - ``ns_mailbox(seq, flow_id, message_id, payload, status, at)``: one row per accepted message,
@@ -184,6 +185,17 @@ def ddl(ns: str, dialect: str) -> list[str]:
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_owner ON {ns}_flows (owner)"
         " WHERE state IN ('RUNNING', 'COMPENSATING')",
+        # The operators' filters and their order, newest first (`_query`, docs/adr/0080).
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_created ON {ns}_flows (created_at, flow_id)",
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_state_created ON {ns}_flows"
+        " (state, created_at, flow_id)",
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_plan_created ON {ns}_flows"
+        " (plan, version, created_at, flow_id)",
+        *(
+            [f'CREATE INDEX IF NOT EXISTS {ns}_flows_id_c ON {ns}_flows (flow_id COLLATE "C")']
+            if dialect == "postgres"
+            else []
+        ),
         f"""CREATE TABLE IF NOT EXISTS {ns}_engines (
             owner TEXT PRIMARY KEY,
             lease_until DOUBLE PRECISION NOT NULL,
