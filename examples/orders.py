@@ -2,7 +2,8 @@
 payment gateway, and ship, or undo what they did.
 
     python examples/orders.py [--orders 200] [--rate 150] [--seed 1] [--timeout 1.5]
-                              [--db PATH | --postgres DSN] [--crash] [--json] [--quiet]
+                              [--db PATH | --postgres DSN] [--crash] [--metrics-port N]
+                              [--json] [--quiet]
 
 Every order is a flow of the plan ``order`` (version 1):
 
@@ -36,7 +37,9 @@ flight add theirs). The progress line and the summary count both engines.
 
 ``--db PATH`` keeps the store (``python -m ferry.flow PATH list`` looks at its flows); without
 it the store is a file in a temporary directory, removed at the end. ``--postgres DSN`` runs on
-PostgreSQL; ``--json`` prints the summary as JSON.
+PostgreSQL; ``--json`` prints the summary as JSON. ``--metrics-port N`` serves the engine's
+Prometheus metrics while it runs (``curl 127.0.0.1:N/metrics``; a slow run to watch them:
+``--orders 2000 --rate 50``).
 """
 
 from __future__ import annotations
@@ -51,9 +54,11 @@ import sys
 import tempfile
 import textwrap
 import time
+import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -119,6 +124,9 @@ LEGEND = {
     "crash": "engine processes killed with SIGKILL, and flows the next engine resumed",
     "store": "where the flows and the shop's tables are: an SQLite file (kept: it is still there"
     " after the run, for python -m ferry.flow PATH list; --db PATH keeps it) or PostgreSQL",
+    "metrics": "with --metrics-port: where the engine's Prometheus metrics were served while it"
+    " ran, and what one scrape at the end found (ferry_flow_steps_total should equal the steps"
+    " run; docs/operating.md explains every metric)",
     "audit": "charged once and shipped once per completed order; refunded and restocked per "
     "failed order; stock adds up; no step outcome recorded twice",
     "note": "shown when more orders timed out than the gateway left unanswered by design: the "
@@ -293,6 +301,7 @@ class Shop:
     ended: Counter[str] = attrs.Factory(Counter)  # orders settled (seen by `wait`), by state
     steps_before: int = 0  # steps a killed engine ran before this one (--crash), as reported
     mark: str | None = None  # --crash: the order whose charge the parent kills the engine in
+    metrics_port: int | None = None  # --metrics-port
 
     async def call(self, fn: Any, *args: Any) -> Any:
         """``fn(tx, *args)`` in a transaction of its own, after the service's latency."""
@@ -434,7 +443,10 @@ async def drive(
     `tick(counters)` is called every `TICK` seconds while it runs, if given."""
     plan = make_plan(shop)
     t0 = time.perf_counter()
-    async with flow.open_engine(shop.store, plans=[plan]) as engine:
+    async with (
+        flow.open_engine(shop.store, plans=[plan]) as engine,
+        metrics_served(engine, shop.metrics_port) as url,
+    ):
         shop.engine = engine
         engine.on("payment.confirmed", confirmed)
         engine.on("payment.declined", declined)
@@ -467,8 +479,48 @@ async def drive(
                 progress.draw(final=True)
             background.cancel_scope.cancel()
         result = counters(engine, settled)
+        if url is not None:  # one scrape of our own endpoint, to show what it serves
+            result["metrics"] = await trio.to_thread.run_sync(scrape, url)
     shop.engine = None
     return result
+
+
+@asynccontextmanager
+async def metrics_served(engine: flow.Engine, port: int | None) -> AsyncIterator[str | None]:
+    """With --metrics-port: the engine's Prometheus metrics (`ferry.metrics`) served on
+    127.0.0.1 while the run lasts; the URL. Else nothing (None)."""
+    if port is None:
+        yield None
+        return
+    import prometheus_client
+
+    from ferry import metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    collector = metrics.register(engine, registry=registry)
+    server, thread = prometheus_client.start_http_server(port, addr="127.0.0.1", registry=registry)
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    print(f"metrics: {url} (while the run lasts)", file=sys.stderr, flush=True)
+    try:
+        yield url
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(server.shutdown)
+        server.server_close()
+        thread.join()
+        collector.unregister()
+
+
+def scrape(url: str) -> dict[str, Any]:
+    """Fetch `url` once: how many metric families it served, and the step attempts it counted."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    steps = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("ferry_flow_steps_total{")
+    )
+    return {"url": url, "families": text.count("# TYPE "), "steps_total": int(steps)}
 
 
 async def ticking(engine: flow.Engine, tick: Callable[[dict[str, Any]], None]) -> None:
@@ -613,6 +665,7 @@ def summary(
         "repeats_absorbed": checked.absorbed,
         "crash": {"kills": kills, "recovered": stats["recovered"]},
         "store": store or {"kind": "postgres"},
+        **({"metrics": stats["metrics"]} if "metrics" in stats else {}),
         "audit": {"ok": not checked.problems, "problems": checked.problems},
         **overload(shop, checked),
     }
@@ -663,6 +716,18 @@ def show(report: dict[str, Any], where: str, out: TextIO) -> None:
         ("repeats absorbed", f"{report['repeats_absorbed']:,}"),
         ("crash", pairs(report["crash"])),
         ("store", kept(report["store"])),
+        *(
+            [
+                (
+                    "metrics",
+                    "{url}: {families} metric families, step attempts {steps_total}".format(
+                        **report["metrics"]
+                    ),
+                )
+            ]
+            if "metrics" in report
+            else []
+        ),
         (
             "audit",
             f"FAILED: {len(problems)} problems"
@@ -703,7 +768,8 @@ def open_store(args: argparse.Namespace, path: Path | None) -> Store:
 def arriving(args: argparse.Namespace) -> str:
     """How many orders, and over how long they arrive (a large --orders at a low --rate takes
     a while: say so before it starts)."""
-    return f"{args.orders} orders arriving over {args.orders / args.rate:.1f} s ({args.rate:g}/s)"
+    orders = cli.plural(args.orders, "order")
+    return f"{orders} arriving over {args.orders / args.rate:.1f} s ({args.rate:g}/s)"
 
 
 def where(args: argparse.Namespace, path: Path | None) -> str:
@@ -754,7 +820,9 @@ async def finish(
 def make_shop(store: Store, args: argparse.Namespace, run: str) -> Shop:
     orders = make_orders(args.orders, args.seed, run, args.rate)
     epoch = time.time() if args.epoch is None else args.epoch
-    return Shop(store, run, {o.order_id: o for o in orders}, args.timeout, epoch)
+    shop = Shop(store, run, {o.order_id: o for o in orders}, args.timeout, epoch)
+    shop.metrics_port = args.metrics_port
+    return shop
 
 
 async def worker(args: argparse.Namespace, path: Path | None) -> None:
@@ -796,6 +864,8 @@ def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
     command += ["--epoch", repr(time.time() + 0.5)]  # about when the first engine is open
     command += ["--timeout", str(args.timeout)] + (["--quiet"] if args.quiet or args.json else [])
     command += ["--postgres", args.postgres] if args.postgres else ["--db", str(path)]
+    if args.metrics_port is not None:  # each engine process serves its own, in turn
+        command += ["--metrics-port", str(args.metrics_port)]
     mark = victim(args, run)
 
     def say(text: str) -> None:
@@ -838,6 +908,7 @@ def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
         if reports:  # the killed engine's counters as of its last report (`TICK` apart)
             stats = json.loads(reports[-1])
             stats.pop("seconds")
+            stats.pop("metrics", None)
             wakes.update(stats.pop("wakes"))
             totals.update(stats)
         if not killed:
@@ -905,6 +976,13 @@ def build_parser() -> cli.ArgumentParser:
         action="store_true",
         help="run the engine in a child process, SIGKILL it mid-run, restart it, audit",
     )
+    p.add_argument(
+        "--metrics-port",
+        metavar="N",
+        type=cli.integer(0, 65535),
+        help="serve Prometheus metrics at 127.0.0.1:N/metrics while it runs (0: any free port;"
+        " needs the metrics extra) (default: off)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -920,6 +998,11 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.timeout is None:
         args.timeout = 3.0 if args.crash else 1.5
+    if args.metrics_port is not None:
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError:
+            p.error("--metrics-port needs prometheus_client: pip install 'stm-ferry[metrics]'")
     if args.worker and (args.run is None or args.crash):
         p.error("--worker is the engine process that --crash starts: use --crash")
     return args

@@ -92,6 +92,16 @@ def test_make_demo_keeps_the_orders_store_where_the_readme_looks() -> None:
     assert "python -m ferry.flow orders.db" in (ROOT / "README.md").read_text()
 
 
+def test_metrics_port_serves_the_engines_metrics_while_it_runs() -> None:
+    """The run scrapes its own endpoint once at the end: what it counted is what the engine
+    did (the step attempts), and the server was on 127.0.0.1."""
+    report = summary("--orders", "20", "--quiet", "--metrics-port", "0")
+    served = report["metrics"]
+    assert served["url"].startswith("http://127.0.0.1:") and served["url"].endswith("/metrics")
+    assert served["families"] >= 10
+    assert served["steps_total"] == report["steps"]["run"] > 0
+
+
 def test_the_summary_counts_every_kind_of_wake(tmp_path: Path) -> None:
     report = summary("--db", str(tmp_path / "orders.db"), "--quiet")
     wakes = report["wakes"]
