@@ -585,8 +585,11 @@ def _runs_next(args: argparse.Namespace) -> str:
 async def do_bulk(args: argparse.Namespace, store: Store) -> None:
     """`wake`, `cancel` or `resume` on every flow the filters match (see `_bulk`)."""
     flt = args.filter
-    total = await _read(store, args.where, partial(_query.count, flt=flt))
-    flows, _ = await _read(store, args.where, partial(_bulk.matching, flt=flt, limit=args.limit))
+    def read(tx: Any) -> tuple[int, list[Flow]]:  # one snapshot: the count and the matches
+        flows, _ = _bulk.matching(tx, flt, limit=args.limit)
+        return _query.count(tx, flt), flows
+
+    total, flows = await _read(store, args.where, read)
     ids = [f.flow_id for f in flows]
     which = _bulk.describe(args)
     data: dict[str, Any] = {"action": args.command, "filters": which, "matched": total}
