@@ -104,7 +104,9 @@ def parser() -> argparse.ArgumentParser:
         "list", "List flows, newest started first (in id order with --id-prefix), and filter them."
     )
     _bulk.add_filters(ls, "to list")
-    ls.add_argument("--limit", type=_count, default=50, help="at most this many (default 50)")
+    ls.add_argument(
+        "--limit", metavar="N", type=_count, default=50, help="at most this many (default 50)"
+    )
     ls.add_argument(
         "--after",
         metavar="CURSOR",
@@ -129,7 +131,7 @@ def parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, parents=[common], help=summary, description=f"{summary} {bulk}")
         c.add_argument("flow_id", metavar="FLOW_ID", nargs="?", help="one flow (or use filters)")
         _bulk.add_filters(c, what)
-        c.add_argument("--limit", type=_count, help="act on at most this many matches")
+        c.add_argument("--limit", metavar="N", type=_count, help="act on at most this many matches")
         c.add_argument("--yes", action="store_true", help="do not ask: act on every match")
         return c
 
@@ -585,6 +587,7 @@ def _runs_next(args: argparse.Namespace) -> str:
 async def do_bulk(args: argparse.Namespace, store: Store) -> None:
     """`wake`, `cancel` or `resume` on every flow the filters match (see `_bulk`)."""
     flt = args.filter
+
     def read(tx: Any) -> tuple[int, list[Flow]]:  # one snapshot: the count and the matches
         flows, _ = _bulk.matching(tx, flt, limit=args.limit)
         return _query.count(tx, flt), flows
