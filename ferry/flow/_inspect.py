@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import re
 import sqlite3
@@ -34,13 +35,14 @@ from typing import Any, NoReturn
 
 import trio
 
-from ferry.projected import PostgresStore, SqliteStore, Store
+from ferry.projected import PostgresStore, SqliteStore
 
 from . import _bulk, _query, _store
 from . import _machine as m
 from ._engine import open_engine
 from ._errors import FlowError, StoreLocked
 from ._machine import Flow
+from ._sqlite_file import SQLITE_HEADER, check_path, read_header
 from ._types import Delivery, Json, State
 
 PROG = "python -m ferry.flow"
@@ -155,7 +157,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _is_dsn(spec: str) -> bool:
     return spec.startswith(("postgres://", "postgresql://")) or (
-        "=" in spec and not os.path.exists(spec)
+        "=" in spec and not spec.startswith("file:") and not os.path.exists(spec)
     )
 
 
@@ -192,21 +194,23 @@ def _check_dsn(spec: str, where: str) -> None:
 
 
 def _check_sqlite(spec: str, where: str) -> None:
-    """Refuse, without writing to it, a path that is no flow store: no file, a directory, an
-    empty file, a file of another kind, or an SQLite database no flow engine has opened. (An
-    `SqliteStore` switches a database to WAL mode: that would change somebody else's file.)"""
-    if os.path.isdir(spec):
-        raise Problem(f"{where} is a directory: give the path of an engine's SQLite file")
+    """Refuse, without writing to it, a path that is no flow store: what `open_engine` refuses
+    (`check_path`: an empty path, ``:memory:``, a URI, a directory), no file, an empty file, a
+    file of another kind, or an SQLite database no flow engine has opened. (An `SqliteStore`
+    switches a database to WAL mode: that would change somebody else's file.)"""
+    try:
+        check_path(spec, who=PROG)
+    except (ValueError, OSError) as exc:
+        raise Problem(str(exc)) from None
     if not os.path.isfile(spec):
         raise Problem(
             f"no such SQLite file: {where} (give the path of an engine's SQLite file, or a"
             " PostgreSQL DSN)"
         )
-    with open(spec, "rb") as file:
-        header = file.read(100)
+    header = read_header(spec)
     if not header:
         raise Problem(_NO_FLOWS.format(where=where) + ": the file is empty")
-    if not header.startswith(_store.SQLITE_HEADER):
+    if not header.startswith(SQLITE_HEADER):
         raise Problem(f"{where} is not an SQLite database: give the path of an engine's file")
     if header[18] == 2:
         return  # in WAL mode already, as every engine leaves its file: opening it changes nothing
@@ -239,7 +243,7 @@ class _ReadOnly:
         raise sqlite3.OperationalError("read-only")
 
 
-def open_store(spec: str) -> Store:
+def open_store(spec: str) -> SqliteStore | PostgresStore:
     """The store `spec` names (nothing is connected yet). Raises `Problem` for a path that is
     no flow store, or a DSN that does not parse."""
     where = shown(spec)
@@ -250,15 +254,16 @@ def open_store(spec: str) -> Store:
     return SqliteStore(spec)
 
 
-async def _read(store: Store, where: str, fn: Callable[[Any], Any]) -> Any:
-    """Run ``fn(tx)`` in one transaction, after checking that the store has flow tables."""
+async def _read(store: SqliteStore | PostgresStore, where: str, fn: Callable[[Any], Any]) -> Any:
+    """Run ``fn(tx)`` in one read transaction (no write lock: it neither waits for an engine's
+    writes nor delays them), after checking that the store has flow tables."""
 
     def both(tx: Any) -> Any:
         if not _store.has_tables(tx):
             raise Problem(_NO_FLOWS.format(where=where))
         return fn(tx)
 
-    return await store.transact(both)
+    return await store.transact(both, read_only=True)
 
 
 # ------------------------------------------------------------------------------------ output
@@ -296,14 +301,23 @@ def _detail(detail: Any, now: float) -> str:
     return json.dumps(detail, ensure_ascii=False).replace("\n", " ")
 
 
+def safe(value: object) -> str:
+    """`value` as text that cannot break a line or a column, nor drive the terminal: as it is if
+    every character is printable, else escaped and quoted as `repr` does (a newline, a tab, an
+    ANSI escape, a bidirectional override). ``--json`` output is exact instead."""
+    text = str(value)
+    return text if text.isprintable() else repr(text)
+
+
 def _cut(text: str, width: int = 60) -> str:
     text = text.replace("\n", " ")
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A plain-text table: a header row, a rule, then the rows; columns as wide as needed."""
-    cells = [[str(h) for h in headers], *[["-" if c is None else str(c) for c in r] for r in rows]]
+    """A plain-text table: a header row, a rule, then the rows; columns as wide as needed. Cells
+    are shown `safe`."""
+    cells = [[str(h) for h in headers], *[["-" if c is None else safe(c) for c in r] for r in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
@@ -367,7 +381,7 @@ def _print(args: argparse.Namespace, text: str, data: object) -> None:
 # ---------------------------------------------------------------------------------- commands
 
 
-async def do_list(args: argparse.Namespace, store: Store) -> None:
+async def do_list(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     try:
         flows, cursor = await _read(
             store,
@@ -392,23 +406,24 @@ async def do_list(args: argparse.Namespace, store: Store) -> None:
     _print(args, text, data)
 
 
-async def do_show(args: argparse.Namespace, store: Store) -> None:
-    def read(tx: Any) -> tuple[Flow | None, Any, Any, Any]:
+async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    now = time.time()
+
+    def read(tx: Any) -> tuple[Flow | None, Any, Any, Any, bool]:
         f = _store.load(tx, args.flow_id)
         if f is None:
-            return None, None, None, None
+            return None, None, None, None, False
         events = _store.load_history(tx, args.flow_id) or []
         box = _store.load_mailbox(tx, args.flow_id)
-        engines = {e[0]: e[1] for e in _store.load_engines(tx)}
-        return f, events, box, engines
+        return f, events, box, _store.holder(tx, args.flow_id, now), _store.leased(tx)
 
-    f, events, box, engines = await _read(store, args.where, read)
+    f, events, box, hold, leased = await _read(store, args.where, read)
     if f is None:
         raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
     held = None
-    if f.owner is not None and f.state in m.ACTIVE:
-        until = f.lease_until if f.lease_until is not None else engines.get(f.owner)
-        held = {"owner": f.owner, "until": until, "lapsed": until is None or until < time.time()}
+    if hold is not None:
+        until, orphaned = hold
+        held = {"owner": f.owner, "until": until if until > -math.inf else None, "lapsed": orphaned}
     data = {
         "flow": flow_json(f),
         "held": held,
@@ -429,27 +444,32 @@ async def do_show(args: argparse.Namespace, store: Store) -> None:
     }
     snap = m.snapshot(f)
     lines = [
-        f"flow      {f.flow_id}",
-        f"plan      {f.plan} version {f.version}",
+        f"flow      {safe(f.flow_id)}",
+        f"plan      {safe(f.plan)} version {f.version}",
         f"state     {f.state.name}",
-        f"step      {_step(f)} (attempt {f.attempt})",
+        f"step      {safe(_step(f))} (attempt {f.attempt})",
         f"revision  {f.revision}, last written {_when(f.updated_at)}",
     ]
     if snap.error is not None:
-        lines.append(f"{'blocked' if f.state is State.BLOCKED else 'error':<9} {snap.error}")
-    now = time.time()
+        what = "blocked" if f.state is State.BLOCKED else "error"
+        lines.append(f"{what:<9} {safe(snap.error)}")
     if f.park_deadline is not None:
         lines.append(
-            f"deadline  {_deadline(f.park_deadline, now)}; then {f.on_timeout} (on timeout)"
+            f"deadline  {_deadline(f.park_deadline, now)}; then {safe(f.on_timeout)} (on timeout)"
         )
     if held is not None:
         status = "lapsed: any engine may take it over" if held["lapsed"] else "held"
-        lines.append(f"engine    {f.owner}, until {_when(held['until'])} ({status})")
+        lines.append(f"engine    {safe(f.owner)}, until {_when(held['until'])} ({status})")
+    elif f.state in m.ACTIVE and not leased:
+        lines.append(
+            "engine    the engine that holds the file runs it (with none open, the next engine"
+            " to open the file)"
+        )
     elif f.state in m.ACTIVE:
-        lines.append("engine    none: the next engine to scan or open the store runs it")
+        lines.append("engine    none: the next engine to scan the store runs it")
     if box.queued:
-        lines.append(f"queued    {', '.join(q.message_id for q in box.queued)}")
-    lines.append(f"data      {_cut(json.dumps(snap.data, ensure_ascii=False), 200)}")
+        lines.append(f"queued    {', '.join(safe(q.message_id) for q in box.queued)}")
+    lines.append(f"data      {safe(_cut(json.dumps(snap.data, ensure_ascii=False), 200))}")
     rows = [
         [
             e.revision,
@@ -478,7 +498,7 @@ STATS_LEGEND = {
 }
 
 
-async def do_stats(args: argparse.Namespace, store: Store) -> None:
+async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     now = time.time()
 
     def read(tx: Any) -> dict[str, Any]:
@@ -565,7 +585,7 @@ async def do_stats(args: argparse.Namespace, store: Store) -> None:
 
 
 async def _act(
-    args: argparse.Namespace, store: Store, call: Callable[[Any], Any]
+    args: argparse.Namespace, store: SqliteStore | PostgresStore, call: Callable[[Any], Any]
 ) -> tuple[Any, Flow | None]:
     """Run ``call(engine)`` with an operator's engine; its result, and the flow's row after."""
     await _read(store, args.where, lambda tx: None)  # a store without flows: say so
@@ -584,7 +604,7 @@ def _runs_next(args: argparse.Namespace) -> str:
     return "the next engine to open the file runs it"
 
 
-async def do_bulk(args: argparse.Namespace, store: Store) -> None:
+async def do_bulk(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     """`wake`, `cancel` or `resume` on every flow the filters match (see `_bulk`)."""
     flt = args.filter
 
@@ -634,7 +654,7 @@ def _locked(args: argparse.Namespace) -> str:
     )
 
 
-async def do_wake(args: argparse.Namespace, store: Store) -> None:
+async def do_wake(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     if args.flow_id is None:
         return await do_bulk(args, store)
     delivery, after = await _act(
@@ -663,7 +683,7 @@ async def do_wake(args: argparse.Namespace, store: Store) -> None:
     )
 
 
-async def do_cancel(args: argparse.Namespace, store: Store) -> None:
+async def do_cancel(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     if args.flow_id is None:
         return await do_bulk(args, store)
     done, after = await _act(args, store, lambda e: e.cancel(args.flow_id, args.reason))
@@ -683,7 +703,7 @@ async def do_cancel(args: argparse.Namespace, store: Store) -> None:
     _print(args, text, {"flow_id": args.flow_id, "cancelled": True, "state": after.state.name})
 
 
-async def do_resume(args: argparse.Namespace, store: Store) -> None:
+async def do_resume(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     if args.flow_id is None:
         return await do_bulk(args, store)
     done, after = await _act(args, store, lambda e: e.resume(args.flow_id))

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import zlib
 from collections.abc import Callable, Sequence
@@ -915,10 +916,6 @@ def count_states(tx: Tx, *, ns: str = "flow") -> dict[State, int]:
 # ------------------------------------------------------------------------ reads for operators
 
 
-#: The first bytes of every SQLite database file.
-SQLITE_HEADER = b"SQLite format 3\x00"
-
-
 def has_tables(tx: Tx, *, ns: str = "flow") -> bool:
     """Does the store hold the flow tables (has an engine ever opened it)?"""
     if tx.dialect == "postgres":
@@ -982,12 +979,41 @@ def blocked_reasons(tx: Tx, *, ns: str = "flow", limit: int = 20) -> list[tuple[
     return [(r[0], r[1], r[2]) for r in rows]
 
 
+def leased(tx: Tx) -> bool:
+    """Are the store's active flows held by leases (a fleet, PostgreSQL)? On SQLite one engine
+    at a time holds the whole file (its engine lock) and runs every active flow: no lease rows,
+    so no flow there is ever an orphan (`count_orphans`, `orphaned`)."""
+    return tx.dialect == "postgres"
+
+
 def count_orphans(tx: Tx, now: float, *, ns: str = "flow") -> int:
     """How many active flows no engine holds at `now` (`_orphan`): engines of a fleet take them
-    over at their next scan; on SQLite, the next engine to open the file runs them."""
+    over at their next scan. 0 on a store without leases (`leased`)."""
+    if not leased(tx):
+        return 0
     rows = tx.execute(
         f"SELECT COUNT(*) FROM {ns}_flows f WHERE f.state IN ('RUNNING', 'COMPENSATING')"
         f" AND {_orphan(ns, 'f')}",
         (now, now),
     )
     return int(rows[0][0])
+
+
+def holder(tx: Tx, flow_id: str, now: float, *, ns: str = "flow") -> tuple[float, bool] | None:
+    """Who holds the active flow `flow_id` at `now`, by the rule `count_orphans` counts with
+    (`_orphan`): ``(until, orphaned)`` where `until` is when its hold ends (the earlier of the
+    flow's own ``lease_until`` and its owner's engine lease; -inf if it has neither). None if the
+    flow is not active or has no owner, or on a store without leases (`leased`)."""
+    if not leased(tx):
+        return None
+    rows = tx.execute(
+        f"SELECT f.lease_until, e.lease_until, {_orphan(ns, 'f')} FROM {ns}_flows f"
+        f" LEFT JOIN {ns}_engines e ON e.owner = f.owner WHERE f.flow_id = ?"
+        " AND f.owner IS NOT NULL AND f.state IN ('RUNNING', 'COMPENSATING')",
+        (now, now, flow_id),
+    )
+    if not rows:
+        return None
+    own, engine, orphaned = rows[0]
+    until = min(math.inf if own is None else own, -math.inf if engine is None else engine)
+    return until, bool(orphaned)

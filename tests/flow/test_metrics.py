@@ -16,8 +16,6 @@ from prometheus_client.parser import text_string_to_metric_families
 import ferry
 from ferry import flow, metrics
 
-from ._helpers import InlineSqliteStore
-
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
@@ -66,8 +64,8 @@ def shop(flaky: dict[str, int]) -> flow.Plan:
 async def test_a_scrape_shows_the_engine_steps_and_flows(tmp_path: Path, autojump_clock) -> None:
     registry = CollectorRegistry()
     plan = shop({"f0": 1})
-    store = InlineSqliteStore(str(tmp_path / "flows.db"))  # time moves only when all wait
-    async with flow.open_engine(store, plans=[plan]) as engine:
+    # Under the mock clock, time moves only when every task waits for time (docs/adr/0066).
+    async with flow.open_engine(str(tmp_path / "flows.db"), plans=[plan]) as engine:
         collector = metrics.register(engine, registry=registry)
         for i in range(3):
             await engine.start(plan, flow_id=f"f{i}", data={"fail": i == 2})
