@@ -149,7 +149,30 @@ def parser() -> argparse.ArgumentParser:
     )
     cancel.add_argument("--reason", default="cancelled by an operator", help="recorded as why")
     one_or_many("resume", "Re-drive a BLOCKED flow (Engine.resume).", "to resume")
+    what = (
+        "Serve the dashboard, a web page of the flows with wake, cancel and resume buttons"
+        " (needs: pip install 'stm-ferry[dashboard]')."
+    )
+    serve = sub.add_parser("serve", help=what, description=what)  # no --json: it prints no table
+    serve.set_defaults(json=False)
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine)"
+    )
+    serve.add_argument("--port", type=_port, default=8080, help="the port (default 8080)")
+    serve.add_argument(
+        "--read-only", action="store_true", help="show no buttons and refuse every action"
+    )
     return p
+
+
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535; 0: any free one)")
+    return n
 
 
 # ------------------------------------------------------------------------------------ stores
@@ -724,7 +747,29 @@ async def do_resume(args: argparse.Namespace, store: SqliteStore | PostgresStore
     )
 
 
+async def do_serve(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    try:
+        from ._dashboard._serve import CannotListen, run_command
+    except ImportError as exc:
+        raise Problem(
+            f"the dashboard needs its extra ({(exc.name or '?').split('.')[0]} is missing):"
+            " pip install 'stm-ferry[dashboard]'"
+        ) from None
+    try:
+        await run_command(
+            args.store,
+            where=args.where,
+            is_dsn=_is_dsn(args.store),
+            host=args.host,
+            port=args.port,
+            read_only=args.read_only,
+        )
+    except CannotListen as exc:
+        raise Problem(str(exc)) from None
+
+
 COMMANDS = {
+    "serve": do_serve,
     "list": do_list,
     "show": do_show,
     "stats": do_stats,
@@ -798,6 +843,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     try:
         trio.run(run, args)
+    except KeyboardInterrupt:
+        if args.command == "serve":  # how a server is stopped
+            return 0
+        raise
     except Exception as error:
         if _broken_pipe(error):  # the reader went away (`| head`): nothing to say to anyone
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

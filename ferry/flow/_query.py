@@ -280,10 +280,11 @@ def _after_prefix(prefix: str) -> str | None:
 @attrs.frozen
 class Page:
     """One page of flows in the filter's order; `next` is the cursor of the page after it
-    (None: this is the last)."""
+    (None: this is the last); `created` the start time of each flow (as `flows`)."""
 
     flows: tuple[Flow, ...]
     next: str | None
+    created: tuple[float, ...] = ()
 
 
 def _cursor(f: Flow, created_at: float, by_id: bool) -> str:
@@ -363,7 +364,7 @@ def query_page(
     nxt = None
     if more and rows:
         nxt = _cursor(flows[-1], rows[-1][len(_FIELDS)], flt.by_id)
-    return Page(flows, nxt)
+    return Page(flows, nxt, tuple(r[len(_FIELDS)] for r in rows))
 
 
 def count(tx: Tx, flt: FlowFilter, *, ns: str = "flow") -> int:

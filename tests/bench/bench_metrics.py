@@ -81,12 +81,13 @@ async def _run(path: Path, observed: bool) -> float:
 async def _attempt_before_the_hook(
     self: Any, live: Any, step: Any, fn: Callable[[Any], Awaitable[Any]], failures: int
 ) -> Any:
-    """`Engine._attempt` as it was before the observer hook (one-engine path only)."""
+    """`Engine._attempt` as it is without the observer hook (the one-engine path: this bench
+    runs no fleet, so the fleet's checks before the body are left out)."""
     flow_ = live.flow
     ctx = self._context(flow_, step.name, flow_.state is _engine._COMPENSATING)
     result: object = None
     error: BaseException | None = None
-    with trio.CancelScope() as scope:
+    with trio.CancelScope(deadline=self._trust_deadline()) as scope:
         live.scope = scope
         try:
             result = await fn(ctx)
@@ -95,6 +96,10 @@ async def _attempt_before_the_hook(
             if failures + 1 < step.attempts:
                 await trio.sleep(_engine._backoff(failures + 1))
     live.scope = None
+    if scope.cancelled_caught and self._fleet and self._lapsing():
+        if self._live.get(flow_.flow_id) is live:
+            self._lose_all("its lease lapsed while it ran steps")
+        return None
     if scope.cancelled_caught or live.flow is not flow_:
         return None
     return ctx, result, error

@@ -154,12 +154,15 @@ def _expected(made: dict[str, tuple[Shape, float, State]], keep: Any, by_id: boo
     return sorted(ids, key=lambda i: (made[i][1], i.encode()), reverse=True)
 
 
-async def _all_pages(store: Store, f: q.FlowFilter, limit: int) -> list[str]:
+async def _all_pages(
+    store: Store, f: q.FlowFilter, limit: int, made: dict[str, tuple[Shape, float, State]]
+) -> list[str]:
     got: list[str] = []
     after = None
     for _ in range(len(IDS) + 2):
         page = await store.transact(partial(q.query_page, flt=f, limit=limit, after=after))
-        assert len(page.flows) <= limit
+        assert len(page.flows) <= limit and len(page.created) == len(page.flows)
+        assert list(page.created) == [made[fl.flow_id][1] for fl in page.flows]
         got += [fl.flow_id for fl in page.flows]
         after = page.next
         if after is None:
@@ -198,7 +201,7 @@ async def test_every_filter_pages_through_exactly_its_flows(make_store: StoreFac
     for f, keep in CASES:
         want = _expected(made, keep, f.by_id)
         for limit in (1, 2, 5, 50):
-            assert await _all_pages(store, f, limit) == want, (f, limit)
+            assert await _all_pages(store, f, limit, made) == want, (f, limit)
         assert await store.transact(partial(q.count, flt=f)) == len(want), f
 
 
@@ -276,3 +279,39 @@ async def test_an_existing_store_gains_the_indexes(make_store: StoreFactory) -> 
     assert await store.transact(present) == [False, False, False]
     await store.transact(s.create_schema)
     assert await store.transact(present) == [True, True, True]
+
+
+async def test_the_overview_series_by_minute(make_store: StoreFactory) -> None:
+    """The overview's chart: flows started, completed and failed in each minute of the last
+    hour, on both stores (each minute a bucket of its own, the latest last)."""
+    from ferry.flow._dashboard._reads import page_overview
+
+    store = make_store()
+    await store.transact(s.create_schema)
+    now = 1_800_000_030.0  # 30 s into a minute
+    minute = 1_800_000_000.0
+    made = {
+        "a": (minute + 29.9, State.COMPLETED),  # this minute, at its latest
+        "b": (minute - 0.1, State.FAILED),  # the minute before, at its latest
+        "c": (minute - 59.0, State.RUNNING),  # the minute before, early
+        "d": (minute - 59 * 60, State.COMPLETED),  # the first minute of the hour
+        "e": (minute - 59 * 60 - 1, State.COMPLETED),  # before the hour: not shown
+    }
+
+    def fill(tx: Tx) -> None:
+        s.write_batch(
+            tx, [s.Create(m.start(ORDER, fid, "{}", at)) for fid, (at, _) in made.items()]
+        )
+        for fid, (at, state) in made.items():
+            tx.execute(
+                "UPDATE flow_flows SET state = ?, updated_at = ? WHERE flow_id = ?",
+                (state.value, at, fid),
+            )
+
+    await store.transact(fill)
+    o = await store.transact(lambda tx: page_overview(tx, now=now))
+    series = o.series
+    assert series.start == minute - 59 * 60
+    assert {i: n for i, n in enumerate(series.started) if n} == {59: 1, 58: 2, 0: 1}
+    assert {i: n for i, n in enumerate(series.completed) if n} == {59: 1, 0: 1}
+    assert {i: n for i, n in enumerate(series.failed) if n} == {58: 1}
