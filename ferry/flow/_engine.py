@@ -79,6 +79,7 @@ from . import _timers as timers
 from ._apart import write_apart
 from ._errors import IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from ._machine import Flow, Mailbox, Message, Shape, Transition
+from ._observe import Observer
 from ._plan import Plan, StepDef
 from ._sqlite_file import EngineLock, check_path
 from ._types import (
@@ -351,6 +352,7 @@ class Engine:
         self._stats = dict.fromkeys(_COUNTERS, 0)
         self._wakes = dict.fromkeys(Delivery, 0)
         self._parked = 0
+        self._observers: tuple[Observer, ...] = ()  # ferry.metrics (empty: nothing is observed)
         self._nursery: trio.Nursery | None = None
         self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
         self._thread = _thread_id()  # of the run that opened it: only its tasks may call it
@@ -512,6 +514,8 @@ class Engine:
                 self._parked += 1
             elif write and state in _ENDS:
                 stats[_ENDS[state]] += 1
+                for observer in self._observers:
+                    observer.ended(flow)
         watch = self._watches.get(fid)
         if watch is not None:
             stm.atomically_nowait(watch.tvar.set, flow)
@@ -707,6 +711,9 @@ class Engine:
                 flow.attempt,
                 extra=_about(flow),
             )
+        observers = self._observers
+        began = trio.current_time() if observers else 0.0
+        seconds = math.nan
         # In a fleet the body may run only while the lease is trusted: its deadline is the
         # margin before the lease lapses, moved on with every renewal (`_retrust`), so a loop
         # that wakes up after a lapse cancels the body before it goes on (docs/adr/0073).
@@ -717,14 +724,19 @@ class Engine:
                 result = await fn(ctx)
             except Exception as exc:
                 error = exc
-                if failures + 1 < step.attempts:
-                    await trio.sleep(_backoff(failures + 1))
+            if observers:
+                seconds = trio.current_time() - began
+            if error is not None and failures + 1 < step.attempts:
+                await trio.sleep(_backoff(failures + 1))
         live.scope = None
+        void = scope.cancelled_caught or live.flow is not flow
+        for observer in observers:
+            observer.ran(flow, step.name, flow.state is _COMPENSATING, result, error, seconds, void)
         if scope.cancelled_caught and self._fleet and self._lapsing():
             if self._live.get(flow.flow_id) is live:
                 self._lose_all("its lease lapsed while it ran steps")
             return None
-        if scope.cancelled_caught or live.flow is not flow:
+        if void:
             return None
         return ctx, result, error
 
@@ -1882,6 +1894,11 @@ class Engine:
         (`RuntimeError` otherwise)."""
         if _thread_id() != self._thread and not self._closing:
             raise _wrong_run("statistics")
+        return self._statistics()
+
+    def _statistics(self) -> FlowStatistics:
+        """`statistics()` from any thread (`ferry.metrics` reads it while serving a scrape):
+        it copies a few integers and two dicts whose keys never change."""
         return FlowStatistics(
             running=len(self._live),
             parked=self._parked,

@@ -208,6 +208,7 @@ class Flow:
     blocked_from: State | None = None
     owner: str | None = None
     lease_until: float | None = None
+    created_at: float = 0.0  # when it was started (wall-clock seconds); never changes
 
 
 @attrs.frozen
@@ -445,6 +446,7 @@ def start(
         updated_at=now,
         owner=owner,
         lease_until=lease_until,
+        created_at=now,
     )
     detail = {"plan": shape.name, "version": shape.version}
     return Transition(

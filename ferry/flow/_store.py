@@ -9,11 +9,11 @@ row it holds, and records what the transition says (docs/adr/0021).
 
 Tables, for a namespace ``ns`` (default ``flow``):
 
-- ``ns_flows``: one row per flow (`_machine.Flow`'s fields, plus ``start_data`` and
-  ``created_at``). ``revision`` is the compare-and-set token of every write; ``owner`` (the
-  engine that runs an active flow) and ``lease_until`` (when it let it go) are for a fleet.
-  Partial indexes: the active flows (``RUNNING``/``COMPENSATING``, for recovery) and the parked
-  flows by deadline (for timers); the operators' filters and their order (`_query`).
+- ``ns_flows``: one row per flow (`_machine.Flow`'s fields, plus ``start_data``). ``revision``
+  is the compare-and-set token of every write; ``owner`` (the engine that runs an active flow)
+  and ``lease_until`` (when it let it go) are for a fleet. Partial indexes: the active flows
+  (``RUNNING``/``COMPENSATING``, for recovery) and the parked flows by deadline (for timers);
+  the operators' filters and their order (`_query`).
 - ``ns_history(flow_id, revision, n, at, kind, step, attempt, detail)``: every durable transition,
   primary key ``(flow_id, revision, n)``.
 - ``ns_mailbox(seq, flow_id, message_id, payload, status, at)``: one row per accepted message,
@@ -68,6 +68,7 @@ _FIELDS = (
     "flow_id",
     "plan",
     "version",
+    "created_at",
     "state",
     "step_index",
     "step",
@@ -86,7 +87,7 @@ _FIELDS = (
     "owner",
     "lease_until",
 )
-_MUTABLE = _FIELDS[3:]  # what a write changes (flow_id, plan and version never do)
+_MUTABLE = _FIELDS[4:]  # what a write changes (never flow_id, plan, version, created_at)
 
 
 def check_namespace(ns: str) -> str:
@@ -97,28 +98,29 @@ def check_namespace(ns: str) -> str:
 
 
 def _to_flow(row: Sequence[Any]) -> Flow:
-    blocked_from = row[17]
+    blocked_from = row[18]
     return Flow(
         flow_id=row[0],
         plan=row[1],
         version=row[2],
-        state=_STATES[row[3]],
-        step_index=row[4],
-        step=row[5],
-        attempt=row[6],
-        data=row[7],
-        revision=row[8],
-        updated_at=row[9],
-        error=row[10],
-        park_deadline=row[11],
-        on_timeout=row[12],
-        wake=row[13],
-        timed_out=bool(row[14]),
-        stack=parse_stack(row[15]),
-        blocked=row[16],
+        created_at=row[3],
+        state=_STATES[row[4]],
+        step_index=row[5],
+        step=row[6],
+        attempt=row[7],
+        data=row[8],
+        revision=row[9],
+        updated_at=row[10],
+        error=row[11],
+        park_deadline=row[12],
+        on_timeout=row[13],
+        wake=row[14],
+        timed_out=bool(row[15]),
+        stack=parse_stack(row[16]),
+        blocked=row[17],
         blocked_from=None if blocked_from is None else _STATES[blocked_from],
-        owner=row[18],
-        lease_until=row[19],
+        owner=row[19],
+        lease_until=row[20],
     )
 
 
@@ -334,7 +336,7 @@ class _Sql:
         flows = f"{ns}_flows"
         cols = ", ".join(_FIELDS)
         sets = ", ".join(f"{c} = ?" for c in _MUTABLE)
-        marks = ", ".join("?" * (len(_FIELDS) + 2))
+        marks = ", ".join("?" * (len(_FIELDS) + 1))
         pg = dialect == "postgres"
         lock = " FOR UPDATE" if pg else ""
         if pg:
@@ -352,7 +354,7 @@ class _Sql:
         else:
             hold_blind = f"UPDATE {flows} SET revision = revision WHERE flow_id = ? RETURNING 1"
         return _Sql(
-            insert=f"INSERT INTO {flows} ({cols}, start_data, created_at) VALUES ({marks})"
+            insert=f"INSERT INTO {flows} ({cols}, start_data) VALUES ({marks})"
             " ON CONFLICT (flow_id) DO NOTHING RETURNING flow_id",
             existing=f"SELECT {cols}, start_data FROM {flows} WHERE flow_id = ?",
             update=f"UPDATE {flows} SET {sets} WHERE flow_id = ? AND revision = ?"
@@ -583,7 +585,7 @@ class _Batch:
     def create(self, op: Create) -> Result:
         t = op.transition
         f = t.flow
-        values = (f.flow_id, f.plan, f.version, *_mutable_values(f), f.data, f.updated_at)
+        values = (f.flow_id, f.plan, f.version, f.created_at, *_mutable_values(f), f.data)
         if self.tx.execute(self.sql.insert, values):
             self.record(t)
             return Created(t)
