@@ -12,8 +12,9 @@ Tables, for a namespace ``ns`` (default ``flow``):
 - ``ns_flows``: one row per flow (`_machine.Flow`'s fields, plus ``start_data`` and
   ``created_at``). ``revision`` is the compare-and-set token of every write; ``owner`` (the
   engine that runs an active flow) and ``lease_until`` (when it let it go) are for a fleet.
-  Partial indexes: the active flows (``RUNNING``/``COMPENSATING``, for recovery) and the parked
-  flows by deadline (for timers).
+  ``trace`` is the W3C trace context the flow's spans join (`_tracing`). Partial indexes: the
+  active flows (``RUNNING``/``COMPENSATING``, for recovery), the parked flows by deadline (for
+  timers) and the finished flows by their last write (for retention, `_retention`).
 - ``ns_history(flow_id, revision, n, at, kind, step, attempt, detail)``: every durable transition,
   primary key ``(flow_id, revision, n)``.
 - ``ns_mailbox(seq, flow_id, message_id, payload, status, at)``: one row per accepted message,
@@ -84,8 +85,10 @@ _FIELDS = (
     "blocked_from",
     "owner",
     "lease_until",
+    "trace",
 )
-_MUTABLE = _FIELDS[3:]  # what a write changes (flow_id, plan and version never do)
+# What a write changes (flow_id, plan, version and trace never do).
+_MUTABLE = _FIELDS[3:-1]
 
 
 def check_namespace(ns: str) -> str:
@@ -118,6 +121,7 @@ def _to_flow(row: Sequence[Any]) -> Flow:
         blocked_from=None if blocked_from is None else _STATES[blocked_from],
         owner=row[18],
         lease_until=row[19],
+        trace=row[20],
     )
 
 
@@ -176,13 +180,17 @@ def ddl(ns: str, dialect: str) -> list[str]:
             owner TEXT,
             lease_until DOUBLE PRECISION,
             start_data TEXT NOT NULL,
-            created_at DOUBLE PRECISION NOT NULL)""",
+            created_at DOUBLE PRECISION NOT NULL,
+            trace TEXT)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_active ON {ns}_flows (state)"
         " WHERE state IN ('RUNNING', 'COMPENSATING')",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_deadline ON {ns}_flows (park_deadline)"
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_owner ON {ns}_flows (owner)"
         " WHERE state IN ('RUNNING', 'COMPENSATING')",
+        # Retention: finished flows by when they ended (their last write), `_retention`.
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_ended ON {ns}_flows (updated_at)"
+        " WHERE state IN ('COMPLETED', 'FAILED')",
         f"""CREATE TABLE IF NOT EXISTS {ns}_engines (
             owner TEXT PRIMARY KEY,
             lease_until DOUBLE PRECISION NOT NULL,
@@ -218,27 +226,48 @@ def ddl(ns: str, dialect: str) -> list[str]:
 
 _OBJECT = re.compile(r"IF NOT EXISTS (\w+)")
 
+# Columns of ``ns_flows`` added after stores existed: ``ALTER TABLE`` adds them to an older
+# store when an engine opens it (they are in `ddl`'s ``CREATE TABLE`` for a new one).
+_ADDED_COLUMNS = (("trace", "TEXT"),)
+
 
 def create_schema(tx: Tx, ns: str = "flow") -> None:
-    """Create the flow tables and indexes if missing (safe to run concurrently).
+    """Create the flow tables, indexes and added columns if missing (safe to run concurrently).
 
     On PostgreSQL, objects that exist are found in the catalog and not touched: a ``CREATE
     INDEX IF NOT EXISTS`` would still take a share lock on its table, and an engine that opens
     while others write would deadlock with them. Missing ones are made under an advisory lock
-    (concurrent ``CREATE ... IF NOT EXISTS`` can race)."""
+    (concurrent ``CREATE ... IF NOT EXISTS`` can race). An index added to an existing store is
+    built by the first engine that opens it (on PostgreSQL, writes to the table wait while it
+    is built)."""
     statements = ddl(check_namespace(ns), tx.dialect)
     if tx.dialect != "postgres":
         for statement in statements:
             tx.execute(statement)
+        have = {r[1] for r in tx.execute(f"PRAGMA table_info({ns}_flows)")}
+        for column, kind in _ADDED_COLUMNS:
+            if column not in have:
+                tx.execute(f"ALTER TABLE {ns}_flows ADD COLUMN {column} {kind}")
         return
 
     def missing() -> list[str]:
         named = [(_OBJECT.search(st), st) for st in statements]
         exists = tx.execute(
-            "SELECT " + ", ".join("to_regclass(?) IS NOT NULL" for _ in named),
-            [m.group(1) if m else "" for m, _st in named],
+            "SELECT "
+            + ", ".join("to_regclass(?) IS NOT NULL" for _ in named)
+            + "".join(
+                ", EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(?)"
+                " AND attname = ? AND NOT attisdropped)"
+                for _ in _ADDED_COLUMNS
+            ),
+            [m.group(1) if m else "" for m, _st in named]
+            + [v for column, _k in _ADDED_COLUMNS for v in (f"{ns}_flows", column)],
         )[0]
-        return [st for (_m, st), there in zip(named, exists, strict=True) if not there]
+        added = [
+            f"ALTER TABLE {ns}_flows ADD COLUMN IF NOT EXISTS {column} {kind}"
+            for column, kind in _ADDED_COLUMNS
+        ]
+        return [st for st, there in zip([*statements, *added], exists, strict=True) if not there]
 
     if not missing():
         return
@@ -515,7 +544,15 @@ class _Batch:
     def create(self, op: Create) -> Result:
         t = op.transition
         f = t.flow
-        values = (f.flow_id, f.plan, f.version, *_mutable_values(f), f.data, f.updated_at)
+        values = (
+            f.flow_id,
+            f.plan,
+            f.version,
+            *_mutable_values(f),
+            f.trace,
+            f.data,
+            f.updated_at,
+        )
         if self.tx.execute(self.sql.insert, values):
             self.record(t)
             return Created(t)
