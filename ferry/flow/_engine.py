@@ -67,7 +67,7 @@ from ferry import Closed, Failed, open_ferry
 from ferry.projected import SqliteStore, Store, canonical_json
 
 from . import _machine as m
-from . import _store
+from . import _retention, _store
 from . import _timers as timers
 from ._errors import IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from ._machine import Flow, Mailbox, Message, Shape, Transition
@@ -288,6 +288,7 @@ class Engine:
         fencing: bool,
         scan_interval: float | None,
         wall_clock: Callable[[], float],
+        retain: float | None = None,
     ) -> None:
         self._store = store
         self._plans = plans
@@ -324,6 +325,12 @@ class Engine:
         # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
         # longer than this.
         self._guard = max(_GUARD_MIN, lease * _GUARD) if fleet else None
+        # Deletes finished flows `retain` seconds after they ended (a task of a serving engine).
+        self._retention = (
+            _retention.Retention(store, retain, self._now, self._guard)
+            if retain is not None and serve
+            else None
+        )
         self._live: dict[str, _Live] = {}
         self._watches: dict[str, _Watch] = {}
         self._sched: stm.TVar[_Sched] = stm.TVar(_Sched())
@@ -1330,6 +1337,7 @@ class Engine:
             running=len(self._live),
             parked=self._parked,
             wakes=dict(self._wakes),
+            purged=0 if self._retention is None else self._retention.purged,
             **self._stats,
         )
 
@@ -1457,6 +1465,7 @@ def open_engine(
     max_running: int = 10_000,
     lease: float = 30.0,
     serve: bool = True,
+    retain: float | None = _retention.DEFAULT_RETAIN,
     _group_commit: bool = True,
     _wall_clock: Callable[[], float] = time.time,
     _fleet: bool | None = None,
@@ -1490,6 +1499,14 @@ def open_engine(
     at their next scan. A slow or frozen engine can never advance a flow another engine took
     over: every write is a compare-and-set on the flow's revision.
 
+    `retain` (seconds, default 30 days; None keeps every flow): finished (`COMPLETED` or
+    `FAILED`) flows are deleted, with their history and mailbox, `retain` seconds after they
+    ended, by a task of the engine (from its open on, every ``retain / 4`` at most ten minutes
+    apart), in transactions of at most 500 flows with a pause between them; any engine of a
+    fleet may do it at the same time as others (docs/adr/0085). A deleted flow's id is unknown
+    from then on: a wake of it is `Delivery.UNKNOWN` and `start` may use it again.
+    `ValueError` unless it is a finite number > 0 or None.
+
     `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
     plans (it reads the plan shapes engines recorded in the store), runs no step, leases
     nothing, arms no timer and does no recovery; its `wake`, `cancel` and `resume` are
@@ -1517,6 +1534,7 @@ def open_engine(
             max_running=max_running,
             lease=lease,
             serve=serve,
+            retain=retain,
             group_commit=_group_commit,
             wall_clock=_wall_clock,
             fleet=_fleet,
@@ -1571,6 +1589,7 @@ async def _opened(
     max_running: int,
     lease: float,
     serve: bool,
+    retain: float | None,
     group_commit: bool,
     wall_clock: Callable[[], float],
     fleet: bool | None,
@@ -1587,6 +1606,7 @@ async def _opened(
         raise ValueError(f"owner must be a non-empty str or None, got {owner!r}")
     if not isinstance(serve, bool):
         raise TypeError(f"serve must be a bool, got {serve!r}")
+    retain = _retention.check_retain(retain)
     if serve and not registry:
         raise ValueError(
             "open_engine got no plans: an engine that serves a store runs only the plans it is"
@@ -1617,6 +1637,7 @@ async def _opened(
             fencing=fencing,
             scan_interval=scan_interval,
             wall_clock=wall_clock,
+            retain=retain,
         )
         async with _lifetime(engine) as running:
             yield running
@@ -1656,6 +1677,8 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                     if engine._serve and engine._fleet:
                         nursery.start_soon(engine._heartbeat_loop)
                         nursery.start_soon(engine._scan_loop)
+                    if engine._retention is not None:
+                        nursery.start_soon(engine._retention.run)
                     yield engine
                 except BaseException as exc:
                     body_error = exc  # re-raised below, not wrapped in an exception group
