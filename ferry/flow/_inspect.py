@@ -11,6 +11,10 @@ service engine holds the file the actions are refused with a clear error (make t
 that engine's API, or stop it first) and the next engine to open the file runs what the action
 made runnable. The reading commands take no lock and work while engines run.
 
+``purge --finished-before TIME`` deletes finished flows by hand, as ``open_engine(retain=)``
+does (`_retention.purge`: batches of 500, safe beside running engines, on SQLite too: a
+finished flow is never written again). It counts them and asks first, unless ``--yes``.
+
 Output is a readable table, or JSON with ``--json``. Errors are one line on stderr: exit status
 2 for bad arguments, 1 for everything else that went wrong (an unknown flow, an action that did
 not apply, an unreachable store).
@@ -36,7 +40,7 @@ import trio
 from ferry.projected import PostgresStore, SqliteStore, Store
 
 from . import _machine as m
-from . import _store
+from . import _retention, _store
 from ._engine import open_engine
 from ._errors import FlowError, StoreLocked
 from ._machine import Flow
@@ -88,6 +92,13 @@ def _json_value(text: str) -> Json:
     return value
 
 
+def _before(text: str) -> float:
+    try:
+        return _retention.parse_before(text, time.time())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
@@ -133,6 +144,20 @@ def parser() -> argparse.ArgumentParser:
     cancel.add_argument("--reason", default="cancelled by an operator", help="recorded as why")
     resume = command("resume", "Re-drive a BLOCKED flow (Engine.resume).")
     resume.add_argument("flow_id", metavar="FLOW_ID")
+    purge = command(
+        "purge",
+        "Delete finished (COMPLETED or FAILED) flows that ended before a time, with their"
+        " history and mailbox, as open_engine(retain=) does; after it asks (see --yes).",
+    )
+    purge.add_argument(
+        "--finished-before",
+        metavar="TIME",
+        type=_before,
+        required=True,
+        help="ISO 8601 (2026-11-01, 2026-11-01T12:00:00Z; UTC unless it says otherwise) or an"
+        " age: 7d, 12h, 30m, 90s, 2w",
+    )
+    purge.add_argument("--yes", action="store_true", help="delete without asking")
     return p
 
 
@@ -598,6 +623,39 @@ async def do_resume(args: argparse.Namespace, store: Store) -> None:
     )
 
 
+def _confirm(question: str) -> bool:
+    """Ask on the terminal; True for yes. No terminal (a pipe, a script): `Problem`."""
+    if not sys.stdin.isatty():
+        raise Problem(f"{question}: no terminal to ask on; add --yes to go ahead without asking")
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    try:
+        answer = input()
+    except EOFError:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")
+
+
+async def do_purge(args: argparse.Namespace, store: Store) -> None:
+    """Count, ask, then delete in batches (the engine's purge: safe while engines serve the
+    store, on SQLite too, since a finished flow is never written again)."""
+    before = args.finished_before
+    when = _retention.iso(before)
+    matched = await _read(store, args.where, partial(_retention.count_finished, before=before))
+    data: dict[str, Json] = {"finished_before": when, "matched": matched, "deleted": 0}
+    if not matched:
+        _print(args, f"no finished flow ended before {when}: nothing to delete", data)
+        return
+    question = (
+        f"delete {matched} finished flow{'s' * (matched != 1)} (COMPLETED or FAILED) that ended"
+        f" before {when}, with their history and mailbox, from {args.where}?"
+    )
+    if not args.yes and not await trio.to_thread.run_sync(_confirm, question):
+        _print(args, "nothing deleted", data)
+        return
+    data["deleted"] = await _retention.purge(store, before)
+    _print(args, f"deleted {data['deleted']} finished flows that ended before {when}", data)
+
+
 COMMANDS = {
     "list": do_list,
     "show": do_show,
@@ -605,6 +663,7 @@ COMMANDS = {
     "wake": do_wake,
     "cancel": do_cancel,
     "resume": do_resume,
+    "purge": do_purge,
 }
 
 
