@@ -67,7 +67,7 @@ from ferry import Closed, Failed, open_ferry
 from ferry.projected import SqliteStore, Store, canonical_json
 
 from . import _machine as m
-from . import _retention, _store
+from . import _retention, _store, _tracing
 from . import _timers as timers
 from ._errors import IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from ._machine import Flow, Mailbox, Message, Shape, Transition
@@ -289,6 +289,7 @@ class Engine:
         scan_interval: float | None,
         wall_clock: Callable[[], float],
         retain: float | None = None,
+        tracing: _tracing.Tracing | None = None,
     ) -> None:
         self._store = store
         self._plans = plans
@@ -325,6 +326,7 @@ class Engine:
         # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
         # longer than this.
         self._guard = max(_GUARD_MIN, lease * _GUARD) if fleet else None
+        self._tracing = tracing  # OpenTelemetry spans of starts and runs (None: traces off)
         # Deletes finished flows `retain` seconds after they ended (a task of a serving engine).
         self._retention = (
             _retention.Retention(store, retain, self._now, self._guard)
@@ -617,13 +619,18 @@ class Engine:
                 await trio.lowlevel.checkpoint()
                 return None
         flow = live.flow
-        ctx = self._context(flow, step.name, flow.state is _COMPENSATING)
+        compensating = flow.state is _COMPENSATING
+        ctx = self._context(flow, step.name, compensating)
         result: object = None
         error: BaseException | None = None
+        tracing = self._tracing
         with trio.CancelScope() as scope:
             live.scope = scope
             try:
-                result = await fn(ctx)
+                if tracing is None:
+                    result = await fn(ctx)
+                else:
+                    result = await tracing.run(fn, ctx, flow.trace, compensating)
             except Exception as exc:
                 error = exc
                 if failures + 1 < step.attempts:
@@ -1089,7 +1096,9 @@ class Engine:
         text = _json_object_text({} if data is None else data, "data")
         now = self._now()
         owner = self._owner if self._serve else None
-        result = await self._request(_store.Create(m.start(shape, fid, text, now, owner=owner)))
+        with _tracing.starting(self._tracing, shape.name, shape.version, fid) as trace:
+            start = m.start(shape, fid, text, now, owner=owner, trace=trace)
+            result = await self._request(_store.Create(start))
         if isinstance(result, _store.Existing) and not result.same:
             raise IdReused(
                 f"flow id {fid!r} is already used by a flow of plan {result.flow.plan!r} with"
@@ -1466,6 +1475,7 @@ def open_engine(
     lease: float = 30.0,
     serve: bool = True,
     retain: float | None = _retention.DEFAULT_RETAIN,
+    tracer_provider: object | None = None,
     _group_commit: bool = True,
     _wall_clock: Callable[[], float] = time.time,
     _fleet: bool | None = None,
@@ -1507,6 +1517,11 @@ def open_engine(
     from then on: a wake of it is `Delivery.UNKNOWN` and `start` may use it again.
     `ValueError` unless it is a finite number > 0 or None.
 
+    `tracer_provider`: OpenTelemetry traces (the extra ``otel``): every `start` and every run
+    of a step or compensation is a span, and one flow is one trace across parks, restarts and
+    engines (docs/operating.md). None (default): the application's global provider, if it set
+    one; without one (or without OpenTelemetry) traces are off and cost nothing.
+
     `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
     plans (it reads the plan shapes engines recorded in the store), runs no step, leases
     nothing, arms no timer and does no recovery; its `wake`, `cancel` and `resume` are
@@ -1535,6 +1550,7 @@ def open_engine(
             lease=lease,
             serve=serve,
             retain=retain,
+            tracer_provider=tracer_provider,
             group_commit=_group_commit,
             wall_clock=_wall_clock,
             fleet=_fleet,
@@ -1590,6 +1606,7 @@ async def _opened(
     lease: float,
     serve: bool,
     retain: float | None,
+    tracer_provider: object | None,
     group_commit: bool,
     wall_clock: Callable[[], float],
     fleet: bool | None,
@@ -1607,6 +1624,7 @@ async def _opened(
     if not isinstance(serve, bool):
         raise TypeError(f"serve must be a bool, got {serve!r}")
     retain = _retention.check_retain(retain)
+    tracing = _tracing.tracing_for(tracer_provider)
     if serve and not registry:
         raise ValueError(
             "open_engine got no plans: an engine that serves a store runs only the plans it is"
@@ -1638,6 +1656,7 @@ async def _opened(
             scan_interval=scan_interval,
             wall_clock=wall_clock,
             retain=retain,
+            tracing=tracing,
         )
         async with _lifetime(engine) as running:
             yield running
