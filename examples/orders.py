@@ -2,7 +2,8 @@
 payment gateway, and ship, or undo what they did.
 
     python examples/orders.py [--orders 200] [--rate 150] [--seed 1] [--timeout 1.5]
-                              [--db PATH | --postgres DSN] [--crash] [--json] [--quiet]
+                              [--db PATH | --postgres DSN] [--crash] [--trace] [--json]
+                              [--quiet]
 
 Every order is a flow of the plan ``order`` (version 1):
 
@@ -29,7 +30,10 @@ up; no step outcome is recorded twice in any history. The exit code is 1 if the 
 
 ``--crash`` runs the engine in a child process, SIGKILLs it mid-run (a seeded random moment),
 starts a new one on the same database, which recovers the flows, and audits the result.
-``--postgres DSN`` runs on PostgreSQL; ``--json`` prints the summary as JSON.
+``--postgres DSN`` runs on PostgreSQL; ``--json`` prints the summary as JSON. ``--trace`` gives
+the engine an OpenTelemetry TracerProvider and prints, at the end, the spans of one flow (one
+whose step raised and was retried) as an indented tree: one trace from its start across its
+park to its end (needs opentelemetry-sdk).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ if not __package__:  # run as a script: make `ferry` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples import _cli as cli
+from examples import _trace
 from ferry import flow
 from ferry.projected import PostgresStore, SqliteStore, Store, Tx
 
@@ -113,6 +118,8 @@ LEGEND = {
     "failed order; stock adds up; no step outcome recorded twice",
     "note": "shown when more orders timed out than the gateway left unanswered by design: the "
     "machine could not keep up with --rate",
+    "trace": "with --trace: the OpenTelemetry spans of one flow (one whose step raised and was"
+    " retried), a tree under its start span: one trace across its park",
 }
 
 
@@ -406,14 +413,21 @@ def counters(engine: flow.Engine, settle_seconds: float | None = None) -> dict[s
 
 
 async def drive(
-    shop: Shop, *, quiet: bool, on_open: Callable[[], None] | None = None, tick: Any = None
+    shop: Shop,
+    *,
+    quiet: bool,
+    on_open: Callable[[], None] | None = None,
+    tick: Any = None,
+    tracer_provider: Any = None,
 ) -> dict[str, Any]:
     """Open the engine, start every order (idempotent), run the gateway, and wait until every
     order is settled (and the gateway has sent its late answers). The engine's `counters`.
     `tick(counters)` is called every `TICK` seconds while it runs, if given."""
     plan = make_plan(shop)
     t0 = time.perf_counter()
-    async with flow.open_engine(shop.store, plans=[plan]) as engine:
+    async with flow.open_engine(
+        shop.store, plans=[plan], tracer_provider=tracer_provider
+    ) as engine:
         shop.engine = engine
         engine.on("payment.confirmed", confirmed)
         engine.on("payment.declined", declined)
@@ -684,8 +698,10 @@ async def in_process(args: argparse.Namespace, path: Path | None, run: str) -> i
         shop = make_shop(store, args, run)
         if not args.json:
             print(f"orders: {arriving(args)}, {where(args, path)}", flush=True)
-        stats = await drive(shop, quiet=args.quiet)
-        return await finish(args, path, shop, stats, stats["seconds"], kills=0)
+        traces = _trace.Collector() if args.trace else None
+        provider = None if traces is None else traces.provider
+        stats = await drive(shop, quiet=args.quiet, tracer_provider=provider)
+        return await finish(args, path, shop, stats, stats["seconds"], kills=0, traces=traces)
 
 
 async def finish(
@@ -695,16 +711,25 @@ async def finish(
     stats: dict[str, Any],
     seconds: float,
     kills: int,
+    traces: _trace.Collector | None = None,
 ) -> int:
     if not (args.quiet or args.json):
         print(f"auditing {len(shop.orders)} orders ...", file=sys.stderr, flush=True)
     async with flow.open_engine(shop.store, plans=[make_plan(shop)]) as engine:
         checked = await audit(shop.store, engine, shop)
     report = summary(shop, stats, checked, seconds, kills)
+    lines: list[str] = []
+    if traces is not None:  # --trace: one flow's spans
+        shown = _trace.one_flow(traces.spans())
+        if shown is not None:
+            report["trace"] = shown
+            lines = _trace.render(shown)
     if args.json:
         print(json.dumps({**report, "legend": LEGEND}, indent=2))
     else:
         show(report, where(args, path), sys.stdout)
+        if lines:
+            print("\n" + "\n".join(lines))
     return 1 if checked.problems else 0
 
 
@@ -824,6 +849,11 @@ def build_parser() -> cli.ArgumentParser:
         action="store_true",
         help="run the engine in a child process, SIGKILL it mid-run, restart it, audit",
     )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="trace the flows with OpenTelemetry and print one flow's spans as a tree at the end",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -843,6 +873,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         p.error(f"--rate must be between 1 and 1000000 orders per second, got {args.rate}")
     if not 0.05 <= args.timeout <= 3600:
         p.error(f"--timeout must be between 0.05 and 3600 seconds, got {args.timeout}")
+    if args.trace and args.crash:
+        p.error(
+            "--trace shows the spans this process's engine made: it cannot be combined with"
+            " --crash, whose engines run in child processes"
+        )
+    if args.trace and not _trace.AVAILABLE:
+        p.error(_trace.NEEDS)
     if args.worker and (args.run is None or args.crash):
         p.error("--worker is the engine process that --crash starts: use --crash")
     return args
