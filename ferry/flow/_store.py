@@ -188,8 +188,9 @@ def ddl(ns: str, dialect: str) -> list[str]:
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_owner ON {ns}_flows (owner)"
         " WHERE state IN ('RUNNING', 'COMPENSATING')",
-        # Retention: finished flows by when they ended (their last write), `_retention`.
-        f"CREATE INDEX IF NOT EXISTS {ns}_flows_ended ON {ns}_flows (updated_at)"
+        # Finished flows by when they ended (a finished flow is never written again): retention
+        # (`_retention`) and the dashboard's counts of finished flows.
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_ended ON {ns}_flows (updated_at, state)"
         " WHERE state IN ('COMPLETED', 'FAILED')",
         f"""CREATE TABLE IF NOT EXISTS {ns}_engines (
             owner TEXT PRIMARY KEY,
