@@ -23,8 +23,8 @@ Design (docs/adr/0085):
 - After a purge, the id is unknown: a wake is `Delivery.UNKNOWN`, `get` is None, and `start`
   with that id starts a new flow.
 
-Only a store that is unavailable now (`unavailable`) is retried, at the next round; any other
-error ends the engine's ``async with`` block with it.
+Only a store that is unavailable now is retried (`_retry`, the engine's one retry rule, with a
+WARNING per retry); any other error ends the engine's ``async with`` block with it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import datetime
 import logging
 import math
 import re
-import sqlite3
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Final
@@ -42,7 +41,7 @@ import trio
 
 from ferry.projected import Store, Tx
 
-from . import _store
+from . import _retry, _store
 
 _log = logging.getLogger("ferry.flow")
 
@@ -55,7 +54,6 @@ PAUSE_MIN: Final = 0.05
 #: How often an engine purges: every ``retain / 4``, within these bounds (seconds).
 EVERY_MIN: Final = 0.05
 EVERY_MAX: Final = 600.0
-_RETRY_MAX: Final = 60.0
 _FINISHED = "state IN ('COMPLETED', 'FAILED')"
 
 
@@ -73,18 +71,6 @@ def check_retain(retain: object) -> float | None:
             f" e.g. 30 * 86400), or None to keep every flow; got {retain!r}"
         )
     return float(retain)
-
-
-def unavailable(exc: BaseException) -> bool:
-    """Is `exc` a store that is not available now (locked, busy, a connection lost, a
-    transaction the database rolled back on its own), which a later try may get past?"""
-    if isinstance(exc, sqlite3.OperationalError):
-        return True
-    module = type(exc).__module__
-    if module.startswith("psycopg"):
-        state = str(getattr(exc, "sqlstate", None) or "")
-        return type(exc).__name__ == "OperationalError" or state.startswith(("08", "40", "57"))
-    return False
 
 
 # ------------------------------------------------------------------------ the SQL (one batch)
@@ -220,26 +206,19 @@ class Retention:
         self.purged += n
 
     async def run(self) -> None:
-        """Purge, then sleep `every`, for ever. An unavailable store is logged and tried again
-        (at the next round, or sooner); any other error is raised."""
-        delay = self.every
+        """Purge, then sleep `every`, for ever. While the store is unavailable the purge is
+        tried again (`_retry.Backoff`: a WARNING each time); any other error is raised."""
+        backoff: _retry.Backoff | None = None
         while True:
             before = self._now() - self._retain
             try:
                 n = await purge(self._store, before, guard=self._guard, on_batch=self._count)
             except Exception as exc:
-                if not unavailable(exc):
-                    raise
-                delay = min(max(delay * 2, self.every), _RETRY_MAX)
-                _log.warning(
-                    "retention: the flow store is unavailable (%r); purging again in %.3g s",
-                    exc,
-                    delay,
-                    extra={"retry_in": delay},
-                )
-                await trio.sleep(delay)
+                if backoff is None:
+                    backoff = _retry.Backoff("purging finished flows (retention)")
+                await backoff.pause(exc)  # raises `exc` unless the store is unavailable
                 continue
-            delay = self.every
+            backoff = None
             if n:
                 _log.info(
                     "retention: deleted %d finished flows that ended before %s",

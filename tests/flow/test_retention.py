@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sqlite3
 import time
 from functools import partial
 from pathlib import Path
@@ -162,10 +163,24 @@ async def test_retain_none_keeps_every_flow(
         await store.aclose()
 
 
+class BusyStore(InlineSqliteStore):
+    """An inline store whose next `busy` transactions find the database locked (SQLite's
+    SQLITE_BUSY: the store is unavailable now, which the engine retries)."""
+
+    busy = 0
+
+    async def transact(self, fn: Any) -> Any:
+        if self.busy:
+            self.busy -= 1
+            await trio.lowlevel.checkpoint()
+            raise sqlite3.OperationalError("database is locked")
+        return await super().transact(fn)
+
+
 async def test_an_unavailable_store_is_retried_with_a_warning(
     tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    store = InlineSqliteStore(str(tmp_path / "r.db"))
+    store = BusyStore(str(tmp_path / "r.db"))
     plan = plan_of()
     retain = 60.0
     try:
@@ -174,12 +189,12 @@ async def test_an_unavailable_store_is_retried_with_a_warning(
             await e.wait("done", timeout=60)
             await trio.testing.wait_all_tasks_blocked()
             with caplog.at_level(logging.WARNING, logger="ferry.flow"):
-                store.fail_next = 1  # the next transaction is the retention task's
+                store.busy = 1  # the next transaction is the retention task's
                 await trio.sleep(retain + 4 * _retention.EVERY_MAX)
             assert e.statistics().purged == 1
-            warned = [r for r in caplog.records if "retention" in r.getMessage()]
+            warned = [r for r in caplog.records if "(retention)" in r.getMessage()]
             assert len(warned) == 1 and warned[0].levelno == logging.WARNING
-            assert "unavailable" in warned[0].getMessage()
+            assert "flow store unavailable while purging finished flows" in warned[0].getMessage()
     finally:
         await store.aclose()
 
