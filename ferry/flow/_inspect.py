@@ -624,9 +624,7 @@ async def do_resume(args: argparse.Namespace, store: Store) -> None:
 
 
 def _confirm(question: str) -> bool:
-    """Ask on the terminal; True for yes. No terminal (a pipe, a script): `Problem`."""
-    if not sys.stdin.isatty():
-        raise Problem(f"{question}: no terminal to ask on; add --yes to go ahead without asking")
+    """Ask on the terminal (stderr, stdin); True for yes."""
     print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
     try:
         answer = input()
@@ -649,6 +647,11 @@ async def do_purge(args: argparse.Namespace, store: Store) -> None:
         f"delete {matched} finished flow{'s' * (matched != 1)} (COMPLETED or FAILED) that ended"
         f" before {when}, with their history and mailbox, from {args.where}?"
     )
+    if not args.yes and not sys.stdin.isatty():
+        raise Problem(
+            f"{matched} finished flows ended before {when}; nothing was deleted: stdin is not a"
+            " terminal to ask on, so add --yes to delete them"
+        )
     if not args.yes and not await trio.to_thread.run_sync(_confirm, question):
         _print(args, "nothing deleted", data)
         return
