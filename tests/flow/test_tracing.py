@@ -23,6 +23,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from ferry import flow
+from ferry.projected import PostgresStore
+from tests import pg
 
 from ._helpers import InlineSqliteStore
 
@@ -230,3 +232,29 @@ def test_opentelemetry_is_not_imported_unless_the_application_uses_it(tmp_path: 
         "after a flow []",
         "spans [('start p', 'c'), ('step p.only', 'c')]",
     ]
+
+
+async def test_on_postgres_another_engine_of_the_fleet_continues_the_trace(
+    pg_server: pg.PgServer,
+) -> None:
+    """Engine "a" starts the flow, which parks; engine "b" (another store connection, another
+    owner) wakes and finishes it: its spans join the trace that "a" began."""
+    provider, exporter = traced()
+    dsn = pg_server.fresh_schema_dsn()
+    plan = order_plan()
+    async with PostgresStore(dsn, connections=2) as sa, PostgresStore(dsn, connections=2) as sb:
+        async with flow.open_engine(sa, plans=[plan], owner="a", tracer_provider=provider) as a:
+            await a.start(plan, flow_id="o-3")
+            with trio.fail_after(30):
+                await parked(a, "o-3")
+        async with flow.open_engine(sb, plans=[plan], owner="b", tracer_provider=provider) as b:
+            assert await b.wake("o-3", "yes") is flow.Delivery.RESUMED
+            assert (await b.wait("o-3", timeout=30)).state is flow.State.COMPLETED
+    spans = sorted(exporter.get_finished_spans(), key=lambda s: s.start_time or 0)
+    assert [s.name for s in spans][-1] == "step order.ship"
+    start = spans[0]
+    assert start.context is not None
+    assert {s.context.trace_id for s in spans if s.context is not None} == {start.context.trace_id}
+    assert all(
+        s.parent is not None and s.parent.span_id == start.context.span_id for s in spans[1:]
+    )
