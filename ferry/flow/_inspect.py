@@ -652,7 +652,9 @@ async def do_purge(args: argparse.Namespace, store: Store) -> None:
             f"{matched} finished flows ended before {when}; nothing was deleted: stdin is not a"
             " terminal to ask on, so add --yes to delete them"
         )
-    if not args.yes and not await trio.to_thread.run_sync(_confirm, question):
+    if not args.yes and not await trio.to_thread.run_sync(
+        _confirm, question, abandon_on_cancel=True
+    ):
         _print(args, "nothing deleted", data)
         return
     data["deleted"] = await _retention.purge(store, before)
