@@ -17,7 +17,7 @@ from ferry.flow import _retry
 
 def _sqlite_error(code: int, text: str) -> sqlite3.OperationalError:
     exc = sqlite3.OperationalError(text)
-    exc.sqlite_errorcode = code  # type: ignore[attr-defined]
+    exc.sqlite_errorcode = code
     return exc
 
 
