@@ -39,6 +39,10 @@ revision it let go); a flow it holds but does not run is adopted (docs/adr/0040-
 after the lease may have lapsed starts a new epoch: no copy from before it runs a body until it
 has been read again (`_heartbeat`, `_confirm`, docs/adr/0047). ``serve=False`` makes an
 operator's engine, which runs and leases nothing (docs/adr/0044).
+
+Parts of their own, hooked in here: retention (`_retention.Retention`, a task of a serving
+engine that deletes finished flows, docs/adr/0085) and traces (`_tracing`: a span around
+`start`'s write and around every step or compensation run, docs/adr/0086).
 """
 
 from __future__ import annotations
