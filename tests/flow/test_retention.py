@@ -373,6 +373,7 @@ async def test_two_purges_at_once_take_disjoint_batches(pg_server: pg.PgServer) 
                 )
         assert sum(seen["a"]) + sum(seen["b"]) == 2000
         assert max(seen["a"] + seen["b"]) <= 50
+        assert seen["a"] and seen["b"]  # both purged, at once (each of 40 batches pauses)
         assert await a.transact(partial(totals, prefix="parked-")) == (10, 30, 10)
     finally:
         await a.aclose()
