@@ -27,7 +27,7 @@ Durable times are wall-clock seconds: ``time.time()`` at open plus `trio.current
 since, so `trio.testing.MockClock` drives hour-long parks in a test. Attempts: a retry writes
 attempt + 1 before it runs, and recovery writes attempt + 1 before re-running a step that was
 running when the process died or the engine closed (docs/adr/0024). An SQLite file is served by
-one engine at a time (an ``flock`` on ``<path>.engine-lock``, docs/adr/0025).
+one engine at a time (an ``flock`` on the database file itself, `_sqlite_file`, docs/adr/0065).
 
 The fleet (PostgreSQL, docs/flow-fleet.md): an engine holds a lease of its own, one row renewed
 every ``lease / 3`` (`_heartbeat_loop`), and runs the active flows whose row names it (`_mine`).
@@ -48,7 +48,6 @@ engine that deletes finished flows, docs/adr/0085) and traces (`_tracing`: a spa
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import inspect
 import json
 import math
@@ -73,9 +72,10 @@ from ferry.projected import SqliteStore, Store, canonical_json
 from . import _machine as m
 from . import _retention, _store, _tracing
 from . import _timers as timers
-from ._errors import IdReused, StoreLocked, UnknownFlow, UnknownPlan
+from ._errors import IdReused, UnknownFlow, UnknownPlan
 from ._machine import Flow, Mailbox, Message, Shape, Transition
 from ._plan import Plan, StepDef
+from ._sqlite_file import EngineLock, check_path
 from ._types import (
     IGNORE,
     Context,
@@ -1420,56 +1420,6 @@ def _registry(plans: object) -> dict[tuple[str, int], Plan]:
     return registry
 
 
-def _check_sqlite_path(path: str) -> None:
-    """Refuse, in the user's words, a path that cannot hold an SQLite file: its directory is
-    missing, it is a directory, or it is a file of another kind (before anything is created)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(
-            f"no such directory: {directory!r}, where the flow store {path!r} would be; create"
-            " the directory first, or give open_engine another path"
-        )
-    if os.path.isdir(path):
-        raise IsADirectoryError(
-            f"{path!r} is a directory: give open_engine the path of an SQLite file (it is"
-            " created if missing)"
-        )
-    try:
-        with open(path, "rb") as file:
-            header = file.read(len(_store.SQLITE_HEADER))
-    except FileNotFoundError:
-        return  # a new file: the store creates it
-    except OSError as exc:
-        raise type(exc)(f"cannot read the flow store {path!r}: {exc.strerror}") from None
-    if header and header != _store.SQLITE_HEADER:
-        raise ValueError(
-            f"{path!r} is not an SQLite database: give open_engine the path of an engine's SQLite"
-            " file, or of a new file"
-        )
-
-
-def _lock_sqlite(path: str) -> int:
-    """Take the engine lock of an SQLite file (an flock on a sidecar file); its fd."""
-    _check_sqlite_path(path)
-    lock_path = f"{path}.engine-lock"
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise type(exc)(
-            f"cannot open the flow store {path!r}: {exc.strerror} in its directory (an engine"
-            f" keeps a lock file beside the store, {os.path.basename(lock_path)!r})"
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise StoreLocked(
-            f"another flow engine is serving {path!r} right now (it holds {lock_path!r}); an"
-            " SQLite file is served by one engine at a time: close that one first"
-        ) from None
-    return fd
-
-
 def open_engine(
     store: Store | str | os.PathLike[str],
     plans: Iterable[Plan],
@@ -1495,7 +1445,9 @@ def open_engine(
     engine in the rows it leases (default: a new uuid; names must be unique among live
     engines). Creates the tables if missing, records its
     plans' shapes in the store, takes the SQLite file's engine lock (`StoreLocked` if another
-    engine holds it), then recovers (SPEC 5.4).
+    engine holds the file, by whatever path), then recovers (SPEC 5.4). A path that cannot be
+    an engine's file (``":memory:"``, a ``file:`` URI, a directory, an empty path, a file that
+    is not SQLite) is a `ValueError` saying what to give instead, before anything is created.
 
     One SQLite file is served by one engine: at open every running and compensating flow runs
     again (attempt + 1) and every parked flow's timer is armed (overdue ones time out at once).
@@ -1638,13 +1590,16 @@ async def _opened(
     if scan_interval is not None and not (0 < scan_interval < math.inf):
         raise ValueError(f"_scan_interval must be a finite number > 0, got {scan_interval!r}")
     own_store = isinstance(store, str | os.PathLike)
+    lock: EngineLock | None = None
     if own_store:
-        db: Store = SqliteStore(os.fspath(store))  # type: ignore[arg-type]
+        lock = EngineLock.acquire(check_path(store))
+        db: Store = SqliteStore(lock.path)
     elif callable(getattr(store, "transact", None)):
         db = store  # type: ignore[assignment]
+        if isinstance(db, SqliteStore):
+            lock = EngineLock.acquire(db.path)
     else:
         raise TypeError(f"store must be a path or a SqliteStore/PostgresStore, got {store!r}")
-    lock_fd = _lock_sqlite(db.path) if isinstance(db, SqliteStore) else None
     try:
         await db.transact(_store.create_schema)
         engine = Engine(
@@ -1668,8 +1623,8 @@ async def _opened(
         if own_store:
             with trio.CancelScope(shield=True):
                 await db.aclose()
-        if lock_fd is not None:
-            os.close(lock_fd)
+        if lock is not None:
+            lock.release()
 
 
 @asynccontextmanager

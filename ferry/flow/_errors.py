@@ -37,6 +37,7 @@ class UnknownFlow(FlowError, LookupError):
 class StoreLocked(FlowError):
     """Another engine (in this process or another) serves this SQLite file right now.
 
-    An SQLite file is served by one engine at a time; the lock is an OS-level lock on a sidecar
-    file (``<path>.engine-lock``), released when that engine closes or its process dies.
+    An SQLite file is served by one engine at a time, whatever the path it is opened by (a
+    symlink, a hard link, a relative path); the lock is an OS-level lock on the database file
+    itself, released when that engine closes or its process dies.
     """

@@ -14,7 +14,8 @@ Tables, for a namespace ``ns`` (default ``flow``):
   engine that runs an active flow) and ``lease_until`` (when it let it go) are for a fleet.
   ``trace`` is the W3C trace context the flow's spans join (`_tracing`). Partial indexes: the
   active flows (``RUNNING``/``COMPENSATING``, for recovery), the parked flows by deadline (for
-  timers) and the finished flows by their last write (for retention, `_retention`).
+  timers) and the finished flows by their last write (for retention, `_retention`, and the
+  dashboard); the operators' filters and their order (`_query`).
 - ``ns_history(flow_id, revision, n, at, kind, step, attempt, detail)``: every durable transition,
   primary key ``(flow_id, revision, n)``.
 - ``ns_mailbox(seq, flow_id, message_id, payload, status, at)``: one row per accepted message,
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import zlib
 from collections.abc import Callable, Sequence
@@ -188,10 +190,21 @@ def ddl(ns: str, dialect: str) -> list[str]:
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_owner ON {ns}_flows (owner)"
         " WHERE state IN ('RUNNING', 'COMPENSATING')",
+        # The operators' filters and their order, newest first (`_query`, docs/adr/0080).
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_created ON {ns}_flows (created_at, flow_id)",
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_state_created ON {ns}_flows"
+        " (state, created_at, flow_id)",
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_plan_created ON {ns}_flows"
+        " (plan, version, created_at, flow_id)",
         # Finished flows by when they ended (a finished flow is never written again): retention
         # (`_retention`) and the dashboard's counts of finished flows.
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_ended ON {ns}_flows (updated_at, state)"
         " WHERE state IN ('COMPLETED', 'FAILED')",
+        *(
+            [f'CREATE INDEX IF NOT EXISTS {ns}_flows_id_c ON {ns}_flows (flow_id COLLATE "C")']
+            if dialect == "postgres"
+            else []
+        ),
         f"""CREATE TABLE IF NOT EXISTS {ns}_engines (
             owner TEXT PRIMARY KEY,
             lease_until DOUBLE PRECISION NOT NULL,
@@ -940,10 +953,6 @@ def count_states(tx: Tx, *, ns: str = "flow") -> dict[State, int]:
 # ------------------------------------------------------------------------ reads for operators
 
 
-#: The first bytes of every SQLite database file.
-SQLITE_HEADER = b"SQLite format 3\x00"
-
-
 def has_tables(tx: Tx, *, ns: str = "flow") -> bool:
     """Does the store hold the flow tables (has an engine ever opened it)?"""
     if tx.dialect == "postgres":
@@ -1007,12 +1016,41 @@ def blocked_reasons(tx: Tx, *, ns: str = "flow", limit: int = 20) -> list[tuple[
     return [(r[0], r[1], r[2]) for r in rows]
 
 
+def leased(tx: Tx) -> bool:
+    """Are the store's active flows held by leases (a fleet, PostgreSQL)? On SQLite one engine
+    at a time holds the whole file (its engine lock) and runs every active flow: no lease rows,
+    so no flow there is ever an orphan (`count_orphans`, `orphaned`)."""
+    return tx.dialect == "postgres"
+
+
 def count_orphans(tx: Tx, now: float, *, ns: str = "flow") -> int:
     """How many active flows no engine holds at `now` (`_orphan`): engines of a fleet take them
-    over at their next scan; on SQLite, the next engine to open the file runs them."""
+    over at their next scan. 0 on a store without leases (`leased`)."""
+    if not leased(tx):
+        return 0
     rows = tx.execute(
         f"SELECT COUNT(*) FROM {ns}_flows f WHERE f.state IN ('RUNNING', 'COMPENSATING')"
         f" AND {_orphan(ns, 'f')}",
         (now, now),
     )
     return int(rows[0][0])
+
+
+def holder(tx: Tx, flow_id: str, now: float, *, ns: str = "flow") -> tuple[float, bool] | None:
+    """Who holds the active flow `flow_id` at `now`, by the rule `count_orphans` counts with
+    (`_orphan`): ``(until, orphaned)`` where `until` is when its hold ends (the earlier of the
+    flow's own ``lease_until`` and its owner's engine lease; -inf if it has neither). None if the
+    flow is not active or has no owner, or on a store without leases (`leased`)."""
+    if not leased(tx):
+        return None
+    rows = tx.execute(
+        f"SELECT f.lease_until, e.lease_until, {_orphan(ns, 'f')} FROM {ns}_flows f"
+        f" LEFT JOIN {ns}_engines e ON e.owner = f.owner WHERE f.flow_id = ?"
+        " AND f.owner IS NOT NULL AND f.state IN ('RUNNING', 'COMPENSATING')",
+        (now, now, flow_id),
+    )
+    if not rows:
+        return None
+    own, engine, orphaned = rows[0]
+    until = min(math.inf if own is None else own, -math.inf if engine is None else engine)
+    return until, bool(orphaned)

@@ -1,9 +1,10 @@
 """The fleet's leases (SPEC 5.4, issue 10) under `MockClock(autojump_threshold=0)`.
 
-Several engines share one real SQLite file here, each through its own `InlineSqliteStore`
-connection (see _helpers), with the fleet's leases forced on (`_fleet=True`): the same code that
-runs on PostgreSQL, deterministic. A "frozen" engine is one whose store is held (`gate`): its
-transactions wait, as a SIGSTOPped process's would, while the clock runs on for the others.
+Several engines share one real SQLite file here, each through its own `PlantedStore` (a public
+`SqliteStore` wrapped, see _helpers, so no engine lock), with the fleet's leases forced on
+(`_fleet=True`): the same code that runs on PostgreSQL, deterministic. A "frozen" engine is one
+whose store is held (`gate`): its transactions wait, as a SIGSTOPped process's would, while the
+clock runs on for the others.
 Every engine's wall clock is ``T0 + trio.current_time()``, so their leases compare exactly.
 """
 
@@ -23,7 +24,7 @@ from ferry import flow
 from ferry.flow import _machine as m
 from ferry.flow import _store
 
-from ._helpers import InlineSqliteStore
+from ._helpers import PlantedStore
 
 T0 = 1_700_000_000.0
 LEASE = 30.0
@@ -41,7 +42,7 @@ def path(tmp_path: Path) -> str:
 
 @asynccontextmanager
 async def fleet_engine(
-    store: InlineSqliteStore, *plans: flow.Plan, owner: str, **options: Any
+    store: PlantedStore, *plans: flow.Plan, owner: str, **options: Any
 ) -> AsyncIterator[flow.Engine]:
     options.setdefault("lease", LEASE)
     async with flow.open_engine(
@@ -50,13 +51,13 @@ async def fleet_engine(
         yield engine
 
 
-async def row(store: InlineSqliteStore, flow_id: str) -> m.Flow:
+async def row(store: PlantedStore, flow_id: str) -> m.Flow:
     f = await store.transact(partial(_store.load, flow_id=flow_id))
     assert f is not None
     return f
 
 
-async def kinds(store: InlineSqliteStore, flow_id: str) -> list[str]:
+async def kinds(store: PlantedStore, flow_id: str) -> list[str]:
     events = await store.transact(partial(_store.load_history, flow_id=flow_id))
     assert events is not None
     return [e.kind for e in events]
@@ -104,7 +105,7 @@ def saga(log: Log, gates: dict[str, trio.Event] | None = None, *, park: float | 
 # ------------------------------------------------------------------------------ leases, renewal
 
 
-async def engine_lease(store: InlineSqliteStore, owner: str) -> float | None:
+async def engine_lease(store: PlantedStore, owner: str) -> float | None:
     for name, until, _started, _held in await store.transact(_store.load_engines):
         if name == owner:
             return until
@@ -115,7 +116,7 @@ async def test_a_running_flow_is_held_by_its_engine_whose_lease_is_renewed(
     path, autojump_clock
 ) -> None:
     gates: dict[str, trio.Event] = {}
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     async with fleet_engine(store, saga([], gates), owner="a") as a:
         await a.start(a._plans[("order", 1)], flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
@@ -155,7 +156,7 @@ async def test_a_frozen_owner_cannot_advance_a_flow_taken_over(
     log: Log = []
     gates: dict[str, trio.Event] = {}
     plan = saga(log, gates)
-    store_a, store_b = InlineSqliteStore(path), InlineSqliteStore(path)
+    store_a, store_b = PlantedStore(path), PlantedStore(path)
     async with AsyncExitStack() as stack:
         a = await stack.enter_async_context(
             fleet_engine(store_a, plan, owner="a", _fencing=fencing)
@@ -201,7 +202,7 @@ async def test_an_orphan_is_claimed_by_exactly_one_engine(
     compare-and-set (planted) lets all of them run it."""
     log: Log = []
     plan = saga(log)
-    stores = [InlineSqliteStore(path) for _ in range(3)]
+    stores = [PlantedStore(path) for _ in range(3)]
     async with AsyncExitStack() as stack:
         engines = [
             await stack.enter_async_context(fleet_engine(s, plan, owner=f"e{i}", _fencing=fencing))
@@ -227,7 +228,7 @@ async def test_a_restart_under_the_same_name_resumes_its_flows_at_once(
     log: Log = []
     gates: dict[str, trio.Event] = {}
     plan = saga(log, gates)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     async with fleet_engine(store, plan, owner="a") as a:
         await a.start(plan, flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
@@ -236,7 +237,7 @@ async def test_a_restart_under_the_same_name_resumes_its_flows_at_once(
     await store.transact(
         partial(_store.heartbeat, owner="a", until=until, now=wall())
     )  # as if a had been killed: its lease still runs
-    async with fleet_engine(InlineSqliteStore(path), plan, owner="a") as again:
+    async with fleet_engine(PlantedStore(path), plan, owner="a") as again:
         await trio.testing.wait_all_tasks_blocked()
         assert ("charge", "f", 2) in log and trio.current_time() < LEASE / 10
         assert again.statistics().recovered == 1
@@ -250,8 +251,8 @@ async def test_closing_ends_the_leases_so_another_engine_takes_over_at_its_next_
     log: Log = []
     gates: dict[str, trio.Event] = {}
     plan = saga(log, gates)
-    async with fleet_engine(InlineSqliteStore(path), plan, owner="b") as b:
-        async with fleet_engine(InlineSqliteStore(path), plan, owner="a") as a:
+    async with fleet_engine(PlantedStore(path), plan, owner="b") as b:
+        async with fleet_engine(PlantedStore(path), plan, owner="a") as a:
             await a.start(plan, flow_id="f")
             await trio.testing.wait_all_tasks_blocked()
         closed_at = trio.current_time()
@@ -268,12 +269,12 @@ async def test_closing_ends_the_leases_so_another_engine_takes_over_at_its_next_
 async def test_a_scan_takes_no_more_than_the_engine_has_room_for(path, autojump_clock) -> None:
     gates: dict[str, trio.Event] = {}
     plan = saga([], gates)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     await store.transact(_store.create_schema)
     shape = plan._close()
     ops = [_store.Create(m.start(shape, f"f{i}", "{}", T0, owner="dead")) for i in range(5)]
     await store.transact(partial(_store.write_batch, ops=ops))
-    async with fleet_engine(InlineSqliteStore(path), plan, owner="a", max_running=2) as a:
+    async with fleet_engine(PlantedStore(path), plan, owner="a", max_running=2) as a:
         await trio.testing.wait_all_tasks_blocked()
         assert a.statistics().claimed == 2 and a.statistics().running == 2
         owners = [(await row(store, f"f{i}")).owner for i in range(5)]
@@ -287,15 +288,15 @@ async def test_an_engine_leaves_orphans_of_a_version_it_lacks_to_one_that_has_it
     v1 = saga(log, park=None)
     v2 = flow.Plan("order", version=2)
     v2.step(name="reserve")(_noop)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     await store.transact(_store.create_schema)
     dead = m.start(v1._close(), "f", "{}", T0, owner="dead")
     await store.transact(partial(_store.write_batch, ops=[_store.Create(dead)]))
-    async with fleet_engine(InlineSqliteStore(path), v2, owner="new") as new:
+    async with fleet_engine(PlantedStore(path), v2, owner="new") as new:
         await trio.sleep(LEASE)
         assert new.statistics().claimed == 0 and log == []
         assert (await row(store, "f")).state is flow.State.RUNNING  # not blocked: others may run it
-        async with fleet_engine(InlineSqliteStore(path), v1, owner="old") as old:
+        async with fleet_engine(PlantedStore(path), v1, owner="old") as old:
             assert (await old.wait("f", timeout=600)).state is flow.State.COMPLETED
 
 
@@ -311,7 +312,7 @@ async def test_a_wake_through_another_engine_leases_the_flow_to_that_engine(
 ) -> None:
     log: Log = []
     plan = saga(log, park=3600)
-    store_a, store_b = InlineSqliteStore(path), InlineSqliteStore(path)
+    store_a, store_b = PlantedStore(path), PlantedStore(path)
     async with (
         fleet_engine(store_a, plan, owner="a") as a,
         fleet_engine(store_b, plan, owner="b") as b,
@@ -333,7 +334,7 @@ async def test_a_parked_flows_timeout_fires_exactly_once_across_the_fleet(
     all fire at the deadline, one takes it, and only that one runs the compensations."""
     log: Log = []
     plan = saga(log, park=100)
-    stores = [InlineSqliteStore(path) for _ in range(3)]
+    stores = [PlantedStore(path) for _ in range(3)]
     async with AsyncExitStack() as stack:
         engines = [
             await stack.enter_async_context(fleet_engine(s, plan, owner=f"e{i}"))
@@ -359,7 +360,7 @@ async def test_a_cancel_through_another_engine_leaves_the_flow_with_its_runner(
     log: Log = []
     gates: dict[str, trio.Event] = {}
     plan = saga(log, gates)
-    store_a, store_b = InlineSqliteStore(path), InlineSqliteStore(path)
+    store_a, store_b = PlantedStore(path), PlantedStore(path)
     async with (
         fleet_engine(store_a, plan, owner="a") as a,
         fleet_engine(store_b, plan, owner="b") as b,
@@ -386,12 +387,12 @@ async def test_an_operator_engine_without_plans_leaves_the_work_to_the_fleet(
 ) -> None:
     log: Log = []
     plan = saga(log, park=3600)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     async with fleet_engine(store, plan, owner="a") as a:
         for fid in ("w", "c"):
             await a.start(plan, flow_id=fid)
         await trio.testing.wait_all_tasks_blocked()
-        async with fleet_engine(InlineSqliteStore(path), owner="ops", serve=False) as ops:
+        async with fleet_engine(PlantedStore(path), owner="ops", serve=False) as ops:
             assert await ops.wake("w", "by hand", message_id="ops-1") is flow.Delivery.RESUMED
             assert await ops.cancel("c", "by an operator")
             for fid in ("w", "c"):
@@ -417,12 +418,12 @@ async def test_an_operator_resumes_a_blocked_flow_for_the_fleet(path, autojump_c
 
     broken.step(name="reserve", compensate=flaky_release, attempts=1)(_failing_step_0)
     broken.step(name="charge")(_fail)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     async with fleet_engine(store, broken, owner="a") as a:
         await a.start(broken, flow_id="f")
         snap = await a.wait("f", timeout=60)
         assert snap.state is flow.State.BLOCKED and "stock service down" in str(snap.error)
-        async with fleet_engine(InlineSqliteStore(path), serve=False, owner="ops") as ops:
+        async with fleet_engine(PlantedStore(path), serve=False, owner="ops") as ops:
             assert await ops.resume("f")
             assert (await ops.wait("f", timeout=60)).state is flow.State.FAILED
     assert calls["n"] == 2
@@ -449,7 +450,7 @@ async def test_flows_let_go_during_an_outage_are_released_with_the_next_renewal(
     log: Log = []
     gates: dict[str, trio.Event] = {}
     plan = saga(log, gates)
-    store_a, store_b = InlineSqliteStore(path), InlineSqliteStore(path)
+    store_a, store_b = PlantedStore(path), PlantedStore(path)
     async with fleet_engine(store_a, plan, owner="a", _scan_interval=10**6) as a:
         async with fleet_engine(store_b, plan, owner="b") as b:
             await a.start(plan, flow_id="f")
@@ -479,7 +480,7 @@ async def test_a_flow_held_but_not_run_is_adopted(path, autojump_clock) -> None:
     the engine adopts it (attempt + 1)."""
     log: Log = []
     plan = saga(log)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     async with fleet_engine(store, plan, owner="a") as a:
         lost = m.start(plan._close(), "f", "{}", wall(), owner="a")  # "a" holds it, unknowingly
         await store.transact(partial(_store.write_batch, ops=[_store.Create(lost)]))
