@@ -3,10 +3,10 @@
 The rule (docs/adr/0085): a `COMPLETED` or `FAILED` flow is deleted, with its history and its
 mailbox, `retain` seconds after it ended; parked, running, compensating and blocked flows are
 kept whatever their age; the deletes go in transactions of at most 500 flows, from any engine of
-a fleet at once. The rule itself is tested under `MockClock(autojump_threshold=0)` on an inline
-SQLite store (deterministic); both real stores, an older store's schema, two engines purging at
-once on PostgreSQL, and a purge of many flows beside a busy writer run on the real stores, with
-the old flows written straight into the tables (`seed`).
+a fleet at once. The rule itself is tested through ``open_engine(path)`` under
+`MockClock(autojump_threshold=0)` (deterministic); both real stores, an older store's schema,
+two engines purging at once on PostgreSQL, and a purge of many flows beside a busy writer run on
+the real stores, with the old flows written straight into the tables (`seed`).
 """
 
 from __future__ import annotations
@@ -28,14 +28,10 @@ from ferry.flow import _retention, _store
 from ferry.projected import PostgresStore, SqliteStore
 from tests import pg
 
-from ._helpers import InlineSqliteStore
+from ._helpers import PlantedStore, _InlineTx
 
 T0 = 1_700_000_000.0
 DAY = 86400.0
-
-
-def wall() -> float:
-    return T0 + trio.current_time()
 
 
 def plan_of(name: str = "order") -> flow.Plan:
@@ -65,19 +61,22 @@ def plan_of(name: str = "order") -> flow.Plan:
     return plan
 
 
-async def table_counts(store: Any, flow_id: str) -> tuple[int, int, int]:
-    """(flows, history rows, mailbox rows) of `flow_id`, straight from the tables."""
+def file_counts(path: Path, flow_id: str) -> tuple[int, int, int]:
+    """(flows, history rows, mailbox rows) of `flow_id` in the SQLite file, read beside the
+    engine through a connection of its own."""
+    conn = sqlite3.connect(path)
+    try:
+        return table_counts_of(_InlineTx(conn), flow_id)
+    finally:
+        conn.close()
 
-    def read(tx: Any) -> tuple[int, int, int]:
-        def n(table: str) -> int:
-            return int(
-                tx.execute(f"SELECT COUNT(*) FROM flow_{table} WHERE flow_id = ?", (flow_id,))[0][0]
-            )
 
-        return n("flows"), n("history"), n("mailbox")
+def table_counts_of(tx: Any, flow_id: str) -> tuple[int, int, int]:
+    def n(table: str) -> int:
+        sql = f"SELECT COUNT(*) FROM flow_{table} WHERE flow_id = ?"
+        return int(tx.execute(sql, (flow_id,))[0][0])
 
-    result: tuple[int, int, int] = await store.transact(read)
-    return result
+    return n("flows"), n("history"), n("mailbox")
 
 
 # ------------------------------------------------------------------------------ the option
@@ -103,68 +102,60 @@ async def test_finished_flows_go_retain_seconds_after_they_ended_and_the_rest_st
     """Completed and failed flows (with history and mailbox) go once `retain` has passed since
     they ended, not before; parked and blocked flows stay, however old. Afterwards the id is
     unknown (a wake is UNKNOWN) and may be started again, as a new flow."""
-    store = InlineSqliteStore(str(tmp_path / "r.db"))
+    path = tmp_path / "r.db"
     plan, other = plan_of(), plan_of("other")
     retain = 3600.0
-    try:
-        async with flow.open_engine(
-            store, plans=[plan, other], retain=retain, _wall_clock=wall
-        ) as engine:
-            await engine.start(plan, flow_id="done")
-            await engine.start(plan, flow_id="failed", data={"fail": True})
-            await engine.start(plan, flow_id="parked")
-            await engine.start(other, flow_id="blocked")
-            await engine.wait("failed", timeout=60)
-            await trio.testing.wait_all_tasks_blocked()
-            assert await engine.wake("done", {"ok": 1}, message_id="m1") is flow.Delivery.RESUMED
-            assert (await engine.wait("done", timeout=60)).state is flow.State.COMPLETED
-        # "blocked": reopened without its plan, the flow blocks at its wake.
-        async with flow.open_engine(store, plans=[plan], retain=retain, _wall_clock=wall) as e:
-            assert await e.wake("blocked", message_id="b1") is flow.Delivery.QUEUED
-            ended = trio.current_time()
-            assert await table_counts(store, "done") == (1, 7, 1)
-            await trio.sleep(retain - 1)  # not yet
-            assert await table_counts(store, "done") == (1, 7, 1)
-            assert e.statistics().purged == 0
-            await trio.sleep(1 + 2 * _retention.EVERY_MAX)
-            assert trio.current_time() - ended < retain + 2 * _retention.EVERY_MAX + 1
-            assert e.statistics().purged == 2
-            for fid in ("done", "failed"):
-                assert await table_counts(store, fid) == (0, 0, 0)
-                assert await e.get(fid) is None
-                assert await e.wake(fid, message_id="m1") is flow.Delivery.UNKNOWN
-            parked, blocked = await e.get("parked"), await e.get("blocked")
-            assert parked is not None and parked.state is flow.State.PARKED
-            assert blocked is not None and blocked.state is flow.State.BLOCKED
-            assert (await table_counts(store, "blocked"))[2] == 1  # its queued wake is kept
-            # The id is free again: a new flow, from revision 1, with a history of its own.
-            await e.start(plan, flow_id="done", data={"no_park": True})
-            snap = await e.wait("done", timeout=60)
-            assert snap.state is flow.State.COMPLETED and snap.data == {"no_park": True}
-            first = (await e.history("done"))[0]
-            assert first.kind == "started" and first.revision == 1
-    finally:
-        await store.aclose()
+    async with flow.open_engine(path, plans=[plan, other], retain=retain) as engine:
+        await engine.start(plan, flow_id="done")
+        await engine.start(plan, flow_id="failed", data={"fail": True})
+        await engine.start(plan, flow_id="parked")
+        await engine.start(other, flow_id="blocked")
+        await engine.wait("failed", timeout=60)
+        await trio.testing.wait_all_tasks_blocked()
+        assert await engine.wake("done", {"ok": 1}, message_id="m1") is flow.Delivery.RESUMED
+        assert (await engine.wait("done", timeout=60)).state is flow.State.COMPLETED
+    # "blocked": reopened without its plan, the flow blocks at its wake.
+    async with flow.open_engine(path, plans=[plan], retain=retain) as e:
+        assert await e.wake("blocked", message_id="b1") is flow.Delivery.QUEUED
+        assert file_counts(path, "done") == (1, 7, 1)
+        # Not yet (a margin for the real time between the two engines' opens: an engine's
+        # wall clock is the real time at its open plus the mock clock's time since).
+        await trio.sleep(retain - 60)
+        assert file_counts(path, "done") == (1, 7, 1)
+        assert e.statistics().purged == 0
+        await trio.sleep(60 + 2 * _retention.EVERY_MAX)
+        assert e.statistics().purged == 2
+        for fid in ("done", "failed"):
+            assert file_counts(path, fid) == (0, 0, 0)
+            assert await e.get(fid) is None
+            assert await e.wake(fid, message_id="m1") is flow.Delivery.UNKNOWN
+        parked, blocked = await e.get("parked"), await e.get("blocked")
+        assert parked is not None and parked.state is flow.State.PARKED
+        assert blocked is not None and blocked.state is flow.State.BLOCKED
+        assert file_counts(path, "blocked")[2] == 1  # its queued wake is kept
+        # The id is free again: a new flow, from revision 1, with a history of its own.
+        await e.start(plan, flow_id="done", data={"no_park": True})
+        snap = await e.wait("done", timeout=60)
+        assert snap.state is flow.State.COMPLETED and snap.data == {"no_park": True}
+        first = (await e.history("done"))[0]
+        assert first.kind == "started" and first.revision == 1
 
 
 async def test_retain_none_keeps_every_flow(
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
-    store = InlineSqliteStore(str(tmp_path / "r.db"))
+    path = tmp_path / "r.db"
     plan = plan_of()
-    try:
-        async with flow.open_engine(store, plans=[plan], retain=None, _wall_clock=wall) as e:
-            await e.start(plan, flow_id="done", data={"no_park": True})
-            await e.wait("done", timeout=60)
-            await trio.sleep(365 * DAY)
-            assert await table_counts(store, "done") == (1, 5, 0)
-            assert e.statistics().purged == 0
-    finally:
-        await store.aclose()
+    async with flow.open_engine(path, plans=[plan], retain=None) as e:
+        await e.start(plan, flow_id="done", data={"no_park": True})
+        await e.wait("done", timeout=60)
+        await trio.sleep(365 * DAY)
+        assert file_counts(path, "done") == (1, 5, 0)
+        assert e.statistics().purged == 0
 
 
-class BusyStore(InlineSqliteStore):
-    """An inline store whose next `busy` transactions find the database locked (SQLite's
+class BusyStore(PlantedStore):
+    """A planted store whose next `busy` transactions find the database locked (SQLite's
     SQLITE_BUSY: the store is unavailable now, which the engine retries)."""
 
     busy = 0
@@ -184,7 +175,7 @@ async def test_an_unavailable_store_is_retried_with_a_warning(
     plan = plan_of()
     retain = 60.0
     try:
-        async with flow.open_engine(store, plans=[plan], retain=retain, _wall_clock=wall) as e:
+        async with flow.open_engine(store, plans=[plan], retain=retain) as e:
             await e.start(plan, flow_id="done", data={"no_park": True})
             await e.wait("done", timeout=60)
             await trio.testing.wait_all_tasks_blocked()

@@ -26,8 +26,6 @@ from ferry import flow
 from ferry.projected import PostgresStore
 from tests import pg
 
-from ._helpers import InlineSqliteStore
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -82,19 +80,16 @@ async def test_one_flow_is_one_trace_across_a_park_and_a_reopen(
 ) -> None:
     provider, exporter = traced()
     tracer = provider.get_tracer("the application")
-    store = InlineSqliteStore(str(tmp_path / "t.db"))
+    path = tmp_path / "t.db"
     plan = order_plan()
-    try:
-        async with flow.open_engine(store, plans=[plan], tracer_provider=provider) as engine:
-            with tracer.start_as_current_span("POST /orders") as request:
-                await engine.start(plan, flow_id="o-1")
-            await parked(engine, "o-1")
-        # Closed, reopened (another engine), woken: the rest joins the same trace.
-        async with flow.open_engine(store, plans=[plan], tracer_provider=provider) as engine:
-            assert await engine.wake("o-1", "yes") is flow.Delivery.RESUMED
-            assert (await engine.wait("o-1", timeout=60)).state is flow.State.COMPLETED
-    finally:
-        await store.aclose()
+    async with flow.open_engine(path, plans=[plan], tracer_provider=provider) as engine:
+        with tracer.start_as_current_span("POST /orders") as request:
+            await engine.start(plan, flow_id="o-1")
+        await parked(engine, "o-1")
+    # Closed, reopened (another engine), woken: the rest joins the same trace.
+    async with flow.open_engine(path, plans=[plan], tracer_provider=provider) as engine:
+        assert await engine.wake("o-1", "yes") is flow.Delivery.RESUMED
+        assert (await engine.wait("o-1", timeout=60)).state is flow.State.COMPLETED
     spans = sorted(exporter.get_finished_spans(), key=lambda s: s.start_time or 0)
     assert [s.name for s in spans] == [
         "POST /orders",
@@ -145,16 +140,12 @@ async def test_a_failed_flow_traces_its_compensation_and_a_start_without_a_span_
     tmp_path: Path, autojump_clock: trio.testing.MockClock
 ) -> None:
     provider, exporter = traced()
-    store = InlineSqliteStore(str(tmp_path / "t.db"))
     plan = order_plan()
-    try:
-        async with flow.open_engine(store, plans=[plan], tracer_provider=provider) as engine:
-            await engine.start(plan, flow_id="o-2")  # no current span: a new trace
-            await parked(engine, "o-2")
-            await engine.wake("o-2", "no")
-            assert (await engine.wait("o-2", timeout=60)).state is flow.State.FAILED
-    finally:
-        await store.aclose()
+    async with flow.open_engine(tmp_path / "t.db", plans=[plan], tracer_provider=provider) as e:
+        await e.start(plan, flow_id="o-2")  # no current span: a new trace
+        await parked(e, "o-2")
+        await e.wake("o-2", "no")
+        assert (await e.wait("o-2", timeout=60)).state is flow.State.FAILED
     spans = sorted(exporter.get_finished_spans(), key=lambda s: s.start_time or 0)
     start = spans[0]
     assert start.name == "start order" and start.parent is None
