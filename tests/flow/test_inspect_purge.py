@@ -7,18 +7,21 @@ the inspector tests' (`populate`: flows in every state, written at T0 and a few 
 from __future__ import annotations
 
 import io
+import json
 import sqlite3
+import sys
 from pathlib import Path
 
 import pytest
 import trio
 
+from ferry import flow
 from ferry.flow import _retention, _store
 from ferry.projected import PostgresStore
 from tests import pg
 
 from ._helpers import _InlineTx
-from .test_inspect import T0, populate, run, run_json
+from .test_inspect import ROOT, T0, populate, run, run_json
 
 ALL = ["blocked", "blocked-2", "done", "failed", "orphan", "parked", "parked-old", "running"]
 
@@ -141,3 +144,32 @@ def test_purge_on_postgres(pg_server: pg.PgServer, capsys: pytest.CaptureFixture
     )
     assert report["deleted"] == 2
     assert trio.run(left) == [fid for fid in ALL if fid not in ("done", "failed")]
+
+
+async def test_purge_beside_an_engine_that_serves_the_sqlite_file(tmp_path: Path) -> None:
+    """The purge needs no engine lock: while an engine holds the file, a purge in another
+    process deletes the finished flows, and the engine goes on writing."""
+    path = tmp_path / "served.db"
+    plan = flow.Plan("p")
+
+    @plan.step
+    async def only(ctx: flow.Context) -> None:
+        pass
+
+    async with flow.open_engine(path, plans=[plan], retain=None) as engine:
+        for i in range(3):
+            await engine.start(plan, flow_id=f"f{i}")
+            await engine.wait(f"f{i}", timeout=30)
+        purge = ["purge", "--finished-before", "0s", "--yes", "--json"]
+        done = await trio.run_process(
+            [sys.executable, "-m", "ferry.flow", str(path), *purge],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            cwd=ROOT,
+        )
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["deleted"] == 3
+        assert await engine.get("f0") is None
+        await engine.start(plan, flow_id="f0")  # the id is free, and the engine writes on
+        assert (await engine.wait("f0", timeout=30)).state is flow.State.COMPLETED
