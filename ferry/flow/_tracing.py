@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Any, Final
 from ._types import Context, Fail, Park, _Complete, _Continue
 
 if TYPE_CHECKING:
+    from opentelemetry.context import Context as OtelContext
     from opentelemetry.trace import Tracer
 
 _NO_TRACE: Final = contextlib.nullcontext(None)
+_PARENTS_MAX: Final = 10_000
 
 
 def tracing_for(provider: object | None) -> Tracing | None:
@@ -82,16 +84,21 @@ class Tracing:
     """An engine's tracer and what it needs of OpenTelemetry (imported here, not at module
     level: see the module doc)."""
 
-    __slots__ = ("_propagator", "_status", "_trace", "_tracer")
+    __slots__ = ("_context", "_parents", "_propagator", "_status", "_trace", "_tracer")
 
     def __init__(self, tracer: Tracer) -> None:
         from opentelemetry import trace
+        from opentelemetry.context import Context as OtelContext
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._tracer = tracer
         self._trace = trace
+        self._context = OtelContext
         self._status = trace.Status, trace.StatusCode
         self._propagator = TraceContextTextMapPropagator()
+        # Start contexts by `traceparent`, so that a flow's steps parse it at most once (those
+        # started here are never parsed); contexts are immutable. Cleared at `_PARENTS_MAX`.
+        self._parents: dict[str, OtelContext] = {}
 
     @contextlib.contextmanager
     def start(self, plan: str, version: int, flow_id: str) -> Iterator[str | None]:
@@ -102,10 +109,19 @@ class Tracing:
             "workflow.id": flow_id,
             "workflow.version": version,
         }
-        with self._tracer.start_as_current_span(f"start {plan}", attributes=attributes):
+        with self._tracer.start_as_current_span(f"start {plan}", attributes=attributes) as span:
             carrier: dict[str, str] = {}
             self._propagator.inject(carrier)
-            yield carrier.get("traceparent")
+            traceparent = carrier.get("traceparent")
+            if traceparent is not None:
+                self._remember(traceparent, self._trace.set_span_in_context(span, self._context()))
+            yield traceparent
+
+    def _remember(self, traceparent: str, context: OtelContext) -> OtelContext:
+        if len(self._parents) >= _PARENTS_MAX:
+            self._parents.clear()
+        self._parents[traceparent] = context
+        return context
 
     async def run(
         self,
@@ -117,13 +133,13 @@ class Tracing:
         """``await fn(ctx)`` (a step or a compensation) inside its span, whose parent is the
         flow's start span (`parent`, a ``traceparent``; None: a root of its own)."""
         kind = "compensation" if compensating else "step"
-        from opentelemetry.context import Context as OtelContext
-
-        context = (
-            OtelContext()
-            if parent is None
-            else self._propagator.extract({"traceparent": parent}, context=OtelContext())
-        )
+        if parent is None:
+            context = self._context()
+        elif (known := self._parents.get(parent)) is not None:
+            context = known
+        else:
+            carrier = {"traceparent": parent}
+            context = self._remember(parent, self._propagator.extract(carrier, self._context()))
         span = self._tracer.start_span(
             f"{'compensate' if compensating else 'step'} {ctx.plan}.{ctx.step}",
             context=context,
