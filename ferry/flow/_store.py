@@ -208,7 +208,11 @@ def ddl(ns: str, dialect: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS {ns}_engines (
             owner TEXT PRIMARY KEY,
             lease_until DOUBLE PRECISION NOT NULL,
-            started_at DOUBLE PRECISION NOT NULL)""",
+            started_at DOUBLE PRECISION NOT NULL,
+            incarnation TEXT,
+            host TEXT,
+            pid BIGINT,
+            plans TEXT)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_plans (
             plan TEXT NOT NULL,
             version BIGINT NOT NULL,
@@ -258,36 +262,55 @@ def create_schema(tx: Tx, ns: str = "flow") -> None:
     if tx.dialect != "postgres":
         for statement in statements:
             tx.execute(statement)
-        have = {r[1] for r in tx.execute(f"PRAGMA table_info({ns}_flows)")}
-        for column, kind in _ADDED_COLUMNS:
-            if column not in have:
-                tx.execute(f"ALTER TABLE {ns}_flows ADD COLUMN {column} {kind}")
+        _add_columns(tx, ns)
         return
 
     def missing() -> list[str]:
         named = [(_OBJECT.search(st), st) for st in statements]
         exists = tx.execute(
-            "SELECT "
-            + ", ".join("to_regclass(?) IS NOT NULL" for _ in named)
-            + "".join(
-                ", EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass(?)"
-                " AND attname = ? AND NOT attisdropped)"
-                for _ in _ADDED_COLUMNS
-            ),
-            [m.group(1) if m else "" for m, _st in named]
-            + [v for column, _k in _ADDED_COLUMNS for v in (f"{ns}_flows", column)],
+            "SELECT " + ", ".join("to_regclass(?) IS NOT NULL" for _ in named),
+            [m.group(1) if m else "" for m, _st in named],
         )[0]
-        added = [
-            f"ALTER TABLE {ns}_flows ADD COLUMN IF NOT EXISTS {column} {kind}"
-            for column, kind in _ADDED_COLUMNS
-        ]
-        return [st for st, there in zip([*statements, *added], exists, strict=True) if not there]
+        return [st for (_m, st), there in zip(named, exists, strict=True) if not there]
 
-    if not missing():
+    if missing():
+        tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(f"{ns}_flows".encode()),))
+        for statement in missing():
+            tx.execute(statement)
+    _add_columns(tx, ns)
+
+
+#: Columns of ``ns_engines`` added after its first version (an engine's incarnation, where it
+#: runs, the plan versions it has); added to an older table at open.
+_ENGINE_COLUMNS = (("incarnation", "TEXT"), ("host", "TEXT"), ("pid", "BIGINT"), ("plans", "TEXT"))
+
+
+def _add_columns(tx: Tx, ns: str) -> None:
+    """Add the columns an older ``ns_flows`` or ``ns_engines`` lacks (`_ADDED_COLUMNS`,
+    `_ENGINE_COLUMNS`). Looked up first: on PostgreSQL an ``ALTER TABLE`` takes its table's
+    strongest lock even when there is nothing to do."""
+    pg = tx.dialect == "postgres"
+
+    def lacking(table: str, columns: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+        if pg:
+            sql = "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(?)"
+            rows = tx.execute(sql, (table,))
+        else:
+            rows = tx.execute(f"SELECT name FROM pragma_table_info('{table}')")
+        have = {r[0] for r in rows}
+        return [(name, kind) for name, kind in columns if name not in have]
+
+    tables = ((f"{ns}_flows", _ADDED_COLUMNS), (f"{ns}_engines", _ENGINE_COLUMNS))
+
+    def todo() -> list[tuple[str, str, str]]:
+        return [(t, name, kind) for t, columns in tables for name, kind in lacking(t, columns)]
+
+    if not todo():
         return
-    tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(f"{ns}_flows".encode()),))
-    for statement in missing():
-        tx.execute(statement)
+    if pg:  # concurrent openings: look again under the lock
+        tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(f"{ns}_flows".encode()),))
+    for table, name, kind in todo():
+        tx.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
 
 def _orphan(ns: str, row: str) -> str:
@@ -751,18 +774,29 @@ def load_active(
 
 
 def load_deadlines(
-    tx: Tx, *, ns: str = "flow", before: float | None = None
+    tx: Tx,
+    *,
+    ns: str = "flow",
+    before: float | None = None,
+    plans: Sequence[tuple[str, int]] | None = None,
 ) -> list[tuple[float, str, int]]:
     """``(deadline, flow_id, revision)`` of every parked flow with a deadline (at or before
-    `before`, if given), earliest first. Uses the deadline index."""
+    `before`, if given; of the given (plan, version)s, if `plans` is given), earliest first.
+    Uses the deadline index."""
     sql = (
         f"SELECT park_deadline, flow_id, revision FROM {ns}_flows"
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL"
     )
-    params: tuple[Any, ...] = ()
+    params: list[Any] = []
     if before is not None:
         sql += " AND park_deadline <= ?"
-        params = (before,)
+        params.append(before)
+    if plans is not None:
+        if not plans:
+            return []
+        sql += " AND (" + " OR ".join("(plan = ? AND version = ?)" for _ in plans) + ")"
+        for name, version in plans:
+            params += [name, version]
     rows = tx.execute(sql + " ORDER BY park_deadline", params)
     return [(r[0], r[1], r[2]) for r in rows]
 
@@ -796,14 +830,131 @@ def load_orphans(
 
 def heartbeat(tx: Tx, owner: str, until: float, now: float, *, ns: str = "flow") -> None:
     """Record that engine `owner` holds its flows until `until` (its engine lease; an `until`
-    in the past lets them all go at once). One row per engine, nothing else is written: a
-    renewal costs the same for one flow or a million, and never waits for a flow's row lock (on
-    PostgreSQL it may wait for a takeover of one of its own flows to commit: `_Batch.cas`)."""
+    in the past lets them all go at once), whatever incarnation holds the name (for tests and
+    tools; an engine claims its name with `claim` and renews with `renew`/`renew_lease`). One
+    row per engine, nothing else is written."""
     tx.execute(
         f"INSERT INTO {ns}_engines (owner, lease_until, started_at) VALUES (?, ?, ?)"
         " ON CONFLICT (owner) DO UPDATE SET lease_until = excluded.lease_until",
         (owner, until, now),
     )
+
+
+class Superseded(Exception):
+    """Another incarnation holds this engine's owner name now: the lease is no longer this
+    engine's to renew (`renew`, `renew_lease`). Raised inside the transaction, which then
+    writes nothing."""
+
+
+@attrs.frozen
+class Holder:
+    """The incarnation that holds an owner name (`claim`): when its lease runs out, where it
+    runs (a host identity and a process id), when it opened."""
+
+    owner: str
+    incarnation: str | None
+    lease_until: float
+    host: str | None
+    pid: int | None
+    started_at: float
+
+
+def claim(
+    tx: Tx,
+    owner: str,
+    incarnation: str,
+    until: float,
+    now: float,
+    *,
+    host: str,
+    pid: int,
+    plans: Sequence[tuple[str, int]],
+    gone: Callable[[str | None, int | None], bool],
+    ns: str = "flow",
+) -> Holder | None:
+    """Open a new incarnation of engine `owner`: its lease row now names `incarnation`, runs
+    until `until`, and lists the plan versions it has. Refused (the holder is returned, nothing
+    is written) while another incarnation's lease runs at `now`, unless ``gone(host, pid)``
+    proves that one's process gone. On PostgreSQL the row is locked first, so that a claim and
+    the old incarnation's renewal cannot both win; of two first claims of a new name, one
+    inserts and the other is refused (``ON CONFLICT DO NOTHING``). Two statements."""
+    lock = " FOR UPDATE" if tx.dialect == "postgres" else ""
+    select = (
+        f"SELECT owner, incarnation, lease_until, host, pid, started_at FROM {ns}_engines"
+        " WHERE owner = ?"
+    )
+    rows = tx.execute(select + lock, (owner,))
+    text = canonical_json(sorted([name, version] for name, version in plans))
+    if rows:
+        holder = Holder(*rows[0])
+        if (
+            holder.incarnation != incarnation
+            and holder.lease_until >= now
+            and not gone(holder.host, holder.pid)
+        ):
+            return holder
+        tx.execute(
+            f"UPDATE {ns}_engines SET lease_until = ?, started_at = ?, incarnation = ?, host = ?,"
+            " pid = ?, plans = ? WHERE owner = ?",
+            (until, now, incarnation, host, pid, text, owner),
+        )
+        return None
+    inserted = tx.execute(
+        f"INSERT INTO {ns}_engines (owner, lease_until, started_at, incarnation, host, pid,"
+        " plans) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (owner) DO NOTHING RETURNING owner",
+        (owner, until, now, incarnation, host, pid, text),
+    )
+    if inserted:
+        return None
+    return Holder(*tx.execute(select, (owner,))[0])
+
+
+def renew_lease(
+    tx: Tx, owner: str, incarnation: str, until: float, *, margin: float, ns: str = "flow"
+) -> float | None:
+    """The heartbeat thread's renewal (`_heartbeat`): extend the lease of incarnation
+    `incarnation` to `until`, only while it still runs for more than `margin` seconds by the
+    database's clock (a renewal after the lease may have lapsed is the engine's own, which
+    re-reads its flows: `renew`). The lease now, or None if refused because it may have lapsed;
+    raises `Superseded` if another incarnation holds the name. PostgreSQL only; one statement
+    (two when refused)."""
+    rows = tx.execute(
+        f"UPDATE {ns}_engines SET lease_until = GREATEST(lease_until, ?)"
+        " WHERE owner = ? AND incarnation = ?"
+        " AND lease_until - ? > EXTRACT(EPOCH FROM clock_timestamp())"
+        " RETURNING lease_until",
+        (until, owner, incarnation, margin),
+    )
+    if rows:
+        return float(rows[0][0])
+    mine = f"SELECT 1 FROM {ns}_engines WHERE owner = ? AND incarnation = ?"
+    if not tx.execute(mine, (owner, incarnation)):
+        raise Superseded(owner)
+    return None
+
+
+def end_lease(tx: Tx, owner: str, incarnation: str, now: float, *, ns: str = "flow") -> None:
+    """At close: incarnation `incarnation` of `owner` ends its lease at `now`, so that other
+    engines take its flows at their next scan and a restart under the name claims it at once.
+    Nothing if another incarnation holds the name by now."""
+    tx.execute(
+        f"UPDATE {ns}_engines SET lease_until = ? WHERE owner = ? AND incarnation = ?"
+        " AND lease_until > ?",
+        (now, owner, incarnation, now),
+    )
+
+
+def live_plans(tx: Tx, now: float, *, ns: str = "flow") -> list[Shape]:
+    """The shapes of the plan versions that an engine whose lease runs at `now` has (a rolling
+    deploy: an engine without a version leaves its flows to one with it). Two small reads: the
+    live engines' lists, then the registered shapes."""
+    have: set[tuple[str, int]] = set()
+    rows = tx.execute(
+        f"SELECT plans FROM {ns}_engines WHERE lease_until > ? AND plans IS NOT NULL", (now,)
+    )
+    for (text,) in rows:
+        have.update((name, version) for name, version in json.loads(text))
+    return [shape for shape, _at in load_plans(tx, ns=ns) if (shape.name, shape.version) in have]
 
 
 def renew(
@@ -814,18 +965,28 @@ def renew(
     *,
     let_go: Sequence[tuple[str, int]] = (),
     reread: Sequence[str] | None = None,
+    incarnation: str | None = None,
     ns: str = "flow",
 ) -> list[Flow]:
-    """An engine's renewal, in this one transaction: its lease is renewed (`heartbeat`), the
-    flows in `let_go` (``(flow_id, revision it let go at)``) are released (`release`), and the
-    rows of the flows in `reread` are read (`load_many`) and returned (``[]`` without it).
+    """An engine's renewal, in this one transaction: its lease is renewed (with `incarnation`,
+    only while that incarnation holds the name, else `Superseded` is raised and nothing is
+    written; without it, as `heartbeat`), the flows in `let_go` (``(flow_id, revision it let
+    go at)``) are released (`release`), and the rows of the flows in `reread` are read
+    (`load_many`) and returned (``[]`` without it).
 
     The lease row comes first: a takeover locks it (`_Batch.cas`), so on PostgreSQL a takeover
     either committed before this renewal took the row, and the rows read here show it, or it
     waits for this renewal to commit and is refused (docs/adr/0048). An engine whose lease may
     have lapsed re-reads what it runs in this transaction before it trusts it again (ADR 0047).
     Cost: one statement for the lease, one per 500 flows released or read."""
-    heartbeat(tx, owner, until, now, ns=ns)
+    if incarnation is None:
+        heartbeat(tx, owner, until, now, ns=ns)
+    elif not tx.execute(
+        f"UPDATE {ns}_engines SET lease_until = ? WHERE owner = ? AND incarnation = ?"
+        " RETURNING owner",
+        (until, owner, incarnation),
+    ):
+        raise Superseded(owner)
     if let_go:
         release(tx, owner, let_go, now, ns=ns)
     return [] if reread is None else load_many(tx, reread, ns=ns)
@@ -942,6 +1103,11 @@ def load_plans(tx: Tx, *, ns: str = "flow") -> list[tuple[Shape, float]]:
         )
         plans.append((shape, at))
     return plans
+
+
+def count_parked(tx: Tx, *, ns: str = "flow") -> int:
+    """How many flows are parked (a fleet engine's `parked`, read at every scan)."""
+    return int(tx.execute(f"SELECT COUNT(*) FROM {ns}_flows WHERE state = 'PARKED'")[0][0])
 
 
 def count_states(tx: Tx, *, ns: str = "flow") -> dict[State, int]:

@@ -65,7 +65,9 @@ class PlantedStore:
             await self.gate.wait()
         if self.fail_next:
             self.fail_next -= 1
-            raise sqlite3.OperationalError("database is unavailable (planted by the test)")
+            busy = sqlite3.OperationalError("database is unavailable (planted by the test)")
+            busy.sqlite_errorcode = 5  # SQLITE_BUSY: what the engine retries
+            raise busy
         result = await self._store.transact(fn)
         self.transactions += 1
         return result
@@ -178,7 +180,9 @@ class ValveStore(PlantedStore):
                 if w in self._waiting:
                     self._waiting.remove(w)
             if w.fail:
-                raise sqlite3.OperationalError(f"{name} failed (planted by the test)")
+                busy = sqlite3.OperationalError(f"{name} failed (planted by the test)")
+                busy.sqlite_errorcode = 5  # SQLITE_BUSY: the store is unavailable
+                raise busy
             result = await super().transact(fn)
             if w.answer is not None:
                 await w.answer.wait()

@@ -10,6 +10,9 @@ Every engine's wall clock is ``T0 + trio.current_time()``, so their leases compa
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
@@ -222,7 +225,26 @@ async def test_an_orphan_is_claimed_by_exactly_one_engine(
         assert sum(claims) == 3 and [e[0] for e in log].count("reserve") == 3
 
 
-async def test_a_restart_under_the_same_name_resumes_its_flows_at_once(
+def gone_pid() -> int:
+    """The id of a process of this host that is gone (it ran, exited and was reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+async def _as_if_killed(store: PlantedStore, owner: str, until: float, pid: int) -> None:
+    """The engine row of `owner` as a killed engine leaves it: its lease still runs, and it
+    names the process `pid`."""
+
+    def write(tx: Any) -> None:
+        tx.execute(
+            "UPDATE flow_engines SET lease_until = ?, pid = ? WHERE owner = ?", (until, pid, owner)
+        )
+
+    await store.transact(write)
+
+
+async def test_a_restart_under_the_same_name_resumes_at_once_when_the_old_process_is_gone(
     path, autojump_clock
 ) -> None:
     log: Log = []
@@ -234,15 +256,43 @@ async def test_a_restart_under_the_same_name_resumes_its_flows_at_once(
         await trio.testing.wait_all_tasks_blocked()
         until = await engine_lease(store, "a")
     assert until is not None
-    await store.transact(
-        partial(_store.heartbeat, owner="a", until=until, now=wall())
-    )  # as if a had been killed: its lease still runs
+    await _as_if_killed(store, "a", until, gone_pid())
     async with fleet_engine(PlantedStore(path), plan, owner="a") as again:
         await trio.testing.wait_all_tasks_blocked()
         assert ("charge", "f", 2) in log and trio.current_time() < LEASE / 10
         assert again.statistics().recovered == 1
         gates["f/2"].set()
         await again.wait("f", timeout=60)
+
+
+async def test_a_second_engine_under_a_live_name_is_refused_until_the_lease_lapses(
+    path, autojump_clock
+) -> None:
+    log: Log = []
+    gates: dict[str, trio.Event] = {}
+    plan = saga(log, gates)
+    store = PlantedStore(path)
+    async with fleet_engine(store, plan, owner="a") as a:
+        await a.start(plan, flow_id="f")
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(flow.StoreLocked, match=r"owner 'a'.*one live engine per owner name"):
+            async with fleet_engine(PlantedStore(path), plan, owner="a"):
+                pytest.fail("a second engine opened under a live owner name")  # pragma: no cover
+        assert [e for e in log if e[0] == "charge"] == [("charge", "f", 1)]  # nothing ran twice
+        until = await engine_lease(store, "a")
+    assert until is not None
+    # As if `a` had been frozen or cut off, in a process that still exists (this one): its
+    # lease runs, so a restart under the name must wait for it to lapse.
+    await _as_if_killed(store, "a", until, os.getpid())
+    with pytest.raises(flow.StoreLocked):
+        async with fleet_engine(PlantedStore(path), plan, owner="a"):
+            pass  # pragma: no cover
+    await trio.sleep(until - wall() + 0.01)
+    async with fleet_engine(PlantedStore(path), plan, owner="a") as again:
+        await trio.testing.wait_all_tasks_blocked()
+        assert ("charge", "f", 2) in log and again.statistics().recovered == 1
+        gates["f/2"].set()
+        assert (await again.wait("f", timeout=60)).state is flow.State.COMPLETED
 
 
 async def test_closing_ends_the_leases_so_another_engine_takes_over_at_its_next_scan(
