@@ -3,7 +3,7 @@ payment gateway, and ship, or undo what they did.
 
     python examples/orders.py [--orders 200] [--rate 150] [--seed 1] [--timeout 1.5]
                               [--db PATH | --postgres DSN] [--crash] [--metrics-port N]
-                              [--json] [--quiet]
+                              [--trace] [--json] [--quiet]
 
 Every order is a flow of the plan ``order`` (version 1):
 
@@ -40,6 +40,10 @@ it the store is a file in a temporary directory, removed at the end. ``--postgre
 PostgreSQL; ``--json`` prints the summary as JSON. ``--metrics-port N`` serves the engine's
 Prometheus metrics while it runs (``curl 127.0.0.1:N/metrics``; a slow run to watch them:
 ``--orders 2000 --rate 50``).
+``--trace`` gives the engine an OpenTelemetry TracerProvider and prints, at the end, the spans
+of one flow (one whose step raised and was retried) as an indented tree: one trace from its
+start across its park to its end (needs opentelemetry-sdk; not with ``--crash``, whose engines
+run in child processes).
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ if not __package__:  # run as a script: make `ferry` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples import _cli as cli
+from examples import _trace
 from ferry import flow
 from ferry.projected import PostgresStore, SqliteStore, Store, Tx
 
@@ -131,6 +136,8 @@ LEGEND = {
     "failed order; stock adds up; no step outcome recorded twice",
     "note": "shown when more orders timed out than the gateway left unanswered by design: the "
     "machine could not keep up with --rate",
+    "trace": "with --trace: the OpenTelemetry spans of one flow (one whose step raised and was"
+    " retried), a tree under its start span: one trace across its park",
 }
 
 
@@ -436,7 +443,12 @@ def counters(engine: flow.Engine, settle_seconds: float | None = None) -> dict[s
 
 
 async def drive(
-    shop: Shop, *, quiet: bool, on_open: Callable[[], None] | None = None, tick: Any = None
+    shop: Shop,
+    *,
+    quiet: bool,
+    on_open: Callable[[], None] | None = None,
+    tick: Any = None,
+    tracer_provider: Any = None,
 ) -> dict[str, Any]:
     """Open the engine, start every order (idempotent), run the gateway, and wait until every
     order is settled (and the gateway has sent its late answers). The engine's `counters`.
@@ -444,7 +456,7 @@ async def drive(
     plan = make_plan(shop)
     t0 = time.perf_counter()
     async with (
-        flow.open_engine(shop.store, plans=[plan]) as engine,
+        flow.open_engine(shop.store, plans=[plan], tracer_provider=tracer_provider) as engine,
         metrics_served(engine, shop.metrics_port) as url,
     ):
         shop.engine = engine
@@ -792,8 +804,10 @@ async def in_process(args: argparse.Namespace, path: Path | None, run: str) -> i
         shop = make_shop(store, args, run)
         if not args.json:
             print(f"orders: {arriving(args)}, {where(args, path)}", flush=True)
-        stats = await drive(shop, quiet=args.quiet)
-        return await finish(args, path, shop, stats, stats["seconds"], kills=0)
+        traces = _trace.Collector() if args.trace else None
+        provider = None if traces is None else traces.provider
+        stats = await drive(shop, quiet=args.quiet, tracer_provider=provider)
+        return await finish(args, path, shop, stats, stats["seconds"], kills=0, traces=traces)
 
 
 async def finish(
@@ -803,6 +817,7 @@ async def finish(
     stats: dict[str, Any],
     seconds: float,
     kills: int,
+    traces: _trace.Collector | None = None,
 ) -> int:
     if not (args.quiet or args.json):
         print(f"auditing {len(shop.orders)} orders ...", file=sys.stderr, flush=True)
@@ -810,10 +825,18 @@ async def finish(
         checked = await audit(shop.store, engine, shop)
     store = None if path is None else {"kind": "sqlite", "path": str(path), "kept": bool(args.db)}
     report = summary(shop, stats, checked, seconds, kills, store)
+    lines: list[str] = []
+    if traces is not None:  # --trace: one flow's spans
+        shown = _trace.one_flow(traces.spans())
+        if shown is not None:
+            report["trace"] = shown
+            lines = _trace.render(shown)
     if args.json:
         print(json.dumps({**report, "legend": LEGEND}, indent=2))
     else:
         show(report, where(args, path), sys.stdout)
+        if lines:
+            print("\n" + "\n".join(lines))
     return 1 if checked.problems else 0
 
 
@@ -983,6 +1006,11 @@ def build_parser() -> cli.ArgumentParser:
         help="serve Prometheus metrics at 127.0.0.1:N/metrics while it runs (0: any free port;"
         " needs the metrics extra) (default: off)",
     )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="trace the flows with OpenTelemetry and print one flow's spans as a tree at the end",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -1003,6 +1031,13 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
             import prometheus_client  # noqa: F401
         except ImportError:
             p.error("--metrics-port needs prometheus_client: pip install 'stm-ferry[metrics]'")
+    if args.trace and args.crash:
+        p.error(
+            "--trace shows the spans this process's engine made: it cannot be combined with"
+            " --crash, whose engines run in child processes"
+        )
+    if args.trace and not _trace.AVAILABLE:
+        p.error(_trace.NEEDS)
     if args.worker and (args.run is None or args.crash):
         p.error("--worker is the engine process that --crash starts: use --crash")
     return args

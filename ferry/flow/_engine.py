@@ -46,6 +46,10 @@ lease without the trio loop (`_heartbeat.Keeper`); every body runs under a deadl
 lease's margin, moved on with each renewal (`_trust_deadline`, `_retrust`), so a loop that
 wakes after a lapse cancels its steps before they go on (`_lose_all`); a flow of a version this
 engine lacks and a live engine has is left to that engine (`_versioned`, `_elsewhere`).
+
+Parts of their own, hooked in here: retention (`_retention.Retention`, a task of a serving
+engine that deletes finished flows, docs/adr/0085) and traces (`_tracing`: a span around
+`start`'s write and around every step or compensation run, docs/adr/0086).
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ import stm
 from ferry import Closed, Failed, open_ferry
 from ferry.projected import SqliteStore, Store
 
-from . import _checks, _heartbeat, _lease, _retry, _store
+from . import _checks, _heartbeat, _lease, _retention, _retry, _store, _tracing
 from . import _machine as m
 from . import _timers as timers
 from ._apart import write_apart
@@ -292,6 +296,8 @@ class Engine:
         fencing: bool,
         scan_interval: float | None,
         wall_clock: Callable[[], float],
+        retain: float | None = None,
+        tracing: _tracing.Tracing | None = None,
     ) -> None:
         self._store = store
         # This opening of the owner name (docs/adr/0071): a fleet engine's lease row names it,
@@ -342,6 +348,13 @@ class Engine:
         # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
         # longer than this.
         self._guard = max(_GUARD_MIN, lease * _GUARD) if fleet else None
+        self._tracing = tracing  # OpenTelemetry spans of starts and runs (None: traces off)
+        # Deletes finished flows `retain` seconds after they ended (a task of a serving engine).
+        self._retention = (
+            _retention.Retention(store, retain, self._now, self._guard)
+            if retain is not None and serve
+            else None
+        )
         self._live: dict[str, _Live] = {}
         self._watches: dict[str, _Watch] = {}
         self._sched: stm.TVar[_Sched] = stm.TVar(_Sched())
@@ -697,7 +710,8 @@ class Engine:
                 await trio.lowlevel.checkpoint()
                 return None
         flow = live.flow
-        ctx = self._context(flow, step.name, flow.state is _COMPENSATING)
+        compensating = flow.state is _COMPENSATING
+        ctx = self._context(flow, step.name, compensating)
         result: object = None
         error: BaseException | None = None
         if _log.isEnabledFor(logging.DEBUG):
@@ -714,6 +728,7 @@ class Engine:
         observers = self._observers
         began = trio.current_time() if observers else 0.0
         seconds = math.nan
+        tracing = self._tracing
         # In a fleet the body may run only while the lease is trusted: its deadline is the
         # margin before the lease lapses, moved on with every renewal (`_retrust`), so a loop
         # that wakes up after a lapse cancels the body before it goes on (docs/adr/0073).
@@ -721,7 +736,10 @@ class Engine:
             live.scope = scope
             live.began = flow.revision
             try:
-                result = await fn(ctx)
+                if tracing is None:
+                    result = await fn(ctx)
+                else:
+                    result = await tracing.run(fn, ctx, flow.trace, compensating)
             except Exception as exc:
                 error = exc
             if observers:
@@ -731,7 +749,7 @@ class Engine:
         live.scope = None
         void = scope.cancelled_caught or live.flow is not flow
         for observer in observers:
-            observer.ran(flow, step.name, flow.state is _COMPENSATING, result, error, seconds, void)
+            observer.ran(flow, step.name, compensating, result, error, seconds, void)
         if scope.cancelled_caught and self._fleet and self._lapsing():
             if self._live.get(flow.flow_id) is live:
                 self._lose_all("its lease lapsed while it ran steps")
@@ -1521,19 +1539,28 @@ class Engine:
         `TypeError` (data not a JSON object); nothing is stored then.
         """
         self._check("start")
-        op = self._start_op(plan, flow_id, data, "data")
-        return self._started(op, await self._request(op))
+        shape, fid, text = self._start_input(plan, flow_id, data, "data")
+        with _tracing.starting(self._tracing, shape.name, shape.version, fid) as trace:
+            op = self._start_op(shape, fid, text, trace)
+            result = await self._request(op)
+        return self._started(op, result)
 
-    def _start_op(
+    def _start_input(
         self, plan: Plan, flow_id: str | None, data: dict[str, Json] | None, what: str
-    ) -> _store.Create:
-        """The op of a start, its input checked (raises `TypeError`/`ValueError`/`UnknownPlan`)."""
+    ) -> tuple[Shape, str, str]:
+        """A start's input checked (raises `TypeError`/`ValueError`/`UnknownPlan`): its plan's
+        shape, its flow id and its data's JSON text."""
         shape = self._shape_of(plan)
         fid = uuid.uuid4().hex if flow_id is None else _checks.flow_id(flow_id)
         data = {} if data is None else data
-        text = _checks.json_object_text(data, what, max_bytes=self._max_data)
+        return shape, fid, _checks.json_object_text(data, what, max_bytes=self._max_data)
+
+    def _start_op(
+        self, shape: Shape, fid: str, text: str, trace: str | None = None
+    ) -> _store.Create:
+        """The op of a start whose input was checked (`_start_input`)."""
         owner = self._owner if self._serve else None
-        return _store.Create(m.start(shape, fid, text, self._now(), owner=owner))
+        return _store.Create(m.start(shape, fid, text, self._now(), owner=owner, trace=trace))
 
     @staticmethod
     def _started(op: _store.Create, result: _store.Result) -> str:
@@ -1654,7 +1681,9 @@ class Engine:
             if isinstance(d, Wake):
                 built.append(self._wake_input(d.flow_id, d.payload, d.message_id, "Wake."))
             elif isinstance(d, Start):
-                built.append(self._start_op(d.plan, d.flow_id, d.data, "Start.data"))
+                built.append(
+                    self._start_op(*self._start_input(d.plan, d.flow_id, d.data, "Start.data"))
+                )
             else:
                 built.append(None)
 
@@ -1903,6 +1932,7 @@ class Engine:
             running=len(self._live),
             parked=self._parked,
             wakes=dict(self._wakes),
+            purged=0 if self._retention is None else self._retention.purged,
             **self._stats,
         )
 
@@ -1981,6 +2011,8 @@ def open_engine(
     lease: float = 30.0,
     serve: bool = True,
     max_data_bytes: int = _checks.MAX_DATA_BYTES,
+    retain: float | None = _retention.DEFAULT_RETAIN,
+    tracer_provider: object | None = None,
     _group_commit: bool = True,
     _wall_clock: Callable[[], float] = time.time,
     _fleet: bool | None = None,
@@ -2026,6 +2058,19 @@ def open_engine(
     failure) is retried by the engine's own tasks, with a WARNING on the ``ferry.flow`` logger
     per retry; any other error in them ends the ``async with`` block with that exception.
 
+    `retain` (seconds, default 30 days; None keeps every flow): finished (`COMPLETED` or
+    `FAILED`) flows are deleted, with their history and mailbox, `retain` seconds after they
+    ended, by a task of the engine (from its open on, every ``retain / 4`` at most ten minutes
+    apart), in transactions of at most 500 flows with a pause between them; any engine of a
+    fleet may do it at the same time as others (docs/adr/0085). A deleted flow's id is unknown
+    from then on: a wake of it is `Delivery.UNKNOWN` and `start` may use it again.
+    `ValueError` unless it is a finite number > 0 or None.
+
+    `tracer_provider`: OpenTelemetry traces (the extra ``otel``): every `start` and every run
+    of a step or compensation is a span, and one flow is one trace across parks, restarts and
+    engines (docs/operating.md). None (default): the application's global provider, if it set
+    one; without one (or without OpenTelemetry) traces are off and cost nothing.
+
     `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
     plans (it reads the plan shapes engines recorded in the store), runs no step, leases
     nothing, arms no timer and does no recovery; its `wake`, `cancel` and `resume` are
@@ -2054,6 +2099,8 @@ def open_engine(
             lease=lease,
             serve=serve,
             max_data_bytes=max_data_bytes,
+            retain=retain,
+            tracer_provider=tracer_provider,
             group_commit=_group_commit,
             wall_clock=_wall_clock,
             fleet=_fleet,
@@ -2109,6 +2156,8 @@ async def _opened(
     lease: float,
     serve: bool,
     max_data_bytes: int,
+    retain: float | None,
+    tracer_provider: object | None,
     group_commit: bool,
     wall_clock: Callable[[], float],
     fleet: bool | None,
@@ -2130,6 +2179,8 @@ async def _opened(
         or max_data_bytes < 2  # "{}" must fit
     ):
         raise ValueError(f"max_data_bytes must be an int >= 2, got {max_data_bytes!r}")
+    retain = _retention.check_retain(retain)
+    tracing = _tracing.tracing_for(tracer_provider)
     if serve and not registry:
         raise ValueError(
             "open_engine got no plans: an engine that serves a store runs only the plans it is"
@@ -2164,6 +2215,8 @@ async def _opened(
             fencing=fencing,
             scan_interval=scan_interval,
             wall_clock=wall_clock,
+            retain=retain,
+            tracing=tracing,
         )
         async with _lifetime(engine) as running:
             yield running
@@ -2206,6 +2259,8 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                         if engine._serve and engine._fleet:
                             nursery.start_soon(engine._heartbeat_loop)
                             nursery.start_soon(engine._scan_loop)
+                        if engine._retention is not None:
+                            nursery.start_soon(engine._retention.run)
                         yield engine
                     except BaseException as exc:
                         body_error = exc  # re-raised below, not wrapped in an exception group

@@ -12,6 +12,10 @@ service engine holds the file the actions are refused with a clear error (make t
 that engine's API, or stop it first) and the next engine to open the file runs what the action
 made runnable. The reading commands take no lock and work while engines run.
 
+``purge --finished-before TIME`` deletes finished flows by hand, as ``open_engine(retain=)``
+does (`_retention.purge`: batches of 500, safe beside running engines, on SQLite too: a
+finished flow is never written again). It counts them and asks first, unless ``--yes``.
+
 Output is a readable table, or JSON with ``--json``. Errors are one line on stderr: exit status
 2 for bad arguments, 1 for everything else that went wrong (an unknown flow, an action that did
 not apply, an unreachable store).
@@ -37,7 +41,7 @@ import trio
 
 from ferry.projected import PostgresStore, SqliteStore
 
-from . import _bulk, _query, _store
+from . import _bulk, _query, _retention, _store
 from . import _machine as m
 from ._engine import open_engine
 from ._errors import FlowError, StoreLocked
@@ -81,6 +85,13 @@ def _json_value(text: str) -> Json:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
     return value
+
+
+def _before(text: str) -> float:
+    try:
+        return _retention.parse_before(text, time.time())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -149,6 +160,20 @@ def parser() -> argparse.ArgumentParser:
     )
     cancel.add_argument("--reason", default="cancelled by an operator", help="recorded as why")
     one_or_many("resume", "Re-drive a BLOCKED flow (Engine.resume).", "to resume")
+    purge = command(
+        "purge",
+        "Delete finished (COMPLETED or FAILED) flows that ended before a time, with their"
+        " history and mailbox, as open_engine(retain=) does; after it asks (see --yes).",
+    )
+    purge.add_argument(
+        "--finished-before",
+        metavar="TIME",
+        type=_before,
+        required=True,
+        help="ISO 8601 (2026-11-01, 2026-11-01T12:00:00Z; UTC unless it says otherwise) or an"
+        " age: 7d, 12h, 30m, 90s, 2w",
+    )
+    purge.add_argument("--yes", action="store_true", help="delete without asking")
     what = (
         "Serve the dashboard, a web page of the flows with wake, cancel and resume buttons"
         " (needs: pip install 'stm-ferry[dashboard]')."
@@ -747,6 +772,44 @@ async def do_resume(args: argparse.Namespace, store: SqliteStore | PostgresStore
     )
 
 
+def _confirm(question: str) -> bool:
+    """Ask on the terminal (stderr, stdin); True for yes."""
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    try:
+        answer = input()
+    except EOFError:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")
+
+
+async def do_purge(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    """Count, ask, then delete in batches (the engine's purge: safe while engines serve the
+    store, on SQLite too, since a finished flow is never written again)."""
+    before = args.finished_before
+    when = _retention.iso(before)
+    matched = await _read(store, args.where, partial(_retention.count_finished, before=before))
+    data: dict[str, Json] = {"finished_before": when, "matched": matched, "deleted": 0}
+    if not matched:
+        _print(args, f"no finished flow ended before {when}: nothing to delete", data)
+        return
+    question = (
+        f"delete {matched} finished flow{'s' * (matched != 1)} (COMPLETED or FAILED) that ended"
+        f" before {when}, with their history and mailbox, from {args.where}?"
+    )
+    if not args.yes and not sys.stdin.isatty():
+        raise Problem(
+            f"{matched} finished flows ended before {when}; nothing was deleted: stdin is not a"
+            " terminal to ask on, so add --yes to delete them"
+        )
+    if not args.yes and not await trio.to_thread.run_sync(
+        _confirm, question, abandon_on_cancel=True
+    ):
+        _print(args, "nothing deleted", data)
+        return
+    data["deleted"] = await _retention.purge(store, before)
+    _print(args, f"deleted {data['deleted']} finished flows that ended before {when}", data)
+
+
 async def do_serve(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     try:
         from ._dashboard._serve import CannotListen, run_command
@@ -776,6 +839,7 @@ COMMANDS = {
     "wake": do_wake,
     "cancel": do_cancel,
     "resume": do_resume,
+    "purge": do_purge,
 }
 
 
