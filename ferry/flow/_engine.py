@@ -2013,11 +2013,6 @@ def open_engine(
     max_data_bytes: int = _checks.MAX_DATA_BYTES,
     retain: float | None = _retention.DEFAULT_RETAIN,
     tracer_provider: object | None = None,
-    _group_commit: bool = True,
-    _wall_clock: Callable[[], float] = time.time,
-    _fleet: bool | None = None,
-    _fencing: bool = True,
-    _scan_interval: float | None = None,
 ) -> contextlib.AbstractAsyncContextManager[Engine]:
     """Open a flow engine on `store` for the duration of an ``async with`` (SPEC 5.2).
 
@@ -2084,11 +2079,6 @@ def open_engine(
     engine: running steps and compensations are cancelled (their changes discarded; they run
     again, as attempt + 1, when an engine next takes them), parked flows stay parked, and later
     calls raise `ferry.Closed`.
-
-    For tests and benchmarks only: `_group_commit=False` commits every write in its own
-    transaction; `_fleet` forces the fleet's leases on (or off) whatever the store;
-    `_fencing=False` makes the runner's writes and takeovers skip the compare-and-set (to show
-    that the fleet's oracle catches it); `_scan_interval` overrides ``lease / 3``.
     """
     return _Opening(
         _opened(
@@ -2101,13 +2091,27 @@ def open_engine(
             max_data_bytes=max_data_bytes,
             retain=retain,
             tracer_provider=tracer_provider,
-            group_commit=_group_commit,
-            wall_clock=_wall_clock,
-            fleet=_fleet,
-            fencing=_fencing,
-            scan_interval=_scan_interval,
+            switches=_SWITCHES,
         )
     )
+
+
+@attrs.frozen
+class _Switches:
+    """What only tests and benchmarks change (tests/switches.py opens engines with them):
+    `group_commit=False` commits every write in its own transaction; `fleet` forces the fleet's
+    leases on (or off) whatever the store; `fencing=False` makes the runner's writes and
+    takeovers skip the compare-and-set (to show that the fleet's oracle catches it);
+    `scan_interval` overrides ``lease / 3``; `wall_clock` is the clock of leases and deadlines."""
+
+    group_commit: bool = True
+    wall_clock: Callable[[], float] = time.time
+    fleet: bool | None = None
+    fencing: bool = True
+    scan_interval: float | None = None
+
+
+_SWITCHES = _Switches()
 
 
 _NOT_WITH = (
@@ -2158,13 +2162,10 @@ async def _opened(
     max_data_bytes: int,
     retain: float | None,
     tracer_provider: object | None,
-    group_commit: bool,
-    wall_clock: Callable[[], float],
-    fleet: bool | None,
-    fencing: bool,
-    scan_interval: float | None,
+    switches: _Switches,
 ) -> AsyncIterator[Engine]:
     """The body of `open_engine` (its docstring says what it promises)."""
+    scan_interval = switches.scan_interval
     registry = _registry(plans)
     if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
         raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
@@ -2188,7 +2189,7 @@ async def _opened(
             " operator's engine (it wakes, cancels and resumes flows, and runs none)"
         )
     if scan_interval is not None and not (0 < scan_interval < math.inf):
-        raise ValueError(f"_scan_interval must be a finite number > 0, got {scan_interval!r}")
+        raise ValueError(f"scan_interval must be a finite number > 0, got {scan_interval!r}")
     own_store = isinstance(store, str | os.PathLike)
     lock: EngineLock | None = None
     if own_store:
@@ -2209,12 +2210,12 @@ async def _opened(
             max_running=max_running,
             lease=lease,
             serve=serve,
-            fleet=db.dialect == "postgres" if fleet is None else fleet,
+            fleet=db.dialect == "postgres" if switches.fleet is None else switches.fleet,
             max_data_bytes=max_data_bytes,
-            group_commit=group_commit,
-            fencing=fencing,
+            group_commit=switches.group_commit,
+            fencing=switches.fencing,
             scan_interval=scan_interval,
-            wall_clock=wall_clock,
+            wall_clock=switches.wall_clock,
             retain=retain,
             tracing=tracing,
         )

@@ -25,6 +25,7 @@ import trio
 
 from ferry import flow
 from ferry.projected import PostgresStore
+from tests import switches
 
 
 def plans() -> dict[str, flow.Plan]:
@@ -57,12 +58,12 @@ async def serve(args: argparse.Namespace) -> None:
     plan = plans()[args.plan]
     dsn = f"{args.dsn} application_name={args.owner}"
     async with PostgresStore(dsn, connections=4) as store:
-        async with flow.open_engine(
+        async with switches.open_engine(
             store,
             plans=[plan],
             owner=args.owner,
             lease=args.lease,
-            _group_commit=not args.solo,
+            group_commit=not args.solo,
         ) as engine:
             print("ready", flush=True)
             while True:

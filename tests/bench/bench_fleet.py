@@ -6,7 +6,8 @@
   wake (each flow's first step parks; once all are parked, each is woken through another
   engine than the one that started it, and runs its second step). Beside each, the baseline of
   issue 9: the same engines committing every write in its own transaction
-  (``_group_commit=False``). Rows: group commit against that baseline at the same number of
+  (``group_commit=False``, tests/switches.py). Rows: group commit against that baseline at the
+  same number of
   engines (target: at most 1x, i.e. not slower), and 2 or 3 engines against 1 (how throughput
   scales; reported, with a loose target: on this 2-core machine the database and every engine
   share two cores, so more processes add contention rather than capacity).

@@ -2,7 +2,7 @@
 
 - **3-step flows**: 1,000 flows started at once, each task ``start`` then ``wait``; seconds per
   flow from the first start to the last completion. Baseline: the same engine with every write
-  in its own transaction (``open_engine(..., _group_commit=False)``, docs/adr/0022). Target: the
+  in its own transaction (``group_commit=False`` of tests/switches.py, docs/adr/0022). Target: the
   engine's time at most 0.2x the baseline's (at least 5x the flows per second).
 - **park and wake**: 1,000 flows whose first step parks; once all are parked, each is woken
   (``wake`` then ``wait``). Same baseline and target.
@@ -39,6 +39,7 @@ from typing import Any
 import trio
 
 from ferry import flow
+from tests import switches
 from tests.bench._flow import parks, start_parks, until_parked
 from tests.bench._harness import Row, paired
 
@@ -67,7 +68,7 @@ async def three_(ctx: flow.Context) -> None:
 
 
 async def _three_steps(path: Path, group_commit: bool) -> float:
-    async with flow.open_engine(path, plans=[three], _group_commit=group_commit) as engine:
+    async with switches.open_engine(path, plans=[three], group_commit=group_commit) as engine:
 
         async def one(i: int) -> None:
             await engine.wait(await engine.start(three, flow_id=f"f{i}", data={"i": i}))
@@ -82,7 +83,7 @@ async def _three_steps(path: Path, group_commit: bool) -> float:
 
 
 async def _park_and_wake(path: Path, group_commit: bool) -> float:
-    async with flow.open_engine(path, plans=[parks], _group_commit=group_commit) as engine:
+    async with switches.open_engine(path, plans=[parks], group_commit=group_commit) as engine:
 
         async def woken(fid: str) -> None:
             assert await engine.wake(fid, {"ok": True}) is flow.Delivery.RESUMED

@@ -62,6 +62,7 @@ import ferry
 from ferry import flow
 from ferry.flow import _store
 from ferry.projected import PostgresStore
+from tests import switches
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ("reserve", "charge", "ship")
@@ -179,12 +180,12 @@ async def serve(args: argparse.Namespace) -> None:
         return flow.Wake(event["flow"], {"ok": event["ok"]}, message_id=event["id"])
 
     async with PostgresStore(dsn, connections=4) as store:
-        async with flow.open_engine(
+        async with switches.open_engine(
             store,
             plans=[plan],
             owner=args.owner,
             lease=args.lease,
-            _fencing=not args.no_fencing,
+            fencing=not args.no_fencing,
         ) as engine:
             engine.on("payment", mapper)
             print("ready", flush=True)

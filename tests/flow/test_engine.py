@@ -23,7 +23,7 @@ import ferry
 from ferry import flow
 from ferry.flow import _store
 from ferry.projected import PostgresStore, SqliteStore, Store
-from tests import pg
+from tests import pg, switches
 
 from ._helpers import PlantedStore
 
@@ -46,7 +46,7 @@ def planted(tmp_path: Path) -> PlantedStore:
 
 @asynccontextmanager
 async def engine_on(store: Any, *plans: flow.Plan, **options: Any) -> AsyncIterator[flow.Engine]:
-    async with flow.open_engine(store, plans=list(plans), **options) as engine:
+    async with switches.open_engine(store, plans=list(plans), **options) as engine:
         yield engine
 
 
@@ -393,7 +393,7 @@ async def test_an_overdue_park_times_out_at_open(store, autojump_clock) -> None:
     import time
 
     later = partial(lambda: time.time() + 7200)
-    async with engine_on(store, order_plan(log, park_timeout=60), _wall_clock=later) as engine:
+    async with engine_on(store, order_plan(log, park_timeout=60), wall_clock=later) as engine:
         t0 = trio.current_time()
         snap = await settle(engine, "o")
         assert trio.current_time() == t0 and snap.state is flow.State.FAILED
@@ -1058,7 +1058,7 @@ async def test_group_commit_on_the_threaded_sqlite_store(tmp_path: Path) -> None
     # concurrent flows' boundaries shared transactions
     assert stats.write_batches < stats.writes / 2
     async with SqliteStore(tmp_path / "solo.db", synchronous="NORMAL") as st:
-        async with engine_on(st, simple_plan(_noop, _noop), _group_commit=False) as engine:
+        async with engine_on(st, simple_plan(_noop, _noop), group_commit=False) as engine:
             fids = [await engine.start(engine._plans[("p", 1)]) for _ in range(5)]
             for fid in fids:
                 await settle(engine, fid)

@@ -136,7 +136,7 @@ async def test_a_renewal_that_fails_is_retried_at_once_and_logged(
     gates: dict[str, trio.Event] = {}
     plan = saga([], gates)
     store = PlantedStore(path)
-    async with fleet_engine(store, plan, owner="a", _scan_interval=1e9) as a:
+    async with fleet_engine(store, plan, owner="a", scan_interval=1e9) as a:
         await a.start(plan, flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
         store.fail_next = 1  # the next renewal's transaction fails (the database is busy)
@@ -412,7 +412,7 @@ async def test_a_version_that_came_up_since_the_last_scan_is_read_before_a_wake_
     log: Log = []
     v1, v2 = versions(log)
     store = PlantedStore(path)
-    async with fleet_engine(PlantedStore(path), v1, owner="old", _scan_interval=1e9) as old:
+    async with fleet_engine(PlantedStore(path), v1, owner="old", scan_interval=1e9) as old:
         async with fleet_engine(PlantedStore(path), v1, v2, owner="new") as new:
             await new.start(v2, flow_id="f")
             await trio.testing.wait_all_tasks_blocked()

@@ -2,7 +2,8 @@
 
 Several engines share one real SQLite file here, each through its own `PlantedStore` (a public
 `SqliteStore` wrapped, see _helpers, so no engine lock), with the fleet's leases forced on
-(`_fleet=True`): the same code that runs on PostgreSQL, deterministic. A "frozen" engine is one
+(`fleet=True`, tests/switches.py): the same code that runs on PostgreSQL, deterministic. A
+"frozen" engine is one
 whose store is held (`gate`): its transactions wait, as a SIGSTOPped process's would, while the
 clock runs on for the others.
 Every engine's wall clock is ``T0 + trio.current_time()``, so their leases compare exactly.
@@ -26,6 +27,7 @@ import trio.testing
 from ferry import flow
 from ferry.flow import _machine as m
 from ferry.flow import _store
+from tests import switches
 
 from ._helpers import PlantedStore
 
@@ -48,8 +50,8 @@ async def fleet_engine(
     store: PlantedStore, *plans: flow.Plan, owner: str, **options: Any
 ) -> AsyncIterator[flow.Engine]:
     options.setdefault("lease", LEASE)
-    async with flow.open_engine(
-        store, plans=list(plans), owner=owner, _fleet=True, _wall_clock=wall, **options
+    async with switches.open_engine(
+        store, plans=list(plans), owner=owner, fleet=True, wall_clock=wall, **options
     ) as engine:
         yield engine
 
@@ -161,12 +163,8 @@ async def test_a_frozen_owner_cannot_advance_a_flow_taken_over(
     plan = saga(log, gates)
     store_a, store_b = PlantedStore(path), PlantedStore(path)
     async with AsyncExitStack() as stack:
-        a = await stack.enter_async_context(
-            fleet_engine(store_a, plan, owner="a", _fencing=fencing)
-        )
-        b = await stack.enter_async_context(
-            fleet_engine(store_b, plan, owner="b", _fencing=fencing)
-        )
+        a = await stack.enter_async_context(fleet_engine(store_a, plan, owner="a", fencing=fencing))
+        b = await stack.enter_async_context(fleet_engine(store_b, plan, owner="b", fencing=fencing))
         await a.start(plan, flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
         assert ("charge", "f", 1) in log and (await row(store_b, "f")).owner == "a"
@@ -208,7 +206,7 @@ async def test_an_orphan_is_claimed_by_exactly_one_engine(
     stores = [PlantedStore(path) for _ in range(3)]
     async with AsyncExitStack() as stack:
         engines = [
-            await stack.enter_async_context(fleet_engine(s, plan, owner=f"e{i}", _fencing=fencing))
+            await stack.enter_async_context(fleet_engine(s, plan, owner=f"e{i}", fencing=fencing))
             for i, s in enumerate(stores)
         ]
         dead = m.start(plan._close(), "f", "{}", wall() - 100, owner="dead")  # no engine row
@@ -501,7 +499,7 @@ async def test_flows_let_go_during_an_outage_are_released_with_the_next_renewal(
     gates: dict[str, trio.Event] = {}
     plan = saga(log, gates)
     store_a, store_b = PlantedStore(path), PlantedStore(path)
-    async with fleet_engine(store_a, plan, owner="a", _scan_interval=10**6) as a:
+    async with fleet_engine(store_a, plan, owner="a", scan_interval=10**6) as a:
         async with fleet_engine(store_b, plan, owner="b") as b:
             await a.start(plan, flow_id="f")
             await trio.testing.wait_all_tasks_blocked()

@@ -12,6 +12,7 @@ import trio
 import trio.testing
 
 from ferry import flow
+from tests import switches
 
 from ._helpers import PlantedStore, ValveStore
 
@@ -85,7 +86,8 @@ def test_a_cancel_without_the_plan_version_can_be_finished_once_it_is_back(
 # ------------------------------------------------------------------ the fleet (ADR 0052, 0047)
 #
 # Two engines share one SQLite file, each through its own connection, with the fleet's leases
-# forced on (`_fleet=True`), as in test_leases.py. Engine a's store is a `ValveStore`: the test
+# forced on (`fleet=True`, tests/switches.py), as in test_leases.py. Engine a's store is a
+# `ValveStore`: the test
 # lets its transactions through one by one, so that a's tasks stall exactly where a frozen or
 # cut-off process's would, while its other tasks (a runner waiting for its slot under
 # `max_running=1`) are scheduled after the renewal, as the model's shortest traces have them.
@@ -124,15 +126,9 @@ def two_steps(log: list[tuple[str, str, int]], gates: dict[str, trio.Event]) -> 
     return plan
 
 
-def fleet_engine(store: object, plan: flow.Plan, owner: str, **options: object) -> Any:
-    return flow.open_engine(
-        store,  # type: ignore[arg-type]
-        plans=[plan],
-        owner=owner,
-        lease=LEASE,
-        _fleet=True,
-        _wall_clock=wall,
-        **options,  # type: ignore[arg-type]
+def fleet_engine(store: object, plan: flow.Plan, owner: str, **options: Any) -> Any:
+    return switches.open_engine(
+        store, plans=[plan], owner=owner, lease=LEASE, fleet=True, wall_clock=wall, **options
     )
 
 
@@ -158,7 +154,7 @@ async def test_a_renewal_after_a_lapse_does_not_trust_a_flow_taken_over(
     store_a, store_b = ValveStore(path), PlantedStore(path)
     async with (
         fleet_engine(store_b, plan, "b") as b,
-        fleet_engine(store_a, plan, "a", max_running=1, _scan_interval=NEVER) as a,
+        fleet_engine(store_a, plan, "a", max_running=1, scan_interval=NEVER) as a,
     ):
         # a's first renewal goes through; its check right after it does not come back.
         store_a.hold_after("renew", "load_active")
@@ -201,7 +197,7 @@ async def test_a_copy_from_before_a_lapse_is_read_again_before_a_body_runs_on_it
     async with (
         trio.open_nursery() as nursery,
         fleet_engine(store_b, plan, "b") as b,
-        fleet_engine(store_a, plan, "a", _scan_interval=NEVER) as a,
+        fleet_engine(store_a, plan, "a", scan_interval=NEVER) as a,
     ):
         store_a.hold_after("renew", "load_active")  # a's heartbeat stalls in its next check
         await until(lambda: bool(store_a.waiting("load_active")))
@@ -246,9 +242,9 @@ async def test_a_flow_taken_back_is_not_released_while_its_engine_runs_it(
     store_a, store_b = ValveStore(path), PlantedStore(path)
     async with trio.open_nursery() as nursery:
         async with (
-            fleet_engine(store_b, plan, "b", _scan_interval=NEVER) as b,
+            fleet_engine(store_b, plan, "b", scan_interval=NEVER) as b,
             fleet_engine(
-                store_a, plan, "a", max_running=1, _scan_interval=NEVER, _group_commit=False
+                store_a, plan, "a", max_running=1, scan_interval=NEVER, group_commit=False
             ) as a,
         ):
             await a.start(plan, flow_id="f")
