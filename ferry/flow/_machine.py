@@ -110,7 +110,6 @@ __all__ = [
     "block",
     "cancel",
     "check_invariants",
-    "claim",
     "compensated",
     "compensation_failed",
     "leased",
@@ -432,12 +431,11 @@ def start(
     now: float,
     *,
     owner: str | None = None,
-    lease_until: float | None = None,
     trace: str | None = None,
 ) -> Transition:
     """A new flow at its first step, attempt 1, revision 1; `data` is canonical JSON text.
-    `owner`/`lease_until`: the engine that runs it (None: whichever engine claims it); `trace`:
-    the trace its steps' spans join (`Flow.trace`)."""
+    `owner`: the engine that runs it, holding it (None: whichever engine takes it over);
+    `trace`: the trace its steps' spans join (`Flow.trace`)."""
     flow = Flow(
         flow_id=flow_id,
         plan=shape.name,
@@ -450,7 +448,7 @@ def start(
         revision=1,
         updated_at=now,
         owner=owner,
-        lease_until=lease_until,
+        lease_until=None,
         created_at=now,
         trace=trace,
     )
@@ -740,14 +738,6 @@ def resume(flow: Flow, mailbox: Mailbox, shape: Shape | None, now: float) -> Tra
         new = _bump(flow, now, attempt=flow.attempt + 1, **cleared)
     events = (_event(new, now, "resumed", flow.step, new.attempt if back is not PARKED else None),)
     return Transition(new, mailbox, flow.revision, events=events)
-
-
-def claim(flow: Flow, owner: str, lease_until: float | None, now: float) -> Transition:
-    """Make `owner` the flow's owner until `lease_until` (a write: revision + 1, no event).
-
-    For the fleet (a takeover is a compare-and-set on the revision the claimer saw)."""
-    new = _bump(flow, now, owner=owner, lease_until=lease_until)
-    return Transition(new, EMPTY_MAILBOX, flow.revision)
 
 
 # ------------------------------------------------------------------------- leases (the fleet)

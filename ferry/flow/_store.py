@@ -332,7 +332,6 @@ class _Sql:
     insert: str
     existing: str
     update: str
-    update_owned: str
     update_orphan: str
     update_blind: str
     lock_engine: str
@@ -340,7 +339,6 @@ class _Sql:
     select: str
     select_locked: str
     hold: str
-    hold_owned: str
     revision: str
     seen: str
     head: str
@@ -377,8 +375,6 @@ class _Sql:
             existing=f"SELECT {cols}, start_data FROM {flows} WHERE flow_id = ?",
             update=f"UPDATE {flows} SET {sets} WHERE flow_id = ? AND revision = ?"
             " RETURNING revision",
-            update_owned=f"UPDATE {flows} SET {sets} WHERE flow_id = ? AND revision = ?"
-            " AND owner = ? RETURNING revision",
             update_orphan=f"UPDATE {flows} SET {sets} WHERE flow_id = ? AND revision = ?"
             f" AND {_orphan(ns, flows)} RETURNING revision",
             update_blind=f"UPDATE {flows} SET {blind_sets} WHERE flow_id = ? RETURNING revision",
@@ -387,7 +383,6 @@ class _Sql:
             select=f"SELECT {cols} FROM {flows} WHERE flow_id = ?",
             select_locked=f"SELECT {cols} FROM {flows} WHERE flow_id = ?{lock}",
             hold=hold,
-            hold_owned=hold.replace("AND revision = ?", "AND revision = ? AND owner = ?"),
             revision=f"SELECT revision, owner FROM {flows} WHERE flow_id = ?",
             seen=f"SELECT 1 FROM {ns}_mailbox WHERE flow_id = ? AND message_id = ?",
             head=f"SELECT message_id, payload FROM {ns}_mailbox"
@@ -424,7 +419,6 @@ class Change:
       match its revision).
     - `message_id`: look it up in the mailbox (the mailbox passed to `apply` has it in ``seen``
       if it is known). `head`: pass the first queued message (a park or a resume needs it).
-    - `owner`: the write also requires this owner (None: any).
     - `lapsed_at` (with `flow`): the write also requires that no engine holds the flow at this
       time (`_orphan`): a takeover (`_machine.take_over`), which must lose to the owner's
       renewal of its engine lease as much as to another writer.
@@ -442,7 +436,6 @@ class Change:
     expected: int | None = None
     message_id: str | None = None
     head: bool = False
-    owner: str | None = None
     lapsed_at: float | None = None
     fenced: bool = True
 
@@ -555,13 +548,12 @@ class _Batch:
     def cas(
         self,
         t: Transition,
-        owner: str | None,
         lapsed_at: float | None = None,
         holder: str | None = None,
     ) -> bool:
-        """Write the transition's row if the stored revision is still ``t.expected`` (and the
-        owner is `owner`, and no lease holds it at `lapsed_at`, where given: a takeover of a
-        flow its copy shows held by `holder`).
+        """Write the transition's row if the stored revision is still ``t.expected`` (and no
+        lease holds it at `lapsed_at`, where given: a takeover of a flow its copy shows held by
+        `holder`).
 
         On PostgreSQL a takeover first locks `holder`'s lease row (``FOR SHARE``), so that the
         lease it reads is the one committed when it writes: a renewal of that lease in flight
@@ -576,10 +568,8 @@ class _Batch:
             rows = self.tx.execute(
                 self.sql.update_orphan, (*values, fid, t.expected, lapsed_at, lapsed_at)
             )
-        elif owner is None:
-            rows = self.tx.execute(self.sql.update, (*values, fid, t.expected))
         else:
-            rows = self.tx.execute(self.sql.update_owned, (*values, fid, t.expected, owner))
+            rows = self.tx.execute(self.sql.update, (*values, fid, t.expected))
         return bool(rows)
 
     def blind(self, t: Transition) -> Transition | None:
@@ -633,7 +623,7 @@ class _Batch:
                     if blind is None:
                         return Missing(op.flow_id)
                     t = blind
-                elif not self.cas(t, op.owner, op.lapsed_at, known.owner):
+                elif not self.cas(t, op.lapsed_at, known.owner):
                     return self.conflict(op.flow_id, t.expected)
                 self.record(t)
             self.messages(t)
@@ -641,10 +631,8 @@ class _Batch:
         if known is not None:
             if not op.fenced:
                 held = tx.execute(sql.hold_blind, (op.flow_id,))
-            elif op.owner is None:
-                held = tx.execute(sql.hold, (op.flow_id, known.revision))
             else:
-                held = tx.execute(sql.hold_owned, (op.flow_id, known.revision, op.owner))
+                held = tx.execute(sql.hold, (op.flow_id, known.revision))
             if not held:
                 return self.conflict(op.flow_id, known.revision)
             flow = known
@@ -653,9 +641,7 @@ class _Batch:
             if not rows:
                 return Missing(op.flow_id)
             flow = _to_flow(rows[0])
-            if (op.expected is not None and flow.revision != op.expected) or (
-                op.owner is not None and flow.owner != op.owner
-            ):
+            if op.expected is not None and flow.revision != op.expected:
                 return Conflict(op.flow_id, op.expected, flow.revision, flow.owner)
         queued: tuple[Message, ...] = ()
         seen: frozenset[str] = frozenset()
@@ -674,7 +660,7 @@ class _Batch:
                 blind = self.blind(t)
                 assert blind is not None  # the row is held
                 t = blind
-            elif not self.cas(t, None):  # cannot happen while the row is held; never write blind
+            elif not self.cas(t):  # cannot happen while the row is held; never write blind
                 return self.conflict(op.flow_id, t.expected)
             self.record(t)
         self.messages(t)
@@ -1075,7 +1061,7 @@ def prune_engines(tx: Tx, before: float, *, ns: str = "flow") -> int:
     rows = tx.execute(
         f"DELETE FROM {ns}_engines WHERE lease_until < ? AND NOT EXISTS (SELECT 1 FROM"
         f" {ns}_flows f WHERE f.owner = {ns}_engines.owner"
-        " AND f.state IN ('RUNNING', 'COMPENSATING')) RETURNING owner",
+        f" AND f.state IN ('RUNNING', 'COMPENSATING')) RETURNING owner",
         (before,),
     )
     return len(rows)
@@ -1085,7 +1071,7 @@ def load_engines(tx: Tx, *, ns: str = "flow") -> list[tuple[str, float, float, i
     """``(owner, lease_until, started_at, active flows it holds)`` of every known engine."""
     rows = tx.execute(
         f"SELECT e.owner, e.lease_until, e.started_at, (SELECT COUNT(*) FROM {ns}_flows f"
-        " WHERE f.owner = e.owner AND f.state IN ('RUNNING', 'COMPENSATING'))"
+        f" WHERE f.owner = e.owner AND f.state IN ('RUNNING', 'COMPENSATING'))"
         f" FROM {ns}_engines e ORDER BY e.owner"
     )
     return [(r[0], r[1], r[2], r[3]) for r in rows]
@@ -1173,30 +1159,6 @@ def has_tables(tx: Tx, *, ns: str = "flow") -> bool:
     return bool(rows)
 
 
-def query_flows(
-    tx: Tx,
-    *,
-    ns: str = "flow",
-    state: State | None = None,
-    plan: str | None = None,
-    limit: int = 50,
-) -> list[Flow]:
-    """Flows (of `state`, of `plan` if given), most recently written first, at most `limit`."""
-    cols = ", ".join(_FIELDS)
-    where, params = [], []
-    if state is not None:
-        where.append("state = ?")
-        params.append(state.value)
-    if plan is not None:
-        where.append("plan = ?")
-        params.append(plan)
-    sql = f"SELECT {cols} FROM {ns}_flows"
-    if where:
-        sql += " WHERE " + " AND ".join(where)
-    sql += f" ORDER BY updated_at DESC, flow_id LIMIT {int(limit)}"
-    return [_to_flow(r) for r in tx.execute(sql, params)]
-
-
 def count_plans(tx: Tx, *, ns: str = "flow") -> list[tuple[str, int, State, int]]:
     """``(plan, version, state, flows)`` for every plan version and state that has flows."""
     rows = tx.execute(
@@ -1255,7 +1217,7 @@ def holder(tx: Tx, flow_id: str, now: float, *, ns: str = "flow") -> tuple[float
     rows = tx.execute(
         f"SELECT f.lease_until, e.lease_until, {_orphan(ns, 'f')} FROM {ns}_flows f"
         f" LEFT JOIN {ns}_engines e ON e.owner = f.owner WHERE f.flow_id = ?"
-        " AND f.owner IS NOT NULL AND f.state IN ('RUNNING', 'COMPENSATING')",
+        f" AND f.owner IS NOT NULL AND f.state IN ('RUNNING', 'COMPENSATING')",
         (now, now, flow_id),
     )
     if not rows:

@@ -66,16 +66,3 @@ def from_sorted(entries: Iterable[Entry]) -> Heap:
     for entry in reversed(list(entries)):
         h = (1, entry, h, None)
     return h
-
-
-def size(h: Heap) -> int:
-    """How many entries (for tests and statistics). O(n)."""
-    n = 0
-    stack = [h]
-    while stack:
-        node = stack.pop()
-        if node is not None:
-            n += 1
-            stack.append(node[2])
-            stack.append(node[3])
-    return n

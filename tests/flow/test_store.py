@@ -134,7 +134,7 @@ async def test_a_stale_revision_is_refused_and_writes_nothing(store: Store) -> N
     assert await history_kinds(store, "f1") == [(1, "started"), (2, "step")]
 
 
-async def test_a_loaded_change_checks_expected_and_owner(store: Store) -> None:
+async def test_a_loaded_change_checks_expected(store: Store) -> None:
     f = await started(store)
 
     def cancel(flow: Flow, _box: Mailbox) -> Transition:
@@ -142,10 +142,6 @@ async def test_a_loaded_change_checks_expected_and_owner(store: Store) -> None:
 
     (r,) = await write(store, s.Change("f1", cancel, expected=5))
     assert r == s.Conflict("f1", 5, 1, None)
-    (r,) = await write(store, s.Change("f1", cancel, owner="someone"))
-    assert isinstance(r, s.Conflict)
-    (r,) = await write(store, s.Change("f1", cancel, flow=f, owner="x"))
-    assert isinstance(r, s.Conflict)
     assert await load(store, "f1") == f
     (r,) = await write(store, s.Change("nope", cancel))
     assert r == s.Missing("nope")
