@@ -50,6 +50,7 @@ import attrs
 from ferry.projected import Tx, canonical_json
 
 from ._machine import (
+    ACTIVE,
     EMPTY_MAILBOX,
     Flow,
     Mailbox,
@@ -64,6 +65,9 @@ from ._types import Event, State
 
 _NAMESPACE = re.compile(r"[a-z_][a-z0-9_]{0,40}")
 _STATES = {s.value: s for s in State}
+# The active states (`_machine.ACTIVE`) as an SQL list, in `State`'s order, written once: the
+# partial indexes and the queries that use them must say it the same way.
+_ACTIVE = "(" + ", ".join(f"'{s.value}'" for s in State if s in ACTIVE) + ")"
 
 # The row's columns as `_machine.Flow` has them, in the order of `_values` and `_to_flow`.
 _FIELDS = (
@@ -187,11 +191,11 @@ def ddl(ns: str, dialect: str) -> list[str]:
             created_at DOUBLE PRECISION NOT NULL,
             trace TEXT)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_active ON {ns}_flows (state)"
-        " WHERE state IN ('RUNNING', 'COMPENSATING')",
+        f" WHERE state IN {_ACTIVE}",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_deadline ON {ns}_flows (park_deadline)"
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_owner ON {ns}_flows (owner)"
-        " WHERE state IN ('RUNNING', 'COMPENSATING')",
+        f" WHERE state IN {_ACTIVE}",
         # The operators' filters and their order, newest first (`_query`, docs/adr/0080).
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_created ON {ns}_flows (created_at, flow_id)",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_state_created ON {ns}_flows"
@@ -791,7 +795,7 @@ def load_active(
     """Flows that are `RUNNING` or `COMPENSATING` (recovery's work list), oldest write first;
     with `owner`, only those leased to that owner."""
     cols = ", ".join(_FIELDS)
-    sql = f"SELECT {cols} FROM {ns}_flows WHERE state IN ('RUNNING', 'COMPENSATING')"
+    sql = f"SELECT {cols} FROM {ns}_flows WHERE state IN {_ACTIVE}"
     params: tuple[Any, ...] = ()
     if owner is not None:
         sql += " AND owner = ?"
@@ -842,10 +846,7 @@ def load_orphans(
     (plan, version)s if `plans` is given, least recently written first. Cost: a pass over the
     active flows (the partial index), each checked against the small engines table."""
     cols = ", ".join(f"f.{c}" for c in _FIELDS)
-    sql = (
-        f"SELECT {cols} FROM {ns}_flows f WHERE f.state IN ('RUNNING', 'COMPENSATING')"
-        f" AND {_orphan(ns, 'f')}"
-    )
+    sql = f"SELECT {cols} FROM {ns}_flows f WHERE f.state IN {_ACTIVE} AND {_orphan(ns, 'f')}"
     params: list[Any] = [now, now]
     if plans is not None:
         if not plans:
@@ -1033,7 +1034,7 @@ def release(
     it is. How many were released."""
     released = 0
     ordered = sorted(flows)
-    active = "state IN ('RUNNING', 'COMPENSATING')"
+    active = f"state IN {_ACTIVE}"
     for i in range(0, len(ordered), _CHUNK):
         chunk = ordered[i : i + _CHUNK]
         if tx.dialect == "postgres":
@@ -1061,7 +1062,7 @@ def prune_engines(tx: Tx, before: float, *, ns: str = "flow") -> int:
     rows = tx.execute(
         f"DELETE FROM {ns}_engines WHERE lease_until < ? AND NOT EXISTS (SELECT 1 FROM"
         f" {ns}_flows f WHERE f.owner = {ns}_engines.owner"
-        f" AND f.state IN ('RUNNING', 'COMPENSATING')) RETURNING owner",
+        f" AND f.state IN {_ACTIVE}) RETURNING owner",
         (before,),
     )
     return len(rows)
@@ -1071,7 +1072,7 @@ def load_engines(tx: Tx, *, ns: str = "flow") -> list[tuple[str, float, float, i
     """``(owner, lease_until, started_at, active flows it holds)`` of every known engine."""
     rows = tx.execute(
         f"SELECT e.owner, e.lease_until, e.started_at, (SELECT COUNT(*) FROM {ns}_flows f"
-        f" WHERE f.owner = e.owner AND f.state IN ('RUNNING', 'COMPENSATING'))"
+        f" WHERE f.owner = e.owner AND f.state IN {_ACTIVE})"
         f" FROM {ns}_engines e ORDER BY e.owner"
     )
     return [(r[0], r[1], r[2], r[3]) for r in rows]
@@ -1200,8 +1201,7 @@ def count_orphans(tx: Tx, now: float, *, ns: str = "flow") -> int:
     if not leased(tx):
         return 0
     rows = tx.execute(
-        f"SELECT COUNT(*) FROM {ns}_flows f WHERE f.state IN ('RUNNING', 'COMPENSATING')"
-        f" AND {_orphan(ns, 'f')}",
+        f"SELECT COUNT(*) FROM {ns}_flows f WHERE f.state IN {_ACTIVE} AND {_orphan(ns, 'f')}",
         (now, now),
     )
     return int(rows[0][0])
@@ -1217,7 +1217,7 @@ def holder(tx: Tx, flow_id: str, now: float, *, ns: str = "flow") -> tuple[float
     rows = tx.execute(
         f"SELECT f.lease_until, e.lease_until, {_orphan(ns, 'f')} FROM {ns}_flows f"
         f" LEFT JOIN {ns}_engines e ON e.owner = f.owner WHERE f.flow_id = ?"
-        f" AND f.owner IS NOT NULL AND f.state IN ('RUNNING', 'COMPENSATING')",
+        f" AND f.owner IS NOT NULL AND f.state IN {_ACTIVE}",
         (now, now, flow_id),
     )
     if not rows:
