@@ -1,4 +1,4 @@
-"""ferry.flow: durable sagas on trio (SPEC 5): steps with compensations, parking until an external
+"""ferry.flow: durable sagas on trio: steps with compensations, parking until an external
 event, recovery after a crash, on SQLite (embedded) or PostgreSQL.
 
 How to use it::

@@ -272,7 +272,7 @@ _COUNTERS = (
 
 @final
 class Engine:
-    """Runs the flows of one store (SPEC 5.2). Made by `open_engine`; no public constructor.
+    """Runs the flows of one store. Made by `open_engine`; no public constructor.
 
     Every async method is a checkpoint and raises `ferry.Closed` once the engine is closed.
     Only the tasks of the trio run that opened the engine may call it: a call from another
@@ -906,7 +906,7 @@ class Engine:
     # ------------------------------------------------------------------------------ recovery
 
     async def _recover(self) -> None:
-        """At open (SPEC 5.4): record this engine's plans; then, on one SQLite file, resume every
+        """At open: record this engine's plans; then, on one SQLite file, resume every
         running or compensating flow and arm every parked flow's timer; in a fleet, resume the
         flows this owner name held (a restart under the same name) and take over the orphans
         (the first scan, which a database outage does not fail: the scan loop goes on)."""
@@ -1575,7 +1575,7 @@ class Engine:
     async def wake(
         self, flow_id: str, payload: Json = None, *, message_id: str | None = None
     ) -> Delivery:
-        """Put a message in the flow's durable mailbox; durable when this returns (SPEC 5.2).
+        """Put a message in the flow's durable mailbox; durable when this returns.
 
         Returns `Delivery.RESUMED` (the flow was parked and now runs its next step with
         ``ctx.wake = payload``), `QUEUED` (kept: its next park takes it at once), `DUPLICATE`
@@ -2014,7 +2014,7 @@ def open_engine(
     retain: float | None = _retention.DEFAULT_RETAIN,
     tracer_provider: object | None = None,
 ) -> contextlib.AbstractAsyncContextManager[Engine]:
-    """Open a flow engine on `store` for the duration of an ``async with`` (SPEC 5.2).
+    """Open a flow engine on `store` for the duration of an ``async with``.
 
     `store`: a path (an SQLite file, created if missing, closed with the engine) or an open
     `SqliteStore`/`PostgresStore` (left open). `plans`: the plans it runs (several versions of
@@ -2024,7 +2024,7 @@ def open_engine(
     fleet one live engine per name: `StoreLocked` naming the owner while another holds it).
     `lease`: 0.5 s to 86,400 s (`ValueError` outside). Creates the tables if missing, records its
     plans' shapes in the store, takes the SQLite file's engine lock (`StoreLocked` if another
-    engine holds the file, by whatever path), then recovers (SPEC 5.4). A path that cannot be
+    engine holds the file, by whatever path), then recovers. A path that cannot be
     an engine's file (``":memory:"``, a ``file:`` URI, a directory, an empty path, a file that
     is not SQLite) is a `ValueError` saying what to give instead, before anything is created.
 

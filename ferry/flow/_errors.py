@@ -1,4 +1,4 @@
-"""The errors of `ferry.flow` (SPEC 5.2). All derive from `FlowError`.
+"""The errors of `ferry.flow`. All derive from `FlowError`.
 
 Bad arguments are also the builtin a caller would expect: an unknown plan and a reused flow id are
 `ValueError`s, an unknown flow id is a `LookupError`. After the engine closed, calls raise

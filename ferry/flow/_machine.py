@@ -43,7 +43,7 @@ States and transitions (who asks for each)
     PARKED past its deadline --wake--> the timeout first (same write), then the wake meets what
                   it left: STALE (compensating, failed) or QUEUED (running on, blocked)
 
-Leases (the fleet, SPEC 5.4): an active flow is run by the engine named in `owner`, for as long
+Leases (the fleet): an active flow is run by the engine named in `owner`, for as long
 as that engine's own lease runs (one row per engine, renewed by the engine: no flow row is
 written to renew it). `lease_until` is None while the owner holds the flow, and the time it let
 it go once it has (then any engine may take it over). `leased` is the one rule for who holds a

@@ -63,7 +63,7 @@ def _check_async(what: str, fn: object) -> None:
 
 @final
 class Plan:
-    """A business process: steps that run in declaration order (SPEC 5.1).
+    """A business process: steps that run in declaration order.
 
     ``Plan(name, version=1)``; add steps with ``@plan.step`` or
     ``@plan.step(name=..., compensate=..., attempts=...)``. Give the plan to `open_engine`;

@@ -177,7 +177,7 @@ class Context:
 @final
 @attrs.frozen(kw_only=True)
 class Snapshot:
-    """A flow's durable state (SPEC 5.2). `data` is a copy; `park_deadline` is wall-clock seconds.
+    """A flow's durable state. `data` is a copy; `park_deadline` is wall-clock seconds.
 
     `step`/`step_index`: the step running, parked at, or being compensated; `step` is None once
     the flow is completed or failed. `revision` is 1 after `start` and +1 on every accepted write.
@@ -266,7 +266,7 @@ class FlowStatistics:
     by the store), `write_batches` (store transactions that carried them), `conflicts` (writes
     refused by the revision check), `recovered` (running or compensating flows resumed at open).
 
-    The fleet (PostgreSQL, SPEC 5.4): `claimed` (active flows whose lease had lapsed, taken over
+    The fleet (PostgreSQL): `claimed` (active flows whose lease had lapsed, taken over
     by this engine, at open or by its periodic scan), `lost` (flows this engine was running and
     let go: another engine holds them now, or this engine's own lease ran out before it could
     renew it; their step or compensation was cancelled and its changes discarded), `renewals`
