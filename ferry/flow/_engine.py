@@ -2051,7 +2051,8 @@ def open_engine(
 
     Only the store's unavailability (a lock held elsewhere, a lost connection, a serialization
     failure) is retried by the engine's own tasks, with a WARNING on the ``ferry.flow`` logger
-    per retry; any other error in them ends the ``async with`` block with that exception.
+    per retry; any other error in them ends the ``async with`` block with that exception (in an
+    `ExceptionGroup` after the block's own, if the block raised one too).
 
     `retain` (seconds, default 30 days; None keeps every flow): finished (`COMPLETED` or
     `FAILED`) flows are deleted, with their history and mailbox, `retain` seconds after they
@@ -2271,10 +2272,11 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                         nursery.cancel_scope.cancel()
             except BaseExceptionGroup as group:
                 # A task of the engine raised (a bug, or an error that is not the store's
-                # unavailability): the block ends with that exception, not a group of it.
+                # unavailability): the block ends with that exception, not a group of it (with
+                # the block's own too, if it raised one: `_merged`).
                 engine_error = _one_error(group)
                 if engine_error is None:
-                    raise
+                    raise _merged(body_error, group) from None
             if engine._serve:
                 with trio.CancelScope(shield=True), trio.move_on_after(engine._lease / 3):
                     if engine_error is None:  # after a bug, touch no flow: they run again
@@ -2288,9 +2290,20 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
         with trio.CancelScope(shield=True):
             await engine._stop_keeper()
     if engine_error is not None:
-        raise engine_error
+        raise _merged(body_error, engine_error)
     if body_error is not None:
         raise body_error
+
+
+def _merged(body_error: BaseException | None, engine_error: BaseException) -> BaseException:
+    """What ends the block when a task of the engine failed: its error, or, if the block raised
+    an error of its own too, both (neither may be lost); the block's `trio.Cancelled` is only
+    the echo of the task's failure. As `ferry`'s `Shell.lifetime` does."""
+    if body_error is None or isinstance(body_error, trio.Cancelled):
+        return engine_error
+    return BaseExceptionGroup(
+        "the engine's block raised, and so did a task of the engine", [body_error, engine_error]
+    )
 
 
 def _where(store: Store) -> str:

@@ -131,6 +131,38 @@ async def test_a_corrupted_row_ends_the_engine_block_instead_of_spinning(tmp_pat
             await trio.sleep_forever()
 
 
+async def test_the_blocks_own_error_is_kept_beside_an_engine_tasks(tmp_path: Path) -> None:
+    """A task of the engine fails (the corrupted row above) and the block, cancelled by it,
+    raises an error of its own while it unwinds: the block ends with both, neither lost."""
+    path = str(tmp_path / "flows.db")
+    gate = trio.Event()
+    began = trio.Event()
+    plan = flow.Plan("corrupt", version=1)
+
+    @plan.step
+    async def first(ctx: flow.Context) -> None:
+        began.set()
+        await gate.wait()
+
+    with trio.fail_after(10), pytest.raises(ExceptionGroup) as caught:
+        async with flow.open_engine(path, plans=[plan]) as engine:
+            await engine.start(plan, flow_id="f")
+            await began.wait()
+            with sqlite3.connect(path) as conn:
+                conn.execute(
+                    "UPDATE flow_flows SET state = 'BOGUS', revision = revision + 1"
+                    " WHERE flow_id = 'f'"
+                )
+            gate.set()
+            try:
+                await trio.sleep_forever()
+            finally:
+                raise RuntimeError("the block's own cleanup failed")
+    block, task = caught.value.exceptions
+    assert isinstance(block, RuntimeError) and "cleanup" in str(block)
+    assert isinstance(task, KeyError) and "BOGUS" in str(task)
+
+
 # ------------------------------------------------------------------------------ plan definitions
 
 
