@@ -54,10 +54,6 @@ _reschedule = trio.lowlevel.reschedule
 _Value, _Error = outcome.Value, outcome.Error
 _ADMITTED, _CLAIMED = _lanes.Admission.ADMITTED, _lanes.Admission.CLAIMED
 
-# Test-only: a direct call releases its key as the call starts instead of after it (two calls
-# in flight for one key). tests/ferry/test_planted.py flips it to show its checker catches that.
-_UNSAFE_RELEASE_EARLY = False
-
 # trio counts each task's schedule points (`Task._schedule_points`, what trio.testing's
 # `assert_checkpoints` reads). Where it does not, every direct call adds a schedule point.
 _COUNTED = isinstance(getattr(trio.lowlevel.Task, "_schedule_points", None), MemberDescriptorType)
@@ -194,8 +190,6 @@ class Shell:
         output: Any = None
         try:
             with scope:
-                if _UNSAFE_RELEASE_EARLY:  # test-only: the planted bug of test_planted.py
-                    room.release(key, 0.0, False)
                 aw = self._call(key, [x])
                 if type(aw) is CoroutineType or inspect.isawaitable(aw):
                     output = await _unprotected(aw)
@@ -211,8 +205,7 @@ class Shell:
         finally:
             if scopes.pop(scope, None) is None:  # the timer took it out: it expired
                 self._expired.discard(scope)
-            if not _UNSAFE_RELEASE_EARLY:
-                room.release(key, 0.0, failed)  # zero delay: no deadline to compute
+            room.release(key, 0.0, failed)  # zero delay: no deadline to compute
         if error is None:
             if self._extract is None and type(output) is list and len(output) == 1:
                 result = output[0]  # the common shape, on a short path

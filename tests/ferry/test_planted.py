@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import attrs
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import find, settings
 
 import ferry._lanes as lanes_module
-import ferry._shell as shell_module
+from ferry._room import Room
 from tests.ferry.test_scenarios import Options, Sub, check, options, run_scenario, submissions
 
 #: Per-key, zero delay, direct calls, one worker: the ferry of the direct-call planted bugs.
@@ -26,10 +27,32 @@ DIRECT_ONE_WORKER = Options(
 )
 
 
+def release_early(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planted bug: a direct call releases its key as it is admitted instead of after the call
+    (two calls in flight for one key). The release at the end of a direct call (the one in
+    `Shell.submit`) is then skipped; a worker's release of its batch is left as it is."""
+    real_admit, real_release = Room.admit, Room.release
+
+    def admit_and_release(
+        room: Room[Any, Any], key: Any, entry: Any, weight: float, rank: Any, now: float
+    ) -> Any:
+        admission, item = real_admit(room, key, entry, weight, rank, now)
+        if admission is lanes_module.Admission.CLAIMED:
+            real_release(room, key, 0.0, False)
+        return admission, item
+
+    def release_unless_direct(room: Room[Any, Any], key: Any, now: float, failed: bool) -> None:
+        if sys._getframe(1).f_code.co_name != "submit":
+            real_release(room, key, now, failed)
+
+    monkeypatch.setattr(Room, "admit", admit_and_release)
+    monkeypatch.setattr(Room, "release", release_unless_direct)
+
+
 def test_checker_catches_a_key_released_before_its_direct_call_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(shell_module, "_UNSAFE_RELEASE_EARLY", True)
+    release_early(monkeypatch)
     opts = DIRECT_ONE_WORKER
     subs = [
         Sub(i, at=i / 2, key=0, rank=0, weight=1, behaviour="ok", cancel_after=None) for i in (0, 1)
@@ -41,7 +64,7 @@ def test_checker_catches_a_key_released_before_its_direct_call_ends(
 def test_hypothesis_finds_the_planted_bug_from_random_scenarios(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(shell_module, "_UNSAFE_RELEASE_EARLY", True)
+    release_early(monkeypatch)
 
     def broken(case: tuple[Options, list[Sub]]) -> bool:
         opts, subs = case
