@@ -560,7 +560,7 @@ class _Host:
         self.engine: flow.Engine | None = None
         self.crash: BaseException | None = None
         self._close = trio.Event()
-        self._done = trio.Event()
+        self.done = trio.Event()
 
     async def serve(self, path: str, plans: list[flow.Plan], *, task_status: Any) -> None:
         started = False
@@ -576,13 +576,13 @@ class _Host:
             self.crash = exc
         finally:
             self.engine = None
-            self._done.set()
+            self.done.set()
             if not started:
                 task_status.started()
 
     async def close(self) -> None:
         self._close.set()
-        await self._done.wait()
+        await self.done.wait()
 
 
 # ------------------------------------------------------------------------------- strategies
@@ -747,6 +747,8 @@ class FlowMachine(RuleBasedStateMachine):
         self.specs: list[PlanSpec] = []
         self.stray: flow.Plan | None = None
         self.host: _Host | None = None
+        self.failed = False  # a rule failed: the teardown only closes
+        self.ended = False  # the end-of-example checks ran
 
     # --- the calls
 
@@ -763,7 +765,7 @@ class FlowMachine(RuleBasedStateMachine):
         stray = flow.Plan("stray")
         stray.step(name="s")(_stray_step)
         self.stray = stray
-        self.trio.run(self._open)
+        self._call(self._open)
 
     async def _open(self) -> None:
         self.host = _Host()
@@ -779,7 +781,7 @@ class FlowMachine(RuleBasedStateMachine):
 
     def do_start(self, calls: Sequence[StartCall]) -> None:
         """Start `calls` at once (one concurrent batch) and check each answer and the flows."""
-        self.trio.run(self._start, list(calls))
+        self._call(self._start, list(calls))
 
     async def _start(self, calls: list[StartCall]) -> None:
         engine = self._engine("start")
@@ -843,7 +845,7 @@ class FlowMachine(RuleBasedStateMachine):
 
     def do_wake(self, calls: Sequence[WakeCall]) -> None:
         """Wake `calls` at once (one concurrent batch, distinct flows) and check everything."""
-        self.trio.run(self._wake, list(calls))
+        self._call(self._wake, list(calls))
 
     async def _wake(self, calls: list[WakeCall]) -> None:
         engine = self._engine("wake")
@@ -895,7 +897,7 @@ class FlowMachine(RuleBasedStateMachine):
         self.do_cancel(fid, reason)
 
     def do_cancel(self, fid: str, reason: object) -> None:
-        self.trio.run(self._cancel, fid, reason)
+        self._call(self._cancel, fid, reason)
 
     async def _cancel(self, fid: str, reason: object) -> None:
         engine = self._engine("cancel")
@@ -924,7 +926,7 @@ class FlowMachine(RuleBasedStateMachine):
         self.do_resume(data.draw(st.sampled_from(known) | _flow_ids() if known else _flow_ids()))
 
     def do_resume(self, fid: str) -> None:
-        self.trio.run(self._resume, fid)
+        self._call(self._resume, fid)
 
     async def _resume(self, fid: str) -> None:
         engine = self._engine("resume")
@@ -945,7 +947,7 @@ class FlowMachine(RuleBasedStateMachine):
     @rule()
     def advance(self) -> None:
         """Time passes beyond every park this engine armed with a timeout."""
-        self.trio.run(self._advance)
+        self._call(self._advance)
 
     async def _advance(self) -> None:
         self._engine("advance")
@@ -957,7 +959,7 @@ class FlowMachine(RuleBasedStateMachine):
     @rule()
     def reopen(self) -> None:
         """Close the engine (its hung steps are cancelled) and open it again on the file."""
-        self.trio.run(self._reopen)
+        self._call(self._reopen)
 
     async def _reopen(self) -> None:
         self._engine("close")
@@ -969,6 +971,27 @@ class FlowMachine(RuleBasedStateMachine):
         await self._rest(list(self.model.flows))
 
     # --- coming to rest, and the checks
+
+    def _call(self, afn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run a rule's calls in the trio thread; a failure marks the example as failed (its
+        teardown then only closes)."""
+        try:
+            self.trio.run(self._crash_first, afn, args)
+        except BaseException:
+            self.failed = True
+            raise
+
+    async def _crash_first(self, afn: Callable[..., Awaitable[None]], args: Sequence[Any]) -> None:
+        """``await afn(*args)``; if it fails because the engine raised out of its block
+        meanwhile (a call then raises `ferry.Closed`), report that instead."""
+        try:
+            await afn(*args)
+        except Exception:
+            if self.host is not None and self.host.crash is None:
+                with trio.move_on_after(1.0):
+                    await self.host.done.wait()
+            self._check_alive("a call")
+            raise
 
     def _engine(self, what: str) -> flow.Engine:
         self._check_alive(what)
@@ -1063,10 +1086,17 @@ class FlowMachine(RuleBasedStateMachine):
                     f" {text!r}"
                 )
 
+    def check_end(self) -> None:
+        """The end-of-example checks (`_finish`), once; the teardown runs them if no rule
+        failed."""
+        if not self.ended:
+            self.ended = True
+            self._call(self._finish)
+
     def teardown(self) -> None:
         try:
-            if self.host is not None and self.host.engine is not None:
-                self.trio.run(self._finish)
+            if not self.failed and self.host is not None and self.host.engine is not None:
+                self.check_end()
         finally:
             try:
                 if self.host is not None and self.host.engine is not None:
