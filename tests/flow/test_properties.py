@@ -74,7 +74,7 @@ T = TypeVar("T")
 _TICK = 0.05  # the most the mock clock jumps at a time during a rule (virtual seconds)
 _IDLE = 0.0005  # real seconds of no task running after which the clock jumps (during a rule)
 _POLL = 0.05  # how often a rule reads the flows while they come to rest (virtual seconds)
-_REST_BUDGET = 30.0  # virtual seconds a rule waits for its flows to come to rest
+_REST_BUDGET = 60.0  # virtual seconds a rule waits for its flows to move on (`_rest`)
 _BIG = 1e9  # a park timeout that only the `advance` rule reaches
 _ADVANCE = 1.5e9  # what `advance` adds to the clock: past every `_BIG` park of this open
 
@@ -706,6 +706,10 @@ def _wake_calls(draw: st.DrawFn, known: Sequence[str]) -> WakeCall:
     return WakeCall(flow_id, payload, message_id, True)
 
 
+def _is_good(call: StartCall | WakeCall) -> bool:
+    return call.good
+
+
 def _id_of(call: StartCall | WakeCall) -> object:
     """Calls of one batch name distinct flows (their order would decide which one wins)."""
     return call.flow_id if isinstance(call.flow_id, str) else id(call)
@@ -771,6 +775,16 @@ class FlowMachine(RuleBasedStateMachine):
         self.host = _Host()
         await self.trio.nursery.start(self.host.serve, self.path, self.plans)
         self._check_alive("opening the engine")
+        engine = self._engine("opening the engine")
+        engine.on("event", self._wake_mapper)
+        engine.on("event", self._start_mapper)
+
+    def _wake_mapper(self, event: dict[str, Any]) -> flow.Wake:
+        return flow.Wake(**event["wake"])
+
+    def _start_mapper(self, event: dict[str, Any]) -> flow.Start:
+        start = event["start"]
+        return flow.Start(self.plans[start["plan"]], start["flow_id"], start["data"])
 
     @rule(data=st.data())
     def start(self, data: st.DataObject) -> None:
@@ -887,6 +901,67 @@ class FlowMachine(RuleBasedStateMachine):
                 ) from (answer if isinstance(answer, BaseException) else None)
             touched.append(call.flow_id)
         await self._rest([*touched, *(fid for fid in before if fid not in touched)])
+
+    @precondition(_has_flows)
+    @rule(data=st.data())
+    def publish(self, data: st.DataObject) -> None:
+        """An event whose two mappers decide a wake, then a start (which may reuse an id)."""
+        wake = data.draw(_wake_calls(tuple(self.model.flows)).filter(_is_good))
+        start = data.draw(
+            _start_calls(len(self.plans)).filter(
+                lambda c: c.good and c.flow_id is not None and c.flow_id != wake.flow_id
+            )
+        )
+        self.do_publish(wake, start)
+
+    def do_publish(self, wake: WakeCall, start: StartCall) -> None:
+        self._call(self._publish, wake, start)
+
+    async def _publish(self, wake: WakeCall, start: StartCall) -> None:
+        engine = self._engine("publish")
+        event = {
+            "wake": {
+                "flow_id": wake.flow_id,
+                "payload": wake.payload,
+                "message_id": wake.message_id,
+            },
+            "start": {"plan": start.plan, "flow_id": start.flow_id, "data": start.data},
+        }
+        try:
+            answer: object = await engine.publish("event", event)
+        except Exception as exc:
+            answer = exc
+        self._check_alive("publish")
+        where = f"publish({_short(event, 400)})"
+        assert isinstance(wake.flow_id, str) and isinstance(start.flow_id, str)
+        spec = self.specs[start.plan]
+        data = {} if start.data is None else start.data
+        existing = self.model.flows.get(start.flow_id)
+        if existing is not None and (
+            existing.plan is not spec or existing.start_text != _text(data)
+        ):
+            if not isinstance(answer, flow.IdReused):
+                raise PropertyFailure(f"{where}: the start reuses an id, IdReused expected, got"
+                                      f" {answer!r}")  # fmt: skip
+            await self._rest([wake.flow_id])  # all or nothing: the wake was not applied either
+            return
+        state = self._where(wake.flow_id)
+        delivery = self.model.wake(wake.flow_id, wake.message_id, wake.payload)  # type: ignore[arg-type]
+        if existing is None:
+            f = MFlow(start.flow_id, spec, _text(data), json.loads(_text(data)))
+            self.model.flows[start.flow_id] = f
+            self.model.settle(f)
+        if (
+            not isinstance(answer, list)
+            or len(answer) != 2
+            or answer[0] not in delivery
+            or answer[1] != start.flow_id
+        ):
+            raise PropertyFailure(
+                f"{where}: expected [{' or '.join(sorted(map(repr, delivery)))},"
+                f" {start.flow_id!r}], got {answer!r} (the woken flow was {state})"
+            ) from (answer if isinstance(answer, BaseException) else None)
+        await self._rest([wake.flow_id, start.flow_id])
 
     @precondition(_has_flows)
     @rule(data=st.data())
@@ -1015,12 +1090,18 @@ class FlowMachine(RuleBasedStateMachine):
 
     async def _rest(self, first: Sequence[str]) -> None:
         """Wait (virtual time) until every flow is where the model says, then check each;
-        `first`: the flows this rule moved, checked first (their failures read better)."""
+        `first`: the flows this rule moved, checked first (their failures read better).
+
+        A flow that stops short of the model (stuck, or retried for ever) is given
+        `_REST_BUDGET` of virtual time after the last change seen in any flow (a write or a
+        run), so that a slow store (a loaded machine) is never taken for a stuck flow."""
         engine = self._engine("rest")
         order = [
             fid for fid in dict.fromkeys([*first, *self.model.flows]) if fid in self.model.flows
         ]
         waiting = set(order)
+        seen: dict[str, int] = {}
+        runs = len(self.runs)
         give_up = trio.current_time() + _REST_BUDGET
         while waiting and trio.current_time() < give_up:
             for fid in list(waiting):
@@ -1032,6 +1113,9 @@ class FlowMachine(RuleBasedStateMachine):
                     break
                 if snap.revision == f.revision and ran == len(f.runs):
                     waiting.discard(fid)
+                if seen.get(fid) != snap.revision or runs != len(self.runs):
+                    seen[fid], runs = snap.revision, len(self.runs)
+                    give_up = trio.current_time() + _REST_BUDGET
                 self._check_alive("rest")
             if waiting:
                 await trio.sleep(_POLL)
