@@ -144,12 +144,14 @@ BAD_VALUES: dict[str, Callable[[], object]] = {
 @attrs.frozen
 class Act:
     """What one attempt of a step does: ``hang`` (never returns), ``raise``, or ``return`` the
-    outcome named `outcome` after setting ``ctx.data["s<index>"]`` to `change` (None: no change;
-    "good": a JSON value; else a name of `BAD_VALUES`)."""
+    outcome named `outcome` after setting ``ctx.data["s<index>"]`` as `change` says (None: no
+    change; "good": `value`, a JSON value, with the attempt number; else the `BAD_VALUES` of
+    that name)."""
 
     kind: str
     outcome: str = "none"
     change: str | None = None
+    value: Any = None
 
 
 @attrs.frozen
@@ -181,8 +183,8 @@ class PlanSpec:
     steps: tuple[StepSpec, ...]
 
 
-def _good_value(attempt: int) -> dict[str, Any]:
-    return {"attempt": attempt, "t": "é\n/ü"}
+def _good_value(attempt: int, value: Any = "é\n/ü") -> dict[str, Any]:
+    return {"attempt": attempt, "value": value}
 
 
 # -------------------------------------------------------------------------------- what ran
@@ -234,7 +236,7 @@ def _build_plan(spec: PlanSpec, runs: list[Run]) -> flow.Plan:
             if act.kind == "raise":
                 raise RuntimeError(f"planned failure of step {s.name!r}")
             if act.change == "good":
-                ctx.data[f"s{index}"] = _good_value(ctx.attempt)
+                ctx.data[f"s{index}"] = _good_value(ctx.attempt, act.value)
             elif act.change is not None:
                 ctx.data[f"s{index}"] = BAD_VALUES[act.change]()
             await trio.lowlevel.checkpoint()
@@ -345,7 +347,7 @@ class Model:
             return
         f.revision += 1
         if act.change == "good":
-            f.data[f"s{f.index}"] = _good_value(f.attempt)
+            f.data[f"s{f.index}"] = _good_value(f.attempt, act.value)
         kind = meaning[0]
         if kind == "continue":
             self._push(f)
@@ -625,6 +627,7 @@ def _acts() -> st.SearchStrategy[Act]:
         st.just("return"),
         st.sampled_from(GOOD_OUTCOMES),
         st.sampled_from([None, "good"]),
+        _json_value(),
     )
     bad_outcome = st.builds(
         Act, st.just("return"), st.sampled_from(BAD_OUTCOMES), st.sampled_from([None, "good"])
