@@ -1290,3 +1290,119 @@ def test_flow_properties() -> None:
 @pytest.mark.long
 def test_flow_properties_long() -> None:
     run_state_machine_as_test(FlowMachine, settings=LONG)
+
+
+# ------------------------------------------------------------------------ found on the search
+
+# Scenarios the search found on `main` before issue 15's fixes, shrunk by hypothesis, kept as
+# fixed examples of the machine (each a few rules; they run in well under a second when the
+# engine is right).
+
+
+def run_scenario(plans: Sequence[PlanSpec], *calls: Callable[[FlowMachine], None]) -> None:
+    """Open the machine with `plans`, run `calls` on it, then the end-of-example checks."""
+    machine = FlowMachine()
+    try:
+        machine.open_with(list(plans))
+        for call in calls:
+            call(machine)
+        machine.check_end()
+    finally:
+        machine.failed = True  # checked above: the teardown only closes
+        machine.teardown()
+
+
+def _one_step(outcome: str = "none", change: str | None = None) -> PlanSpec:
+    return PlanSpec("order", (StepSpec("1", 1, (Act("return", outcome, change),), None),))
+
+
+def _start(*flow_ids: str, plan: int = 0, data: Any = None) -> Callable[[FlowMachine], None]:
+    calls = [StartCall(plan, fid, {} if data is None else data, True) for fid in flow_ids]
+    return lambda machine: machine.do_start(calls)
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    ["Park('60')", "Park(-1)", "Park(nan)", "Park(inf)", "Park(True)", "Park(on_timeout=?)",
+     "Fail(exception)", "Fail(None)", "a coroutine"],
+)  # fmt: skip
+def test_a_malformed_outcome_fails_its_flow_alone(outcome: str) -> None:
+    run_scenario([_one_step(outcome)], _start("a", "b"))
+
+
+@pytest.mark.parametrize("value", ["deep-100", "deep-5000", "big", "lone-surrogate", "nan"])
+def test_data_that_cannot_be_stored_fails_its_flow_alone(value: str) -> None:
+    run_scenario([_one_step("none", value)], _start("a", "b"))
+
+
+@pytest.mark.parametrize("value", ["deep-100", "deep-5000", "big", "lone-surrogate"])
+def test_bad_start_data_is_refused_at_its_call_alone(value: str) -> None:
+    bad = StartCall(0, "bad", {"k": BAD_VALUES[value]()}, False)
+    run_scenario(
+        [_one_step()],
+        lambda m: m.do_start([StartCall(0, "a", {}, True), bad, StartCall(0, "b", {}, True)]),
+    )
+
+
+def test_an_id_utf8_cannot_encode_is_refused_at_its_call() -> None:
+    run_scenario(
+        [_one_step()],
+        _start("a"),
+        lambda m: m.do_wake(
+            [WakeCall("bad\udc80id", None, None, False), WakeCall("a", 1, "m", True)]
+        ),
+        lambda m: m.do_start([StartCall(0, "bad\udc80id", {}, False)]),
+    )
+
+
+def test_a_compensation_key_is_no_other_flows_step_key() -> None:
+    keys = PlanSpec(
+        "order",
+        (
+            StepSpec("1", 1, (Act("return"),), (CompAct("ok"),)),
+            StepSpec("compensate", 1, (Act("return", "fail"),), None),
+        ),
+    )
+    run_scenario([keys], _start("a", "a/0"))
+
+
+def test_a_wake_to_a_compensating_flow_is_stale() -> None:
+    stuck = PlanSpec(
+        "order",
+        (
+            StepSpec("pay", 1, (Act("return"),), (CompAct("hang"),)),
+            StepSpec("ship", 1, (Act("return", "fail"),), None),
+        ),
+    )
+    run_scenario([stuck], _start("a"), lambda m: m.do_wake([WakeCall("a", {"x": 1}, "m1", True)]))
+
+
+def test_publish_applies_nothing_when_its_start_reuses_an_id() -> None:
+    waits = PlanSpec("order", (StepSpec("wait", 1, (Act("return", "park"),), None),))
+    run_scenario(
+        [waits],
+        _start("x", "y"),
+        lambda m: m.do_publish(
+            WakeCall("x", {"ok": True}, "evt-1", True), StartCall(0, "y", {"k": 1}, True)
+        ),
+    )
+
+
+def test_hung_steps_run_again_after_each_reopen_and_parks_time_out_on_advance() -> None:
+    plan = PlanSpec(
+        "order",
+        (
+            StepSpec("pay", 3, (Act("hang"), Act("hang"), Act("return", "park-big-continue")),
+                     (CompAct("ok"),)),
+            StepSpec("ship", 1, (Act("return", "park-big"),), (CompAct("ok"),)),
+        ),
+    )  # fmt: skip
+    run_scenario(
+        [plan],
+        _start("h"),
+        FlowMachine.reopen,
+        FlowMachine.reopen,
+        FlowMachine.advance,
+        FlowMachine.reopen,
+        FlowMachine.advance,
+    )
