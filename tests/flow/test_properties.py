@@ -1344,6 +1344,18 @@ def test_bad_start_data_is_refused_at_its_call_alone(value: str) -> None:
     )
 
 
+@pytest.mark.parametrize("value", ["deep-100", "deep-5000", "big", "lone-surrogate"])
+def test_a_bad_wake_payload_is_refused_at_its_call_alone(value: str) -> None:
+    waits = PlanSpec("order", (StepSpec("wait", 1, (Act("return", "park"),), None),))
+    bad = WakeCall("a", BAD_VALUES[value](), "m1", False)
+    run_scenario(
+        [waits],
+        _start("a"),
+        lambda m: m.do_wake([bad, WakeCall("zzz", 1, None, True)]),
+        lambda m: m.do_wake([WakeCall("a", {"ok": True}, "m1", True)]),
+    )
+
+
 def test_an_id_utf8_cannot_encode_is_refused_at_its_call() -> None:
     run_scenario(
         [_one_step()],
