@@ -8,15 +8,17 @@ A `RuleBasedStateMachine` (`FlowMachine`): each example draws a few plans (1-4 s
 compensations, random `attempts`) whose steps follow a *script*: what attempt 1, 2, 3 of the
 step does (return an outcome, well-formed or malformed, after changing ``ctx.data`` to a good or
 a bad value; raise; or never return). Rules start flows (good and bad input, in one concurrent
-batch), wake them (one concurrent batch), cancel them, resume them, move time past the parks'
-deadlines, and close and reopen the engine.
+batch), wake them (one concurrent batch), publish an event (a wake, then a start), cancel them,
+resume them, move time past the parks' deadlines, and close and reopen the engine.
 
 The engine lives in one `trio.run` per example, in a thread of its own (`_TrioThread`): a rule
 runs its calls there with `trio.from_thread.run` and waits until every flow has come to rest
 (the revision, state and step runs the model predicts). The run's clock is a `MockClock`: it
-stands still between rules, and during a rule it jumps (``autojump_threshold=0``) but at most
-`_TICK` at a time (a ticking task), so that a park's timeout (`_BIG`, about 30 years) is reached
-only when the `advance` rule jumps the clock on purpose, whatever the store's threads do.
+stands still between rules, and during a rule it jumps once no task has run for `_IDLE` real
+seconds, but at most `_TICK` at a time (a ticking task): a store that runs its transactions in
+a worker thread leaves every task blocked meanwhile, and a free jump would reach a park's
+timeout (`_BIG`, about 30 years), which only the `advance` rule may reach, on purpose.
+Docs/adr/0070 says why.
 
 The oracle
 ----------
@@ -500,7 +502,7 @@ class _TrioThread:
     """One `trio.run` (with a `MockClock`) in a thread of its own, for one example.
 
     `run(afn, *args)` runs ``await afn(*args)`` there and returns its result (or raises its
-    exception). While it runs the clock jumps (``autojump_threshold=0``), at most `_TICK` at a
+    exception). While it runs the clock jumps (``autojump_threshold=_IDLE``), at most `_TICK` at a
     time; between calls it stands still.
     """
 
