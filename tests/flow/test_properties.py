@@ -1204,7 +1204,8 @@ class FlowMachine(RuleBasedStateMachine):
         engine = self._engine("the end")
         hung = [f.flow_id for f in self.model.flows.values() if f.hung and f.state is _RUNNING]
         for fid in hung:
-            assert await engine.cancel(fid, "the end") is True
+            if await engine.cancel(fid, "the end") is not True:
+                raise PropertyFailure(f"cancel({fid!r}) of a running flow did not cancel it")
             self.model.cancel(fid, "the end")
         await self._rest(hung)
         for fid, f in self.model.flows.items():
@@ -1238,8 +1239,8 @@ class FlowMachine(RuleBasedStateMachine):
             attempts.setdefault((r.flow_id, r.step_index, r.compensation), []).append(r.attempt)
             keys.setdefault(r.key, set()).add((r.flow_id, r.step_index, r.step, r.compensation))
         for (fid, index, comp), seen in attempts.items():
-            # a step may run again from attempt 1 only after a wake moved the flow back to it,
-            # which no plan here does: so attempts are 1, 2, 3, ...
+            # a body runs again only as a retry or a re-run after a close (no plan goes back to
+            # an earlier step), so its attempts are 1, 2, 3, ...
             if seen != list(range(1, len(seen) + 1)):
                 what = "compensation" if comp else "step"
                 raise PropertyFailure(
