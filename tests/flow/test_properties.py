@@ -275,6 +275,11 @@ class MFlow:
     state: flow.State = _RUNNING
     index: int = 0
     attempt: int = 1
+    # Runs of the current body that raised since this engine began driving it: `attempts` of
+    # them fail the step (or block the compensation). A run that a close interrupted did not
+    # raise, and each engine starts counting again (the engine's rule; the contract does not
+    # say whether raises before a reopen count).
+    raises: int = 0
     revision: int = 1
     stack: list[int] = attrs.field(factory=list)
     wake: Any = None
@@ -337,7 +342,8 @@ class Model:
             f.hung = True
             return
         if act.kind == "raise":
-            if f.attempt < s.attempts:
+            f.raises += 1
+            if f.raises < s.attempts:
                 f.attempt += 1
                 f.revision += 1
                 return
@@ -385,7 +391,8 @@ class Model:
             return
         f.revision += 1
         if act.kind == "raise":
-            if f.attempt < s.attempts:
+            f.raises += 1
+            if f.raises < s.attempts:
                 f.attempt += 1
                 return
             f.state, f.blocked_from = _BLOCKED, _COMPENSATING
@@ -405,7 +412,7 @@ class Model:
         if f.index + 1 >= len(f.plan.steps):
             self._end(f, _COMPLETED)
             return
-        f.state, f.index, f.attempt = _RUNNING, f.index + 1, 1
+        f.state, f.index, f.attempt, f.raises = _RUNNING, f.index + 1, 1, 0
         f.wake, f.timed_out = wake, timed_out
 
     def _compensate(self, f: MFlow, error: tuple[str, str]) -> None:
@@ -413,7 +420,7 @@ class Model:
         f.wake, f.timed_out = None, False
         f.deadline, f.has_timeout, f.on_timeout = None, False, None
         if f.stack:
-            f.state, f.index, f.attempt = _COMPENSATING, f.stack[-1], 1
+            f.state, f.index, f.attempt, f.raises = _COMPENSATING, f.stack[-1], 1, 0
         else:
             self._end(f, _FAILED)
 
@@ -474,6 +481,7 @@ class Model:
         assert f.blocked_from is _COMPENSATING
         f.state, f.blocked_from = _COMPENSATING, None
         f.attempt += 1
+        f.raises = 0
         f.revision += 1
         self.settle(f)
         return True
@@ -485,12 +493,14 @@ class Model:
 
     def reopen(self) -> None:
         """A close cancels every hung step or compensation; the next open runs it again as
-        attempt + 1 (one write each), and its wall clock starts again near 0."""
+        attempt + 1 (one write each), with a new count of raises, and its wall clock starts
+        again near 0."""
         self.now = 0.0
         for f in self.flows.values():
             if f.hung:
                 f.hung = False
                 f.attempt += 1
+                f.raises = 0
                 f.revision += 1
                 self.settle(f)
 
@@ -598,7 +608,7 @@ PLAN_NAMES = ["order", "pay/0", "é\nü"]
 BAD_IDS: list[object] = ["", 7, b"a", "bad\udc80id"]
 BAD_MESSAGE_IDS: list[object] = ["", 5, "m\udc80"]
 # Ids are any text but NUL, which the contract leaves open (PostgreSQL's text refuses it).
-_ID_CHARS = st.characters(exclude_characters="\x00")
+_ID_CHARS = st.characters(codec="utf-8", exclude_characters="\x00")
 
 
 @functools.cache
