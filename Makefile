@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 APT    := DEBIAN_FRONTEND=noninteractive apt-get
 
-.PHONY: test lint pytest demo bench clean postgres-binaries
+.PHONY: test lint pytest demo bench clean postgres-binaries browser
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { \
@@ -26,13 +26,21 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check stm ferry tests examples
 	$(BIN)/mypy stm ferry examples tests
 
-pytest: $(STAMP) postgres-binaries
+pytest: $(STAMP) postgres-binaries browser
 	$(BIN)/python -m pytest
 
 postgres-binaries:
 	@command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
 	  echo "PostgreSQL server binaries missing: installing them with apt-get"; \
 	  $(APT) update -qq && $(APT) install -y -qq --no-install-recommends postgresql; }
+
+# The dashboard's browser test drives headless Chromium; without it (no package to be had) the
+# test is skipped and says why.
+browser:
+	@{ command -v chromium && test -x /usr/bin/chromedriver; } >/dev/null 2>&1 || { \
+	  echo "Chromium or chromedriver missing: installing them with apt-get (the dashboard's browser test)"; \
+	  $(APT) update -qq && $(APT) install -y -qq chromium chromium-driver || \
+	  echo "could not install Chromium: the dashboard's browser test will be skipped"; }
 
 demo: $(STAMP)
 	$(BIN)/python examples/ledger.py --ops 5000

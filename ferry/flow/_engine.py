@@ -27,7 +27,7 @@ Durable times are wall-clock seconds: ``time.time()`` at open plus `trio.current
 since, so `trio.testing.MockClock` drives hour-long parks in a test. Attempts: a retry writes
 attempt + 1 before it runs, and recovery writes attempt + 1 before re-running a step that was
 running when the process died or the engine closed (docs/adr/0024). An SQLite file is served by
-one engine at a time (an ``flock`` on ``<path>.engine-lock``, docs/adr/0025).
+one engine at a time (an ``flock`` on the database file itself, `_sqlite_file`, docs/adr/0065).
 
 The fleet (PostgreSQL, docs/flow-fleet.md): an engine holds a lease of its own, one row renewed
 every ``lease / 3`` (`_heartbeat_loop`), and runs the active flows whose row names it (`_mine`).
@@ -39,14 +39,21 @@ revision it let go); a flow it holds but does not run is adopted (docs/adr/0040-
 after the lease may have lapsed starts a new epoch: no copy from before it runs a body until it
 has been read again (`_heartbeat`, `_confirm`, docs/adr/0047). ``serve=False`` makes an
 operator's engine, which runs and leases nothing (docs/adr/0044).
+
+At the fleet's edges (docs/adr/0071-0075): each opening is an incarnation of its owner name
+(`_claim`: `StoreLocked` while another live one holds it); on PostgreSQL a thread renews the
+lease without the trio loop (`_heartbeat.Keeper`); every body runs under a deadline at the
+lease's margin, moved on with each renewal (`_trust_deadline`, `_retrust`), so a loop that
+wakes after a lapse cancels its steps before they go on (`_lose_all`); a flow of a version this
+engine lacks and a live engine has is left to that engine (`_versioned`, `_elsewhere`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import inspect
 import json
+import logging
 import math
 import os
 import threading
@@ -66,12 +73,13 @@ import stm
 from ferry import Closed, Failed, open_ferry
 from ferry.projected import SqliteStore, Store, canonical_json
 
+from . import _heartbeat, _lease, _retry, _store
 from . import _machine as m
-from . import _store
 from . import _timers as timers
 from ._errors import IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from ._machine import Flow, Mailbox, Message, Shape, Transition
 from ._plan import Plan, StepDef
+from ._sqlite_file import EngineLock, check_path
 from ._types import (
     IGNORE,
     Context,
@@ -93,6 +101,8 @@ from ._types import (
 )
 
 T = TypeVar("T")
+
+_log = logging.getLogger("ferry.flow")
 
 _RUNNING = State.RUNNING
 _COMPENSATING = State.COMPENSATING
@@ -120,6 +130,15 @@ def _rolled_back(exc: BaseException) -> bool:
     """Did the database roll the transaction back on its own (SQLSTATE class 40: a deadlock, a
     serialization failure)? Then nothing of it was written, and running it again is safe."""
     return str(getattr(exc, "sqlstate", None) or "").startswith("40")
+
+
+def _transient(exc: BaseException) -> bool:
+    """Is `exc` the store failing for now (unavailable, or a write the ferry could not get
+    through: `ferry.Failed`), also as an exception group of those? A scan or a check that meets
+    one tries again at its next round; anything else is a bug and is raised."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_transient(e) for e in exc.exceptions)
+    return isinstance(exc, Failed) or _retry.unavailable(exc)
 
 
 def _wrong_run(method: str) -> RuntimeError:
@@ -203,6 +222,11 @@ def _classify(result: object) -> Outcome | str | None:
         f"returned {result!r}, which is not an outcome (None, CONTINUE, COMPLETE, park(),"
         f" fail()){hint}"
     )
+
+
+class _Unseen(Exception):
+    """Raised by a transition for a plan version the engine has not seen in the fleet yet
+    (`Engine._versioned`): nothing is written, and the request runs again on a fresh read."""
 
 
 # ------------------------------------------------------------------------------- in-memory state
@@ -290,6 +314,19 @@ class Engine:
         wall_clock: Callable[[], float],
     ) -> None:
         self._store = store
+        # This opening of the owner name (docs/adr/0071): a fleet engine's lease row names it,
+        # and only this incarnation renews it.
+        self._incarnation = uuid.uuid4().hex
+        # The fleet on PostgreSQL: the thread that renews the lease without the trio loop
+        # (`_heartbeat.Keeper`), and the lease the step deadlines were last set to (`_retrust`).
+        self._keeper: _heartbeat.Keeper | None = None
+        self._trusted_until = -math.inf
+        # Plan versions this engine lacks that a live engine of the fleet has (`_fleet_shapes`,
+        # refreshed at every scan): a wake or a cancel of such a flow is accepted and the flow
+        # left to the fleet, not blocked (a rolling deploy).
+        self._fleet_known: dict[tuple[str, int], Shape] = {}
+        self._instrument: _heartbeat.Trust | None = None
+        self._superseded = False  # another incarnation holds the owner name now
         self._plans = plans
         self._shapes: dict[tuple[str, int], Shape] = {k: p._close() for k, p in plans.items()}
         self._steps: dict[tuple[str, int], tuple[StepDef, ...]] = {
@@ -377,7 +414,8 @@ class Engine:
         respect = outside and self._fleet
 
         def leased(flow: Flow, box: Mailbox) -> Transition:
-            return m.leased(apply(flow, box), flow, owner, respect=respect)
+            holder = None if self._elsewhere(flow) else owner
+            return m.leased(apply(flow, box), flow, holder, respect=respect)
 
         return leased
 
@@ -389,7 +427,15 @@ class Engine:
             self._serve
             and flow.state in _ACTIVE
             and (not self._fleet or (flow.owner == self._owner and flow.lease_until is None))
+            and not self._elsewhere(flow)
         )
+
+    def _elsewhere(self, flow: Flow) -> bool:
+        """Is this a flow of a plan version this fleet engine lacks and another live engine
+        has (a rolling deploy)? It is left to such an engine: nobody's after this engine's
+        write, taken over at that engine's next scan, never blocked here (docs/adr/0074)."""
+        key = (flow.plan, flow.version)
+        return key in self._fleet_known and key not in self._shapes
 
     async def _request(self, op: _store.Op) -> _store.Result:
         """An API call's write: a cancel point first, then the write shielded, so that a call
@@ -453,7 +499,8 @@ class Engine:
         if live is not None and flow.revision <= live.flow.revision:
             return  # already known (a read that raced this engine's own write)
         if state is not before:
-            if before is _PARKED:
+            if before is _PARKED and self._parked > 0:
+                # In a fleet, a flow another engine parked since this one's last count.
                 self._parked -= 1
             if state is _PARKED:
                 self._parked += 1
@@ -481,7 +528,12 @@ class Engine:
                 stats["lost"] += 1
                 if live.scope is not None:
                     live.scope.cancel()
-        if state is _PARKED and flow.park_deadline is not None and self._serve:
+        if (
+            state is _PARKED
+            and flow.park_deadline is not None
+            and self._serve
+            and (not self._fleet or (flow.plan, flow.version) in self._shapes)
+        ):  # a fleet engine fires no timer of a version it lacks: one that has it does
             self._arm(flow.park_deadline, fid, flow.revision)
 
     async def _own(self, live: _Live, apply: _store.Apply, *, head: bool = False) -> bool:
@@ -568,6 +620,8 @@ class Engine:
             key = (flow.plan, flow.version)
             shape = self._shapes.get(key)
             reason = m.mismatch(flow, shape)
+            if reason is not None and self._fleet and await self._to_the_fleet(live):
+                return  # a version another live engine has: left to it, not blocked
             if reason is not None:
                 now = self._now()
                 await self._own(live, _on_row(m.block, reason, now))
@@ -613,7 +667,10 @@ class Engine:
         ctx = self._context(flow, step.name, flow.state is _COMPENSATING)
         result: object = None
         error: BaseException | None = None
-        with trio.CancelScope() as scope:
+        # In a fleet the body may run only while the lease is trusted: its deadline is the
+        # margin before the lease lapses, moved on with every renewal (`_retrust`), so a loop
+        # that wakes up after a lapse cancels the body before it goes on (docs/adr/0073).
+        with trio.CancelScope(deadline=self._trust_deadline()) as scope:
             live.scope = scope
             try:
                 result = await fn(ctx)
@@ -622,6 +679,10 @@ class Engine:
                 if failures + 1 < step.attempts:
                     await trio.sleep(_backoff(failures + 1))
         live.scope = None
+        if scope.cancelled_caught and self._fleet and self._lapsing():
+            if self._live.get(flow.flow_id) is live:
+                self._lose_all("its lease lapsed while it ran steps")
+            return None
         if scope.cancelled_caught or live.flow is not flow:
             return None
         return ctx, result, error
@@ -783,8 +844,7 @@ class Engine:
             owner = self._owner
             now = self._now()
             until = now + self._lease
-            await store.transact(partial(_store.heartbeat, owner=owner, until=until, now=now))
-            self._lease_until = until
+            await self._claim(now, until)
             held = await store.transact(partial(_store.load_active, owner=owner))
             mine = [f for f in held if (f.plan, f.version) in self._shapes]
             have = self._shapes
@@ -792,13 +852,143 @@ class Engine:
             if others:  # a version this engine lacks: leave those to an engine that has it
                 await store.transact(partial(_store.release, owner=owner, flows=others, at=now))
             self._stats["recovered"] = await self._resume_active(mine)
-            with contextlib.suppress(Exception):  # the scan loop tries again
+            try:
                 await self._scan()
+            except Exception as exc:
+                if not _transient(exc):
+                    raise
+                _log.warning(
+                    "flow engine %r: its first scan failed (%r); the next one is in %.1f s",
+                    owner,
+                    exc,
+                    self._scan_interval,
+                    extra={"owner": owner},
+                )
             return
         deadlines = await store.transact(_store.load_deadlines)
         stm.atomically_nowait(self._timers.set, timers.from_sorted(deadlines))
         active = await store.transact(_store.load_active)
         self._stats["recovered"] = await self._resume_active(active)
+
+    async def _claim(self, now: float, until: float) -> None:
+        """Open this incarnation of the owner name (docs/adr/0071): `StoreLocked` while another
+        incarnation holds it with a live lease (and is not proven gone). On PostgreSQL, start
+        the thread that renews the lease from then on (`_heartbeat.Keeper`)."""
+        claim = partial(
+            _store.claim,
+            owner=self._owner,
+            incarnation=self._incarnation,
+            until=until,
+            now=now,
+            host=_lease.host_identity(),
+            pid=os.getpid(),
+            plans=sorted(self._shapes),
+            gone=_lease.process_gone,
+        )
+        holder = await self._store.transact(claim)
+        if holder is not None:
+            where = "this process" if holder.pid == os.getpid() else f"process {holder.pid}"
+            if holder.host != _lease.host_identity():
+                where += " on another host" if holder.host is not None else ""
+            raise StoreLocked(
+                f"another flow engine runs as owner {self._owner!r} ({where}; its lease runs"
+                f" {holder.lease_until - now:.1f} s more): one live engine per owner name. Give"
+                " this engine another owner name, or stop that one (a restart under the same"
+                " name takes over once that engine closed, died on this host, or let its lease"
+                " lapse)"
+            )
+        self._lease_until = until
+        self._trusted_until = until
+        dsn = _heartbeat.keeper_for(self._store)
+        if dsn is not None:
+            keeper = _heartbeat.Keeper(
+                dsn,
+                owner=self._owner,
+                incarnation=self._incarnation,
+                lease=self._lease,
+                margin=self._margin,
+                held_until=until,
+            )
+            self._keeper = keeper
+            self._instrument = _heartbeat.Trust(self._on_loop_wake)
+            trio.lowlevel.add_instrument(self._instrument)
+            keeper.start()
+        _log.info(
+            "flow engine %r opened on the fleet (incarnation %s, lease %g s)",
+            self._owner,
+            self._incarnation,
+            self._lease,
+            extra={"owner": self._owner},
+        )
+
+    async def _to_the_fleet(self, live: _Live) -> bool:
+        """A flow this fleet engine holds but lacks the plan version of (it came back to it
+        while no engine with the version was live, or the fleet's list was stale): if a live
+        engine has the version now, let the flow go (released with the next renewal, then
+        taken over by such an engine) and say True; else False (it is blocked: no live engine
+        could run it). A checkpoint; a store error counts as "no"."""
+        try:
+            await self._fleet_shapes(self._now())
+        except Exception as exc:
+            if not _transient(exc):
+                raise
+            return False
+        if self._live.get(live.flow.flow_id) is not live or not self._elsewhere(live.flow):
+            return False
+        self._let_go(live, release=True)
+        return True
+
+    def _lease_runs_until(self) -> float:
+        """How long this engine's lease is known to run (wall clock): its own renewals and its
+        heartbeat thread's, whichever is later; -inf once another incarnation holds the name."""
+        keeper = self._keeper
+        if self._superseded or (keeper is not None and keeper.superseded):
+            return -math.inf
+        if keeper is None:
+            return self._lease_until
+        return max(self._lease_until, keeper.held_until)
+
+    def _trust_deadline(self) -> float:
+        """The trio time until which a body may run on this engine's lease (inf off a fleet)."""
+        if not self._fleet:
+            return math.inf
+        return self._trio_time(self._lease_runs_until() - self._margin)
+
+    def _retrust(self) -> None:
+        """Move the deadlines of the bodies this engine runs to what its lease allows now. No
+        checkpoint; O(flows it runs), once per renewal."""
+        until = self._lease_runs_until()
+        if until == self._trusted_until:
+            return
+        self._trusted_until = until
+        deadline = self._trust_deadline()
+        for live in self._live.values():
+            if live.scope is not None:
+                live.scope.deadline = deadline
+
+    def _on_loop_wake(self) -> None:
+        """Before trio fires expired deadlines (`_heartbeat.Trust`): follow the heartbeat
+        thread's renewals, so that a body's deadline expires only if the lease lapsed."""
+        if self._lease_runs_until() != self._trusted_until:
+            self._retrust()
+
+    def _lose_all(self, why: str) -> None:
+        """This engine's lease lapsed (or is about to): stop every step and compensation it runs
+        (their changes are discarded, nothing is recorded for them), forget their flows (to be
+        released with the next renewal) and say so once (WARNING). No checkpoint."""
+        lives = list(self._live.values())
+        for live in lives:
+            self._let_go(live, release=True)
+        self._lease_until = min(self._lease_until, self._now())
+        if lives:
+            _log.warning(
+                "flow engine %r lost its lease (%s): it let %d running flow(s) go, their steps"
+                " cancelled; another engine takes them over",
+                self._owner,
+                why,
+                len(lives),
+                extra={"owner": self._owner, "lost": len(lives)},
+            )
 
     async def _resume_active(self, active: list[Flow]) -> int:
         """Run `active` flows again as attempt + 1 (a compare-and-set on the row read), or block
@@ -846,22 +1036,57 @@ class Engine:
                 )
                 ops.append(op)
             results = await _gather([partial(self._write, op) for op in ops])
-            self._stats["claimed"] += sum(1 for r in results if isinstance(r, _store.Changed))
+            taken = [r for r in results if isinstance(r, _store.Changed)]
+            self._stats["claimed"] += len(taken)
+            if taken:
+                _log.info(
+                    "flow engine %r took over %d flow(s) no live engine held",
+                    self._owner,
+                    len(taken),
+                    extra={"owner": self._owner, "claimed": len(taken)},
+                )
         horizon = now + 2 * self._scan_interval
-        due = await self._store.transact(partial(_store.load_deadlines, before=horizon))
+        # Only the timers of its own plan versions: a timeout of a version it lacks is fired by
+        # an engine that has it (a rolling deploy), not turned into a BLOCKED flow here.
+        due = await self._store.transact(
+            partial(_store.load_deadlines, before=horizon, plans=sorted(self._shapes))
+        )
         for deadline, fid, revision in due:
             self._arm(deadline, fid, revision)
+        await self._fleet_shapes(now)
+        # Parked flows are nobody's: in a fleet `parked` is the store's count, read here.
+        self._parked = await self._store.transact(_store.count_parked)
+
+    async def _fleet_shapes(self, now: float) -> dict[tuple[str, int], Shape]:
+        """Read which plan versions this engine lacks that a live engine of the fleet has
+        (`_store.live_plans`); kept for the wakes, cancels and resumes of flows of those
+        versions until the next scan."""
+        shapes = await self._store.transact(partial(_store.live_plans, now=now))
+        self._fleet_known = {
+            (sh.name, sh.version): sh for sh in shapes if (sh.name, sh.version) not in self._shapes
+        }
+        return self._fleet_known
 
     async def _scan_loop(self) -> None:
         scans = 0
         while True:
             await trio.sleep(self._scan_interval)
-            with contextlib.suppress(Exception):  # a database outage: the next scan tries again
+            try:
                 await self._scan()
                 scans += 1
                 if scans % _PRUNE_EVERY == 0:  # engines long gone that hold nothing
                     before = self._now() - _PRUNE_AFTER * self._lease
                     await self._store.transact(partial(_store.prune_engines, before=before))
+            except Exception as exc:
+                if not _transient(exc):
+                    raise
+                _log.warning(
+                    "flow engine %r: a scan of the fleet failed (%r); the next one is in %.1f s",
+                    self._owner,
+                    exc,
+                    self._scan_interval,
+                    extra={"owner": self._owner, "delay": self._scan_interval},
+                )
 
     async def _heartbeat_loop(self) -> None:
         """Renew this engine's lease every ``lease / 3`` (one row: `_store.heartbeat`), then
@@ -872,8 +1097,18 @@ class Engine:
         while True:
             await trio.sleep(self._lease / 3)
             await self._heartbeat()
-            with contextlib.suppress(Exception):  # the next round tries again
+            try:
                 await self._check_held()
+            except Exception as exc:
+                if not _transient(exc):
+                    raise
+                _log.warning(
+                    "flow engine %r: reading the flows it holds failed (%r); again in %.1f s",
+                    self._owner,
+                    exc,
+                    self._lease / 3,
+                    extra={"owner": self._owner, "delay": self._lease / 3},
+                )
 
     async def _heartbeat(self) -> None:
         """One renewal of this engine's lease, given up at the margin before it lapses. The
@@ -900,9 +1135,44 @@ class Engine:
             now=now,
             let_go=sorted(released.items()),
             reread=sorted(self._live) if lapsed else None,
+            incarnation=self._incarnation,
         )
-        with trio.move_on_at(deadline), contextlib.suppress(Exception):
-            rows = await self._store.transact(renew)
+        if self._superseded:
+            return
+        tries = 0
+        with trio.move_on_at(deadline):
+            while True:
+                try:
+                    rows = await self._store.transact(renew)
+                except _store.Superseded:
+                    self._superseded = True
+                    _log.warning(
+                        "flow engine %r lost its lease for good: another engine opened under the"
+                        " same owner name after this one's lease lapsed; this one runs no flow"
+                        " any more (close it)",
+                        self._owner,
+                        extra={"owner": self._owner},
+                    )
+                    self._lose_all("another engine opened under the same owner name")
+                    return
+                except Exception as exc:
+                    if not _retry.unavailable(exc):
+                        raise
+                    # At once again (the pool opens a fresh connection for a dead one), then
+                    # after a pause, until the margin.
+                    tries += 1
+                    delay = 0.0 if tries == 1 else min(_retry.FIRST_DELAY * 2 ** (tries - 2), 1.0)
+                    _log.warning(
+                        "flow engine %r: renewing its lease failed (%r); retry %d in %.2f s",
+                        self._owner,
+                        exc,
+                        tries,
+                        delay,
+                        extra={"owner": self._owner, "retry": tries, "delay": delay},
+                    )
+                    await trio.sleep(delay)
+                    continue
+                break
             if lapsed or self._lapsing():
                 self._epoch += 1
                 for row in rows:
@@ -910,17 +1180,18 @@ class Engine:
                     if live is not None:
                         self._recheck(live, row, self._epoch)
             self._lease_until = until
+            if self._keeper is not None:
+                self._keeper.extend(until)
+            self._retrust()
             self._stats["renewals"] += 1
             for fid, revision in released.items():
                 if self._released.get(fid) == revision:
                     del self._released[fid]
             return
         if self._lapsing():
-            for live in list(self._live.values()):
-                self._let_go(live, release=True)
             # Until a renewal gets through it runs nothing: what it starts or accepts is let go
             # at once (`_attempt`), an orphan for the others to take over.
-            self._lease_until = min(self._lease_until, self._now())
+            self._lose_all("it could not renew it in time")
 
     async def _check_held(self) -> None:
         """Compare the active flows the store says this engine holds with those it runs: follow
@@ -1001,7 +1272,7 @@ class Engine:
 
     def _lapsing(self) -> bool:
         """Is this engine's lease about to lapse (within the margin)?"""
-        return self._now() >= self._lease_until - self._margin
+        return self._now() >= self._lease_runs_until() - self._margin
 
     def _let_go(self, live: _Live, *, release: bool = False) -> None:
         """Stop the flow's step or compensation (its changes are discarded) and forget it:
@@ -1016,14 +1287,34 @@ class Engine:
         if live.scope is not None:
             live.scope.cancel()
 
+    async def _stop_keeper(self) -> None:
+        """Stop the heartbeat thread (waiting for it) and remove the instrument. Idempotent;
+        shielded."""
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            await keeper.stop()
+        if self._instrument is not None:
+            trio.lowlevel.remove_instrument(self._instrument)
+            self._instrument = None
+
     async def _release(self) -> None:
         """At close, in a fleet: end this engine's lease (its steps are cancelled by then), so
         that other engines take its flows over at their next scan instead of after the lease.
         Best effort: a database error leaves them to lapse."""
+        await self._stop_keeper()
         now = self._now()
-        with contextlib.suppress(Exception):
-            await self._store.transact(
-                partial(_store.heartbeat, owner=self._owner, until=now, now=now)
+        end = partial(_store.end_lease, owner=self._owner, incarnation=self._incarnation, now=now)
+        try:
+            await self._store.transact(end)
+        except Exception as exc:
+            if not _transient(exc):
+                raise
+            _log.warning(
+                "flow engine %r: ending its lease at close failed (%r): its flows wait for the"
+                " lease to lapse",
+                self._owner,
+                exc,
+                extra={"owner": self._owner},
             )
 
     # ----------------------------------------------------------------------------- the calls
@@ -1034,8 +1325,48 @@ class Engine:
         every call: an operator's calls are few, and a deploy may have added one)."""
         if self._serve:
             return self._shapes
-        stored = await self._store.transact(_store.load_plans)
+        stored = await self._read(_store.load_plans, "reading the registered plans")
         return {**{(sh.name, sh.version): sh for sh, _at in stored}, **self._shapes}
+
+    async def _versioned(self, call: Callable[[Callable[[Flow], Shape | None]], Awaitable[T]]) -> T:
+        """``await call(shape_of)`` for an outside request (wake, cancel, resume), where
+        ``shape_of(flow)`` is the shape of the flow's plan version to compute its transition
+        with, or None (the machine then blocks the flow: versions fail closed).
+
+        In a fleet a version this engine lacks but a live engine has is not missing (a rolling
+        deploy, docs/adr/0074): its shape comes from the store and the flow is left to an
+        engine with the version (`_leasing`). The engine keeps those versions from its last
+        scan; a version it does not know of yet makes the transition raise `_Unseen` inside the
+        transaction (nothing is written) and the request runs again on a fresh read."""
+        if not self._fleet or not self._serve:
+            shapes = await self._known_shapes()
+            return await call(lambda f: shapes.get((f.plan, f.version)))
+        known = {**self._fleet_known, **self._shapes}
+
+        def shape_of(f: Flow) -> Shape | None:
+            shape = known.get((f.plan, f.version))
+            if shape is None:
+                raise _Unseen(f.plan, f.version)
+            return shape
+
+        try:
+            return await call(shape_of)
+        except _Unseen:
+            pass
+        read = partial(_store.live_plans, now=self._now())
+        fresh = await self._read(read, "reading the fleet's plans")
+        fleet = {(sh.name, sh.version): sh for sh in fresh}
+        self._fleet_known = {k: sh for k, sh in fleet.items() if k not in self._shapes}
+        shapes = {**fleet, **self._shapes}
+        return await call(lambda f: shapes.get((f.plan, f.version)))
+
+    async def _read(self, fn: Callable[[Any], T], what: str) -> T:
+        """A read of an API call: a store error is raised as `ferry.Failed` (its cause the
+        driver's error), never as the driver's exception. A checkpoint."""
+        try:
+            return await self._store.transact(fn)
+        except Exception as exc:
+            raise Failed(f"the flow store failed while {what}: {exc!r}") from exc
 
     def _check(self, method: str) -> None:
         """Raise unless `method` is called by a task of the engine's own run, while it is open.
@@ -1106,14 +1437,16 @@ class Engine:
         text = _json_text(payload, "payload")
         _check_message_id(message_id, "message_id")
         message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
-        shapes = await self._known_shapes()
         now = self._now()
 
-        def apply(f: Flow, box: Mailbox) -> Transition:
-            return m.wake(f, box, message, shapes.get((f.plan, f.version)), now)
+        async def call(shape_of: Callable[[Flow], Shape | None]) -> _store.Result:
+            def apply(f: Flow, box: Mailbox) -> Transition:
+                return m.wake(f, box, message, shape_of(f), now)
 
-        op = _store.Change(fid, self._leasing(apply, outside=True), message_id=message_id)
-        result = await self._request(op)
+            op = _store.Change(fid, self._leasing(apply, outside=True), message_id=message_id)
+            return await self._request(op)
+
+        result = await self._versioned(call)
         if isinstance(result, _store.Changed):
             assert result.transition.delivery is not None
             return result.transition.delivery
@@ -1200,9 +1533,12 @@ class Engine:
     async def wait(self, flow_id: str, *, timeout: float | None = None) -> Snapshot:  # noqa: ASYNC109
         """Until the flow is `COMPLETED`, `FAILED` or `BLOCKED`; its snapshot then.
 
-        A retry on the engine's state (no polling) for the flows this engine writes. Raises
-        `UnknownFlow`, `trio.TooSlowError` after `timeout` seconds (its message says where the
-        flow still is), `ferry.Closed` if the engine closes meanwhile.
+        A retry on the engine's state (no polling) for the flows this engine writes. A store
+        that is unavailable is retried until the timeout. Raises `UnknownFlow`,
+        `trio.TooSlowError` after `timeout` seconds (its message says where the flow still is),
+        `ferry.Failed` if the store failed for another reason, or was unavailable until the
+        timeout before the flow could be read once, `ferry.Closed` if the engine closes
+        meanwhile.
         """
         self._check("wait")
         fid = _check_flow_id(flow_id)
@@ -1214,9 +1550,10 @@ class Engine:
         if watch is None:
             watch = self._watches[fid] = _Watch()
         watch.users += 1
+        deadline = trio.current_time() + (math.inf if timeout is None else timeout)
         try:
             live = self._live.get(fid)
-            flow = live.flow if live is not None else await self._load(fid)
+            flow = live.flow if live is not None else await self._load_until(fid, deadline)
             if flow is None:
                 raise UnknownFlow(f"no flow has id {fid!r}")
             tvar, closed = watch.tvar, self._closed_tv
@@ -1230,7 +1567,7 @@ class Engine:
                 return f
 
             if flow.state not in _SETTLED:
-                with trio.move_on_after(math.inf if timeout is None else timeout) as waited:
+                with trio.move_on_at(deadline) as waited:
                     flow = await self._until_settled(fid, watch, settled)
                 if waited.cancelled_caught:
                     assert timeout is not None
@@ -1254,7 +1591,19 @@ class Engine:
         while True:
             with trio.move_on_after(poll):
                 return await stm.atomically(settled)
-            row = await self._load(fid)
+            try:
+                row = await self._load(fid)
+            except Failed as exc:
+                if not _retry.unavailable(exc):
+                    raise
+                _log.warning(
+                    "flow store unavailable while waiting for flow %r: %r; polling again in %.2f s",
+                    fid,
+                    exc.__cause__,
+                    poll,
+                    extra={"flow_id": fid, "delay": poll},
+                )
+                row = None
             if row is not None:
                 tvar = watch.tvar
 
@@ -1266,8 +1615,28 @@ class Engine:
                 stm.atomically_nowait(newer)
             poll = min(poll * 2, _POLL_MAX)
 
+    async def _load_until(self, flow_id: str, deadline: float) -> Flow | None:
+        """`_load`, retried while the store is unavailable, until `deadline` (trio time): then
+        `ferry.Failed` (the flow could not be read once)."""
+        backoff = _retry.Backoff(f"reading flow {flow_id!r}", extra={"flow_id": flow_id})
+        try:
+            return await self._load(flow_id)
+        except Failed as exc:
+            last = exc
+        with trio.move_on_at(deadline):
+            while True:
+                await backoff.pause(last)
+                try:
+                    return await self._load(flow_id)
+                except Failed as exc:
+                    last = exc
+        raise Failed(
+            f"the flow store stayed unavailable while waiting for flow {flow_id!r}: {last}"
+        ) from last.__cause__
+
     async def _load(self, flow_id: str) -> Flow | None:
-        return await self._store.transact(partial(_store.load, flow_id=flow_id))
+        """The flow's row; `ferry.Failed` if the store failed."""
+        return await self._read(partial(_store.load, flow_id=flow_id), f"reading flow {flow_id!r}")
 
     async def get(self, flow_id: str) -> Snapshot | None:
         """The flow's durable state, read from the store; None if there is no such flow."""
@@ -1285,13 +1654,15 @@ class Engine:
         fid = _check_flow_id(flow_id)
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {reason!r}")
-        shapes = await self._known_shapes()
         now = self._now()
 
-        def apply(f: Flow, _b: Mailbox) -> Transition:
-            return m.cancel(f, shapes.get((f.plan, f.version)), reason, now)
+        async def call(shape_of: Callable[[Flow], Shape | None]) -> _store.Result:
+            def apply(f: Flow, _b: Mailbox) -> Transition:
+                return m.cancel(f, shape_of(f), reason, now)
 
-        result = await self._request(_store.Change(fid, self._leasing(apply, outside=True)))
+            return await self._request(_store.Change(fid, self._leasing(apply, outside=True)))
+
+        result = await self._versioned(call)
         return isinstance(result, _store.Changed) and result.transition.done
 
     async def resume(self, flow_id: str) -> bool:
@@ -1300,21 +1671,24 @@ class Engine:
         version is still not registered."""
         self._check("resume")
         fid = _check_flow_id(flow_id)
-        shapes = await self._known_shapes()
         now = self._now()
 
-        def apply(f: Flow, box: Mailbox) -> Transition:
-            return m.resume(f, box, shapes.get((f.plan, f.version)), now)
+        async def call(shape_of: Callable[[Flow], Shape | None]) -> _store.Result:
+            def apply(f: Flow, box: Mailbox) -> Transition:
+                return m.resume(f, box, shape_of(f), now)
 
-        op = _store.Change(fid, self._leasing(apply, outside=True), head=True)
-        result = await self._request(op)
+            op = _store.Change(fid, self._leasing(apply, outside=True), head=True)
+            return await self._request(op)
+
+        result = await self._versioned(call)
         return isinstance(result, _store.Changed) and result.transition.done
 
     async def history(self, flow_id: str) -> list[Event]:
         """Every durable transition of the flow, in order. Raises `UnknownFlow`."""
         self._check("history")
         fid = _check_flow_id(flow_id)
-        events = await self._store.transact(partial(_store.load_history, flow_id=fid))
+        read = partial(_store.load_history, flow_id=fid)
+        events = await self._read(read, f"reading the history of flow {fid!r}")
         if events is None:
             raise UnknownFlow(f"no flow has id {fid!r}")
         return events
@@ -1399,56 +1773,6 @@ def _registry(plans: object) -> dict[tuple[str, int], Plan]:
     return registry
 
 
-def _check_sqlite_path(path: str) -> None:
-    """Refuse, in the user's words, a path that cannot hold an SQLite file: its directory is
-    missing, it is a directory, or it is a file of another kind (before anything is created)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(
-            f"no such directory: {directory!r}, where the flow store {path!r} would be; create"
-            " the directory first, or give open_engine another path"
-        )
-    if os.path.isdir(path):
-        raise IsADirectoryError(
-            f"{path!r} is a directory: give open_engine the path of an SQLite file (it is"
-            " created if missing)"
-        )
-    try:
-        with open(path, "rb") as file:
-            header = file.read(len(_store.SQLITE_HEADER))
-    except FileNotFoundError:
-        return  # a new file: the store creates it
-    except OSError as exc:
-        raise type(exc)(f"cannot read the flow store {path!r}: {exc.strerror}") from None
-    if header and header != _store.SQLITE_HEADER:
-        raise ValueError(
-            f"{path!r} is not an SQLite database: give open_engine the path of an engine's SQLite"
-            " file, or of a new file"
-        )
-
-
-def _lock_sqlite(path: str) -> int:
-    """Take the engine lock of an SQLite file (an flock on a sidecar file); its fd."""
-    _check_sqlite_path(path)
-    lock_path = f"{path}.engine-lock"
-    try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise type(exc)(
-            f"cannot open the flow store {path!r}: {exc.strerror} in its directory (an engine"
-            f" keeps a lock file beside the store, {os.path.basename(lock_path)!r})"
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise StoreLocked(
-            f"another flow engine is serving {path!r} right now (it holds {lock_path!r}); an"
-            " SQLite file is served by one engine at a time: close that one first"
-        ) from None
-    return fd
-
-
 def open_engine(
     store: Store | str | os.PathLike[str],
     plans: Iterable[Plan],
@@ -1469,10 +1793,13 @@ def open_engine(
     `SqliteStore`/`PostgresStore` (left open). `plans`: the plans it runs (several versions of
     one plan may be given; at least one, unless ``serve=False``). At most `max_running` flows
     run at once; the others wait their turn, first come first served. `owner` names this
-    engine in the rows it leases (default: a new uuid; names must be unique among live
-    engines). Creates the tables if missing, records its
+    engine in the rows it leases (default: a new uuid; printable, 1 to 200 characters; on a
+    fleet one live engine per name: `StoreLocked` naming the owner while another holds it).
+    `lease`: 0.5 s to 86,400 s (`ValueError` outside). Creates the tables if missing, records its
     plans' shapes in the store, takes the SQLite file's engine lock (`StoreLocked` if another
-    engine holds it), then recovers (SPEC 5.4).
+    engine holds the file, by whatever path), then recovers (SPEC 5.4). A path that cannot be
+    an engine's file (``":memory:"``, a ``file:`` URI, a directory, an empty path, a file that
+    is not SQLite) is a `ValueError` saying what to give instead, before anything is created.
 
     One SQLite file is served by one engine: at open every running and compensating flow runs
     again (attempt + 1) and every parked flow's timer is armed (overdue ones time out at once).
@@ -1581,10 +1908,9 @@ async def _opened(
     registry = _registry(plans)
     if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
         raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
-    if isinstance(lease, bool) or not isinstance(lease, int | float) or not (0 < lease < math.inf):
-        raise ValueError(f"lease must be a finite number of seconds > 0, got {lease!r}")
-    if owner is not None and (not isinstance(owner, str) or not owner):
-        raise ValueError(f"owner must be a non-empty str or None, got {owner!r}")
+    lease = _lease.check_lease(lease)
+    if owner is not None:
+        owner = _lease.check_owner(owner)
     if not isinstance(serve, bool):
         raise TypeError(f"serve must be a bool, got {serve!r}")
     if serve and not registry:
@@ -1596,13 +1922,16 @@ async def _opened(
     if scan_interval is not None and not (0 < scan_interval < math.inf):
         raise ValueError(f"_scan_interval must be a finite number > 0, got {scan_interval!r}")
     own_store = isinstance(store, str | os.PathLike)
+    lock: EngineLock | None = None
     if own_store:
-        db: Store = SqliteStore(os.fspath(store))  # type: ignore[arg-type]
+        lock = EngineLock.acquire(check_path(store))
+        db: Store = SqliteStore(lock.path)
     elif callable(getattr(store, "transact", None)):
         db = store  # type: ignore[assignment]
+        if isinstance(db, SqliteStore):
+            lock = EngineLock.acquire(db.path)
     else:
         raise TypeError(f"store must be a path or a SqliteStore/PostgresStore, got {store!r}")
-    lock_fd = _lock_sqlite(db.path) if isinstance(db, SqliteStore) else None
     try:
         await db.transact(_store.create_schema)
         engine = Engine(
@@ -1624,8 +1953,8 @@ async def _opened(
         if own_store:
             with trio.CancelScope(shield=True):
                 await db.aclose()
-        if lock_fd is not None:
-            os.close(lock_fd)
+        if lock is not None:
+            lock.release()
 
 
 @asynccontextmanager
@@ -1669,5 +1998,7 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
     finally:
         engine._closing = True
         engine._ferry = None
+        with trio.CancelScope(shield=True):
+            await engine._stop_keeper()
     if body_error is not None:
         raise body_error

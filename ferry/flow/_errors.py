@@ -37,6 +37,11 @@ class UnknownFlow(FlowError, LookupError):
 class StoreLocked(FlowError):
     """Another engine (in this process or another) serves this SQLite file right now.
 
-    An SQLite file is served by one engine at a time; the lock is an OS-level lock on a sidecar
-    file (``<path>.engine-lock``), released when that engine closes or its process dies.
+    An SQLite file is served by one engine at a time, whatever the path it is opened by (a
+    symlink, a hard link, a relative path); the lock is an OS-level lock on the database file
+    itself, released when that engine closes or its process dies.
+
+    On PostgreSQL: another live engine runs under the same `owner` name (one live engine per
+    name); the message names the owner. A restart under the name opens once that engine closed,
+    its process is gone (on this host), or its lease lapsed.
     """

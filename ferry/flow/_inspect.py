@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import re
 import sqlite3
@@ -33,13 +34,14 @@ from typing import Any, NoReturn
 
 import trio
 
-from ferry.projected import PostgresStore, SqliteStore, Store
+from ferry.projected import PostgresStore, SqliteStore
 
 from . import _machine as m
 from . import _store
 from ._engine import open_engine
 from ._errors import FlowError, StoreLocked
 from ._machine import Flow
+from ._sqlite_file import SQLITE_HEADER, check_path, read_header
 from ._types import Delivery, Json, State
 
 PROG = "python -m ferry.flow"
@@ -133,7 +135,30 @@ def parser() -> argparse.ArgumentParser:
     cancel.add_argument("--reason", default="cancelled by an operator", help="recorded as why")
     resume = command("resume", "Re-drive a BLOCKED flow (Engine.resume).")
     resume.add_argument("flow_id", metavar="FLOW_ID")
+    what = (
+        "Serve the dashboard, a web page of the flows with wake, cancel and resume buttons"
+        " (needs: pip install 'stm-ferry[dashboard]')."
+    )
+    serve = sub.add_parser("serve", help=what, description=what)  # no --json: it prints no table
+    serve.set_defaults(json=False)
+    serve.add_argument(
+        "--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine)"
+    )
+    serve.add_argument("--port", type=_port, default=8080, help="the port (default 8080)")
+    serve.add_argument(
+        "--read-only", action="store_true", help="show no buttons and refuse every action"
+    )
     return p
+
+
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0 to 65535; 0: any free one)")
+    return n
 
 
 # ------------------------------------------------------------------------------------ stores
@@ -141,7 +166,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _is_dsn(spec: str) -> bool:
     return spec.startswith(("postgres://", "postgresql://")) or (
-        "=" in spec and not os.path.exists(spec)
+        "=" in spec and not spec.startswith("file:") and not os.path.exists(spec)
     )
 
 
@@ -178,21 +203,23 @@ def _check_dsn(spec: str, where: str) -> None:
 
 
 def _check_sqlite(spec: str, where: str) -> None:
-    """Refuse, without writing to it, a path that is no flow store: no file, a directory, an
-    empty file, a file of another kind, or an SQLite database no flow engine has opened. (An
-    `SqliteStore` switches a database to WAL mode: that would change somebody else's file.)"""
-    if os.path.isdir(spec):
-        raise Problem(f"{where} is a directory: give the path of an engine's SQLite file")
+    """Refuse, without writing to it, a path that is no flow store: what `open_engine` refuses
+    (`check_path`: an empty path, ``:memory:``, a URI, a directory), no file, an empty file, a
+    file of another kind, or an SQLite database no flow engine has opened. (An `SqliteStore`
+    switches a database to WAL mode: that would change somebody else's file.)"""
+    try:
+        check_path(spec, who=PROG)
+    except (ValueError, OSError) as exc:
+        raise Problem(str(exc)) from None
     if not os.path.isfile(spec):
         raise Problem(
             f"no such SQLite file: {where} (give the path of an engine's SQLite file, or a"
             " PostgreSQL DSN)"
         )
-    with open(spec, "rb") as file:
-        header = file.read(100)
+    header = read_header(spec)
     if not header:
         raise Problem(_NO_FLOWS.format(where=where) + ": the file is empty")
-    if not header.startswith(_store.SQLITE_HEADER):
+    if not header.startswith(SQLITE_HEADER):
         raise Problem(f"{where} is not an SQLite database: give the path of an engine's file")
     if header[18] == 2:
         return  # in WAL mode already, as every engine leaves its file: opening it changes nothing
@@ -225,7 +252,7 @@ class _ReadOnly:
         raise sqlite3.OperationalError("read-only")
 
 
-def open_store(spec: str) -> Store:
+def open_store(spec: str) -> SqliteStore | PostgresStore:
     """The store `spec` names (nothing is connected yet). Raises `Problem` for a path that is
     no flow store, or a DSN that does not parse."""
     where = shown(spec)
@@ -236,15 +263,16 @@ def open_store(spec: str) -> Store:
     return SqliteStore(spec)
 
 
-async def _read(store: Store, where: str, fn: Callable[[Any], Any]) -> Any:
-    """Run ``fn(tx)`` in one transaction, after checking that the store has flow tables."""
+async def _read(store: SqliteStore | PostgresStore, where: str, fn: Callable[[Any], Any]) -> Any:
+    """Run ``fn(tx)`` in one read transaction (no write lock: it neither waits for an engine's
+    writes nor delays them), after checking that the store has flow tables."""
 
     def both(tx: Any) -> Any:
         if not _store.has_tables(tx):
             raise Problem(_NO_FLOWS.format(where=where))
         return fn(tx)
 
-    return await store.transact(both)
+    return await store.transact(both, read_only=True)
 
 
 # ------------------------------------------------------------------------------------ output
@@ -256,14 +284,23 @@ def _when(t: float | None) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
+def safe(value: object) -> str:
+    """`value` as text that cannot break a line or a column, nor drive the terminal: as it is if
+    every character is printable, else escaped and quoted as `repr` does (a newline, a tab, an
+    ANSI escape, a bidirectional override). ``--json`` output is exact instead."""
+    text = str(value)
+    return text if text.isprintable() else repr(text)
+
+
 def _cut(text: str, width: int = 60) -> str:
     text = text.replace("\n", " ")
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A plain-text table: a header row, a rule, then the rows; columns as wide as needed."""
-    cells = [[str(h) for h in headers], *[["-" if c is None else str(c) for c in r] for r in rows]]
+    """A plain-text table: a header row, a rule, then the rows; columns as wide as needed. Cells
+    are shown `safe`."""
+    cells = [[str(h) for h in headers], *[["-" if c is None else safe(c) for c in r] for r in rows]]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
@@ -327,7 +364,7 @@ def _print(args: argparse.Namespace, text: str, data: object) -> None:
 # ---------------------------------------------------------------------------------- commands
 
 
-async def do_list(args: argparse.Namespace, store: Store) -> None:
+async def do_list(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     flows = await _read(
         store,
         args.where,
@@ -341,23 +378,24 @@ async def do_list(args: argparse.Namespace, store: Store) -> None:
     _print(args, text, [flow_json(f) for f in flows])
 
 
-async def do_show(args: argparse.Namespace, store: Store) -> None:
-    def read(tx: Any) -> tuple[Flow | None, Any, Any, Any]:
+async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    now = time.time()
+
+    def read(tx: Any) -> tuple[Flow | None, Any, Any, Any, bool]:
         f = _store.load(tx, args.flow_id)
         if f is None:
-            return None, None, None, None
+            return None, None, None, None, False
         events = _store.load_history(tx, args.flow_id) or []
         box = _store.load_mailbox(tx, args.flow_id)
-        engines = {e[0]: e[1] for e in _store.load_engines(tx)}
-        return f, events, box, engines
+        return f, events, box, _store.holder(tx, args.flow_id, now), _store.leased(tx)
 
-    f, events, box, engines = await _read(store, args.where, read)
+    f, events, box, hold, leased = await _read(store, args.where, read)
     if f is None:
         raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
     held = None
-    if f.owner is not None and f.state in m.ACTIVE:
-        until = f.lease_until if f.lease_until is not None else engines.get(f.owner)
-        held = {"owner": f.owner, "until": until, "lapsed": until is None or until < time.time()}
+    if hold is not None:
+        until, orphaned = hold
+        held = {"owner": f.owner, "until": until if until > -math.inf else None, "lapsed": orphaned}
     data = {
         "flow": flow_json(f),
         "held": held,
@@ -378,24 +416,30 @@ async def do_show(args: argparse.Namespace, store: Store) -> None:
     }
     snap = m.snapshot(f)
     lines = [
-        f"flow      {f.flow_id}",
-        f"plan      {f.plan} version {f.version}",
+        f"flow      {safe(f.flow_id)}",
+        f"plan      {safe(f.plan)} version {f.version}",
         f"state     {f.state.name}",
-        f"step      {_step(f)} (attempt {f.attempt})",
+        f"step      {safe(_step(f))} (attempt {f.attempt})",
         f"revision  {f.revision}, last written {_when(f.updated_at)}",
     ]
     if snap.error is not None:
-        lines.append(f"{'blocked' if f.state is State.BLOCKED else 'error':<9} {snap.error}")
+        what = "blocked" if f.state is State.BLOCKED else "error"
+        lines.append(f"{what:<9} {safe(snap.error)}")
     if f.park_deadline is not None:
-        lines.append(f"deadline  {_when(f.park_deadline)} ({f.on_timeout} on timeout)")
+        lines.append(f"deadline  {_when(f.park_deadline)} ({safe(f.on_timeout)} on timeout)")
     if held is not None:
         status = "lapsed: any engine may take it over" if held["lapsed"] else "held"
-        lines.append(f"engine    {f.owner}, until {_when(held['until'])} ({status})")
+        lines.append(f"engine    {safe(f.owner)}, until {_when(held['until'])} ({status})")
+    elif f.state in m.ACTIVE and not leased:
+        lines.append(
+            "engine    the engine that holds the file runs it (with none open, the next engine"
+            " to open the file)"
+        )
     elif f.state in m.ACTIVE:
-        lines.append("engine    none: the next engine to scan or open the store runs it")
+        lines.append("engine    none: the next engine to scan the store runs it")
     if box.queued:
-        lines.append(f"queued    {', '.join(q.message_id for q in box.queued)}")
-    lines.append(f"data      {_cut(json.dumps(snap.data, ensure_ascii=False), 200)}")
+        lines.append(f"queued    {', '.join(safe(q.message_id) for q in box.queued)}")
+    lines.append(f"data      {safe(_cut(json.dumps(snap.data, ensure_ascii=False), 200))}")
     rows = [
         [
             e.revision,
@@ -424,7 +468,7 @@ STATS_LEGEND = {
 }
 
 
-async def do_stats(args: argparse.Namespace, store: Store) -> None:
+async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     now = time.time()
 
     def read(tx: Any) -> dict[str, Any]:
@@ -511,7 +555,7 @@ async def do_stats(args: argparse.Namespace, store: Store) -> None:
 
 
 async def _act(
-    args: argparse.Namespace, store: Store, call: Callable[[Any], Any]
+    args: argparse.Namespace, store: SqliteStore | PostgresStore, call: Callable[[Any], Any]
 ) -> tuple[Any, Flow | None]:
     """Run ``call(engine)`` with an operator's engine; its result, and the flow's row after."""
     await _read(store, args.where, lambda tx: None)  # a store without flows: say so
@@ -534,7 +578,7 @@ def _runs_next(args: argparse.Namespace) -> str:
     return "the next engine to open the file runs it"
 
 
-async def do_wake(args: argparse.Namespace, store: Store) -> None:
+async def do_wake(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     delivery, after = await _act(
         args,
         store,
@@ -561,7 +605,7 @@ async def do_wake(args: argparse.Namespace, store: Store) -> None:
     )
 
 
-async def do_cancel(args: argparse.Namespace, store: Store) -> None:
+async def do_cancel(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     done, after = await _act(args, store, lambda e: e.cancel(args.flow_id, args.reason))
     if after is None:
         raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
@@ -579,7 +623,7 @@ async def do_cancel(args: argparse.Namespace, store: Store) -> None:
     _print(args, text, {"flow_id": args.flow_id, "cancelled": True, "state": after.state.name})
 
 
-async def do_resume(args: argparse.Namespace, store: Store) -> None:
+async def do_resume(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     done, after = await _act(args, store, lambda e: e.resume(args.flow_id))
     if after is None:
         raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
@@ -598,7 +642,29 @@ async def do_resume(args: argparse.Namespace, store: Store) -> None:
     )
 
 
+async def do_serve(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    try:
+        from ._dashboard._serve import CannotListen, run_command
+    except ImportError as exc:
+        raise Problem(
+            f"the dashboard needs its extra ({(exc.name or '?').split('.')[0]} is missing):"
+            " pip install 'stm-ferry[dashboard]'"
+        ) from None
+    try:
+        await run_command(
+            args.store,
+            where=args.where,
+            is_dsn=_is_dsn(args.store),
+            host=args.host,
+            port=args.port,
+            read_only=args.read_only,
+        )
+    except CannotListen as exc:
+        raise Problem(str(exc)) from None
+
+
 COMMANDS = {
+    "serve": do_serve,
     "list": do_list,
     "show": do_show,
     "stats": do_stats,
@@ -658,6 +724,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.where = shown(args.store)
     try:
         trio.run(run, args)
+    except KeyboardInterrupt:
+        if args.command == "serve":  # how a server is stopped
+            return 0
+        raise
     except Exception as error:
         if _broken_pipe(error):  # the reader went away (`| head`): nothing to say to anyone
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

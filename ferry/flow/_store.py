@@ -13,7 +13,7 @@ Tables, for a namespace ``ns`` (default ``flow``):
   ``created_at``). ``revision`` is the compare-and-set token of every write; ``owner`` (the
   engine that runs an active flow) and ``lease_until`` (when it let it go) are for a fleet.
   Partial indexes: the active flows (``RUNNING``/``COMPENSATING``, for recovery) and the parked
-  flows by deadline (for timers).
+  flows by deadline (for timers); the operators' filters and their order (`_query`).
 - ``ns_history(flow_id, revision, n, at, kind, step, attempt, detail)``: every durable transition,
   primary key ``(flow_id, revision, n)``.
 - ``ns_mailbox(seq, flow_id, message_id, payload, status, at)``: one row per accepted message,
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import zlib
 from collections.abc import Callable, Sequence
@@ -183,10 +184,28 @@ def ddl(ns: str, dialect: str) -> list[str]:
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_owner ON {ns}_flows (owner)"
         " WHERE state IN ('RUNNING', 'COMPENSATING')",
+        # The operators' filters and their order, newest first (`_query`, docs/adr/0080).
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_created ON {ns}_flows (created_at, flow_id)",
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_state_created ON {ns}_flows"
+        " (state, created_at, flow_id)",
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_plan_created ON {ns}_flows"
+        " (plan, version, created_at, flow_id)",
+        # Finished flows by when they ended (a finished flow is never written again).
+        f"CREATE INDEX IF NOT EXISTS {ns}_flows_ended ON {ns}_flows (updated_at, state)"
+        " WHERE state IN ('COMPLETED', 'FAILED')",
+        *(
+            [f'CREATE INDEX IF NOT EXISTS {ns}_flows_id_c ON {ns}_flows (flow_id COLLATE "C")']
+            if dialect == "postgres"
+            else []
+        ),
         f"""CREATE TABLE IF NOT EXISTS {ns}_engines (
             owner TEXT PRIMARY KEY,
             lease_until DOUBLE PRECISION NOT NULL,
-            started_at DOUBLE PRECISION NOT NULL)""",
+            started_at DOUBLE PRECISION NOT NULL,
+            incarnation TEXT,
+            host TEXT,
+            pid BIGINT,
+            plans TEXT)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_plans (
             plan TEXT NOT NULL,
             version BIGINT NOT NULL,
@@ -230,6 +249,7 @@ def create_schema(tx: Tx, ns: str = "flow") -> None:
     if tx.dialect != "postgres":
         for statement in statements:
             tx.execute(statement)
+        _add_engine_columns(tx, ns)
         return
 
     def missing() -> list[str]:
@@ -240,11 +260,39 @@ def create_schema(tx: Tx, ns: str = "flow") -> None:
         )[0]
         return [st for (_m, st), there in zip(named, exists, strict=True) if not there]
 
-    if not missing():
+    if missing():
+        tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(f"{ns}_flows".encode()),))
+        for statement in missing():
+            tx.execute(statement)
+    _add_engine_columns(tx, ns)
+
+
+#: Columns of ``ns_engines`` added after its first version (an engine's incarnation, where it
+#: runs, the plan versions it has); added to an older table at open.
+_ENGINE_COLUMNS = (("incarnation", "TEXT"), ("host", "TEXT"), ("pid", "BIGINT"), ("plans", "TEXT"))
+
+
+def _add_engine_columns(tx: Tx, ns: str) -> None:
+    """Add the columns an older ``ns_engines`` lacks. Looked up first: on PostgreSQL an ``ALTER
+    TABLE`` takes its table's strongest lock even when there is nothing to do."""
+    table = f"{ns}_engines"
+    pg = tx.dialect == "postgres"
+
+    def lacking() -> list[tuple[str, str]]:
+        if pg:
+            sql = "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(?)"
+            rows = tx.execute(sql, (table,))
+        else:
+            rows = tx.execute(f"SELECT name FROM pragma_table_info('{table}')")
+        have = {r[0] for r in rows}
+        return [(name, kind) for name, kind in _ENGINE_COLUMNS if name not in have]
+
+    if not lacking():
         return
-    tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(f"{ns}_flows".encode()),))
-    for statement in missing():
-        tx.execute(statement)
+    if pg:
+        tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(f"{ns}_flows".encode()),))
+    for name, kind in lacking():
+        tx.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
 
 def _orphan(ns: str, row: str) -> str:
@@ -700,18 +748,29 @@ def load_active(
 
 
 def load_deadlines(
-    tx: Tx, *, ns: str = "flow", before: float | None = None
+    tx: Tx,
+    *,
+    ns: str = "flow",
+    before: float | None = None,
+    plans: Sequence[tuple[str, int]] | None = None,
 ) -> list[tuple[float, str, int]]:
     """``(deadline, flow_id, revision)`` of every parked flow with a deadline (at or before
-    `before`, if given), earliest first. Uses the deadline index."""
+    `before`, if given; of the given (plan, version)s, if `plans` is given), earliest first.
+    Uses the deadline index."""
     sql = (
         f"SELECT park_deadline, flow_id, revision FROM {ns}_flows"
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL"
     )
-    params: tuple[Any, ...] = ()
+    params: list[Any] = []
     if before is not None:
         sql += " AND park_deadline <= ?"
-        params = (before,)
+        params.append(before)
+    if plans is not None:
+        if not plans:
+            return []
+        sql += " AND (" + " OR ".join("(plan = ? AND version = ?)" for _ in plans) + ")"
+        for name, version in plans:
+            params += [name, version]
     rows = tx.execute(sql + " ORDER BY park_deadline", params)
     return [(r[0], r[1], r[2]) for r in rows]
 
@@ -745,14 +804,131 @@ def load_orphans(
 
 def heartbeat(tx: Tx, owner: str, until: float, now: float, *, ns: str = "flow") -> None:
     """Record that engine `owner` holds its flows until `until` (its engine lease; an `until`
-    in the past lets them all go at once). One row per engine, nothing else is written: a
-    renewal costs the same for one flow or a million, and never waits for a flow's row lock (on
-    PostgreSQL it may wait for a takeover of one of its own flows to commit: `_Batch.cas`)."""
+    in the past lets them all go at once), whatever incarnation holds the name (for tests and
+    tools; an engine claims its name with `claim` and renews with `renew`/`renew_lease`). One
+    row per engine, nothing else is written."""
     tx.execute(
         f"INSERT INTO {ns}_engines (owner, lease_until, started_at) VALUES (?, ?, ?)"
         " ON CONFLICT (owner) DO UPDATE SET lease_until = excluded.lease_until",
         (owner, until, now),
     )
+
+
+class Superseded(Exception):
+    """Another incarnation holds this engine's owner name now: the lease is no longer this
+    engine's to renew (`renew`, `renew_lease`). Raised inside the transaction, which then
+    writes nothing."""
+
+
+@attrs.frozen
+class Holder:
+    """The incarnation that holds an owner name (`claim`): when its lease runs out, where it
+    runs (a host identity and a process id), when it opened."""
+
+    owner: str
+    incarnation: str | None
+    lease_until: float
+    host: str | None
+    pid: int | None
+    started_at: float
+
+
+def claim(
+    tx: Tx,
+    owner: str,
+    incarnation: str,
+    until: float,
+    now: float,
+    *,
+    host: str,
+    pid: int,
+    plans: Sequence[tuple[str, int]],
+    gone: Callable[[str | None, int | None], bool],
+    ns: str = "flow",
+) -> Holder | None:
+    """Open a new incarnation of engine `owner`: its lease row now names `incarnation`, runs
+    until `until`, and lists the plan versions it has. Refused (the holder is returned, nothing
+    is written) while another incarnation's lease runs at `now`, unless ``gone(host, pid)``
+    proves that one's process gone. On PostgreSQL the row is locked first, so that a claim and
+    the old incarnation's renewal cannot both win; of two first claims of a new name, one
+    inserts and the other is refused (``ON CONFLICT DO NOTHING``). Two statements."""
+    lock = " FOR UPDATE" if tx.dialect == "postgres" else ""
+    select = (
+        f"SELECT owner, incarnation, lease_until, host, pid, started_at FROM {ns}_engines"
+        " WHERE owner = ?"
+    )
+    rows = tx.execute(select + lock, (owner,))
+    text = canonical_json(sorted([name, version] for name, version in plans))
+    if rows:
+        holder = Holder(*rows[0])
+        if (
+            holder.incarnation != incarnation
+            and holder.lease_until >= now
+            and not gone(holder.host, holder.pid)
+        ):
+            return holder
+        tx.execute(
+            f"UPDATE {ns}_engines SET lease_until = ?, started_at = ?, incarnation = ?, host = ?,"
+            " pid = ?, plans = ? WHERE owner = ?",
+            (until, now, incarnation, host, pid, text, owner),
+        )
+        return None
+    inserted = tx.execute(
+        f"INSERT INTO {ns}_engines (owner, lease_until, started_at, incarnation, host, pid,"
+        " plans) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (owner) DO NOTHING RETURNING owner",
+        (owner, until, now, incarnation, host, pid, text),
+    )
+    if inserted:
+        return None
+    return Holder(*tx.execute(select, (owner,))[0])
+
+
+def renew_lease(
+    tx: Tx, owner: str, incarnation: str, until: float, *, margin: float, ns: str = "flow"
+) -> float | None:
+    """The heartbeat thread's renewal (`_heartbeat`): extend the lease of incarnation
+    `incarnation` to `until`, only while it still runs for more than `margin` seconds by the
+    database's clock (a renewal after the lease may have lapsed is the engine's own, which
+    re-reads its flows: `renew`). The lease now, or None if refused because it may have lapsed;
+    raises `Superseded` if another incarnation holds the name. PostgreSQL only; one statement
+    (two when refused)."""
+    rows = tx.execute(
+        f"UPDATE {ns}_engines SET lease_until = GREATEST(lease_until, ?)"
+        " WHERE owner = ? AND incarnation = ?"
+        " AND lease_until - ? > EXTRACT(EPOCH FROM clock_timestamp())"
+        " RETURNING lease_until",
+        (until, owner, incarnation, margin),
+    )
+    if rows:
+        return float(rows[0][0])
+    mine = f"SELECT 1 FROM {ns}_engines WHERE owner = ? AND incarnation = ?"
+    if not tx.execute(mine, (owner, incarnation)):
+        raise Superseded(owner)
+    return None
+
+
+def end_lease(tx: Tx, owner: str, incarnation: str, now: float, *, ns: str = "flow") -> None:
+    """At close: incarnation `incarnation` of `owner` ends its lease at `now`, so that other
+    engines take its flows at their next scan and a restart under the name claims it at once.
+    Nothing if another incarnation holds the name by now."""
+    tx.execute(
+        f"UPDATE {ns}_engines SET lease_until = ? WHERE owner = ? AND incarnation = ?"
+        " AND lease_until > ?",
+        (now, owner, incarnation, now),
+    )
+
+
+def live_plans(tx: Tx, now: float, *, ns: str = "flow") -> list[Shape]:
+    """The shapes of the plan versions that an engine whose lease runs at `now` has (a rolling
+    deploy: an engine without a version leaves its flows to one with it). Two small reads: the
+    live engines' lists, then the registered shapes."""
+    have: set[tuple[str, int]] = set()
+    rows = tx.execute(
+        f"SELECT plans FROM {ns}_engines WHERE lease_until > ? AND plans IS NOT NULL", (now,)
+    )
+    for (text,) in rows:
+        have.update((name, version) for name, version in json.loads(text))
+    return [shape for shape, _at in load_plans(tx, ns=ns) if (shape.name, shape.version) in have]
 
 
 def renew(
@@ -763,18 +939,28 @@ def renew(
     *,
     let_go: Sequence[tuple[str, int]] = (),
     reread: Sequence[str] | None = None,
+    incarnation: str | None = None,
     ns: str = "flow",
 ) -> list[Flow]:
-    """An engine's renewal, in this one transaction: its lease is renewed (`heartbeat`), the
-    flows in `let_go` (``(flow_id, revision it let go at)``) are released (`release`), and the
-    rows of the flows in `reread` are read (`load_many`) and returned (``[]`` without it).
+    """An engine's renewal, in this one transaction: its lease is renewed (with `incarnation`,
+    only while that incarnation holds the name, else `Superseded` is raised and nothing is
+    written; without it, as `heartbeat`), the flows in `let_go` (``(flow_id, revision it let
+    go at)``) are released (`release`), and the rows of the flows in `reread` are read
+    (`load_many`) and returned (``[]`` without it).
 
     The lease row comes first: a takeover locks it (`_Batch.cas`), so on PostgreSQL a takeover
     either committed before this renewal took the row, and the rows read here show it, or it
     waits for this renewal to commit and is refused (docs/adr/0048). An engine whose lease may
     have lapsed re-reads what it runs in this transaction before it trusts it again (ADR 0047).
     Cost: one statement for the lease, one per 500 flows released or read."""
-    heartbeat(tx, owner, until, now, ns=ns)
+    if incarnation is None:
+        heartbeat(tx, owner, until, now, ns=ns)
+    elif not tx.execute(
+        f"UPDATE {ns}_engines SET lease_until = ? WHERE owner = ? AND incarnation = ?"
+        " RETURNING owner",
+        (until, owner, incarnation),
+    ):
+        raise Superseded(owner)
     if let_go:
         release(tx, owner, let_go, now, ns=ns)
     return [] if reread is None else load_many(tx, reread, ns=ns)
@@ -893,6 +1079,11 @@ def load_plans(tx: Tx, *, ns: str = "flow") -> list[tuple[Shape, float]]:
     return plans
 
 
+def count_parked(tx: Tx, *, ns: str = "flow") -> int:
+    """How many flows are parked (a fleet engine's `parked`, read at every scan)."""
+    return int(tx.execute(f"SELECT COUNT(*) FROM {ns}_flows WHERE state = 'PARKED'")[0][0])
+
+
 def count_states(tx: Tx, *, ns: str = "flow") -> dict[State, int]:
     """How many flows are in each state."""
     rows = tx.execute(f"SELECT state, COUNT(*) FROM {ns}_flows GROUP BY state")
@@ -900,10 +1091,6 @@ def count_states(tx: Tx, *, ns: str = "flow") -> dict[State, int]:
 
 
 # ------------------------------------------------------------------------ reads for operators
-
-
-#: The first bytes of every SQLite database file.
-SQLITE_HEADER = b"SQLite format 3\x00"
 
 
 def has_tables(tx: Tx, *, ns: str = "flow") -> bool:
@@ -969,12 +1156,41 @@ def blocked_reasons(tx: Tx, *, ns: str = "flow", limit: int = 20) -> list[tuple[
     return [(r[0], r[1], r[2]) for r in rows]
 
 
+def leased(tx: Tx) -> bool:
+    """Are the store's active flows held by leases (a fleet, PostgreSQL)? On SQLite one engine
+    at a time holds the whole file (its engine lock) and runs every active flow: no lease rows,
+    so no flow there is ever an orphan (`count_orphans`, `orphaned`)."""
+    return tx.dialect == "postgres"
+
+
 def count_orphans(tx: Tx, now: float, *, ns: str = "flow") -> int:
     """How many active flows no engine holds at `now` (`_orphan`): engines of a fleet take them
-    over at their next scan; on SQLite, the next engine to open the file runs them."""
+    over at their next scan. 0 on a store without leases (`leased`)."""
+    if not leased(tx):
+        return 0
     rows = tx.execute(
         f"SELECT COUNT(*) FROM {ns}_flows f WHERE f.state IN ('RUNNING', 'COMPENSATING')"
         f" AND {_orphan(ns, 'f')}",
         (now, now),
     )
     return int(rows[0][0])
+
+
+def holder(tx: Tx, flow_id: str, now: float, *, ns: str = "flow") -> tuple[float, bool] | None:
+    """Who holds the active flow `flow_id` at `now`, by the rule `count_orphans` counts with
+    (`_orphan`): ``(until, orphaned)`` where `until` is when its hold ends (the earlier of the
+    flow's own ``lease_until`` and its owner's engine lease; -inf if it has neither). None if the
+    flow is not active or has no owner, or on a store without leases (`leased`)."""
+    if not leased(tx):
+        return None
+    rows = tx.execute(
+        f"SELECT f.lease_until, e.lease_until, {_orphan(ns, 'f')} FROM {ns}_flows f"
+        f" LEFT JOIN {ns}_engines e ON e.owner = f.owner WHERE f.flow_id = ?"
+        " AND f.owner IS NOT NULL AND f.state IN ('RUNNING', 'COMPENSATING')",
+        (now, now, flow_id),
+    )
+    if not rows:
+        return None
+    own, engine, orphaned = rows[0]
+    until = min(math.inf if own is None else own, -math.inf if engine is None else engine)
+    return until, bool(orphaned)

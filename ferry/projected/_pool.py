@@ -38,6 +38,7 @@ from typing import Any, Generic, Protocol, Self, TypeVar
 
 import outcome
 import trio
+import trio.testing
 
 from ._types import Tx
 
@@ -67,8 +68,11 @@ class _Driver(Protocol[C]):
     dialect: str
     discard_after_cancel: bool
 
+    #: May transactions run on the trio thread under a `trio.testing.MockClock`?
+    inline_under_mock_clock: bool
+
     def connect(self) -> C: ...
-    def begin(self, conn: C) -> None: ...
+    def begin(self, conn: C, read_only: bool) -> None: ...
     def commit(self, conn: C) -> None: ...
     def rollback(self, conn: C) -> None: ...
     def make_tx(self, conn: C, use: _Use) -> Tx: ...
@@ -99,20 +103,31 @@ class ConnectionPool(Generic[C]):
         self._available = trio.Semaphore(size, max_value=size)
         self._closed = False
 
-    async def transact(self, fn: Callable[[Tx], T]) -> T:
+    async def transact(self, fn: Callable[[Tx], T], *, read_only: bool = False) -> T:
         """Run ``fn(tx)`` in one transaction on a worker thread; commit if it returns.
 
         Always a checkpoint. Waits for a free connection. If `fn` raises, the transaction is
         rolled back and the exception propagates. If the call is cancelled, the transaction is
         interrupted and rolled back on its thread (unless it was already committing) and
         `trio.Cancelled` propagates at once; the connection comes back when the thread is done.
-        Raises `trio.ClosedResourceError` after `aclose`.
+        Raises `trio.ClosedResourceError` after `aclose`. `read_only`: the driver's read
+        transaction (no write lock; a write in it raises).
+
+        Under a `trio.testing.MockClock`, a driver that allows it (`inline_under_mock_clock`)
+        runs the transaction on the trio thread instead: waiting for a thread counts as blocked,
+        and the clock's autojump would move time while a transaction is in flight
+        (docs/adr/0066). Then the call is a checkpoint before the transaction and nothing after.
         """
         if self._closed:
             raise trio.ClosedResourceError("this store is closed")
         await self._available.acquire()
         slot = self._free.pop()
         use = _Use()
+        if self._driver.inline_under_mock_clock and _mock_clock():
+            try:
+                return self._work(slot, use, fn, read_only)
+            finally:
+                self._checkin(slot, use)
         task = trio.lowlevel.current_task()
         token = trio.lowlevel.current_trio_token()
 
@@ -135,18 +150,20 @@ class ConnectionPool(Generic[C]):
                 self._driver.interrupt(conn)
             return trio.lowlevel.Abort.SUCCEEDED
 
-        trio.lowlevel.start_thread_soon(partial(self._work, slot, use, fn), deliver)
+        trio.lowlevel.start_thread_soon(partial(self._work, slot, use, fn, read_only), deliver)
         result: T = await trio.lowlevel.wait_task_rescheduled(abort)
         return result
 
-    def _work(self, slot: _Slot[C], use: _Use, fn: Callable[[Tx], T]) -> T:  # worker thread
+    def _work(
+        self, slot: _Slot[C], use: _Use, fn: Callable[[Tx], T], read_only: bool
+    ) -> T:  # worker thread (the trio thread under a mock clock)
         use.check()
         if slot.conn is None:
             slot.conn = self._driver.connect()
         conn = slot.conn
         tx = self._driver.make_tx(conn, use)
         try:
-            self._driver.begin(conn)
+            self._driver.begin(conn, read_only)
             result = fn(tx)
             use.check()
             self._driver.commit(conn)
@@ -183,8 +200,17 @@ class ConnectionPool(Generic[C]):
             for _ in range(self._size):
                 await self._available.acquire()
             slots, self._free = self._free, []
+            inline = self._driver.inline_under_mock_clock and _mock_clock()
             for slot in slots:
-                await trio.to_thread.run_sync(self._close_quietly, slot)
+                if inline:
+                    self._close_quietly(slot)
+                else:
+                    await trio.to_thread.run_sync(self._close_quietly, slot)
+
+
+def _mock_clock() -> bool:
+    """Is the current trio run's clock a `trio.testing.MockClock`?"""
+    return isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock)
 
 
 class PooledStore:
@@ -192,9 +218,13 @@ class PooledStore:
 
     _pool: ConnectionPool[Any]
 
-    async def transact(self, fn: Callable[[Tx], T]) -> T:
-        """Run ``fn(tx)`` in one transaction on a worker thread (see `Store.transact`)."""
-        return await self._pool.transact(fn)
+    async def transact(self, fn: Callable[[Tx], T], *, read_only: bool = False) -> T:
+        """Run ``fn(tx)`` in one transaction on a worker thread (see `Store.transact`).
+
+        `read_only=True`: a read transaction, which takes no write lock and so never waits for
+        writers nor delays them (SQLite: ``BEGIN DEFERRED`` with ``PRAGMA query_only``;
+        PostgreSQL: ``READ ONLY``); a statement that writes raises the driver's error."""
+        return await self._pool.transact(fn, read_only=read_only)
 
     async def aclose(self) -> None:
         """Wait for in-flight transactions, close every connection. Idempotent."""

@@ -54,6 +54,7 @@ class _PgTx:
 class _PgDriver:
     dialect = "postgres"
     discard_after_cancel = True
+    inline_under_mock_clock = False  # a network round trip may hang: never on the trio thread
 
     def __init__(self, dsn: str, connect_timeout: float) -> None:
         self._dsn = dsn
@@ -66,8 +67,10 @@ class _PgDriver:
             self._dsn, autocommit=False, connect_timeout=max(1, round(self._connect_timeout))
         )
 
-    def begin(self, conn: Any) -> None:
-        pass  # psycopg opens a transaction with the first statement
+    def begin(self, conn: Any, read_only: bool) -> None:
+        # psycopg opens a transaction with the first statement
+        if read_only:
+            conn.execute("SET TRANSACTION READ ONLY")
 
     def commit(self, conn: Any) -> None:
         conn.commit()

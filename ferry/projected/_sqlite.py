@@ -44,11 +44,13 @@ class _SqliteTx:
 class _SqliteDriver:
     dialect = "sqlite"
     discard_after_cancel = False
+    inline_under_mock_clock = True  # a local file: a transaction is short and cannot hang
 
     def __init__(self, path: str, busy_timeout: float, synchronous: str) -> None:
         self._path = path
         self._busy_timeout = busy_timeout
         self._synchronous = synchronous
+        self._query_only: set[int] = set()  # ids of connections in a read transaction
 
     def connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
@@ -61,15 +63,27 @@ class _SqliteDriver:
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         return conn
 
-    def begin(self, conn: sqlite3.Connection) -> None:
-        conn.execute("BEGIN IMMEDIATE")
+    def begin(self, conn: sqlite3.Connection, read_only: bool) -> None:
+        if read_only:
+            conn.execute("PRAGMA query_only=ON")  # until the transaction ends (`_end`)
+            self._query_only.add(id(conn))
+            conn.execute("BEGIN DEFERRED")
+        else:
+            conn.execute("BEGIN IMMEDIATE")
 
     def commit(self, conn: sqlite3.Connection) -> None:
         conn.execute("COMMIT")
+        self._end(conn)
 
     def rollback(self, conn: sqlite3.Connection) -> None:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
+        self._end(conn)
+
+    def _end(self, conn: sqlite3.Connection) -> None:
+        if id(conn) in self._query_only:
+            self._query_only.discard(id(conn))
+            conn.execute("PRAGMA query_only=OFF")
 
     def make_tx(self, conn: sqlite3.Connection, use: _Use) -> Tx:
         return _SqliteTx(conn, use)
@@ -90,6 +104,10 @@ class SqliteStore(PooledStore):
     SQLite's lock, waiting up to `busy_timeout` seconds), runs on a trio worker thread, and is
     interrupted with ``Connection.interrupt()`` when its call is cancelled. `synchronous` is the
     SQLite pragma: ``"FULL"`` (default) survives power loss, ``"NORMAL"`` only process crashes.
+    ``transact(fn, read_only=True)`` runs a read transaction (``BEGIN DEFERRED``, writes refused):
+    in WAL mode it neither waits for a writer nor delays one. While the current trio clock is a
+    `trio.testing.MockClock`, transactions run on the trio thread (so that the clock's autojump
+    never moves time while one is in flight; a test's hour-long timeouts then take milliseconds).
     Several processes may share the file. Use as ``async with SqliteStore(path) as store:`` or
     call `aclose()`.
     """

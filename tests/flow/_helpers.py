@@ -1,12 +1,11 @@
 """Shared pieces of the flow tests.
 
-`InlineSqliteStore` is a real SQLite store (the same SQL, the same file format, BEGIN IMMEDIATE
-transactions) that runs each transaction on the trio thread instead of a worker thread. Why:
-under `MockClock(autojump_threshold=0)` a task waiting for a worker thread counts as blocked, so
-the clock would jump to the next deadline (a park's timeout, a `wait` timeout) while a write is
-still in flight, and timing tests would race. Inline, a transaction is a checkpoint followed by
-synchronous work, so time moves only when every task waits for time. The threaded stores
-(`SqliteStore`, `PostgresStore`) run the store contract suite and the engine tests marked as such.
+The engine tests open engines the way users do, ``flow.open_engine(path)`` under
+`MockClock(autojump_threshold=0)`: while the clock is a mock clock the public `SqliteStore` runs
+its transactions on the trio thread, so time moves only when every task waits for time
+(docs/adr/0066). What a path cannot give a test -- a store outage on demand, a slow store, two
+fleet engines on one SQLite file -- comes from `PlantedStore`, a thin wrapper around a public
+`SqliteStore` of the same file (so it takes no engine lock: it is not an `SqliteStore`).
 """
 
 from __future__ import annotations
@@ -17,12 +16,14 @@ from typing import Any, TypeVar
 
 import trio
 
-from ferry.projected import Tx
+from ferry.projected import SqliteStore, Tx
 
 T = TypeVar("T")
 
 
 class _InlineTx:
+    """A `Tx` over a plain `sqlite3` connection (to fill or read a file outside any store)."""
+
     dialect = "sqlite"
 
     def __init__(self, conn: sqlite3.Connection) -> None:
@@ -40,19 +41,20 @@ class _InlineTx:
         self._conn.executemany(sql, rows)
 
 
-class InlineSqliteStore:
-    """A real SQLite store whose transactions run on the trio thread (see the module doc).
+class PlantedStore:
+    """A public `SqliteStore` of `path` with trouble a test plants in it.
 
     `fail_next` makes the next `n` transactions raise `sqlite3.OperationalError` before they run
     (a database that is briefly unavailable); while `gate` is an unset `trio.Event`, transactions
-    wait for it (a slow database). `transactions` counts committed transactions.
+    wait for it (a slow database). `transactions` counts committed transactions. Not an
+    `SqliteStore`, so an engine on it takes no engine lock: two fleet engines may share a file.
     """
 
     dialect = "sqlite"
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._conn: sqlite3.Connection | None = None
+        self._store = SqliteStore(path, connections=1, synchronous="OFF")
         self.fail_next = 0
         self.gate: trio.Event | None = None
         self.transactions = 0
@@ -63,26 +65,19 @@ class InlineSqliteStore:
             await self.gate.wait()
         if self.fail_next:
             self.fail_next -= 1
-            raise sqlite3.OperationalError("database is unavailable (planted by the test)")
-        if self._conn is None:
-            self._conn = sqlite3.connect(self.path, isolation_level=None)
-            self._conn.execute("PRAGMA journal_mode=WAL")
-            self._conn.execute("PRAGMA synchronous=OFF")
-        conn = self._conn
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            result = fn(_InlineTx(conn))
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
+            busy = sqlite3.OperationalError("database is unavailable (planted by the test)")
+            busy.sqlite_errorcode = 5  # SQLITE_BUSY: what the engine retries
+            raise busy
+        result = await self._store.transact(fn)
         self.transactions += 1
         return result
 
     async def aclose(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        await self._store.aclose()
+
+
+#: The name the tests of other branches knew it by.
+InlineSqliteStore = PlantedStore
 
 
 def kind(fn: Callable[..., Any]) -> str:
@@ -100,8 +95,8 @@ class _Waiting:
         self.answer: trio.Event | None = None
 
 
-class ValveStore(InlineSqliteStore):
-    """An `InlineSqliteStore` whose transactions a test lets through one at a time.
+class ValveStore(PlantedStore):
+    """A `PlantedStore` whose transactions a test lets through one at a time.
 
     A transaction of a *held* kind (the name of the store function it runs, `kind`; ``"*"``
     holds every kind) waits before it runs until the test lets it through (`let_through`),
@@ -185,7 +180,9 @@ class ValveStore(InlineSqliteStore):
                 if w in self._waiting:
                     self._waiting.remove(w)
             if w.fail:
-                raise sqlite3.OperationalError(f"{name} failed (planted by the test)")
+                busy = sqlite3.OperationalError(f"{name} failed (planted by the test)")
+                busy.sqlite_errorcode = 5  # SQLITE_BUSY: the store is unavailable
+                raise busy
             result = await super().transact(fn)
             if w.answer is not None:
                 await w.answer.wait()

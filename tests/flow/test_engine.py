@@ -1,8 +1,9 @@
 """The engine (SPEC 5.2-5.4) under `MockClock(autojump_threshold=0)` on real SQLite.
 
-Most tests use `InlineSqliteStore` (real SQLite run on the trio thread, see _helpers) so that
-time moves only when every task waits for time; the tests at the end run on the threaded
-`SqliteStore` and on PostgreSQL.
+Most tests open engines as users do, ``flow.open_engine(path)``: under a mock clock the SQLite
+store runs its transactions on the trio thread, so time moves only when every task waits for time
+(docs/adr/0066). A `PlantedStore` (see _helpers) plants a store outage or a slow store; the
+tests at the end run on the threaded `SqliteStore` and on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ferry.flow import _store
 from ferry.projected import PostgresStore, SqliteStore, Store
 from tests import pg
 
-from ._helpers import InlineSqliteStore
+from ._helpers import PlantedStore
 
 Log = list[tuple[Any, ...]]
 
@@ -33,8 +34,14 @@ PARKED_THEN_WOKEN = ["started", "step", "step", "parked", "woken", "step", "comp
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> InlineSqliteStore:
-    return InlineSqliteStore(str(tmp_path / "flows.db"))
+def store(tmp_path: Path) -> str:
+    """The path of the engine's SQLite file (each engine opens it, and closes it at the end)."""
+    return str(tmp_path / "flows.db")
+
+
+@pytest.fixture
+def planted(tmp_path: Path) -> PlantedStore:
+    return PlantedStore(str(tmp_path / "flows.db"))
 
 
 @asynccontextmanager
@@ -107,6 +114,10 @@ async def settle(engine: flow.Engine, flow_id: str) -> flow.Snapshot:
 
 
 async def count_rows(store: Any) -> dict[flow.State, int]:
+    """How many flows the store holds in each state (`store`: a path, or an open store)."""
+    if isinstance(store, str):
+        async with SqliteStore(store) as reader:
+            return await count_rows(reader)
     counts: dict[flow.State, int] = await store.transact(_store.count_states)
     return counts
 
@@ -786,7 +797,8 @@ async def test_publish_checks_every_decision_before_applying_any(store, autojump
             engine.on("e", "not callable")  # type: ignore[arg-type]
 
 
-async def test_a_call_that_raises_cancelled_did_not_happen(store, autojump_clock) -> None:
+async def test_a_call_that_raises_cancelled_did_not_happen(planted, autojump_clock) -> None:
+    store = planted
     plan = simple_plan(_noop)
     async with engine_on(store, plan) as engine:
         calls: list[Callable[[], Any]] = [
@@ -947,7 +959,8 @@ async def test_max_running_bounds_running_flows_first_come_first_served(
 # --------------------------------------------------------------------- store trouble, fencing
 
 
-async def test_a_failed_write_is_retried_and_a_failed_call_raises(store, autojump_clock) -> None:
+async def test_a_failed_write_is_retried_and_a_failed_call_raises(planted, autojump_clock) -> None:
+    store = planted
     plan = simple_plan(_noop, _noop)
     async with engine_on(store, plan) as engine:
         fid = await engine.start(plan)
@@ -985,7 +998,8 @@ async def test_a_write_behind_the_engines_back_makes_its_runner_follow_the_store
 
         # another writer (say, an operator's tool) cancels the flow directly in the store
         op = _store.Change(fid, lambda f, _b: m.cancel(f, shape, "by hand", 0.0))
-        await store.transact(partial(_store.write_batch, ops=[op]))
+        async with SqliteStore(store) as tool:  # not an engine: it takes no engine lock
+            await tool.transact(partial(_store.write_batch, ops=[op]))
         gate.set()  # the step finishes; its write loses the compare-and-set
         snap = await settle(engine, fid)
         assert snap.state is flow.State.FAILED and snap.error == "by hand"

@@ -1,14 +1,18 @@
 """The fleet's leases (SPEC 5.4, issue 10) under `MockClock(autojump_threshold=0)`.
 
-Several engines share one real SQLite file here, each through its own `InlineSqliteStore`
-connection (see _helpers), with the fleet's leases forced on (`_fleet=True`): the same code that
-runs on PostgreSQL, deterministic. A "frozen" engine is one whose store is held (`gate`): its
-transactions wait, as a SIGSTOPped process's would, while the clock runs on for the others.
+Several engines share one real SQLite file here, each through its own `PlantedStore` (a public
+`SqliteStore` wrapped, see _helpers, so no engine lock), with the fleet's leases forced on
+(`_fleet=True`): the same code that runs on PostgreSQL, deterministic. A "frozen" engine is one
+whose store is held (`gate`): its transactions wait, as a SIGSTOPped process's would, while the
+clock runs on for the others.
 Every engine's wall clock is ``T0 + trio.current_time()``, so their leases compare exactly.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
@@ -23,7 +27,7 @@ from ferry import flow
 from ferry.flow import _machine as m
 from ferry.flow import _store
 
-from ._helpers import InlineSqliteStore
+from ._helpers import PlantedStore
 
 T0 = 1_700_000_000.0
 LEASE = 30.0
@@ -41,7 +45,7 @@ def path(tmp_path: Path) -> str:
 
 @asynccontextmanager
 async def fleet_engine(
-    store: InlineSqliteStore, *plans: flow.Plan, owner: str, **options: Any
+    store: PlantedStore, *plans: flow.Plan, owner: str, **options: Any
 ) -> AsyncIterator[flow.Engine]:
     options.setdefault("lease", LEASE)
     async with flow.open_engine(
@@ -50,13 +54,13 @@ async def fleet_engine(
         yield engine
 
 
-async def row(store: InlineSqliteStore, flow_id: str) -> m.Flow:
+async def row(store: PlantedStore, flow_id: str) -> m.Flow:
     f = await store.transact(partial(_store.load, flow_id=flow_id))
     assert f is not None
     return f
 
 
-async def kinds(store: InlineSqliteStore, flow_id: str) -> list[str]:
+async def kinds(store: PlantedStore, flow_id: str) -> list[str]:
     events = await store.transact(partial(_store.load_history, flow_id=flow_id))
     assert events is not None
     return [e.kind for e in events]
@@ -104,7 +108,7 @@ def saga(log: Log, gates: dict[str, trio.Event] | None = None, *, park: float | 
 # ------------------------------------------------------------------------------ leases, renewal
 
 
-async def engine_lease(store: InlineSqliteStore, owner: str) -> float | None:
+async def engine_lease(store: PlantedStore, owner: str) -> float | None:
     for name, until, _started, _held in await store.transact(_store.load_engines):
         if name == owner:
             return until
@@ -115,7 +119,7 @@ async def test_a_running_flow_is_held_by_its_engine_whose_lease_is_renewed(
     path, autojump_clock
 ) -> None:
     gates: dict[str, trio.Event] = {}
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     async with fleet_engine(store, saga([], gates), owner="a") as a:
         await a.start(a._plans[("order", 1)], flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
@@ -155,7 +159,7 @@ async def test_a_frozen_owner_cannot_advance_a_flow_taken_over(
     log: Log = []
     gates: dict[str, trio.Event] = {}
     plan = saga(log, gates)
-    store_a, store_b = InlineSqliteStore(path), InlineSqliteStore(path)
+    store_a, store_b = PlantedStore(path), PlantedStore(path)
     async with AsyncExitStack() as stack:
         a = await stack.enter_async_context(
             fleet_engine(store_a, plan, owner="a", _fencing=fencing)
@@ -201,7 +205,7 @@ async def test_an_orphan_is_claimed_by_exactly_one_engine(
     compare-and-set (planted) lets all of them run it."""
     log: Log = []
     plan = saga(log)
-    stores = [InlineSqliteStore(path) for _ in range(3)]
+    stores = [PlantedStore(path) for _ in range(3)]
     async with AsyncExitStack() as stack:
         engines = [
             await stack.enter_async_context(fleet_engine(s, plan, owner=f"e{i}", _fencing=fencing))
@@ -221,27 +225,74 @@ async def test_an_orphan_is_claimed_by_exactly_one_engine(
         assert sum(claims) == 3 and [e[0] for e in log].count("reserve") == 3
 
 
-async def test_a_restart_under_the_same_name_resumes_its_flows_at_once(
+def gone_pid() -> int:
+    """The id of a process of this host that is gone (it ran, exited and was reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+async def _as_if_killed(store: PlantedStore, owner: str, until: float, pid: int) -> None:
+    """The engine row of `owner` as a killed engine leaves it: its lease still runs, and it
+    names the process `pid`."""
+
+    def write(tx: Any) -> None:
+        tx.execute(
+            "UPDATE flow_engines SET lease_until = ?, pid = ? WHERE owner = ?", (until, pid, owner)
+        )
+
+    await store.transact(write)
+
+
+async def test_a_restart_under_the_same_name_resumes_at_once_when_the_old_process_is_gone(
     path, autojump_clock
 ) -> None:
     log: Log = []
     gates: dict[str, trio.Event] = {}
     plan = saga(log, gates)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     async with fleet_engine(store, plan, owner="a") as a:
         await a.start(plan, flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
         until = await engine_lease(store, "a")
     assert until is not None
-    await store.transact(
-        partial(_store.heartbeat, owner="a", until=until, now=wall())
-    )  # as if a had been killed: its lease still runs
-    async with fleet_engine(InlineSqliteStore(path), plan, owner="a") as again:
+    await _as_if_killed(store, "a", until, gone_pid())
+    async with fleet_engine(PlantedStore(path), plan, owner="a") as again:
         await trio.testing.wait_all_tasks_blocked()
         assert ("charge", "f", 2) in log and trio.current_time() < LEASE / 10
         assert again.statistics().recovered == 1
         gates["f/2"].set()
         await again.wait("f", timeout=60)
+
+
+async def test_a_second_engine_under_a_live_name_is_refused_until_the_lease_lapses(
+    path, autojump_clock
+) -> None:
+    log: Log = []
+    gates: dict[str, trio.Event] = {}
+    plan = saga(log, gates)
+    store = PlantedStore(path)
+    async with fleet_engine(store, plan, owner="a") as a:
+        await a.start(plan, flow_id="f")
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(flow.StoreLocked, match=r"owner 'a'.*one live engine per owner name"):
+            async with fleet_engine(PlantedStore(path), plan, owner="a"):
+                pytest.fail("a second engine opened under a live owner name")  # pragma: no cover
+        assert [e for e in log if e[0] == "charge"] == [("charge", "f", 1)]  # nothing ran twice
+        until = await engine_lease(store, "a")
+    assert until is not None
+    # As if `a` had been frozen or cut off, in a process that still exists (this one): its
+    # lease runs, so a restart under the name must wait for it to lapse.
+    await _as_if_killed(store, "a", until, os.getpid())
+    with pytest.raises(flow.StoreLocked):
+        async with fleet_engine(PlantedStore(path), plan, owner="a"):
+            pass  # pragma: no cover
+    await trio.sleep(until - wall() + 0.01)
+    async with fleet_engine(PlantedStore(path), plan, owner="a") as again:
+        await trio.testing.wait_all_tasks_blocked()
+        assert ("charge", "f", 2) in log and again.statistics().recovered == 1
+        gates["f/2"].set()
+        assert (await again.wait("f", timeout=60)).state is flow.State.COMPLETED
 
 
 async def test_closing_ends_the_leases_so_another_engine_takes_over_at_its_next_scan(
@@ -250,8 +301,8 @@ async def test_closing_ends_the_leases_so_another_engine_takes_over_at_its_next_
     log: Log = []
     gates: dict[str, trio.Event] = {}
     plan = saga(log, gates)
-    async with fleet_engine(InlineSqliteStore(path), plan, owner="b") as b:
-        async with fleet_engine(InlineSqliteStore(path), plan, owner="a") as a:
+    async with fleet_engine(PlantedStore(path), plan, owner="b") as b:
+        async with fleet_engine(PlantedStore(path), plan, owner="a") as a:
             await a.start(plan, flow_id="f")
             await trio.testing.wait_all_tasks_blocked()
         closed_at = trio.current_time()
@@ -268,12 +319,12 @@ async def test_closing_ends_the_leases_so_another_engine_takes_over_at_its_next_
 async def test_a_scan_takes_no_more_than_the_engine_has_room_for(path, autojump_clock) -> None:
     gates: dict[str, trio.Event] = {}
     plan = saga([], gates)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     await store.transact(_store.create_schema)
     shape = plan._close()
     ops = [_store.Create(m.start(shape, f"f{i}", "{}", T0, owner="dead")) for i in range(5)]
     await store.transact(partial(_store.write_batch, ops=ops))
-    async with fleet_engine(InlineSqliteStore(path), plan, owner="a", max_running=2) as a:
+    async with fleet_engine(PlantedStore(path), plan, owner="a", max_running=2) as a:
         await trio.testing.wait_all_tasks_blocked()
         assert a.statistics().claimed == 2 and a.statistics().running == 2
         owners = [(await row(store, f"f{i}")).owner for i in range(5)]
@@ -287,15 +338,15 @@ async def test_an_engine_leaves_orphans_of_a_version_it_lacks_to_one_that_has_it
     v1 = saga(log, park=None)
     v2 = flow.Plan("order", version=2)
     v2.step(name="reserve")(_noop)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     await store.transact(_store.create_schema)
     dead = m.start(v1._close(), "f", "{}", T0, owner="dead")
     await store.transact(partial(_store.write_batch, ops=[_store.Create(dead)]))
-    async with fleet_engine(InlineSqliteStore(path), v2, owner="new") as new:
+    async with fleet_engine(PlantedStore(path), v2, owner="new") as new:
         await trio.sleep(LEASE)
         assert new.statistics().claimed == 0 and log == []
         assert (await row(store, "f")).state is flow.State.RUNNING  # not blocked: others may run it
-        async with fleet_engine(InlineSqliteStore(path), v1, owner="old") as old:
+        async with fleet_engine(PlantedStore(path), v1, owner="old") as old:
             assert (await old.wait("f", timeout=600)).state is flow.State.COMPLETED
 
 
@@ -311,7 +362,7 @@ async def test_a_wake_through_another_engine_leases_the_flow_to_that_engine(
 ) -> None:
     log: Log = []
     plan = saga(log, park=3600)
-    store_a, store_b = InlineSqliteStore(path), InlineSqliteStore(path)
+    store_a, store_b = PlantedStore(path), PlantedStore(path)
     async with (
         fleet_engine(store_a, plan, owner="a") as a,
         fleet_engine(store_b, plan, owner="b") as b,
@@ -333,7 +384,7 @@ async def test_a_parked_flows_timeout_fires_exactly_once_across_the_fleet(
     all fire at the deadline, one takes it, and only that one runs the compensations."""
     log: Log = []
     plan = saga(log, park=100)
-    stores = [InlineSqliteStore(path) for _ in range(3)]
+    stores = [PlantedStore(path) for _ in range(3)]
     async with AsyncExitStack() as stack:
         engines = [
             await stack.enter_async_context(fleet_engine(s, plan, owner=f"e{i}"))
@@ -359,7 +410,7 @@ async def test_a_cancel_through_another_engine_leaves_the_flow_with_its_runner(
     log: Log = []
     gates: dict[str, trio.Event] = {}
     plan = saga(log, gates)
-    store_a, store_b = InlineSqliteStore(path), InlineSqliteStore(path)
+    store_a, store_b = PlantedStore(path), PlantedStore(path)
     async with (
         fleet_engine(store_a, plan, owner="a") as a,
         fleet_engine(store_b, plan, owner="b") as b,
@@ -386,12 +437,12 @@ async def test_an_operator_engine_without_plans_leaves_the_work_to_the_fleet(
 ) -> None:
     log: Log = []
     plan = saga(log, park=3600)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     async with fleet_engine(store, plan, owner="a") as a:
         for fid in ("w", "c"):
             await a.start(plan, flow_id=fid)
         await trio.testing.wait_all_tasks_blocked()
-        async with fleet_engine(InlineSqliteStore(path), owner="ops", serve=False) as ops:
+        async with fleet_engine(PlantedStore(path), owner="ops", serve=False) as ops:
             assert await ops.wake("w", "by hand", message_id="ops-1") is flow.Delivery.RESUMED
             assert await ops.cancel("c", "by an operator")
             for fid in ("w", "c"):
@@ -417,12 +468,12 @@ async def test_an_operator_resumes_a_blocked_flow_for_the_fleet(path, autojump_c
 
     broken.step(name="reserve", compensate=flaky_release, attempts=1)(_failing_step_0)
     broken.step(name="charge")(_fail)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     async with fleet_engine(store, broken, owner="a") as a:
         await a.start(broken, flow_id="f")
         snap = await a.wait("f", timeout=60)
         assert snap.state is flow.State.BLOCKED and "stock service down" in str(snap.error)
-        async with fleet_engine(InlineSqliteStore(path), serve=False, owner="ops") as ops:
+        async with fleet_engine(PlantedStore(path), serve=False, owner="ops") as ops:
             assert await ops.resume("f")
             assert (await ops.wait("f", timeout=60)).state is flow.State.FAILED
     assert calls["n"] == 2
@@ -449,7 +500,7 @@ async def test_flows_let_go_during_an_outage_are_released_with_the_next_renewal(
     log: Log = []
     gates: dict[str, trio.Event] = {}
     plan = saga(log, gates)
-    store_a, store_b = InlineSqliteStore(path), InlineSqliteStore(path)
+    store_a, store_b = PlantedStore(path), PlantedStore(path)
     async with fleet_engine(store_a, plan, owner="a", _scan_interval=10**6) as a:
         async with fleet_engine(store_b, plan, owner="b") as b:
             await a.start(plan, flow_id="f")
@@ -479,7 +530,7 @@ async def test_a_flow_held_but_not_run_is_adopted(path, autojump_clock) -> None:
     the engine adopts it (attempt + 1)."""
     log: Log = []
     plan = saga(log)
-    store = InlineSqliteStore(path)
+    store = PlantedStore(path)
     async with fleet_engine(store, plan, owner="a") as a:
         lost = m.start(plan._close(), "f", "{}", wall(), owner="a")  # "a" holds it, unknowingly
         await store.transact(partial(_store.write_batch, ops=[_store.Create(lost)]))

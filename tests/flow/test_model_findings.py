@@ -13,7 +13,7 @@ import trio.testing
 
 from ferry import flow
 
-from ._helpers import InlineSqliteStore, ValveStore
+from ._helpers import PlantedStore, ValveStore
 
 # The bug the model check found (fixed, ADR 0046): `cancel` through an engine that lacked the
 # flow's plan version compensated and named the top of the stack after the current step; once the
@@ -45,7 +45,7 @@ def reserve_confirm_ship(log: list[str], version: int) -> flow.Plan:
 async def cancel_without_the_version(path: str) -> tuple[bool, object, object, list[str]]:
     """Park a v1 flow, cancel it through an engine that has only v2, then bring v1 back and let
     an operator finish it (resume if it is blocked, cancel again if it is parked)."""
-    store = InlineSqliteStore(path)
+    store = path
     log: list[str] = []
     v1, v2 = reserve_confirm_ship(log, 1), reserve_confirm_ship(log, 2)
     async with flow.open_engine(store, plans=[v1]) as engine:
@@ -66,7 +66,6 @@ async def cancel_without_the_version(path: str) -> tuple[bool, object, object, l
             if snap is not None and snap.state is flow.State.PARKED:
                 await engine.cancel("o")
             snap = await engine.wait("o", timeout=86400)
-    await store.aclose()
     return resumed, blocked, snap, log
 
 
@@ -156,7 +155,7 @@ async def test_a_renewal_after_a_lapse_does_not_trust_a_flow_taken_over(
     gates = {"reserve/g/1": trio.Event(), "reserve/g/2": trio.Event()}
     plan = two_steps(log, gates)
     path = str(tmp_path / "fleet.db")
-    store_a, store_b = ValveStore(path), InlineSqliteStore(path)
+    store_a, store_b = ValveStore(path), PlantedStore(path)
     async with (
         fleet_engine(store_b, plan, "b") as b,
         fleet_engine(store_a, plan, "a", max_running=1, _scan_interval=NEVER) as a,
@@ -198,7 +197,7 @@ async def test_a_copy_from_before_a_lapse_is_read_again_before_a_body_runs_on_it
     log: list[tuple[str, str, int]] = []
     plan = two_steps(log, {})
     path = str(tmp_path / "fleet.db")
-    store_a, store_b = ValveStore(path), InlineSqliteStore(path)
+    store_a, store_b = ValveStore(path), PlantedStore(path)
     async with (
         trio.open_nursery() as nursery,
         fleet_engine(store_b, plan, "b") as b,
@@ -244,7 +243,7 @@ async def test_a_flow_taken_back_is_not_released_while_its_engine_runs_it(
     gates = {"ship/f/1": trio.Event(), "release/f/1": trio.Event()}
     plan = two_steps(log, gates)
     path = str(tmp_path / "fleet.db")
-    store_a, store_b = ValveStore(path), InlineSqliteStore(path)
+    store_a, store_b = ValveStore(path), PlantedStore(path)
     async with trio.open_nursery() as nursery:
         async with (
             fleet_engine(store_b, plan, "b", _scan_interval=NEVER) as b,

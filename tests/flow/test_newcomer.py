@@ -1,8 +1,9 @@
 """`ferry.flow` as a newcomer meets it: each mistake is answered at once, in one clear line that
 says what was wrong and what to do, and leaves nothing behind (no file, no row).
 
-Engine tests run under `MockClock(autojump_threshold=0)` on the inline SQLite store (see
-_helpers); the path tests use real paths in a temporary directory.
+Engine tests open engines on a path, as a newcomer does, under `MockClock(autojump_threshold=0)`
+(the SQLite store then runs on the trio thread); the path tests use real paths in a temporary
+directory.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import trio.testing
 import ferry
 from ferry import flow
 from ferry.flow import _store
-
-from ._helpers import InlineSqliteStore
+from ferry.projected import SqliteStore
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> InlineSqliteStore:
-    return InlineSqliteStore(str(tmp_path / "flows.db"))
+def store(tmp_path: Path) -> str:
+    """The path of the engine's SQLite file, as a user gives it."""
+    return str(tmp_path / "flows.db")
 
 
 async def _noop(ctx: flow.Context) -> None:
@@ -43,6 +44,12 @@ def plan_of(*steps: Any, name: str = "p") -> flow.Plan:
     for i, fn in enumerate(steps):
         plan.step(name=f"s{i}")(fn)
     return plan
+
+
+async def read(path: str, fn: Callable[[Any], Any]) -> Any:
+    """``fn(tx)`` in a transaction of a store of `path` (a tool's, not an engine: no lock)."""
+    async with SqliteStore(path) as tool:
+        return await tool.transact(fn)
 
 
 def files(directory: Path) -> list[str]:
@@ -79,7 +86,7 @@ async def test_a_path_in_a_missing_directory_names_the_directory(tmp_path: Path)
 async def test_a_directory_or_a_file_that_is_not_sqlite_is_refused_and_left_alone(
     tmp_path: Path,
 ) -> None:
-    message = await refused(IsADirectoryError, str(tmp_path), plan_of(_noop))
+    message = await refused(ValueError, str(tmp_path), plan_of(_noop))
     assert f"{str(tmp_path)!r} is a directory" in message
     notes = tmp_path / "notes.txt"
     notes.write_text("not a database\n")
@@ -90,14 +97,14 @@ async def test_a_directory_or_a_file_that_is_not_sqlite_is_refused_and_left_alon
 
 
 async def test_open_engine_without_async_with_says_how_to_open_it(
-    store: InlineSqliteStore,
+    store: str,
 ) -> None:
     opening = flow.open_engine(store, plans=[plan_of(_noop)])
     with pytest.raises(TypeError, match=r"async with flow\.open_engine\(store, plans=\[\.\.\.\]\)"):
         await opening  # type: ignore[misc]
     with pytest.raises(AttributeError, match=r"not the engine.*'\.start' was asked"):
         opening.start  # type: ignore[attr-defined]  # noqa: B018
-    assert not await store.transact(_store.has_tables)  # nothing was opened
+    assert files(Path(store).parent) == []  # nothing was opened, nor created
     async with opening as engine:  # the same object still opens the engine
         assert isinstance(engine, flow.Engine)
 
@@ -106,11 +113,11 @@ async def test_open_engine_without_async_with_says_how_to_open_it(
 
 
 async def test_a_serving_engine_without_plans_is_refused_an_operators_engine_is_not(
-    store: InlineSqliteStore, autojump_clock: Any
+    store: str, autojump_clock: Any
 ) -> None:
     message = await refused(ValueError, store)
     assert "no plans" in message and "serve=False" in message
-    assert not await store.transact(_store.has_tables)  # nothing was opened
+    assert files(Path(store).parent) == []  # nothing was opened, nor created
     async with engine_on(store, plan_of(_park)) as engine:
         fid = await engine.start(engine._plans[("p", 1)])
         await trio.testing.wait_all_tasks_blocked()  # parked
@@ -119,7 +126,7 @@ async def test_a_serving_engine_without_plans_is_refused_an_operators_engine_is_
 
 
 async def test_plans_that_are_not_a_list_of_plans_say_how_to_give_them(
-    store: InlineSqliteStore,
+    store: str,
 ) -> None:
     plan = plan_of(_noop)
     with pytest.raises(TypeError, match=r"plans=\[p\]"):
@@ -134,13 +141,13 @@ async def test_plans_that_are_not_a_list_of_plans_say_how_to_give_them(
 
 
 async def test_every_engine_call_from_another_run_or_thread_names_the_engine_and_the_way(
-    store: InlineSqliteStore,
+    store: str,
 ) -> None:
     plan = plan_of(_park)
     async with engine_on(store, plan) as engine:
         fid = await engine.start(plan, flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
-        before = await store.transact(_store.count_states)
+        before = await read(store, _store.count_states)
         calls: dict[str, Callable[[], Awaitable[object]]] = {
             "start": partial(engine.start, plan),
             "wake": partial(engine.wake, fid, "x"),
@@ -182,14 +189,14 @@ async def test_every_engine_call_from_another_run_or_thread_names_the_engine_and
         assert "outside any trio run" in str(errors["on"])
         assert "trio.from_thread.run_sync(engine.on" in str(errors["on"])
         # nothing happened: no flow, no wake, no mapper
-        assert await store.transact(_store.count_states) == before
+        assert await read(store, _store.count_states) == before
         assert await engine.publish("e", {}) == []
         assert (await engine.get(fid)).state is flow.State.PARKED  # type: ignore[union-attr]
         assert engine.statistics().wakes[flow.Delivery.QUEUED] == 0
     engine.statistics()  # readable from anywhere once closed
 
 
-async def test_calls_after_close_say_the_block_has_ended(store: InlineSqliteStore) -> None:
+async def test_calls_after_close_say_the_block_has_ended(store: str) -> None:
     async with engine_on(store, plan_of(_noop)) as engine:
         pass
     with pytest.raises(ferry.Closed, match=r"Engine.get: .*block has ended"):
@@ -200,7 +207,7 @@ async def test_calls_after_close_say_the_block_has_ended(store: InlineSqliteStor
 
 
 async def test_a_wait_that_times_out_says_where_the_flow_still_is(
-    store: InlineSqliteStore, autojump_clock: Any
+    store: str, autojump_clock: Any
 ) -> None:
     flaky_runs = 0
 
@@ -285,7 +292,7 @@ async def _returns_a_coroutine(ctx: flow.Context) -> Any:
     ],
 )
 async def test_a_step_that_returns_a_near_miss_fails_with_the_fix(
-    store: InlineSqliteStore, autojump_clock: Any, step: Any, hint: str
+    store: str, autojump_clock: Any, step: Any, hint: str
 ) -> None:
     plan = plan_of(step)
     async with engine_on(store, plan) as engine:
@@ -298,19 +305,17 @@ async def test_a_step_that_returns_a_near_miss_fails_with_the_fix(
 # ---------------------------------------------------------------------- plans, choreography
 
 
-async def test_a_plan_built_twice_is_named_as_such(
-    store: InlineSqliteStore, autojump_clock: Any
-) -> None:
+async def test_a_plan_built_twice_is_named_as_such(store: str, autojump_clock: Any) -> None:
     async with engine_on(store, plan_of(_noop)) as engine:
         with pytest.raises(flow.UnknownPlan, match="is not the object given to open_engine"):
             await engine.start(plan_of(_noop))
         with pytest.raises(flow.UnknownPlan, match="was not given to open_engine"):
             await engine.start(plan_of(_noop, name="other"))
-        assert await store.transact(_store.count_states) == {}
+        assert await read(store, _store.count_states) == {}
 
 
 async def test_a_mapper_mistake_names_the_mapper_and_the_event_type(
-    store: InlineSqliteStore, autojump_clock: Any
+    store: str, autojump_clock: Any
 ) -> None:
     plan = plan_of(_park)
     async with engine_on(store, plan) as engine:
@@ -329,11 +334,11 @@ async def test_a_mapper_mistake_names_the_mapper_and_the_event_type(
         engine.on("placed", lambda e: flow.Start(other, flow_id="x"))
         with pytest.raises(flow.UnknownPlan, match=r"for 'placed' returned Start.*not the object"):
             await engine.publish("placed", {})
-        assert await store.transact(_store.count_states) == {}
+        assert await read(store, _store.count_states) == {}
 
 
 async def test_a_step_that_sets_a_read_only_field_of_its_context_is_told_which(
-    store: InlineSqliteStore, autojump_clock: Any
+    store: str, autojump_clock: Any
 ) -> None:
     async def sets_wake(ctx: flow.Context) -> None:
         ctx.wake = {"paid": True}
@@ -364,7 +369,7 @@ def test_the_docs_lead_to_the_fleet_page_and_the_inspector() -> None:
 
 
 async def test_an_empty_message_id_is_refused_before_it_swallows_later_wakes(
-    store: InlineSqliteStore, autojump_clock: Any
+    store: str, autojump_clock: Any
 ) -> None:
     plan = plan_of(_park, _park)
     async with engine_on(store, plan) as engine:

@@ -93,7 +93,7 @@ def test_a_bad_flag_is_a_one_line_error(args: list[str], message: str) -> None:
 
 def test_a_database_another_engine_serves_is_a_one_line_error(tmp_path: Path) -> None:
     db = tmp_path / "orders.db"
-    fd = os.open(f"{db}.engine-lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(db, os.O_RDWR | os.O_CREAT, 0o644)  # the lock is on the database file
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as an engine serving the file does
         done = orders("--db", str(db), "--orders", "1", "--quiet")

@@ -127,3 +127,34 @@ async def test_a_recovery_that_gives_up_on_an_error_strands_flows(
     monkeypatch.setattr(_engine.Engine, "_scan_loop", quietly)
     left, _stats = await recover_through_an_outage(server, patience=4 * LEASE)
     assert left > 0
+
+
+async def test_the_dashboard_says_the_database_is_down_and_recovers(server: pg.PgServer) -> None:
+    """The dashboard over PostgreSQL while the server crashes and comes back: the pages answer
+    503 "unavailable" (and reload themselves), then the flows again, with nothing restarted."""
+    import httpx
+
+    from ferry.flow._dashboard._serve import open_dashboard
+
+    dsn = server.fresh_schema_dsn()
+    async with PostgresStore(dsn, connections=1) as store:
+        await orphans(store, plan()._close())
+    async with open_dashboard(dsn, where="db", is_dsn=True, token="t" * 20) as dash:
+        transport = httpx.ASGITransport(app=dash.app())
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as web:
+            r = await web.get("/flows?state=RUNNING")
+            assert r.status_code == 200 and r.text.count('class="flow"') == 50, r.text[-1500:]
+            await trio.to_thread.run_sync(server.halt)
+            try:
+                for url in ("/", "/flows", "/flow?id=o0001"):
+                    r = await web.get(url)
+                    assert r.status_code == 503, url
+                    assert "The database is unavailable" in r.text
+                    assert 'http-equiv="refresh"' in r.text
+            finally:
+                await trio.to_thread.run_sync(server.resume)
+            # (the server of these tests commits asynchronously: a crash may lose the last
+            # commits, so what the list holds now is not checked, only that it answers)
+            for url in ("/", "/flows?state=RUNNING"):
+                r = await web.get(url)
+                assert r.status_code == 200 and "unavailable" not in r.text, url

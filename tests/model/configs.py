@@ -228,6 +228,29 @@ FLEET_DEFAULT = [
     ),
 ]
 
+# Issue 16: owner incarnations (engine 1 is a second opening of engine 0's name) and versions
+# (engine 1 lacks the flow's plan version, a rolling deploy).
+FLEET_EDGES = [
+    FlowConfig(
+        "fleet: a second incarnation of engine 0's name, a freeze, 1 crash, the timeout",
+        LEAN,
+        wakes=(),
+        cancel=False,
+        resumes=0,
+        engines=2,
+        freezes=1,
+        same_name=True,
+    ),
+    FlowConfig(
+        "fleet: engine 1 lacks the version, 1 wake and a cancel through either, 1 crash",
+        LEAN,
+        wakes=("m1",),
+        resumes=0,
+        engines=2,
+        versions=True,
+    ),
+]
+
 FLEET_SLOW = [
     FlowConfig(
         "fleet: ORDER's retry and raising compensation, 1 wake, a cancel, 1 crash",

@@ -77,11 +77,12 @@ from typing import Any
 import attrs
 
 from ferry.flow import _machine as fm
-from ferry.flow._machine import Flow, Mailbox, Transition
+from ferry.flow._machine import Flow, Mailbox, Shape, Transition
 from ferry.flow._types import State
 from tests.model.checker import _step_violation
 from tests.model.flow import (
     ACTIVE,
+    BLOCK,
     DONE,
     PARKED,
     READY,
@@ -124,6 +125,14 @@ class FleetProtocol(FlowProtocol):
     #: a flow let go and then left with this engine again (a wake, a timer, a cancel through it)
     #: is no longer released by the next renewal (`Engine._track`)
     retaken_not_released = True
+    #: an engine opens under an owner name only if no other incarnation that is up holds it
+    #: with a live lease, and the name is then its alone (`_store.claim`, ADR 0071)
+    claim_checks_incarnation = True
+    #: an engine without the flow's plan version leaves it to a live engine that has it: an
+    #: outside request is computed with the fleet's shape and leaves the flow nobody's, it fires
+    #: no timer and takes nothing over of that version, and its runner lets such a flow go
+    #: instead of blocking it (`Engine._versioned`, `_elsewhere`, ADR 0074)
+    fleet_versions = True
 
     def take_over(self, flow: Flow, owner: str, now: float) -> Transition:
         return fm.take_over(flow, owner, now)
@@ -145,14 +154,33 @@ class FleetChecker(FlowChecker):
         check_machine: bool = True,
     ) -> None:
         assert 2 <= config.engines <= len(NAMES), config.engines
-        assert not config.unregistered, "the fleet model runs every engine with the plan"
+        assert not config.unregistered, "the fleet model varies versions with `versions`"
         super().__init__(config, protocol or FleetProtocol(), check_machine=check_machine)
+        n = config.engines
+        #: each engine's owner name: with `same_name`, engine 1 is a second incarnation of
+        #: engine 0's name (a copy-pasted configuration, or a restart elsewhere)
+        self.names = (NAMES[0], *NAMES[:1], *NAMES[2:n]) if config.same_name else NAMES[:n]
+        #: the engines without the flow's plan version (a rolling deploy)
+        self.lacks = frozenset({1}) if config.versions else frozenset()
+        self._ctx: S | None = None  # the state whose successors are being computed
 
     def initial(self) -> S:
         m = super().initial()
-        t = fm.start(self.shape, "f", "{}", 0.0, owner=NAMES[0])
+        t = fm.start(self.shape, "f", "{}", 0.0, owner=self.names[0])
         m = self._set_engine(m._replace(row=t.flow), 0, runner=(RUN, t.flow, 0))
-        return m._replace(leases=(True,) * self.config.engines)
+        n = self.config.engines
+        m = m._replace(leases=(True,) * n, holders=(True,) * n)
+        if self.config.same_name:  # the second incarnation has not opened yet
+            m = self._set_engine(m, 1, up=False)._replace(
+                leases=_set(m.leases, 1, False), holders=_set(m.holders, 1, False)
+            )
+        for e in self.lacks:
+            m = self._set_engine(m, e, plan=False)
+        return m
+
+    def successors(self, m: S) -> Iterator[tuple[str, S]]:
+        self._ctx = m
+        yield from super().successors(m)
 
     def canon(self, m: S) -> Any:
         """Once the flow has ended, an engine that no longer runs it differs from another only
@@ -172,11 +200,20 @@ class FleetChecker(FlowChecker):
 
     def _holder(self, m: S) -> int | None:
         """The engine that holds the flow in the store, or None (nobody's, or not active)."""
+        holders = self._holders(m)
+        return holders[0] if holders else None
+
+    def _holders(self, m: S) -> list[int]:
+        """Every engine that holds the flow in the store: more than one only if two
+        incarnations of one name both hold it (the bug of ADR 0071)."""
         row = m.row
         if row.state not in ACTIVE or row.owner is None or row.lease_until is not None:
-            return None
-        e = NAMES.index(row.owner)
-        return e if m.leases[e] else None
+            return []
+        return [
+            e
+            for e, name in enumerate(self.names)
+            if name == row.owner and m.holders[e] and m.leases[e]
+        ]
 
     def _nobodys(self, m: S) -> bool:
         return m.row.state in ACTIVE and self._holder(m) is None
@@ -185,20 +222,58 @@ class FleetChecker(FlowChecker):
         row = m.row
         if row.owner is None:
             return "no owner"
-        e = NAMES.index(row.owner)
+        named = [e for e, name in enumerate(self.names) if name == row.owner]
+        if len(named) > 1:  # incarnations of one name: the one that holds it, if any
+            named = [e for e in named if m.holders[e]] or named
+        e = named[0]
         if row.lease_until is not None:
             return f"engine {e} let it go"
-        return f"engine {e}" + ("" if m.leases[e] else ", whose lease lapsed")
+        return f"engine {e}" + ("" if m.leases[e] and m.holders[e] else ", whose lease lapsed")
+
+    def _live_with_plan(self, m: S, e: int) -> bool:
+        """Does an engine other than e, up and with a lease that runs, have the plan version?"""
+        return any(
+            f != e and engine.up and engine.plan and m.leases[f]
+            for f, engine in enumerate(m.engines)
+        )
+
+    def _elsewhere(self, m: S, e: int) -> bool:
+        """Does engine e leave the flow to another engine (it lacks the version, one that is
+        live has it)? `Engine._elsewhere`."""
+        return e in self.lacks and self.protocol.fleet_versions and self._live_with_plan(m, e)
+
+    def _shape(self, m: S, e: int) -> Shape | None:
+        if m.engines[e].plan:
+            return self.shape
+        return self.shape if self._elsewhere(m, e) else None
 
     def _lease(self, w: Write, e: int, *, outside: bool = False) -> Write:
-        p, name = self.protocol, NAMES[e]
+        p = self.protocol
+        assert self._ctx is not None
+        name = None if self._elsewhere(self._ctx, e) else self.names[e]
         respect = outside and p.outside_respects_owner
         apply = w.apply
 
         def leased(f: Flow, b: Mailbox) -> Transition:
-            return p.leased(apply(f, b), f, name, respect)
+            return p.leased(apply(f, b), f, name, respect)  # type: ignore[arg-type]
 
         return Write(leased, w.copy, w.message_id, w.head, w.orphan, w.cas)
+
+    def _record(self, m: S, t: Transition, step: str) -> S:
+        """As `flow.py`'s; and an engine never blocks a flow for a version it lacks while
+        another live engine has it (a rolling deploy)."""
+        if (
+            t.written
+            and t.flow.state is State.BLOCKED
+            and m.row.state is not State.BLOCKED
+            and "not registered" in (t.flow.blocked or "")
+        ):
+            live = [f for f in range(len(m.engines)) if m.engines[f].plan and m.engines[f].up]
+            if any(m.leases[f] for f in live):
+                raise _step_violation(
+                    step, f"blocked for a missing version while engine {live} has it and is live"
+                )
+        return super()._record(m, t, step)
 
     # ---- engine steps ---------------------------------------------------------------------------
 
@@ -244,13 +319,15 @@ class FleetChecker(FlowChecker):
 
     def _fleet_steps(self, m: S, e: int) -> list[tuple[str, S]]:
         """Renewal, letting go, scans and adoption of engine e (up, not frozen)."""
-        p, engine, row, name = self.protocol, m.engines[e], m.row, NAMES[e]
+        p, engine, row, name = self.protocol, m.engines[e], m.row, self.names[e]
         steps: list[tuple[str, S]] = []
-        if not engine.trust or not m.leases[e] or engine.released:
+        superseded = not m.holders[e] and p.claim_checks_incarnation
+        if (not engine.trust or not m.leases[e] or engine.released) and not superseded:
             steps.append(self._renew(m, e))
         if not engine.trust and engine.runner is not None and engine.runner[0] != TAKE:
             steps.append(self._let_go(m, e, "still cannot renew"))
-        if engine.runner is None and engine.trust and row.state in ACTIVE:
+        lacks = e in self.lacks and p.fleet_versions  # it takes nothing of that version
+        if engine.runner is None and engine.trust and row.state in ACTIVE and not lacks:
             if self._nobodys(m):
                 label = f"engine {e}'s scan reads {_where(row)} ({self._who(m)}): nobody's"
                 steps.append((label, self._set_engine(m, e, runner=(TAKE, row))))
@@ -266,7 +343,7 @@ class FleetChecker(FlowChecker):
                 steps.append((label, self._after_write(self._record(m, t, label), e, t.flow)))
         deadline = row.park_deadline
         due = row.state is PARKED and deadline is not None and deadline <= m.now
-        if due and engine.timer != row:
+        if due and engine.timer != row and not lacks:
             # A scan arms the timer of every park that comes due before its next scan but one,
             # whichever engine parked it; arming earlier changes nothing until the deadline.
             label, nxt = self._timer_fires(m, e, row)
@@ -293,7 +370,7 @@ class FleetChecker(FlowChecker):
 
     def _renew(self, m: S, e: int) -> tuple[str, S]:
         """`Engine._heartbeat`: renew the lease, releasing the flow if the engine let it go."""
-        p, engine, row, name = self.protocol, m.engines[e], m.row, NAMES[e]
+        p, engine, row, name = self.protocol, m.engines[e], m.row, self.names[e]
         label = f"engine {e} renews its lease"
         if not m.leases[e]:
             label += " (it had lapsed)"
@@ -315,7 +392,10 @@ class FleetChecker(FlowChecker):
 
     def _runner_steps(self, m: S, e: int, runner: tuple[Any, ...]) -> Iterator[tuple[str, S]]:
         engine = m.engines[e]
-        if runner[0] == TAKE:
+        if runner[0] == BLOCK and self._elsewhere(m, e):
+            # An engine with the version came up meanwhile: leave the flow to it.
+            yield self._let_go(m, e, "lacks the version another live engine has")
+        elif runner[0] == TAKE:
             yield from self._take_over(m, e, runner[1])
         elif runner[0] == RUN and not engine.trust and self.protocol.runner_checks_lease:
             yield self._let_go(m, e, "does not trust its lease before the body")
@@ -323,7 +403,7 @@ class FleetChecker(FlowChecker):
             yield from super()._runner_steps(m, e, runner)
 
     def _take_over(self, m: S, e: int, copy: Flow) -> Iterator[tuple[str, S]]:
-        p, name, now = self.protocol, NAMES[e], m.now
+        p, name, now = self.protocol, self.names[e], m.now
         write = Write(
             lambda f, _b: p.take_over(f, name, now),
             copy,
@@ -352,10 +432,16 @@ class FleetChecker(FlowChecker):
             nxt = self._set_engine(self._record(m, t, lost), e, runner=None)
             yield lost, nxt._replace(world=world)
 
+    def _timer_fires(self, m: S, e: int, armed: Flow) -> tuple[str, S]:
+        if e in self.lacks and self.protocol.fleet_versions:
+            label = f"engine {e} fires no timer of a version it lacks"
+            return label, self._set_engine(m, e, timer=None)
+        return super()._timer_fires(m, e, armed)
+
     def _after_write(self, m: S, e: int, flow: Flow, failures: int = 0) -> S:
         """As `flow.py`'s, but an engine runs only an active flow held under its name."""
         m = self._set_engine(m, e, void=False)  # the run in flight, if any, is over
-        if flow.state in ACTIVE and flow.owner != NAMES[e]:
+        if flow.state in ACTIVE and flow.owner != self.names[e]:
             self.coverage.add("not ours")
             return self._set_engine(m, e, runner=None)
         if flow.state in ACTIVE and m.engines[e].released:
@@ -387,11 +473,29 @@ class FleetChecker(FlowChecker):
         """`Engine._recover` in a fleet: renew the lease under the same name, then re-run the
         flow (attempt + 1) if it is active under that name."""
         row, p, now = m.row, self.protocol, m.now
+        name = self.names[e]
+        others = [f for f in range(len(m.engines)) if f != e and self.names[f] == name]
+        live = [f for f in others if m.holders[f] and m.engines[f].up and m.leases[f]]
+        if live and p.claim_checks_incarnation:
+            # `flow.StoreLocked`: another incarnation is up with a live lease (it is not
+            # proven gone: it did not crash); this opening fails and changes nothing.
+            self.coverage.add("claim refused")
+            return
         self.coverage.add(f"restart {row.state.name}")
-        label = f"engine {e} restarts, renews its lease"
+        label = f"engine {e} opens as {name}, renews its lease"
+        if others and any(m.holders[f] for f in others):
+            label += f" (taking the name from engine {others})"
+            self.coverage.add("claim takes the name")
+        holders, leases = _set(m.holders, e, True), _set(m.leases, e, True)
+        if p.claim_checks_incarnation:
+            for f in others:  # superseded: its lease is no longer its own
+                holders, leases = _set(holders, f, False), _set(leases, f, False)
         nxt = self._set_engine(m, e, up=True, trust=True)
-        nxt = nxt._replace(leases=_set(m.leases, e, True))
-        if row.state in ACTIVE and row.owner == NAMES[e]:
+        nxt = nxt._replace(leases=leases, holders=holders)
+        for f in others:
+            if not holders[f] and nxt.engines[f].trust:
+                nxt = self._set_engine(nxt, f, trust=False)
+        if row.state in ACTIVE and row.owner == self.names[e]:
             write = Write(lambda f, _b: p.next_attempt(f, now), row)
             t = self._write(nxt, self._lease(write, e))
             assert t is not None  # held under its name: nobody else writes it
@@ -425,11 +529,11 @@ class FleetChecker(FlowChecker):
     # ---- properties -----------------------------------------------------------------------------
 
     def _check_run(self, m: S, e: int, copy: Flow, label: str) -> None:
-        holder = self._holder(m)
-        if holder is not None and holder != e:
-            raise _step_violation(
-                label, f"engine {e} runs a body of a flow engine {holder} holds: two at once"
-            )
+        for holder in self._holders(m):
+            if holder != e:
+                raise _step_violation(
+                    label, f"engine {e} runs a body of a flow engine {holder} holds: two at once"
+                )
         for f in range(len(m.engines)):
             key = None if f == e else self._in_flight(m, f)
             if key is not None:
@@ -440,7 +544,7 @@ class FleetChecker(FlowChecker):
                 )
 
     def _check_write(self, m: S, e: int, copy: Flow, label: str) -> None:
-        if m.row.owner != NAMES[e]:
+        if m.row.owner != self.names[e]:
             frozen = " (its lease lapsed during the run)" if m.engines[e].void else ""
             raise _step_violation(
                 label, f"engine {e}{frozen} recorded its run of a flow held by {m.row.owner}"
@@ -450,7 +554,8 @@ class FleetChecker(FlowChecker):
         super()._check_state(m)
         row = m.row
         if row.state in ACTIVE:
-            assert row.owner is not None, f"{_where(row)} with no owner"
+            # (nobody's: left to the fleet by an engine without its version, a rolling deploy)
+            assert row.owner is not None or self.lacks, f"{_where(row)} with no owner"
         else:
             assert row.owner is None and row.lease_until is None, f"{_where(row)} has an owner"
         for e, engine in enumerate(m.engines):

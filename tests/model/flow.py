@@ -131,6 +131,8 @@ class FlowConfig:
     engines: int = 1
     freezes: int = 0  # the fleet: an engine that runs the flow may freeze (SIGSTOP), then thaw
     outages: int = 0  # the fleet: an engine that runs the flow may fail to renew in time
+    same_name: bool = False  # the fleet: engine 1 is a second incarnation of engine 0's name
+    versions: bool = False  # the fleet: engine 1 lacks the flow's plan version (a deploy)
 
     @property
     def shape(self) -> Shape:
@@ -283,6 +285,9 @@ class S(NamedTuple):
     world: World
     ghost: Ghost
     leases: tuple[bool, ...] = ()  # the fleet: each engine's lease in the store (True: held)
+    # the fleet: each engine's incarnation holds its owner name's row (False: another opened
+    # under the name since, or it never opened)
+    holders: tuple[bool, ...] = ()
 
 
 class FlowChecker(Search):
@@ -730,7 +735,7 @@ class FlowChecker(Search):
                     via += " (no plan)"
                 label = f"{what}{via} while {_where(m.row)}: {answer}"
                 if t.delivery is not None:
-                    self._check_delivery(m, write, t, label, m.engines[e].plan)
+                    self._check_delivery(m, write, t, label, self._shape(m, e) is not None)
                 label += f", revision {t.flow.revision}, {_where(t.flow)}" if t.written else ""
                 self.coverage.add(f"{what.split()[0]} {answer}")
                 nxt = self._record(m, t, label)._replace(world=world)

@@ -87,3 +87,19 @@ class ReleaseOfAnotherOwnersFlow(FleetProtocol):
 
     release_checks_owner = False
     release_checks_revision = False
+
+
+class ClaimIgnoresTheLiveIncarnation(FleetProtocol):
+    """(9) The engine before ADR 0071: opening under an owner name that a live engine holds is
+    not refused, and both incarnations renew the name's one lease row: the second resumes the
+    flow held under the name (attempt + 1) while the first still runs it."""
+
+    claim_checks_incarnation = False
+
+
+class BlocksForAVersionAnotherEngineHas(FleetProtocol):
+    """(10) The engine before ADR 0074: an engine without the flow's plan version blocks the
+    flow when a wake, a cancel or a timer reaches it, although another live engine has the
+    version and would run it."""
+
+    fleet_versions = False

@@ -7,11 +7,13 @@ import attrs
 import pytest
 
 from ferry.flow import _store as store
-from tests.model.configs import FLEET_DEFAULT, FLEET_SLOW
+from tests.model.configs import FLEET_DEFAULT, FLEET_EDGES, FLEET_SLOW
 from tests.model.fleet import NAMES, FleetChecker, FleetProtocol
 from tests.model.flow import FlowConfig, S, Write
 from tests.model.planted_fleet import (
+    BlocksForAVersionAnotherEngineHas,
     CancelTakesTheFlow,
+    ClaimIgnoresTheLiveIncarnation,
     FleetTimerWithoutRevisionCheck,
     FleetWriteWithoutRevisionCheck,
     ReleaseOfAnotherOwnersFlow,
@@ -25,6 +27,7 @@ from tests.model.planted_fleet import (
 from tests.model.test_flow_model import StoreMirror, _agree
 
 EITHER, CANCEL, FROZEN, OUTAGE = FLEET_DEFAULT
+SAME_NAME, VERSIONS = FLEET_EDGES
 
 # What each default bound must reach, so that no property is vacuous.
 REACHED = {
@@ -37,9 +40,14 @@ EXTRA = {
     CANCEL.name: {"cancel True", "cancel False", "cancelled", "not ours", "write refused"},
     FROZEN.name: {"freeze", "lapse hits a run", "let go", "release", "write refused"},
     OUTAGE.name: {"let go", "release", "takeover answer lost", "adopt", "let go, then ours again"},
+    SAME_NAME.name: {"claim refused", "claim takes the name", "freeze", "takeover"},
+    VERSIONS.name: {"wake RESUMED", "wake QUEUED", "cancel True", "takeover", "timer fires"},
 }
 WAKELESS = {"end COMPLETED", "completed", "woken"}  # without a wake, the park times out
-REACHED_BY = {c.name: REACHED - (WAKELESS if not c.wakes else set()) for c in FLEET_DEFAULT}
+REACHED_BY = {
+    c.name: REACHED - (WAKELESS if not c.wakes else set()) for c in FLEET_DEFAULT + FLEET_EDGES
+}
+REACHED_BY[SAME_NAME.name] -= {"takeover refused"}  # one runner at a time under one name
 
 
 def _run(config: FlowConfig, protocol: FleetProtocol) -> FleetChecker:
@@ -58,6 +66,29 @@ def test_fleet_model_check(config: FlowConfig) -> None:
     """The engine as it is: wakes, the timeout, a cancel and crashes through either engine; a
     frozen owner; renewals that fail and a takeover whose answer is lost."""
     _run(config, FleetProtocol())
+
+
+@pytest.mark.parametrize("config", FLEET_EDGES, ids=lambda c: c.name)
+def test_fleet_model_check_of_incarnations_and_versions(config: FlowConfig) -> None:
+    """Issue 16: a second opening under engine 0's name (refused while engine 0 is up with its
+    lease; allowed once it crashed or its lease lapsed, which supersedes it), and an engine
+    without the flow's version (it leaves the flow to engine 0 while that one is live)."""
+    _run(config, FleetProtocol())
+
+
+def test_catches_a_second_incarnation_that_is_not_refused() -> None:
+    found = FleetChecker(SAME_NAME, ClaimIgnoresTheLiveIncarnation()).find()
+    print(f"\n{found}")
+    assert found.message.endswith("two at once")
+    assert any("engine 1 opens as e0" in step for step in found.trace)
+    assert not any("freezes" in step or "crash" in step for step in found.trace)
+
+
+def test_catches_an_engine_that_blocks_a_version_another_engine_has() -> None:
+    found = FleetChecker(VERSIONS, BlocksForAVersionAnotherEngineHas()).find()
+    print(f"\n{found}")
+    assert "blocked for a missing version while engine [0] has it" in found.message
+    assert "(engine 1)" in found.trace[-1]
 
 
 @pytest.mark.slow

@@ -1,0 +1,222 @@
+"""A fleet engine's lease renewal on a thread of its own (docs/adr/0072).
+
+Why a thread: the lease must not depend on the trio loop. A step whose synchronous code holds
+the loop for a few seconds (a slow library call, a long computation) stops every task of the
+run, the engine's renewals with them; with a lease shorter than that, another engine takes the
+flows over and runs their steps again while the first one's steps are still going. A plain
+thread keeps running while the loop is held (Python switches threads every few milliseconds even
+under CPU-bound code), so it renews on time.
+
+`Keeper` owns one connection of its own, in autocommit (not one of the store's pool, which
+may all be busy with batches or dead after a network fault) and, every third of the lease,
+extends the
+incarnation's lease (`_store.renew_lease`). It renews only a lease that still runs: past the
+margin the renewal is the engine's own, through the store, with the re-read of the flows it runs
+(ADR 0047); that is also what a process frozen as a whole (SIGSTOP) sees when it thaws, since the
+thread froze with it. A renewal that fails is tried again at once on a fresh connection, then
+after short pauses, until the margin; each failure is a WARNING. `held_until` is read by the
+engine on the trio thread (`Engine._lapsing`), and `Trust`, a trio instrument, moves the
+deadlines of the steps the engine runs with it before trio fires any expired deadline: a loop
+that was held past the lease wakes up with its steps cancelled, not resumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+import trio
+
+from ferry.projected import PostgresStore, Store
+
+from . import _store
+
+T = TypeVar("T")
+
+_log = logging.getLogger("ferry.flow")
+_FIRST_PAUSE = 0.05  # seconds, after the retry at once on a fresh connection; doubles
+
+
+class _ConnTx:
+    """A `ferry.projected.Tx` on one psycopg connection, for `_store`'s functions."""
+
+    dialect = "postgres"
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+
+    @property
+    def connection(self) -> Any:
+        return self._conn
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        cur = self._conn.execute(sql.replace("%", "%%").replace("?", "%s"), params)
+        return cur.fetchall() if cur.description is not None else []
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        for row in rows:
+            self.execute(sql, row)
+
+
+class Keeper:
+    """Renews one engine incarnation's lease from a thread, on a connection of its own.
+
+    `held_until` (wall-clock seconds) is how long the lease is known to run: raised by the
+    thread's renewals and by the engine's own (`extend`). `superseded` is set once another
+    incarnation holds the name. `renewals` and `failures` count the thread's work.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        owner: str,
+        incarnation: str,
+        lease: float,
+        margin: float,
+        held_until: float,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._dsn = dsn
+        self._owner = owner
+        self._incarnation = incarnation
+        self._lease = lease
+        self._margin = margin
+        self._clock = wall_clock
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._conn: Any = None
+        self._thread: threading.Thread | None = None
+        self.held_until = held_until
+        self.superseded = False
+        self.renewals = 0
+        self.failures = 0
+
+    def extend(self, until: float) -> None:
+        """The lease runs at least until `until` (a renewal of the engine's own). Any thread."""
+        with self._lock:
+            if until > self.held_until:
+                self.held_until = until
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name=f"ferry.flow lease of {self._owner!r}", daemon=True
+        )
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Stop the thread and close its connection; waits for it (a statement in flight ends
+        within its statement timeout, a quarter of the lease). A checkpoint; not cancellable."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(thread.join)
+
+    # --------------------------------------------------------------------- the thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self._lease / 3):
+                self._renew()
+        except BaseException:  # a bug: the lease lapses, the engine lets its flows go
+            _log.exception("flow engine %r: its lease thread stopped", self._owner)
+            raise
+        finally:
+            self._close()
+
+    def _renew(self) -> None:
+        """One renewal, retried (at once on a fresh connection, then after short pauses) while
+        the lease still runs by more than the margin."""
+        pause = _FIRST_PAUSE
+        tries = 0
+        while not self._stop.is_set():
+            if self._clock() >= self.held_until - self._margin:
+                return  # lapsing: the engine renews itself, re-reading its flows
+            until = self._clock() + self._lease
+            try:
+                renewed = self._transact(
+                    partial(
+                        _store.renew_lease,
+                        owner=self._owner,
+                        incarnation=self._incarnation,
+                        until=until,
+                        margin=self._margin,
+                    )
+                )
+            except _store.Superseded:
+                self.superseded = True
+                _log.warning(
+                    "flow engine %r: another engine opened under the same owner name after this"
+                    " one's lease lapsed; this one runs no flow any more",
+                    self._owner,
+                    extra={"owner": self._owner},
+                )
+                return
+            except Exception as exc:
+                self._close()
+                self.failures += 1
+                tries += 1
+                delay = 0.0 if tries == 1 else pause
+                _log.warning(
+                    "flow engine %r: renewing its lease failed: %r; retry %d in %.2f s%s",
+                    self._owner,
+                    exc,
+                    tries,
+                    delay,
+                    " on a fresh connection" if tries == 1 else "",
+                    extra={"owner": self._owner, "retry": tries, "delay": delay},
+                )
+                if tries > 1:
+                    pause = min(pause * 2, self._lease / 10)
+                    self._stop.wait(delay)
+                continue
+            if renewed is not None:
+                self.extend(renewed)
+                self.renewals += 1
+            return
+
+    def _transact(self, fn: Callable[[_ConnTx], T]) -> T:
+        if self._conn is None:
+            import psycopg
+
+            guard = max(1, int(self._lease * 250))  # ms: a quarter of the lease
+            # Autocommit: each statement commits on its own, so a process frozen between two
+            # statements holds no lock on its lease row (a takeover of its flows locks that
+            # row, ADR 0048, and would wait for as long as the process sleeps).
+            conn = psycopg.connect(
+                self._dsn, autocommit=True, connect_timeout=max(2, round(self._lease / 4))
+            )
+            conn.execute(f"SET statement_timeout = {guard}")
+            self._conn = conn
+        return fn(_ConnTx(self._conn))
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception as exc:  # closing a dead connection: nothing left to release
+                _log.debug("flow engine %r: closing the lease connection: %r", self._owner, exc)
+
+
+def keeper_for(store: Store) -> str | None:
+    """The DSN a `Keeper` connects with, for a store that can have one (PostgreSQL); None for
+    the others (one SQLite file has one engine and no lease to keep)."""
+    return store.dsn if isinstance(store, PostgresStore) else None
+
+
+class Trust(trio.abc.Instrument):
+    """A trio instrument: before trio fires expired deadlines (``after_io_wait``), let the
+    engine move its steps' deadlines to what its lease now allows (`on_wake`). Cheap: one call
+    of a method that compares two floats, once per turn of the scheduler."""
+
+    def __init__(self, on_wake: Callable[[], None]) -> None:
+        self._on_wake = on_wake
+
+    def after_io_wait(self, timeout: float) -> None:
+        self._on_wake()

@@ -1,0 +1,141 @@
+"""The one retry rule of the flow engine's own store calls (docs/adr/0061).
+
+The engine retries a store call only when the store says "not available now": the call did not
+happen (or rolled back) for a reason that has nothing to do with what it asked, and the same call
+may well succeed a moment later. Anything else is raised: a bug in the engine, a corrupted row or
+a row the database refuses must be seen, not spun on.
+
+Unavailable (`unavailable`):
+
+- SQLite (`sqlite3.OperationalError`): ``SQLITE_BUSY`` and ``SQLITE_LOCKED`` (another connection
+  holds the file or a table), ``SQLITE_IOERR`` (the disk or the file system failed the read or
+  write) and ``SQLITE_FULL`` (no space left: the transaction was rolled back, and space may come
+  back). Other SQLite errors (a constraint, a malformed statement, a corrupt file) are raised.
+- PostgreSQL (psycopg 3): an ``OperationalError`` without an SQLSTATE (the client lost or could
+  not open its connection), SQLSTATE class ``08`` (connection exception), ``40001``
+  (serialization failure) and ``40P01`` (deadlock detected), class ``53`` (insufficient
+  resources: too many connections, out of memory, disk full), ``57P01``-``57P03`` (the server
+  is shutting down, crashed or is starting), and ``25P03`` (the server ended one of our
+  transactions that sat idle too long, see `_store.guard_locks`).
+- `ferry.Failed` whose cause (``__cause__``) is one of those: a batch that went through a ferry.
+
+Delays: 0.05 s, doubling, at most 2 s (not the step backoff, which is the user's retry policy). Each
+retry logs a WARNING on ``logging.getLogger("ferry.flow")`` naming what failed and the next delay.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import sys
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import trio
+
+from ferry import Failed
+
+T = TypeVar("T")
+
+FIRST_DELAY = 0.05  # seconds before the first retry
+MAX_DELAY = 2.0  # the delay doubles up to this
+
+_log = logging.getLogger("ferry.flow")
+
+# Primary result codes (the low byte of an extended code).
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
+_SQLITE_IOERR = 10
+_SQLITE_FULL = 13
+_SQLITE_CODES = frozenset({_SQLITE_BUSY, _SQLITE_LOCKED, _SQLITE_IOERR, _SQLITE_FULL})
+_SQLITE_TEXTS = ("database is locked", "database table is locked", "disk i/o error", "is full")
+
+_PG_STATES = frozenset({"40001", "40P01", "57P01", "57P02", "57P03", "25P03"})
+_PG_CLASSES = ("08", "53")
+
+
+def _sqlite_unavailable(exc: sqlite3.Error) -> bool:
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in _SQLITE_CODES
+    text = str(exc).lower()  # a driver without error codes: the message says it
+    return any(t in text for t in _SQLITE_TEXTS)
+
+
+def _pg_unavailable(exc: BaseException) -> bool:
+    psycopg = sys.modules.get("psycopg")  # never imported here: if absent, it raised nothing
+    if psycopg is None or not isinstance(exc, psycopg.Error):
+        return False
+    state = getattr(exc, "sqlstate", None)
+    if state is None:
+        return isinstance(exc, psycopg.OperationalError)
+    state = str(state)
+    return state in _PG_STATES or state.startswith(_PG_CLASSES)
+
+
+def unavailable(exc: BaseException) -> bool:
+    """Does `exc` say that the store is not available now (so the same call may be retried)?"""
+    if isinstance(exc, Failed):
+        cause = exc.__cause__
+        return cause is not None and unavailable(cause)
+    if isinstance(exc, sqlite3.Error):
+        return _sqlite_unavailable(exc)
+    return _pg_unavailable(exc)
+
+
+def next_delay(delay: float) -> float:
+    """The delay after `delay` (doubling, capped)."""
+    return min(delay * 2.0, MAX_DELAY)
+
+
+class Backoff:
+    """The delays of one run of retries: `await backoff.pause(exc)` raises `exc` unless it is
+    `unavailable`; else logs the retry (WARNING) and sleeps before the caller tries again. For
+    loops whose body is more than one call; `retrying` is the common case."""
+
+    __slots__ = ("_delay", "_extra", "_what", "retries")
+
+    def __init__(self, what: str, *, extra: Mapping[str, Any] | None = None) -> None:
+        self._what = what
+        self._extra = dict(extra or {})
+        self._delay = FIRST_DELAY
+        self.retries = 0
+
+    async def pause(self, exc: BaseException) -> None:
+        if not unavailable(exc):
+            raise exc
+        delay = self._delay
+        self.retries += 1
+        _log.warning(
+            "flow store unavailable while %s: %r; retry %d in %.2f s",
+            self._what,
+            exc.__cause__ if isinstance(exc, Failed) and exc.__cause__ is not None else exc,
+            self.retries,
+            delay,
+            extra={**self._extra, "what": self._what, "delay": delay, "retry": self.retries},
+        )
+        self._delay = next_delay(delay)
+        await trio.sleep(delay)
+
+
+async def retrying(
+    call: Callable[[], Awaitable[T]],
+    *,
+    what: str,
+    extra: Mapping[str, Any] | None = None,
+) -> T:
+    """``await call()`` until it returns; retried (with `Backoff`) while the store is
+    unavailable, any other exception raised. `what` names the call in the WARNING of each
+    retry ("writing flow 'o-1'"); `extra` goes into its log record (flow_id, step, ...)."""
+    backoff: Backoff | None = None
+    while True:
+        try:
+            return await call()
+        except Exception as exc:
+            if not unavailable(exc):
+                raise
+            if backoff is None:
+                backoff = Backoff(what, extra=extra)
+            await backoff.pause(exc)

@@ -1,0 +1,218 @@
+"""The fleet at its edges (issue 16) with engines as separate processes on the suite's
+PostgreSQL: the same owner name twice, a step that holds the loop longer than the lease, a
+process stopped (SIGSTOP) past its lease while its steps wait, connections killed every 200 ms.
+
+Each engine is ``python -m tests.fleet._edge_engine`` (see there): its one step records
+``before`` and ``after`` in the side table ``edge_runs`` around a hold, so the table says which
+bodies ran, where, and which went on after their hold. Leases are short (1 to 10 s) so that each
+test takes seconds; each waits on what the database shows, never on a fixed guess of timing,
+except where a hold must have passed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import pg
+
+from ._flows import ROOT, _die_with_parent, query
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process tests: Linux signals")
+
+
+class Engine:
+    """One engine process of `_edge_engine`."""
+
+    def __init__(self, workdir: Path, dsn: str, owner: str, *options: str) -> None:
+        self.owner = owner
+        self.logfile = workdir / f"{owner}.{time.monotonic_ns()}.log"
+        with open(self.logfile, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.fleet._edge_engine", dsn, "--owner", owner, *options],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                preexec_fn=_die_with_parent,
+            )
+        self.stats: dict[str, Any] = {}
+
+    def line(self, timeout: float = 60.0) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        assert ready, f"{self.owner} said nothing for {timeout} s: {self.log()}"
+        return self.proc.stdout.readline()
+
+    def ready(self) -> None:
+        line = self.line()
+        assert line == "ready\n", f"{self.owner}: {line!r} {self.log()}"
+
+    def stop(self) -> dict[str, Any]:
+        """SIGCONT (if stopped), SIGTERM; its statistics."""
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.send_signal(signal.SIGTERM)
+        line = self.line()
+        assert line.startswith("stats "), f"{self.owner}: {line!r} {self.log()}"
+        self.stats = json.loads(line[6:])
+        self.proc.wait(timeout=30)
+        return self.stats
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)  # reaped: its process id is gone
+
+    def log(self) -> str:
+        return self.logfile.read_text(errors="replace")[-3000:]
+
+
+@pytest.fixture
+def dsn(pg_server: pg.PgServer) -> str:
+    return pg_server.fresh_database_dsn("edges")
+
+
+@pytest.fixture
+def engines(tmp_path: Path, dsn: str) -> Iterator[Callable[..., Engine]]:
+    started: list[Engine] = []
+
+    def spawn(owner: str, *options: str) -> Engine:
+        e = Engine(tmp_path, dsn, owner, *options)
+        started.append(e)
+        return e
+
+    yield spawn
+    for e in started:
+        if e.proc.poll() is None:
+            e.proc.kill()
+            e.proc.wait()
+        if e.proc.stdout is not None:
+            e.proc.stdout.close()
+
+
+def runs(dsn: str) -> list[tuple[str, str, int, str]]:
+    return sorted(tuple(r) for r in query(dsn, "SELECT * FROM edge_runs"))
+
+
+def until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.05)
+
+
+def states(dsn: str) -> dict[str, str]:
+    return dict(query(dsn, "SELECT flow_id, state FROM flow_flows"))
+
+
+def all_completed(dsn: str, n: int) -> Callable[[], bool]:
+    return lambda: list(states(dsn).values()).count("COMPLETED") == n
+
+
+def test_a_second_process_under_a_live_owner_name_is_refused(
+    engines: Callable[..., Engine], dsn: str
+) -> None:
+    first = engines("x", "--lease", "10", "--hold", "60", "--start", "1")
+    first.ready()
+    until(lambda: len(runs(dsn)) == 1, "first run")
+    copy = engines("x", "--lease", "10", "--hold", "60")  # a copy-pasted configuration
+    line = copy.line()
+    assert line.startswith("locked ") and "owner 'x'" in line, (line, copy.log())
+    assert copy.proc.wait(timeout=30) == 3
+    assert runs(dsn) == [("f0", "x", 1, "before")]  # nothing ran twice
+    # Once the holder is gone (killed, reaped: its process id exists no more on this host), a
+    # restart under the name takes over at once, not a lease (10 s) later.
+    first.kill()
+    killed = time.monotonic()
+    again = engines("x", "--lease", "10", "--hold", "0")
+    again.ready()
+    until(all_completed(dsn, 1), "completed flow")
+    assert time.monotonic() - killed < 8.0
+    assert again.stop()["recovered"] == 1
+    ran = [("f0", "x", 1, "before"), ("f0", "x", 2, "after"), ("f0", "x", 2, "before")]
+    assert runs(dsn) == ran
+
+
+def test_a_step_that_holds_the_loop_longer_than_the_lease_loses_nothing(
+    engines: Callable[..., Engine], dsn: str
+) -> None:
+    """Engine a's step keeps the trio loop busy for 2.5 s with a lease of 1 s: its heartbeat
+    thread keeps the lease, so engine b takes nothing over and the step runs once."""
+    b = engines("b", "--lease", "1", "--hold", "0")
+    b.ready()  # b scans every third of a second from now on
+    a = engines("a", "--lease", "1", "--hold", "2.5", "--busy", "--start", "1")
+    a.ready()
+    until(all_completed(dsn, 1), "completed flow")
+    b_stats, a_stats = b.stop(), a.stop()
+    assert b_stats["claimed"] == 0 and a_stats["lost"] == 0
+    assert runs(dsn) == [("f0", "a", 1, "after"), ("f0", "a", 1, "before")]
+
+
+def test_a_process_stopped_past_its_lease_wakes_with_its_steps_cancelled(
+    engines: Callable[..., Engine], dsn: str
+) -> None:
+    """Engine a's five steps wait at an await (2 s) when a is stopped (SIGSTOP) for longer
+    than its lease (1 s); b takes the flows over and completes them. When a is continued, its
+    steps' holds are long over, and not one of them goes on: they are cancelled first."""
+    a = engines("a", "--lease", "1", "--hold", "2", "--start", "5")
+    a.ready()
+    until(lambda: len(runs(dsn)) == 5, "five runs on a")
+    a.proc.send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    b = engines("b", "--lease", "1", "--hold", "0")
+    b.ready()
+    until(all_completed(dsn, 5), "five completed flows")
+    time.sleep(max(0.0, stopped + 3.0 - time.monotonic()))  # a's holds are over by now
+    a.proc.send_signal(signal.SIGCONT)
+    time.sleep(1.5)  # a's loop runs again: time for any step of it to go on
+    a_stats, b_stats = a.stop(), b.stop()
+    after_on_a = [r for r in runs(dsn) if r[1] == "a" and r[3] == "after"]
+    assert after_on_a == [], f"a's steps went on after its lease lapsed: {after_on_a}"
+    assert a_stats["lost"] == 5 and b_stats["claimed"] == 5
+    assert "lost its lease" in a.log()
+
+
+def test_connections_killed_every_200_ms_lose_no_lease(
+    engines: Callable[..., Engine], dsn: str
+) -> None:
+    """Engine a runs 20 flows whose steps wait 3 s while every connection to the database is
+    killed every 200 ms: each renewal is retried at once on a fresh connection, so a never
+    loses its lease (no step runs again) and says so for every retry."""
+    a = engines("a", "--lease", "1", "--hold", "3", "--start", "20")
+    a.ready()
+    stop = threading.Event()
+
+    def killer() -> None:
+        while not stop.wait(0.2):
+            query(
+                dsn,
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+                " AND backend_type = 'client backend'"
+                " AND application_name <> 'edge-side'",  # the side table's writes go on
+            )
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        time.sleep(2.5)
+    finally:
+        stop.set()
+        thread.join()
+    until(all_completed(dsn, 20), "twenty completed flows")
+    stats = a.stop()
+    assert stats["lost"] == 0, (stats, a.log())
+    assert sorted({r[2] for r in runs(dsn)}) == [1]  # every step ran once, as attempt 1
+    assert "renewing its lease failed" in a.log()
