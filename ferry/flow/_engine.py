@@ -46,6 +46,10 @@ lease without the trio loop (`_heartbeat.Keeper`); every body runs under a deadl
 lease's margin, moved on with each renewal (`_trust_deadline`, `_retrust`), so a loop that
 wakes after a lapse cancels its steps before they go on (`_lose_all`); a flow of a version this
 engine lacks and a live engine has is left to that engine (`_versioned`, `_elsewhere`).
+
+Parts of their own, hooked in here: retention (`_retention.Retention`, a task of a serving
+engine that deletes finished flows, docs/adr/0085) and traces (`_tracing`: a span around
+`start`'s write and around every step or compensation run, docs/adr/0086).
 """
 
 from __future__ import annotations
@@ -73,11 +77,12 @@ import stm
 from ferry import Closed, Failed, open_ferry
 from ferry.projected import SqliteStore, Store, canonical_json
 
-from . import _heartbeat, _lease, _retry, _store
+from . import _heartbeat, _lease, _retention, _retry, _store, _tracing
 from . import _machine as m
 from . import _timers as timers
 from ._errors import IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from ._machine import Flow, Mailbox, Message, Shape, Transition
+from ._observe import Observer
 from ._plan import Plan, StepDef
 from ._sqlite_file import EngineLock, check_path
 from ._types import (
@@ -312,6 +317,8 @@ class Engine:
         fencing: bool,
         scan_interval: float | None,
         wall_clock: Callable[[], float],
+        retain: float | None = None,
+        tracing: _tracing.Tracing | None = None,
     ) -> None:
         self._store = store
         # This opening of the owner name (docs/adr/0071): a fleet engine's lease row names it,
@@ -361,6 +368,13 @@ class Engine:
         # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
         # longer than this.
         self._guard = max(_GUARD_MIN, lease * _GUARD) if fleet else None
+        self._tracing = tracing  # OpenTelemetry spans of starts and runs (None: traces off)
+        # Deletes finished flows `retain` seconds after they ended (a task of a serving engine).
+        self._retention = (
+            _retention.Retention(store, retain, self._now, self._guard)
+            if retain is not None and serve
+            else None
+        )
         self._live: dict[str, _Live] = {}
         self._watches: dict[str, _Watch] = {}
         self._sched: stm.TVar[_Sched] = stm.TVar(_Sched())
@@ -371,6 +385,7 @@ class Engine:
         self._stats = dict.fromkeys(_COUNTERS, 0)
         self._wakes = dict.fromkeys(Delivery, 0)
         self._parked = 0
+        self._observers: tuple[Observer, ...] = ()  # ferry.metrics (empty: nothing is observed)
         self._nursery: trio.Nursery | None = None
         self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
         self._thread = _thread_id()  # of the run that opened it: only its tasks may call it
@@ -506,6 +521,8 @@ class Engine:
                 self._parked += 1
             elif write and state in _ENDS:
                 stats[_ENDS[state]] += 1
+                for observer in self._observers:
+                    observer.ended(flow)
         watch = self._watches.get(fid)
         if watch is not None:
             stm.atomically_nowait(watch.tvar.set, flow)
@@ -664,26 +681,39 @@ class Engine:
                 await trio.lowlevel.checkpoint()
                 return None
         flow = live.flow
-        ctx = self._context(flow, step.name, flow.state is _COMPENSATING)
+        compensating = flow.state is _COMPENSATING
+        ctx = self._context(flow, step.name, compensating)
         result: object = None
         error: BaseException | None = None
+        observers = self._observers
+        began = trio.current_time() if observers else 0.0
+        seconds = math.nan
+        tracing = self._tracing
         # In a fleet the body may run only while the lease is trusted: its deadline is the
         # margin before the lease lapses, moved on with every renewal (`_retrust`), so a loop
         # that wakes up after a lapse cancels the body before it goes on (docs/adr/0073).
         with trio.CancelScope(deadline=self._trust_deadline()) as scope:
             live.scope = scope
             try:
-                result = await fn(ctx)
+                if tracing is None:
+                    result = await fn(ctx)
+                else:
+                    result = await tracing.run(fn, ctx, flow.trace, compensating)
             except Exception as exc:
                 error = exc
-                if failures + 1 < step.attempts:
-                    await trio.sleep(_backoff(failures + 1))
+            if observers:
+                seconds = trio.current_time() - began
+            if error is not None and failures + 1 < step.attempts:
+                await trio.sleep(_backoff(failures + 1))
         live.scope = None
+        void = scope.cancelled_caught or live.flow is not flow
+        for observer in observers:
+            observer.ran(flow, step.name, compensating, result, error, seconds, void)
         if scope.cancelled_caught and self._fleet and self._lapsing():
             if self._live.get(flow.flow_id) is live:
                 self._lose_all("its lease lapsed while it ran steps")
             return None
-        if scope.cancelled_caught or live.flow is not flow:
+        if void:
             return None
         return ctx, result, error
 
@@ -1413,7 +1443,9 @@ class Engine:
         text = _json_object_text({} if data is None else data, "data")
         now = self._now()
         owner = self._owner if self._serve else None
-        result = await self._request(_store.Create(m.start(shape, fid, text, now, owner=owner)))
+        with _tracing.starting(self._tracing, shape.name, shape.version, fid) as trace:
+            start = m.start(shape, fid, text, now, owner=owner, trace=trace)
+            result = await self._request(_store.Create(start))
         if isinstance(result, _store.Existing) and not result.same:
             raise IdReused(
                 f"flow id {fid!r} is already used by a flow of plan {result.flow.plan!r} with"
@@ -1700,10 +1732,16 @@ class Engine:
         (`RuntimeError` otherwise)."""
         if _thread_id() != self._thread and not self._closing:
             raise _wrong_run("statistics")
+        return self._statistics()
+
+    def _statistics(self) -> FlowStatistics:
+        """`statistics()` from any thread (`ferry.metrics` reads it while serving a scrape):
+        it copies a few integers and two dicts whose keys never change."""
         return FlowStatistics(
             running=len(self._live),
             parked=self._parked,
             wakes=dict(self._wakes),
+            purged=0 if self._retention is None else self._retention.purged,
             **self._stats,
         )
 
@@ -1781,6 +1819,8 @@ def open_engine(
     max_running: int = 10_000,
     lease: float = 30.0,
     serve: bool = True,
+    retain: float | None = _retention.DEFAULT_RETAIN,
+    tracer_provider: object | None = None,
     _group_commit: bool = True,
     _wall_clock: Callable[[], float] = time.time,
     _fleet: bool | None = None,
@@ -1817,6 +1857,19 @@ def open_engine(
     at their next scan. A slow or frozen engine can never advance a flow another engine took
     over: every write is a compare-and-set on the flow's revision.
 
+    `retain` (seconds, default 30 days; None keeps every flow): finished (`COMPLETED` or
+    `FAILED`) flows are deleted, with their history and mailbox, `retain` seconds after they
+    ended, by a task of the engine (from its open on, every ``retain / 4`` at most ten minutes
+    apart), in transactions of at most 500 flows with a pause between them; any engine of a
+    fleet may do it at the same time as others (docs/adr/0085). A deleted flow's id is unknown
+    from then on: a wake of it is `Delivery.UNKNOWN` and `start` may use it again.
+    `ValueError` unless it is a finite number > 0 or None.
+
+    `tracer_provider`: OpenTelemetry traces (the extra ``otel``): every `start` and every run
+    of a step or compensation is a span, and one flow is one trace across parks, restarts and
+    engines (docs/operating.md). None (default): the application's global provider, if it set
+    one; without one (or without OpenTelemetry) traces are off and cost nothing.
+
     `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
     plans (it reads the plan shapes engines recorded in the store), runs no step, leases
     nothing, arms no timer and does no recovery; its `wake`, `cancel` and `resume` are
@@ -1844,6 +1897,8 @@ def open_engine(
             max_running=max_running,
             lease=lease,
             serve=serve,
+            retain=retain,
+            tracer_provider=tracer_provider,
             group_commit=_group_commit,
             wall_clock=_wall_clock,
             fleet=_fleet,
@@ -1898,6 +1953,8 @@ async def _opened(
     max_running: int,
     lease: float,
     serve: bool,
+    retain: float | None,
+    tracer_provider: object | None,
     group_commit: bool,
     wall_clock: Callable[[], float],
     fleet: bool | None,
@@ -1913,6 +1970,8 @@ async def _opened(
         owner = _lease.check_owner(owner)
     if not isinstance(serve, bool):
         raise TypeError(f"serve must be a bool, got {serve!r}")
+    retain = _retention.check_retain(retain)
+    tracing = _tracing.tracing_for(tracer_provider)
     if serve and not registry:
         raise ValueError(
             "open_engine got no plans: an engine that serves a store runs only the plans it is"
@@ -1946,6 +2005,8 @@ async def _opened(
             fencing=fencing,
             scan_interval=scan_interval,
             wall_clock=wall_clock,
+            retain=retain,
+            tracing=tracing,
         )
         async with _lifetime(engine) as running:
             yield running
@@ -1985,6 +2046,8 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                     if engine._serve and engine._fleet:
                         nursery.start_soon(engine._heartbeat_loop)
                         nursery.start_soon(engine._scan_loop)
+                    if engine._retention is not None:
+                        nursery.start_soon(engine._retention.run)
                     yield engine
                 except BaseException as exc:
                     body_error = exc  # re-raised below, not wrapped in an exception group

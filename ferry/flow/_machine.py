@@ -204,6 +204,10 @@ class Flow:
     blocked_from: State | None = None
     owner: str | None = None
     lease_until: float | None = None
+    created_at: float = 0.0  # when it was started (wall-clock seconds); never changes
+    # The W3C ``traceparent`` of the span that started the flow (None: traces were off then):
+    # every step's span joins its trace. Set by `start`, never changed; the machine ignores it.
+    trace: str | None = None
 
 
 @attrs.frozen
@@ -425,9 +429,11 @@ def start(
     *,
     owner: str | None = None,
     lease_until: float | None = None,
+    trace: str | None = None,
 ) -> Transition:
     """A new flow at its first step, attempt 1, revision 1; `data` is canonical JSON text.
-    `owner`/`lease_until`: the engine that runs it (None: whichever engine claims it)."""
+    `owner`/`lease_until`: the engine that runs it (None: whichever engine claims it); `trace`:
+    the trace its steps' spans join (`Flow.trace`)."""
     flow = Flow(
         flow_id=flow_id,
         plan=shape.name,
@@ -441,6 +447,8 @@ def start(
         updated_at=now,
         owner=owner,
         lease_until=lease_until,
+        created_at=now,
+        trace=trace,
     )
     detail = {"plan": shape.name, "version": shape.version}
     return Transition(

@@ -270,6 +270,9 @@ class FlowStatistics:
     let go: another engine holds them now, or this engine's own lease ran out before it could
     renew it; their step or compensation was cancelled and its changes discarded), `renewals`
     (renewals of the engine's lease: one row, whatever the number of flows).
+
+    Retention: `purged` (finished flows this engine deleted because they ended more than
+    ``open_engine(retain=)`` seconds ago; in a fleet, each engine counts its own).
     """
 
     running: int
@@ -288,3 +291,4 @@ class FlowStatistics:
     claimed: int = 0
     lost: int = 0
     renewals: int = 0
+    purged: int = 0

@@ -103,9 +103,10 @@ async def kinds(engine: flow.Engine, fid: str) -> list[str]:
 
 
 def runner_tasks(engine: flow.Engine) -> int:
-    """Tasks the engine runs besides its timer loop."""
+    """Tasks the engine runs besides its timer loop and its retention task."""
     assert engine._nursery is not None
-    return len(engine._nursery.child_tasks) - 1
+    loops = ("._timer_loop", "Retention.run")
+    return sum(1 for task in engine._nursery.child_tasks if not task.name.endswith(loops))
 
 
 async def settle(engine: flow.Engine, flow_id: str) -> flow.Snapshot:
