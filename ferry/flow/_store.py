@@ -502,7 +502,27 @@ class Refused:
     error: Exception = attrs.field(eq=False)
 
 
-Result: TypeAlias = Created | Existing | Changed | Conflict | Missing | Refused
+@attrs.frozen
+class Rejected:
+    """The database refused this op's row (its transaction failed with `error` while the others
+    of the batch committed without it: `_apart.write_apart`). Nothing was written for it."""
+
+    flow_id: str
+    error: Exception = attrs.field(eq=False)
+
+
+@attrs.frozen
+class Unwritten:
+    """The store became unavailable (`error`) while a batch was being split: this op was not
+    written, and may be tried again."""
+
+    flow_id: str
+    error: Exception = attrs.field(eq=False)
+
+
+Result: TypeAlias = (
+    Created | Existing | Changed | Conflict | Missing | Refused | Rejected | Unwritten
+)
 
 
 class _Batch:
@@ -674,7 +694,8 @@ def _more_rows(n: int) -> str:
     return ", " + ", ".join([_HISTORY_ROW] * (n - 1)) if n > 1 else ""
 
 
-def _flow_id(op: Op) -> str:
+def op_flow_id(op: Op) -> str:
+    """The id of the flow `op` writes."""
     return op.flow_id if isinstance(op, Change) else op.transition.flow.flow_id
 
 
@@ -706,7 +727,7 @@ def write_batch(
     guard_locks(tx, guard)
     batch = _Batch(tx, _Sql.of(ns, tx.dialect))
     results: list[Result | None] = [None] * len(ops)
-    order = sorted(range(len(ops)), key=lambda i: _flow_id(ops[i]))
+    order = sorted(range(len(ops)), key=lambda i: op_flow_id(ops[i]))
     for i in order:
         op = ops[i]
         results[i] = batch.change(op) if isinstance(op, Change) else batch.create(op)
@@ -715,6 +736,26 @@ def write_batch(
         chunk = rows[i : i + _HISTORY_CHUNK]
         tx.execute(batch.sql.history + _more_rows(len(chunk)), [v for r in chunk for v in r])
     return results  # type: ignore[return-value]  # every slot is filled
+
+
+class Undone(Exception):
+    """`write_all` rolled its transaction back: one op could not be applied as asked (a
+    `Refused` transition, a start whose id is taken by another flow); `results` says which."""
+
+    def __init__(self, results: list[Result]) -> None:
+        super().__init__("one op of an all-or-nothing batch was not applied: nothing was")
+        self.results = results
+
+
+def write_all(
+    tx: Tx, ops: Sequence[Op], *, ns: str = "flow", guard: float | None = None
+) -> list[Result]:
+    """`write_batch`, all or nothing (one `publish`): raises `Undone` (so the transaction rolls
+    back) if any op is `Refused` or is a `Create` that found another flow under its id."""
+    results = write_batch(tx, ops, ns=ns, guard=guard)
+    if any(isinstance(r, Refused) or (isinstance(r, Existing) and not r.same) for r in results):
+        raise Undone(results)
+    return results
 
 
 # -------------------------------------------------------------------------------------- reads

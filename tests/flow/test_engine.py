@@ -328,7 +328,7 @@ async def test_a_park_timeout_compensates_in_reverse_order(store, autojump_clock
         ("reserve", 1),
         ("charge", 1),
         ("refund", 1, error),  # the step that parked had completed: compensated first
-        ("release", 1, error, f"{fid}/0/reserve/compensate"),
+        ("release", 1, error, f"{fid}/0-compensate/reserve"),
     ]
 
 

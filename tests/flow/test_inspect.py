@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from tests import pg
 from ._helpers import _InlineTx
 
 T0 = 1_700_000_000.0
+PARK_FOR = 2_000_000_000.0  # seconds: the "parked" flow's deadline is after 2080
 ORDER = Shape("order", 1, ("reserve", "charge", "ship"), (True, True, False), (3, 3, 3))
 REFUND = Shape("refund", 2, ("pay",), (False,), (1,))
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +64,8 @@ def populate(tx: Any) -> None:
         return r.transition.flow
 
     started("running", T0 + 5)
-    step(step(started("parked", T0 + 3), CONTINUE, T0 + 3), park(3600), T0 + 3)
+    # a deadline decades ahead: a wake at or after it would meet the timeout first
+    step(step(started("parked", T0 + 3), CONTINUE, T0 + 3), park(PARK_FOR), T0 + 3)
     step(step(started("parked-old", T0 + 1), CONTINUE, T0 + 1), park(None), T0 + 1)
     done = step(step(started("done", T0), CONTINUE, T0), CONTINUE, T0)
     step(done, CONTINUE, T0)
@@ -122,7 +125,7 @@ def test_list(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert len(lines) == 2 + 8
     parked = run_json(capsys, db, "list", "--state", "parked")["flows"]
     assert [f["flow_id"] for f in parked] == ["parked", "parked-old"]
-    assert parked[0]["step"] == "charge" and parked[0]["park_deadline"] == T0 + 3 + 3600
+    assert parked[0]["step"] == "charge" and parked[0]["park_deadline"] == T0 + 3 + PARK_FOR
     refund = run_json(capsys, db, "list", "--plan", "refund")["flows"]
     assert [f["flow_id"] for f in refund] == ["orphan"]
     assert len(run_json(capsys, db, "list", "--limit", "2")["flows"]) == 2
@@ -158,13 +161,14 @@ def test_show_gives_deadlines_as_times_with_the_time_left_and_whole_details(
     """A newcomer's complaints: raw epoch seconds, and a DETAIL column cut at 60 characters."""
     code, out, _ = run(capsys, db, "show", "parked")
     assert code == 0
-    deadline = T0 + 3 + 3600  # 2023-11-14T23:13:23Z: long past when the test runs
+    deadline = T0 + 3 + PARK_FOR  # decades ahead (a wake before it resumes the flow)
+    when = datetime.fromtimestamp(deadline, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     (line,) = [line for line in out.splitlines() if line.startswith("deadline")]
-    assert line.startswith("deadline  2023-11-14T23:13:23Z (") and line.endswith(
-        " ago); then compensate (on timeout)"
+    assert line.startswith(f"deadline  {when} (in ") and line.endswith(
+        "); then compensate (on timeout)"
     )
     (parked,) = [line for line in out.splitlines() if " parked " in line]
-    assert '"deadline": "2023-11-14T23:13:23Z (' in parked and str(deadline) not in parked
+    assert f'"deadline": "{when} (' in parked and str(deadline) not in parked
     code, out, _ = run(capsys, db, "show", "blocked")
     (blocked,) = [line for line in out.splitlines() if " blocked " in line]
     detail = json.dumps({"reason": state(db, "blocked").blocked})
