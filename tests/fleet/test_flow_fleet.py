@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,20 @@ class Chaos:
 Report = dict[str, Any]
 
 
+def wait_down(count: Callable[[], int], patience: float, *, ceiling: float = 900.0) -> None:
+    """Wait until `count()` is 0, or has not gone down for `patience` s (or `ceiling` s in all):
+    a loaded machine makes the work slower, not wrong, so it gets the time it takes while it
+    moves, and a run that is stuck still ends."""
+    end = time.monotonic() + ceiling
+    left, stalled = count(), time.monotonic() + patience
+    while left and time.monotonic() < min(stalled, end):
+        time.sleep(0.2)
+        now = count()
+        if now < left:
+            stalled = time.monotonic() + patience
+        left = now
+
+
 def run_fleet(
     dsn: str,
     workdir: Path,
@@ -63,7 +78,8 @@ def run_fleet(
     spread: float,
     seed: int,
     fencing: bool = True,
-    patience: float = 120.0,
+    patience: float = 60.0,
+    settle: bool = True,
 ) -> tuple[list[Spec], Observed, Chaos, list[Report]]:
     """Run the scenario on three engine processes with a kill and a freeze; the audit after."""
     prepare(dsn)
@@ -104,16 +120,15 @@ def run_fleet(
         # Frozen until the others took over every flow it held (at least a lease): then
         # everything it does when it wakes is on the strength of ownership that went stale.
         time.sleep(LEASE)
-        limit = time.monotonic() + 30 * LEASE
-        while still_held(dsn, frozen.owner, held) and time.monotonic() < limit:
-            time.sleep(0.1)
+        wait_down(lambda: still_held(dsn, frozen.owner, held), 30 * LEASE)
         thawed_after = last_audit_id(dsn)
         frozen.release()  # the held body may go on when it wakes (fencing must void it)
         frozen.signal(signal.SIGCONT)
         chaos.freeze = Freeze(frozen.owner, held, frozen_after, thawed_after)
-        deadline = time.monotonic() + patience
-        while unsettled(dsn) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        if settle:  # until every flow ended, as long as flows keep ending
+            wait_down(lambda: unsettled(dsn), patience)
+        else:  # `patience` s, then the oracle reads what there is
+            wait_down(lambda: unsettled(dsn), patience, ceiling=patience)
         chaos.seconds = time.monotonic() - t0
     finally:
         for e in engines:
@@ -154,7 +169,7 @@ def test_a_fleet_with_a_kill_and_a_frozen_owner_runs_every_flow_once(
 def test_without_fencing_the_fleet_oracle_fails(pg_server: pg.PgServer, tmp_path: Path) -> None:
     dsn = pg_server.fresh_database_dsn("unfencedflows")
     specs, seen, chaos, reports = run_fleet(
-        dsn, tmp_path, flows=600, spread=3.0, seed=2, fencing=False, patience=10.0
+        dsn, tmp_path, flows=600, spread=3.0, seed=2, fencing=False, patience=10.0, settle=False
     )
     problems = check(specs, seen, chaos.freeze)
     print(f"\n{summary(specs, seen, reports)}\n{len(problems)} problems, e.g. {problems[:5]}")
