@@ -15,10 +15,10 @@ little after the child's engine opened, sometimes while it is still starting or 
 and before it restarts the child it reads, from the flow store the dead process left, which
 steps and compensations were in flight: the keys of the ``RUNNING`` and ``COMPENSATING`` flows.
 That set is exactly the work the kill may have interrupted, measured independently of the side
-table. The first and the last kill are not timed: that child holds the first call it makes
-some time after its engine opened (``--hold-after``), says ``holding KEY`` and waits, and the
-parent kills it then, so those kills catch a body in flight however slow the machine is. After
-the last kill a child runs to the end.
+table. The first and the last of the kills after the engine opened are not timed: that child
+holds the first call it makes some time after its engine opened (``--hold-after``), says
+``holding KEY`` and waits, and the parent kills it then, so those kills catch a body in flight
+however slow the machine is. After the last kill a child runs to the end.
 
 The oracle (`audit`, pure): every flow ends ``COMPLETED`` or ``FAILED`` (and the one its scenario
 says); no step outcome and no compensation is recorded twice in its history; every key's
@@ -297,27 +297,36 @@ def run_with_kills(
     """Run the scenario in child processes, SIGKILLing `kills` of them at seeded random moments;
     the last child runs to the end. Raises AssertionError if a child fails or hangs."""
     rng = random.Random(seed)
+    # Each kill: (early, delay). Now and then (early) `delay` s after the start, while the child
+    # starts or recovers; else `delay` s after its engine opened. The first and the last of
+    # those wait, after the delay, until the child holds a body in flight (`Hold`): whatever
+    # the machine's speed, they catch work in flight, which runs again after.
+    moments = []
+    for _ in range(kills):
+        early = rng.random() < 0.2
+        moments.append((early, rng.uniform(0.05, 0.6) if early else rng.uniform(0.0, 0.6)))
+    opened_kills = [gen for gen, (early, _) in enumerate(moments) if not early]
+    holds = {opened_kills[0], opened_kills[-1]} if opened_kills else set()
     run = Run(work, flows)
     epoch = time.time() + 0.5  # roughly when the first child's engine is open
     t0 = time.monotonic()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for gen in range(kills + 1):
         last = gen == kills
-        # The first and the last kill wait until the child holds a body in flight (`Hold`):
-        # whatever the machine's speed, they catch work in flight, which runs again after.
-        held = not last and gen in (0, kills - 1)
+        early, delay = (False, 0.0) if last else moments[gen]
+        held = gen in holds
         command = [sys.executable, "-m", "tests.flow._sigkill", str(work)]
         command += ["--flows", str(flows), "--seed", str(seed), "--gen", str(gen)]
         command += ["--epoch", repr(epoch)] + (["--plant", plant] if plant else [])
         if held:
-            command += ["--hold-after", repr(rng.uniform(0.0, 0.6))]
+            command += ["--hold-after", repr(delay)]
         proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
         try:
             deadline = time.monotonic() + patience
-            if not last and not held and rng.random() < 0.2:  # now and then, while it starts
-                time.sleep(rng.uniform(0.05, 0.6))  # or recovers
+            if early:
+                time.sleep(delay)
                 opened = False
             else:
                 line = _readline(proc, deadline)
@@ -331,7 +340,7 @@ def run_with_kills(
                     assert line and line.startswith("holding "), f"{gen}: {line!r} {_stderr(proc)}"
                     run.held.append(line[len("holding ") :].strip())
                 elif not last:
-                    time.sleep(rng.uniform(0.0, 0.6))
+                    time.sleep(delay)
             if not last and proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
