@@ -49,6 +49,7 @@ class Chaos:
     killed: dict[str, tuple[str, int]] = attrs.Factory(dict)
     kill_key: str = ""  # the body held in flight for the kill
     freeze_key: str = ""  # the body held in flight for the freeze
+    held_at_thaw: int = 0  # of the flows the frozen engine held, how many it still held
     freeze: Freeze | None = None
     seconds: float = 0.0
 
@@ -121,6 +122,7 @@ def run_fleet(
         # everything it does when it wakes is on the strength of ownership that went stale.
         time.sleep(LEASE)
         wait_down(lambda: still_held(dsn, frozen.owner, held), 30 * LEASE)
+        chaos.held_at_thaw = still_held(dsn, frozen.owner, held)
         thawed_after = last_audit_id(dsn)
         frozen.release()  # the held body may go on when it wakes (fencing must void it)
         frozen.signal(signal.SIGCONT)
@@ -156,7 +158,7 @@ def test_a_fleet_with_a_kill_and_a_frozen_owner_runs_every_flow_once(
     # it woke to writes that failed, and it let them go.
     assert chaos.freeze is not None
     assert chaos.freeze_key.split("/")[0] in chaos.freeze.held, chaos
-    assert chaos.freeze.taken_while_frozen(seen) == set(chaos.freeze.held)
+    assert chaos.freeze.taken_while_frozen(seen) == set(chaos.freeze.held), chaos.held_at_thaw
     frozen = next(r for r in reports if r["owner"] == "e2.g1")
     assert frozen["lost"] >= len(chaos.freeze.held)
     # Wakes reached every engine, some twice (a duplicate), and every one was answered.
@@ -188,7 +190,7 @@ def test_a_larger_fleet_run(pg_server: pg.PgServer, tmp_path: Path, seed: int) -
     print(f"\n{summary(specs, seen, reports)}\n{chaos.seconds:.1f} s")
     assert check(specs, seen, chaos.freeze) == []
     assert chaos.freeze is not None
-    assert chaos.freeze.taken_while_frozen(seen) == set(chaos.freeze.held)
+    assert chaos.freeze.taken_while_frozen(seen) == set(chaos.freeze.held), chaos.held_at_thaw
 
 
 # ---------------------------------------------------------------- the oracle on planted inputs
