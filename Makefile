@@ -44,7 +44,8 @@ browser:
 
 demo: $(STAMP)
 	$(BIN)/python examples/ledger.py --ops 5000
-	$(BIN)/python examples/orders.py
+	@# The orders' store is kept in the checkout: `python -m ferry.flow orders.db list` (README).
+	$(BIN)/python examples/orders.py --db orders.db
 
 bench: $(STAMP) postgres-binaries
 	$(BIN)/python -m tests.bench

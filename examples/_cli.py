@@ -1,14 +1,26 @@
-"""Command-line pieces the examples share: help that shows every default, and argument types
-whose errors are one argparse line (`argument --max-batch-size: must be at least 1, got 0`)
-instead of a traceback from deep inside a run."""
+"""Command-line pieces the examples share, and the convention they all follow.
+
+- Help shows every default. A bad command line is one line on stderr, ``PROG: error: argument
+  --flag: what is wrong (see --help)``, exit status 2, never a traceback from inside a run.
+- Numbers go through `integer` and `number`: ``expected an integer, got 'x'``, ``must be at
+  least 1, got 0``, ``must be between 1 and 100000, got 0``.
+- ``--seed N`` is an integer >= 0 in every example (`add_seed`).
+- Metavars name the unit: ``N`` (a count or a seed), ``SECONDS``, ``PER_SECOND``, ``FRACTION``,
+  ``PATH``, ``DSN``.
+- ``--db PATH`` and ``--postgres DSN`` exclude each other (refused as a pair before anything
+  connects); a DSN is parsed at once and connected to once, after the whole command line was
+  read (`ArgumentParser.connects`).
+- ``--json`` prints one object whose keys are snake_case; counts of things are written with
+  `plural` (``1 account``, ``2 accounts``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -25,10 +37,35 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 class ArgumentParser(argparse.ArgumentParser):
     """Reports a bad command line in one line on stderr (`prog: error: ... (see --help)`, exit
-    code 2), without the usage block that argparse prints first."""
+    code 2), without the usage block that argparse prints first; connects to the DSNs of the
+    options given to `connects` once the whole line has been read."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._connects: list[argparse.Action] = []
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def connects(self, action: argparse.Action) -> argparse.Action:
+        """`action` (a `postgres_dsn` option) is tried once, after parsing: a DSN that does not
+        connect is a one-line error then, and a DSN given with an option it excludes is refused
+        as that combination without trying to connect."""
+        self._connects.append(action)
+        return action
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        for action in self._connects:
+            dsn = getattr(parsed, action.dest, None)
+            if dsn is not None:
+                try:
+                    connect(dsn)
+                except argparse.ArgumentTypeError as exc:
+                    self.error(f"argument {'/'.join(action.option_strings)}: {exc}")
+        return parsed, extras
 
 
 def parser(description: str | None, epilog: str | None = None) -> ArgumentParser:
@@ -50,14 +87,28 @@ def add_ferry_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def integer(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer of at least `minimum`."""
+def add_seed(parser: argparse.ArgumentParser, default: int, help: str = "workload seed") -> None:
+    """``--seed N``: an integer >= 0, the same in every example."""
+    parser.add_argument("--seed", metavar="N", type=integer(0), default=default, help=help)
+
+
+def plural(n: int, word: str) -> str:
+    """``1 account``, ``2 accounts`` (`word` is the singular; English plural by ``s``)."""
+    return f"{n:,} {word}" if n == 1 else f"{n:,} {word}s"
+
+
+def integer(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `minimum` (and at most `maximum`)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if maximum is not None and not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(
+                f"must be between {minimum} and {maximum}, got {value}"
+            )
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
         return value
@@ -66,9 +117,14 @@ def integer(minimum: int) -> Callable[[str], int]:
 
 
 def number(
-    minimum: float, *, below: float | None = None, above: bool = False
+    minimum: float,
+    maximum: float | None = None,
+    *,
+    below: float | None = None,
+    above: bool = False,
 ) -> Callable[[str], float]:
-    """An argparse type: a finite number `>= minimum` (`> minimum` if `above`), `< below`."""
+    """An argparse type: a finite number `>= minimum` (`> minimum` if `above`), `<= maximum`,
+    `< below`."""
 
     def parse(text: str) -> float:
         try:
@@ -77,6 +133,10 @@ def number(
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+        if maximum is not None and not minimum <= value <= maximum:
+            raise argparse.ArgumentTypeError(
+                f"must be between {minimum:g} and {maximum:g}, got {value:g}"
+            )
         if value < minimum or (above and value == minimum):
             bound = "above" if above else "at least"
             raise argparse.ArgumentTypeError(f"must be {bound} {minimum:g}, got {value:g}")
@@ -99,8 +159,8 @@ def new_file(text: str) -> str:
 
 
 def postgres_dsn(text: str) -> str:
-    """An argparse type: a PostgreSQL connection string that connects, tried once, now, so that
-    a typo ends the run with one line before anything starts."""
+    """An argparse type: a PostgreSQL connection string that parses (see `connect` for the
+    check that it connects, which an `ArgumentParser` makes after the whole line was read)."""
     try:
         import psycopg
     except ImportError:
@@ -111,12 +171,19 @@ def postgres_dsn(text: str) -> str:
         psycopg.conninfo.conninfo_to_dict(text)
     except psycopg.ProgrammingError as exc:
         raise argparse.ArgumentTypeError(f"not a connection string: {_first_line(exc)}") from None
+    return text
+
+
+def connect(dsn: str) -> None:
+    """Connect to `dsn` once, now, so that a typo ends the run with one line before anything
+    starts; `argparse.ArgumentTypeError` if it does not connect."""
+    import psycopg
+
     try:
-        with psycopg.connect(text, connect_timeout=10):
+        with psycopg.connect(dsn, connect_timeout=10):
             pass
     except psycopg.Error as exc:
         raise argparse.ArgumentTypeError(f"cannot connect: {_first_line(exc)}") from None
-    return text
 
 
 def _first_line(exc: BaseException) -> str:

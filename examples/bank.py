@@ -123,9 +123,7 @@ async def run(seed: int) -> None:
 
 def build_parser() -> cli.ArgumentParser:
     parser = cli.parser(__doc__)
-    parser.add_argument(
-        "--seed", metavar="N", type=cli.integer(0), default=0, help="seed of the random traffic"
-    )
+    cli.add_seed(parser, 0, "seed of the random traffic")
     return parser
 
 

@@ -83,7 +83,7 @@ async def run(requests: int, seed: int) -> None:
     print(
         f"batches: {stats.batches} batched + {stats.direct_calls} direct, "
         f"mean {stats.inputs_sent / max(stats.batches, 1):.1f} prompts per batch, "
-        f"largest {max(models.batch_tokens)} tokens ({over} single prompts above 512)"
+        f"largest {max(models.batch_tokens)} tokens ({cli.plural(over, 'single prompt')} above 512)"
     )
     assert outcomes["answered"] + outcomes["rejected"] == requests
 
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=3000,
         help="prompts sent, over half a second",
     )
-    parser.add_argument("--seed", metavar="N", type=int, default=1, help="workload seed")
+    cli.add_seed(parser, 1)
     return parser
 
 

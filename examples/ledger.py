@@ -240,7 +240,8 @@ async def run(args: argparse.Namespace, store: Store, where: str) -> int:
     tally = Tally()
     rng = random.Random(args.seed + 1)
     print(
-        f"ledger: {len(ops):,} inputs from {args.clients} clients over {args.accounts} accounts,"
+        f"ledger: {cli.plural(len(ops), 'input')} from {cli.plural(args.clients, 'client')} over"
+        f" {cli.plural(args.accounts, 'account')},"
         f" {where}",
         file=sys.stderr if args.json else sys.stdout,
         flush=True,
@@ -361,14 +362,14 @@ def print_summary(summary: dict[str, Any], *, acknowledged: int) -> None:
     print(LEGEND, end="")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> cli.ArgumentParser:
     p = cli.parser(__doc__)
     p.add_argument(
         "--clients", metavar="N", type=cli.integer(1), default=500, help="concurrent clients"
     )
     p.add_argument("--accounts", metavar="N", type=cli.integer(1), default=100, help="accounts")
     p.add_argument("--ops", metavar="N", type=cli.integer(0), default=30_000, help="inputs in all")
-    p.add_argument("--seed", metavar="N", type=int, default=1, help="workload seed")
+    cli.add_seed(p, 1)
     where = p.add_mutually_exclusive_group()
     where.add_argument(
         "--db",
@@ -376,11 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="SQLite file (default: a new file in a temporary directory)",
     )
-    where.add_argument(
-        "--postgres",
-        type=cli.postgres_dsn,
-        metavar="DSN",
-        help="use PostgreSQL at this connection string, checked at start (default: SQLite)",
+    p.connects(
+        where.add_argument(
+            "--postgres",
+            type=cli.postgres_dsn,
+            metavar="DSN",
+            help="use PostgreSQL at this connection string, checked at start (default: SQLite)",
+        )
     )
     p.add_argument(
         "--timeout",

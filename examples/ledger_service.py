@@ -179,17 +179,24 @@ a session from a shell (one input per line in, one reply per line out, in comple
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> cli.ArgumentParser:
     p = cli.parser(__doc__, epilog=CLIENT)
-    p.add_argument(
-        "--dsn",
-        required=True,
-        type=cli.postgres_dsn,
-        help="PostgreSQL connection string, checked at start (required)",
+    p.connects(
+        p.add_argument(
+            "--dsn",
+            metavar="DSN",
+            required=True,
+            type=cli.postgres_dsn,
+            help="PostgreSQL connection string, checked at start (required)",
+        )
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--host", metavar="HOST", default="127.0.0.1", help="address to listen on")
     p.add_argument(
-        "--port", type=cli.integer(0), default=0, help="port to listen on (0: any free port)"
+        "--port",
+        metavar="N",
+        type=cli.integer(0, 65535),
+        default=0,
+        help="port to listen on (0: any free port)",
     )
     p.add_argument(
         "--port-file",

@@ -2,7 +2,8 @@
 payment gateway, and ship, or undo what they did.
 
     python examples/orders.py [--orders 200] [--rate 150] [--seed 1] [--timeout 1.5]
-                              [--db PATH | --postgres DSN] [--crash] [--json] [--quiet]
+                              [--db PATH | --postgres DSN] [--crash] [--metrics-port N]
+                              [--trace] [--json] [--quiet]
 
 Every order is a flow of the plan ``order`` (version 1):
 
@@ -27,9 +28,22 @@ legend, and an audit: every completed order was charged once and shipped once an
 stock; every failed order was refunded what it was charged and has its stock back; stock adds
 up; no step outcome is recorded twice in any history. The exit code is 1 if the audit fails.
 
-``--crash`` runs the engine in a child process, SIGKILLs it mid-run (a seeded random moment),
-starts a new one on the same database, which recovers the flows, and audits the result.
-``--postgres DSN`` runs on PostgreSQL; ``--json`` prints the summary as JSON.
+``--crash`` runs the engine in a child process and SIGKILLs it mid-run, at the worst moment for
+one order (picked at random from the seed among those arriving mid-run): its card has just been
+charged and its ``charge`` step has not returned, so nothing durable says the charge happened.
+A new engine on the same database recovers the flows, runs that step again, and the repeated
+charge is absorbed by its idempotency key (at least one "repeat absorbed"; other steps caught in
+flight add theirs). The progress line and the summary count both engines.
+
+``--db PATH`` keeps the store (``python -m ferry.flow PATH list`` looks at its flows); without
+it the store is a file in a temporary directory, removed at the end. ``--postgres DSN`` runs on
+PostgreSQL; ``--json`` prints the summary as JSON. ``--metrics-port N`` serves the engine's
+Prometheus metrics while it runs (``curl 127.0.0.1:N/metrics``; a slow run to watch them:
+``--orders 2000 --rate 50``).
+``--trace`` gives the engine an OpenTelemetry TracerProvider and prints, at the end, the spans
+of one flow (one whose step raised and was retried) as an indented tree: one trace from its
+start across its park to its end (needs opentelemetry-sdk; not with ``--crash``, whose engines
+run in child processes).
 """
 
 from __future__ import annotations
@@ -44,9 +58,11 @@ import sys
 import tempfile
 import textwrap
 import time
+import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -58,6 +74,7 @@ if not __package__:  # run as a script: make `ferry` importable from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples import _cli as cli
+from examples import _trace
 from ferry import flow
 from ferry.projected import PostgresStore, SqliteStore, Store, Tx
 
@@ -94,25 +111,33 @@ SCHEMA = [
 
 LEGEND = {
     "orders": "flows started, one per order, and how they ended (from the store)",
-    "failed because": "why the failed orders failed (their flow's error)",
+    "failed_because": "why the failed orders failed (their flow's error)",
     "time": "wall time until every order had settled (with --crash: of the whole run, restart"
     " included)",
     "steps": "step attempts started by the engine(s), per second of that time; retries: "
     "attempts after a step raised (the carrier is flaky). With --crash, these counters add up"
-    " both engines, the killed one's as of its last report (every 0.05 s)",
+    " both engines, the killed one's as of its last report (every 0.05 s), so a few steps it ran"
+    " in its last moments may be missing",
     "wakes": "what became of each wake sent by the gateway's events (flow.Delivery): RESUMED "
     "woke a parked order, QUEUED was kept for an order not parked yet, DUPLICATE was a repeated "
     "event id, STALE came after the order had ended",
     "compensations": "compensation attempts (stock put back, charges refunded)",
     "writes": "durable step boundaries and the database transactions that carried them "
     "(group commit: many flows share one transaction)",
-    "repeats absorbed": "calls to the shop's services that came again with an idempotency key "
+    "repeats_absorbed": "calls to the shop's services that came again with an idempotency key "
     "already used (a step re-run after a crash) and changed nothing",
     "crash": "engine processes killed with SIGKILL, and flows the next engine resumed",
+    "store": "where the flows and the shop's tables are: an SQLite file (kept: it is still there"
+    " after the run, for python -m ferry.flow PATH list; --db PATH keeps it) or PostgreSQL",
+    "metrics": "with --metrics-port: where the engine's Prometheus metrics were served while it"
+    " ran, and what one scrape at the end found (ferry_flow_steps_total should equal the steps"
+    " run; docs/operating.md explains every metric)",
     "audit": "charged once and shipped once per completed order; refunded and restocked per "
     "failed order; stock adds up; no step outcome recorded twice",
     "note": "shown when more orders timed out than the gateway left unanswered by design: the "
     "machine could not keep up with --rate",
+    "trace": "with --trace: the OpenTelemetry spans of one flow (one whose step raised and was"
+    " retried), a tree under its start span: one trace across its park",
 }
 
 
@@ -280,6 +305,10 @@ class Shop:
     epoch: float  # wall-clock time of the run's start (orders arrive after it)
     engine: flow.Engine | None = None
     settled: int = 0
+    ended: Counter[str] = attrs.Factory(Counter)  # orders settled (seen by `wait`), by state
+    steps_before: int = 0  # steps a killed engine ran before this one (--crash), as reported
+    mark: str | None = None  # --crash: the order whose charge the parent kills the engine in
+    metrics_port: int | None = None  # --metrics-port
 
     async def call(self, fn: Any, *args: Any) -> Any:
         """``fn(tx, *args)`` in a transaction of its own, after the service's latency."""
@@ -315,6 +344,9 @@ def make_plan(shop: Shop) -> flow.Plan:
         late = shop.timeout + 0.3 if o.gateway == "late" else o.delay
         due = time.time() + late
         await shop.call(charge_tx, ctx.idempotency_key, o, shop.run, due, early)
+        if ctx.flow_id == shop.mark:  # --crash: charged, the step not returned: kill me now
+            print(f"charged {ctx.flow_id}", flush=True)
+            await trio.sleep(30)  # the parent's SIGKILL comes first
         ctx.data["charge"] = ctx.idempotency_key
         if early:  # the gateway answers before the order parks: the wake is kept (QUEUED)
             assert shop.engine is not None
@@ -367,15 +399,20 @@ class Progress:
     def __init__(self, shop: Shop, engine: flow.Engine, out: TextIO) -> None:
         self.shop, self.engine, self.out = shop, engine, out
         self.tty = out.isatty()
-        self.start = time.perf_counter()
 
     def draw(self, *, final: bool = False) -> None:
+        """Settled orders by state as their `wait` saw them (after a --crash restart, every
+        order is waited for again, so these add up to the summary); running and parked: this
+        engine's; steps and the clock: the whole run's, the killed engine's included."""
         s = self.engine.statistics()
-        elapsed = time.perf_counter() - self.start
+        shop = self.shop
+        elapsed = max(0.0, time.time() - shop.epoch)
+        steps = shop.steps_before + s.steps_run
         text = (
-            f"{self.shop.settled:>5}/{len(self.shop.orders)} settled  running {s.running:>4}"
-            f"  parked {s.parked:>4}  completed {s.completed:>4}  failed {s.failed:>4}"
-            f"  steps {s.steps_run:>5} ({s.steps_run / max(elapsed, 1e-9):,.0f}/s)"
+            f"{shop.settled:>5}/{len(shop.orders)} settled  running {s.running:>4}"
+            f"  parked {s.parked:>4}  completed {shop.ended['COMPLETED']:>4}"
+            f"  failed {shop.ended['FAILED']:>4}"
+            f"  steps {steps:>5} ({steps / max(elapsed, 1e-9):,.0f}/s)"
             f"  {elapsed:4.1f} s"
         )
         if self.tty:
@@ -406,14 +443,22 @@ def counters(engine: flow.Engine, settle_seconds: float | None = None) -> dict[s
 
 
 async def drive(
-    shop: Shop, *, quiet: bool, on_open: Callable[[], None] | None = None, tick: Any = None
+    shop: Shop,
+    *,
+    quiet: bool,
+    on_open: Callable[[], None] | None = None,
+    tick: Any = None,
+    tracer_provider: Any = None,
 ) -> dict[str, Any]:
     """Open the engine, start every order (idempotent), run the gateway, and wait until every
     order is settled (and the gateway has sent its late answers). The engine's `counters`.
     `tick(counters)` is called every `TICK` seconds while it runs, if given."""
     plan = make_plan(shop)
     t0 = time.perf_counter()
-    async with flow.open_engine(shop.store, plans=[plan]) as engine:
+    async with (
+        flow.open_engine(shop.store, plans=[plan], tracer_provider=tracer_provider) as engine,
+        metrics_served(engine, shop.metrics_port) as url,
+    ):
         shop.engine = engine
         engine.on("payment.confirmed", confirmed)
         engine.on("payment.declined", declined)
@@ -431,7 +476,8 @@ async def drive(
                 await trio.sleep(max(0.0, shop.epoch + o.arrival - time.time()))
                 data = {"sku": o.sku, "qty": o.qty, "amount": o.amount}
                 await engine.start(plan, flow_id=o.order_id, data=data)
-                await engine.wait(o.order_id)
+                snap = await engine.wait(o.order_id)
+                shop.ended[snap.state.name] += 1
                 shop.settled += 1
 
             async with trio.open_nursery() as nursery:
@@ -445,8 +491,48 @@ async def drive(
                 progress.draw(final=True)
             background.cancel_scope.cancel()
         result = counters(engine, settled)
+        if url is not None:  # one scrape of our own endpoint, to show what it serves
+            result["metrics"] = await trio.to_thread.run_sync(scrape, url)
     shop.engine = None
     return result
+
+
+@asynccontextmanager
+async def metrics_served(engine: flow.Engine, port: int | None) -> AsyncIterator[str | None]:
+    """With --metrics-port: the engine's Prometheus metrics (`ferry.metrics`) served on
+    127.0.0.1 while the run lasts; the URL. Else nothing (None)."""
+    if port is None:
+        yield None
+        return
+    import prometheus_client
+
+    from ferry import metrics
+
+    registry = prometheus_client.CollectorRegistry()
+    collector = metrics.register(engine, registry=registry)
+    server, thread = prometheus_client.start_http_server(port, addr="127.0.0.1", registry=registry)
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    print(f"metrics: {url} (while the run lasts)", file=sys.stderr, flush=True)
+    try:
+        yield url
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(server.shutdown)
+        server.server_close()
+        thread.join()
+        collector.unregister()
+
+
+def scrape(url: str) -> dict[str, Any]:
+    """Fetch `url` once: how many metric families it served, and the step attempts it counted."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    steps = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("ferry_flow_steps_total{")
+    )
+    return {"url": url, "families": text.count("# TYPE "), "steps_total": int(steps)}
 
 
 async def ticking(engine: flow.Engine, tick: Callable[[dict[str, Any]], None]) -> None:
@@ -489,7 +575,7 @@ class Audit:
     problems: list[str] = attrs.Factory(list)
 
 
-REASONS = {"out of stock": "out of stock", "declined": "declined", "timed out": "no answer"}
+REASONS = {"out of stock": "out_of_stock", "declined": "declined", "timed out": "no_answer"}
 
 
 def _reason(error: str | None) -> str:
@@ -569,25 +655,41 @@ async def audit(store: Store, engine: flow.Engine, shop: Shop) -> Audit:
 
 
 def summary(
-    shop: Shop, stats: dict[str, Any], checked: Audit, seconds: float, kills: int
+    shop: Shop,
+    stats: dict[str, Any],
+    checked: Audit,
+    seconds: float,
+    kills: int,
+    store: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "orders": {"started": len(shop.orders), **dict(sorted(checked.states.items()))},
-        "failed because": dict(checked.reasons.most_common()),
+        "failed_because": dict(checked.reasons.most_common()),
         "time": round(seconds, 3),
         "steps": {
             "run": stats["steps"],
-            "per second": round(stats["steps"] / max(seconds, 1e-9), 1),
+            "per_second": round(stats["steps"] / max(seconds, 1e-9), 1),
             "retries": stats["step_retries"],
         },
         "wakes": stats["wakes"],
         "compensations": stats["compensations"],
         "writes": {"boundaries": stats["writes"], "transactions": stats["write_batches"]},
-        "repeats absorbed": checked.absorbed,
+        "repeats_absorbed": checked.absorbed,
         "crash": {"kills": kills, "recovered": stats["recovered"]},
+        "store": store or {"kind": "postgres"},
+        **({"metrics": stats["metrics"]} if "metrics" in stats else {}),
         "audit": {"ok": not checked.problems, "problems": checked.problems},
         **overload(shop, checked),
     }
+
+
+def kept(store: dict[str, Any]) -> str:
+    """The summary's "store" row: where the store is, and whether it is still there."""
+    if store["kind"] == "postgres":
+        return "PostgreSQL (--postgres)"
+    if store["kept"]:
+        return f"{store['path']} (kept: python -m ferry.flow {store['path']} list shows its flows)"
+    return f"{store['path']} (a temporary file, removed now: --db PATH keeps the store)"
 
 
 def overload(shop: Shop, checked: Audit) -> dict[str, str]:
@@ -607,21 +709,37 @@ def overload(shop: Shop, checked: Audit) -> dict[str, str]:
 
 def show(report: dict[str, Any], where: str, out: TextIO) -> None:
     def pairs(d: dict[str, Any]) -> str:
-        return "   ".join(f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}" for k, v in d.items())
+        return "   ".join(
+            f"{k.replace('_', ' ')} {v:,}" if isinstance(v, int) else f"{k.replace('_', ' ')} {v}"
+            for k, v in d.items()
+        )
 
     w = report["writes"]
     per = w["boundaries"] / w["transactions"] if w["transactions"] else 0.0
     problems = report["audit"]["problems"]
     rows = [
         ("orders", pairs(report["orders"])),
-        ("failed because", pairs(report["failed because"]) or "-"),
+        ("failed because", pairs(report["failed_because"]) or "-"),
         ("time", f"{report['time']:.2f} s ({where})"),
         ("steps", pairs(report["steps"])),
         ("wakes", pairs(report["wakes"])),
         ("compensations", f"{report['compensations']:,}"),
         ("writes", f"{pairs(w)}   ({per:.1f} boundaries per transaction)"),
-        ("repeats absorbed", f"{report['repeats absorbed']:,}"),
+        ("repeats absorbed", f"{report['repeats_absorbed']:,}"),
         ("crash", pairs(report["crash"])),
+        ("store", kept(report["store"])),
+        *(
+            [
+                (
+                    "metrics",
+                    "{url}: {families} metric families, step attempts {steps_total}".format(
+                        **report["metrics"]
+                    ),
+                )
+            ]
+            if "metrics" in report
+            else []
+        ),
         (
             "audit",
             f"FAILED: {len(problems)} problems"
@@ -641,7 +759,8 @@ def show(report: dict[str, Any], where: str, out: TextIO) -> None:
     for problem in problems[:20]:
         print(f"    {problem}", file=out)
     print("\n  legend:", file=out)
-    for name, text in LEGEND.items():
+    for key, text in LEGEND.items():
+        name = key.replace("_", " ")
         lines = textwrap.wrap(text, 96 - width)
         print(f"    {name:<{width}}  {lines[0]}", file=out)
         for more in lines[1:]:
@@ -661,7 +780,8 @@ def open_store(args: argparse.Namespace, path: Path | None) -> Store:
 def arriving(args: argparse.Namespace) -> str:
     """How many orders, and over how long they arrive (a large --orders at a low --rate takes
     a while: say so before it starts)."""
-    return f"{args.orders} orders arriving over {args.orders / args.rate:.1f} s ({args.rate:g}/s)"
+    orders = cli.plural(args.orders, "order")
+    return f"{orders} arriving over {args.orders / args.rate:.1f} s ({args.rate:g}/s)"
 
 
 def where(args: argparse.Namespace, path: Path | None) -> str:
@@ -684,8 +804,10 @@ async def in_process(args: argparse.Namespace, path: Path | None, run: str) -> i
         shop = make_shop(store, args, run)
         if not args.json:
             print(f"orders: {arriving(args)}, {where(args, path)}", flush=True)
-        stats = await drive(shop, quiet=args.quiet)
-        return await finish(args, path, shop, stats, stats["seconds"], kills=0)
+        traces = _trace.Collector() if args.trace else None
+        provider = None if traces is None else traces.provider
+        stats = await drive(shop, quiet=args.quiet, tracer_provider=provider)
+        return await finish(args, path, shop, stats, stats["seconds"], kills=0, traces=traces)
 
 
 async def finish(
@@ -695,23 +817,35 @@ async def finish(
     stats: dict[str, Any],
     seconds: float,
     kills: int,
+    traces: _trace.Collector | None = None,
 ) -> int:
     if not (args.quiet or args.json):
         print(f"auditing {len(shop.orders)} orders ...", file=sys.stderr, flush=True)
     async with flow.open_engine(shop.store, plans=[make_plan(shop)]) as engine:
         checked = await audit(shop.store, engine, shop)
-    report = summary(shop, stats, checked, seconds, kills)
+    store = None if path is None else {"kind": "sqlite", "path": str(path), "kept": bool(args.db)}
+    report = summary(shop, stats, checked, seconds, kills, store)
+    lines: list[str] = []
+    if traces is not None:  # --trace: one flow's spans
+        shown = _trace.one_flow(traces.spans())
+        if shown is not None:
+            report["trace"] = shown
+            lines = _trace.render(shown)
     if args.json:
         print(json.dumps({**report, "legend": LEGEND}, indent=2))
     else:
         show(report, where(args, path), sys.stdout)
+        if lines:
+            print("\n" + "\n".join(lines))
     return 1 if checked.problems else 0
 
 
 def make_shop(store: Store, args: argparse.Namespace, run: str) -> Shop:
     orders = make_orders(args.orders, args.seed, run, args.rate)
     epoch = time.time() if args.epoch is None else args.epoch
-    return Shop(store, run, {o.order_id: o for o in orders}, args.timeout, epoch)
+    shop = Shop(store, run, {o.order_id: o for o in orders}, args.timeout, epoch)
+    shop.metrics_port = args.metrics_port
+    return shop
 
 
 async def worker(args: argparse.Namespace, path: Path | None) -> None:
@@ -724,13 +858,24 @@ async def worker(args: argparse.Namespace, path: Path | None) -> None:
 
     async with open_store(args, path) as store:  # type: ignore[attr-defined]
         shop = make_shop(store, args, args.run)
+        shop.mark, shop.steps_before = args.mark, args.steps_before
         opened = partial(print, "open", flush=True)
         tell(await drive(shop, quiet=args.quiet, on_open=opened, tick=tell))
 
 
+def victim(args: argparse.Namespace, run: str) -> str:
+    """The order whose charge the --crash run kills the engine in: picked from the seed among the
+    orders that arrive mid-run (30% to 90% of the arrivals) and whose stock cannot run out."""
+    orders = make_orders(args.orders, args.seed, run, args.rate)
+    span = args.orders / args.rate
+    mid = [o for o in orders if 0.3 * span <= o.arrival <= 0.9 * span and o.sku != "rare-leaf"]
+    pool = mid or [o for o in orders if o.sku != "rare-leaf"] or orders
+    return random.Random(args.seed + 1).choice(pool).order_id
+
+
 def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
-    """Drive the run in a child, SIGKILL it mid-run, drive it to the end in a new child, audit."""
-    rng = random.Random(args.seed + 1)
+    """Drive the run in a child, SIGKILL it right after one order's charge (`victim`), drive it
+    to the end in a new child, audit."""
 
     async def setup_store() -> None:
         async with open_store(args, path) as store:  # type: ignore[attr-defined]
@@ -742,6 +887,9 @@ def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
     command += ["--epoch", repr(time.time() + 0.5)]  # about when the first engine is open
     command += ["--timeout", str(args.timeout)] + (["--quiet"] if args.quiet or args.json else [])
     command += ["--postgres", args.postgres] if args.postgres else ["--db", str(path)]
+    if args.metrics_port is not None:  # each engine process serves its own, in turn
+        command += ["--metrics-port", str(args.metrics_port)]
+    mark = victim(args, run)
 
     def say(text: str) -> None:
         if not args.json:
@@ -753,28 +901,37 @@ def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
     wakes: Counter[str] = Counter()
     kills = 0
     for attempt in range(2):
-        child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        more = ["--mark", mark] if attempt == 0 else ["--steps-before", str(totals["steps"])]
+        child = subprocess.Popen(command + more, stdout=subprocess.PIPE, text=True)
         assert child.stdout is not None
         line = child.stdout.readline()
         if line != "open\n":
             child.wait()
             fail(f"the engine process did not start (exit code {child.returncode})")
         killed = False
+        lines = []
         if attempt == 0:
-            delay = rng.uniform(0.3, 0.9) * args.orders / args.rate  # while orders arrive
-            time.sleep(delay)
-            if child.poll() is None:
-                child.send_signal(signal.SIGKILL)
-                killed = True
-                kills += 1
-                say(f"\n  *** SIGKILL to the engine process {child.pid} after {delay:.2f} s ***")
+            for line in child.stdout:  # its counters every TICK s, until the victim is charged
+                lines.append(line)
+                if line == f"charged {mark}\n":
+                    child.send_signal(signal.SIGKILL)
+                    killed = True
+                    kills += 1
+                    say(
+                        f"\n  *** SIGKILL to the engine process {child.pid} after"
+                        f" {time.perf_counter() - t0:.2f} s: order {mark} was just charged, and"
+                        " its charge step had not returned ***"
+                    )
+                    break
         out, _ = child.communicate()
+        lines += out.splitlines()
         if not killed and child.returncode != 0:
             fail(f"the engine process failed (exit code {child.returncode})")
-        reports = [line[6:] for line in out.splitlines() if line.startswith("stats ")]
+        reports = [line[6:] for line in lines if line.startswith("stats ")]
         if reports:  # the killed engine's counters as of its last report (`TICK` apart)
             stats = json.loads(reports[-1])
             stats.pop("seconds")
+            stats.pop("metrics", None)
             wakes.update(stats.pop("wakes"))
             totals.update(stats)
         if not killed:
@@ -800,35 +957,67 @@ def fail(message: str) -> NoReturn:
 
 def build_parser() -> cli.ArgumentParser:
     p = cli.parser(__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--orders", type=int, default=200, help="orders to fulfil (1 to 100000)")
-    p.add_argument("--seed", type=int, default=1, help="seed of the orders and the gateway")
-    p.add_argument("--rate", type=float, default=150.0, help="orders arriving per second")
+    p.add_argument(
+        "--orders",
+        metavar="N",
+        type=cli.integer(1, 100_000),
+        default=200,
+        help="orders to fulfil (1 to 100000)",
+    )
+    cli.add_seed(p, 1, "seed of the orders and the gateway")
+    p.add_argument(
+        "--rate",
+        metavar="PER_SECOND",
+        type=cli.number(1, 1e6),
+        default=150.0,
+        help="orders arriving per second (1 to 1000000)",
+    )
     p.add_argument(
         "--timeout",
-        type=float,
+        metavar="SECONDS",
+        type=cli.number(0.05, 3600),
         help="seconds an order waits for the gateway (default: 1.5; 3 with --crash, whose"
         " restart takes about a second: parks that expire meanwhile time out at once)",
     )
     place = p.add_mutually_exclusive_group()
     place.add_argument(
-        "--db", metavar="PATH", type=cli.new_file, help="SQLite file (default: one in a temp dir)"
+        "--db",
+        metavar="PATH",
+        type=cli.new_file,
+        help="SQLite file, kept after the run (default: one in a temporary directory, removed)",
     )
-    place.add_argument(
-        "--postgres",
-        metavar="DSN",
-        type=cli.postgres_dsn,
-        help="run on PostgreSQL at this DSN (default: SQLite, see --db)",
+    p.connects(
+        place.add_argument(
+            "--postgres",
+            metavar="DSN",
+            type=cli.postgres_dsn,
+            help="run on PostgreSQL at this DSN (default: SQLite, see --db)",
+        )
     )
     p.add_argument(
         "--crash",
         action="store_true",
         help="run the engine in a child process, SIGKILL it mid-run, restart it, audit",
     )
+    p.add_argument(
+        "--metrics-port",
+        metavar="N",
+        type=cli.integer(0, 65535),
+        help="serve Prometheus metrics at 127.0.0.1:N/metrics while it runs (0: any free port;"
+        " needs the metrics extra) (default: off)",
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="trace the flows with OpenTelemetry and print one flow's spans as a tree at the end",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress line")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run", help=argparse.SUPPRESS)
     p.add_argument("--epoch", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--mark", help=argparse.SUPPRESS)  # see `victim`
+    p.add_argument("--steps-before", type=int, default=0, help=argparse.SUPPRESS)
     return p
 
 
@@ -837,12 +1026,18 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.timeout is None:
         args.timeout = 3.0 if args.crash else 1.5
-    if args.orders < 1 or args.orders > 100_000:
-        p.error(f"--orders must be between 1 and 100000, got {args.orders}")
-    if not 1 <= args.rate <= 1e6:
-        p.error(f"--rate must be between 1 and 1000000 orders per second, got {args.rate}")
-    if not 0.05 <= args.timeout <= 3600:
-        p.error(f"--timeout must be between 0.05 and 3600 seconds, got {args.timeout}")
+    if args.metrics_port is not None:
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError:
+            p.error("--metrics-port needs prometheus_client: pip install 'stm-ferry[metrics]'")
+    if args.trace and args.crash:
+        p.error(
+            "--trace shows the spans this process's engine made: it cannot be combined with"
+            " --crash, whose engines run in child processes"
+        )
+    if args.trace and not _trace.AVAILABLE:
+        p.error(_trace.NEEDS)
     if args.worker and (args.run is None or args.crash):
         p.error("--worker is the engine process that --crash starts: use --crash")
     return args

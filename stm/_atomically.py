@@ -263,9 +263,10 @@ def check(condition: object, *, deadline: float | None = None) -> None:
     txn = _here.txn
     if txn is None:
         txn = current("stm.check()")  # raises NoTransactionError
-    if deadline is not None and _now() >= deadline:
+    if deadline is not None and (now := _now()) >= deadline:
         raise trio.TooSlowError(
-            f"stm.check: the condition was still false when its deadline ({deadline}) passed"
+            "stm.check: the condition was still false at its deadline, which passed"
+            f" {now - deadline:.3f} s ago"
         )
     _abandon(txn, deadline)
 

@@ -46,6 +46,10 @@ lease without the trio loop (`_heartbeat.Keeper`); every body runs under a deadl
 lease's margin, moved on with each renewal (`_trust_deadline`, `_retrust`), so a loop that
 wakes after a lapse cancels its steps before they go on (`_lose_all`); a flow of a version this
 engine lacks and a live engine has is left to that engine (`_versioned`, `_elsewhere`).
+
+Parts of their own, hooked in here: retention (`_retention.Retention`, a task of a serving
+engine that deletes finished flows, docs/adr/0085) and traces (`_tracing`: a span around
+`start`'s write and around every step or compensation run, docs/adr/0086).
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Itera
 from contextlib import asynccontextmanager
 from functools import partial
 from types import TracebackType
-from typing import Any, TypeVar, final
+from typing import Any, NoReturn, TypeVar, final
 
 import attrs
 import trio
@@ -71,13 +75,15 @@ from pyrsistent import PVector, pvector
 
 import stm
 from ferry import Closed, Failed, open_ferry
-from ferry.projected import SqliteStore, Store, canonical_json
+from ferry.projected import SqliteStore, Store
 
-from . import _heartbeat, _lease, _retry, _store
+from . import _checks, _heartbeat, _lease, _retention, _retry, _store, _tracing
 from . import _machine as m
 from . import _timers as timers
+from ._apart import write_apart
 from ._errors import IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from ._machine import Flow, Mailbox, Message, Shape, Transition
+from ._observe import Observer
 from ._plan import Plan, StepDef
 from ._sqlite_file import EngineLock, check_path
 from ._types import (
@@ -85,19 +91,13 @@ from ._types import (
     Context,
     Delivery,
     Event,
-    Fail,
     FlowStatistics,
     Json,
-    Outcome,
     Park,
     Snapshot,
     Start,
     State,
     Wake,
-    _Complete,
-    _Continue,
-    fail,
-    park,
 )
 
 T = TypeVar("T")
@@ -111,7 +111,6 @@ _ACTIVE = m.ACTIVE
 _SETTLED = frozenset({State.COMPLETED, State.FAILED, State.BLOCKED})
 _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
 _BACKOFF = 0.1  # seconds before the first retry of a step; doubles with every retry
-_WRITE_BACKOFF_MAX = 5.0
 _BATCH_SIZE = 1000
 _LEASE_MARGIN = 0.1  # of the lease: an engine lets its flows go this long before it lapses
 _PRUNE_EVERY = 100  # scans between two prunings of the engines table
@@ -157,71 +156,52 @@ def _wrong_run(method: str) -> RuntimeError:
     )
 
 
+_LOGGED = frozenset({State.FAILED, State.BLOCKED})
+
+
+def _log_ended(before: Flow, after: Flow) -> None:
+    """INFO: this engine's write left the flow `FAILED` or `BLOCKED` (an operator may act)."""
+    why = after.blocked if after.state is State.BLOCKED else after.error
+    _log.info(
+        "flow %r (plan %r v%d) is %s at step %r (attempt %d): %s",
+        after.flow_id,
+        after.plan,
+        after.version,
+        after.state.name,
+        before.step,
+        before.attempt,
+        why,
+        extra={
+            "flow_id": after.flow_id,
+            "plan": after.plan,
+            "step": before.step,
+            "attempt": before.attempt,
+            "state": after.state.name,
+            "error": why,
+        },
+    )
+
+
+def _named(flow: Flow) -> str:
+    """The flow, its plan, step and attempt, for a log line or an error."""
+    return (
+        f"flow {flow.flow_id!r} (plan {flow.plan!r} v{flow.version}, step {flow.step_index}"
+        f" {flow.step!r}, attempt {flow.attempt}, {flow.state.name})"
+    )
+
+
+def _about(flow: Flow) -> dict[str, object]:
+    """The `extra=` of a log record about the flow."""
+    return {
+        "flow_id": flow.flow_id,
+        "plan": flow.plan,
+        "step": flow.step,
+        "attempt": flow.attempt,
+    }
+
+
 def _backoff(failures: int) -> float:
     return _BACKOFF * 2.0 ** (failures - 1)
-
-
-# ------------------------------------------------------------------------------------ JSON input
-
-
-def _json_text(value: Json, what: str) -> str:
-    """Canonical JSON text of `value`, or `TypeError` naming `what` if it is not plain JSON."""
-    try:
-        text = canonical_json(value)
-    except (TypeError, ValueError) as exc:
-        raise TypeError(
-            f"{what} must be JSON (None, bool, int, float, str, list, dict): {exc}"
-        ) from None
-    if json.loads(text) != value:
-        raise TypeError(
-            f"{what} must be JSON and survive a round trip unchanged (dict keys must be str,"
-            f" sequences lists), got {value!r}"
-        )
-    return text
-
-
-def _json_object_text(value: Json, what: str) -> str:
-    if not isinstance(value, dict):
-        raise TypeError(f"{what} must be a JSON object (a dict), got {type(value).__name__}")
-    return _json_text(value, what)
-
-
-def _check_flow_id(flow_id: object) -> str:
-    if not isinstance(flow_id, str):
-        raise TypeError(f"flow_id must be a str, got {flow_id!r}")
-    if not flow_id:
-        raise ValueError("flow_id must not be empty")
-    return flow_id
-
-
-def _check_message_id(message_id: object, what: str) -> None:
-    """A message id is a non-empty str or None: an empty one (an event without its id) would
-    make every later wake with it a silent `DUPLICATE`."""
-    if message_id is None:
-        return
-    if not isinstance(message_id, str):
-        raise TypeError(f"{what} must be a str or None, got {message_id!r}")
-    if not message_id:
-        raise ValueError(
-            f"{what} must not be empty: every later wake with it would be a DUPLICATE (give the"
-            " event's id, or None for a wake that is never deduplicated)"
-        )
-
-
-def _classify(result: object) -> Outcome | str | None:
-    """The step's return value as an outcome (None = continue), or a str saying what is wrong."""
-    if result is None or isinstance(result, _Continue | _Complete | Park | Fail):
-        return result
-    hint = ""
-    if result is park or result is fail:
-        hint = f": call it, return flow.{result.__name__}(...)"
-    elif inspect.iscoroutine(result):
-        result.close()  # never to be awaited now: no "never awaited" warning
-        hint = ": an await is missing"
-    return (
-        f"returned {result!r}, which is not an outcome (None, CONTINUE, COMPLETE, park(),"
-        f" fail()){hint}"
-    )
 
 
 class _Unseen(Exception):
@@ -235,11 +215,14 @@ class _Unseen(Exception):
 class _Live:
     """A flow that is running or compensating in this engine (or waiting for a runner slot)."""
 
-    __slots__ = ("epoch", "flow", "scope")
+    __slots__ = ("began", "epoch", "flow", "scope")
 
     def __init__(self, flow: Flow, epoch: int) -> None:
         self.flow = flow  # the latest committed row this engine knows
         self.scope: trio.CancelScope | None = None  # around the running step or compensation
+        # The revision of the row whose run (of its step or compensation) began in this engine:
+        # a flow whose current row's run has not begun is let go at close (`_let_go_unbegun`).
+        self.began = 0
         # The fleet: the engine's `_epoch` when the write or read that gave `flow` began. A
         # copy from an older epoch may predate a lapse of the lease: it is re-read before a
         # body runs on it (`_confirm`).
@@ -308,10 +291,13 @@ class Engine:
         lease: float,
         serve: bool,
         fleet: bool,
+        max_data_bytes: int,
         group_commit: bool,
         fencing: bool,
         scan_interval: float | None,
         wall_clock: Callable[[], float],
+        retain: float | None = None,
+        tracing: _tracing.Tracing | None = None,
     ) -> None:
         self._store = store
         # This opening of the owner name (docs/adr/0071): a fleet engine's lease row names it,
@@ -335,6 +321,7 @@ class Engine:
         self._registered = {id(p): k for k, p in plans.items()}
         self._owner = owner
         self._max_running = max_running
+        self._max_data = max_data_bytes  # of a flow's data (or a payload) as UTF-8 JSON text
         self._lease = float(lease)
         self._serve = serve  # False: an operator's engine, which never leases or runs a flow
         self._fleet = fleet  # leases are respected (PostgreSQL); else one engine per store
@@ -361,6 +348,13 @@ class Engine:
         # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
         # longer than this.
         self._guard = max(_GUARD_MIN, lease * _GUARD) if fleet else None
+        self._tracing = tracing  # OpenTelemetry spans of starts and runs (None: traces off)
+        # Deletes finished flows `retain` seconds after they ended (a task of a serving engine).
+        self._retention = (
+            _retention.Retention(store, retain, self._now, self._guard)
+            if retain is not None and serve
+            else None
+        )
         self._live: dict[str, _Live] = {}
         self._watches: dict[str, _Watch] = {}
         self._sched: stm.TVar[_Sched] = stm.TVar(_Sched())
@@ -371,6 +365,7 @@ class Engine:
         self._stats = dict.fromkeys(_COUNTERS, 0)
         self._wakes = dict.fromkeys(Delivery, 0)
         self._parked = 0
+        self._observers: tuple[Observer, ...] = ()  # ferry.metrics (empty: nothing is observed)
         self._nursery: trio.Nursery | None = None
         self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
         self._thread = _thread_id()  # of the run that opened it: only its tasks may call it
@@ -389,9 +384,21 @@ class Engine:
     async def _write(self, op: _store.Op) -> _store.Result:
         """One op, durable when this returns; through the ferry (group commit) or alone.
 
-        Raises `ferry.Failed` if the transaction failed (nothing of it was written), and the
-        exception of a transition that raised (a bug, raised to whoever asked for it alone).
+        Raises `ferry.Failed` if the transaction failed or the database refused this op's row
+        alone (ADR 0063; nothing of it was written either way), and the exception of a
+        transition that raised (a bug, raised to whoever asked for it alone).
         """
+        result = await self._write_own(op)
+        if isinstance(result, _store.Rejected):
+            raise Failed(
+                f"the database refused the write of flow {result.flow_id!r}:"
+                f" {_checks.describe(result.error)}; nothing of it was written"
+            ) from result.error
+        return result
+
+    async def _write_own(self, op: _store.Op) -> _store.Result:
+        """`_write`, but a row the database refused is answered (`_store.Rejected`), not
+        raised: a runner fails its flow with it."""
         if self._group_commit:
             if self._ferry is None:
                 raise Closed("the flow engine is closed")
@@ -403,6 +410,8 @@ class Engine:
                 raise Failed(f"the flow store raised {exc!r}") from exc
         if isinstance(result, _store.Refused):
             raise result.error
+        if isinstance(result, _store.Unwritten):
+            raise Failed(f"the flow store raised {result.error!r}") from result.error
         return result
 
     def _leasing(self, apply: _store.Apply, *, outside: bool) -> _store.Apply:
@@ -445,18 +454,28 @@ class Engine:
             result = await self._write(op)
         return result
 
-    async def _batch(self, ops: list[_store.Op]) -> list[_store.Result]:
+    async def _batch(self, ops: list[_store.Op], *, whole: bool = False) -> list[_store.Result]:
         """The ferry's batch call: every op in one transaction, then their effects in memory.
+        With `whole` (a `publish`), all or nothing: `_store.Undone` if one op was not applied.
 
         A transaction the database rolled back on its own (a deadlock or a serialization
-        failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times."""
+        failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times.
+        Without `whole`, a row the database refuses is answered `Rejected` to its op alone and
+        the others are written without it (`_apart.write_apart`, ADR 0063)."""
+        if whole:
+            return await self._transact(ops, _store.write_all)
+        return await write_apart(partial(self._transact, write=_store.write_batch), ops)
+
+    async def _transact(
+        self, ops: Sequence[_store.Op], write: Callable[..., list[_store.Result]]
+    ) -> list[_store.Result]:
+        """`ops` in one transaction (retried if the database rolled it back on its own), then
+        their effects in memory, in commit order."""
         tries = 0
         while True:
             epoch = self._epoch
             try:
-                results = await self._store.transact(
-                    partial(_store.write_batch, ops=ops, guard=self._guard)
-                )
+                results = await self._store.transact(partial(write, ops=ops, guard=self._guard))
             except Exception as exc:
                 tries += 1
                 if tries > _ROLLBACK_RETRIES or not _rolled_back(exc):
@@ -478,6 +497,8 @@ class Engine:
                 self._wakes[t.delivery] += 1
             if t.written:
                 own = isinstance(op, _store.Change) and op.flow is not None
+                if t.flow.state in _LOGGED and t.flow.state is not result.before.state:
+                    _log_ended(result.before, t.flow)
                 self._track(result.before.state, t.flow, own, epoch=epoch)
         elif isinstance(result, _store.Created):
             self._track(None, result.transition.flow, True, epoch=epoch)
@@ -506,6 +527,8 @@ class Engine:
                 self._parked += 1
             elif write and state in _ENDS:
                 stats[_ENDS[state]] += 1
+                for observer in self._observers:
+                    observer.ended(flow)
         watch = self._watches.get(fid)
         if watch is not None:
             stm.atomically_nowait(watch.tvar.set, flow)
@@ -536,39 +559,43 @@ class Engine:
         ):  # a fleet engine fires no timer of a version it lacks: one that has it does
             self._arm(flow.park_deadline, fid, flow.revision)
 
-    async def _own(self, live: _Live, apply: _store.Apply, *, head: bool = False) -> bool:
+    async def _own(
+        self, live: _Live, apply: _store.Apply, *, head: bool = False, fallback: bool = False
+    ) -> bool:
         """Write a transition of the flow this runner drives, as a compare-and-set on its copy;
         True if it was accepted.
 
-        A database error is retried (with backoff); a lost compare-and-set means the flow moved
-        on without this runner: it re-reads the row and carries on from there (or lets go).
+        The store's unavailability is retried (`_retry`); a lost compare-and-set means the flow
+        moved on without this runner: it re-reads the row and carries on from there (or lets
+        go). A row the database refuses fails the flow instead (`_refused`; False).
         """
         flow = live.flow
-        delay = _BACKOFF
-        while True:
-            leased = self._leasing(apply, outside=False)
-            op = _store.Change(flow.flow_id, leased, flow=flow, head=head, fenced=self._fencing)
-            try:
-                result = await self._write(op)
-            except Failed:
-                await trio.sleep(delay)
-                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
-                continue
-            break
+        leased = self._leasing(apply, outside=False)
+        op = _store.Change(flow.flow_id, leased, flow=flow, head=head, fenced=self._fencing)
+        extra = _about(flow)
+        result = await _retry.retrying(
+            partial(self._write_own, op), what=f"writing {_named(flow)}", extra=extra
+        )
         if isinstance(result, _store.Changed):
             return True
+        if isinstance(result, _store.Rejected):
+            if fallback:  # even the write that fails the flow was refused: a bug to be seen
+                raise Failed(
+                    f"the database refused the write that fails {_named(flow)}:"
+                    f" {_checks.describe(result.error)}"
+                ) from result.error
+            await self._refused(live, result)
+            return False
         if live.flow.revision > flow.revision:
             return False
-        delay = _BACKOFF
-        while True:
+        epoch = self._epoch
+
+        async def load() -> Flow | None:
+            nonlocal epoch
             epoch = self._epoch
-            try:
-                stored = await self._load(flow.flow_id)
-            except Exception:  # the store is unavailable: try again, the flow is still ours
-                await trio.sleep(delay)
-                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
-                continue
-            break
+            return await self._load_row(flow.flow_id)
+
+        stored = await _retry.retrying(load, what=f"reading {_named(flow)}", extra=extra)
         if self._live.get(flow.flow_id) is not live or live.flow.revision > flow.revision:
             return False
         if stored is None:
@@ -576,6 +603,23 @@ class Engine:
         else:
             self._track(flow.state, stored, True, epoch=epoch, write=False)
         return False
+
+    async def _refused(self, live: _Live, rejected: _store.Rejected) -> None:
+        """The database refused a write of the flow this runner drives (its row alone, ADR
+        0063): fail the flow with that error (a running step compensates; a compensation
+        blocks), so that it is this flow's problem alone."""
+        flow = live.flow
+        problem = (
+            f"the database refused the write of step {flow.step!r} (attempt {flow.attempt}):"
+            f" {_checks.describe(rejected.error)}"
+        )
+        shape = self._shapes.get((flow.plan, flow.version))
+        now = self._now()
+        if flow.state is _RUNNING:
+            apply = _on_row(m.step_failed, shape, problem, now)
+        else:
+            apply = _on_row(m.compensation_failed, problem, now, shape)
+        await self._own(live, apply, fallback=True)
 
     # ---------------------------------------------------------------------------- scheduling
 
@@ -633,7 +677,9 @@ class Engine:
                 await self._run_compensation(live, shape, self._steps[key][flow.step_index])
 
     def _context(self, flow: Flow, name: str, compensating: bool) -> Context:
-        key = f"{flow.flow_id}/{flow.step_index}/{name}"
+        key = _checks.idempotency_key(
+            flow.flow_id, flow.step_index, name, compensation=compensating
+        )
         return Context(
             flow_id=flow.flow_id,
             plan=flow.plan,
@@ -645,7 +691,7 @@ class Engine:
             wake=None if flow.wake is None else json.loads(flow.wake),
             timed_out=flow.timed_out,
             error=flow.error if compensating else None,
-            idempotency_key=f"{key}/compensate" if compensating else key,
+            idempotency_key=key,
         )
 
     async def _attempt(
@@ -664,26 +710,51 @@ class Engine:
                 await trio.lowlevel.checkpoint()
                 return None
         flow = live.flow
-        ctx = self._context(flow, step.name, flow.state is _COMPENSATING)
+        compensating = flow.state is _COMPENSATING
+        ctx = self._context(flow, step.name, compensating)
         result: object = None
         error: BaseException | None = None
+        if _log.isEnabledFor(logging.DEBUG):
+            kind = "compensation of step" if flow.state is _COMPENSATING else "step"
+            _log.debug(
+                "flow %r (plan %r): running %s %r, attempt %d",
+                flow.flow_id,
+                flow.plan,
+                kind,
+                step.name,
+                flow.attempt,
+                extra=_about(flow),
+            )
+        observers = self._observers
+        began = trio.current_time() if observers else 0.0
+        seconds = math.nan
+        tracing = self._tracing
         # In a fleet the body may run only while the lease is trusted: its deadline is the
         # margin before the lease lapses, moved on with every renewal (`_retrust`), so a loop
         # that wakes up after a lapse cancels the body before it goes on (docs/adr/0073).
         with trio.CancelScope(deadline=self._trust_deadline()) as scope:
             live.scope = scope
+            live.began = flow.revision
             try:
-                result = await fn(ctx)
+                if tracing is None:
+                    result = await fn(ctx)
+                else:
+                    result = await tracing.run(fn, ctx, flow.trace, compensating)
             except Exception as exc:
                 error = exc
-                if failures + 1 < step.attempts:
-                    await trio.sleep(_backoff(failures + 1))
+            if observers:
+                seconds = trio.current_time() - began
+            if error is not None and failures + 1 < step.attempts:
+                await trio.sleep(_backoff(failures + 1))
         live.scope = None
+        void = scope.cancelled_caught or live.flow is not flow
+        for observer in observers:
+            observer.ran(flow, step.name, compensating, result, error, seconds, void)
         if scope.cancelled_caught and self._fleet and self._lapsing():
             if self._live.get(flow.flow_id) is live:
                 self._lose_all("its lease lapsed while it ran steps")
             return None
-        if scope.cancelled_caught or live.flow is not flow:
+        if void:
             return None
         return ctx, result, error
 
@@ -722,21 +793,23 @@ class Engine:
         if ran is None:
             return
         ctx, result, error, failures = ran
-        outcome = _classify(result)
+        outcome = _checks.outcome(result)
         problem: str | None = None
         data = ""
         if error is not None:
             problem = (
-                f"step {step.name!r} raised {error!r} on attempt {live.flow.attempt}"
-                f" ({failures} of {step.attempts} tries)"
+                f"step {step.name!r} raised {_checks.describe(error)} on attempt"
+                f" {live.flow.attempt} ({failures} of {step.attempts} tries)"
             )
         elif isinstance(outcome, str):
             problem = f"step {step.name!r} {outcome}"
         else:
             try:
-                data = _json_object_text(ctx.data, "ctx.data")
+                data = _checks.json_object_text(ctx.data, "ctx.data", max_bytes=self._max_data)
             except TypeError as exc:
                 problem = f"step {step.name!r} left data that is not JSON: {exc}"
+            except ValueError as exc:
+                problem = f"step {step.name!r} left data that cannot be stored: {exc}"
         now = self._now()
         if problem is not None:
             await self._own(live, _on_row(m.step_failed, shape, problem, now))
@@ -754,14 +827,19 @@ class Engine:
         now = self._now()
         if error is None:
             try:
-                data = _json_object_text(ctx.data, "ctx.data")
+                data = _checks.json_object_text(ctx.data, "ctx.data", max_bytes=self._max_data)
             except TypeError as exc:
                 message = f"it left data that is not JSON: {exc}"
-                await self._own(live, _on_row(m.compensation_failed, message, now, shape))
+            except ValueError as exc:
+                message = f"it left data that cannot be stored: {exc}"
+            else:
+                await self._own(live, _on_row(m.compensated, shape, data, now))
                 return
-            await self._own(live, _on_row(m.compensated, shape, data, now))
-            return
-        message = f"{error!r} on attempt {live.flow.attempt} ({failures} of {step.attempts} tries)"
+        else:
+            message = (
+                f"{_checks.describe(error)} on attempt {live.flow.attempt} ({failures} of"
+                f" {step.attempts} tries)"
+            )
         await self._own(live, _on_row(m.compensation_failed, message, now, shape))
 
     # -------------------------------------------------------------------------------- timers
@@ -816,15 +894,14 @@ class Engine:
         # The machine ignores it unless the flow is still parked at `revision`: across a fleet,
         # every engine that armed this deadline fires it, and exactly one of them takes it.
         op = _store.Change(flow_id, self._leasing(apply, outside=True))
-        delay = _BACKOFF
-        while True:
-            try:
-                await self._write(op)
-            except Failed:
-                await trio.sleep(delay)
-                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
-                continue
-            return
+        what = f"timing out flow {flow_id!r} (parked at revision {revision})"
+        extra = {"flow_id": flow_id}
+        result = await _retry.retrying(partial(self._write_own, op), what=what, extra=extra)
+        if isinstance(result, _store.Rejected):  # the flow's own problem: it blocks (ADR 0063)
+            reason = f"the database refused its timeout: {_checks.describe(result.error)}"
+            block = self._leasing(_on_row(m.block, reason, now), outside=True)
+            op = _store.Change(flow_id, block, expected=revision)
+            await _retry.retrying(partial(self._write, op), what=what, extra=extra)
 
     # ------------------------------------------------------------------------------ recovery
 
@@ -991,16 +1068,14 @@ class Engine:
             )
 
     async def _resume_active(self, active: list[Flow]) -> int:
-        """Run `active` flows again as attempt + 1 (a compare-and-set on the row read), or block
-        those whose plan version this engine lacks; how many run again."""
+        """Run `active` flows again (a compare-and-set on the row read): as attempt + 1 if a run
+        may have begun, else as the same attempt (`_machine.rerun`); or block those whose plan
+        version this engine lacks; how many run again."""
         now = self._now()
         ops: list[_store.Op] = []
         for flow in active:
             reason = m.mismatch(flow, self._shapes.get((flow.plan, flow.version)))
-            if reason is None:
-                apply = _on_row(m.next_attempt, now)
-            else:
-                apply = _on_row(m.block, reason, now)
+            apply = _on_row(m.rerun, now) if reason is None else _on_row(m.block, reason, now)
             leased = self._leasing(apply, outside=False)
             ops.append(_store.Change(flow.flow_id, leased, flow=flow, fenced=self._fencing))
         results = await _gather([partial(self._write, op) for op in ops])
@@ -1233,14 +1308,13 @@ class Engine:
         still held by this engine; else the row is followed (a newer one) or the flow let go,
         and False. Retries while the store is unavailable. A checkpoint."""
         fid = live.flow.flow_id
-        delay = _BACKOFF
+        backoff = _retry.Backoff(f"re-reading {_named(live.flow)}", extra=_about(live.flow))
         while True:
             epoch = self._epoch
             try:
-                row = await self._load(fid)
-            except Exception:  # the store is unavailable: try again (the runner waits)
-                await trio.sleep(delay)
-                delay = min(delay * 2, _WRITE_BACKOFF_MAX)
+                row = await self._load_row(fid)
+            except Exception as exc:
+                await backoff.pause(exc)  # raises unless the store is unavailable
                 continue
             if self._live.get(fid) is not live:
                 return False
@@ -1286,6 +1360,63 @@ class Engine:
                 self._released[fid] = live.flow.revision
         if live.scope is not None:
             live.scope.cancel()
+
+    def _log_opened(self) -> None:
+        """INFO: the engine is open, and what it recovered."""
+        s = self._stats
+        _log.info(
+            "flow engine %r opened on %s (%s): %d flows recovered, %d parked, plans %s",
+            self._owner,
+            _where(self._store),
+            "serving" if self._serve else "operator, runs nothing",
+            s["recovered"],
+            self._parked,
+            ", ".join(f"{name} v{version}" for name, version in sorted(self._shapes)) or "none",
+            extra={"owner": self._owner, "recovered": s["recovered"], "parked": self._parked},
+        )
+
+    def _log_closed(self, error: BaseException | None) -> None:
+        """INFO: the engine closed (what it left to the next engine), or why it ended."""
+        running = len(self._live)
+        if error is not None and not isinstance(error, trio.Cancelled | GeneratorExit):
+            _log.info(
+                "flow engine %r closed by %s; %d flows running left to the next engine",
+                self._owner,
+                _checks.describe(error, 200),
+                running,
+                extra={"owner": self._owner, "running": running},
+            )
+            return
+        _log.info(
+            "flow engine %r closed; %d flows running left to the next engine (steps run %d,"
+            " completed %d, failed %d, blocked %d)",
+            self._owner,
+            running,
+            self._stats["steps_run"],
+            self._stats["completed"],
+            self._stats["failed"],
+            self._stats["blocked"],
+            extra={"owner": self._owner, "running": running},
+        )
+
+    async def _let_go_unbegun(self) -> None:
+        """At close: let go of the flows whose current run had not begun in this engine (they
+        waited for a runner slot, or for a retry's backoff), each by a compare-and-set on the
+        row it knows, so that the engine that runs them next keeps their attempt number
+        (attempts count runs that began). A flow that moved on meanwhile is left as it is (its
+        next run then counts as attempt + 1: numbers may skip, never repeat)."""
+        now = self._now()
+        ops: list[_store.Op] = [
+            _store.Change(live.flow.flow_id, _on_row(m.let_go, now), flow=live.flow)
+            for live in self._live.values()
+            if live.began != live.flow.revision and live.flow.state in _ACTIVE
+        ]
+        if not ops:
+            return
+        try:
+            await self._store.transact(partial(_store.write_batch, ops=ops, guard=self._guard))
+        except Exception as exc:  # unavailable: they run again as attempt + 1
+            _retry.log_or_raise(exc, f"letting go of {len(ops)} flows not begun, at close")
 
     async def _stop_keeper(self) -> None:
         """Stop the heartbeat thread (waiting for it) and remove the instrument. Idempotent;
@@ -1408,12 +1539,32 @@ class Engine:
         `TypeError` (data not a JSON object); nothing is stored then.
         """
         self._check("start")
+        shape, fid, text = self._start_input(plan, flow_id, data, "data")
+        with _tracing.starting(self._tracing, shape.name, shape.version, fid) as trace:
+            op = self._start_op(shape, fid, text, trace)
+            result = await self._request(op)
+        return self._started(op, result)
+
+    def _start_input(
+        self, plan: Plan, flow_id: str | None, data: dict[str, Json] | None, what: str
+    ) -> tuple[Shape, str, str]:
+        """A start's input checked (raises `TypeError`/`ValueError`/`UnknownPlan`): its plan's
+        shape, its flow id and its data's JSON text."""
         shape = self._shape_of(plan)
-        fid = uuid.uuid4().hex if flow_id is None else _check_flow_id(flow_id)
-        text = _json_object_text({} if data is None else data, "data")
-        now = self._now()
+        fid = uuid.uuid4().hex if flow_id is None else _checks.flow_id(flow_id)
+        data = {} if data is None else data
+        return shape, fid, _checks.json_object_text(data, what, max_bytes=self._max_data)
+
+    def _start_op(
+        self, shape: Shape, fid: str, text: str, trace: str | None = None
+    ) -> _store.Create:
+        """The op of a start whose input was checked (`_start_input`)."""
         owner = self._owner if self._serve else None
-        result = await self._request(_store.Create(m.start(shape, fid, text, now, owner=owner)))
+        return _store.Create(m.start(shape, fid, text, self._now(), owner=owner, trace=trace))
+
+    @staticmethod
+    def _started(op: _store.Create, result: _store.Result) -> str:
+        fid = op.transition.flow.flow_id
         if isinstance(result, _store.Existing) and not result.same:
             raise IdReused(
                 f"flow id {fid!r} is already used by a flow of plan {result.flow.plan!r} with"
@@ -1428,25 +1579,45 @@ class Engine:
 
         Returns `Delivery.RESUMED` (the flow was parked and now runs its next step with
         ``ctx.wake = payload``), `QUEUED` (kept: its next park takes it at once), `DUPLICATE`
-        (`message_id` was delivered before), `STALE` (completed or failed) or `UNKNOWN`.
+        (`message_id` was delivered before), `STALE` (completed, failed or compensating) or
+        `UNKNOWN`. Time wins at the deadline: a wake at or after a parked flow's deadline meets
+        the timeout first (`STALE` if it then compensates, `QUEUED` if it runs on).
         Raises `TypeError` for a payload that is not JSON or a bad id, `ValueError` for an empty
-        one (nothing stored).
+        or unstorable one (nothing stored).
         """
         self._check("wake")
-        fid = _check_flow_id(flow_id)
-        text = _json_text(payload, "payload")
-        _check_message_id(message_id, "message_id")
+        text = self._wake_input(flow_id, payload, message_id, "")
+
+        async def call(shape_of: Callable[[Flow], Shape | None]) -> _store.Result:
+            return await self._request(self._wake_op(flow_id, text, message_id, shape_of))
+
+        return self._delivered(await self._versioned(call))
+
+    def _wake_input(self, flow_id: str, payload: Json, message_id: str | None, what: str) -> str:
+        """A wake's input checked (`TypeError`/`ValueError`); the payload's JSON text."""
+        _checks.flow_id(flow_id)
+        text = _checks.json_text(payload, f"{what}payload", max_bytes=self._max_data)
+        _checks.message_id(message_id, f"{what}message_id")
+        return text
+
+    def _wake_op(
+        self,
+        flow_id: str,
+        text: str,
+        message_id: str | None,
+        shape_of: Callable[[Flow], Shape | None],
+    ) -> _store.Change:
+        """The op of a wake whose input was checked (`_wake_input`: `text` is its payload);
+        `shape_of` as in `_versioned`."""
         message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
         now = self._now()
 
-        async def call(shape_of: Callable[[Flow], Shape | None]) -> _store.Result:
-            def apply(f: Flow, box: Mailbox) -> Transition:
-                return m.wake(f, box, message, shape_of(f), now)
+        def apply(f: Flow, box: Mailbox) -> Transition:
+            return m.wake(f, box, message, shape_of(f), now)
 
-            op = _store.Change(fid, self._leasing(apply, outside=True), message_id=message_id)
-            return await self._request(op)
+        return _store.Change(flow_id, self._leasing(apply, outside=True), message_id=message_id)
 
-        result = await self._versioned(call)
+    def _delivered(self, result: _store.Result) -> Delivery:
         if isinstance(result, _store.Changed):
             assert result.transition.delivery is not None
             return result.transition.delivery
@@ -1486,7 +1657,10 @@ class Engine:
         A `Wake` is delivered (its `Delivery`), a `Start` started (its flow id), `IGNORE`/None
         gives None. Every mapper runs and every decision is checked (type, JSON, plan) before
         any is applied: a mapper that returns anything else raises `TypeError` and nothing is
-        applied. Events are at-least-once: give wakes a `message_id` (the event's id).
+        applied. All or nothing: the decisions are applied in one transaction, and if one
+        cannot be (a `Start` whose id is taken: `IdReused`), none is and that error is raised;
+        a database error raises `ferry.Failed`, nothing applied. Events are at-least-once:
+        give wakes a `message_id` (the event's id).
         """
         self._check("publish")
         if not isinstance(event_type, str):
@@ -1501,32 +1675,73 @@ class Engine:
                     f"mapper {mapper!r} for {event_type!r} returned {decision!r}: {exc};"
                     " nothing was applied"
                 ) from None
-        results: list[Delivery | str | None] = []
-        await trio.lowlevel.checkpoint_if_cancelled()
-        with trio.CancelScope(shield=True):  # all of them, or (if Cancelled) none
-            for d in decisions:
+        # Checked and built before anything is written: a start's op (its flow), a wake's text.
+        built: list[_store.Create | str | None] = []
+        for d in decisions:
+            if isinstance(d, Wake):
+                built.append(self._wake_input(d.flow_id, d.payload, d.message_id, "Wake."))
+            elif isinstance(d, Start):
+                built.append(
+                    self._start_op(*self._start_input(d.plan, d.flow_id, d.data, "Start.data"))
+                )
+            else:
+                built.append(None)
+
+        async def apply_all(shape_of: Callable[[Flow], Shape | None]) -> list[_store.Result]:
+            ops: list[_store.Op] = []
+            for d, b in zip(decisions, built, strict=True):
                 if isinstance(d, Wake):
-                    results.append(await self.wake(d.flow_id, d.payload, message_id=d.message_id))
-                elif isinstance(d, Start):
-                    results.append(await self.start(d.plan, flow_id=d.flow_id, data=d.data))
-                else:
-                    results.append(None)
+                    assert isinstance(b, str)
+                    ops.append(self._wake_op(d.flow_id, b, d.message_id, shape_of))
+                elif isinstance(b, _store.Create):
+                    ops.append(b)
+            try:
+                return await self._batch(ops, whole=True)
+            except _store.Undone as undone:
+                self._undone(ops, undone.results)  # raises (`_Unseen`: `_versioned` reads again)
+            except Exception as exc:
+                raise Failed(f"the flow store raised {exc!r}; nothing was applied") from exc
+
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if all(b is None for b in built):
             await trio.lowlevel.cancel_shielded_checkpoint()
+            return [None] * len(decisions)
+        with trio.CancelScope(shield=True):  # all of them, or (if Cancelled) none
+            done = await self._versioned(apply_all)
+        answers = iter(done)
+        results: list[Delivery | str | None] = []
+        for b in built:
+            if b is None:
+                results.append(None)
+            elif isinstance(b, _store.Create):
+                results.append(self._started(b, next(answers)))
+            else:
+                results.append(self._delivered(next(answers)))
         return results
+
+    def _undone(self, ops: list[_store.Op], results: list[_store.Result]) -> NoReturn:
+        """Raise why an all-or-nothing batch (a `publish`) was rolled back."""
+        for op, result in zip(ops, results, strict=True):
+            if isinstance(result, _store.Refused):
+                raise result.error
+            if isinstance(op, _store.Create):
+                self._started(op, result)  # raises IdReused
+        raise AssertionError(f"a publish was rolled back for no reason: {results!r}")
 
     def _decision(self, decision: object) -> Wake | Start | None:
         """A mapper's result, checked (type, ids, JSON, plan); raises `TypeError`/`ValueError`."""
         if decision is None or decision is IGNORE:
             return None
         if isinstance(decision, Wake):
-            _check_flow_id(decision.flow_id)
-            _json_text(decision.payload, "Wake.payload")
-            _check_message_id(decision.message_id, "Wake.message_id")
+            _checks.flow_id(decision.flow_id)
+            _checks.json_text(decision.payload, "Wake.payload", max_bytes=self._max_data)
+            _checks.message_id(decision.message_id, "Wake.message_id")
             return decision
         if isinstance(decision, Start):
             self._shape_of(decision.plan)
-            _check_flow_id(decision.flow_id)
-            _json_object_text({} if decision.data is None else decision.data, "Start.data")
+            _checks.flow_id(decision.flow_id)
+            data = {} if decision.data is None else decision.data
+            _checks.json_object_text(data, "Start.data", max_bytes=self._max_data)
             return decision
         raise TypeError("a mapper must return flow.Wake, flow.Start, flow.IGNORE or None")
 
@@ -1541,7 +1756,7 @@ class Engine:
         meanwhile.
         """
         self._check("wait")
-        fid = _check_flow_id(flow_id)
+        fid = _checks.flow_id(flow_id)
         if timeout is not None and not (
             isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout >= 0
         ):
@@ -1634,6 +1849,11 @@ class Engine:
             f"the flow store stayed unavailable while waiting for flow {flow_id!r}: {last}"
         ) from last.__cause__
 
+    async def _load_row(self, flow_id: str) -> Flow | None:
+        """The flow's row, for the engine's own use: the store's error is raised as it is (the
+        engine retries unavailability, and any other error ends its block)."""
+        return await self._store.transact(partial(_store.load, flow_id=flow_id))
+
     async def _load(self, flow_id: str) -> Flow | None:
         """The flow's row; `ferry.Failed` if the store failed."""
         return await self._read(partial(_store.load, flow_id=flow_id), f"reading flow {flow_id!r}")
@@ -1641,7 +1861,7 @@ class Engine:
     async def get(self, flow_id: str) -> Snapshot | None:
         """The flow's durable state, read from the store; None if there is no such flow."""
         self._check("get")
-        flow = await self._load(_check_flow_id(flow_id))
+        flow = await self._load(_checks.flow_id(flow_id))
         return None if flow is None else m.snapshot(flow)
 
     async def cancel(self, flow_id: str, reason: str = "cancelled") -> bool:
@@ -1651,9 +1871,12 @@ class Engine:
         for a flow that is terminal, compensating, blocked or unknown.
         """
         self._check("cancel")
-        fid = _check_flow_id(flow_id)
+        fid = _checks.flow_id(flow_id)
         if not isinstance(reason, str):
             raise TypeError(f"reason must be a str, got {reason!r}")
+        problem = _checks.text_problem(reason)
+        if problem is not None:
+            raise ValueError(f"reason {reason!r} cannot be stored: {problem}")
         now = self._now()
 
         async def call(shape_of: Callable[[Flow], Shape | None]) -> _store.Result:
@@ -1670,7 +1893,7 @@ class Engine:
         attempt + 1; a park is restored). False if it is not blocked, unknown, or its plan
         version is still not registered."""
         self._check("resume")
-        fid = _check_flow_id(flow_id)
+        fid = _checks.flow_id(flow_id)
         now = self._now()
 
         async def call(shape_of: Callable[[Flow], Shape | None]) -> _store.Result:
@@ -1686,7 +1909,7 @@ class Engine:
     async def history(self, flow_id: str) -> list[Event]:
         """Every durable transition of the flow, in order. Raises `UnknownFlow`."""
         self._check("history")
-        fid = _check_flow_id(flow_id)
+        fid = _checks.flow_id(flow_id)
         read = partial(_store.load_history, flow_id=fid)
         events = await self._read(read, f"reading the history of flow {fid!r}")
         if events is None:
@@ -1700,10 +1923,16 @@ class Engine:
         (`RuntimeError` otherwise)."""
         if _thread_id() != self._thread and not self._closing:
             raise _wrong_run("statistics")
+        return self._statistics()
+
+    def _statistics(self) -> FlowStatistics:
+        """`statistics()` from any thread (`ferry.metrics` reads it while serving a scrape):
+        it copies a few integers and two dicts whose keys never change."""
         return FlowStatistics(
             running=len(self._live),
             parked=self._parked,
             wakes=dict(self._wakes),
+            purged=0 if self._retention is None else self._retention.purged,
             **self._stats,
         )
 
@@ -1781,6 +2010,9 @@ def open_engine(
     max_running: int = 10_000,
     lease: float = 30.0,
     serve: bool = True,
+    max_data_bytes: int = _checks.MAX_DATA_BYTES,
+    retain: float | None = _retention.DEFAULT_RETAIN,
+    tracer_provider: object | None = None,
     _group_commit: bool = True,
     _wall_clock: Callable[[], float] = time.time,
     _fleet: bool | None = None,
@@ -1817,6 +2049,28 @@ def open_engine(
     at their next scan. A slow or frozen engine can never advance a flow another engine took
     over: every write is a compare-and-set on the flow's revision.
 
+    `max_data_bytes` (default 1 MiB): the most UTF-8 JSON text a flow's data (at `start` and
+    after every step) or a wake's payload may take. A step that leaves more, or returns a
+    malformed outcome, fails its flow alone (it compensates and ends `FAILED` with an error
+    naming the step and the problem); bad input at a call is refused at that call.
+
+    Only the store's unavailability (a lock held elsewhere, a lost connection, a serialization
+    failure) is retried by the engine's own tasks, with a WARNING on the ``ferry.flow`` logger
+    per retry; any other error in them ends the ``async with`` block with that exception.
+
+    `retain` (seconds, default 30 days; None keeps every flow): finished (`COMPLETED` or
+    `FAILED`) flows are deleted, with their history and mailbox, `retain` seconds after they
+    ended, by a task of the engine (from its open on, every ``retain / 4`` at most ten minutes
+    apart), in transactions of at most 500 flows with a pause between them; any engine of a
+    fleet may do it at the same time as others (docs/adr/0085). A deleted flow's id is unknown
+    from then on: a wake of it is `Delivery.UNKNOWN` and `start` may use it again.
+    `ValueError` unless it is a finite number > 0 or None.
+
+    `tracer_provider`: OpenTelemetry traces (the extra ``otel``): every `start` and every run
+    of a step or compensation is a span, and one flow is one trace across parks, restarts and
+    engines (docs/operating.md). None (default): the application's global provider, if it set
+    one; without one (or without OpenTelemetry) traces are off and cost nothing.
+
     `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
     plans (it reads the plan shapes engines recorded in the store), runs no step, leases
     nothing, arms no timer and does no recovery; its `wake`, `cancel` and `resume` are
@@ -1844,6 +2098,9 @@ def open_engine(
             max_running=max_running,
             lease=lease,
             serve=serve,
+            max_data_bytes=max_data_bytes,
+            retain=retain,
+            tracer_provider=tracer_provider,
             group_commit=_group_commit,
             wall_clock=_wall_clock,
             fleet=_fleet,
@@ -1898,6 +2155,9 @@ async def _opened(
     max_running: int,
     lease: float,
     serve: bool,
+    max_data_bytes: int,
+    retain: float | None,
+    tracer_provider: object | None,
     group_commit: bool,
     wall_clock: Callable[[], float],
     fleet: bool | None,
@@ -1913,6 +2173,14 @@ async def _opened(
         owner = _lease.check_owner(owner)
     if not isinstance(serve, bool):
         raise TypeError(f"serve must be a bool, got {serve!r}")
+    if (
+        isinstance(max_data_bytes, bool)
+        or not isinstance(max_data_bytes, int)
+        or max_data_bytes < 2  # "{}" must fit
+    ):
+        raise ValueError(f"max_data_bytes must be an int >= 2, got {max_data_bytes!r}")
+    retain = _retention.check_retain(retain)
+    tracing = _tracing.tracing_for(tracer_provider)
     if serve and not registry:
         raise ValueError(
             "open_engine got no plans: an engine that serves a store runs only the plans it is"
@@ -1942,10 +2210,13 @@ async def _opened(
             lease=lease,
             serve=serve,
             fleet=db.dialect == "postgres" if fleet is None else fleet,
+            max_data_bytes=max_data_bytes,
             group_commit=group_commit,
             fencing=fencing,
             scan_interval=scan_interval,
             wall_clock=wall_clock,
+            retain=retain,
+            tracing=tracing,
         )
         async with _lifetime(engine) as running:
             yield running
@@ -1961,6 +2232,7 @@ async def _opened(
 async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
     """Own the write ferry and the engine's tasks for the ``async with`` block."""
     body_error: BaseException | None = None
+    engine_error: BaseException | None = None
     ferry_cm: contextlib.AbstractAsyncContextManager[Any]
     if engine._group_commit:
         ferry_cm = open_ferry(
@@ -1976,29 +2248,68 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
     try:
         async with ferry_cm as write_ferry:
             engine._ferry = write_ferry
-            async with trio.open_nursery() as nursery:
-                engine._nursery = nursery
-                try:
-                    await engine._recover()
-                    if engine._serve:
-                        nursery.start_soon(engine._timer_loop)
-                    if engine._serve and engine._fleet:
-                        nursery.start_soon(engine._heartbeat_loop)
-                        nursery.start_soon(engine._scan_loop)
-                    yield engine
-                except BaseException as exc:
-                    body_error = exc  # re-raised below, not wrapped in an exception group
-                finally:
-                    engine._closing = True
-                    stm.atomically_nowait(engine._closed_tv.set, True)
-                    nursery.cancel_scope.cancel()
-            if engine._serve and engine._fleet:
+            try:
+                async with trio.open_nursery() as nursery:
+                    engine._nursery = nursery
+                    try:
+                        await engine._recover()
+                        engine._log_opened()
+                        if engine._serve:
+                            nursery.start_soon(engine._timer_loop)
+                        if engine._serve and engine._fleet:
+                            nursery.start_soon(engine._heartbeat_loop)
+                            nursery.start_soon(engine._scan_loop)
+                        if engine._retention is not None:
+                            nursery.start_soon(engine._retention.run)
+                        yield engine
+                    except BaseException as exc:
+                        body_error = exc  # re-raised below, not wrapped in an exception group
+                    finally:
+                        engine._closing = True
+                        stm.atomically_nowait(engine._closed_tv.set, True)
+                        nursery.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                # A task of the engine raised (a bug, or an error that is not the store's
+                # unavailability): the block ends with that exception, not a group of it.
+                engine_error = _one_error(group)
+                if engine_error is None:
+                    raise
+            if engine._serve:
                 with trio.CancelScope(shield=True), trio.move_on_after(engine._lease / 3):
-                    await engine._release()
+                    if engine_error is None:  # after a bug, touch no flow: they run again
+                        await engine._let_go_unbegun()
+                    if engine._fleet:
+                        await engine._release()
     finally:
         engine._closing = True
         engine._ferry = None
+        engine._log_closed(engine_error or body_error)
         with trio.CancelScope(shield=True):
             await engine._stop_keeper()
+    if engine_error is not None:
+        raise engine_error
     if body_error is not None:
         raise body_error
+
+
+def _where(store: Store) -> str:
+    """The store, for a log line: an SQLite path, or the kind of store (no DSN: it may hold a
+    password)."""
+    path = getattr(store, "path", None)
+    return f"SQLite file {path!r}" if isinstance(path, str) else type(store).__name__
+
+
+def _one_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception of `group` that is not a `trio.Cancelled`, if there is one only."""
+    _, rest = group.split(trio.Cancelled)
+    if rest is None:
+        return None
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [rest]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    return leaves[0] if len(leaves) == 1 else None

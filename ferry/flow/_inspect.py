@@ -1,7 +1,8 @@
 """The flow inspector: ``python -m ferry.flow STORE COMMAND``, for operators.
 
 It looks at the flows of a store (an SQLite file or a PostgreSQL DSN) -- ``list``, ``show``,
-``stats`` -- and acts on one flow -- ``wake``, ``cancel``, ``resume`` -- through the engine API,
+``stats`` -- and acts on one flow, or on every flow a filter matches (`_bulk`) -- ``wake``,
+``cancel``, ``resume`` -- through the engine API,
 with an operator's engine (``open_engine(store, [], serve=False)``): it needs none of the
 application's plans (it reads the plan shapes that engines recorded in the store), it runs no
 step and holds no lease. What its action makes runnable is left to the engines that serve the
@@ -10,6 +11,10 @@ time holds the file (an OS-level lock), the operator's engine needs that lock to
 service engine holds the file the actions are refused with a clear error (make the call through
 that engine's API, or stop it first) and the next engine to open the file runs what the action
 made runnable. The reading commands take no lock and work while engines run.
+
+``purge --finished-before TIME`` deletes finished flows by hand, as ``open_engine(retain=)``
+does (`_retention.purge`: batches of 500, safe beside running engines, on SQLite too: a
+finished flow is never written again). It counts them and asks first, unless ``--yes``.
 
 Output is a readable table, or JSON with ``--json``. Errors are one line on stderr: exit status
 2 for bad arguments, 1 for everything else that went wrong (an unknown flow, an action that did
@@ -36,8 +41,8 @@ import trio
 
 from ferry.projected import PostgresStore, SqliteStore
 
+from . import _bulk, _query, _retention, _store
 from . import _machine as m
-from . import _store
 from ._engine import open_engine
 from ._errors import FlowError, StoreLocked
 from ._machine import Flow
@@ -56,14 +61,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _state(text: str) -> State:
-    try:
-        return State[text.upper()]
-    except KeyError:
-        names = ", ".join(s.name for s in State)
-        raise argparse.ArgumentTypeError(f"no state {text!r}; one of {names}") from None
 
 
 def _count(text: str) -> int:
@@ -90,6 +87,13 @@ def _json_value(text: str) -> Json:
     return value
 
 
+def _before(text: str) -> float:
+    try:
+        return _retention.parse_before(text, time.time())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
@@ -109,10 +113,18 @@ def parser() -> argparse.ArgumentParser:
     def command(name: str, summary: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, parents=[common], help=summary, description=summary)
 
-    ls = command("list", "List flows, most recently written first.")
-    ls.add_argument("--state", type=_state, help="only flows in this state (e.g. BLOCKED)")
-    ls.add_argument("--plan", help="only flows of this plan (its name)")
-    ls.add_argument("--limit", type=_count, default=50, help="at most this many (default 50)")
+    ls = command(
+        "list", "List flows, newest started first (in id order with --id-prefix), and filter them."
+    )
+    _bulk.add_filters(ls, "to list")
+    ls.add_argument(
+        "--limit", metavar="N", type=_count, default=50, help="at most this many (default 50)"
+    )
+    ls.add_argument(
+        "--after",
+        metavar="CURSOR",
+        help="the page after this cursor (list prints it when more flows match than --limit)",
+    )
     show = command("show", "One flow: its state, and its history as a table.")
     show.add_argument("flow_id", metavar="FLOW_ID")
     stats = command(
@@ -122,19 +134,46 @@ def parser() -> argparse.ArgumentParser:
     stats.add_argument(
         "--oldest", type=_count, default=10, help="how many parked flows to list (default 10)"
     )
-    wake = command("wake", "Put a message in a flow's mailbox (Engine.wake).")
-    wake.add_argument("flow_id", metavar="FLOW_ID")
+    bulk = (
+        "Give FLOW_ID for one flow, or filters for every flow they match: the count is shown and"
+        " confirmed (y/N on stdin; --yes skips the question), then each flow is acted on in its"
+        " own write."
+    )
+
+    def one_or_many(name: str, summary: str, what: str) -> argparse.ArgumentParser:
+        c = sub.add_parser(name, parents=[common], help=summary, description=f"{summary} {bulk}")
+        c.add_argument("flow_id", metavar="FLOW_ID", nargs="?", help="one flow (or use filters)")
+        _bulk.add_filters(c, what)
+        c.add_argument("--limit", metavar="N", type=_count, help="act on at most this many matches")
+        c.add_argument("--yes", action="store_true", help="do not ask: act on every match")
+        return c
+
+    wake = one_or_many("wake", "Put a message in a flow's mailbox (Engine.wake).", "to wake")
     wake.add_argument("--payload", type=_json_value, default=None, help="JSON (default null)")
     wake.add_argument(
         "--message-id",
         type=_nonempty,
         help="deduplicates: a repeat is reported DUPLICATE",
     )
-    cancel = command("cancel", "Stop a running or parked flow; it compensates (Engine.cancel).")
-    cancel.add_argument("flow_id", metavar="FLOW_ID")
+    cancel = one_or_many(
+        "cancel", "Stop a running or parked flow; it compensates (Engine.cancel).", "to cancel"
+    )
     cancel.add_argument("--reason", default="cancelled by an operator", help="recorded as why")
-    resume = command("resume", "Re-drive a BLOCKED flow (Engine.resume).")
-    resume.add_argument("flow_id", metavar="FLOW_ID")
+    one_or_many("resume", "Re-drive a BLOCKED flow (Engine.resume).", "to resume")
+    purge = command(
+        "purge",
+        "Delete finished (COMPLETED or FAILED) flows that ended before a time, with their"
+        " history and mailbox, as open_engine(retain=) does; after it asks (see --yes).",
+    )
+    purge.add_argument(
+        "--finished-before",
+        metavar="TIME",
+        type=_before,
+        required=True,
+        help="ISO 8601 (2026-11-01, 2026-11-01T12:00:00Z; UTC unless it says otherwise) or an"
+        " age: 7d, 12h, 30m, 90s, 2w",
+    )
+    purge.add_argument("--yes", action="store_true", help="delete without asking")
     what = (
         "Serve the dashboard, a web page of the flows with wake, cancel and resume buttons"
         " (needs: pip install 'stm-ferry[dashboard]')."
@@ -281,7 +320,33 @@ async def _read(store: SqliteStore | PostgresStore, where: str, fn: Callable[[An
 def _when(t: float | None) -> str:
     if t is None:
         return "-"
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _left(t: float, now: float) -> str:
+    """How far `t` is from `now`: ``in 59m 58s``, ``3h 2m ago``."""
+    d = t - now
+    s = abs(d)
+    if s < 60:
+        span = f"{s:.0f}s"
+    elif s < 3600:
+        span = f"{int(s // 60)}m {int(s % 60)}s"
+    elif s < 86400:
+        span = f"{int(s // 3600)}h {int(s % 3600 // 60)}m"
+    else:
+        span = f"{int(s // 86400)}d {int(s % 86400 // 3600)}h"
+    return f"in {span}" if d >= 0 else f"{span} ago"
+
+
+def _deadline(t: float, now: float) -> str:
+    return f"{_when(t)} ({_left(t, now)})"
+
+
+def _detail(detail: Any, now: float) -> str:
+    """An event's detail as JSON, whole, with a deadline shown as a time and how far it is."""
+    if isinstance(detail, dict) and isinstance(detail.get("deadline"), int | float):
+        detail = {**detail, "deadline": _deadline(detail["deadline"], now)}
+    return json.dumps(detail, ensure_ascii=False).replace("\n", " ")
 
 
 def safe(value: object) -> str:
@@ -365,17 +430,28 @@ def _print(args: argparse.Namespace, text: str, data: object) -> None:
 
 
 async def do_list(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
-    flows = await _read(
-        store,
-        args.where,
-        partial(_store.query_flows, state=args.state, plan=args.plan, limit=args.limit + 1),
-    )
-    more = len(flows) > args.limit
-    flows = flows[: args.limit]
-    text = table(_FLOW_HEADERS, _flow_rows(flows)) if flows else "no flows"
-    if more:
-        text += f"\n(the {args.limit} most recently written; more match: --limit N shows more)"
-    _print(args, text, [flow_json(f) for f in flows])
+    try:
+        flows, cursor = await _read(
+            store,
+            args.where,
+            partial(_bulk.matching, flt=args.filter, limit=args.limit, after=args.after),
+        )
+    except ValueError as exc:  # a cursor that is not one of this listing
+        raise Problem(f"--after: {exc}") from None
+    text = table(_FLOW_HEADERS, _flow_rows(flows)) if flows else "no flows match"
+    if cursor is not None:
+        text += (
+            f"\n(the first {len(flows)}; more match: --limit N shows more, --after {cursor}"
+            " the next page)"
+        )
+    data = {
+        "flows": [flow_json(f) for f in flows],
+        "count": len(flows),
+        "limit": args.limit,
+        "more": cursor is not None,
+        "next": cursor,
+    }
+    _print(args, text, data)
 
 
 async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
@@ -426,7 +502,9 @@ async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
         what = "blocked" if f.state is State.BLOCKED else "error"
         lines.append(f"{what:<9} {safe(snap.error)}")
     if f.park_deadline is not None:
-        lines.append(f"deadline  {_when(f.park_deadline)} ({safe(f.on_timeout)} on timeout)")
+        lines.append(
+            f"deadline  {_deadline(f.park_deadline, now)}; then {safe(f.on_timeout)} (on timeout)"
+        )
     if held is not None:
         status = "lapsed: any engine may take it over" if held["lapsed"] else "held"
         lines.append(f"engine    {safe(f.owner)}, until {_when(held['until'])} ({status})")
@@ -447,7 +525,7 @@ async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
             e.kind,
             e.step,
             e.attempt,
-            "" if e.detail is None else _cut(json.dumps(e.detail, ensure_ascii=False)),
+            "" if e.detail is None else _detail(e.detail, now),
         ]
         for e in events
     ]
@@ -564,11 +642,7 @@ async def _act(
             result = await call(engine)
             after = await store.transact(partial(_store.load, flow_id=args.flow_id))
     except StoreLocked:
-        raise Problem(
-            f"a flow engine is serving {args.where} right now: on SQLite one engine holds the"
-            " file, so make the call through that engine's API (Engine.wake/cancel/resume) or"
-            " stop it first (list, show and stats work meanwhile)"
-        ) from None
+        raise Problem(_locked(args)) from None
     return result, after
 
 
@@ -578,7 +652,59 @@ def _runs_next(args: argparse.Namespace) -> str:
     return "the next engine to open the file runs it"
 
 
+async def do_bulk(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    """`wake`, `cancel` or `resume` on every flow the filters match (see `_bulk`)."""
+    flt = args.filter
+
+    def read(tx: Any) -> tuple[int, list[Flow]]:  # one snapshot: the count and the matches
+        flows, _ = _bulk.matching(tx, flt, limit=args.limit)
+        return _query.count(tx, flt), flows
+
+    total, flows = await _read(store, args.where, read)
+    ids = [f.flow_id for f in flows]
+    which = _bulk.describe(args)
+    data: dict[str, Any] = {"action": args.command, "filters": which, "matched": total}
+    if not ids:
+        data.update(acted=0, results=[])
+        _print(args, f"no flow matches {which}: nothing to {args.command}", data)
+        return
+    some = f" (the first {len(ids)}: --limit {args.limit})" if len(ids) < total else ""
+    question = (
+        f"{total} flow{'s' if total != 1 else ''} match {which}{some}."
+        f" {args.command.capitalize()} {'it' if len(ids) == 1 else f'each of the {len(ids)}'},"
+        " one write per flow? [y/N] "
+    )
+    if not args.yes and not await _bulk.confirm(question):
+        raise Problem(f"not confirmed: no flow was {_DONE[args.command]}")
+    try:
+        results = await _bulk.act(store, ids, _bulk.one_for(args))
+    except StoreLocked:
+        raise Problem(_locked(args)) from None
+    counts = _bulk.tally(results)
+    acted = sum(1 for r in results if r["acted"])
+    data.update(acted=acted, outcomes=counts, results=results)
+    flows = f"{len(ids)} flow" + ("s" if len(ids) != 1 else "")
+    lines = [f"{args.command}: {flows}, {acted} {_DONE[args.command]}"]
+    lines += [f"  {n:>6}  {what}" for what, n in sorted(counts.items(), key=lambda c: -c[1])]
+    if acted and any(r["state"] in ("RUNNING", "COMPENSATING") for r in results):
+        lines.append(f"what runs now: {_runs_next(args)}")
+    _print(args, "\n".join(lines), data)
+
+
+_DONE = {"cancel": "cancelled", "resume": "resumed", "wake": "woken or queued"}
+
+
+def _locked(args: argparse.Namespace) -> str:
+    return (
+        f"a flow engine is serving {args.where} right now: on SQLite one engine holds the"
+        " file, so make the call through that engine's API (Engine.wake/cancel/resume) or"
+        " stop it first (list, show and stats work meanwhile)"
+    )
+
+
 async def do_wake(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    if args.flow_id is None:
+        return await do_bulk(args, store)
     delivery, after = await _act(
         args,
         store,
@@ -606,6 +732,8 @@ async def do_wake(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
 
 
 async def do_cancel(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    if args.flow_id is None:
+        return await do_bulk(args, store)
     done, after = await _act(args, store, lambda e: e.cancel(args.flow_id, args.reason))
     if after is None:
         raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
@@ -624,6 +752,8 @@ async def do_cancel(args: argparse.Namespace, store: SqliteStore | PostgresStore
 
 
 async def do_resume(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    if args.flow_id is None:
+        return await do_bulk(args, store)
     done, after = await _act(args, store, lambda e: e.resume(args.flow_id))
     if after is None:
         raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
@@ -640,6 +770,44 @@ async def do_resume(args: argparse.Namespace, store: SqliteStore | PostgresStore
         f"resumed: {where}",
         {"flow_id": args.flow_id, "resumed": True, "state": after.state.name},
     )
+
+
+def _confirm(question: str) -> bool:
+    """Ask on the terminal (stderr, stdin); True for yes."""
+    print(f"{question} [y/N] ", end="", file=sys.stderr, flush=True)
+    try:
+        answer = input()
+    except EOFError:
+        answer = ""
+    return answer.strip().lower() in ("y", "yes")
+
+
+async def do_purge(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    """Count, ask, then delete in batches (the engine's purge: safe while engines serve the
+    store, on SQLite too, since a finished flow is never written again)."""
+    before = args.finished_before
+    when = _retention.iso(before)
+    matched = await _read(store, args.where, partial(_retention.count_finished, before=before))
+    data: dict[str, Json] = {"finished_before": when, "matched": matched, "deleted": 0}
+    if not matched:
+        _print(args, f"no finished flow ended before {when}: nothing to delete", data)
+        return
+    question = (
+        f"delete {matched} finished flow{'s' * (matched != 1)} (COMPLETED or FAILED) that ended"
+        f" before {when}, with their history and mailbox, from {args.where}?"
+    )
+    if not args.yes and not sys.stdin.isatty():
+        raise Problem(
+            f"{matched} finished flows ended before {when}; nothing was deleted: stdin is not a"
+            " terminal to ask on, so add --yes to delete them"
+        )
+    if not args.yes and not await trio.to_thread.run_sync(
+        _confirm, question, abandon_on_cancel=True
+    ):
+        _print(args, "nothing deleted", data)
+        return
+    data["deleted"] = await _retention.purge(store, before)
+    _print(args, f"deleted {data['deleted']} finished flows that ended before {when}", data)
 
 
 async def do_serve(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
@@ -671,6 +839,7 @@ COMMANDS = {
     "wake": do_wake,
     "cancel": do_cancel,
     "resume": do_resume,
+    "purge": do_purge,
 }
 
 
@@ -722,6 +891,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(done.code or 0)
     args.json = args.json or args.json_first
     args.where = shown(args.store)
+    if args.command in ("list", "wake", "cancel", "resume"):
+        try:
+            args.filter = _bulk.flow_filter(args)
+        except ValueError as exc:
+            return _usage(p, str(exc))
+    if args.command in ("wake", "cancel", "resume"):
+        if args.flow_id is not None and _bulk.has_filters(args):
+            return _usage(p, f"{args.command}: give FLOW_ID or filters, not both")
+        if args.flow_id is None and not _bulk.has_filters(args):
+            return _usage(
+                p,
+                f"{args.command}: give FLOW_ID, or filters (--state, --plan, ...) to"
+                f" {args.command} every flow they match",
+            )
     try:
         trio.run(run, args)
     except KeyboardInterrupt:

@@ -38,8 +38,10 @@ States and transitions (who asks for each)
     RUNNING, PARKED, COMPENSATING --block--> BLOCKED (the plan version is missing)
     BLOCKED --resume--> the state it left (a running step or compensation: attempt + 1; a park
                         takes a queued message at once)
-    any --wake--> DUPLICATE (seen id; before anything else), STALE (terminal), QUEUED (running,
-                  compensating, blocked: the message is kept, the row does not change)
+    any --wake--> DUPLICATE (seen id; before anything else), STALE (terminal or compensating),
+                  QUEUED (running, blocked: the message is kept, the row does not change)
+    PARKED past its deadline --wake--> the timeout first (same write), then the wake meets what
+                  it left: STALE (compensating, failed) or QUEUED (running on, blocked)
 
 Leases (the fleet, SPEC 5.4): an active flow is run by the engine named in `owner`, for as long
 as that engine's own lease runs (one row per engine, renewed by the engine: no flow row is
@@ -112,10 +114,12 @@ __all__ = [
     "compensated",
     "compensation_failed",
     "leased",
+    "let_go",
     "mismatch",
     "next_action",
     "next_attempt",
     "parse_stack",
+    "rerun",
     "resume",
     "snapshot",
     "stack_text",
@@ -204,6 +208,10 @@ class Flow:
     blocked_from: State | None = None
     owner: str | None = None
     lease_until: float | None = None
+    created_at: float = 0.0  # when it was started (wall-clock seconds); never changes
+    # The W3C ``traceparent`` of the span that started the flow (None: traces were off then):
+    # every step's span joins its trace. Set by `start`, never changed; the machine ignores it.
+    trace: str | None = None
 
 
 @attrs.frozen
@@ -425,9 +433,11 @@ def start(
     *,
     owner: str | None = None,
     lease_until: float | None = None,
+    trace: str | None = None,
 ) -> Transition:
     """A new flow at its first step, attempt 1, revision 1; `data` is canonical JSON text.
-    `owner`/`lease_until`: the engine that runs it (None: whichever engine claims it)."""
+    `owner`/`lease_until`: the engine that runs it (None: whichever engine claims it); `trace`:
+    the trace its steps' spans join (`Flow.trace`)."""
     flow = Flow(
         flow_id=flow_id,
         plan=shape.name,
@@ -441,6 +451,8 @@ def start(
         updated_at=now,
         owner=owner,
         lease_until=lease_until,
+        created_at=now,
+        trace=trace,
     )
     detail = {"plan": shape.name, "version": shape.version}
     return Transition(
@@ -582,15 +594,30 @@ def compensation_failed(
 def wake(
     flow: Flow, mailbox: Mailbox, message: Message, shape: Shape | None, now: float
 ) -> Transition:
-    """A message for the flow's mailbox; `delivery` says what became of it (SPEC 5.2).
+    """A message for the flow's mailbox; `delivery` says what became of it.
 
-    DUPLICATE (its id was seen) comes before STALE (terminal). A parked flow whose plan version is
-    missing becomes BLOCKED and keeps the message (QUEUED).
+    DUPLICATE (its id was seen) comes before STALE (terminal, or compensating: it will not park
+    again). A parked flow whose plan version is missing becomes BLOCKED and keeps the message
+    (QUEUED). Time wins at the deadline: a wake at or after a parked flow's deadline (`now` >=
+    `park_deadline`) does not resume it; the timeout runs first, in the same write, and the wake
+    then meets the flow the timeout left (STALE if it compensates or ended, QUEUED if it runs
+    on with ``on_timeout="continue"`` or blocks).
     """
     if message.message_id in mailbox.seen:
         return _no_change(flow, mailbox, Delivery.DUPLICATE)
-    if flow.state in TERMINAL:
+    if flow.state in TERMINAL or flow.state is COMPENSATING:
         return _no_change(flow, mailbox, Delivery.STALE)
+    if flow.state is PARKED and flow.park_deadline is not None and now >= flow.park_deadline:
+        timed_out = timeout(flow, shape, now)
+        after = wake(timed_out.flow, mailbox, message, shape, now)
+        return Transition(
+            after.flow,
+            after.mailbox,
+            flow.revision,
+            events=(*timed_out.events, *after.events),
+            messages=after.messages,
+            delivery=after.delivery,
+        )
     seen = mailbox.seen | {message.message_id}
     if flow.state is PARKED:
         reason = mismatch(flow, shape)
@@ -736,8 +763,33 @@ def take_over(flow: Flow, owner: str, now: float) -> Transition:
     it (as recovery after a crash); the same attempt if it had none (an operator made it
     runnable: nobody ran it yet). Raises `InvalidTransition` unless the flow is active."""
     _require(flow.state in ACTIVE, flow, "take_over")
-    attempt = flow.attempt + 1 if flow.owner is not None else flow.attempt
-    new = _bump(flow, now, owner=owner, lease_until=None, attempt=attempt)
+    new = _bump(flow, now, owner=owner, lease_until=None, attempt=_next_run(flow))
+    return Transition(new, EMPTY_MAILBOX, flow.revision)
+
+
+def _next_run(flow: Flow) -> int:
+    """The attempt number of the next run of an active flow's step or compensation, taken up
+    by an engine that did not make the last write: one more if an engine held the flow (it may
+    have begun a run that recorded nothing), the same if nobody did (an operator's write, or an
+    engine that let the flow go before its run began: `let_go`)."""
+    return flow.attempt + 1 if flow.owner is not None else flow.attempt
+
+
+def rerun(flow: Flow, now: float) -> Transition:
+    """Recovery at open: the active flow runs again in the engine that opens, as attempt + 1 if
+    a run may have begun (`_next_run`), else as the same attempt (attempts count runs that
+    began). Raises `InvalidTransition` unless the flow is active."""
+    _require(flow.state in ACTIVE, flow, "rerun")
+    new = _bump(flow, now, attempt=_next_run(flow))
+    return Transition(new, EMPTY_MAILBOX, flow.revision)
+
+
+def let_go(flow: Flow, now: float) -> Transition:
+    """An engine that closes lets go of an active flow whose current run had not begun (it
+    waited for a runner, or for its retry's backoff): nobody holds it, so the engine that runs
+    it next keeps its attempt number. Raises `InvalidTransition` unless the flow is active."""
+    _require(flow.state in ACTIVE, flow, "let_go")
+    new = _bump(flow, now, owner=None, lease_until=None)
     return Transition(new, EMPTY_MAILBOX, flow.revision)
 
 

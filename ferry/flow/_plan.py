@@ -1,9 +1,11 @@
 """`Plan`: a named, versioned list of steps, each with an optional compensation.
 
-Definition errors are raised where they are made (SPEC 5.1): a step or compensation that is not an
-``async def`` is a `TypeError`; a duplicate step name, ``attempts < 1`` and (at `open_engine`) an
-empty plan are `ValueError`s. A plan is closed once an engine has it: adding a step to it then is
-an error, because flows in flight depend on its exact list of steps (change the version instead).
+Definition errors are raised where they are made: a step or compensation that is not an
+``async def`` is a `TypeError`; a duplicate step name, a step name that is empty or holds ``/``
+(so that an idempotency key names one flow and step), a version outside 1..2**31-1,
+``attempts < 1`` and (at `open_engine`) an empty plan are `ValueError`s. A plan is closed once
+an engine has it: adding a step to it then is an error, because flows in flight depend on its
+exact list of steps (change the version instead).
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ from typing import Any, TypeVar, final, overload
 
 import attrs
 
+from ._checks import text_problem
 from ._machine import Shape
 from ._types import Context
 
 StepFn = Callable[[Context], Awaitable[Any]]
 CompensateFn = Callable[[Context], Awaitable[None]]
 F = TypeVar("F", bound=StepFn)
+
+MAX_VERSION = 2**31 - 1  # a version is stored as a 32-bit integer
 
 
 @final
@@ -73,10 +78,15 @@ class Plan:
             raise TypeError(f"a plan's name must be a str, got {name!r}")
         if not name:
             raise ValueError("a plan's name must not be empty")
+        problem = text_problem(name)
+        if problem is not None:
+            raise ValueError(f"a plan's name cannot be stored: {problem}")
         if isinstance(version, bool) or not isinstance(version, int):
             raise TypeError(f"a plan's version must be an int, got {version!r}")
-        if version < 1:
-            raise ValueError(f"a plan's version must be >= 1, got {version!r}")
+        if not 1 <= version <= MAX_VERSION:
+            raise ValueError(
+                f"a plan's version must be an int in 1..{MAX_VERSION} (2**31-1), got {version!r}"
+            )
         self.name = name
         self.version = version
         self._steps: tuple[StepDef, ...] = ()
@@ -136,6 +146,14 @@ class Plan:
             step_name = name if name is not None else getattr(f, "__name__", None)
             if not isinstance(step_name, str) or not step_name:
                 raise ValueError(f"a step needs a name (name=...), got {step_name!r}")
+            if "/" in step_name:
+                raise ValueError(
+                    f"a step's name must not hold '/', got {step_name!r}: the idempotency key"
+                    " flow_id/step_index/step must name one flow and step only"
+                )
+            problem = text_problem(step_name)
+            if problem is not None:
+                raise ValueError(f"step name {step_name!r} cannot be stored: {problem}")
             if self._closed:
                 raise ValueError(
                     f"plan {self.name!r} version {self.version} is already registered with an"

@@ -18,6 +18,7 @@ Unavailable (`unavailable`):
   is shutting down, crashed or is starting), and ``25P03`` (the server ended one of our
   transactions that sat idle too long, see `_store.guard_locks`).
 - `ferry.Failed` whose cause (``__cause__``) is one of those: a batch that went through a ferry.
+- An exception group all of whose exceptions are one of those (concurrent writes of a scan).
 
 Delays: 0.05 s, doubling, at most 2 s (not the step backoff, which is the user's retry policy). Each
 retry logs a WARNING on ``logging.getLogger("ferry.flow")`` naming what failed and the next delay.
@@ -76,7 +77,10 @@ def _pg_unavailable(exc: BaseException) -> bool:
 
 
 def unavailable(exc: BaseException) -> bool:
-    """Does `exc` say that the store is not available now (so the same call may be retried)?"""
+    """Does `exc` say that the store is not available now (so the same call may be retried)?
+    An exception group (concurrent writes, say) does if every exception in it does."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(unavailable(e) for e in exc.exceptions)
     if isinstance(exc, Failed):
         cause = exc.__cause__
         return cause is not None and unavailable(cause)
@@ -139,3 +143,16 @@ async def retrying(
             if backoff is None:
                 backoff = Backoff(what, extra=extra)
             await backoff.pause(exc)
+
+
+def log_or_raise(exc: BaseException, what: str, *, extra: Mapping[str, Any] | None = None) -> None:
+    """For a loop that tries again on its own next round (a fleet's scan, a lease renewal):
+    raise `exc` unless the store is unavailable; else log it (WARNING) and return."""
+    if not unavailable(exc):
+        raise exc
+    _log.warning(
+        "flow store unavailable while %s: %r",
+        what,
+        exc.__cause__ if isinstance(exc, Failed) and exc.__cause__ is not None else exc,
+        extra={**(extra or {}), "what": what},
+    )

@@ -9,11 +9,13 @@ row it holds, and records what the transition says (docs/adr/0021).
 
 Tables, for a namespace ``ns`` (default ``flow``):
 
-- ``ns_flows``: one row per flow (`_machine.Flow`'s fields, plus ``start_data`` and
-  ``created_at``). ``revision`` is the compare-and-set token of every write; ``owner`` (the
-  engine that runs an active flow) and ``lease_until`` (when it let it go) are for a fleet.
-  Partial indexes: the active flows (``RUNNING``/``COMPENSATING``, for recovery) and the parked
-  flows by deadline (for timers); the operators' filters and their order (`_query`).
+- ``ns_flows``: one row per flow (`_machine.Flow`'s fields, plus ``start_data``). ``revision``
+  is the compare-and-set token of every write; ``owner`` (the engine that runs an active flow)
+  and ``lease_until`` (when it let it go) are for a fleet. ``trace`` is the W3C trace context
+  the flow's spans join (`_tracing`). Partial indexes: the active flows (``RUNNING``/
+  ``COMPENSATING``, for recovery), the parked flows by deadline (for timers) and the finished
+  flows by their last write (for retention, `_retention`, and the dashboard); the operators'
+  filters and their order (`_query`).
 - ``ns_history(flow_id, revision, n, at, kind, step, attempt, detail)``: every durable transition,
   primary key ``(flow_id, revision, n)``.
 - ``ns_mailbox(seq, flow_id, message_id, payload, status, at)``: one row per accepted message,
@@ -68,6 +70,7 @@ _FIELDS = (
     "flow_id",
     "plan",
     "version",
+    "created_at",
     "state",
     "step_index",
     "step",
@@ -85,8 +88,10 @@ _FIELDS = (
     "blocked_from",
     "owner",
     "lease_until",
+    "trace",
 )
-_MUTABLE = _FIELDS[3:]  # what a write changes (flow_id, plan and version never do)
+# What a write changes (never flow_id, plan, version, created_at, trace).
+_MUTABLE = _FIELDS[4:-1]
 
 
 def check_namespace(ns: str) -> str:
@@ -97,28 +102,30 @@ def check_namespace(ns: str) -> str:
 
 
 def _to_flow(row: Sequence[Any]) -> Flow:
-    blocked_from = row[17]
+    blocked_from = row[18]
     return Flow(
         flow_id=row[0],
         plan=row[1],
         version=row[2],
-        state=_STATES[row[3]],
-        step_index=row[4],
-        step=row[5],
-        attempt=row[6],
-        data=row[7],
-        revision=row[8],
-        updated_at=row[9],
-        error=row[10],
-        park_deadline=row[11],
-        on_timeout=row[12],
-        wake=row[13],
-        timed_out=bool(row[14]),
-        stack=parse_stack(row[15]),
-        blocked=row[16],
+        created_at=row[3],
+        state=_STATES[row[4]],
+        step_index=row[5],
+        step=row[6],
+        attempt=row[7],
+        data=row[8],
+        revision=row[9],
+        updated_at=row[10],
+        error=row[11],
+        park_deadline=row[12],
+        on_timeout=row[13],
+        wake=row[14],
+        timed_out=bool(row[15]),
+        stack=parse_stack(row[16]),
+        blocked=row[17],
         blocked_from=None if blocked_from is None else _STATES[blocked_from],
-        owner=row[18],
-        lease_until=row[19],
+        owner=row[19],
+        lease_until=row[20],
+        trace=row[21],
     )
 
 
@@ -177,7 +184,8 @@ def ddl(ns: str, dialect: str) -> list[str]:
             owner TEXT,
             lease_until DOUBLE PRECISION,
             start_data TEXT NOT NULL,
-            created_at DOUBLE PRECISION NOT NULL)""",
+            created_at DOUBLE PRECISION NOT NULL,
+            trace TEXT)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_active ON {ns}_flows (state)"
         " WHERE state IN ('RUNNING', 'COMPENSATING')",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_deadline ON {ns}_flows (park_deadline)"
@@ -190,7 +198,8 @@ def ddl(ns: str, dialect: str) -> list[str]:
         " (state, created_at, flow_id)",
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_plan_created ON {ns}_flows"
         " (plan, version, created_at, flow_id)",
-        # Finished flows by when they ended (a finished flow is never written again).
+        # Finished flows by when they ended (a finished flow is never written again): retention
+        # (`_retention`) and the dashboard's counts of finished flows.
         f"CREATE INDEX IF NOT EXISTS {ns}_flows_ended ON {ns}_flows (updated_at, state)"
         " WHERE state IN ('COMPLETED', 'FAILED')",
         *(
@@ -237,19 +246,25 @@ def ddl(ns: str, dialect: str) -> list[str]:
 
 _OBJECT = re.compile(r"IF NOT EXISTS (\w+)")
 
+# Columns of ``ns_flows`` added after stores existed: ``ALTER TABLE`` adds them to an older
+# store when an engine opens it (they are in `ddl`'s ``CREATE TABLE`` for a new one).
+_ADDED_COLUMNS = (("trace", "TEXT"),)
+
 
 def create_schema(tx: Tx, ns: str = "flow") -> None:
-    """Create the flow tables and indexes if missing (safe to run concurrently).
+    """Create the flow tables, indexes and added columns if missing (safe to run concurrently).
 
     On PostgreSQL, objects that exist are found in the catalog and not touched: a ``CREATE
     INDEX IF NOT EXISTS`` would still take a share lock on its table, and an engine that opens
     while others write would deadlock with them. Missing ones are made under an advisory lock
-    (concurrent ``CREATE ... IF NOT EXISTS`` can race)."""
+    (concurrent ``CREATE ... IF NOT EXISTS`` can race). An index added to an existing store is
+    built by the first engine that opens it (on PostgreSQL, writes to the table wait while it
+    is built)."""
     statements = ddl(check_namespace(ns), tx.dialect)
     if tx.dialect != "postgres":
         for statement in statements:
             tx.execute(statement)
-        _add_engine_columns(tx, ns)
+        _add_columns(tx, ns)
         return
 
     def missing() -> list[str]:
@@ -264,7 +279,7 @@ def create_schema(tx: Tx, ns: str = "flow") -> None:
         tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(f"{ns}_flows".encode()),))
         for statement in missing():
             tx.execute(statement)
-    _add_engine_columns(tx, ns)
+    _add_columns(tx, ns)
 
 
 #: Columns of ``ns_engines`` added after its first version (an engine's incarnation, where it
@@ -272,26 +287,31 @@ def create_schema(tx: Tx, ns: str = "flow") -> None:
 _ENGINE_COLUMNS = (("incarnation", "TEXT"), ("host", "TEXT"), ("pid", "BIGINT"), ("plans", "TEXT"))
 
 
-def _add_engine_columns(tx: Tx, ns: str) -> None:
-    """Add the columns an older ``ns_engines`` lacks. Looked up first: on PostgreSQL an ``ALTER
-    TABLE`` takes its table's strongest lock even when there is nothing to do."""
-    table = f"{ns}_engines"
+def _add_columns(tx: Tx, ns: str) -> None:
+    """Add the columns an older ``ns_flows`` or ``ns_engines`` lacks (`_ADDED_COLUMNS`,
+    `_ENGINE_COLUMNS`). Looked up first: on PostgreSQL an ``ALTER TABLE`` takes its table's
+    strongest lock even when there is nothing to do."""
     pg = tx.dialect == "postgres"
 
-    def lacking() -> list[tuple[str, str]]:
+    def lacking(table: str, columns: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
         if pg:
             sql = "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(?)"
             rows = tx.execute(sql, (table,))
         else:
             rows = tx.execute(f"SELECT name FROM pragma_table_info('{table}')")
         have = {r[0] for r in rows}
-        return [(name, kind) for name, kind in _ENGINE_COLUMNS if name not in have]
+        return [(name, kind) for name, kind in columns if name not in have]
 
-    if not lacking():
+    tables = ((f"{ns}_flows", _ADDED_COLUMNS), (f"{ns}_engines", _ENGINE_COLUMNS))
+
+    def todo() -> list[tuple[str, str, str]]:
+        return [(t, name, kind) for t, columns in tables for name, kind in lacking(t, columns)]
+
+    if not todo():
         return
-    if pg:
+    if pg:  # concurrent openings: look again under the lock
         tx.execute("SELECT pg_advisory_xact_lock(?)", (zlib.crc32(f"{ns}_flows".encode()),))
-    for name, kind in lacking():
+    for table, name, kind in todo():
         tx.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
 
@@ -334,7 +354,7 @@ class _Sql:
         flows = f"{ns}_flows"
         cols = ", ".join(_FIELDS)
         sets = ", ".join(f"{c} = ?" for c in _MUTABLE)
-        marks = ", ".join("?" * (len(_FIELDS) + 2))
+        marks = ", ".join("?" * (len(_FIELDS) + 1))
         pg = dialect == "postgres"
         lock = " FOR UPDATE" if pg else ""
         if pg:
@@ -352,7 +372,7 @@ class _Sql:
         else:
             hold_blind = f"UPDATE {flows} SET revision = revision WHERE flow_id = ? RETURNING 1"
         return _Sql(
-            insert=f"INSERT INTO {flows} ({cols}, start_data, created_at) VALUES ({marks})"
+            insert=f"INSERT INTO {flows} ({cols}, start_data) VALUES ({marks})"
             " ON CONFLICT (flow_id) DO NOTHING RETURNING flow_id",
             existing=f"SELECT {cols}, start_data FROM {flows} WHERE flow_id = ?",
             update=f"UPDATE {flows} SET {sets} WHERE flow_id = ? AND revision = ?"
@@ -482,7 +502,27 @@ class Refused:
     error: Exception = attrs.field(eq=False)
 
 
-Result: TypeAlias = Created | Existing | Changed | Conflict | Missing | Refused
+@attrs.frozen
+class Rejected:
+    """The database refused this op's row (its transaction failed with `error` while the others
+    of the batch committed without it: `_apart.write_apart`). Nothing was written for it."""
+
+    flow_id: str
+    error: Exception = attrs.field(eq=False)
+
+
+@attrs.frozen
+class Unwritten:
+    """The store became unavailable (`error`) while a batch was being split: this op was not
+    written, and may be tried again."""
+
+    flow_id: str
+    error: Exception = attrs.field(eq=False)
+
+
+Result: TypeAlias = (
+    Created | Existing | Changed | Conflict | Missing | Refused | Rejected | Unwritten
+)
 
 
 class _Batch:
@@ -563,7 +603,15 @@ class _Batch:
     def create(self, op: Create) -> Result:
         t = op.transition
         f = t.flow
-        values = (f.flow_id, f.plan, f.version, *_mutable_values(f), f.data, f.updated_at)
+        values = (
+            f.flow_id,
+            f.plan,
+            f.version,
+            f.created_at,
+            *_mutable_values(f),
+            f.trace,
+            f.data,
+        )
         if self.tx.execute(self.sql.insert, values):
             self.record(t)
             return Created(t)
@@ -646,7 +694,8 @@ def _more_rows(n: int) -> str:
     return ", " + ", ".join([_HISTORY_ROW] * (n - 1)) if n > 1 else ""
 
 
-def _flow_id(op: Op) -> str:
+def op_flow_id(op: Op) -> str:
+    """The id of the flow `op` writes."""
     return op.flow_id if isinstance(op, Change) else op.transition.flow.flow_id
 
 
@@ -678,7 +727,7 @@ def write_batch(
     guard_locks(tx, guard)
     batch = _Batch(tx, _Sql.of(ns, tx.dialect))
     results: list[Result | None] = [None] * len(ops)
-    order = sorted(range(len(ops)), key=lambda i: _flow_id(ops[i]))
+    order = sorted(range(len(ops)), key=lambda i: op_flow_id(ops[i]))
     for i in order:
         op = ops[i]
         results[i] = batch.change(op) if isinstance(op, Change) else batch.create(op)
@@ -687,6 +736,26 @@ def write_batch(
         chunk = rows[i : i + _HISTORY_CHUNK]
         tx.execute(batch.sql.history + _more_rows(len(chunk)), [v for r in chunk for v in r])
     return results  # type: ignore[return-value]  # every slot is filled
+
+
+class Undone(Exception):
+    """`write_all` rolled its transaction back: one op could not be applied as asked (a
+    `Refused` transition, a start whose id is taken by another flow); `results` says which."""
+
+    def __init__(self, results: list[Result]) -> None:
+        super().__init__("one op of an all-or-nothing batch was not applied: nothing was")
+        self.results = results
+
+
+def write_all(
+    tx: Tx, ops: Sequence[Op], *, ns: str = "flow", guard: float | None = None
+) -> list[Result]:
+    """`write_batch`, all or nothing (one `publish`): raises `Undone` (so the transaction rolls
+    back) if any op is `Refused` or is a `Create` that found another flow under its id."""
+    results = write_batch(tx, ops, ns=ns, guard=guard)
+    if any(isinstance(r, Refused) or (isinstance(r, Existing) and not r.same) for r in results):
+        raise Undone(results)
+    return results
 
 
 # -------------------------------------------------------------------------------------- reads

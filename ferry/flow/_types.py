@@ -38,7 +38,7 @@ class Delivery(enum.Enum):
     RESUMED = "RESUMED"  # the flow was parked and now runs its next step with this payload
     QUEUED = "QUEUED"  # kept in the mailbox; the flow's next park takes it at once
     DUPLICATE = "DUPLICATE"  # this message_id was delivered to this flow before
-    STALE = "STALE"  # the flow is completed or failed
+    STALE = "STALE"  # the flow is completed, failed or compensating (it will not park again)
     UNKNOWN = "UNKNOWN"  # no such flow
 
     def __repr__(self) -> str:
@@ -152,8 +152,9 @@ class Context:
     - `wake`: the payload of the wake that resumed the flow, for the step after a park; else None.
     - `timed_out`: True for the step after a park that timed out with ``on_timeout="continue"``.
     - `error`: in a compensation, why the flow is compensating; else None.
-    - `idempotency_key`: ``f"{flow_id}/{step_index}/{step}"`` (a compensation's key ends in
-      ``"/compensate"``), the same on every attempt: hand it to external calls so that a re-run
+    - `idempotency_key`: ``f"{flow_id}/{step_index}/{step}"``, and for a compensation
+      ``f"{flow_id}/{step_index}-compensate/{step}"``; the same on every attempt, and never the
+      same for two (flow, step or compensation): hand it to external calls so that a re-run
       after a crash does not repeat their effect.
     """
 
@@ -270,6 +271,9 @@ class FlowStatistics:
     let go: another engine holds them now, or this engine's own lease ran out before it could
     renew it; their step or compensation was cancelled and its changes discarded), `renewals`
     (renewals of the engine's lease: one row, whatever the number of flows).
+
+    Retention: `purged` (finished flows this engine deleted because they ended more than
+    ``open_engine(retain=)`` seconds ago; in a fleet, each engine counts its own).
     """
 
     running: int
@@ -288,3 +292,4 @@ class FlowStatistics:
     claimed: int = 0
     lost: int = 0
     renewals: int = 0
+    purged: int = 0

@@ -72,7 +72,7 @@ def test_every_option_has_help_that_shows_its_default(name: str) -> None:
 @pytest.mark.parametrize(
     ("name", "args", "message"),
     [
-        ("lookups", ["--callers", "0"], "argument --callers: must be at least 8, got 0"),
+        ("lookups", ["--callers", "0"], "argument --callers: must be at least 1, got 0"),
         ("lookups", ["--latency", "-1"], "argument --latency: must be at least 0, got -1"),
         ("inference", ["--requests", "0"], "argument --requests: must be at least 1, got 0"),
         ("ledger", ["--max-batch-size", "0"], "argument --max-batch-size: must be at least 1"),
@@ -86,8 +86,13 @@ def test_every_option_has_help_that_shows_its_default(name: str) -> None:
         ("ledger", ["--db", "/no/such/dir/x.db"], "argument --db: no such directory: /no/such/dir"),
         ("ledger", ["--postgres", "not a dsn"], "argument --postgres: not a connection string"),
         ("ledger", ["--postgres", "host=/no/such/dir"], "argument --postgres: cannot connect"),
+        (
+            "ledger",
+            ["--db", "x.db", "--postgres", "host=/no/such/dir"],
+            "argument --postgres: not allowed with argument --db",
+        ),
         ("ledger_service", ["--dsn", "host=/no/such/dir"], "argument --dsn: cannot connect"),
-        ("ledger_service", ["--port", "-1", "--dsn", "x"], "argument --port: must be at least 0"),
+        ("ledger_service", ["--port", "-1", "--dsn", "x"], "argument --port: must be between"),
         ("bank", ["--seed", "-1"], "argument --seed: must be at least 0, got -1"),
         ("bank", ["--bogus"], "unrecognized arguments: --bogus"),
     ],
@@ -116,3 +121,66 @@ def test_a_script_with_a_bad_option_prints_one_line(script: str) -> None:
     assert done.returncode == 2 and done.stdout == ""
     (line,) = done.stderr.splitlines()
     assert line.startswith(f"{script}: error: argument {bad[0]}"), line
+
+
+# --- one convention for every example (examples/_cli.py) ----------------------------------------
+
+SEEDED = ["bank", "inference", "ledger", "orders"]
+
+
+@pytest.mark.parametrize("name", SEEDED)
+@pytest.mark.parametrize(
+    ("seed", "message"),
+    [
+        ("-1", "argument --seed: must be at least 0, got -1"),
+        ("x", "argument --seed: expected an integer, got 'x'"),
+    ],
+)
+def test_every_seed_is_a_whole_number_of_at_least_0(
+    name: str, seed: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = importlib.import_module(f"examples.{name}").build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--seed", seed])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == f"{parser.prog}: error: {message} (see --help)"
+
+
+@pytest.mark.parametrize("name", PARSERS)
+def test_every_metavar_names_a_unit(name: str) -> None:
+    parser = importlib.import_module(f"examples.{name}").build_parser()
+    units = {"N", "SECONDS", "PER_SECOND", "FRACTION", "PATH", "DSN", "HOST"}
+    for action in parser._actions:
+        if action.option_strings and action.nargs != 0 and action.help != argparse.SUPPRESS:
+            assert action.metavar in units, f"{name} {action.option_strings[0]}: {action.metavar}"
+
+
+def test_counts_are_written_in_the_singular_for_one() -> None:
+    from examples import _cli as cli
+
+    assert (cli.plural(1, "account"), cli.plural(2, "account")) == ("1 account", "2 accounts")
+    assert cli.plural(1_000, "single prompt") == "1,000 single prompts"
+
+
+def test_ledger_says_one_account_for_one_account(tmp_path: Path) -> None:
+    done = run_script(
+        "ledger.py", "--accounts", "1", "--clients", "1", "--ops", "5", "--quiet",
+        "--db", str(tmp_path / "l.db"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "from 1 client over 1 account," in done.stdout
+
+
+def test_the_json_keys_of_ledger_are_snake_case(tmp_path: Path) -> None:
+    import json
+
+    done = run_script("ledger.py", "--ops", "50", "--json", "--db", str(tmp_path / "l.db"))
+    assert done.returncode == 0, done.stderr
+
+    def keys(value: object) -> list[str]:
+        if isinstance(value, dict):
+            return [k for k, v in value.items() for k in [k, *keys(v)]]
+        return []
+
+    bad = [k for k in keys(json.loads(done.stdout)) if not k.replace("_", "").isalnum()]
+    assert not bad

@@ -462,8 +462,10 @@ def query(dsn: str, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...
 
 
 def key_of(flow_id: str, state: str, step_index: int, step: str | None) -> str:
-    key = f"{flow_id}/{step_index}/{step}"
-    return key if state == "RUNNING" else f"{key}/compensate"
+    """The idempotency key of the step (RUNNING) or compensation in flight."""
+    if state == "RUNNING":
+        return f"{flow_id}/{step_index}/{step}"
+    return f"{flow_id}/{step_index}-compensate/{step}"
 
 
 def in_flight(dsn: str, owner: str) -> dict[str, tuple[str, int]]:

@@ -234,7 +234,7 @@ def clean() -> tuple[list[Spec], Observed]:
         _event(6, "compensated", "reserve"),
         _event(6, "failed", None),
     ]
-    keys = ("0/reserve", "1/charge", "1/charge/compensate", "0/reserve/compensate")
+    keys = ("0/reserve", "1/charge", "1-compensate/charge", "0-compensate/reserve")
     runs = Counter(f"o00000/{k}" for k in keys)
     return [spec], Observed({"o00000": "FAILED"}, {"o00000": history}, runs, [_audit(1)])
 

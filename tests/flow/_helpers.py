@@ -41,12 +41,20 @@ class _InlineTx:
         self._conn.executemany(sql, rows)
 
 
+def planted_busy(text: str) -> sqlite3.OperationalError:
+    """A planted "the store is unavailable now": SQLite's SQLITE_BUSY, which the engine retries
+    (any other error ends the engine's block, docs/adr/0061)."""
+    busy = sqlite3.OperationalError(text)
+    busy.sqlite_errorcode = 5  # SQLITE_BUSY
+    return busy
+
+
 class PlantedStore:
     """A public `SqliteStore` of `path` with trouble a test plants in it.
 
-    `fail_next` makes the next `n` transactions raise `sqlite3.OperationalError` before they run
-    (a database that is briefly unavailable); while `gate` is an unset `trio.Event`, transactions
-    wait for it (a slow database). `transactions` counts committed transactions. Not an
+    `fail_next` makes the next `n` transactions raise SQLite's busy error before they run (a
+    database that is briefly unavailable: `planted_busy`); while `gate` is an unset `trio.Event`,
+    transactions wait for it (a slow database). `transactions` counts committed transactions. Not an
     `SqliteStore`, so an engine on it takes no engine lock: two fleet engines may share a file.
     """
 
@@ -65,9 +73,7 @@ class PlantedStore:
             await self.gate.wait()
         if self.fail_next:
             self.fail_next -= 1
-            busy = sqlite3.OperationalError("database is unavailable (planted by the test)")
-            busy.sqlite_errorcode = 5  # SQLITE_BUSY: what the engine retries
-            raise busy
+            raise planted_busy("database is unavailable (planted by the test)")
         result = await self._store.transact(fn)
         self.transactions += 1
         return result
@@ -180,9 +186,7 @@ class ValveStore(PlantedStore):
                 if w in self._waiting:
                     self._waiting.remove(w)
             if w.fail:
-                busy = sqlite3.OperationalError(f"{name} failed (planted by the test)")
-                busy.sqlite_errorcode = 5  # SQLITE_BUSY: the store is unavailable
-                raise busy
+                raise planted_busy(f"{name} failed (planted by the test)")
             result = await super().transact(fn)
             if w.answer is not None:
                 await w.answer.wait()

@@ -280,8 +280,10 @@ def in_flight(db: Path) -> list[str]:
         conn.close()
     keys = []
     for f in active:
-        key = f"{f.flow_id}/{f.step_index}/{f.step}"
-        keys.append(key if f.state is flow.State.RUNNING else f"{key}/compensate")
+        if f.state is flow.State.RUNNING:
+            keys.append(f"{f.flow_id}/{f.step_index}/{f.step}")
+        else:
+            keys.append(f"{f.flow_id}/{f.step_index}-compensate/{f.step}")
     return keys
 
 

@@ -128,53 +128,57 @@ async def test_the_dashboard_in_a_browser(pg_server: pg.PgServer, tmp_path: Path
     async with (
         PostgresStore(dsn, connections=4) as store,
         PostgresStore(dsn, connections=2) as store2,
-        flow.open_engine(store, [order], owner="svc", lease=1.5) as svc,
-        trio.open_nursery() as nursery,
     ):
-        # Flows in every state.
-        await svc.start(order, flow_id="done", data={"prepaid": True})
-        await svc.start(order, flow_id="failed", data={"no_stock": True})
-        await svc.start(order, flow_id="running", data={"stuck": True})
-        await svc.start(order, flow_id="compensating", data={"declined": True, "stuck_undo": 1})
-        await svc.start(order, flow_id="parked", data={"deadline": True})
-        await svc.start(order, flow_id=XSS, data={"note": "</pre><script>alert(2)</script>"})
-        for fid in ("blocked-1", "blocked-2"):
-            await svc.start(order, flow_id=fid, data={"sku": "A1"})
-        for fid in ("done", "failed"):
-            await svc.wait(fid, timeout=WAIT)
-        for fid in ("parked", XSS, "blocked-1", "blocked-2"):
-            await until(svc, fid, flow.State.PARKED)
-        for fid in ("running", "compensating"):
-            reached.setdefault(fid, trio.Event())
-            with trio.fail_after(WAIT):
-                await reached[fid].wait()
-        # An engine without the order plan takes the payments: it cannot drive those flows,
-        # which block with the payment kept in their mailboxes.
+        async with flow.open_engine(store, [order], owner="svc", lease=1.5) as svc:
+            # Flows in every state.
+            await svc.start(order, flow_id="done", data={"prepaid": True})
+            await svc.start(order, flow_id="failed", data={"no_stock": True})
+            await svc.start(order, flow_id="running", data={"stuck": True})
+            await svc.start(order, flow_id="compensating", data={"declined": True, "stuck_undo": 1})
+            await svc.start(order, flow_id="parked", data={"deadline": True})
+            await svc.start(order, flow_id=XSS, data={"note": "</pre><script>alert(2)</script>"})
+            for fid in ("blocked-1", "blocked-2"):
+                await svc.start(order, flow_id=fid, data={"sku": "A1"})
+            for fid in ("done", "failed"):
+                await svc.wait(fid, timeout=WAIT)
+            for fid in ("parked", XSS, "blocked-1", "blocked-2"):
+                await until(svc, fid, flow.State.PARKED)
+            for fid in ("running", "compensating"):
+                reached.setdefault(fid, trio.Event())
+                with trio.fail_after(WAIT):
+                    await reached[fid].wait()
+        # The serving engine is down for a deploy, and an engine without the order plan takes
+        # the payments: no live engine can drive those flows, which block with the payment
+        # kept in their mailboxes.
         async with flow.open_engine(store2, [other], owner="legacy", lease=1.5) as legacy:
             for fid in ("blocked-1", "blocked-2"):
                 paid = await legacy.wake(fid, {"card": "visa"}, message_id=f"pay-{fid}")
                 assert paid is flow.Delivery.QUEUED
-        for fid in ("blocked-1", "blocked-2"):
-            assert (await svc.get(fid)).state is flow.State.BLOCKED  # type: ignore[union-attr]
-
-        where = "test store"
+                assert (await legacy.get(fid)).state is flow.State.BLOCKED  # type: ignore[union-attr]
+        # The serving engine is back (the same owner name: it closed cleanly, so it takes its
+        # flows over at once); the running and compensating flows run again and hang again.
         async with (
-            open_dashboard(dsn, where=where, is_dsn=True, token=TOKEN) as dash,
-            open_dashboard(dsn, where=where, is_dsn=True, token=TOKEN, read_only=True) as ro,
+            flow.open_engine(store, [order], owner="svc", lease=1.5) as svc,
+            trio.open_nursery() as nursery,
         ):
-            url = await nursery.start(partial(serve, dash, host="127.0.0.1", port=0))
-            ro_url = await nursery.start(partial(serve, ro, host="127.0.0.1", port=0))
+            where = "test store"
+            async with (
+                open_dashboard(dsn, where=where, is_dsn=True, token=TOKEN) as dash,
+                open_dashboard(dsn, where=where, is_dsn=True, token=TOKEN, read_only=True) as ro,
+            ):
+                url = await nursery.start(partial(serve, dash, host="127.0.0.1", port=0))
+                ro_url = await nursery.start(partial(serve, ro, host="127.0.0.1", port=0))
 
-            def state_of(fid: str) -> tuple[flow.State, int]:
-                snap = trio.from_thread.run(svc.get, fid)
-                assert snap is not None
-                return snap.state, snap.revision
+                def state_of(fid: str) -> tuple[flow.State, int]:
+                    snap = trio.from_thread.run(svc.get, fid)
+                    assert snap is not None
+                    return snap.state, snap.revision
 
-            with tempfile.TemporaryDirectory() as profile:
-                await trio.to_thread.run_sync(
-                    partial(browse, url, ro_url, profile, shots, state_of)
-                )
-            nursery.cancel_scope.cancel()
+                with tempfile.TemporaryDirectory() as profile:
+                    await trio.to_thread.run_sync(
+                        partial(browse, url, ro_url, profile, shots, state_of)
+                    )
+                nursery.cancel_scope.cancel()
     for name in ("overview", "flows-blocked", "flow-blocked", "flow-completed", "flow-markup"):
         assert (shots / f"{name}.png").stat().st_size > 10_000, name
 

@@ -15,6 +15,7 @@ import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from tests import pg
 from ._helpers import _InlineTx
 
 T0 = 1_700_000_000.0
+PARK_FOR = 2_000_000_000.0  # seconds: the "parked" flow's deadline is after 2080
 ORDER = Shape("order", 1, ("reserve", "charge", "ship"), (True, True, False), (3, 3, 3))
 REFUND = Shape("refund", 2, ("pay",), (False,), (1,))
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +64,8 @@ def populate(tx: Any) -> None:
         return r.transition.flow
 
     started("running", T0 + 5)
-    step(step(started("parked", T0 + 3), CONTINUE, T0 + 3), park(3600), T0 + 3)
+    # a deadline decades ahead: a wake at or after it would meet the timeout first
+    step(step(started("parked", T0 + 3), CONTINUE, T0 + 3), park(PARK_FOR), T0 + 3)
     step(step(started("parked-old", T0 + 1), CONTINUE, T0 + 1), park(None), T0 + 1)
     done = step(step(started("done", T0), CONTINUE, T0), CONTINUE, T0)
     step(done, CONTINUE, T0)
@@ -120,12 +123,13 @@ def test_list(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0].split() == ["FLOW", "PLAN", "STATE", "STEP", "REV", "UPDATED", "OWNER"]
     assert lines[2].split()[:4] == ["running", "order@1", "RUNNING", "0:reserve"]  # newest
     assert len(lines) == 2 + 8
-    parked = run_json(capsys, db, "list", "--state", "parked")
+    parked = run_json(capsys, db, "list", "--state", "parked")["flows"]
     assert [f["flow_id"] for f in parked] == ["parked", "parked-old"]
-    assert parked[0]["step"] == "charge" and parked[0]["park_deadline"] == T0 + 3 + 3600
-    assert [f["flow_id"] for f in run_json(capsys, db, "list", "--plan", "refund")] == ["orphan"]
-    assert len(run_json(capsys, db, "list", "--limit", "2")) == 2
-    assert run(capsys, db, "list", "--plan", "nope")[1] == "no flows\n"
+    assert parked[0]["step"] == "charge" and parked[0]["park_deadline"] == T0 + 3 + PARK_FOR
+    refund = run_json(capsys, db, "list", "--plan", "refund")["flows"]
+    assert [f["flow_id"] for f in refund] == ["orphan"]
+    assert len(run_json(capsys, db, "list", "--limit", "2")["flows"]) == 2
+    assert run(capsys, db, "list", "--plan", "nope")[1] == "no flows match\n"
 
 
 def test_show(db: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -135,7 +139,7 @@ def test_show(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert "compensation of step 'reserve' failed: refund down" in out
     history = out.split("\n\n")[1].splitlines()
     assert history[0].split() == ["REV", "AT", "KIND", "STEP", "ATTEMPT", "DETAIL"]
-    assert [line.split()[3] for line in history[2:]] == [
+    assert [line.split()[2] for line in history[2:]] == [
         "started",
         "step",
         "step",
@@ -149,6 +153,33 @@ def test_show(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, db, "show", "nope")
     assert (code, out) == (1, "")
     assert err == f"python -m ferry.flow: error: no flow has id 'nope' in {db!r}\n"
+
+
+def test_show_gives_deadlines_as_times_with_the_time_left_and_whole_details(
+    db: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer's complaints: raw epoch seconds, and a DETAIL column cut at 60 characters."""
+    code, out, _ = run(capsys, db, "show", "parked")
+    assert code == 0
+    deadline = T0 + 3 + PARK_FOR  # decades ahead (a wake before it resumes the flow)
+    when = datetime.fromtimestamp(deadline, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    (line,) = [line for line in out.splitlines() if line.startswith("deadline")]
+    assert line.startswith(f"deadline  {when} (in ") and line.endswith(
+        "); then compensate (on timeout)"
+    )
+    (parked,) = [line for line in out.splitlines() if " parked " in line]
+    assert f'"deadline": "{when} (' in parked and str(deadline) not in parked
+    code, out, _ = run(capsys, db, "show", "blocked")
+    (blocked,) = [line for line in out.splitlines() if " blocked " in line]
+    detail = json.dumps({"reason": state(db, "blocked").blocked})
+    assert len(detail) > 60 and detail in blocked and "…" not in blocked
+
+
+def test_left_reads_like_a_clock() -> None:
+    assert _inspect._left(100.0, 40.0) == "in 1m 0s"
+    assert _inspect._left(0.0, 7322.0) == "2h 2m ago"
+    assert _inspect._left(3 * 86400 + 7200, 0.0) == "in 3d 2h"
+    assert _inspect._left(5.4, 0.0) == "in 5s"
 
 
 def test_stats(db: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -353,16 +384,26 @@ def test_list_says_when_more_flows_match_than_it_shows(
 ) -> None:
     code, out, _ = run(capsys, db, "list", "--limit", "3")
     assert code == 0 and len(out.splitlines()) == 2 + 3 + 1
-    assert out.endswith("(the 3 most recently written; more match: --limit N shows more)\n")
+    assert "(the first 3; more match: --limit N shows more, --after " in out
     assert "more match" not in run(capsys, db, "list", "--limit", "8")[1]  # exactly 8 flows
-    assert len(run_json(capsys, db, "list", "--limit", "3")) == 3
+    # JSON is an object that says so, with the cursor of the next page; the pages add up.
+    seen: list[str] = []
+    cursor: list[str] = []
+    for expected in (3, 3, 2):
+        page = run_json(capsys, db, "list", "--limit", "3", *cursor)
+        assert (page["count"], page["limit"], page["more"]) == (expected, 3, expected == 3)
+        seen += [f["flow_id"] for f in page["flows"]]
+        cursor = ["--after", page["next"]] if page["more"] else []
+    assert page["next"] is None and len(seen) == len(set(seen)) == 8
+    code, _, err = run(capsys, db, "list", "--after", "bogus")
+    assert code == 1 and "--after: not a cursor of this listing" in err
 
 
 def test_json_first_the_store_second_and_a_closed_pipe(
     db: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     code, out, _ = run(capsys, "--json", db, "list", "--limit", "1")
-    assert code == 0 and len(json.loads(out)) == 1
+    assert code == 0 and len(json.loads(out)["flows"]) == 1
     code, out, _ = run(capsys, db, "--json", "stats")
     assert code == 0 and json.loads(out)["orphans"] == 0
     code, out, err = run(capsys, "show", db, "blocked")
@@ -405,7 +446,7 @@ def test_the_module_runs_as_a_command(db: str) -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert [line.split()[0] for line in done.stdout.splitlines()[2:]] == ["blocked", "blocked-2"]
+    assert [line.split()[0] for line in done.stdout.splitlines()[2:]] == ["blocked-2", "blocked"]
 
 
 # ---------------------------------------------------------------------------------- PostgreSQL
@@ -421,10 +462,8 @@ def test_on_postgres_reads_and_an_action_leave_the_flow_to_the_fleet(
             await store.transact(populate)
 
     trio.run(fill)
-    assert [f["flow_id"] for f in run_json(capsys, dsn, "list", "--state", "BLOCKED")] == [
-        "blocked",
-        "blocked-2",
-    ]
+    listed = run_json(capsys, dsn, "list", "--state", "BLOCKED")["flows"]
+    assert [f["flow_id"] for f in listed] == ["blocked-2", "blocked"]
     code, out, _ = run(capsys, dsn, "wake", "parked", "--message-id", "m1")
     assert (code, out) == (
         0,

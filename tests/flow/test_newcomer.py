@@ -360,9 +360,10 @@ def test_the_docs_lead_to_the_fleet_page_and_the_inspector() -> None:
     guide = (ROOT / "docs" / "flow.md").read_text()
     assert "](flow-fleet.md)" in guide and "python -m ferry.flow orders.db list" in guide
     readme = (ROOT / "README.md").read_text()
-    assert "python -m ferry.flow orders.db\nlist" in readme  # after the tour
+    assert "python -m ferry.flow orders.db list" in " ".join(readme.split())  # after the tour
     assert "[docs/flow-fleet.md](docs/flow-fleet.md)" in readme
-    for page in ("flow.md", "flow-fleet.md"):  # every relative link of the flow pages resolves
+    assert "[docs/operating.md](docs/operating.md)" in readme and "](operating.md" in guide
+    for page in ("flow.md", "flow-fleet.md", "operating.md"):  # every relative link resolves
         text = (ROOT / "docs" / page).read_text()
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
             assert (ROOT / "docs" / target).exists(), f"{page} links {target}, which is missing"

@@ -273,7 +273,7 @@ def test_the_inspector_reads_while_another_connection_holds_a_write_transaction(
             code, out, err = inspect(capsys, str(db), *command, "--json")
             assert (code, err) == (0, "") and json.loads(out), command
         assert {
-            f["flow_id"] for f in json.loads(inspect(capsys, str(db), "list", "--json")[1])
+            f["flow_id"] for f in json.loads(inspect(capsys, str(db), "list", "--json")[1])["flows"]
         } == {
             "f0",
             "f1",
@@ -359,7 +359,7 @@ def test_ids_with_control_characters_are_shown_escaped_and_exact_in_json(
     assert {line.split("  ")[0].rstrip() for line in lines[2:]} == {repr(f) for f in ODD_IDS}
     widths = {len(line.split(" PARKED ")[0]) for line in lines[2:]}
     assert len(widths) == 1  # the columns line up
-    listed = json.loads(inspect(capsys, str(db), "list", "--json")[1])
+    listed = json.loads(inspect(capsys, str(db), "list", "--json")[1])["flows"]
     assert sorted(f["flow_id"] for f in listed) == sorted(ODD_IDS)  # exact
     for fid in ODD_IDS:
         code, out, _ = inspect(capsys, str(db), "show", fid)

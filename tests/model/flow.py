@@ -63,7 +63,8 @@ and every event carries the new revision; no step outcome is recorded twice; com
 recorded in the reverse order of the completion of their steps, each once; a message is taken
 exactly when a ``woken`` event names it, at most once; a timeout never fires after a wake was
 accepted for that park (nor a wake after the timeout); a wake's `Delivery` is what the world's
-ledger says (DUPLICATE iff its id was accepted, STALE iff the flow ended, RESUMED iff parked);
+ledger says (DUPLICATE iff its id was accepted, STALE iff the flow ended or compensates, RESUMED
+iff parked before its deadline; at or after it, the timeout comes first);
 the mailbox never gets a second message with one id (the store's unique key). On every body
 run: never for a step or compensation whose outcome is recorded; its attempt number above every
 earlier run's (attempt numbers never repeat, ADR 0024); runs per idempotency key <= 1 + crashes
@@ -767,11 +768,17 @@ class FlowChecker(Search):
     def _check_delivery(self, m: S, write: Write, t: Transition, label: str, plan: bool) -> None:
         """A wake's answer is what the world's ledger says it must be (a parked flow whose plan
         the engine lacks is blocked, and the wake kept: QUEUED)."""
+        row = m.row
         if write.message_id in {mid for mid, _, _ in m.ghost.ledger}:
             want = Delivery.DUPLICATE
-        elif m.row.state in (COMPLETED, FAILED):
-            want = Delivery.STALE
-        elif m.row.state is PARKED and plan:
+        elif row.state in (COMPLETED, FAILED, COMPENSATING):
+            want = Delivery.STALE  # ended, or will not park again
+        elif row.state is PARKED and row.park_deadline is not None and m.now >= row.park_deadline:
+            # Time wins at the deadline: the timeout runs first; the wake then meets a flow that
+            # compensates (STALE), runs on (QUEUED) or, without its plan, is blocked (QUEUED).
+            compensates = plan and row.on_timeout == "compensate"
+            want = Delivery.STALE if compensates else Delivery.QUEUED
+        elif row.state is PARKED and plan:
             want = Delivery.RESUMED
         else:
             want = Delivery.QUEUED

@@ -8,6 +8,7 @@ times a second under `atomically`), so these tests failed on the guard instead o
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from functools import partial
@@ -78,6 +79,22 @@ async def test_check_raises_too_slow_and_nothing_commits(autojump_clock, delta) 
     assert runs == [t0, t0 + 3]
     assert written.peek() == 0
     assert delta()["commits"] == 0
+
+
+def test_too_slow_says_how_long_ago_the_deadline_passed_not_the_clock_value() -> None:
+    """The message gives seconds relative to now, not the runner's raw clock value (which means
+    nothing to a reader: trio's clock starts at an arbitrary point)."""
+    deadline = time.monotonic() - 2.5
+
+    def fn() -> None:
+        check(False, deadline=deadline)
+
+    with pytest.raises(trio.TooSlowError) as info:
+        atomically_sync(fn)
+    text = str(info.value)
+    assert text.startswith("stm.check: the condition was still false at its deadline, which")
+    assert re.search(r"passed 2\.5\d\d s ago$", text), text
+    assert str(int(deadline)) not in text
 
 
 async def test_a_deadline_passing_between_attempt_and_park_does_not_spin(autojump_clock) -> None:

@@ -1,0 +1,235 @@
+"""The inspector's filters and its actions on many flows at once.
+
+``list``, ``cancel``, ``resume`` and ``wake`` take the same filters (`add_filters`): state, plan,
+version, step, when a flow was last written or started (ISO 8601 or a duration before now) and
+an id prefix. They become one `_query.FlowFilter`, so that the inspector and the dashboard find
+the same flows in the same order (newest started first; id order with an id prefix).
+
+An action on a filter (`act`) counts the matches first, says how many and asks (``--yes``
+skips the question), then acts on each match through the operator's engine, each flow in its
+own call and so its own write: a flow that moved on meanwhile (a parked flow woken and
+completed before its cancel came) is reported as not acted on, and the others go on. Nothing
+is done before the answer; an interrupted run leaves every flow either acted on or untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import trio
+
+from ferry.projected import Store
+
+from . import _query
+from ._engine import Engine, open_engine
+from ._machine import Flow
+from ._query import FlowFilter
+from ._types import State
+
+#: The filter options: (flag, FlowFilter field).
+FILTERS = (
+    ("--state", "state"),
+    ("--plan", "plan"),
+    ("--version", "version"),
+    ("--step", "step"),
+    ("--since", "updated_after"),
+    ("--until", "updated_before"),
+    ("--started-since", "created_after"),
+    ("--started-until", "created_before"),
+    ("--id-prefix", "id_prefix"),
+)
+_WHEN = (
+    "ISO 8601 (2026-12-01T12:00, UTC unless it names a zone) or a duration before now"
+    " (90s, 15m, 2h, 3d)"
+)
+
+
+def _state(text: str) -> State:
+    try:
+        return State[text.upper()]
+    except KeyError:
+        names = ", ".join(s.name for s in State)
+        raise argparse.ArgumentTypeError(f"no state {text!r}; one of {names}") from None
+
+
+def _version(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a plan version (a whole number >= 1)")
+    return n
+
+
+def _name(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty (leave it out to match every flow)")
+    return text
+
+
+def _when(text: str) -> float:
+    try:
+        return _query.parse_time(text, time.time(), "time")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("time: ")) from None
+
+
+def add_filters(parser: argparse.ArgumentParser, what: str) -> None:
+    """The filter options, in a group of their own in `parser`'s help."""
+    g = parser.add_argument_group("filters", f"which flows {what}: every filter given must hold")
+    g.add_argument("--state", type=_state, help="in this state (e.g. PARKED, BLOCKED)")
+    g.add_argument("--plan", metavar="NAME", type=_name, help="of this plan (its name)")
+    g.add_argument("--version", metavar="N", type=_version, help="of this plan version")
+    g.add_argument("--step", metavar="NAME", type=_name, help="at this step (its name)")
+    g.add_argument("--since", metavar="WHEN", type=_when, help=f"last written at or after: {_WHEN}")
+    g.add_argument("--until", metavar="WHEN", type=_when, help="last written before WHEN")
+    g.add_argument("--started-since", metavar="WHEN", type=_when, help="started at or after WHEN")
+    g.add_argument("--started-until", metavar="WHEN", type=_when, help="started before WHEN")
+    g.add_argument("--id-prefix", metavar="PREFIX", type=_name, help="whose id starts so")
+
+
+def has_filters(args: argparse.Namespace) -> bool:
+    return any(getattr(args, _dest(flag)) is not None for flag, _ in FILTERS)
+
+
+def flow_filter(args: argparse.Namespace) -> FlowFilter:
+    """The filter of the command line; `ValueError` for an impossible one (a range that ends
+    before it starts), in the words of the flags."""
+    values = {field: getattr(args, _dest(flag)) for flag, field in FILTERS}
+    for a, b in (("--since", "--until"), ("--started-since", "--started-until")):
+        lo, hi = getattr(args, _dest(a)), getattr(args, _dest(b))
+        if lo is not None and hi is not None and hi < lo:
+            raise ValueError(f"{b} is earlier than {a}: no flow can match; swap them")
+    return FlowFilter(**values)
+
+
+def describe(args: argparse.Namespace) -> str:
+    """The filters given, as the operator wrote them."""
+    words = []
+    for flag, _ in FILTERS:
+        value = getattr(args, _dest(flag))
+        if value is None:
+            continue
+        if isinstance(value, State):
+            value = value.name
+        elif flag in ("--since", "--until", "--started-since", "--started-until"):
+            value = iso(value)
+        words.append(f"{flag} {value}")
+    return " ".join(words)
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
+
+
+def iso(t: float) -> str:
+    """`t` (seconds since the epoch) as ISO 8601 in UTC, to the second."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+# ---------------------------------------------------------------------------------- reading
+
+
+def matching(
+    tx: Any, flt: FlowFilter, *, limit: int | None, after: str | None = None
+) -> tuple[list[Flow], str | None]:
+    """The first `limit` flows (all if None) matching `flt` after the cursor `after`, in the
+    listing's order, read a page of at most `_query.MAX_LIMIT` at a time; and the cursor of
+    the next one (None: no more match)."""
+    flows: list[Flow] = []
+    cursor = after
+    while limit is None or len(flows) < limit:
+        want = _query.MAX_LIMIT if limit is None else min(_query.MAX_LIMIT, limit - len(flows))
+        page = _query.query_page(tx, flt, limit=want, after=cursor)
+        flows.extend(page.flows)
+        cursor = page.next
+        if cursor is None:
+            break
+    return flows, cursor
+
+
+# ---------------------------------------------------------------------------------- acting
+
+
+#: What an action on one flow did: (acted, what became of it, its state after or None).
+Done = tuple[bool, str, str | None]
+
+
+class Refused(Exception):
+    """The operator did not say yes: nothing was done."""
+
+
+async def confirm(question: str) -> bool:
+    """Ask on stderr, read one line of stdin (not on the trio thread); yes is ``y``/``yes``."""
+    print(question, end="", file=sys.stderr, flush=True)
+    answer = await trio.to_thread.run_sync(sys.stdin.readline)
+    if not answer.endswith("\n"):
+        print(file=sys.stderr)  # stdin ended: finish the question's line
+    return answer.strip().lower() in ("y", "yes")
+
+
+async def act(
+    store: Store,
+    ids: list[str],
+    one: Callable[[Engine, str], Awaitable[Done]],
+) -> list[dict[str, Any]]:
+    """Run ``one(engine, flow_id)`` for each id with one operator's engine, each its own call;
+    a result per flow, in order. Raises `StoreLocked` if an engine serves the SQLite file."""
+    results: list[dict[str, Any]] = []
+    async with open_engine(store, [], serve=False) as engine:
+        for fid in ids:
+            acted, what, state = await one(engine, fid)
+            results.append({"flow_id": fid, "acted": acted, "result": what, "state": state})
+    return results
+
+
+async def state_of(engine: Engine, fid: str) -> str | None:
+    snap = await engine.get(fid)
+    return None if snap is None else snap.state.name
+
+
+async def cancel_one(engine: Engine, fid: str, *, reason: str) -> Done:
+    done = await engine.cancel(fid, reason)
+    state = await state_of(engine, fid)
+    if done:
+        return True, "cancelled", state
+    return False, "not cancelled: not running or parked" if state else "gone", state
+
+
+async def resume_one(engine: Engine, fid: str) -> Done:
+    done = await engine.resume(fid)
+    state = await state_of(engine, fid)
+    if done:
+        return True, "resumed", state
+    if state == "BLOCKED":
+        return False, "still blocked: its plan version still cannot drive it", state
+    return False, "not resumed: not BLOCKED" if state else "gone", state
+
+
+async def wake_one(engine: Engine, fid: str, *, payload: Any, message_id: str | None) -> Done:
+    delivery = await engine.wake(fid, payload, message_id=message_id)
+    state = await state_of(engine, fid)
+    acted = delivery.name in ("RESUMED", "QUEUED")
+    return acted, delivery.name, state
+
+
+def one_for(args: argparse.Namespace) -> Callable[[Engine, str], Awaitable[Done]]:
+    """The action of the command on one flow."""
+    if args.command == "cancel":
+        return partial(cancel_one, reason=args.reason)
+    if args.command == "resume":
+        return resume_one
+    return partial(wake_one, payload=args.payload, message_id=args.message_id)
+
+
+def tally(results: list[dict[str, Any]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r["result"]] = counts.get(r["result"], 0) + 1
+    return counts

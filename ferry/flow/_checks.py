@@ -1,0 +1,222 @@
+"""What may be stored: the one place that checks data, ids and outcomes (docs/adr/0062).
+
+Used at the calls (`start` data, `wake` payloads, `publish` decisions, flow and message ids:
+bad input is refused there with `TypeError`/`ValueError`, nothing stored) and after every step
+(its outcome and `ctx.data`: a bad one fails that flow alone, with an error naming the step and
+the problem). Everything here is pure and cheap: O(size of the value).
+
+Storable JSON: None, bool, int, float (finite), str, lists and str-keyed dicts, that survive a
+JSON round trip unchanged; nested at most `MAX_DEPTH` levels; every string (keys too) valid
+Unicode text that UTF-8 can encode (no lone surrogates such as ``"\\udc80"``, which JSON with
+``ensure_ascii=False`` lets through and the database then refuses); for a flow's data, at most
+the engine's `max_data_bytes` of UTF-8 JSON text. Storable text (ids, names, reasons): a str that
+UTF-8 can encode and that holds no NUL character (PostgreSQL's text type refuses it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from typing import Any
+
+from ferry.projected import canonical_json
+
+from ._types import Fail, Json, Outcome, Park, _Complete, _Continue, fail, park
+
+MAX_DEPTH = 64  # levels of nested lists and dicts a stored JSON value may have
+MAX_DATA_BYTES = 1 << 20  # the default of open_engine(max_data_bytes=): 1 MiB of JSON text
+
+
+def text_problem(value: str) -> str | None:
+    """Why `value` cannot be stored as text, or None if it can."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (
+            f"it holds {value[exc.start : exc.end]!r} at index {exc.start}, which is not valid"
+            " Unicode text (a lone surrogate, as from a bytes value decoded with"
+            " errors='surrogateescape'): UTF-8 cannot store it"
+        )
+    if "\x00" in value:
+        return f"it holds a NUL character ('\\x00') at index {value.index(chr(0))}"
+    return None
+
+
+def _too_deep(value: Json) -> bool:
+    """Is `value` nested deeper than `MAX_DEPTH` lists and dicts? (No recursion: a value nested
+    a million levels deep, or one that contains itself, is answered as quickly.)"""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth > MAX_DEPTH:
+            return True
+        for child in children:
+            if isinstance(child, dict | list | tuple):
+                stack.append((child, depth + 1))
+    return False
+
+
+def json_text(value: Json, what: str, *, max_bytes: int | None = None) -> str:
+    """The canonical JSON text of `value`, checked to be storable; raises `TypeError` (not
+    JSON) or `ValueError` (too deep, too big, a string UTF-8 cannot hold) naming `what`."""
+    if _too_deep(value):
+        raise ValueError(
+            f"{what} is nested deeper than {MAX_DEPTH} levels of lists and dicts (or contains"
+            " itself): flatten it"
+        )
+    try:
+        text = canonical_json(value)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"{what} must be JSON (None, bool, int, float, str, list, dict): {exc}"
+        ) from None
+    if json.loads(text) != value:
+        raise TypeError(
+            f"{what} must be JSON and survive a round trip unchanged (dict keys must be str,"
+            f" sequences lists), got {_short(value)}"
+        )
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} holds a string with {text[exc.start : exc.end]!r}, which is not valid Unicode"
+            " text (a lone surrogate, as from bytes decoded with errors='surrogateescape'):"
+            " UTF-8 cannot store it; decode bytes strictly, or store them as base64"
+        ) from None
+    if max_bytes is not None and size > max_bytes:
+        raise ValueError(
+            f"{what} is {size} bytes of JSON, more than the engine's max_data_bytes={max_bytes}:"
+            " keep large values outside the flow (store a reference), or open the engine with a"
+            " larger max_data_bytes"
+        )
+    return text
+
+
+def json_object_text(value: Json, what: str, *, max_bytes: int | None = None) -> str:
+    """`json_text` of a JSON object (a dict); `TypeError` for anything else."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} must be a JSON object (a dict), got {type(value).__name__}")
+    return json_text(value, what, max_bytes=max_bytes)
+
+
+def _short(value: object, limit: int = 200) -> str:
+    return describe(value, limit)
+
+
+def describe(value: object, limit: int = 1000) -> str:
+    """``repr(value)`` as text that can be stored (an error message, say): at most `limit`
+    characters, what UTF-8 cannot hold escaped, and a `repr` that raises named as such."""
+    try:
+        text = repr(value)
+    except Exception as exc:  # a user's __repr__ that raises: name it, never raise from here
+        text = f"<{type(value).__name__} whose repr raised {type(exc).__name__}>"
+    if len(text) > limit:
+        text = f"{text[:limit]}... ({len(text)} characters)"
+    if text_problem(text) is not None:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+    return text
+
+
+def flow_id(value: object) -> str:
+    """A flow id: a non-empty str that can be stored; `TypeError`/`ValueError` otherwise."""
+    if not isinstance(value, str):
+        raise TypeError(f"flow_id must be a str, got {_short(value)}")
+    if not value:
+        raise ValueError("flow_id must not be empty")
+    problem = text_problem(value)
+    if problem is not None:
+        raise ValueError(f"flow_id {value!r} cannot be stored: {problem}")
+    return value
+
+
+def message_id(value: object, what: str) -> None:
+    """A message id is a non-empty, storable str or None: an empty one (an event without its
+    id) would make every later wake with it a silent `DUPLICATE`."""
+    if value is None:
+        return
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str or None, got {_short(value)}")
+    if not value:
+        raise ValueError(
+            f"{what} must not be empty: every later wake with it would be a DUPLICATE (give the"
+            " event's id, or None for a wake that is never deduplicated)"
+        )
+    problem = text_problem(value)
+    if problem is not None:
+        raise ValueError(f"{what} {value!r} cannot be stored: {problem}")
+
+
+def outcome(result: object) -> Outcome | str | None:
+    """A step's return value as an outcome (None = continue), or a str saying what is wrong
+    with it ("returned ..., which ..."): not an outcome, or a `Park`/`Fail` built by hand with
+    values `park()`/`fail()` would have refused."""
+    if result is None or isinstance(result, _Continue | _Complete):
+        return result
+    if isinstance(result, Park):
+        return _park_problem(result) or result
+    if isinstance(result, Fail):
+        return _fail_problem(result) or result
+    hint = ""
+    if result is park or result is fail:
+        hint = f": call it, return flow.{result.__name__}(...)"
+    elif inspect.iscoroutine(result):
+        result.close()  # never to be awaited now: no "never awaited" warning
+        hint = ": an await is missing"
+    return (
+        f"returned {_short(result)}, which is not an outcome (None, CONTINUE, COMPLETE, park(),"
+        f" fail()){hint}"
+    )
+
+
+def _park_problem(p: Park) -> str | None:
+    timeout: object = p.timeout  # typed, but a Park built by hand may hold anything
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not math.isfinite(timeout)
+        or timeout < 0
+    ):
+        return (
+            f"returned {_short(p)}: a park's timeout must be a finite number of seconds >= 0 or"
+            " None (use flow.park(timeout=...), which checks it)"
+        )
+    if p.on_timeout not in ("compensate", "continue"):
+        return (
+            f"returned {_short(p)}: a park's on_timeout must be 'compensate' or 'continue'"
+            " (use flow.park(...), which checks it)"
+        )
+    return None
+
+
+def _fail_problem(f: Fail) -> str | None:
+    reason: object = f.reason  # typed str, but a Fail built by hand may hold anything
+    if not isinstance(reason, str):
+        return (
+            f"returned {_short(f)}: a fail's reason must be a str (use flow.fail(reason),"
+            " which checks it; str(error) for an exception)"
+        )
+    problem = text_problem(reason)
+    if problem is not None:
+        return f"returned a fail whose reason cannot be stored: {problem}"
+    return None
+
+
+def idempotency_key(flow_id: str, step_index: int, step: str, *, compensation: bool) -> str:
+    """The idempotency key of a step, ``f"{flow_id}/{step_index}/{step}"``, or of its
+    compensation, ``f"{flow_id}/{step_index}-compensate/{step}"``.
+
+    No two (flow, step or compensation) share a key, whatever characters flow ids hold: a step
+    name holds no ``/`` (`Plan.step` refuses it), so a key splits from the right into its step
+    name, then a middle part, then the flow id; the middle part is a bare number for a step and
+    ``<number>-compensate`` for a compensation, so neither kind can be mistaken for the other.
+    """
+    if compensation:
+        return f"{flow_id}/{step_index}-compensate/{step}"
+    return f"{flow_id}/{step_index}/{step}"

@@ -1,0 +1,261 @@
+"""Retention: finished flows are deleted, with their history and mailbox, once old enough.
+
+A flow that ended (`COMPLETED` or `FAILED`) is never written again, so its last write
+(``updated_at``) is when it ended. An engine opened with ``retain=SECONDS`` deletes the flows
+that ended more than that long ago (`Retention`, a task of the engine); the inspector's
+``purge --finished-before`` does the same by hand (`purge`). `BLOCKED` flows are kept: they wait
+for an operator.
+
+Design (docs/adr/0085):
+
+- Small batches. One transaction deletes at most `BATCH` flows (and their history and mailbox
+  rows), then the purge pauses at least as long as that transaction took before the next one.
+  No lock is held longer than one batch takes, and a concurrent writer (an engine's group
+  commit, on SQLite the same file's single writer lock) gets the store at least half of the
+  time. The batch is found through the partial index of finished flows by ``updated_at``.
+- Any engine of a fleet may purge, at the same time as others. On PostgreSQL the batch is
+  chosen with ``FOR UPDATE SKIP LOCKED``, so two purges take disjoint batches instead of queueing
+  on each other's rows. Every ``DELETE`` of a flow checks its state and age again in its own
+  ``WHERE`` (a row that changed since it was chosen is left alone), and history and mailbox rows
+  are deleted only for the flows this very transaction deleted (``RETURNING``): a flow deleted
+  by another purge is not counted twice, and an id started again after a purge keeps its new
+  history.
+- After a purge, the id is unknown: a wake is `Delivery.UNKNOWN`, `get` is None, and `start`
+  with that id starts a new flow.
+
+Only a store that is unavailable now is retried (`_retry`, the engine's one retry rule, with a
+WARNING per retry); any other error ends the engine's ``async with`` block with it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import re
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Final
+
+import trio
+
+from ferry.projected import Store, Tx
+
+from . import _retry, _store
+
+_log = logging.getLogger("ferry.flow")
+
+#: How long an engine keeps a finished flow unless told otherwise (``open_engine(retain=)``).
+DEFAULT_RETAIN: Final = 30 * 86400.0
+#: Flows deleted per transaction, at most.
+BATCH: Final = 500
+#: The shortest pause between two batches (seconds); a batch that took longer pauses as long.
+PAUSE_MIN: Final = 0.05
+#: How often an engine purges: every ``retain / 4``, within these bounds (seconds).
+EVERY_MIN: Final = 0.05
+EVERY_MAX: Final = 600.0
+_FINISHED = "state IN ('COMPLETED', 'FAILED')"
+
+
+def check_retain(retain: object) -> float | None:
+    """`retain` as seconds (a finite number > 0), or None (keep every flow); else `ValueError`."""
+    if retain is None:
+        return None
+    if (
+        isinstance(retain, bool)
+        or not isinstance(retain, int | float)
+        or not (0 < retain < math.inf)
+    ):
+        raise ValueError(
+            f"retain must be a finite number of seconds > 0 (how long a finished flow is kept,"
+            f" e.g. 30 * 86400), or None to keep every flow; got {retain!r}"
+        )
+    return float(retain)
+
+
+# ------------------------------------------------------------------------ the SQL (one batch)
+
+
+def purge_batch(
+    tx: Tx,
+    before: float,
+    *,
+    limit: int = BATCH,
+    ns: str = "flow",
+    guard: float | None = None,
+) -> list[str]:
+    """Delete at most `limit` finished flows whose last write is earlier than `before`, with
+    their history and mailbox rows, in this transaction; the ids deleted (oldest first).
+
+    Safe against concurrent purges and writes (see the module doc). Cost: one index range scan
+    for the batch, and one ``DELETE`` per table keyed by flow id."""
+    _store.guard_locks(tx, guard)
+    flows = f"{ns}_flows"
+    pick = (
+        f"SELECT flow_id FROM {flows} WHERE {_FINISHED} AND updated_at < ?"
+        f" ORDER BY updated_at LIMIT {int(limit)}"
+    )
+    if tx.dialect == "postgres":
+        ids = [r[0] for r in tx.execute(pick + " FOR UPDATE SKIP LOCKED", (before,))]
+        if not ids:
+            return []
+        deleted = [
+            r[0]
+            for r in tx.execute(
+                f"DELETE FROM {flows} WHERE flow_id = ANY(?) AND {_FINISHED}"
+                " AND updated_at < ? RETURNING flow_id",
+                (ids, before),
+            )
+        ]
+        if deleted:
+            tx.execute(f"DELETE FROM {ns}_history WHERE flow_id = ANY(?)", (deleted,))
+            tx.execute(f"DELETE FROM {ns}_mailbox WHERE flow_id = ANY(?)", (deleted,))
+    else:
+        ids = [r[0] for r in tx.execute(pick, (before,))]
+        if not ids:
+            return []
+        marks = ", ".join("?" * len(ids))
+        deleted = [
+            r[0]
+            for r in tx.execute(
+                f"DELETE FROM {flows} WHERE flow_id IN ({marks}) AND {_FINISHED}"
+                " AND updated_at < ? RETURNING flow_id",
+                (*ids, before),
+            )
+        ]
+        if deleted:
+            marks = ", ".join("?" * len(deleted))
+            tx.execute(f"DELETE FROM {ns}_history WHERE flow_id IN ({marks})", deleted)
+            tx.execute(f"DELETE FROM {ns}_mailbox WHERE flow_id IN ({marks})", deleted)
+    order = {fid: i for i, fid in enumerate(ids)}
+    return sorted(deleted, key=order.__getitem__)
+
+
+def count_finished(tx: Tx, before: float, *, ns: str = "flow") -> int:
+    """How many finished flows have their last write earlier than `before` (the index)."""
+    rows = tx.execute(
+        f"SELECT COUNT(*) FROM {ns}_flows WHERE {_FINISHED} AND updated_at < ?", (before,)
+    )
+    return int(rows[0][0])
+
+
+# ------------------------------------------------------------------------------ the purge
+
+
+async def purge(
+    store: Store,
+    before: float,
+    *,
+    batch: int = BATCH,
+    guard: float | None = None,
+    on_batch: Callable[[int], object] | None = None,
+) -> int:
+    """Delete every finished flow whose last write is earlier than `before` (wall-clock
+    seconds), one batch of at most `batch` flows per transaction, pausing between batches (at
+    least `PAUSE_MIN`, and as long as the last batch took); how many this call deleted.
+
+    A checkpoint. Cancelled between batches, it stops there (what was deleted stays deleted);
+    `on_batch(n)` is called after each committed batch. A store error is raised as it is."""
+    total = 0
+    while True:
+        began = trio.current_time()
+        deleted = await store.transact(
+            partial(purge_batch, before=before, limit=batch, guard=guard)
+        )
+        n = len(deleted)
+        total += n
+        if n:
+            if on_batch is not None:
+                on_batch(n)
+            if _log.isEnabledFor(logging.DEBUG):
+                _log.debug(
+                    "purge: deleted %d finished flows in one transaction (%d so far)",
+                    n,
+                    total,
+                    extra={"purged": n},
+                )
+        if n < batch:
+            await trio.lowlevel.checkpoint()
+            return total
+        await trio.sleep(max(PAUSE_MIN, trio.current_time() - began))
+
+
+def iso(t: float) -> str:
+    """Wall-clock seconds as ISO 8601 (UTC, to the second)."""
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Retention:
+    """An engine's retention task: every ``retain / 4`` (within `EVERY_MIN`..`EVERY_MAX`) it
+    purges the flows that finished more than `retain` seconds ago (`purge`), from its open on.
+    `purged` counts what it deleted (`FlowStatistics.purged`)."""
+
+    __slots__ = ("_guard", "_now", "_retain", "_store", "every", "purged")
+
+    def __init__(
+        self, store: Store, retain: float, now: Callable[[], float], guard: float | None
+    ) -> None:
+        self._store = store
+        self._retain = retain
+        self._now = now  # the engine's wall clock (it follows trio's clock)
+        self._guard = guard
+        self.every = min(max(retain / 4, EVERY_MIN), EVERY_MAX)
+        self.purged = 0
+
+    def _count(self, n: int) -> None:
+        self.purged += n
+
+    async def run(self) -> None:
+        """Purge, then sleep `every`, for ever. While the store is unavailable the purge is
+        tried again (`_retry.Backoff`: a WARNING each time); any other error is raised."""
+        backoff: _retry.Backoff | None = None
+        while True:
+            before = self._now() - self._retain
+            try:
+                n = await purge(self._store, before, guard=self._guard, on_batch=self._count)
+            except Exception as exc:
+                if backoff is None:
+                    backoff = _retry.Backoff("purging finished flows (retention)")
+                await backoff.pause(exc)  # raises `exc` unless the store is unavailable
+                continue
+            backoff = None
+            if n:
+                _log.info(
+                    "retention: deleted %d finished flows that ended before %s",
+                    n,
+                    iso(before),
+                    extra={"purged": n},
+                )
+            await trio.sleep(self.every)
+
+
+# ------------------------------------------------------------------- times for the inspector
+
+_RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+
+
+def parse_before(text: str, now: float) -> float:
+    """A time given by an operator, as wall-clock seconds: ISO 8601 (``2026-11-01``,
+    ``2026-11-01T12:00:00Z``; without a zone, UTC) or an age before `now` (``7d``, ``12h``,
+    ``30m``, ``90s``, ``2w``). `ValueError` naming both forms otherwise."""
+    spec = text.strip()
+    m = _RELATIVE.fullmatch(spec)
+    if m is not None:
+        return now - float(m.group(1)) * _UNITS[m.group(2)]
+    try:
+        when = datetime.datetime.fromisoformat(spec)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a time: give an ISO 8601 date or time (2026-11-01,"
+            " 2026-11-01T12:00:00Z; UTC unless it says otherwise) or an age such as 7d, 12h,"
+            " 30m, 90s, 2w"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp()
+
+
+def describe(before: float, now: float) -> dict[str, Any]:
+    """``before`` for the inspector's output: ISO 8601 and how long ago."""
+    return {"before": iso(before), "age_seconds": round(now - before, 3)}

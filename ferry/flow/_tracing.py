@@ -1,0 +1,177 @@
+"""OpenTelemetry traces of flows (the optional extra ``otel``: opentelemetry-api only).
+
+With the application's TracerProvider, `Engine.start` is a span (a child of the caller's
+current span, or a new root), and every run of a step or a compensation is a span whose parent
+is that start span: one flow is one trace, across parks, restarts and engines, because the start
+span's context is stored with the flow (``Flow.trace``, the W3C ``traceparent`` text) and every
+engine that later runs the flow parents its spans on it. A span is current while its step runs,
+so the spans a step makes itself (an HTTP call, a query) join the flow's trace.
+
+Attributes (docs/operating.md): ``workflow.name`` (the plan), ``workflow.id``,
+``workflow.version``, ``workflow.task.name`` (the step), ``workflow.task.kind`` (``step`` or
+``compensation``), ``workflow.task.attempt``, ``workflow.task.outcome`` (``continue``,
+``complete``, ``park``, ``fail``, ``invalid``, ``compensated``, ``raised``, ``cancelled``) and,
+when it went wrong, the span's status ``ERROR`` with ``error.type`` and the exception recorded.
+
+Cost: `tracing_for` decides once, when an engine opens. Traces are off (None: the engine tests
+one attribute per step and per start, nothing else) unless a provider is given, or the
+application imported OpenTelemetry and set a global provider. Importing `ferry.flow` never
+imports OpenTelemetry; this module imports it only when traces are on. Design: docs/adr/0086.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Final
+
+from ._types import Context, Fail, Park, _Complete, _Continue
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context as OtelContext
+    from opentelemetry.trace import Tracer
+
+_NO_TRACE: Final = contextlib.nullcontext(None)
+_PARENTS_MAX: Final = 10_000
+
+
+def tracing_for(provider: object | None) -> Tracing | None:
+    """The tracing of an engine opened with ``tracer_provider=provider``, or None (off).
+
+    None: the application's global provider, if it imported OpenTelemetry and set one (the
+    API's default proxy provider, which no SDK backs, means off). Raises `TypeError` for a
+    provider without ``get_tracer``. Cost: a dict lookup when traces are off."""
+    if provider is None:
+        if "opentelemetry.trace" not in sys.modules:
+            return None  # never imported: no provider can have been set
+        from opentelemetry import trace
+
+        provider = trace.get_tracer_provider()
+        if isinstance(provider, trace.ProxyTracerProvider | trace.NoOpTracerProvider):
+            return None
+    elif not callable(getattr(provider, "get_tracer", None)):
+        raise TypeError(
+            f"tracer_provider must be an OpenTelemetry TracerProvider (or None for the"
+            f" application's global one), got {provider!r}"
+        )
+    return Tracing(provider.get_tracer("ferry.flow"))  # type: ignore[attr-defined]
+
+
+def starting(tracing: Tracing | None, plan: str, version: int, flow_id: str) -> Any:
+    """A context manager around `Engine.start`'s write: with tracing, the start span (current
+    inside), giving the ``traceparent`` to store with the flow; without, None at no cost."""
+    if tracing is None:
+        return _NO_TRACE
+    return tracing.start(plan, version, flow_id)
+
+
+def _outcome(result: object, compensating: bool) -> str:
+    if compensating:
+        return "compensated"
+    if result is None or isinstance(result, _Continue):
+        return "continue"
+    if isinstance(result, _Complete):
+        return "complete"
+    if isinstance(result, Park):
+        return "park"
+    if isinstance(result, Fail):
+        return "fail"
+    return "invalid"
+
+
+class Tracing:
+    """An engine's tracer and what it needs of OpenTelemetry (imported here, not at module
+    level: see the module doc)."""
+
+    __slots__ = ("_context", "_parents", "_propagator", "_status", "_trace", "_tracer")
+
+    def __init__(self, tracer: Tracer) -> None:
+        from opentelemetry import trace
+        from opentelemetry.context import Context as OtelContext
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self._tracer = tracer
+        self._trace = trace
+        self._context = OtelContext
+        self._status = trace.Status, trace.StatusCode
+        self._propagator = TraceContextTextMapPropagator()
+        # Start contexts by `traceparent`, so that a flow's steps parse it at most once (those
+        # started here are never parsed); contexts are immutable. Cleared at `_PARENTS_MAX`.
+        self._parents: dict[str, OtelContext] = {}
+
+    @contextlib.contextmanager
+    def start(self, plan: str, version: int, flow_id: str) -> Iterator[str | None]:
+        """The span of one `Engine.start` (a child of the caller's current span), current while
+        the start is written; yields its ``traceparent`` text."""
+        attributes: dict[str, str | int] = {
+            "workflow.name": plan,
+            "workflow.id": flow_id,
+            "workflow.version": version,
+        }
+        with self._tracer.start_as_current_span(f"start {plan}", attributes=attributes) as span:
+            carrier: dict[str, str] = {}
+            self._propagator.inject(carrier)
+            traceparent = carrier.get("traceparent")
+            if traceparent is not None:
+                self._remember(traceparent, self._trace.set_span_in_context(span, self._context()))
+            yield traceparent
+
+    def _remember(self, traceparent: str, context: OtelContext) -> OtelContext:
+        if len(self._parents) >= _PARENTS_MAX:
+            self._parents.clear()
+        self._parents[traceparent] = context
+        return context
+
+    async def run(
+        self,
+        fn: Callable[[Context], Awaitable[Any]],
+        ctx: Context,
+        parent: str | None,
+        compensating: bool,
+    ) -> Any:
+        """``await fn(ctx)`` (a step or a compensation) inside its span, whose parent is the
+        flow's start span (`parent`, a ``traceparent``; None: a root of its own)."""
+        kind = "compensation" if compensating else "step"
+        if parent is None:
+            context = self._context()
+        elif (known := self._parents.get(parent)) is not None:
+            context = known
+        else:
+            carrier = {"traceparent": parent}
+            context = self._remember(parent, self._propagator.extract(carrier, self._context()))
+        span = self._tracer.start_span(
+            f"{'compensate' if compensating else 'step'} {ctx.plan}.{ctx.step}",
+            context=context,
+            attributes={
+                "workflow.name": ctx.plan,
+                "workflow.id": ctx.flow_id,
+                "workflow.version": ctx.version,
+                "workflow.task.name": ctx.step,
+                "workflow.task.kind": kind,
+                "workflow.task.attempt": ctx.attempt,
+            },
+        )
+        status, code = self._status
+        with self._trace.use_span(
+            span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+        ):
+            try:
+                result = await fn(ctx)
+            except Exception as exc:
+                span.record_exception(exc)
+                span.set_attribute("workflow.task.outcome", "raised")
+                span.set_attribute("error.type", type(exc).__qualname__)
+                span.set_status(status(code.ERROR, f"{type(exc).__name__}: {exc}"))
+                raise
+            except BaseException:  # cancelled: the run is void, and runs again
+                span.set_attribute("workflow.task.outcome", "cancelled")
+                raise
+            outcome = _outcome(result, compensating)
+            span.set_attribute("workflow.task.outcome", outcome)
+            if outcome == "fail":
+                span.set_status(status(code.ERROR, result.reason))
+            elif outcome == "invalid":
+                span.set_attribute("error.type", "invalid outcome")
+                span.set_status(status(code.ERROR, f"returned {result!r}, not an outcome"))
+            return result
