@@ -18,6 +18,12 @@ Unavailable (`unavailable`):
   is shutting down, crashed or is starting), and ``25P03`` (the server ended one of our
   transactions that sat idle too long, see `_store.guard_locks`).
 - `ferry.Failed` whose cause (``__cause__``) is one of those: a batch that went through a ferry.
+- `ferry.Failed` whose cause is `trio.TooSlowError`: the write ferry cancelled a batch that ran
+  past its ``call_timeout`` (a store that did not answer in time, or a process that was frozen
+  longer than that, for example under SIGSTOP). The batch may or may not have committed, but
+  every write the engine retries is a compare-and-set on the flow's revision or an idempotent
+  insert, so running it again is safe: a write that had committed comes back as a conflict,
+  and the runner re-reads the row.
 - An exception group all of whose exceptions are one of those (concurrent writes of a scan).
 
 Delays: 0.05 s, doubling, at most 2 s (not the step backoff, which is the user's retry policy). Each
@@ -83,6 +89,8 @@ def unavailable(exc: BaseException) -> bool:
         return all(unavailable(e) for e in exc.exceptions)
     if isinstance(exc, Failed):
         cause = exc.__cause__
+        if isinstance(cause, trio.TooSlowError):  # a batch cancelled after its call_timeout
+            return True
         return cause is not None and unavailable(cause)
     if isinstance(exc, sqlite3.Error):
         return _sqlite_unavailable(exc)

@@ -16,7 +16,10 @@ The plan is an order: ``reserve`` (compensated by ``release``), ``charge`` (comp
 fail, or raise on every attempt). Every step body and compensation makes its "external call"
 first: it inserts ``(idempotency key, attempt, owner)`` into the side table ``side_runs`` in
 autocommit, then pauses a few milliseconds; a body that raises does so before its call, so the
-side table counts exactly the runs that had an effect.
+side table counts exactly the runs that had an effect. A process to be killed or frozen
+(``--hold-at T``) holds the first call it makes from ``T`` seconds after the epoch on: it says
+``holding KEY`` and waits, its call made, until a line comes on its stdin, so the test strikes
+when a body is in flight, not at a time that a slow machine may not have reached.
 
 What the database records beside the flows (`prepare`): an ``AFTER UPDATE`` trigger writes every
 change of a flow's revision to ``audit`` with the writer's ``application_name``, the old and new
@@ -127,7 +130,25 @@ def scenario(n: int, engines: int, seed: int, *, spread: float) -> list[Spec]:
 # ------------------------------------------------------------------------ the engine process
 
 
-def make_plan(side: Any, owner: str) -> flow.Plan:
+@attrs.define
+class Hold:
+    """Hold one body in flight for the test to kill or freeze the process at: the first body
+    (or compensation) that makes its call at or after `after` (wall clock) says ``holding KEY``
+    on stdout and waits, its call made, until a line (or the end) comes on stdin."""
+
+    after: float = float("inf")  # set once the epoch is known
+    held: bool = False
+
+    async def __call__(self, key: str) -> None:
+        if self.held or time.time() < self.after:
+            return
+        self.held = True
+        async with trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())) as stdin:
+            print(f"holding {key}", flush=True)
+            await stdin.receive_some()
+
+
+def make_plan(side: Any, owner: str, hold: Hold | None = None) -> flow.Plan:
     plan = flow.Plan("order")
 
     async def call(ctx: flow.Context) -> None:
@@ -137,6 +158,8 @@ def make_plan(side: Any, owner: str) -> flow.Plan:
             "INSERT INTO side_runs (key, attempt, owner) VALUES (%s, %s, %s)",
             (ctx.idempotency_key, ctx.attempt, owner),
         )
+        if hold is not None:
+            await hold(ctx.idempotency_key)
         await trio.sleep(ctx.data["pause"])
 
     async def release(ctx: flow.Context) -> None:
@@ -173,7 +196,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     side = psycopg.connect(args.dsn, autocommit=True)
     specs = scenario(args.flows, args.engines, args.seed, spread=args.spread)
-    plan = make_plan(side, args.owner)
+    hold = None if args.hold_at is None else Hold()
+    plan = make_plan(side, args.owner, hold)
     dsn = f"{args.dsn} application_name={args.owner}"
 
     def mapper(event: Any) -> flow.Wake:
@@ -194,6 +218,8 @@ async def serve(args: argparse.Namespace) -> None:
                 line = await trio.to_thread.run_sync(sys.stdin.readline)
                 assert line.startswith("go "), line
                 epoch = float(line[3:])
+            if hold is not None:
+                hold.after = epoch + args.hold_at
 
             async def at(t: float) -> None:
                 await trio.sleep(max(0.0, epoch + t - time.time()))
@@ -253,6 +279,7 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("--lease", type=float, required=True)
     p.add_argument("--epoch", type=float, default=None)
     p.add_argument("--no-fencing", action="store_true")
+    p.add_argument("--hold-at", type=float, default=None, help="see `Hold` (after the epoch)")
     trio.run(serve, p.parse_args(argv))
 
 
@@ -286,13 +313,17 @@ class EngineProcess:
                 if pipe is not None:
                     pipe.close()
 
-    def spawn(self, epoch: float | None = None) -> None:
+    def spawn(self, epoch: float | None = None, *, hold_at: float | None = None) -> None:
+        """Start the next generation; with `hold_at`, it holds a body in flight (`Hold`) from
+        `hold_at` seconds after the epoch on: `wait_holding` waits for it, `release` ends it."""
         self._close_pipes()
         self.generation += 1
         command = [sys.executable, "-m", "tests.fleet._flows", self.dsn, "--owner", self.owner]
         command += ["--index", str(self.index), *self.options]
         if epoch is not None:
             command += ["--epoch", repr(epoch)]
+        if hold_at is not None:
+            command += ["--hold-at", repr(hold_at)]
         log = open(self.workdir / f"{self.owner}.log", "w")  # noqa: SIM115 (the child owns it)
         self.proc = subprocess.Popen(
             command,
@@ -319,6 +350,18 @@ class EngineProcess:
     def wait_ready(self, timeout: float = 60.0) -> None:
         line = self.readline(timeout)
         assert line == "ready\n", f"{self.owner}: {line!r} {self.log()}"
+
+    def wait_holding(self, timeout: float = 120.0) -> str:
+        """Wait until the process holds a body in flight, its call made; that body's key."""
+        line = self.readline(timeout)
+        assert line.startswith("holding "), f"{self.owner}: {line!r} {self.log()}"
+        return line[len("holding ") :].strip()
+
+    def release(self) -> None:
+        """End the hold: the held body goes on."""
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write("release\n")
+        self.proc.stdin.flush()
 
     def go(self, epoch: float) -> None:
         assert self.proc is not None and self.proc.stdin is not None

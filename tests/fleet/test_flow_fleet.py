@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +47,28 @@ class Chaos:
     """What the run did, for the assertions that it did what it claims."""
 
     killed: dict[str, tuple[str, int]] = attrs.Factory(dict)
+    kill_key: str = ""  # the body held in flight for the kill
+    freeze_key: str = ""  # the body held in flight for the freeze
+    held_at_thaw: int = 0  # of the flows the frozen engine held, how many it still held
     freeze: Freeze | None = None
     seconds: float = 0.0
 
 
 Report = dict[str, Any]
+
+
+def wait_down(count: Callable[[], int], patience: float, *, ceiling: float = 900.0) -> None:
+    """Wait until `count()` is 0, or has not gone down for `patience` s (or `ceiling` s in all):
+    a loaded machine makes the work slower, not wrong, so it gets the time it takes while it
+    moves, and a run that is stuck still ends."""
+    end = time.monotonic() + ceiling
+    left, stalled = count(), time.monotonic() + patience
+    while left and time.monotonic() < min(stalled, end):
+        time.sleep(0.2)
+        now = count()
+        if now < left:
+            stalled = time.monotonic() + patience
+        left = now
 
 
 def run_fleet(
@@ -61,7 +79,8 @@ def run_fleet(
     spread: float,
     seed: int,
     fencing: bool = True,
-    patience: float = 120.0,
+    patience: float = 60.0,
+    settle: bool = True,
 ) -> tuple[list[Spec], Observed, Chaos, list[Report]]:
     """Run the scenario on three engine processes with a kill and a freeze; the audit after."""
     prepare(dsn)
@@ -73,44 +92,45 @@ def run_fleet(
     engines = [EngineProcess(i, dsn, workdir, options) for i in range(3)]
     chaos = Chaos()
     t0 = time.monotonic()
+    victim, frozen = engines[1], engines[2]
     try:
-        for e in engines:
-            e.spawn()
+        # Engine 1 is to be killed, engine 2 frozen, each while a body of theirs is in flight:
+        # each holds the first body that makes its call past its moment (mid-run) until then.
+        # The test waits for that, not for a time, so the chaos lands on work in flight however
+        # slow the machine is.
+        engines[0].spawn()
+        victim.spawn(hold_at=0.35 * spread)
+        frozen.spawn(hold_at=0.6 * spread)
         for e in engines:
             e.wait_ready()
         epoch = time.time() + 0.2
         for e in engines:
             e.go(epoch)
-
-        def at(t: float) -> None:
-            time.sleep(max(0.0, epoch + t - time.time()))
-
         # SIGKILL engine 1 mid-run; restart it (a new owner name) half a second later.
-        at(0.35 * spread)
-        victim = engines[1]
+        chaos.kill_key = victim.wait_holding()
         victim.kill()
         chaos.killed = in_flight(dsn, victim.owner)
         time.sleep(0.5)
         victim.spawn(epoch)
         victim.wait_ready()
         # SIGSTOP engine 2 past its lease (and the others' next scans), then SIGCONT.
-        at(0.6 * spread)
-        frozen = engines[2]
+        chaos.freeze_key = frozen.wait_holding()
         frozen.signal(signal.SIGSTOP)
         held = {fid: rev for fid, (_key, rev) in in_flight(dsn, frozen.owner).items()}
         frozen_after = last_audit_id(dsn)
         # Frozen until the others took over every flow it held (at least a lease): then
         # everything it does when it wakes is on the strength of ownership that went stale.
         time.sleep(LEASE)
-        limit = time.monotonic() + 30 * LEASE
-        while still_held(dsn, frozen.owner, held) and time.monotonic() < limit:
-            time.sleep(0.1)
+        wait_down(lambda: still_held(dsn, frozen.owner, held), 30 * LEASE)
+        chaos.held_at_thaw = still_held(dsn, frozen.owner, held)
         thawed_after = last_audit_id(dsn)
+        frozen.release()  # the held body may go on when it wakes (fencing must void it)
         frozen.signal(signal.SIGCONT)
         chaos.freeze = Freeze(frozen.owner, held, frozen_after, thawed_after)
-        deadline = time.monotonic() + patience
-        while unsettled(dsn) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        if settle:  # until every flow ended, as long as flows keep ending
+            wait_down(lambda: unsettled(dsn), patience)
+        else:  # `patience` s, then the oracle reads what there is
+            wait_down(lambda: unsettled(dsn), patience, ceiling=patience)
         chaos.seconds = time.monotonic() - t0
     finally:
         for e in engines:
@@ -130,14 +150,15 @@ def test_a_fleet_with_a_kill_and_a_frozen_owner_runs_every_flow_once(
     assert check(specs, seen, chaos.freeze) == []
     # The run did what it claims. The kill caught work in flight, which other engines took
     # over once its leases lapsed; some of it ran again.
-    assert chaos.killed, "the kill caught nothing in flight: kill earlier"
+    assert chaos.kill_key in {key for key, _rev in chaos.killed.values()}, chaos
     taken = {a.flow_id for a in seen.audit if a.takeover and a.old_owner == "e1.g1"}
     assert set(chaos.killed) <= taken
     assert sum(n - 1 for n in seen.runs.values() if n > 1) > 0
     # The frozen owner held flows when it froze; all of them were taken over while it slept;
     # it woke to writes that failed, and it let them go.
-    assert chaos.freeze is not None and chaos.freeze.held
-    assert chaos.freeze.taken_while_frozen(seen) == set(chaos.freeze.held)
+    assert chaos.freeze is not None
+    assert chaos.freeze_key.split("/")[0] in chaos.freeze.held, chaos
+    assert chaos.freeze.taken_while_frozen(seen) == set(chaos.freeze.held), chaos.held_at_thaw
     frozen = next(r for r in reports if r["owner"] == "e2.g1")
     assert frozen["lost"] >= len(chaos.freeze.held)
     # Wakes reached every engine, some twice (a duplicate), and every one was answered.
@@ -150,7 +171,7 @@ def test_a_fleet_with_a_kill_and_a_frozen_owner_runs_every_flow_once(
 def test_without_fencing_the_fleet_oracle_fails(pg_server: pg.PgServer, tmp_path: Path) -> None:
     dsn = pg_server.fresh_database_dsn("unfencedflows")
     specs, seen, chaos, reports = run_fleet(
-        dsn, tmp_path, flows=600, spread=3.0, seed=2, fencing=False, patience=10.0
+        dsn, tmp_path, flows=600, spread=3.0, seed=2, fencing=False, patience=10.0, settle=False
     )
     problems = check(specs, seen, chaos.freeze)
     print(f"\n{summary(specs, seen, reports)}\n{len(problems)} problems, e.g. {problems[:5]}")
@@ -169,7 +190,7 @@ def test_a_larger_fleet_run(pg_server: pg.PgServer, tmp_path: Path, seed: int) -
     print(f"\n{summary(specs, seen, reports)}\n{chaos.seconds:.1f} s")
     assert check(specs, seen, chaos.freeze) == []
     assert chaos.freeze is not None
-    assert chaos.freeze.taken_while_frozen(seen) == set(chaos.freeze.held)
+    assert chaos.freeze.taken_while_frozen(seen) == set(chaos.freeze.held), chaos.held_at_thaw
 
 
 # ---------------------------------------------------------------- the oracle on planted inputs

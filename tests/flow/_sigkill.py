@@ -15,7 +15,10 @@ little after the child's engine opened, sometimes while it is still starting or 
 and before it restarts the child it reads, from the flow store the dead process left, which
 steps and compensations were in flight: the keys of the ``RUNNING`` and ``COMPENSATING`` flows.
 That set is exactly the work the kill may have interrupted, measured independently of the side
-table. After the last kill a child runs to the end.
+table. The first and the last of the kills after the engine opened are not timed: that child
+holds the first call it makes some time after its engine opened (``--hold-after``), says
+``holding KEY`` and waits, and the parent kills it then, so those kills catch a body in flight
+however slow the machine is. After the last kill a child runs to the end.
 
 The oracle (`audit`, pure): every flow ends ``COMPLETED`` or ``FAILED`` (and the one its scenario
 says); no step outcome and no compensation is recorded twice in its history; every key's
@@ -107,7 +110,25 @@ def scenario(n: int, seed: int) -> list[Spec]:
 # ------------------------------------------------------------------------------------ the child
 
 
-def make_plan(side: sqlite3.Connection, gen: int, plant: str | None) -> flow.Plan:
+@attrs.define
+class Hold:
+    """Hold a body in flight for the parent to kill the child at: the first call made at or
+    after `after` (monotonic) says ``holding KEY`` on stdout and never returns."""
+
+    after: float = math.inf  # set once the engine is open
+    held: bool = False
+
+    async def __call__(self, key: str) -> None:
+        if self.held or time.monotonic() < self.after:
+            return
+        self.held = True
+        print(f"holding {key}", flush=True)
+        await trio.sleep_forever()
+
+
+def make_plan(
+    side: sqlite3.Connection, gen: int, plant: str | None, hold: Hold | None = None
+) -> flow.Plan:
     """The plan: reserve (compensated), charge (compensated; parks), ship, notify."""
     plan = flow.Plan("sigkill")
 
@@ -117,6 +138,8 @@ def make_plan(side: sqlite3.Connection, gen: int, plant: str | None) -> flow.Pla
             "INSERT INTO runs (key, attempt, gen) VALUES (?, ?, ?)",
             (ctx.idempotency_key, ctx.attempt, gen),
         )
+        if hold is not None:
+            await hold(ctx.idempotency_key)
         await trio.sleep(ctx.data["pause"])
 
     async def replay_previous(ctx: flow.Context) -> None:
@@ -182,7 +205,8 @@ async def child(args: argparse.Namespace) -> None:
     work = Path(args.dir)
     side = open_side(work / "side.db")
     specs = scenario(args.flows, args.seed)
-    plan = make_plan(side, args.gen, args.plant)
+    hold = None if args.hold_after is None else Hold()
+    plan = make_plan(side, args.gen, args.plant, hold)
     epoch = args.epoch
 
     def mapper(event: Any) -> flow.Wake:
@@ -191,6 +215,8 @@ async def child(args: argparse.Namespace) -> None:
     async with flow.open_engine(work / "flows.db", plans=[plan]) as engine:
         engine.on("payment", mapper)
         print("open", flush=True)
+        if hold is not None:
+            hold.after = time.monotonic() + args.hold_after
 
         async def publish(spec: Spec, at: float, event_id: str) -> None:
             await trio.sleep(max(0.0, epoch + at - time.time()))
@@ -230,6 +256,7 @@ class Run:
     kills: int = 0
     early_kills: int = 0  # kills that came before the child's engine had opened
     hits: Counter[str] = attrs.Factory(Counter)  # key -> kills that caught it in flight
+    held: list[str] = attrs.Factory(list)  # the bodies held in flight for a kill
     reports: list[dict[str, Any]] = attrs.Factory(list)
     seconds: float = 0.0
 
@@ -272,29 +299,50 @@ def run_with_kills(
     """Run the scenario in child processes, SIGKILLing `kills` of them at seeded random moments;
     the last child runs to the end. Raises AssertionError if a child fails or hangs."""
     rng = random.Random(seed)
+    # Each kill: (early, delay). Now and then (early) `delay` s after the start, while the child
+    # starts or recovers; else `delay` s after its engine opened. The first and the last of
+    # those wait, after the delay, until the child holds a body in flight (`Hold`): whatever
+    # the machine's speed, they catch work in flight, which runs again after.
+    moments = []
+    for _ in range(kills):
+        early = rng.random() < 0.2
+        moments.append((early, rng.uniform(0.05, 0.6) if early else rng.uniform(0.0, 0.6)))
+    opened_kills = [gen for gen, (early, _) in enumerate(moments) if not early]
+    holds = {opened_kills[0], opened_kills[-1]} if opened_kills else set()
     run = Run(work, flows)
     epoch = time.time() + 0.5  # roughly when the first child's engine is open
     t0 = time.monotonic()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for gen in range(kills + 1):
+        last = gen == kills
+        early, delay = (False, 0.0) if last else moments[gen]
+        held = gen in holds
         command = [sys.executable, "-m", "tests.flow._sigkill", str(work)]
         command += ["--flows", str(flows), "--seed", str(seed), "--gen", str(gen)]
         command += ["--epoch", repr(epoch)] + (["--plant", plant] if plant else [])
+        if held:
+            command += ["--hold-after", repr(delay)]
         proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
         try:
             deadline = time.monotonic() + patience
-            last = gen == kills
-            if not last and rng.random() < 0.2:  # now and then, while it starts or recovers
-                time.sleep(rng.uniform(0.05, 0.6))
+            if early:
+                time.sleep(delay)
                 opened = False
             else:
                 line = _readline(proc, deadline)
                 assert line == "open\n", f"generation {gen}: {line!r}, {_stderr(proc)}"
                 opened = True
-                if not last:
-                    time.sleep(rng.uniform(0.0, 0.6))
+                if held:
+                    line = _readline(proc, deadline)
+                    if line is not None and line.startswith("done "):  # nothing left to hold
+                        run.reports.append(_done(proc, line, deadline, gen))
+                        break
+                    assert line and line.startswith("holding "), f"{gen}: {line!r} {_stderr(proc)}"
+                    run.held.append(line[len("holding ") :].strip())
+                elif not last:
+                    time.sleep(delay)
             if not last and proc.poll() is None:
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
@@ -319,11 +367,16 @@ def _report(proc: subprocess.Popen[str], deadline: float, gen: int) -> dict[str,
     """The last child's closing report, once it exited cleanly."""
     while (line := _readline(proc, deadline)) is not None:
         if line.startswith("done "):
-            assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, _stderr(proc)
-            report: dict[str, Any] = json.loads(line[5:])
-            return report
+            return _done(proc, line, deadline, gen)
         assert line, f"generation {gen} ended without a report: {_stderr(proc)}"
     raise AssertionError(f"generation {gen} did not finish in time: {_stderr(proc)}")
+
+
+def _done(proc: subprocess.Popen[str], line: str, deadline: float, gen: int) -> dict[str, Any]:
+    """The report on the child's ``done`` line, once it exited cleanly."""
+    assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0, _stderr(proc)
+    report: dict[str, Any] = json.loads(line[5:])
+    return report
 
 
 def _stderr(proc: subprocess.Popen[str]) -> str:
@@ -414,6 +467,7 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("--gen", type=int, required=True)
     p.add_argument("--epoch", type=float, required=True)
     p.add_argument("--plant", choices=["replay"], default=None)
+    p.add_argument("--hold-after", type=float, default=None, help="see `Hold` (after open)")
     args = p.parse_args(argv)
     assert math.isfinite(args.epoch)
     trio.run(child, args)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -58,6 +59,8 @@ def test_unavailable_is_the_store_saying_not_now() -> None:
     assert not _retry.unavailable(pg.UniqueViolation())
     assert not _retry.unavailable(pg.QueryCanceled())
     assert not _retry.unavailable(KeyError("state"))
+    assert _retry.unavailable(_failed(trio.TooSlowError("the call ran longer than call_timeout")))
+    assert not _retry.unavailable(trio.TooSlowError("a user's own timeout"))
     assert not _retry.unavailable(UnicodeEncodeError("utf-8", "\udc80", 0, 1, "surrogates"))
     assert not _retry.unavailable(_failed(KeyError("state")))
     assert not _retry.unavailable(Failed("no cause"))
@@ -100,6 +103,49 @@ async def test_retrying_caps_the_delay_and_raises_anything_else() -> None:
 
     with pytest.raises(KeyError):
         await _retry.retrying(broken, what="reading flow 'x'")
+
+
+async def test_a_write_past_the_call_timeout_is_retried_not_fatal(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A batch that runs past the write ferry's call timeout (a store that does not answer, a
+    process frozen for longer than that) is cancelled and comes back as `Failed` caused by
+    `TooSlowError`; the runner retries its compare-and-set instead of ending the engine (it
+    used to end the whole `async with`, and a frozen fleet engine died on thaw)."""
+    from tests.flow._helpers import PlantedStore
+
+    class Stalling(PlantedStore):
+        stall_next = False
+
+        async def transact(self, fn: Callable[..., Any]) -> Any:
+            if self.stall_next:
+                self.stall_next = False
+                await trio.sleep(61)  # past the 60 s call timeout: cancelled
+            return await super().transact(fn)
+
+    plan = flow.Plan("stall", version=1)
+    reached = trio.Event()
+
+    @plan.step
+    async def first(ctx: flow.Context) -> None:
+        ctx.data["first"] = True
+        store.stall_next = True  # the write of this step's outcome stalls
+        reached.set()
+
+    @plan.step
+    async def second(ctx: flow.Context) -> None:
+        ctx.data["second"] = True
+
+    store = Stalling(str(tmp_path / "flows.db"))
+    try:
+        async with flow.open_engine(store, plans=[plan]) as engine:
+            await engine.start(plan, flow_id="f")
+            snap = await engine.wait("f", timeout=600)
+    finally:
+        await store.aclose()
+    assert reached.is_set()
+    assert snap.state is flow.State.COMPLETED
+    assert snap.data == {"first": True, "second": True}
 
 
 # ----------------------------------------------------------------- a bug ends the engine's block

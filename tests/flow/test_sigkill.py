@@ -22,8 +22,9 @@ def check(tmp_path: Path, *, flows: int, kills: int, seed: int) -> None:
     # A fast machine may finish the scenario before the last kills (the wakes and timeouts are
     # at fixed wall-clock times); several kills must have landed all the same.
     assert run.kills >= min(kills, 3), f"only {run.kills} kills: make the scenario longer"
-    # The test exercised what it is for: kills caught work in flight, and some of it ran again.
-    assert sum(run.hits.values()) > 0
+    # The test exercised what it is for: kills caught work in flight (the bodies held for the
+    # first and last kills at least), and some of it ran again.
+    assert run.held and all(run.hits[key] > 0 for key in run.held), (run.held, run.hits)
     assert sum(n - 1 for n in outcome.runs.values() if n > 1) > 0
     assert sum(r["recovered"] for r in run.reports) > 0
 
