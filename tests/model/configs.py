@@ -1,4 +1,5 @@
-"""The bounds the model check explores by default, and larger ones for `-m slow`."""
+"""The bounds the model check explores by default (in `make test`), and larger ones for `-m long`
+(minutes in all: left out of `make test`, run them before changing a machine or the shell)."""
 
 from __future__ import annotations
 

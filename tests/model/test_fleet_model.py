@@ -91,7 +91,7 @@ def test_catches_an_engine_that_blocks_a_version_another_engine_has() -> None:
     assert "(engine 1)" in found.trace[-1]
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("config", FLEET_SLOW, ids=lambda c: c.name)
 def test_fleet_model_check_larger_bounds(config: FlowConfig) -> None:
     report = FleetChecker(config, FleetProtocol()).run()

@@ -55,7 +55,7 @@ def test_flow_model_check(config: FlowConfig) -> None:
     assert not missing, f"the bound never reaches {sorted(missing)}"
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("config", FLOW_SLOW, ids=lambda c: c.name)
 def test_flow_model_check_larger_bounds(config: FlowConfig) -> None:
     report = FlowChecker(config).run()

@@ -23,7 +23,7 @@ def test_model_check(config: Config) -> None:
     print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("config", SLOW, ids=lambda c: c.name)
 def test_model_check_larger_bounds(config: Config) -> None:
     report = Checker(config).run()

@@ -35,7 +35,7 @@ def test_shell_model_check(config: ShellConfig) -> None:
     print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("config", SHELL_SLOW, ids=lambda c: c.name)
 def test_shell_model_check_larger_bounds(config: ShellConfig) -> None:
     report = ShellChecker(config).run()
