@@ -25,7 +25,7 @@ import trio
 
 from ferry.projected import Store
 
-from . import _query
+from . import _query, _times
 from ._engine import Engine, open_engine
 from ._machine import Flow
 from ._query import FlowFilter
@@ -119,18 +119,13 @@ def describe(args: argparse.Namespace) -> str:
         if isinstance(value, State):
             value = value.name
         elif flag in ("--since", "--until", "--started-since", "--started-until"):
-            value = iso(value)
+            value = _times.iso(value)
         words.append(f"{flag} {value}")
     return " ".join(words)
 
 
 def _dest(flag: str) -> str:
     return flag.removeprefix("--").replace("-", "_")
-
-
-def iso(t: float) -> str:
-    """`t` (seconds since the epoch) as ISO 8601 in UTC, to the second."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 # ---------------------------------------------------------------------------------- reading

@@ -24,7 +24,6 @@ not apply, an unreachable store).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -41,12 +40,12 @@ import trio
 
 from ferry.projected import PostgresStore, SqliteStore
 
-from . import _bulk, _query, _retention, _store
+from . import _bulk, _query, _retention, _store, _times
 from . import _machine as m
 from ._engine import open_engine
 from ._errors import FlowError, StoreLocked
 from ._machine import Flow
-from ._sqlite_file import SQLITE_HEADER, check_path, read_header
+from ._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
 from ._types import Delivery, Json, State
 
 PROG = "python -m ferry.flow"
@@ -265,30 +264,11 @@ def _check_sqlite(spec: str, where: str) -> None:
     # A rollback-journal database: look at it read-only first.
     conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(spec))}?mode=ro", uri=True)
     try:
-        found = _store.has_tables(_ReadOnly(conn))
+        found = _store.has_tables(ReadOnlyTx(conn))
     finally:
         conn.close()
     if not found:
         raise Problem(_NO_FLOWS.format(where=where))
-
-
-class _ReadOnly:
-    """A `Tx` over a plain read-only SQLite connection (for reads outside a store)."""
-
-    dialect = "sqlite"
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self._conn = conn
-
-    @property
-    def connection(self) -> sqlite3.Connection:
-        return self._conn
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        return self._conn.execute(sql, params).fetchall()
-
-    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-        raise sqlite3.OperationalError("read-only")
 
 
 def open_store(spec: str) -> SqliteStore | PostgresStore:
@@ -320,7 +300,7 @@ async def _read(store: SqliteStore | PostgresStore, where: str, fn: Callable[[An
 def _when(t: float | None) -> str:
     if t is None:
         return "-"
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return _times.iso(t)
 
 
 def _left(t: float, now: float) -> str:
@@ -786,7 +766,7 @@ async def do_purge(args: argparse.Namespace, store: SqliteStore | PostgresStore)
     """Count, ask, then delete in batches (the engine's purge: safe while engines serve the
     store, on SQLite too, since a finished flow is never written again)."""
     before = args.finished_before
-    when = _retention.iso(before)
+    when = _times.iso(before)
     matched = await _read(store, args.where, partial(_retention.count_finished, before=before))
     data: dict[str, Json] = {"finished_before": when, "matched": matched, "deleted": 0}
     if not matched:

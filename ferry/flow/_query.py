@@ -36,13 +36,13 @@ import base64
 import datetime
 import json
 import math
-import re
 from typing import Any
 
 import attrs
 
 from ferry.projected import Tx
 
+from . import _times
 from ._machine import Flow
 from ._store import _FIELDS, _to_flow
 from ._types import State
@@ -227,27 +227,16 @@ class FlowFilter:
         return conds, params
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd])")
-_UNIT = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
 def parse_time(text: str, now: float, name: str = "time") -> float:
     """Seconds since the epoch from ISO 8601 (UTC unless it names a zone) or a duration before
     `now` (``90s``, ``15m``, ``2h``, ``3d``); `ValueError` naming `name` otherwise."""
-    text = text.strip()
-    m = _DURATION.fullmatch(text)
-    if m is not None:
-        return now - float(m.group(1)) * _UNIT[m.group(2)]
-    try:
-        when = datetime.datetime.fromisoformat(text)
-    except ValueError:
+    when = _times.read(text, now, units="smhd")
+    if when is None:
         raise ValueError(
-            f"{name}: {text!r} is neither a time (ISO 8601, e.g. 2026-12-01T12:00) nor a"
+            f"{name}: {text.strip()!r} is neither a time (ISO 8601, e.g. 2026-12-01T12:00) nor a"
             " duration before now (e.g. 90s, 15m, 2h, 3d)"
-        ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.UTC)
-    return when.timestamp()
+        )
+    return when
 
 
 def _iso(t: float) -> str:

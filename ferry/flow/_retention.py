@@ -29,10 +29,8 @@ WARNING per retry); any other error ends the engine's ``async with`` block with 
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
-import re
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Final
@@ -41,7 +39,7 @@ import trio
 
 from ferry.projected import Store, Tx
 
-from . import _retry, _store
+from . import _retry, _store, _times
 
 _log = logging.getLogger("ferry.flow")
 
@@ -180,11 +178,6 @@ async def purge(
         await trio.sleep(max(PAUSE_MIN, trio.current_time() - began))
 
 
-def iso(t: float) -> str:
-    """Wall-clock seconds as ISO 8601 (UTC, to the second)."""
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 class Retention:
     """An engine's retention task: every ``retain / 4`` (within `EVERY_MIN`..`EVERY_MAX`) it
     purges the flows that finished more than `retain` seconds ago (`purge`), from its open on.
@@ -223,7 +216,7 @@ class Retention:
                 _log.info(
                     "retention: deleted %d finished flows that ended before %s",
                     n,
-                    iso(before),
+                    _times.iso(before),
                     extra={"purged": n},
                 )
             await trio.sleep(self.every)
@@ -231,31 +224,21 @@ class Retention:
 
 # ------------------------------------------------------------------- times for the inspector
 
-_RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
-_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
-
 
 def parse_before(text: str, now: float) -> float:
     """A time given by an operator, as wall-clock seconds: ISO 8601 (``2026-11-01``,
     ``2026-11-01T12:00:00Z``; without a zone, UTC) or an age before `now` (``7d``, ``12h``,
     ``30m``, ``90s``, ``2w``). `ValueError` naming both forms otherwise."""
-    spec = text.strip()
-    m = _RELATIVE.fullmatch(spec)
-    if m is not None:
-        return now - float(m.group(1)) * _UNITS[m.group(2)]
-    try:
-        when = datetime.datetime.fromisoformat(spec)
-    except ValueError:
+    when = _times.read(text, now, units="smhdw")
+    if when is None:
         raise ValueError(
             f"{text!r} is not a time: give an ISO 8601 date or time (2026-11-01,"
             " 2026-11-01T12:00:00Z; UTC unless it says otherwise) or an age such as 7d, 12h,"
             " 30m, 90s, 2w"
-        ) from None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=datetime.UTC)
-    return when.timestamp()
+        )
+    return when
 
 
 def describe(before: float, now: float) -> dict[str, Any]:
     """``before`` for the inspector's output: ISO 8601 and how long ago."""
-    return {"before": iso(before), "age_seconds": round(now - before, 3)}
+    return {"before": _times.iso(before), "age_seconds": round(now - before, 3)}

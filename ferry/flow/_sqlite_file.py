@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sqlite3
 import sys
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 
@@ -43,6 +46,27 @@ _SIDECAR = ".engine-lock"
 # have dropped the POSIX locks of an SQLite connection of this process. Guarded by `_KEPT_LOCK`.
 _KEPT: dict[tuple[int, int], list[int]] = {}
 _KEPT_LOCK = threading.Lock()
+
+
+class ReadOnlyTx:
+    """A `ferry.projected.Tx` over a plain SQLite connection opened read-only, for reads of a
+    file outside any store (the inspector's first look, the dashboard's pages). Writes are
+    refused."""
+
+    dialect = "sqlite"
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    @property
+    def connection(self) -> sqlite3.Connection:
+        return self._conn
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return self._conn.execute(sql, params).fetchall()
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        raise sqlite3.OperationalError("read-only")
 
 
 def check_path(path: object, *, who: str = "open_engine") -> str:

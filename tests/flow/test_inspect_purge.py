@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from ferry import flow
-from ferry.flow import _retention
+from ferry.flow import _times
 from ferry.projected import PostgresStore
 from tests import pg
 
@@ -63,12 +63,12 @@ def rows_of(path: str, flow_id: str) -> tuple[int, int]:
 def test_purge_deletes_the_finished_flows_that_ended_before_the_time(
     db: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    before = _retention.iso(T0 + 1)
+    before = _times.iso(T0 + 1)
     # Nothing ended before T0: nothing to do, nothing asked.
-    code, out, _ = run(capsys, db, "purge", "--finished-before", _retention.iso(T0 - 60))
+    code, out, _ = run(capsys, db, "purge", "--finished-before", _times.iso(T0 - 60))
     assert (code, out) == (
         0,
-        f"no finished flow ended before {_retention.iso(T0 - 60)}: nothing to delete\n",
+        f"no finished flow ended before {_times.iso(T0 - 60)}: nothing to delete\n",
     )
     assert rows_of(db, "done")[0] > 0
     report = run_json(capsys, db, "purge", "--finished-before", before, "--yes")

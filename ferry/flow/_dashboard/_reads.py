@@ -22,8 +22,8 @@ import sqlite3
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import attrs
 import trio
@@ -33,6 +33,7 @@ from ferry.projected import PostgresStore, Tx
 from .. import _machine as m
 from .. import _query, _store
 from .._machine import Flow
+from .._sqlite_file import ReadOnlyTx
 from .._types import Event, State
 
 T = TypeVar("T")
@@ -41,25 +42,6 @@ _log = logging.getLogger("ferry.flow")
 
 class Unavailable(Exception):
     """The store could not be read (down, locked, too slow, or holds no flow tables yet)."""
-
-
-class _RoTx:
-    """A `Tx` over a plain SQLite connection opened read-only."""
-
-    dialect = "sqlite"
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self._conn = conn
-
-    @property
-    def connection(self) -> sqlite3.Connection:
-        return self._conn
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        return self._conn.execute(sql, params).fetchall()
-
-    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-        raise sqlite3.OperationalError("the dashboard reads only")
 
 
 class Reader:
@@ -124,7 +106,7 @@ class Reader:
                 if gone.is_set():
                     raise trio.TooSlowError  # abandoned before it began
                 conn.execute("BEGIN")  # one snapshot for the whole page
-                return fn(_RoTx(conn))
+                return fn(ReadOnlyTx(conn))
             finally:
                 conn.close()
 
