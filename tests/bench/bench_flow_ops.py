@@ -35,7 +35,7 @@ from ferry import flow
 from ferry.flow import _tracing
 from ferry.projected import SqliteStore
 from tests.bench._harness import Row, paired
-from tests.bench.bench_flow import FLOWS, three
+from tests.bench.bench_flow import FLOWS, run_three_steps, three
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 PURGE = int(os.environ.get("BENCH_FLOW_PURGE", "100000"))
@@ -43,17 +43,7 @@ PURGE = int(os.environ.get("BENCH_FLOW_PURGE", "100000"))
 
 async def _flows(path: Path, provider: TracerProvider | None) -> float:
     async with flow.open_engine(path, plans=[three], tracer_provider=provider) as engine:
-
-        async def one(i: int) -> None:
-            await engine.wait(await engine.start(three, flow_id=f"f{i}", data={"i": i}))
-
-        t0 = time.perf_counter()
-        async with trio.open_nursery() as nursery:
-            for i in range(FLOWS):
-                nursery.start_soon(one, i)
-        took = (time.perf_counter() - t0) / FLOWS
-        assert engine.statistics().completed == FLOWS
-    return took
+        return await run_three_steps(engine)
 
 
 def _hooks_off(rounds: int = 1_000_000) -> float:
