@@ -96,10 +96,12 @@ class Run:
     def detail(self) -> str:
         """One line: flows/s, CPU per flow, the machine, transactions and fsyncs per flow."""
         u, n = self.used, self.flows
-        text = (
-            f"{self.flows_per_s:,.0f} flows/s; CPU/flow: engine {self.cpu / n * 1000:.2f} ms"
-            f", database {u.server / n * 1000:.2f} ms; cores busy {u.machine / u.wall:.1f}"
-            f" ({u.others / u.wall:.1f} other work); {self.writing_per_flow:.3f} writing tx/flow"
+        text = f"{self.flows_per_s:,.0f} flows/s; CPU/flow: engine {self.cpu / n * 1000:.2f} ms"
+        if self.commits is not None:
+            text += f", PostgreSQL {u.server / n * 1000:.2f} ms"
+        text += (
+            f"; cores busy {u.machine / u.wall:.1f} ({u.others / u.wall:.1f} other work);"
+            f" {self.writing_per_flow:.3f} writing tx/flow"
         )
         if self.commits is not None:
             text += f", {self.commits / n:.2f} commits/flow"
