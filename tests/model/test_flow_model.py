@@ -68,7 +68,7 @@ def _counterexample(
     return FlowChecker(config, protocol, check_machine=check_machine).find()
 
 
-# ---- the four planted bugs of SPEC 5.5 ----------------------------------------------------------
+# ---- the four required planted bugs --------------------------------------------------------------
 
 
 def test_catches_a_wake_before_the_park_that_is_lost() -> None:
