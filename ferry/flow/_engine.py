@@ -243,14 +243,10 @@ class _Sched:
 
 
 class _Watch:
-    """The `wait`s on one flow. `tvar` changes only when the flow settles or leaves a settled
-    state (a waiter wakes once, not at every step); `latest` is every row seen (trio thread)."""
-
-    __slots__ = ("latest", "tvar", "users")
+    __slots__ = ("tvar", "users")
 
     def __init__(self) -> None:
         self.tvar: stm.TVar[Flow | None] = stm.TVar(None)
-        self.latest: Flow | None = None
         self.users = 0
 
 
@@ -535,10 +531,7 @@ class Engine:
                     observer.ended(flow)
         watch = self._watches.get(fid)
         if watch is not None:
-            watch.latest = flow
-            shown = watch.tvar.peek()
-            if state in _SETTLED or (shown is not None and shown.state in _SETTLED):
-                stm.atomically_nowait(watch.tvar.set, flow)
+            stm.atomically_nowait(watch.tvar.set, flow)
         if live is not None:
             live.flow = flow
             live.epoch = epoch
@@ -1793,7 +1786,7 @@ class Engine:
                     flow = await self._until_settled(fid, watch, settled)
                 if waited.cancelled_caught:
                     assert timeout is not None
-                    latest = watch.latest
+                    latest = stm.atomically_nowait(tvar.get)
                     raise trio.TooSlowError(_still(flow if latest is None else latest, timeout))
             else:
                 await trio.lowlevel.checkpoint()
@@ -1835,8 +1828,6 @@ class Engine:
                         tvar.set(row)
 
                 stm.atomically_nowait(newer)
-                if watch.latest is None or row.revision > watch.latest.revision:
-                    watch.latest = row
             poll = min(poll * 2, _POLL_MAX)
 
     async def _load_until(self, flow_id: str, deadline: float) -> Flow | None:
