@@ -26,16 +26,16 @@ Actors and their steps
     drive has raised fewer than ``attempts`` times, else `step_failed`; `compensated`;
     `next_attempt` or `compensation_failed`) and write it as a compare-and-set on `copy`:
     accepted, the runner goes on with the new row (or stops, arming a timer for a park);
-    refused, it reads again (`Engine._own`). A write may also commit and lose its answer (a
+    refused, it reads again (`Runner._advance`). A write may also commit and lose its answer (a
     cancelled or broken connection during COMMIT, ADR 0011): the engine cannot tell, and sends
     the same write again. The real runner is also cancelled when someone else moves its flow;
     here it runs on and finds out at its write, which allows every interleaving the real one
     has.
   - timer: fires once the clock reaches the armed deadline: `timeout` on the held row with
-    ``expected=`` the armed revision (`Engine._fire`). If the flow runs on, the engine runs it.
+    ``expected=`` the armed revision (`Writes.time_out`). If the flow runs on, the engine runs it.
   - crash: the engine loses its runner, its retry budget and its timer. Restart: recovery as
     SPEC 5.4 says for one engine, in one step because `open_engine` finishes it before it lets
-    any call in (`Engine._recover`): a running or compensating flow gets `next_attempt` written
+    any call in (`_recovery.recover`): a running or compensating flow gets `next_attempt` written
     (attempt + 1, ADR 0024) and runs again; a parked one gets its timer. With
     ``unregistered``, a restart may come up without the flow's plan version (a deploy that
     dropped it): versions fail closed, so that engine blocks an active flow instead of running
@@ -239,7 +239,7 @@ class Engine(NamedTuple):
     plan: bool  # it has the flow's plan version (else it blocks the flow instead of running it)
     # The fleet (tests/model/fleet.py); constant in the one-engine model.
     frozen: bool = False  # SIGSTOP: it takes no step and answers no call until it thaws
-    trust: bool = True  # it believes its lease holds (not `Engine._lapsing()`)
+    trust: bool = True  # it believes its lease holds (not `Lease.lapsing()`)
     # It let the flow go at this revision (0: it did not); its next renewal releases the flow
     # in the store if the row is still at that revision.
     released: int = 0
@@ -567,7 +567,7 @@ class FlowChecker(Search):
 
     def _lease(self, w: Write, e: int, *, outside: bool = False) -> Write:
         """`w` as engine e sends it: the fleet adds who holds the flow after it
-        (`Engine._leasing`); one engine on SQLite needs nothing."""
+        (`Writes.with_holder`); one engine on SQLite needs nothing."""
         return w
 
     def _block(self, copy: Flow, now: float) -> Write:
