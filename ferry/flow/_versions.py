@@ -5,7 +5,7 @@ A rolling deploy runs old and new engines side by side (docs/adr/0074): a flow o
 engine lacks and a live engine of the fleet has is not missing, it is *elsewhere*: this engine
 leaves it to such an engine (nobody's after its write, taken over at that engine's next scan) and
 never blocks it. The versions elsewhere are read at every scan (`refresh`) and on a request for a
-version not seen yet (`Engine._versioned`).
+version not seen yet (`_requests.Requests.versioned`).
 """
 
 from __future__ import annotations
