@@ -11,7 +11,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from ferry import flow
-from ferry.flow import _engine
+from ferry.flow import _open
 
 
 def open_engine(
@@ -28,11 +28,11 @@ def open_engine(
     """`flow.open_engine(store, plans, **options)` with the given switches."""
     bound = inspect.signature(flow.open_engine).bind(store, plans, **options)
     bound.apply_defaults()
-    switches = _engine._Switches(
+    switches = _open._Switches(
         group_commit=group_commit,
         wall_clock=wall_clock,
         fleet=fleet,
         fencing=fencing,
         scan_interval=scan_interval,
     )
-    return _engine._Opening(_engine._opened(*bound.args, **bound.kwargs, switches=switches))
+    return _open._Opening(_open._opened(*bound.args, **bound.kwargs, switches=switches))

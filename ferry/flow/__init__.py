@@ -44,12 +44,12 @@ from __future__ import annotations
 from stm._internal import fixup_module_metadata as _fixup_module_metadata
 
 from ._engine import Engine as Engine
-from ._engine import open_engine as open_engine
 from ._errors import FlowError as FlowError
 from ._errors import IdReused as IdReused
 from ._errors import StoreLocked as StoreLocked
 from ._errors import UnknownFlow as UnknownFlow
 from ._errors import UnknownPlan as UnknownPlan
+from ._open import open_engine as open_engine
 from ._plan import Plan as Plan
 from ._plan import StepDef as StepDef
 from ._types import COMPLETE as COMPLETE

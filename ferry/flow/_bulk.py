@@ -26,8 +26,9 @@ import trio
 from ferry.projected import Store
 
 from . import _query, _times
-from ._engine import Engine, open_engine
+from ._engine import Engine
 from ._machine import Flow
+from ._open import open_engine
 from ._query import FlowFilter
 from ._types import State
 

@@ -15,7 +15,7 @@ margin the renewal is the engine's own, through the store, with the re-read of t
 (ADR 0047); that is also what a process frozen as a whole (SIGSTOP) sees when it thaws, since the
 thread froze with it. A renewal that fails is tried again at once on a fresh connection, then
 after short pauses, until the margin; each failure is a WARNING. `held_until` is read by the
-engine on the trio thread (`Engine._lapsing`), and `Trust`, a trio instrument, moves the
+engine on the trio thread (`Lease.lapsing`), and `Trust`, a trio instrument, moves the
 deadlines of the steps the engine runs with it before trio fires any expired deadline: a loop
 that was held past the lease wakes up with its steps cancelled, not resumed.
 """

@@ -42,9 +42,9 @@ from ferry.projected import PostgresStore, SqliteStore
 
 from . import _bulk, _query, _retention, _store, _times
 from . import _machine as m
-from ._engine import open_engine
 from ._errors import FlowError, StoreLocked
 from ._machine import Flow
+from ._open import open_engine
 from ._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
 from ._types import Delivery, Json, State
 

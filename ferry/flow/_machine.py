@@ -74,7 +74,6 @@ Invariants (`check_invariants`)
 
 from __future__ import annotations
 
-import enum
 import itertools
 import json
 from collections.abc import Sequence
@@ -102,7 +101,6 @@ __all__ = [
     "InvariantError",
     "Mailbox",
     "Message",
-    "Next",
     "Received",
     "Shape",
     "Taken",
@@ -115,7 +113,6 @@ __all__ = [
     "leased",
     "let_go",
     "mismatch",
-    "next_action",
     "next_attempt",
     "parse_stack",
     "rerun",
@@ -253,15 +250,6 @@ class Transition:
         return self.flow.revision != self.expected
 
 
-class Next(enum.Enum):
-    """What the engine does with a flow in this state (`next_action`)."""
-
-    RUN_STEP = "run step"
-    RUN_COMPENSATION = "run compensation"
-    WAIT = "wait"  # parked: nothing runs; a timer if it has a deadline
-    NOTHING = "nothing"  # terminal or blocked
-
-
 # --------------------------------------------------------------------------------------- helpers
 
 
@@ -392,17 +380,6 @@ def mismatch(flow: Flow, shape: Shape | None) -> str | None:
                 " which the flow's compensation stack needs"
             )
     return None
-
-
-def next_action(flow: Flow) -> Next:
-    """What the engine does next with a flow in this state. No cost."""
-    if flow.state is RUNNING:
-        return Next.RUN_STEP
-    if flow.state is COMPENSATING:
-        return Next.RUN_COMPENSATION
-    if flow.state is PARKED:
-        return Next.WAIT
-    return Next.NOTHING
 
 
 def snapshot(flow: Flow) -> Snapshot:

@@ -30,7 +30,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from ferry import flow, metrics
-from ferry.flow import _engine
+from ferry.flow import _runner
 from tests.bench._harness import Row, paired
 
 ROUNDS = max(5, int(os.environ.get("BENCH_ROUNDS", "3")))
@@ -81,24 +81,24 @@ async def _run(path: Path, observed: bool) -> float:
 async def _attempt_before_the_hook(
     self: Any, live: Any, step: Any, fn: Callable[[Any], Awaitable[Any]], failures: int
 ) -> Any:
-    """`Engine._attempt` as it is without the observer hook (the one-engine path: this bench
+    """`Runner._attempt` as it is without the observer hook (the one-engine path: this bench
     runs no fleet, so the fleet's checks before the body are left out)."""
     flow_ = live.flow
-    ctx = self._context(flow_, step.name, flow_.state is _engine._COMPENSATING)
+    ctx = self._context(flow_, step.name, flow_.state is _runner._COMPENSATING)
     result: object = None
     error: BaseException | None = None
-    with trio.CancelScope(deadline=self._trust_deadline()) as scope:
+    with trio.CancelScope(deadline=self._lease.trust_deadline()) as scope:
         live.scope = scope
         try:
             result = await fn(ctx)
         except Exception as exc:
             error = exc
             if failures + 1 < step.attempts:
-                await trio.sleep(_engine._backoff(failures + 1))
+                await trio.sleep(_runner.step_backoff(failures + 1))
     live.scope = None
-    if scope.cancelled_caught and self._fleet and self._lapsing():
-        if self._live.get(flow_.flow_id) is live:
-            self._lose_all("its lease lapsed while it ran steps")
+    if scope.cancelled_caught and self._fleet and self._lease.lapsing():
+        if self._writes.live.get(flow_.flow_id) is live:
+            self._lease.lose_all("its lease lapsed while it ran steps")
         return None
     if scope.cancelled_caught or live.flow is not flow_:
         return None
@@ -107,12 +107,12 @@ async def _attempt_before_the_hook(
 
 @contextmanager
 def _without_the_hook() -> Iterator[None]:
-    today = _engine.Engine._attempt
-    _engine.Engine._attempt = _attempt_before_the_hook  # type: ignore[method-assign]
+    today = _runner.Runner._attempt
+    _runner.Runner._attempt = _attempt_before_the_hook  # type: ignore[method-assign]
     try:
         yield
     finally:
-        _engine.Engine._attempt = today  # type: ignore[method-assign]
+        _runner.Runner._attempt = today  # type: ignore[method-assign]
 
 
 def benchmarks() -> list[Row]:

@@ -104,9 +104,10 @@ async def kinds(engine: flow.Engine, fid: str) -> list[str]:
 
 def runner_tasks(engine: flow.Engine) -> int:
     """Tasks the engine runs besides its timer loop and its retention task."""
-    assert engine._nursery is not None
-    loops = ("._timer_loop", "Retention.run")
-    return sum(1 for task in engine._nursery.child_tasks if not task.name.endswith(loops))
+    nursery = engine._parts.nursery
+    assert nursery is not None
+    loops = ("Timers.run", "Retention.run")
+    return sum(1 for task in nursery.child_tasks if not task.name.endswith(loops))
 
 
 async def settle(engine: flow.Engine, flow_id: str) -> flow.Snapshot:
@@ -954,7 +955,7 @@ async def test_max_running_bounds_running_flows_first_come_first_served(
             gate.set()
         for i in range(5):
             await settle(engine, f"f{i}")
-        assert runner_tasks(engine) == 0 and engine._sched.peek().running == 0
+        assert runner_tasks(engine) == 0 and engine._parts.runner.slots.running == 0
 
 
 # --------------------------------------------------------------------- store trouble, fencing

@@ -416,7 +416,7 @@ async def test_a_version_that_came_up_since_the_last_scan_is_read_before_a_wake_
         async with fleet_engine(PlantedStore(path), v1, v2, owner="new") as new:
             await new.start(v2, flow_id="f")
             await trio.testing.wait_all_tasks_blocked()
-            assert old._fleet_known == {}  # (what its last scan saw: no v2 anywhere)
+            assert old._parts.versions.fleet_known == {}  # (what its last scan saw: no v2 anywhere)
             assert await old.wake("f", "paid") is flow.Delivery.RESUMED
             assert (await row(store, "f")).owner is None
             assert (await new.wait("f", timeout=LEASE)).state is flow.State.COMPLETED

@@ -391,7 +391,7 @@ async def test_a_parked_flows_timeout_fires_exactly_once_across_the_fleet(
         await engines[1].start(plan, flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
         await trio.sleep(99)
-        assert all("f" in e._armed for e in engines)  # each one learned of the park
+        assert all("f" in e._parts.timers.armed for e in engines)  # each one learned of the park
         snap = await engines[0].wait("f", timeout=600)
         assert snap.state is flow.State.FAILED
         assert (await kinds(stores[0], "f")).count("timed_out") == 1

@@ -355,14 +355,6 @@ def test_snapshot() -> None:
     assert s.error is None
 
 
-def test_next_action() -> None:
-    assert m.next_action(started()) is m.Next.RUN_STEP
-    assert m.next_action(parked()) is m.Next.WAIT
-    c = m.step_failed(run_to(started(), 1), SHAPE, "x", T0).flow
-    assert m.next_action(c) is m.Next.RUN_COMPENSATION
-    assert m.next_action(m.compensated(c, SHAPE, "{}", T0).flow) is m.Next.NOTHING
-
-
 @pytest.mark.parametrize(
     ("bad", "message"),
     [

@@ -189,7 +189,7 @@ async def test_a_copy_from_before_a_lapse_is_read_again_before_a_body_runs_on_it
     """The first finding's other face: a copy that reaches the engine only after its renewal
     (here the answer to a `start` that committed just before a's heartbeat stalled) is not
     among the flows that renewal re-read. Engine b took the flow over meanwhile; a must read
-    the row again before it runs a body on that copy (`Engine._confirm`)."""
+    the row again before it runs a body on that copy (`Lease.confirm`)."""
     log: list[tuple[str, str, int]] = []
     plan = two_steps(log, {})
     path = str(tmp_path / "fleet.db")
@@ -278,7 +278,7 @@ async def test_a_flow_taken_back_is_not_released_while_its_engine_runs_it(
             await trio.testing.wait_all_tasks_blocked()
             assert ("release", "f", 1) in log, "engine a let go of the flow it was given back"
             await trio.sleep(1)
-            await b._scan()  # with the bug, f was released: b took it over and compensated
+            await b._parts.fleet.scan()  # with the bug, f was released: b took it over, compensated
             await trio.testing.wait_all_tasks_blocked()
             releases = [entry for entry in log if entry[0] == "release"]
             claimed = b.statistics().claimed

@@ -21,7 +21,7 @@ import pytest
 import trio
 
 from ferry import flow
-from ferry.flow import _engine, _store
+from ferry.flow import _fleet, _store
 from ferry.flow import _machine as m
 from ferry.projected import PostgresStore
 from tests import pg
@@ -119,18 +119,18 @@ async def test_a_recovery_that_gives_up_on_an_error_strands_flows(
 ) -> None:
     """Planted: the scan loop ends at the first database error, as a one-shot recovery would."""
 
-    async def gives_up(self: _engine.Engine) -> None:
+    async def gives_up(self: _fleet.Fleet) -> None:
         while True:
-            await trio.sleep(self._scan_interval)
-            await self._scan()
+            await trio.sleep(self.interval)
+            await self.scan()
 
-    async def quietly(self: _engine.Engine) -> None:
+    async def quietly(self: _fleet.Fleet) -> None:
         try:
             await gives_up(self)
         except Exception:
             return
 
-    monkeypatch.setattr(_engine.Engine, "_scan_loop", quietly)
+    monkeypatch.setattr(_fleet.Fleet, "scan_loop", quietly)
     left, _stats = await recover_through_an_outage(server, patience=4 * LEASE)
     assert left > 0
 

@@ -16,22 +16,22 @@ Actors and their steps (on top of `flow.py`'s)
   the flow with that engine (`_machine.leased`), except that an outside request (wake, cancel,
   resume, timeout) on an active flow with another owner leaves it with that owner.
 - an engine that is up and not frozen, besides its runner, its timer and the calls it serves:
-  - scans (`Engine._scan`): if it trusts its lease and does not run the flow, it reads the flow
+  - scans (`Fleet.scan`): if it trusts its lease and does not run the flow, it reads the flow
     when nobody holds it (runner ``(TAKE, copy)``), then takes it over (`take_over`: attempt
     + 1) as a compare-and-set on the copy's revision *and* on the flow still being nobody's
     (``lapsed_at``). Refused, it forgets it. Its scan also arms the timer of a park that is
-    due, whichever engine parked it, and fires it (`Engine._arm`: arming earlier changes
+    due, whichever engine parked it, and fires it (`Timers.arm`: arming earlier changes
     nothing until the deadline); the engine that parked the flow armed its own already.
-  - renews its lease (`Engine._heartbeat`) when it lapsed or the engine stopped trusting it,
+  - renews its lease (`Lease.renew`) when it lapsed or the engine stopped trusting it,
     releasing in the same transaction the flow it let go meanwhile if the row is still at the
     revision it let go (`_store.renew`). A renewal after the engine stopped trusting its lease
     re-reads the flow before the engine trusts it again: a copy the row moved past sends the
     runner to read it (ADR 0047).
-  - lets the flow go (`Engine._let_go`) when it no longer trusts its lease: the runner stops,
+  - lets the flow go (`Writes.let_go`) when it no longer trusts its lease: the runner stops,
     a body that ran is discarded, and the next renewal releases the flow. A runner about to
-    run a body without trusting the lease does the same (`Engine._attempt`). A write that
-    leaves the flow with this engine again cancels the release (`Engine._track`).
-  - adopts a flow held under its name that it does not run (`Engine._check_held`: a takeover
+    run a body without trusting the lease does the same (`Runner._attempt`). A write that
+    leaves the flow with this engine again cancels the release (`Writes.track`).
+  - adopts a flow held under its name that it does not run (`Fleet.check_held`: a takeover
     whose answer was lost), writing attempt + 1 as a compare-and-set.
 - the leases and time: an engine stops trusting its lease before the lease lapses in the store
   (`_LEASE_MARGIN`: the model assumes no clock skew beyond it). A frozen engine's lease lapses in
@@ -45,7 +45,7 @@ Actors and their steps (on top of `flow.py`'s)
   its lease is trusted by then).
 - crash and restart: a restart keeps the engine's name (`open_engine(owner=...)`): recovery
   renews its lease and re-runs, as attempt + 1, the flow if it is active under its name
-  (`Engine._recover`); its first scan is the scan steps above.
+  (`_recovery.recover`); its first scan is the scan steps above.
 
 The flow starts held by engine 0 (`start`), its runner about to run step 0; engine 1 is idle.
 Freezes and outages are bounded like crashes, and hit an engine in the middle of a step.
@@ -120,10 +120,10 @@ class FleetProtocol(FlowProtocol):
     #: ... and still at the revision it was let go at (``AND revision = ?``)
     release_checks_revision = True
     #: a renewal after the engine stopped trusting its lease re-reads the flow before the
-    #: engine trusts it again (`Engine._heartbeat`, ADR 0047)
+    #: engine trusts it again (`Lease.renew`, ADR 0047)
     renewal_rereads = True
     #: a flow let go and then left with this engine again (a wake, a timer, a cancel through it)
-    #: is no longer released by the next renewal (`Engine._track`)
+    #: is no longer released by the next renewal (`Writes.track`)
     retaken_not_released = True
     #: an engine opens under an owner name only if no other incarnation that is up holds it
     #: with a live lease, and the name is then its alone (`_store.claim`, ADR 0071)
@@ -131,7 +131,7 @@ class FleetProtocol(FlowProtocol):
     #: an engine without the flow's plan version leaves it to a live engine that has it: an
     #: outside request is computed with the fleet's shape and leaves the flow nobody's, it fires
     #: no timer and takes nothing over of that version, and its runner lets such a flow go
-    #: instead of blocking it (`Engine._versioned`, `_elsewhere`, ADR 0074)
+    #: instead of blocking it (`Requests.versioned`, `Versions.elsewhere`, ADR 0074)
     fleet_versions = True
 
     def take_over(self, flow: Flow, owner: str, now: float) -> Transition:
@@ -240,7 +240,7 @@ class FleetChecker(FlowChecker):
 
     def _elsewhere(self, m: S, e: int) -> bool:
         """Does engine e leave the flow to another engine (it lacks the version, one that is
-        live has it)? `Engine._elsewhere`."""
+        live has it)? `Versions.elsewhere`."""
         return e in self.lacks and self.protocol.fleet_versions and self._live_with_plan(m, e)
 
     def _shape(self, m: S, e: int) -> Shape | None:
@@ -333,7 +333,7 @@ class FleetChecker(FlowChecker):
                 label = f"engine {e}'s scan reads {_where(row)} ({self._who(m)}): nobody's"
                 steps.append((label, self._set_engine(m, e, runner=(TAKE, row))))
             elif row.owner == name and row.lease_until is None and not engine.released:
-                # `_check_held`: held under its name, but not run (a lost answer, a restart)
+                # `Fleet.check_held`: held under its name, but not run (a lost answer, a restart)
                 now = m.now
                 write = Write(lambda f, _b: p.next_attempt(f, now), row)
                 t = self._write(m, self._lease(write, e))
@@ -352,7 +352,7 @@ class FleetChecker(FlowChecker):
         return steps
 
     def _let_go(self, m: S, e: int, why: str) -> tuple[str, S]:
-        """`Engine._let_go`: the runner stops (a body that ran is discarded: a hit, as a crash's);
+        """`Writes.let_go`: the runner stops (a body that ran is discarded: a hit, as a crash's);
         the next renewal releases the flow."""
         label = f"engine {e} {why}: lets the flow go"
         runner = m.engines[e].runner
@@ -370,7 +370,7 @@ class FleetChecker(FlowChecker):
         return label, m._replace(ghost=g)
 
     def _renew(self, m: S, e: int) -> tuple[str, S]:
-        """`Engine._heartbeat`: renew the lease, releasing the flow if the engine let it go."""
+        """`Lease.renew`: renew the lease, releasing the flow if the engine let it go."""
         p, engine, row, name = self.protocol, m.engines[e], m.row, self.names[e]
         label = f"engine {e} renews its lease"
         if not m.leases[e]:
@@ -425,7 +425,7 @@ class FleetChecker(FlowChecker):
         self.coverage.add("takeover")
         yield label, self._after_write(self._record(m, t, label), e, t.flow)
         if m.world.ambiguous < self.config.ambiguous:
-            # The scan's transaction committed but its answer was lost (`_scan` gives up on the
+            # The scan's transaction committed but its answer was lost (`Fleet.scan` gives up on the
             # error): the flow is held under e's name and nobody runs it, until e adopts it.
             self.coverage.add("takeover answer lost")
             lost = f"{label} (committed, answer lost: the scan gives up)"
@@ -452,7 +452,7 @@ class FleetChecker(FlowChecker):
         return super()._after_write(m, e, flow, failures)
 
     def _drive(self, m: S, e: int, flow: Flow) -> S:
-        """An outside write through engine e (`Engine._track`, then the runner's loop): e runs
+        """An outside write through engine e (`Writes.track`, then the runner's loop): e runs
         the flow if the write left it active with e, from the row written (a run of e in flight
         is void: its changes are discarded); else e's runner, if any, stops."""
         return self._after_write(m, e, flow)
@@ -471,7 +471,7 @@ class FleetChecker(FlowChecker):
         return label, self._set_engine(m, e, frozen=False, trust=False, released=0, void=False)
 
     def _restart(self, m: S, e: int) -> Iterator[tuple[str, S]]:
-        """`Engine._recover` in a fleet: renew the lease under the same name, then re-run the
+        """`_recovery.recover` in a fleet: renew the lease under the same name, then re-run the
         flow (`rerun`: attempt + 1, since it names this engine) if it is active under that
         name."""
         row, p, now = m.row, self.protocol, m.now

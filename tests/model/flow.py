@@ -26,22 +26,22 @@ Actors and their steps
     drive has raised fewer than ``attempts`` times, else `step_failed`; `compensated`;
     `next_attempt` or `compensation_failed`) and write it as a compare-and-set on `copy`:
     accepted, the runner goes on with the new row (or stops, arming a timer for a park);
-    refused, it reads again (`Engine._own`). A write may also commit and lose its answer (a
+    refused, it reads again (`Runner._advance`). A write may also commit and lose its answer (a
     cancelled or broken connection during COMMIT, ADR 0011): the engine cannot tell, and sends
     the same write again. The real runner is also cancelled when someone else moves its flow;
     here it runs on and finds out at its write, which allows every interleaving the real one
     has.
   - timer: fires once the clock reaches the armed deadline: `timeout` on the held row with
-    ``expected=`` the armed revision (`Engine._fire`). If the flow runs on, the engine runs it.
+    ``expected=`` the armed revision (`Writes.time_out`). If the flow runs on, the engine runs it.
   - who holds the flow: every write the engine makes names it in the row's `owner` while the
-    flow stays active, and none once it is not (`_machine.leased`, as `Engine._leasing`; the
+    flow stays active, and none once it is not (`_machine.leased`, as `Writes.with_holder`; the
     flow starts held by it).
   - crash: the engine loses its runner, its retry budget and its timer. Restart: recovery, in
-    one step because `open_engine` finishes it before it lets any call in (`Engine._recover`):
+    one step because `open_engine` finishes it before it lets any call in (`_recovery.recover`):
     a running or compensating flow gets `rerun` written and runs again, as attempt + 1 if the
     row names an owner (that engine may have begun a run and recorded nothing), else with the
     attempt it holds (attempts count runs that began, ADR 0064); a parked one gets its timer.
-  - close (bounded by ``closes``): the engine's graceful close (`Engine._let_go_unbegun`). Its
+  - close (bounded by ``closes``): the engine's graceful close (`_recovery.let_go_unbegun`). Its
     runner stops; if it was about to run a body (``(RUN, copy, failures)``: its run had not
     begun) it lets the flow go, `let_go` as a compare-and-set on `copy` (owner none, attempt
     kept), so that the next run keeps the attempt number; a body that had run without its
@@ -266,7 +266,7 @@ class Engine(NamedTuple):
     plan: bool  # it has the flow's plan version (else it blocks the flow instead of running it)
     # The fleet (tests/model/fleet.py); constant in the one-engine model.
     frozen: bool = False  # SIGSTOP: it takes no step and answers no call until it thaws
-    trust: bool = True  # it believes its lease holds (not `Engine._lapsing()`)
+    trust: bool = True  # it believes its lease holds (not `Lease.lapsing()`)
     # It let the flow go at this revision (0: it did not); its next renewal releases the flow
     # in the store if the row is still at that revision.
     released: int = 0
@@ -606,7 +606,7 @@ class FlowChecker(Search):
                 yield label, self._after_write(self._record(m, t, label), e, t.flow)
 
     def _lease(self, w: Write, e: int, *, outside: bool = False) -> Write:
-        """`w` as engine e sends it, with who holds the flow after it (`Engine._leasing`): the
+        """`w` as engine e sends it, with who holds the flow after it (`Writes.with_holder`): the
         one engine, while the flow stays active. The fleet overrides it."""
         p, apply = self.protocol, w.apply
 
@@ -747,7 +747,7 @@ class FlowChecker(Search):
         return m._replace(ghost=m.ghost._replace(skips=_bumped(m.ghost.skips, self._key(row))))
 
     def _close(self, m: S, e: int) -> tuple[str, S]:
-        """Engine e closes (`Engine._let_go_unbegun`): a runner about to run a body lets the
+        """Engine e closes (`_recovery.let_go_unbegun`): a runner about to run a body lets the
         flow go (a compare-and-set on its copy); then it is down, as after a crash, whose
         bookkeeping of a body that ran unrecorded it shares."""
         p, runner, now = self.protocol, m.engines[e].runner, m.now

@@ -47,8 +47,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ferry.projected import Store
 
 from .. import _query
-from .._engine import open_engine
 from .._errors import FlowError, StoreLocked
+from .._open import open_engine
 from .._types import Delivery, State
 from ._reads import (
     MINUTES,

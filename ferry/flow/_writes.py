@@ -1,0 +1,363 @@
+"""The engine's write path: every durable change of a flow, and the map of live flows that
+follows the commits.
+
+Every durable change of every flow, whoever asks for it (the runner of the flow, a wake, a timer,
+a cancel, a resume, recovery, a takeover), is one store op: a pure transition run on the flow's
+row inside the transaction that records it, compare-and-set on the row's revision (docs/adr/0020).
+The ops go through one plain ferry whose batch call (`Writes.batch`) runs a whole batch in one
+`store.transact` (`_store.write_batch`): concurrent flows share transactions (group commit), and
+an op whose compare-and-set fails is answered alone with `Conflict` while the others commit
+(docs/adr/0022). A row the database refuses is answered `Rejected` to its op alone (ADR 0063).
+
+What the engine holds in memory follows the commits, in commit order: the batch call applies each
+result (`applied`, `track`) before it answers anyone. A flow this engine should run
+(`runs_here`) is live: a `_live.Live` in `live`, handed to the runner (`runnable`). A flow that
+leaves the active states is dropped at once: a parked flow holds no task, only a timer if it has a
+deadline (`arm`). A write someone else made to a live flow (a cancel) replaces the runner's copy
+and cancels the step it runs; the runner's own next write then fails its compare-and-set.
+
+Who holds a flow after a write is one pure rule (`_machine.leased`), applied to every op here
+(`with_holder`). The fleet's bookkeeping that rides on the live map is kept here too, as plain
+state the lease part reads and moves: `epoch` (see `_lease` for the rule it serves) and
+`released` (flows let go, to be released with the next renewal).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+import trio
+
+from ferry import Closed, Failed
+from ferry.projected import Store
+
+from . import _checks, _retry, _store
+from . import _machine as m
+from ._apart import write_apart
+from ._clock import Clock
+from ._live import LOGGED, Live, Tally, log_ended, on_row
+from ._machine import Flow, Mailbox, Transition
+from ._types import State
+from ._versions import Versions
+
+T = TypeVar("T")
+
+_PARKED = State.PARKED
+_ACTIVE = m.ACTIVE
+_ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
+_ROLLBACK_RETRIES = 3
+
+
+def _rolled_back(exc: BaseException) -> bool:
+    """Did the database roll the transaction back on its own (SQLSTATE class 40: a deadlock, a
+    serialization failure)? Then nothing of it was written, and running it again is safe."""
+    return str(getattr(exc, "sqlstate", None) or "").startswith("40")
+
+
+class Writes:
+    """The write path of one engine and its map of live flows.
+
+    Invariants: `live` holds exactly the flows this engine runs or will run (`runs_here` of
+    their latest known row), each copy the latest committed row this engine knows; `live` is
+    never rebound (other parts keep a reference). `released` maps a flow this engine let go to
+    the revision it let go at; an id leaves when the renewal that releases it is through, or when
+    a write gives the flow back to this engine. `epoch` only grows."""
+
+    def __init__(
+        self,
+        store: Store,
+        clock: Clock,
+        tally: Tally,
+        versions: Versions,
+        *,
+        owner: str,
+        serve: bool,
+        fleet: bool,
+        group_commit: bool,
+        fencing: bool,
+        guard: float | None,
+        seen: Callable[[Flow], None],
+        runnable: Callable[[Live], None],
+        arm: Callable[[float, str, int], None],
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._tally = tally
+        self._versions = versions
+        self._owner = owner
+        self._serve = serve  # False: an operator's engine, which never leases or runs a flow
+        self._fleet = fleet  # leases are respected (PostgreSQL); else one engine per store
+        self._group_commit = group_commit
+        self.fencing = fencing
+        # How long the database lets one of this engine's transactions sit idle with its locks
+        # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
+        # longer than this.
+        self.guard = guard
+        self._seen = seen  # every committed row of a flow, for those who wait for it
+        self._runnable = runnable  # a flow became live: give it a runner
+        self._arm = arm  # a flow parked with a deadline
+        self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
+        self.live: dict[str, Live] = {}
+        self.released: dict[str, int] = {}
+        self.epoch = 0
+
+    def open(self, write_ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None) -> None:
+        """Write through `write_ferry` from now on (group commit; None: one transaction each)."""
+        self._ferry = write_ferry
+
+    def close(self) -> None:
+        """The ferry is closed: a write through it raises `ferry.Closed` from now on."""
+        self._ferry = None
+
+    # ------------------------------------------------------------------------------- writes
+
+    async def write(self, op: _store.Op) -> _store.Result:
+        """One op, durable when this returns; through the ferry (group commit) or alone.
+
+        Raises `ferry.Failed` if the transaction failed or the database refused this op's row
+        alone (ADR 0063; nothing of it was written either way), and the exception of a
+        transition that raised (a bug, raised to whoever asked for it alone).
+        """
+        result = await self.write_answered(op)
+        if isinstance(result, _store.Rejected):
+            raise Failed(
+                f"the database refused the write of flow {result.flow_id!r}:"
+                f" {_checks.describe(result.error)}; nothing of it was written"
+            ) from result.error
+        return result
+
+    async def write_answered(self, op: _store.Op) -> _store.Result:
+        """`write`, but a row the database refused is answered (`_store.Rejected`), not
+        raised: a runner fails its flow with it."""
+        if self._group_commit:
+            if self._ferry is None:
+                raise Closed("the flow engine is closed")
+            result = await self._ferry(op)
+        else:
+            try:
+                (result,) = await self.batch([op])
+            except Exception as exc:
+                raise Failed(f"the flow store raised {exc!r}") from exc
+        if isinstance(result, _store.Refused):
+            raise result.error
+        if isinstance(result, _store.Unwritten):
+            raise Failed(f"the flow store raised {result.error!r}") from result.error
+        return result
+
+    async def request(self, op: _store.Op) -> _store.Result:
+        """An API call's write: a cancel point first, then the write shielded, so that a call
+        that raises `Cancelled` did not happen, and one that wrote returns its result."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        with trio.CancelScope(shield=True):
+            result = await self.write(op)
+        return result
+
+    def with_holder(self, apply: _store.Apply, *, outside: bool) -> _store.Apply:
+        """`apply`, with who holds the flow after its write (`_machine.leased`): a flow left
+        active is this engine's (an operator's engine leaves it to whichever engine takes it
+        over); an `outside` request (wake, cancel, resume, timeout) on a flow another engine
+        of the fleet runs leaves it with that engine."""
+        owner = self._owner if self._serve else None
+        respect = outside and self._fleet
+        elsewhere = self._versions.elsewhere
+
+        def leased(flow: Flow, box: Mailbox) -> Transition:
+            holder = None if elsewhere(flow) else owner
+            return m.leased(apply(flow, box), flow, holder, respect=respect)
+
+        return leased
+
+    def runs_here(self, flow: Flow) -> bool:
+        """Is this an active flow this engine should run? (On one SQLite file: every active
+        flow; in a fleet: those leased to it and not released; an operator's engine runs
+        none.)"""
+        return (
+            self._serve
+            and flow.state in _ACTIVE
+            and (not self._fleet or (flow.owner == self._owner and flow.lease_until is None))
+            and not self._versions.elsewhere(flow)
+        )
+
+    async def batch(self, ops: list[_store.Op], *, whole: bool = False) -> list[_store.Result]:
+        """The ferry's batch call: every op in one transaction, then their effects in memory.
+        With `whole` (a `publish`), all or nothing: `_store.Undone` if one op was not applied.
+
+        A transaction the database rolled back on its own (a deadlock or a serialization
+        failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times.
+        Without `whole`, a row the database refuses is answered `Rejected` to its op alone and
+        the others are written without it (`_apart.write_apart`, ADR 0063)."""
+        if whole:
+            return await self._transact(ops, _store.write_all)
+        return await write_apart(partial(self._transact, write=_store.write_batch), ops)
+
+    async def _transact(
+        self, ops: Sequence[_store.Op], write: Callable[..., list[_store.Result]]
+    ) -> list[_store.Result]:
+        """`ops` in one transaction (retried if the database rolled it back on its own), then
+        their effects in memory, in commit order."""
+        tries = 0
+        while True:
+            epoch = self.epoch
+            try:
+                results = await self._store.transact(partial(write, ops=ops, guard=self.guard))
+            except Exception as exc:
+                tries += 1
+                if tries > _ROLLBACK_RETRIES or not _rolled_back(exc):
+                    raise
+                await trio.sleep(0.01 * tries)
+                continue
+            break
+        self._tally.stats["write_batches"] += 1
+        for op, result in zip(ops, results, strict=True):
+            self._applied(op, result, epoch)
+        return results
+
+    def _applied(self, op: _store.Op, result: _store.Result, epoch: int) -> None:
+        """Bring memory up to date with one committed result (trio thread, commit order) of a
+        batch begun in `epoch`."""
+        if isinstance(result, _store.Changed):
+            t = result.transition
+            if t.delivery is not None:
+                self._tally.wakes[t.delivery] += 1
+            if t.written:
+                own = isinstance(op, _store.Change) and op.flow is not None
+                if t.flow.state in LOGGED and t.flow.state is not result.before.state:
+                    log_ended(result.before, t.flow)
+                self.track(result.before.state, t.flow, own, epoch=epoch)
+        elif isinstance(result, _store.Created):
+            self.track(None, result.transition.flow, True, epoch=epoch)
+        elif isinstance(result, _store.Conflict):
+            self._tally.stats["conflicts"] += 1
+
+    def track(
+        self, before: State | None, flow: Flow, own: bool, *, epoch: int, write: bool = True
+    ) -> None:
+        """A committed row of `flow` (by this engine's write, or read back; the write or read
+        began in `epoch`): follow it. Only this engine's writes count in its
+        `completed`/`failed`/`blocked` statistics."""
+        tally = self._tally
+        stats = tally.stats
+        if write:
+            stats["writes"] += 1
+        fid = flow.flow_id
+        state = flow.state
+        live = self.live.get(fid)
+        if live is not None and flow.revision <= live.flow.revision:
+            return  # already known (a read that raced this engine's own write)
+        if state is not before:
+            if before is _PARKED and tally.parked > 0:
+                # In a fleet, a flow another engine parked since this one's last count.
+                tally.parked -= 1
+            if state is _PARKED:
+                tally.parked += 1
+            elif write and state in _ENDS:
+                stats[_ENDS[state]] += 1
+                for observer in tally.observers:
+                    observer.ended(flow)
+        self._seen(flow)
+        if live is not None:
+            live.flow = flow
+            live.epoch = epoch
+            if not own and live.scope is not None:
+                live.scope.cancel()  # someone else moved the flow: its running step is void
+        if self.runs_here(flow):
+            if live is None:
+                # Given back to this engine by a write: a release still pending from when it
+                # let the flow go is void (the renewal would release it while it runs here).
+                self.released.pop(fid, None)
+                live = self.live[fid] = Live(flow, epoch)
+                self._runnable(live)
+            return
+        if live is not None:
+            del self.live[fid]
+            if state in _ACTIVE or not write:  # it moved on without this engine: let go of it
+                stats["lost"] += 1
+                if live.scope is not None:
+                    live.scope.cancel()
+        if (
+            state is _PARKED
+            and flow.park_deadline is not None
+            and self._serve
+            and (not self._fleet or (flow.plan, flow.version) in self._versions.shapes)
+        ):  # a fleet engine fires no timer of a version it lacks: one that has it does
+            self._arm(flow.park_deadline, fid, flow.revision)
+
+    def let_go(self, live: Live, *, release: bool = False) -> None:
+        """Stop the flow's step or compensation (its changes are discarded) and forget it:
+        whoever takes it over runs it. With `release` (this engine's lease is lapsing: the
+        store may still name it), the next renewal releases the flow in the store."""
+        fid = live.flow.flow_id
+        if self.live.get(fid) is live:
+            del self.live[fid]
+            self._tally.stats["lost"] += 1
+            if release:
+                self.released[fid] = live.flow.revision
+        if live.scope is not None:
+            live.scope.cancel()
+
+    async def load_row(self, flow_id: str) -> Flow | None:
+        """The flow's row, for the engine's own use: the store's error is raised as it is (the
+        engine retries unavailability, and any other error ends its block)."""
+        return await self._store.transact(partial(_store.load, flow_id=flow_id))
+
+    # ------------------------------------------------------------- writes of the engine's own
+
+    def stale(self, flow_id: str, revision: int) -> bool:
+        """Was the flow parked at `revision` moved on since, as far as this engine knows?"""
+        live = self.live.get(flow_id)
+        return live is not None and live.flow.revision > revision
+
+    async def time_out(self, flow_id: str, revision: int, deadline: float) -> None:
+        """A park deadline came: time the flow out (its own problem if the database refuses
+        that write: it blocks, ADR 0063). The store's unavailability is retried."""
+        now = max(self._clock.now(), deadline)
+        shapes = self._versions.shapes
+
+        def apply(f: Flow, _b: Mailbox) -> Transition:
+            return m.timeout(f, shapes.get((f.plan, f.version)), now, expected=revision)
+
+        # The machine ignores it unless the flow is still parked at `revision`: across a fleet,
+        # every engine that armed this deadline fires it, and exactly one of them takes it.
+        op = _store.Change(flow_id, self.with_holder(apply, outside=True))
+        what = f"timing out flow {flow_id!r} (parked at revision {revision})"
+        extra = {"flow_id": flow_id}
+        result = await _retry.retrying(partial(self.write_answered, op), what=what, extra=extra)
+        if isinstance(result, _store.Rejected):  # the flow's own problem: it blocks (ADR 0063)
+            reason = f"the database refused its timeout: {_checks.describe(result.error)}"
+            block = self.with_holder(on_row(m.block, reason, now), outside=True)
+            op = _store.Change(flow_id, block, expected=revision)
+            await _retry.retrying(partial(self.write, op), what=what, extra=extra)
+
+    async def rerun(self, active: list[Flow]) -> int:
+        """Run `active` flows again (a compare-and-set on the row read): as attempt + 1 if a run
+        may have begun, else as the same attempt (`_machine.rerun`); or block those whose plan
+        version this engine lacks; how many run again."""
+        now = self._clock.now()
+        shapes = self._versions.shapes
+        ops: list[_store.Op] = []
+        for flow in active:
+            reason = m.mismatch(flow, shapes.get((flow.plan, flow.version)))
+            apply = on_row(m.rerun, now) if reason is None else on_row(m.block, reason, now)
+            leased = self.with_holder(apply, outside=False)
+            ops.append(_store.Change(flow.flow_id, leased, flow=flow, fenced=self.fencing))
+        results = await gather([partial(self.write, op) for op in ops])
+        return sum(
+            1
+            for r in results
+            if isinstance(r, _store.Changed) and r.transition.flow.state in _ACTIVE
+        )
+
+
+async def gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run the calls concurrently (so that their writes share transactions); results in order."""
+    results: list[Any] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        results[i] = await calls[i]()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(calls)):
+            nursery.start_soon(one, i)
+    return results
