@@ -293,7 +293,6 @@ class Engine:
         fleet: bool,
         max_data_bytes: int,
         group_commit: bool,
-        fencing: bool,
         scan_interval: float | None,
         wall_clock: Callable[[], float],
         retain: float | None = None,
@@ -326,7 +325,6 @@ class Engine:
         self._serve = serve  # False: an operator's engine, which never leases or runs a flow
         self._fleet = fleet  # leases are respected (PostgreSQL); else one engine per store
         self._group_commit = group_commit
-        self._fencing = fencing
         self._scan_interval = lease / 3 if scan_interval is None else scan_interval
         self._t0_wall = wall_clock()
         self._t0_trio = trio.current_time()
@@ -571,7 +569,7 @@ class Engine:
         """
         flow = live.flow
         leased = self._leasing(apply, outside=False)
-        op = _store.Change(flow.flow_id, leased, flow=flow, head=head, fenced=self._fencing)
+        op = _store.Change(flow.flow_id, leased, flow=flow, first_queued=head)
         extra = _about(flow)
         result = await _retry.retrying(
             partial(self._write_own, op), what=f"writing {_named(flow)}", extra=extra
@@ -1077,7 +1075,7 @@ class Engine:
             reason = m.mismatch(flow, self._shapes.get((flow.plan, flow.version)))
             apply = _on_row(m.rerun, now) if reason is None else _on_row(m.block, reason, now)
             leased = self._leasing(apply, outside=False)
-            ops.append(_store.Change(flow.flow_id, leased, flow=flow, fenced=self._fencing))
+            ops.append(_store.Change(flow.flow_id, leased, flow=flow))
         results = await _gather([partial(self._write, op) for op in ops])
         return sum(
             1
@@ -1106,9 +1104,7 @@ class Engine:
                 if flow.flow_id in self._live:
                     continue  # let go a moment ago and not yet forgotten
                 apply = _on_row(m.take_over, self._owner, now)
-                op = _store.Change(
-                    flow.flow_id, apply, flow=flow, lapsed_at=now, fenced=self._fencing
-                )
+                op = _store.Change(flow.flow_id, apply, flow=flow, lapsed_at=now)
                 ops.append(op)
             results = await _gather([partial(self._write, op) for op in ops])
             taken = [r for r in results if isinstance(r, _store.Changed)]
@@ -1900,7 +1896,7 @@ class Engine:
             def apply(f: Flow, box: Mailbox) -> Transition:
                 return m.resume(f, box, shape_of(f), now)
 
-            op = _store.Change(fid, self._leasing(apply, outside=True), head=True)
+            op = _store.Change(fid, self._leasing(apply, outside=True), first_queued=True)
             return await self._request(op)
 
         result = await self._versioned(call)
@@ -2101,14 +2097,13 @@ def open_engine(
 class _Switches:
     """What only tests and benchmarks change (tests/switches.py opens engines with them):
     `group_commit=False` commits every write in its own transaction; `fleet` forces the fleet's
-    leases on (or off) whatever the store; `fencing=False` makes the runner's writes and
-    takeovers skip the compare-and-set (to show that the fleet's oracle catches it);
-    `scan_interval` overrides ``lease / 3``; `wall_clock` is the clock of leases and deadlines."""
+    leases on (or off) whatever the store; `scan_interval` overrides ``lease / 3``;
+    `wall_clock` is the clock of leases and deadlines. (Fencing off, a planted bug, is
+    tests/switches.py's own.)"""
 
     group_commit: bool = True
     wall_clock: Callable[[], float] = time.time
     fleet: bool | None = None
-    fencing: bool = True
     scan_interval: float | None = None
 
 
@@ -2214,7 +2209,6 @@ async def _opened(
             fleet=db.dialect == "postgres" if switches.fleet is None else switches.fleet,
             max_data_bytes=max_data_bytes,
             group_commit=switches.group_commit,
-            fencing=switches.fencing,
             scan_interval=scan_interval,
             wall_clock=switches.wall_clock,
             retain=retain,

@@ -15,7 +15,7 @@ from ferry.flow import _store as s
 from ferry.flow._machine import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Transition
 from ferry.flow._types import CONTINUE, Delivery, State, park
 from ferry.projected import PostgresStore, Store, Tx
-from tests import pg
+from tests import pg, switches
 from tests.stores.conftest import StoreFactory
 
 SHAPE = Shape("order", 1, ("reserve", "charge", "ship"), (True, True, False), (3, 3, 3))
@@ -53,7 +53,7 @@ def step(flow: Flow, outcome: Any = CONTINUE, data: str | None = None) -> s.Chan
         return m.step_done(f, box, SHAPE, outcome, f.data if data is None else data, T0 + 1)
 
     head = isinstance(outcome, type(park()))
-    return s.Change(flow.flow_id, apply, flow=flow, head=head)
+    return s.Change(flow.flow_id, apply, flow=flow, first_queued=head)
 
 
 def wake(flow_id: str, message_id: str, payload: str = "1") -> s.Change:
@@ -496,8 +496,9 @@ async def test_an_unfenced_write_overwrites_whatever_the_revision(store: Store) 
     the newer state) and takes the next revision."""
     f = await started(store)
     changed((await write(store, step(f)))[0])
-    stale = s.Change("f1", step(f, data='{"stale":1}').apply, flow=f, fenced=False)
-    t = changed((await write(store, stale))[0])
+    stale = s.Change("f1", step(f, data='{"stale":1}').apply, flow=f)
+    unfenced = switches.unfenced(s.write_batch)
+    t = changed((await store.transact(partial(unfenced, ops=[stale])))[0])
     assert t.flow.revision == 3 and t.events[0].revision == 3
     now = await load(store, "f1")
     assert now is not None and now.data == '{"stale":1}' and now.revision == 3
