@@ -246,7 +246,7 @@ def _series(tx: Tx, now: float, ns: str) -> Series:
     rows = tx.execute(
         f"SELECT state, {bucket.replace('t', 'updated_at')}, COUNT(*) FROM {ns}_flows"
         f"{_indexed_by(tx, f'{ns}_flows_ended')}"
-        " WHERE state IN ('COMPLETED', 'FAILED') AND updated_at >= ? GROUP BY 1, 2",
+        f" WHERE state {_sql.IN_FINISHED} AND updated_at >= ? GROUP BY 1, 2",
         (start, start),
     )
     for state, b, n in rows:
