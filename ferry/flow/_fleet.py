@@ -89,9 +89,7 @@ class Fleet:
                 if flow.flow_id in writes.live:
                     continue  # let go a moment ago and not yet forgotten
                 apply = on_row(m.take_over, self._owner, now)
-                op = _store.Change(
-                    flow.flow_id, apply, flow=flow, lapsed_at=now, fenced=writes.fencing
-                )
+                op = _store.Change(flow.flow_id, apply, flow=flow, lapsed_at=now)
                 ops.append(op)
             results = await gather([partial(writes.write, op) for op in ops])
             taken = [r for r in results if isinstance(r, _store.Changed)]

@@ -150,14 +150,13 @@ def open_engine(
 class _Switches:
     """What only tests and benchmarks change (tests/switches.py opens engines with them):
     `group_commit=False` commits every write in its own transaction; `fleet` forces the fleet's
-    leases on (or off) whatever the store; `fencing=False` makes the runner's writes and
-    takeovers skip the compare-and-set (to show that the fleet's oracle catches it);
-    `scan_interval` overrides ``lease / 3``; `wall_clock` is the clock of leases and deadlines."""
+    leases on (or off) whatever the store; `scan_interval` overrides ``lease / 3``;
+    `wall_clock` is the clock of leases and deadlines. (Fencing off, a planted bug, is
+    tests/switches.py's own.)"""
 
     group_commit: bool = True
     wall_clock: Callable[[], float] = time.time
     fleet: bool | None = None
-    fencing: bool = True
     scan_interval: float | None = None
 
 
@@ -263,7 +262,6 @@ async def _opened(
             fleet=db.dialect == "postgres" if switches.fleet is None else switches.fleet,
             max_data_bytes=max_data_bytes,
             group_commit=switches.group_commit,
-            fencing=switches.fencing,
             scan_interval=scan_interval,
             wall_clock=switches.wall_clock,
             retain=retain,

@@ -44,7 +44,8 @@ from ferry.projected import Tx
 
 from . import _times
 from ._machine import Flow
-from ._store import _FIELDS, _to_flow
+from ._sql import FIELDS as _FIELDS
+from ._sql import to_flow as _to_flow
 from ._types import State
 
 #: The most flows one page may hold.

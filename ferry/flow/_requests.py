@@ -246,7 +246,9 @@ class Requests:
             def apply(f: Flow, box: Mailbox) -> Transition:
                 return m.resume(f, box, shape_of(f), now)
 
-            op = _store.Change(fid, self._writes.with_holder(apply, outside=True), head=True)
+            op = _store.Change(
+                fid, self._writes.with_holder(apply, outside=True), first_queued=True
+            )
             return await self._writes.request(op)
 
         result = await self.versioned(call)

@@ -39,7 +39,7 @@ import trio
 
 from ferry.projected import Store, Tx
 
-from . import _retry, _store, _times
+from . import _retry, _sql, _store, _times
 
 _log = logging.getLogger("ferry.flow")
 
@@ -52,7 +52,7 @@ PAUSE_MIN: Final = 0.05
 #: How often an engine purges: every ``retain / 4``, within these bounds (seconds).
 EVERY_MIN: Final = 0.05
 EVERY_MAX: Final = 600.0
-_FINISHED = "state IN ('COMPLETED', 'FAILED')"
+_FINISHED = f"state {_sql.IN_FINISHED}"  # as the index of finished flows says it
 
 
 def check_retain(retain: object) -> float | None:

@@ -328,7 +328,7 @@ class Runner:
         writes = self._writes
         flow = live.flow
         leased = writes.with_holder(apply, outside=False)
-        op = _store.Change(flow.flow_id, leased, flow=flow, head=head, fenced=writes.fencing)
+        op = _store.Change(flow.flow_id, leased, flow=flow, first_queued=head)
         extra = about(flow)
         result = await _retry.retrying(
             partial(writes.write_answered, op), what=f"writing {named(flow)}", extra=extra

@@ -76,7 +76,6 @@ class Writes:
         serve: bool,
         fleet: bool,
         group_commit: bool,
-        fencing: bool,
         guard: float | None,
         seen: Callable[[Flow], None],
         runnable: Callable[[Live], None],
@@ -90,7 +89,6 @@ class Writes:
         self._serve = serve  # False: an operator's engine, which never leases or runs a flow
         self._fleet = fleet  # leases are respected (PostgreSQL); else one engine per store
         self._group_commit = group_commit
-        self.fencing = fencing
         # How long the database lets one of this engine's transactions sit idle with its locks
         # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
         # longer than this.
@@ -341,7 +339,7 @@ class Writes:
             reason = m.mismatch(flow, shapes.get((flow.plan, flow.version)))
             apply = on_row(m.rerun, now) if reason is None else on_row(m.block, reason, now)
             leased = self.with_holder(apply, outside=False)
-            ops.append(_store.Change(flow.flow_id, leased, flow=flow, fenced=self.fencing))
+            ops.append(_store.Change(flow.flow_id, leased, flow=flow))
         results = await gather([partial(self.write, op) for op in ops])
         return sum(
             1

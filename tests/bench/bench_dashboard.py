@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import trio
 
-from ferry.flow import _store
+from ferry.flow import _sql, _store
 from ferry.flow._dashboard._app import Dashboard
 from ferry.flow._dashboard._reads import Reader
 from tests.bench._harness import Row
@@ -45,9 +45,9 @@ def build(path: str, n: int) -> float:
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("BEGIN")
     tx = _InlineTx(conn)
-    tx.execute(_store.ddl("flow", "sqlite")[0])  # the flows table; its indexes come after
-    cols = ", ".join((*_store._FIELDS, "start_data", "created_at"))
-    marks = ", ".join("?" * (len(_store._FIELDS) + 2))
+    tx.execute(_store.ddl("sqlite")[0])  # the flows table; its indexes come after
+    cols = ", ".join((*_sql.FIELDS, "start_data", "created_at"))
+    marks = ", ".join("?" * (len(_sql.FIELDS) + 2))
 
     def rows() -> Any:
         for i in range(n):

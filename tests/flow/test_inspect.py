@@ -59,7 +59,7 @@ def populate(tx: Any) -> None:
                 m.step_done(flow, box, ORDER, outcome, flow.data, at), flow, "svc", respect=False
             )
 
-        (r,) = write(_store.Change(f.flow_id, apply, flow=f, head=True))
+        (r,) = write(_store.Change(f.flow_id, apply, flow=f, first_queued=True))
         assert isinstance(r, _store.Changed)
         return r.transition.flow
 

@@ -265,7 +265,7 @@ async def test_an_existing_store_gains_the_indexes(make_store: StoreFactory) -> 
     names = ("flow_flows_created", "flow_flows_state_created", "flow_flows_plan_created")
 
     def old_schema(tx: Tx) -> None:
-        for st in s.ddl("flow", tx.dialect):
+        for st in s.ddl(tx.dialect):
             if not any(n + " " in st for n in names) and "flow_flows_id_c" not in st:
                 tx.execute(st)
 

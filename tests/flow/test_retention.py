@@ -273,7 +273,7 @@ async def test_both_stores_purge_old_finished_flows_and_nothing_else(make_store:
 
 def old_schema(tx: Any) -> None:
     """The flow tables as stores made before retention and traces have them."""
-    for statement in _store.ddl("flow", tx.dialect):
+    for statement in _store.ddl(tx.dialect):
         if "_flows_ended" not in statement:
             tx.execute(statement.replace(",\n            trace TEXT)", ")"))
 

@@ -256,7 +256,12 @@ class StoreMirror(FlowChecker):
             self._load(m)
             lapsed_at = m.now if w.orphan else None
             op = store.Change(
-                "f", w.apply, flow=w.copy, message_id=w.message_id, head=w.head, lapsed_at=lapsed_at
+                "f",
+                w.apply,
+                flow=w.copy,
+                message_id=w.message_id,
+                first_queued=w.head,
+                lapsed_at=lapsed_at,
             )
             (result,) = store.write_batch(tx, [op])
             if t is None:

@@ -46,7 +46,7 @@ class _Counts(Collector):
         for plan, version, state, n in count_unfinished_plans(self.tx, ns=self.ns):
             plans.add_metric([plan, str(version), state], n)
         now = time.time()
-        known = _store.load_engines(self.tx, ns=self.ns)
+        known = _store.load_engines(self.tx)
         alive = sum(1 for e in known if e[1] >= now)
         engines.add_metric(["true"], alive)
         engines.add_metric(["false"], len(known) - alive)

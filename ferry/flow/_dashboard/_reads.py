@@ -31,7 +31,7 @@ import trio
 from ferry.projected import PostgresStore, Tx
 
 from .. import _machine as m
-from .. import _query, _store
+from .. import _query, _sql, _store
 from .._machine import Flow
 from .._sqlite_file import ReadOnlyTx
 from .._types import Event, State
@@ -73,7 +73,7 @@ class Reader:
         (`ValueError` for a bad cursor)."""
 
         def checked(tx: Tx) -> T:
-            if not _store.has_tables(tx, ns=self.ns):
+            if not _store.has_tables(tx):
                 raise Unavailable("no flow engine has opened this store yet (no flow tables)")
             return fn(tx)
 
@@ -201,9 +201,9 @@ def page_overview(tx: Tx, *, now: float, ns: str = "flow", deadlines: int = 15) 
     plans: dict[tuple[str, int], dict[str, int]] = {}
     for plan, version, state, n in count_unfinished_plans(tx, ns=ns):
         plans.setdefault((plan, version), dict.fromkeys(UNFINISHED, 0))[state] = n
-    cols = ", ".join(_store._FIELDS)
+    cols = ", ".join(_sql.FIELDS)
     soon = [
-        _store._to_flow(r)
+        _sql.to_flow(r)
         for r in tx.execute(
             f"SELECT {cols} FROM {ns}_flows WHERE state = 'PARKED'"
             f" AND park_deadline IS NOT NULL ORDER BY park_deadline LIMIT {int(deadlines)}"
@@ -218,7 +218,7 @@ def page_overview(tx: Tx, *, now: float, ns: str = "flow", deadlines: int = 15) 
         plans=[(p, v, c) for (p, v), c in sorted(plans.items())],
         deadlines=soon,
         parked_forever=states["PARKED"] - int(with_deadline),
-        engines=_store.load_engines(tx, ns=ns),
+        engines=_store.load_engines(tx),
         series=_series(tx, now, ns),
         now=now,
     )
@@ -246,7 +246,7 @@ def _series(tx: Tx, now: float, ns: str) -> Series:
     rows = tx.execute(
         f"SELECT state, {bucket.replace('t', 'updated_at')}, COUNT(*) FROM {ns}_flows"
         f"{_indexed_by(tx, f'{ns}_flows_ended')}"
-        " WHERE state IN ('COMPLETED', 'FAILED') AND updated_at >= ? GROUP BY 1, 2",
+        f" WHERE state {_sql.IN_FINISHED} AND updated_at >= ? GROUP BY 1, 2",
         (start, start),
     )
     for state, b, n in rows:
@@ -289,10 +289,10 @@ def pretty(text: str) -> str:
 
 def page_flow(tx: Tx, flow_id: str, *, ns: str = "flow") -> FlowPage | None:
     """One flow with its history, mailbox and holder; None if there is no such flow."""
-    f = _store.load(tx, flow_id, ns=ns)
+    f = _store.load(tx, flow_id)
     if f is None:
         return None
-    history = _store.load_history(tx, flow_id, ns=ns) or []
+    history = _store.load_history(tx, flow_id) or []
     events = len(history)
     history = history[-HISTORY:]
     rows = tx.execute(

@@ -1,0 +1,578 @@
+"""A batch of flow writes in one store transaction: the ops, their results, and the writer.
+
+An op is a `Create` (insert a started flow, idempotently by id) or a `Change` (run a pure
+transition of `_machine` on the flow's row and record what it says, docs/adr/0021). Each op's
+compare-and-set is its own: an op that finds another revision is answered `Conflict` (or
+`Missing`) and writes nothing, and the other ops of the batch are applied. No statement is
+allowed to fail on a race (PostgreSQL would abort the whole transaction, and every flow of the
+batch with it): a stale revision is a row the write did not match, a concurrent start is
+``INSERT ... ON CONFLICT DO NOTHING`` followed by a read.
+
+Concurrency: every op first holds its flow's row and only then reads the mailbox, so a wake and
+a park of one flow are serialized and a wake is never lost between them. Rows are held in flow
+id order, so that concurrent batches cannot deadlock on PostgreSQL.
+
+Everything here is synchronous and runs inside one store transaction on a worker thread: no
+trio, no clock.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, TypeAlias
+
+import attrs
+
+from ferry.projected import Tx, canonical_json
+
+from . import _sql
+from ._machine import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Transition
+from ._sql import FIELDS, MUTABLE, Statements, mutable_values, row_values, to_flow
+
+
+@attrs.frozen
+class Create:
+    """Insert a new flow (the `_machine.start` transition), idempotently by flow id."""
+
+    transition: Transition
+
+
+Apply: TypeAlias = Callable[[Flow, Mailbox], Transition]
+
+
+@attrs.frozen
+class Change:
+    """Change one flow by a pure transition, ``apply(flow, mailbox) -> Transition``.
+
+    - With `flow` (the caller's copy, e.g. the runner's): a compare-and-set on ``flow.revision``;
+      the row is not read. Without it: the row is read and held (then `expected`, if given, must
+      match its revision).
+    - `message_id`: look it up in the mailbox (the mailbox passed to `apply` has it in ``seen``
+      if it is known). `first_queued`: pass the first queued message (a park or a resume needs
+      it).
+    - `lapsed_at` (with `flow`): the write also requires that no engine holds the flow at this
+      time (`_sql.orphan`): a takeover (`_machine.take_over`), which must lose to the owner's
+      renewal of its engine lease as much as to another writer.
+
+    The transition's row is written iff it changed (`Transition.written`), as a compare-and-set
+    on the revision it started from; its mailbox writes are applied either way.
+    """
+
+    flow_id: str
+    apply: Apply
+    flow: Flow | None = None
+    expected: int | None = None
+    message_id: str | None = None
+    first_queued: bool = False
+    lapsed_at: float | None = None
+
+
+Op: TypeAlias = Create | Change
+
+
+@attrs.frozen
+class Created:
+    """The flow was inserted."""
+
+    transition: Transition
+
+
+@attrs.frozen
+class Existing:
+    """A flow with this id exists: `same` if it has the same plan name and start data."""
+
+    flow: Flow
+    same: bool
+
+
+@attrs.frozen
+class Changed:
+    """The transition ran on the held row and was recorded (if ``transition.written``);
+    `before` is the row it ran on."""
+
+    transition: Transition
+    before: Flow
+
+
+@attrs.frozen
+class Conflict:
+    """The compare-and-set failed: the flow is at another revision (or owner) than expected.
+
+    Nothing was written for this op; the other ops of the batch are not affected."""
+
+    flow_id: str
+    expected: int | None
+    revision: int | None  # what the store holds (None: no such flow any more)
+    owner: str | None
+
+
+@attrs.frozen
+class Missing:
+    """No flow has this id."""
+
+    flow_id: str
+
+
+@attrs.frozen
+class Refused:
+    """The op's transition raised (a bug in the caller's transition, never a race): nothing was
+    written for it, and the other ops of the batch are not affected."""
+
+    flow_id: str
+    error: Exception = attrs.field(eq=False)
+
+
+@attrs.frozen
+class Rejected:
+    """The database refused this op's row (its transaction failed with `error` while the others
+    of the batch committed without it: `_apart.write_apart`). Nothing was written for it."""
+
+    flow_id: str
+    error: Exception = attrs.field(eq=False)
+
+
+@attrs.frozen
+class Unwritten:
+    """The store became unavailable (`error`) while a batch was being split: this op was not
+    written, and may be tried again."""
+
+    flow_id: str
+    error: Exception = attrs.field(eq=False)
+
+
+Result: TypeAlias = (
+    Created | Existing | Changed | Conflict | Missing | Refused | Rejected | Unwritten
+)
+
+
+def op_flow_id(op: Op) -> str:
+    """The id of the flow `op` writes."""
+    return op.flow_id if isinstance(op, Change) else op.transition.flow.flow_id
+
+
+def _history_rows(t: Transition) -> list[tuple[Any, ...]]:
+    fid = t.flow.flow_id
+    return [
+        (
+            fid,
+            e.revision,
+            n,
+            e.at,
+            e.kind,
+            e.step,
+            e.attempt,
+            None if e.detail is None else canonical_json(e.detail),
+        )
+        for n, e in enumerate(t.events)
+    ]
+
+
+def _existing(row: Sequence[Any], f: Flow) -> Existing:
+    """`Existing` for a start of `f` that found `row` (selected with its start data)."""
+    stored = to_flow(row)
+    return Existing(stored, stored.plan == f.plan and row[len(FIELDS)] == f.data)
+
+
+# --------------------------------------------------------------------------- a row at a time
+
+
+class _RowByRow:
+    """One batch's statements, an op at a time (SQLite: in process, a statement costs a few
+    microseconds); history rows are collected and inserted at the end."""
+
+    __slots__ = ("history", "sql", "tx")
+
+    def __init__(self, tx: Tx, sql: Statements) -> None:
+        self.tx = tx
+        self.sql = sql
+        self.history: list[tuple[Any, ...]] = []
+
+    def messages(self, t: Transition) -> None:
+        fid = t.flow.flow_id
+        for w in t.messages:
+            msg = w.message
+            if isinstance(w, Received):
+                status = "TAKEN" if w.taken else "QUEUED"
+                params = (fid, msg.message_id, msg.payload, status, w.at)
+                self.tx.execute(self.sql.receive, params)
+            else:
+                self.tx.execute(self.sql.take, (fid, msg.message_id))
+
+    def cas(self, t: Transition, lapsed_at: float | None = None, holder: str | None = None) -> bool:
+        """Write the transition's row if the stored revision is still ``t.expected`` (and no
+        lease holds it at `lapsed_at`, where given: a takeover of a flow its copy shows held by
+        `holder`).
+
+        Where leases exist (PostgreSQL) a takeover first locks `holder`'s lease row (``FOR
+        SHARE``), so that the lease it reads is the one committed when it writes: a renewal of
+        that lease in flight either waits for this takeover to commit, or makes it wait and
+        refuses it (ADR 0048)."""
+        values = mutable_values(t.flow)
+        fid = t.flow.flow_id
+        if lapsed_at is not None:
+            if holder is not None and self.sql.d.leases:
+                self.tx.execute(self.sql.lock_lease, (holder,))
+            rows = self.tx.execute(
+                self.sql.update_orphan, (*values, fid, t.expected, lapsed_at, lapsed_at)
+            )
+        else:
+            rows = self.tx.execute(self.sql.update, (*values, fid, t.expected))
+        return bool(rows)
+
+    def conflict(self, flow_id: str, expected: int | None) -> Conflict | Missing:
+        rows = self.tx.execute(self.sql.revision, (flow_id,))
+        if not rows:
+            return Missing(flow_id)
+        return Conflict(flow_id, expected, rows[0][0], rows[0][1])
+
+    def create(self, op: Create) -> Result:
+        t = op.transition
+        if self.tx.execute(self.sql.insert, row_values(t.flow)):
+            self.history += _history_rows(t)
+            return Created(t)
+        return _existing(self.tx.execute(self.sql.existing, (t.flow.flow_id,))[0], t.flow)
+
+    def change(self, op: Change) -> Result:
+        sql, tx = self.sql, self.tx
+        known = op.flow
+        if known is not None and op.message_id is None and not op.first_queued:
+            try:
+                t = op.apply(known, EMPTY_MAILBOX)
+            except Exception as exc:
+                return Refused(op.flow_id, exc)
+            if t.written:
+                if not self.cas(t, op.lapsed_at, known.owner):
+                    return self.conflict(op.flow_id, t.expected)
+                self.history += _history_rows(t)
+            self.messages(t)
+            return Changed(t, known)
+        if known is not None:
+            if not tx.execute(sql.hold, (op.flow_id, known.revision)):
+                return self.conflict(op.flow_id, known.revision)
+            flow = known
+        else:
+            rows = tx.execute(sql.existing, (op.flow_id,))
+            if not rows:
+                return Missing(op.flow_id)
+            flow = to_flow(rows[0])
+            if op.expected is not None and flow.revision != op.expected:
+                return Conflict(op.flow_id, op.expected, flow.revision, flow.owner)
+        queued: tuple[Message, ...] = ()
+        seen: frozenset[str] = frozenset()
+        if op.message_id is not None and tx.execute(sql.seen, (op.flow_id, op.message_id)):
+            seen = frozenset((op.message_id,))
+        if op.first_queued:
+            first = tx.execute(sql.first_queued, (op.flow_id,))
+            if first:
+                queued = (Message(first[0][0], first[0][1]),)
+        try:
+            t = op.apply(flow, Mailbox(queued, seen) if queued or seen else EMPTY_MAILBOX)
+        except Exception as exc:  # nothing was changed yet: the held row is as it was
+            return Refused(op.flow_id, exc)
+        if t.written:
+            if not self.cas(t):  # cannot happen while the row is held; never write blind
+                return self.conflict(op.flow_id, t.expected)
+            self.history += _history_rows(t)
+        self.messages(t)
+        return Changed(t, flow)
+
+    def write(self, ops: Sequence[Op], order: Sequence[int]) -> list[Result]:
+        results: list[Result | None] = [None] * len(ops)
+        for i in order:
+            op = ops[i]
+            results[i] = self.change(op) if isinstance(op, Change) else self.create(op)
+        _insert_history(self.tx, self.sql, self.history)
+        return results  # type: ignore[return-value]  # every slot is filled
+
+
+# ------------------------------------------------------------------------ a batch at a time
+
+
+def _columns(rows: Sequence[Sequence[Any]], width: int) -> list[list[Any]]:
+    """`rows` as `width` arrays, one per column (the parameters of an ``unnest``)."""
+    return [[r[c] for r in rows] for c in range(width)]
+
+
+class _Arrays:
+    """One batch in a fixed number of statements whatever its size (PostgreSQL: each statement
+    is a round trip, docs/adr/0094): every parameter is an array, every statement's text is
+    the same for every batch (prepared once by the driver).
+
+    1. The lease rows of the engines the batch's takeovers take from, ``FOR SHARE``, in owner
+       order (ADR 0048: a lease row before any flow row, as a renewal does).
+    2. Every flow row the batch touches, ``FOR UPDATE``, in flow id order (bytewise): the one
+       lock order of every writer, so two batches cannot deadlock. The rows are read as they
+       are locked; no other writer can change them before this transaction ends.
+    3. Then the ops in rounds: round k holds the k-th op of each flow (almost every batch is
+       one round), so that an op sees what the ops of its flow before it wrote. Per round, at
+       most: one multi-row insert of the started flows, one read of the messages seen, one of
+       the first queued messages, one ``UPDATE ... FROM unnest(...)`` of every row written
+       (each row's compare-and-set on its revision, and a takeover's "nobody holds it", are
+       checked in its ``WHERE``: a row it does not return is that op's `Conflict` alone), one
+       insert of received messages and one update of taken ones.
+    4. One insert of every history row.
+
+    For a batch of compare-and-sets from copies (a runner's boundaries), that is three
+    statements after `guard_locks`: the lock, the update, the history."""
+
+    __slots__ = ("history", "rows", "sql", "start_data", "tx")
+
+    def __init__(self, tx: Tx, sql: Statements) -> None:
+        self.tx = tx
+        self.sql = sql
+        self.history: list[tuple[Any, ...]] = []
+        self.rows: dict[str, Flow] = {}  # what each held row holds now
+        self.start_data: dict[str, str] = {}
+
+    def conflict(self, flow_id: str, expected: int | None) -> Conflict | Missing:
+        """The op's answer when its compare-and-set did not match the held row."""
+        row = self.rows.get(flow_id)
+        if row is None:
+            return Missing(flow_id)
+        return Conflict(flow_id, expected, row.revision, row.owner)
+
+    def hold(self, flow_ids: list[str]) -> None:
+        """Lock the rows of `flow_ids` in flow id order and read them."""
+        for r in self.tx.execute(self.sql.lock_rows, (flow_ids,)):
+            self.rows[r[0]] = to_flow(r)
+            self.start_data[r[0]] = r[len(FIELDS)]
+
+    def existing(self, f: Flow) -> Existing:
+        row = self.rows[f.flow_id]
+        return Existing(row, row.plan == f.plan and self.start_data[f.flow_id] == f.data)
+
+    def lock(self, ops: Sequence[Op]) -> None:
+        holders = {
+            op.flow.owner
+            for op in ops
+            if isinstance(op, Change) and op.lapsed_at is not None and op.flow is not None
+        }
+        owners = sorted(o for o in holders if o is not None)
+        if owners:
+            self.tx.execute(self.sql.lock_leases, (owners,))
+        self.hold(sorted({op_flow_id(op) for op in ops}))
+
+    def create(self, round_: list[tuple[int, Create]], results: list[Result | None]) -> None:
+        new: list[tuple[int, Transition]] = []
+        for i, op in round_:
+            if op.transition.flow.flow_id in self.rows:
+                results[i] = self.existing(op.transition.flow)
+            else:
+                new.append((i, op.transition))
+        if not new:
+            return
+        values = _columns([row_values(t.flow) for _i, t in new], len(FIELDS) + 1)
+        inserted = {r[0] for r in self.tx.execute(self.sql.insert_rows, values)}
+        lost = [t.flow.flow_id for _i, t in new if t.flow.flow_id not in inserted]
+        if lost:  # started by another transaction since the lock: read it, held
+            self.hold(lost)
+        for i, t in new:
+            if t.flow.flow_id in inserted:
+                self.history += _history_rows(t)
+                self.rows[t.flow.flow_id] = t.flow
+                self.start_data[t.flow.flow_id] = t.flow.data
+                results[i] = Created(t)
+            else:
+                results[i] = self.existing(t.flow)
+
+    def change(self, round_: list[tuple[int, Change]], results: list[Result | None]) -> None:
+        writes: list[tuple[int, Transition, Flow, float | None]] = []
+        done: list[tuple[int, Transition, Flow]] = []
+        boxed: list[tuple[int, Change, Flow]] = []
+        for i, op in round_:
+            known = op.flow
+            row = self.rows.get(op.flow_id)
+            if known is not None and op.message_id is None and not op.first_queued:
+                try:
+                    t = op.apply(known, EMPTY_MAILBOX)
+                except Exception as exc:
+                    results[i] = Refused(op.flow_id, exc)
+                    continue
+                if t.written:
+                    writes.append((i, t, known, op.lapsed_at))
+                else:
+                    done.append((i, t, known))
+            elif known is not None:
+                if row is None or row.revision != known.revision:
+                    results[i] = self.conflict(op.flow_id, known.revision)
+                else:
+                    boxed.append((i, op, known))
+            elif row is None:
+                results[i] = Missing(op.flow_id)
+            elif op.expected is not None and row.revision != op.expected:
+                results[i] = Conflict(op.flow_id, op.expected, row.revision, row.owner)
+            else:
+                boxed.append((i, op, row))
+        boxes = self.mailboxes([op for _i, op, _f in boxed]) if boxed else {}
+        for i, op, flow in boxed:
+            try:
+                t = op.apply(flow, boxes.get(op.flow_id, EMPTY_MAILBOX))
+            except Exception as exc:  # nothing was changed yet: the held row is as it was
+                results[i] = Refused(op.flow_id, exc)
+                continue
+            if t.written:
+                writes.append((i, t, flow, None))
+            else:
+                done.append((i, t, flow))
+        done += self.update(writes, results)
+        self.messages(done, results)
+
+    def update(
+        self, writes: list[tuple[int, Transition, Flow, float | None]], results: list[Result | None]
+    ) -> list[tuple[int, Transition, Flow]]:
+        """Write the rows of `writes` in one statement; those it matched."""
+        if not writes:
+            return []
+        values = [
+            (t.flow.flow_id, t.expected, *mutable_values(t.flow), at) for _i, t, _f, at in writes
+        ]
+        matched = {
+            r[0] for r in self.tx.execute(self.sql.update_rows, _columns(values, len(MUTABLE) + 3))
+        }
+        done = []
+        for i, t, before, _at in writes:
+            fid = t.flow.flow_id
+            if fid in matched:
+                self.history += _history_rows(t)
+                self.rows[fid] = t.flow
+                done.append((i, t, before))
+            else:
+                results[i] = self.conflict(fid, t.expected)
+        return done
+
+    def messages(
+        self, done: list[tuple[int, Transition, Flow]], results: list[Result | None]
+    ) -> None:
+        """Answer `done` and write their mailboxes: at most two statements."""
+        received: list[tuple[Any, ...]] = []
+        taken: list[tuple[str, str]] = []
+        for i, t, before in sorted(done, key=lambda d: d[0]):
+            results[i] = Changed(t, before)
+            fid = t.flow.flow_id
+            for w in t.messages:
+                if isinstance(w, Received):
+                    status = "TAKEN" if w.taken else "QUEUED"
+                    received.append((fid, w.message.message_id, w.message.payload, status, w.at))
+                else:
+                    taken.append((fid, w.message.message_id))
+        if received:
+            self.tx.execute(self.sql.receive_rows, _columns(received, 5))
+        if taken:
+            self.tx.execute(self.sql.take_rows, _columns(taken, 2))
+
+    def mailboxes(self, ops: list[Change]) -> dict[str, Mailbox]:
+        """What each of `ops` asks of its flow's mailbox (its message id seen? the first
+        queued message?), in at most two statements for all of them."""
+        pairs = [(op.flow_id, op.message_id) for op in ops if op.message_id is not None]
+        firsts = [op.flow_id for op in ops if op.first_queued]
+        seen: set[tuple[str, str]] = set()
+        if pairs:
+            seen = {(r[0], r[1]) for r in self.tx.execute(self.sql.seen_rows, _columns(pairs, 2))}
+        first: dict[str, Message] = {}
+        if firsts:
+            rows = self.tx.execute(self.sql.first_queued_rows, (firsts,))
+            first = {r[0]: Message(r[1], r[2]) for r in rows}
+        boxes = {}
+        for op in ops:
+            queued = (first[op.flow_id],) if op.first_queued and op.flow_id in first else ()
+            ids = frozenset(
+                m for m in (op.message_id,) if m is not None and (op.flow_id, m) in seen
+            )
+            if queued or ids:
+                boxes[op.flow_id] = Mailbox(queued, ids)
+        return boxes
+
+    def write(self, ops: Sequence[Op], order: Sequence[int]) -> list[Result]:
+        results: list[Result | None] = [None] * len(ops)
+        if not ops:
+            return []
+        self.lock(ops)
+        rounds: list[list[int]] = []
+        nth: dict[str, int] = {}
+        for i in order:
+            fid = op_flow_id(ops[i])
+            k = nth.get(fid, 0)
+            nth[fid] = k + 1
+            if k == len(rounds):
+                rounds.append([])
+            rounds[k].append(i)
+        for round_ in rounds:
+            creates = [(i, op) for i in round_ if isinstance(op := ops[i], Create)]
+            changes = [(i, op) for i in round_ if isinstance(op := ops[i], Change)]
+            self.create(creates, results)
+            self.change(changes, results)
+        if self.history:
+            self.tx.execute(self.sql.history_rows, _columns(self.history, 8))
+        return results  # type: ignore[return-value]  # every slot is filled
+
+
+# History rows go in as one multi-row INSERT per 500 (not `executemany`: psycopg pipelines
+# that, and a client frozen mid-pipeline holds its locks beyond any idle-in-transaction timeout,
+# which only starts once the server has answered a whole request; ADR 0043).
+_HISTORY_CHUNK = 500
+_HISTORY_ROW = "(?, ?, ?, ?, ?, ?, ?, ?)"
+
+
+@functools.lru_cache(maxsize=_HISTORY_CHUNK)
+def _more_rows(n: int) -> str:
+    """The VALUES tail of a history insert of `n` rows (its first row is in `history`)."""
+    return ", " + ", ".join([_HISTORY_ROW] * (n - 1)) if n > 1 else ""
+
+
+def _insert_history(tx: Tx, sql: Statements, rows: list[tuple[Any, ...]]) -> None:
+    for i in range(0, len(rows), _HISTORY_CHUNK):
+        chunk = rows[i : i + _HISTORY_CHUNK]
+        tx.execute(sql.history + _more_rows(len(chunk)), [v for r in chunk for v in r])
+
+
+# ---------------------------------------------------------------------------------- the batch
+
+
+def guard_locks(tx: Tx, seconds: float | None) -> None:
+    """On PostgreSQL, have the server end this transaction (and its session) if its client
+    goes quiet inside it for `seconds`: a process frozen mid-transaction (SIGSTOP, a long pause)
+    must not hold row locks that stall every other engine of a fleet for as long as it sleeps.
+    Its locks go at once; its writes roll back; it finds its connection closed when it wakes.
+    One statement; nothing on SQLite (one engine per file) or with None."""
+    if seconds is not None and _sql.DIALECTS[tx.dialect].leases:
+        ms = max(1, int(seconds * 1000))
+        tx.execute(f"SET LOCAL idle_in_transaction_session_timeout = {ms}")
+
+
+def write_batch(tx: Tx, ops: Sequence[Op], *, guard: float | None = None) -> list[Result]:
+    """Apply `ops` in this transaction; one result per op, in the order of `ops`. `guard`: see
+    `guard_locks`.
+
+    Ops run in flow id order (the ops of one flow in the order given), so that concurrent
+    batches take row locks in one global order and cannot deadlock on PostgreSQL. Each op's
+    compare-and-set is checked on its own: an op that finds another revision gets `Conflict`
+    (or `Missing`) and writes nothing, and the others are applied; an op whose transition raises
+    gets `Refused`. Raises only on a database error (the caller's transaction then rolls back,
+    and every op fails with it). Cost: on PostgreSQL a fixed number of statements whatever the
+    batch's size (`_Arrays`: three for a batch of compare-and-sets); on SQLite a few statements
+    per op plus one multi-row insert per 500 history rows (`_RowByRow`); and a sort of the batch.
+    """
+    guard_locks(tx, guard)
+    order = sorted(range(len(ops)), key=lambda i: op_flow_id(ops[i]))
+    sql = _sql.statements(tx.dialect)
+    writer = _Arrays(tx, sql) if sql.d.arrays else _RowByRow(tx, sql)
+    return writer.write(ops, order)
+
+
+class Undone(Exception):
+    """`write_all` rolled its transaction back: one op could not be applied as asked (a
+    `Refused` transition, a start whose id is taken by another flow); `results` says which."""
+
+    def __init__(self, results: list[Result]) -> None:
+        super().__init__("one op of an all-or-nothing batch was not applied: nothing was")
+        self.results = results
+
+
+def write_all(tx: Tx, ops: Sequence[Op], *, guard: float | None = None) -> list[Result]:
+    """`write_batch`, all or nothing (one `publish`): raises `Undone` (so the transaction rolls
+    back) if any op is `Refused` or is a `Create` that found another flow under its id."""
+    results = write_batch(tx, ops, guard=guard)
+    if any(isinstance(r, Refused) or (isinstance(r, Existing) and not r.same) for r in results):
+        raise Undone(results)
+    return results
