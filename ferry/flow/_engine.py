@@ -243,10 +243,14 @@ class _Sched:
 
 
 class _Watch:
-    __slots__ = ("tvar", "users")
+    """The `wait`s on one flow. `tvar` changes only when the flow settles or leaves a settled
+    state (a waiter wakes once, not at every step); `latest` is every row seen (trio thread)."""
+
+    __slots__ = ("latest", "tvar", "users")
 
     def __init__(self) -> None:
         self.tvar: stm.TVar[Flow | None] = stm.TVar(None)
+        self.latest: Flow | None = None
         self.users = 0
 
 
@@ -531,7 +535,10 @@ class Engine:
                     observer.ended(flow)
         watch = self._watches.get(fid)
         if watch is not None:
-            stm.atomically_nowait(watch.tvar.set, flow)
+            watch.latest = flow
+            shown = watch.tvar.peek()
+            if state in _SETTLED or (shown is not None and shown.state in _SETTLED):
+                stm.atomically_nowait(watch.tvar.set, flow)
         if live is not None:
             live.flow = flow
             live.epoch = epoch
@@ -1786,7 +1793,7 @@ class Engine:
                     flow = await self._until_settled(fid, watch, settled)
                 if waited.cancelled_caught:
                     assert timeout is not None
-                    latest = stm.atomically_nowait(tvar.get)
+                    latest = watch.latest
                     raise trio.TooSlowError(_still(flow if latest is None else latest, timeout))
             else:
                 await trio.lowlevel.checkpoint()
@@ -1828,6 +1835,8 @@ class Engine:
                         tvar.set(row)
 
                 stm.atomically_nowait(newer)
+                if watch.latest is None or row.revision > watch.latest.revision:
+                    watch.latest = row
             poll = min(poll * 2, _POLL_MAX)
 
     async def _load_until(self, flow_id: str, deadline: float) -> Flow | None:
