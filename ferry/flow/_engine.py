@@ -579,9 +579,9 @@ class Engine:
         flow = live.flow
         leased = self._leasing(apply, outside=False)
         op = _store.Change(flow.flow_id, leased, flow=flow, head=head, fenced=self._fencing)
-        extra = _about(flow)
+        extra = partial(_about, flow)  # made only for a retry's WARNING, as its `what`
         result = await _retry.retrying(
-            partial(self._write_own, op), what=f"writing {_named(flow)}", extra=extra
+            partial(self._write_own, op), what=lambda: f"writing {_named(flow)}", extra=extra
         )
         if isinstance(result, _store.Changed):
             return True
@@ -602,7 +602,7 @@ class Engine:
             epoch = self._epoch
             return await self._load_row(flow.flow_id)
 
-        stored = await _retry.retrying(load, what=f"reading {_named(flow)}", extra=extra)
+        stored = await _retry.retrying(load, what=lambda: f"reading {_named(flow)}", extra=extra)
         if self._live.get(flow.flow_id) is not live or live.flow.revision > flow.revision:
             return False
         if stored is None:

@@ -93,6 +93,41 @@ async def test_retrying_retries_unavailability_with_its_own_delays(
     assert records[0].__dict__["flow_id"] == "o-1"
 
 
+async def test_retrying_makes_a_lazy_name_only_for_a_retry(
+    caplog: pytest.LogCaptureFixture, autojump_clock: trio.testing.MockClock
+) -> None:
+    """`what` and `extra` given as functions are called only when a retry is logged (a
+    runner's every write passes them; formatting them each time was a cost of every write)."""
+    made: list[str] = []
+
+    def what() -> str:
+        made.append("what")
+        return "writing flow 'o-2'"
+
+    def extra() -> dict[str, str]:
+        made.append("extra")
+        return {"flow_id": "o-2"}
+
+    async def ok() -> int:
+        return 1
+
+    assert await _retry.retrying(ok, what=what, extra=extra) == 1
+    assert made == []
+    fails = [_sqlite_error(5, "database is locked")]
+
+    async def once() -> int:
+        if fails:
+            raise fails.pop()
+        return 2
+
+    caplog.set_level(logging.WARNING, logger="ferry.flow")
+    assert await _retry.retrying(once, what=what, extra=extra) == 2
+    assert made == ["what", "extra"]
+    (record,) = [r for r in caplog.records if r.name == "ferry.flow"]
+    assert "writing flow 'o-2'" in record.getMessage()
+    assert record.__dict__["flow_id"] == "o-2"
+
+
 async def test_retrying_caps_the_delay_and_raises_anything_else() -> None:
     delay = _retry.FIRST_DELAY
     for _ in range(20):
