@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from stm._util import fixup_module_metadata as _fixup_module_metadata
+from stm._internal import fixup_module_metadata as _fixup_module_metadata
 
 from ._errors import BatchContractError as BatchContractError
 from ._errors import Closed as Closed

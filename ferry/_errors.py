@@ -67,3 +67,26 @@ class Committed(Generic[T]):
 
     provisional: T
     cause: BaseException = attrs.field(eq=False)
+
+
+def wrong_run(called: str, owner: str, hint: str) -> RuntimeError:
+    """The error for a call from outside the trio run that owns the callee (not raised: returned).
+
+    A ferry and a flow engine each belong to the trio run that opened them, and check that the
+    caller runs on that run's thread. `called` names what was called ("a ferry",
+    "flow.Engine.get"), `owner` the object in the explanation ("a ferry", "an engine"), and
+    `hint` the `trio.from_thread` call that does it right ("trio.from_thread.run(f, x,
+    trio_token=token)"). Call it on the caller's thread: it tells a task of another trio run
+    from a plain thread by asking trio for the current run's token.
+    """
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        where = "outside any trio run (a plain thread)"
+    else:
+        where = "from a task of another trio run"
+    return RuntimeError(
+        f"{called} was called {where}: {owner} belongs to the trio run that opened it, and only"
+        f" that run's tasks may call it. From another thread, call it in its run: {hint}, with"
+        " the token of that run (trio.lowlevel.current_trio_token() there)"
+    )

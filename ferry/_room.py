@@ -2,8 +2,9 @@
 
 Trio-free and clock-free: time comes in as `now`. Five transactions never block: `admit`,
 `take`, `release`, `cancel` and `drain` each read and write the room's one TVar (and may ring its
-doorbell), so they run in `stm`'s single-TVar transaction (`stm._txn.update`: a pure function of
-the committed value, one validated install; ADR 0033). The two that block, `sleep` and `idle`,
+doorbell), so they run in `stm`'s single-TVar transaction (`update_single_tvar` of
+`stm._internal`, stm's interface for this distribution: a pure function of the committed value,
+one validated install; ADR 0033). The two that block, `sleep` and `idle`,
 are transaction functions the task code (`ferry._shell`) runs with `stm.atomically`. The model
 check (tests/model/shell.py) mirrors each one.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Generic, TypeVar
 
 import stm
-from stm._txn import update as _update
+from stm._internal import update_single_tvar as _update
 
 from . import _lanes
 from ._lanes import Admission, Batch, Item, Lanes, Limits
@@ -114,7 +115,7 @@ class Room(Generic[K, E]):
 
     `admit`, `take`, `release`, `cancel` and `drain` are whole transactions, each on the room's
     one TVar (and its doorbell): the pure functions `_admit`, `_take`, ... run in `stm`'s
-    single-TVar transaction (`stm._txn.update`, ADR 0033); call them outside any transaction.
+    single-TVar transaction (`update_single_tvar`, ADR 0033); call them outside any transaction.
     `sleep` and `idle` are transaction functions, for `stm.atomically`.
     """
 

@@ -33,7 +33,7 @@ import math
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
-from types import CoroutineType, MemberDescriptorType
+from types import CoroutineType
 from typing import Any, TypeVar
 
 import outcome
@@ -42,8 +42,9 @@ import trio
 import stm
 
 from . import _lanes
-from ._errors import BatchContractError, Closed, Failed, InputError, Rejected
+from ._errors import BatchContractError, Closed, Failed, InputError, Rejected, wrong_run
 from ._room import Room
+from ._schedule_points import reader as _read_schedule_points
 from ._stats import FerryStatistics
 
 F = TypeVar("F")
@@ -54,9 +55,11 @@ _reschedule = trio.lowlevel.reschedule
 _Value, _Error = outcome.Value, outcome.Error
 _ADMITTED, _CLAIMED = _lanes.Admission.ADMITTED, _lanes.Admission.CLAIMED
 
-# trio counts each task's schedule points (`Task._schedule_points`, what trio.testing's
-# `assert_checkpoints` reads). Where it does not, every direct call adds a schedule point.
-_COUNTED = isinstance(getattr(trio.lowlevel.Task, "_schedule_points", None), MemberDescriptorType)
+# A task's count of schedule points, or None if trio keeps none (`ferry._schedule_points`).
+_schedule_points = _read_schedule_points()
+
+# How to call a ferry right from another thread, for the error of a call from outside its run.
+_FROM_THREAD = "trio.from_thread.run(f, x, trio_token=token)"
 
 
 # Ctrl-C: the task code below is KI-protected (a KeyboardInterrupt that arrives while it runs goes
@@ -153,7 +156,7 @@ class Shell:
         else:
             key, weight, rank = classify(x)
         if _thread_id() != self._thread:
-            raise _wrong_run()
+            raise wrong_run("a ferry", "a ferry", _FROM_THREAD)
         await trio.lowlevel.checkpoint_if_cancelled()
         room = self.room
         entry: _Entry = _new_object(_Entry)  # its slots written here: no __init__ frame
@@ -178,8 +181,9 @@ class Shell:
         # in a cancel scope registered so that close can cancel it, with its start time, so that
         # the timer task can cancel it after `call_timeout` (no deadline per call: ADR 0032).
         # Whether `call` makes a schedule point, trio's own count tells (ADR 0032).
-        task = trio.lowlevel.current_task() if _COUNTED else None
-        schedule_points = -1 if task is None else task._schedule_points
+        count = _schedule_points
+        task = trio.lowlevel.current_task()
+        schedule_points = -1 if count is None else count(task)
         scopes = self._direct_scopes
         scope = trio.CancelScope()
         scopes[scope] = self._clock_now() if self._timer else 0.0
@@ -219,7 +223,7 @@ class Shell:
                     result = answer.unwrap()
         # `await f(x)` is always a checkpoint: its cancel point was the one above; its schedule
         # point is the call's own, or, if the call never yielded, this one.
-        if task is None or task._schedule_points == schedule_points:
+        if count is None or count(task) == schedule_points:
             await trio.lowlevel.cancel_shielded_checkpoint()
         if error is not None:
             raise error
@@ -398,20 +402,6 @@ class Shell:
     def statistics(self) -> FerryStatistics:
         """A snapshot of the room and the counters since open; one TVar peek, no checkpoint."""
         return self.room.statistics(plain=self._plain)
-
-
-def _wrong_run() -> RuntimeError:
-    try:
-        trio.lowlevel.current_trio_token()
-    except RuntimeError:
-        where = "outside any trio run"
-    else:
-        where = "from a task of another trio run"
-    return RuntimeError(
-        f"a ferry was called {where}: a ferry belongs to the trio run that opened it, and only "
-        "that run's tasks may call it. From another thread, call it in its own run with "
-        "trio.from_thread.run(f, x, trio_token=...)."
-    )
 
 
 def _slot(result: Any) -> outcome.Outcome[Any]:

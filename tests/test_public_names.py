@@ -12,7 +12,7 @@ import ferry
 import ferry.flow
 import ferry.projected
 import stm
-from stm._util import fixup_module_metadata
+from stm._internal import fixup_module_metadata
 
 PACKAGES = [stm, ferry, ferry.projected, ferry.flow]
 
@@ -103,3 +103,29 @@ def test_fixup_leaves_foreign_and_imported_objects_alone() -> None:
     assert foreign.__module__ == "other._impl"
     assert "__module__" not in vars(instance)
     assert int.__module__ == "builtins"
+
+
+def test_ferry_imports_stm_only_through_its_public_api_and_stm_internal() -> None:
+    """`ferry` (with `ferry.projected` and `ferry.flow`) may import `stm` and `stm._internal`,
+    the interface stm keeps for this distribution; any other `stm._*` module is stm's own."""
+    import ast
+    from pathlib import Path
+
+    root = Path(ferry.__file__).parent
+    allowed = {"stm", "stm._internal"}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            found += [
+                f"{path.relative_to(root)}: {name}"
+                for name in names
+                if name.split(".")[0] == "stm" and name not in allowed
+            ]
+    assert len(list(root.rglob("*.py"))) > 20  # the walk saw the packages
+    assert found == []

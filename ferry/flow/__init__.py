@@ -41,7 +41,7 @@ resumes one as an operator.
 
 from __future__ import annotations
 
-from stm._util import fixup_module_metadata as _fixup_module_metadata
+from stm._internal import fixup_module_metadata as _fixup_module_metadata
 
 from ._engine import Engine as Engine
 from ._engine import open_engine as open_engine

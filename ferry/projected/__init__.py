@@ -3,7 +3,7 @@
 See docs/projected-write.md.
 """
 
-from stm._util import fixup_module_metadata as _fixup_module_metadata
+from stm._internal import fixup_module_metadata as _fixup_module_metadata
 
 from ._errors import FenceConflict as FenceConflict
 from ._errors import ProjectionBlocked as ProjectionBlocked

@@ -10,7 +10,10 @@
   same number of
   engines (target: at most 1x, i.e. not slower), and 2 or 3 engines against 1 (how throughput
   scales; reported, with a loose target: on this 2-core machine the database and every engine
-  share two cores, so more processes add contention rather than capacity).
+  share two cores, so more processes add contention rather than capacity). Their note says
+  what limits the figure: the CPU per flow of the engines and of PostgreSQL over all rounds,
+  how many of the machine's cores were busy and with how much other work, and the WAL fsyncs
+  per flow, their time and how much of the time one was under way (`tests/bench/_usage.py`).
 - **recovery after a SIGKILL**, for a lease of 1, 2 and 4 s: engine A runs 300 flows whose step
   never returns, engine B serves the same store; A is SIGKILLed and the clock runs until B has
   taken over every one of A's flows (its step running again, attempt 2). The median of
@@ -34,10 +37,12 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import attrs
 import psycopg
 
 from ferry.flow import _store
 from tests import pg
+from tests.bench import _usage
 from tests.bench._harness import Row
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
@@ -130,8 +135,17 @@ class _Tx:
         raise NotImplementedError
 
 
-def throughput(server: pg.PgServer, plan: str, engines: int, *, solo: bool) -> float:
-    """Best seconds per flow over the rounds, for `engines` processes."""
+@attrs.frozen
+class Throughput:
+    """`per_flow`: the best seconds per flow over the rounds; `cpu`: what all the rounds used."""
+
+    per_flow: float
+    used: _usage.Used
+
+
+def throughput(server: pg.PgServer, plan: str, engines: int, *, solo: bool) -> Throughput:
+    """Best seconds per flow over the rounds, for `engines` processes, and the CPU they, the
+    server and the machine used over all rounds."""
     dsn = server.fresh_schema_dsn("fleetbench")
     _prepare(dsn)
     procs = [Engine(dsn, f"e{i}", plan, lease=30.0, solo=solo) for i in range(engines)]
@@ -140,6 +154,9 @@ def throughput(server: pg.PgServer, plan: str, engines: int, *, solo: bool) -> f
         for p in procs:
             p.expect("ready")
         with psycopg.connect(dsn, autocommit=True) as conn:
+            postmaster = _usage.postmaster_of(_count(conn, "SELECT pg_backend_pid()"))
+            meter = _usage.Meter([p.proc.pid for p in procs], postmaster, conn)
+            meter.start()
             for r in range(ROUNDS):
                 base = r * FLOWS
                 share = [
@@ -162,10 +179,11 @@ def throughput(server: pg.PgServer, plan: str, engines: int, *, solo: bool) -> f
                 done = "SELECT count(*) FROM flow_flows WHERE state = 'COMPLETED'"
                 _until(conn, done, (), base + FLOWS)
                 best = min(best, (time.perf_counter() - t0) / FLOWS)
+            used = meter.stop()
     finally:
         for p in procs:
             p.quit()
-    return best
+    return Throughput(best, used)
 
 
 def recovery(server: pg.PgServer, lease: float) -> list[float]:
@@ -204,11 +222,13 @@ def benchmarks() -> Iterator[Row]:
     if bindir is None:
         print(f"skipped: {pg.SKIP_REASON}")
         return
-    server = pg.start(bindir, DURABLE)  # commits as durable as SQLite's synchronous=FULL
+    # Commits as durable as SQLite's synchronous=FULL; the WAL fsyncs timed for the notes.
+    server = pg.start(bindir, DURABLE + _usage.TIMING)
     try:
         for plan, label in (("three", "3-step"), ("park", "park+wake")):
-            grouped = {k: throughput(server, plan, k, solo=False) for k in (1, 2, 3)}
-            solo = {k: throughput(server, plan, k, solo=True) for k in (1, 2, 3)}
+            runs = {k: throughput(server, plan, k, solo=False) for k in (1, 2, 3)}
+            grouped = {k: run.per_flow for k, run in runs.items()}
+            solo = {k: throughput(server, plan, k, solo=True).per_flow for k in (1, 2, 3)}
             for k in (1, 2, 3):
                 yield Row(
                     f"fleet {label} flows, {k} engine{'s' if k > 1 else ''}: group commit"
@@ -226,7 +246,9 @@ def benchmarks() -> Iterator[Row]:
                     grouped[1],
                     target=1.5,
                     unit="us/flow",
-                    note=f"{1 / grouped[k]:.0f} vs {1 / grouped[1]:.0f} flows/s (2 cores)",
+                    note=f"{1 / grouped[k]:.0f} vs {1 / grouped[1]:.0f} flows/s;"
+                    f" {k} engines' {runs[k].used.note(ROUNDS * FLOWS)};"
+                    f" 1 engine's {runs[1].used.note(ROUNDS * FLOWS)}",
                 )
         for lease in (1.0, 2.0, 4.0):
             times = recovery(server, lease)

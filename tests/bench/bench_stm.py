@@ -270,7 +270,7 @@ def benchmarks() -> list[Row]:
             "stm: ping-pong, block in retry + wake",
             value,
             base,
-            math.inf,  # reported: the SPEC's target is the wake-up row above
+            math.inf,  # reported: the target is the wake-up row above
             unit="us/handoff",
             note="vs Event ping-pong; includes re-blocking (an attempt that retries)",
         )

@@ -1053,7 +1053,12 @@ async def test_a_ferry_called_from_another_trio_run_raises_instead_of_hanging() 
 
             with pytest.raises(RuntimeError, match="another trio run") as info:
                 await trio.to_thread.run_sync(other_run)
-            assert "trio.from_thread.run" in str(info.value)
+            assert str(info.value) == (
+                "a ferry was called from a task of another trio run: a ferry belongs to the trio"
+                " run that opened it, and only that run's tasks may call it. From another"
+                " thread, call it in its run: trio.from_thread.run(f, x, trio_token=token), with"
+                " the token of that run (trio.lowlevel.current_trio_token() there)"
+            )
             assert await fy(2) == 2  # the ferry is unharmed and serves its own run
             assert fy.statistics().submitted == 1
 
@@ -1062,8 +1067,13 @@ async def test_a_ferry_called_from_a_thread_outside_trio_says_so() -> None:
     import asyncio
 
     async with ferry.open_ferry(_echo) as f:
-        with pytest.raises(RuntimeError, match="outside any trio run"):
+        with pytest.raises(RuntimeError, match="outside any trio run") as info:
             await trio.to_thread.run_sync(asyncio.run, f(1))
+        assert str(info.value).startswith(
+            "a ferry was called outside any trio run (a plain thread): a ferry belongs to the"
+            " trio run that opened it"
+        )
+        assert "trio.from_thread.run(f, x, trio_token=token)" in str(info.value)
         token = trio.lowlevel.current_trio_token()
         # The way to call it from a thread: into the ferry's own run.
         assert await trio.to_thread.run_sync(lambda: trio.from_thread.run(f, 3, trio_token=token))
@@ -1352,3 +1362,71 @@ async def test_a_direct_call_that_yields_adds_no_schedule_point_of_its_own(
             trio.lowlevel.remove_instrument(counter)
         assert f.statistics().direct_calls == 1
     assert counter.steps["through the ferry"] == counter.steps["the call alone"] == 2
+
+
+def test_the_schedule_point_count_is_read_from_trio_or_not_at_all() -> None:
+    from ferry._schedule_points import reader
+
+    read = reader()
+    assert read is not None  # the trio we test with keeps the count
+
+    async def main() -> None:
+        task = trio.lowlevel.current_task()
+        before = read(task)
+        await trio.lowlevel.checkpoint()
+        assert read(task) == before + 1
+
+    trio.run(main)
+
+    class TaskWithoutTheCount:
+        __slots__ = ("name",)
+
+    class TaskWithAPlainAttribute:
+        _schedule_points = 0  # not trio's slot: not trusted
+
+    assert reader(TaskWithoutTheCount) is None
+    assert reader(TaskWithAPlainAttribute) is None
+
+
+@pytest.mark.parametrize("yields", [False, True])
+async def test_without_trios_count_every_direct_call_adds_its_schedule_point(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, yields: bool
+) -> None:
+    """The fallback for a trio that keeps no count (as `reader` answers for such a trio): a
+    direct call is still a checkpoint on every outcome, and one that yields costs the caller's
+    task one step more than the call alone (the schedule point added after it)."""
+    import ferry._shell
+
+    monkeypatch.setattr(ferry._shell, "_schedule_points", None)
+
+    async def call(key: int, xs: list[int]) -> list[Any]:
+        if yields:
+            await trio.lowlevel.checkpoint()
+        if key == 1:
+            raise OSError("refused")
+        return list(xs)
+
+    counter = StepCounter()
+    async with ferry.open_per_key_ferry(call, key=lambda x: x) as f:
+        with trio.testing.assert_checkpoints():
+            assert await f(0) == 0
+        with trio.testing.assert_checkpoints(), pytest.raises(ferry.Failed):
+            await f(1)
+
+        async def caller() -> None:
+            assert await f(2) == 2
+
+        async def bare() -> None:
+            assert await call(2, [2]) == [2]
+
+        trio.lowlevel.add_instrument(counter)
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(caller, name="through the ferry")
+                n.start_soon(bare, name="the call alone")
+        finally:
+            trio.lowlevel.remove_instrument(counter)
+        assert f.statistics().direct_calls == 3
+    alone = counter.steps["the call alone"]
+    assert alone == (2 if yields else 1)
+    assert counter.steps["through the ferry"] == alone + 1

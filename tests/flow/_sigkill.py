@@ -1,4 +1,4 @@
-"""The SIGKILL test's pieces (SPEC 5.5, issue 9): the child that runs the flows, the parent that
+"""The SIGKILL test's pieces (issue 9): the child that runs the flows, the parent that
 kills and restarts it, and the oracle.
 
 The child (``python -m tests.flow._sigkill DIR --flows N --gen G ...``) opens an engine on

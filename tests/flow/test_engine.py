@@ -1,4 +1,4 @@
-"""The engine (SPEC 5.2-5.4) under `MockClock(autojump_threshold=0)` on real SQLite.
+"""The engine under `MockClock(autojump_threshold=0)` on real SQLite.
 
 Most tests open engines as users do, ``flow.open_engine(path)``: under a mock clock the SQLite
 store runs its transactions on the trio thread, so time moves only when every task waits for time

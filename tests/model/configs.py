@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import attrs
+
 from ferry._lanes import Limits
 from tests.model.checker import Config
 from tests.model.flow import FlowConfig, StepSpec
@@ -175,6 +177,21 @@ FLOW_SLOW = [
         "flow: 3 steps, 2 wakes, cancel, resume, a lost answer, 1 crash", ORDER, ambiguous=1
     ),
 ]
+
+# A graceful close (ADR 0064): the engine lets go of a flow whose run had not begun, so that the
+# restarted engine keeps its attempt number. With `-m long`, a crash as well: both ways down.
+CLOSES = FlowConfig(
+    "flow: 3 steps, park with timeout, 1 wake, cancel, resume, 1 close",
+    ORDER,
+    wakes=("m1",),
+    crashes=0,
+    closes=1,
+)
+CLOSES_SLOW = attrs.evolve(
+    CLOSES,
+    name="flow: 3 steps, park with timeout, 1 wake, cancel, resume, 1 close, 1 crash",
+    crashes=1,
+)
 
 # Versions fail closed: the engine may restart without the flow's plan version (and, after a
 # second crash, with it again). The park is at a step without a compensation, after one with.

@@ -2,7 +2,7 @@
 
 `ferry.flow._machine` decides what a flow does; the store, the engine, the timer and the outside
 world decide *when* each transition is asked for and on which copy of the row. This model
-explores every interleaving of those actors for small bounds (SPEC 5.5) with the search of
+explores every interleaving of those actors for small bounds with the search of
 `checker.py` (BFS, deduplicated states, shortest counterexample traces), asking the machine for
 every transition through a `FlowProtocol` object, so that a test can plant a bug by overriding one.
 
@@ -11,11 +11,11 @@ Actors and their steps
 - the store holds the durable row (`Flow`), the mailbox and (abstracted to what the properties
   need, see `Ghost`) the history. A write is atomic. It is either a compare-and-set on the
   revision of the writer's copy (`_store.Change(flow=copy)`: the runner's writes, recovery's
-  `next_attempt`) or a transition applied to the held row (`Change` without `flow`: wake, cancel,
-  resume, the timer's `timeout` with ``expected=`` the revision it was armed for). A transition
-  sees the mailbox as the store shows it: ``message_id in seen`` and the first queued message.
-  The store applies `Transition.messages` to the mailbox (not `Transition.mailbox`), as
-  `_store._Batch.messages` does.
+  `rerun`, a closing engine's `let_go`) or a transition applied to the held row (`Change`
+  without `flow`: wake, cancel, resume, the timer's `timeout` with ``expected=`` the revision it
+  was armed for). A transition sees the mailbox as the store shows it: ``message_id in seen``
+  and the first queued message. The store applies `Transition.messages` to the mailbox (not
+  `Transition.mailbox`), as `_store._Batch.messages` does.
 - an engine (`Engine`; a tuple of them: `tests/model/fleet.py` runs two with leases) is up or
   down. Up, it has at most one runner for the flow and at most one armed timer:
   - runner ``(READY,)``: read the row; run it if it is running or compensating, arm its timer if
@@ -33,10 +33,20 @@ Actors and their steps
     has.
   - timer: fires once the clock reaches the armed deadline: `timeout` on the held row with
     ``expected=`` the armed revision (`Engine._fire`). If the flow runs on, the engine runs it.
-  - crash: the engine loses its runner, its retry budget and its timer. Restart: recovery as
-    SPEC 5.4 says for one engine, in one step because `open_engine` finishes it before it lets
-    any call in (`Engine._recover`): a running or compensating flow gets `next_attempt` written
-    (attempt + 1, ADR 0024) and runs again; a parked one gets its timer. With
+  - who holds the flow: every write the engine makes names it in the row's `owner` while the
+    flow stays active, and none once it is not (`_machine.leased`, as `Engine._leasing`; the
+    flow starts held by it).
+  - crash: the engine loses its runner, its retry budget and its timer. Restart: recovery, in
+    one step because `open_engine` finishes it before it lets any call in (`Engine._recover`):
+    a running or compensating flow gets `rerun` written and runs again, as attempt + 1 if the
+    row names an owner (that engine may have begun a run and recorded nothing), else with the
+    attempt it holds (attempts count runs that began, ADR 0064); a parked one gets its timer.
+  - close (bounded by ``closes``): the engine's graceful close (`Engine._let_go_unbegun`). Its
+    runner stops; if it was about to run a body (``(RUN, copy, failures)``: its run had not
+    begun) it lets the flow go, `let_go` as a compare-and-set on `copy` (owner none, attempt
+    kept), so that the next run keeps the attempt number; a body that had run without its
+    result written is lost as in a crash. Then the engine is down, and restarts as after a
+    crash. With
     ``unregistered``, a restart may come up without the flow's plan version (a deploy that
     dropped it): versions fail closed, so that engine blocks an active flow instead of running
     it (at recovery, or ``(BLOCK, copy)``: `block` as a compare-and-set), and asks `wake`,
@@ -67,9 +77,12 @@ ledger says (DUPLICATE iff its id was accepted, STALE iff the flow ended or comp
 iff parked before its deadline; at or after it, the timeout comes first);
 the mailbox never gets a second message with one id (the store's unique key). On every body
 run: never for a step or compensation whose outcome is recorded; its attempt number above every
-earlier run's (attempt numbers never repeat, ADR 0024); runs per idempotency key <= 1 + crashes
-that hit an unrecorded run of it + resumes that re-drove it + its retries (``attempts - 1`` in
-each drive: the engine's retry budget is in memory, so a crash gives a fresh one).
+earlier run's (attempt numbers never repeat, ADR 0024) and at most one above the last run's, plus
+one for each time an engine went down (crash or close) leaving the flow there under its name and
+each resume that re-drove it (numbers skip only where a run may have begun, ADR 0064); runs per
+idempotency key <= 1 + crashes that hit an unrecorded run of it + resumes that re-drove it + its
+retries (``attempts - 1`` in each drive: the engine's retry budget is in memory, so a crash gives
+a fresh one).
 
 In every terminal state (nothing can move): the flow is `COMPLETED`, `FAILED` or `BLOCKED` with
 a reason; a completed flow compensated nothing; a failed one compensated every completed step
@@ -92,6 +105,8 @@ from tests.model.checker import Search, _step_violation
 RUNNING, PARKED, COMPENSATING = State.RUNNING, State.PARKED, State.COMPENSATING
 COMPLETED, FAILED, BLOCKED = State.COMPLETED, State.FAILED, State.BLOCKED
 ACTIVE = (RUNNING, COMPENSATING)
+
+OWNER = "engine"  # the one engine's `owner` name (on SQLite, `open_engine` makes one up)
 
 # Runner phases (first element of an engine's runner tuple).
 READY, RUN, DONE, BLOCK = "ready", "run", "done", "block"
@@ -127,6 +142,7 @@ class FlowConfig:
     cancel: bool = True
     resumes: int = 1
     crashes: int = 1
+    closes: int = 0  # graceful closes of an engine (each followed by a restart)
     ambiguous: int = 0  # writes that commit and lose their answer
     unregistered: int = 0  # restarts that may come up without the flow's plan version
     engines: int = 1
@@ -179,8 +195,10 @@ class FlowProtocol:
     #: recovery arms the timers of parked flows
     recovery_arms_timers = True
 
-    #: recovery writes `next_attempt` before it re-runs a step or compensation (ADR 0024)
+    #: recovery writes `rerun` before it re-runs a step or compensation (ADR 0024, 0064)
     recovery_bumps_attempt = True
+    #: a closing engine lets go only of a flow whose run had not begun (ADR 0064)
+    close_lets_go_of_unbegun_runs_only = True
 
     def retries(self, flow: Flow, shape: Shape, failures: int) -> bool:
         """After the body raised for the ``failures + 1``-th time in this drive of the flow: run
@@ -198,6 +216,15 @@ class FlowProtocol:
 
     def next_attempt(self, flow: Flow, now: float) -> Transition:
         return fm.next_attempt(flow, now)
+
+    def rerun(self, flow: Flow, now: float) -> Transition:
+        return fm.rerun(flow, now)
+
+    def let_go(self, flow: Flow, now: float) -> Transition:
+        return fm.let_go(flow, now)
+
+    def leased(self, t: Transition, before: Flow, owner: str | None, respect: bool) -> Transition:
+        return fm.leased(t, before, owner, respect=respect)
 
     def compensated(self, flow: Flow, shape: Shape, now: float) -> Transition:
         return fm.compensated(flow, shape, flow.data, now)
@@ -257,6 +284,7 @@ class World(NamedTuple):
     unregistered: int
     freezes: int = 0  # the fleet: engines frozen (SIGSTOP) so far
     outages: int = 0  # the fleet: renewals an engine could not make in time while it ran on
+    closes: int = 0  # graceful closes so far
 
 
 class Ghost(NamedTuple):
@@ -272,6 +300,9 @@ class Ghost(NamedTuple):
     drives: tuple[int, ...]  # drives (runs with a fresh retry budget) per key
     attempts: tuple[int, ...]  # the attempt number of the last run, per key
     hits: tuple[int, ...]  # crashes that hit a run whose outcome was not written, per key
+    # times an engine went down (crash, close) leaving the flow active under its name, per key:
+    # each may make the next run's attempt number skip one (a run that may have begun)
+    skips: tuple[int, ...]
     resumes: tuple[int, ...]  # resumes that re-drove each key
     undoing: bool  # the flow compensated or failed: it never runs forward again
 
@@ -315,14 +346,18 @@ class FlowChecker(Search):
         #: checks that the bounds reach every case
         self.coverage: set[str] = set()
 
+    #: check that attempt numbers skip only where a run may have begun (the fleet's takeovers
+    #: after a lapse skip too: `tests/model/fleet.py` keeps only "never repeat")
+    checks_skips = True
+
     # ---- the search ---------------------------------------------------------------------------
 
     def initial(self) -> S:
-        t = fm.start(self.shape, "f", "{}", 0.0)
+        t = fm.start(self.shape, "f", "{}", 0.0, owner=OWNER)
         engines = [Engine(True, (RUN, t.flow, 0), None, True)]
         engines += [Engine(True, None, None, True)] * (self.config.engines - 1)
         zero = (0,) * (2 * self.n)
-        ghost = Ghost(frozenset(), (), (), (), "", (), zero, zero, zero, zero, zero, False)
+        ghost = Ghost(frozenset(), (), (), (), "", (), zero, zero, zero, zero, zero, zero, False)
         return S(t.flow, t.mailbox, 0.0, tuple(engines), World(0, False, 0, 0, 0, 0), ghost)
 
     def canon(self, m: S) -> Any:
@@ -354,11 +389,16 @@ class FlowChecker(Search):
         return steps
 
     def _disruptions(self, m: S) -> Iterator[tuple[str, S]]:
-        """What may hit any point where something else could happen: a crash of an engine."""
+        """What may hit any point where something else could happen: a crash of an engine, or
+        its graceful close."""
         if m.world.crashes < self.config.crashes:
             for e, engine in enumerate(m.engines):
                 if engine.up:
                     yield self._crash(m, e)
+        if m.world.closes < self.config.closes:
+            for e, engine in enumerate(m.engines):
+                if engine.up:
+                    yield self._close(m, e)
 
     # ---- the store ------------------------------------------------------------------------------
 
@@ -566,9 +606,14 @@ class FlowChecker(Search):
                 yield label, self._after_write(self._record(m, t, label), e, t.flow)
 
     def _lease(self, w: Write, e: int, *, outside: bool = False) -> Write:
-        """`w` as engine e sends it: the fleet adds who holds the flow after it
-        (`Engine._leasing`); one engine on SQLite needs nothing."""
-        return w
+        """`w` as engine e sends it, with who holds the flow after it (`Engine._leasing`): the
+        one engine, while the flow stays active. The fleet overrides it."""
+        p, apply = self.protocol, w.apply
+
+        def leased(f: Flow, b: Mailbox) -> Transition:
+            return p.leased(apply(f, b), f, OWNER, False)
+
+        return Write(leased, w.copy, w.message_id, w.head, w.orphan, w.cas)
 
     def _block(self, copy: Flow, now: float) -> Write:
         """An engine that lacks the plan version blocks the flow (a compare-and-set on `copy`)."""
@@ -589,6 +634,14 @@ class FlowChecker(Search):
         if copy.attempt <= g.attempts[key]:
             raise _step_violation(
                 label, f"{name} ran as attempt {copy.attempt} again (attempts never repeat)"
+            )
+        most = g.attempts[key] + 1 + g.skips[key] + g.resumes[key]
+        if self.checks_skips and copy.attempt > most:
+            last = "as its first run" if not g.attempts[key] else f"after {g.attempts[key]}"
+            raise _step_violation(
+                label,
+                f"{name} ran as attempt {copy.attempt} {last}, with {g.skips[key]} engine stops"
+                f" and {g.resumes[key]} resumes between: attempts count runs that began",
             )
         runs = _bumped(g.runs, key)
         drives = g.drives if failures else _bumped(g.drives, key)
@@ -683,12 +736,46 @@ class FlowChecker(Search):
             label += f" ({self._key_name(key)} ran, its result not written)"
         world = m.world._replace(crashes=m.world.crashes + 1)
         m = self._set_engine(m, e, up=False, runner=None, timer=None)
-        return label, m._replace(world=world, ghost=g)
+        return label, self._left_held(m._replace(world=world, ghost=g))
+
+    def _left_held(self, m: S) -> S:
+        """After an engine went down: if it left the flow active under its name, the next run
+        may be one attempt number further on (`rerun`)."""
+        row = m.row
+        if row.state not in ACTIVE or row.owner is None:
+            return m
+        return m._replace(ghost=m.ghost._replace(skips=_bumped(m.ghost.skips, self._key(row))))
+
+    def _close(self, m: S, e: int) -> tuple[str, S]:
+        """Engine e closes (`Engine._let_go_unbegun`): a runner about to run a body lets the
+        flow go (a compare-and-set on its copy); then it is down, as after a crash, whose
+        bookkeeping of a body that ran unrecorded it shares."""
+        p, runner, now = self.protocol, m.engines[e].runner, m.now
+        label = f"engine {e} closes"
+        unbegun = runner is not None and runner[0] == RUN
+        began = runner is not None and runner[0] == DONE
+        if unbegun or (began and not p.close_lets_go_of_unbegun_runs_only):
+            assert runner is not None
+            copy = runner[1]
+            t = self._write(m, Write(lambda f, _b: p.let_go(f, now), copy))
+            if t is None:
+                self.coverage.add("let go refused")
+                label += f", cannot let go of revision {copy.revision} (moved on)"
+            else:
+                self.coverage.add("let go")
+                label += f", lets go of {_where(copy)}: revision {t.flow.revision}"
+                m = self._record(m, t, label)
+        else:
+            self.coverage.add(f"close {'without a runner' if runner is None else runner[0]}")
+        down, m = self._crash(m._replace(world=m.world._replace(crashes=m.world.crashes - 1)), e)
+        world = m.world._replace(closes=m.world.closes + 1)
+        return label + down.removeprefix(f"engine {e} crashes"), m._replace(world=world)
 
     def _restart(self, m: S, e: int) -> Iterator[tuple[str, S]]:
-        """Recovery (SPEC 5.4, one engine), done before `open_engine` lets any call in: an
-        active flow gets attempt + 1 written and runs again (or is blocked if the plan version
-        is missing); a parked one gets its timer."""
+        """Recovery (one engine), done before `open_engine` lets any call in: an active flow
+        gets `rerun` written (attempt + 1 if the row names an owner, else the same attempt) and
+        runs again (or is blocked if the plan version is missing); a parked one gets its
+        timer."""
         row, w, p, now = m.row, m.world, self.protocol, m.now
         self.coverage.add(f"restart {row.state.name}")
         plans = [True] + ([False] if w.unregistered < self.config.unregistered else [])
@@ -703,7 +790,8 @@ class FlowChecker(Search):
                 yield label, self._set_engine(nxt, e, runner=(RUN, row, 0))
             elif row.state in ACTIVE:
                 if plan:
-                    write = Write(lambda f, _b: p.next_attempt(f, now), row)
+                    write = Write(lambda f, _b: p.rerun(f, now), row)
+                    self.coverage.add(f"rerun {'bumps' if row.owner else 'keeps'} the attempt")
                 else:
                     write = self._block(row, now)
                 t = self._write(nxt, self._lease(write, e))
@@ -845,6 +933,7 @@ def _forget(g: Ghost, keys: list[int]) -> Ghost:
         drives=zeroed(g.drives),
         attempts=zeroed(g.attempts),
         hits=zeroed(g.hits),
+        skips=zeroed(g.skips),
         resumes=zeroed(g.resumes),
     )
 

@@ -104,3 +104,19 @@ class RecoveryReusesTheAttempt(FlowProtocol):
     claims the attempt number of a run that may already have happened."""
 
     recovery_bumps_attempt = False
+
+
+class RecoveryBumpsEveryAttempt(FlowProtocol):
+    """(10) The old recovery rule (ADR 0024 before 0064): recovery writes attempt + 1 for every
+    active flow, also one that its closing engine let go before the run began, so a step's first
+    run can be attempt 2."""
+
+    def rerun(self, flow: Flow, now: float) -> Transition:
+        return self.next_attempt(flow, now)
+
+
+class CloseLetsGoOfARunThatBegan(FlowProtocol):
+    """(11) A closing engine also lets go of a flow whose body had run (its result not written):
+    the next engine runs it again with the same attempt number."""
+
+    close_lets_go_of_unbegun_runs_only = False

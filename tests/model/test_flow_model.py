@@ -14,12 +14,14 @@ from ferry.flow._machine import EMPTY_MAILBOX, Flow, Message, Received, Shape, T
 from ferry.flow._types import CONTINUE, State, park
 from tests.flow._helpers import _InlineTx
 from tests.model.checker import Counterexample
-from tests.model.configs import FLOW_DEFAULT, FLOW_SLOW, PLAN_MISSING
+from tests.model.configs import CLOSES, CLOSES_SLOW, FLOW_DEFAULT, FLOW_SLOW, PLAN_MISSING
 from tests.model.fleet import NAMES
 from tests.model.flow import FlowChecker, FlowConfig, FlowProtocol, S, Write
 from tests.model.planted_flow import (
+    CloseLetsGoOfARunThatBegan,
     CompensateOldestFirst,
     ParkIgnoresQueue,
+    RecoveryBumpsEveryAttempt,
     RecoveryForgetsTimers,
     RecoveryReusesTheAttempt,
     RetryOnceTooOften,
@@ -68,7 +70,7 @@ def _counterexample(
     return FlowChecker(config, protocol, check_machine=check_machine).find()
 
 
-# ---- the four planted bugs of SPEC 5.5 ----------------------------------------------------------
+# ---- the four required planted bugs --------------------------------------------------------------
 
 
 def test_catches_a_wake_before_the_park_that_is_lost() -> None:
@@ -149,10 +151,55 @@ def test_catches_a_rerun_that_repeats_an_attempt_number() -> None:
     assert found.trace[1].startswith("engine 0 crashes (step 'reserve' ran")
 
 
+# ---- recovery and a graceful close: attempt numbers count runs that began (ADR 0064) ---------
+
+CLOSE_REACHED = {
+    *("let go", "let go refused", "close done", "close ready", "close without a runner"),
+    *("rerun bumps the attempt", "rerun keeps the attempt", "end COMPLETED", "end FAILED"),
+}
+
+
+def test_flow_model_check_with_a_graceful_close() -> None:
+    checker = FlowChecker(CLOSES)
+    report = checker.run()
+    print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
+    missing = CLOSE_REACHED - checker.coverage
+    assert not missing, f"the bound never reaches {sorted(missing)}"
+
+
+@pytest.mark.long
+def test_flow_model_check_with_a_graceful_close_and_a_crash() -> None:
+    checker = FlowChecker(CLOSES_SLOW)
+    report = checker.run()
+    print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
+    assert checker.coverage >= CLOSE_REACHED
+
+
+@pytest.mark.parametrize("check_machine", [True, False])
+def test_catches_the_old_recovery_rule_that_counts_a_run_that_never_began(
+    check_machine: bool,
+) -> None:
+    found = _counterexample(CLOSES, RecoveryBumpsEveryAttempt(), check_machine=check_machine)
+    assert found.message.startswith("step 'reserve' ran as attempt 2 as its first run")
+    assert found.trace == [
+        "engine 0 closes, lets go of RUNNING 'reserve' attempt 1: revision 2",
+        "engine 0 restarts, recovers RUNNING 'reserve' attempt 1: revision 3,"
+        " RUNNING 'reserve' attempt 2",
+        "engine 0 runs step 'reserve', attempt 2  <-- fails here",
+    ]
+
+
+def test_catches_a_close_that_lets_go_of_a_run_that_began() -> None:
+    found = _counterexample(CLOSES, CloseLetsGoOfARunThatBegan(), check_machine=False)
+    assert found.message == "step 'reserve' ran as attempt 1 again (attempts never repeat)"
+    assert found.trace[1].startswith("engine 0 closes, lets go of RUNNING 'reserve' attempt 1")
+
+
 def test_unplanted_protocol_flags_are_on() -> None:
     p = FlowProtocol()
     assert p.runner_cas and p.blind_write_bumps_stored_revision
     assert p.timer_checks_revision and p.recovery_arms_timers and p.recovery_bumps_attempt
+    assert p.close_lets_go_of_unbegun_runs_only
 
 
 # ---- a machine bug the model found (fixed, ADR 0046): a cancel through an engine that lacked the
