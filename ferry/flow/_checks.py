@@ -43,30 +43,51 @@ def text_problem(value: str) -> str | None:
     return None
 
 
-def _too_deep(value: Json) -> bool:
-    """Is `value` nested deeper than `MAX_DEPTH` lists and dicts? (No recursion: a value nested
-    a million levels deep, or one that contains itself, is answered as quickly.)"""
+# The types JSON gives back as themselves: a value made only of these (dicts with str keys)
+# survives a round trip unchanged, so `json_text` need not parse its text again to know it.
+_PLAIN = frozenset({str, int, float, bool, type(None), dict, list})
+_DEEP, _ODD = 1, 2
+
+
+def _walk(value: Json) -> int:
+    """`_DEEP` if `value` is nested deeper than `MAX_DEPTH` lists and dicts (or contains itself),
+    else `_ODD` if it holds anything JSON may not give back unchanged (a tuple, a non-str key, a
+    subclass of a JSON type, a type JSON cannot carry), else 0. No recursion: a value nested a
+    million levels deep is answered as quickly. Cost: O(size), one look at each item."""
+    plain = _PLAIN
+    odd = type(value) not in plain
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict):
+        kind = type(item)
+        if kind is dict or isinstance(item, dict):
             children: Any = item.values()
-        elif isinstance(item, list | tuple):
+            for key in item:
+                if type(key) is not str:
+                    odd = True
+        elif kind is list or isinstance(item, list | tuple):
             children = item
         else:
             continue
         if depth > MAX_DEPTH:
-            return True
+            return _DEEP
         for child in children:
-            if isinstance(child, dict | list | tuple):
+            ck = type(child)
+            if ck is dict or ck is list or isinstance(child, dict | list | tuple):
                 stack.append((child, depth + 1))
-    return False
+            if ck not in plain:
+                odd = True
+    return _ODD if odd else 0
 
 
 def json_text(value: Json, what: str, *, max_bytes: int | None = None) -> str:
     """The canonical JSON text of `value`, checked to be storable; raises `TypeError` (not
-    JSON) or `ValueError` (too deep, too big, a string UTF-8 cannot hold) naming `what`."""
-    if _too_deep(value):
+    JSON) or `ValueError` (too deep, too big, a string UTF-8 cannot hold) naming `what`.
+
+    Cost: one walk of the value and one encoding; the text is parsed back (to compare) only
+    when the walk found something JSON may change (a tuple, a non-str key, a subclass)."""
+    shape = _walk(value)
+    if shape == _DEEP:
         raise ValueError(
             f"{what} is nested deeper than {MAX_DEPTH} levels of lists and dicts (or contains"
             " itself): flatten it"
@@ -77,19 +98,23 @@ def json_text(value: Json, what: str, *, max_bytes: int | None = None) -> str:
         raise TypeError(
             f"{what} must be JSON (None, bool, int, float, str, list, dict): {exc}"
         ) from None
-    if json.loads(text) != value:
+    if shape == _ODD and json.loads(text) != value:
         raise TypeError(
             f"{what} must be JSON and survive a round trip unchanged (dict keys must be str,"
             f" sequences lists), got {_short(value)}"
         )
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"{what} holds a string with {text[exc.start : exc.end]!r}, which is not valid Unicode"
-            " text (a lone surrogate, as from bytes decoded with errors='surrogateescape'):"
-            " UTF-8 cannot store it; decode bytes strictly, or store them as base64"
-        ) from None
+    if text.isascii():  # a flag of the str: no scan; no surrogate can hide in ASCII
+        size = len(text)
+    else:
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"{what} holds a string with {text[exc.start : exc.end]!r}, which is not valid"
+                " Unicode text (a lone surrogate, as from bytes decoded with"
+                " errors='surrogateescape'): UTF-8 cannot store it; decode bytes strictly, or"
+                " store them as base64"
+            ) from None
     if max_bytes is not None and size > max_bytes:
         raise ValueError(
             f"{what} is {size} bytes of JSON, more than the engine's max_data_bytes={max_bytes}:"

@@ -68,10 +68,14 @@ def _wrong_run(method: str) -> RuntimeError:
 
 
 class _Watch:
-    __slots__ = ("tvar", "users")
+    """The `wait`s on one flow. `tvar` changes only when the flow settles or leaves a settled
+    state (a waiter wakes once, not at every step); `latest` is every row seen (trio thread)."""
+
+    __slots__ = ("latest", "tvar", "users")
 
     def __init__(self) -> None:
         self.tvar: stm.TVar[Flow | None] = stm.TVar(None)
+        self.latest: Flow | None = None
         self.users = 0
 
 
@@ -153,7 +157,10 @@ class Engine:
         fid = flow.flow_id
         watch = self._watches.get(fid)
         if watch is not None:
-            stm.atomically_nowait(watch.tvar.set, flow)
+            watch.latest = flow
+            shown = watch.tvar.peek()
+            if flow.state in _SETTLED or (shown is not None and shown.state in _SETTLED):
+                stm.atomically_nowait(watch.tvar.set, flow)
 
     def _close(self) -> None:
         """The block ends: calls raise `ferry.Closed`, waiters wake, no flow gets a runner."""
@@ -285,7 +292,7 @@ class Engine:
                     flow = await self._until_settled(fid, watch, settled)
                 if waited.cancelled_caught:
                     assert timeout is not None
-                    latest = stm.atomically_nowait(tvar.get)
+                    latest = watch.latest
                     raise trio.TooSlowError(_still(flow if latest is None else latest, timeout))
             else:
                 await trio.lowlevel.checkpoint()
@@ -327,6 +334,8 @@ class Engine:
                         tvar.set(row)
 
                 stm.atomically_nowait(newer)
+                if watch.latest is None or row.revision > watch.latest.revision:
+                    watch.latest = row
             poll = min(poll * 2, _POLL_MAX)
 
     async def _load_until(self, flow_id: str, deadline: float) -> Flow | None:

@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import operator
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -270,8 +271,33 @@ def _no_change(flow: Flow, mailbox: Mailbox, delivery: Delivery | None = None) -
     return Transition(flow, mailbox, flow.revision, delivery=delivery, done=False)
 
 
+# `attrs.evolve` looks every field up by name on every call; a transition's copy of the row is
+# made here instead from the fields in their order, positionally (about half the cost). Flow's
+# fields are all plain `__init__` arguments of their own name, in this order.
+_FLOW_FIELDS: Final = tuple(a.name for a in attrs.fields(Flow))
+assert all(a.init and a.alias == a.name for a in attrs.fields(Flow))
+_flow_values: Final = operator.attrgetter(*_FLOW_FIELDS)
+_FLOW_INDEX: Final = {name: i for i, name in enumerate(_FLOW_FIELDS)}
+_REVISION: Final = _FLOW_INDEX["revision"]
+_UPDATED_AT: Final = _FLOW_INDEX["updated_at"]
+
+
+def _replace(flow: Flow, **changes: Any) -> Flow:
+    """`attrs.evolve(flow, **changes)` for `Flow`, cheaper; a name Flow lacks raises KeyError."""
+    values = list(_flow_values(flow))
+    for name, value in changes.items():
+        values[_FLOW_INDEX[name]] = value
+    return Flow(*values)
+
+
 def _bump(flow: Flow, now: float, **changes: Any) -> Flow:
-    return attrs.evolve(flow, revision=flow.revision + 1, updated_at=now, **changes)
+    """`flow` at its next revision, written at `now`, with `changes`."""
+    values = list(_flow_values(flow))
+    values[_REVISION] = flow.revision + 1
+    values[_UPDATED_AT] = now
+    for name, value in changes.items():
+        values[_FLOW_INDEX[name]] = value
+    return Flow(*values)
 
 
 def _ended(state: State) -> dict[str, Any]:
@@ -329,7 +355,7 @@ def _compensate(
         # Without the plan (a cancel through an engine or operator that lacks its version) the
         # top's name is unknown: it stays None until an engine with the plan runs it.
         step = shape.steps[top] if shape is not None and top < len(shape.steps) else None
-        return attrs.evolve(
+        return _replace(
             new,
             state=COMPENSATING,
             step_index=top,
@@ -343,7 +369,7 @@ def _compensate(
             blocked=None,
             blocked_from=None,
         )
-    failed = attrs.evolve(new, error=error, **_ended(FAILED))
+    failed = _replace(new, error=error, **_ended(FAILED))
     events.append(_event(failed, now, "failed", None, None, {"error": error}))
     return failed
 
@@ -790,7 +816,7 @@ def leased(t: Transition, before: Flow | None, owner: str | None, *, respect: bo
         holder = None
     if flow.owner == holder and flow.lease_until is None:
         return t
-    return attrs.evolve(t, flow=attrs.evolve(flow, owner=holder, lease_until=None))
+    return attrs.evolve(t, flow=_replace(flow, owner=holder, lease_until=None))
 
 
 # ------------------------------------------------------------------------------------ checking

@@ -36,13 +36,16 @@ import logging
 import sqlite3
 import sys
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import trio
 
 from ferry import Failed
 
 T = TypeVar("T")
+
+#: A value, or a function without arguments that makes it when (and if) it is needed.
+Lazy: TypeAlias = T | Callable[[], T]
 
 FIRST_DELAY = 0.05  # seconds before the first retry
 MAX_DELAY = 2.0  # the delay doubles up to this
@@ -109,8 +112,10 @@ class Backoff:
 
     __slots__ = ("_delay", "_extra", "_what", "retries")
 
-    def __init__(self, what: str, *, extra: Mapping[str, Any] | None = None) -> None:
-        self._what = what
+    def __init__(self, what: Lazy[str], *, extra: Lazy[Mapping[str, Any]] | None = None) -> None:
+        self._what = what if isinstance(what, str) else what()
+        if extra is not None and not isinstance(extra, Mapping):
+            extra = extra()
         self._extra = dict(extra or {})
         self._delay = FIRST_DELAY
         self.retries = 0
@@ -135,12 +140,15 @@ class Backoff:
 async def retrying(
     call: Callable[[], Awaitable[T]],
     *,
-    what: str,
-    extra: Mapping[str, Any] | None = None,
+    what: Lazy[str],
+    extra: Lazy[Mapping[str, Any]] | None = None,
 ) -> T:
     """``await call()`` until it returns; retried (with `Backoff`) while the store is
     unavailable, any other exception raised. `what` names the call in the WARNING of each
-    retry ("writing flow 'o-1'"); `extra` goes into its log record (flow_id, step, ...)."""
+    retry ("writing flow 'o-1'"); `extra` goes into its log record (flow_id, step, ...). Either
+    may be a function that makes it: it is called only if there is a retry to log (a runner
+    writes several times per flow, and formatting its name each time costs more than the rest
+    of this call)."""
     backoff: Backoff | None = None
     while True:
         try:

@@ -329,9 +329,9 @@ class Runner:
         flow = live.flow
         leased = writes.with_holder(apply, outside=False)
         op = _store.Change(flow.flow_id, leased, flow=flow, first_queued=head)
-        extra = about(flow)
+        extra = partial(about, flow)  # made only for a retry's WARNING, as its `what`
         result = await _retry.retrying(
-            partial(writes.write_answered, op), what=f"writing {named(flow)}", extra=extra
+            partial(writes.write_answered, op), what=lambda: f"writing {named(flow)}", extra=extra
         )
         if isinstance(result, _store.Changed):
             return True
@@ -352,7 +352,7 @@ class Runner:
             epoch = writes.epoch
             return await writes.load_row(flow.flow_id)
 
-        stored = await _retry.retrying(load, what=f"reading {named(flow)}", extra=extra)
+        stored = await _retry.retrying(load, what=lambda: f"reading {named(flow)}", extra=extra)
         if writes.live.get(flow.flow_id) is not live or live.flow.revision > flow.revision:
             return False
         if stored is None:

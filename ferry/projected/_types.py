@@ -15,14 +15,20 @@ T = TypeVar("T")
 Json: TypeAlias = Any
 
 
+# One encoder for every call: `json.dumps` with options builds a new `JSONEncoder` each time,
+# which costs more than encoding a small value. `encode` keeps no state between calls, so the
+# one instance serves every thread.
+_ENCODER = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
+
+
 def canonical_json(value: Json) -> str:
     """The one text form of a JSON value the journal stores and compares (sorted keys, no spaces).
 
     Raises `TypeError`/`ValueError` for values JSON cannot carry (sets, NaN, ...). Cost: O(size).
     """
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    )
+    return _ENCODER.encode(value)
 
 
 @final

@@ -3,6 +3,7 @@ time wins at the deadline, attempts count runs, publish is all or nothing, keys 
 
 from __future__ import annotations
 
+import enum
 import itertools
 import logging
 import sqlite3
@@ -90,6 +91,41 @@ async def test_retrying_retries_unavailability_with_its_own_delays(
     assert "writing flow 'o-1'" in records[0].getMessage()
     assert "0.05 s" in records[0].getMessage()
     assert records[0].__dict__["flow_id"] == "o-1"
+
+
+async def test_retrying_makes_a_lazy_name_only_for_a_retry(
+    caplog: pytest.LogCaptureFixture, autojump_clock: trio.testing.MockClock
+) -> None:
+    """`what` and `extra` given as functions are called only when a retry is logged (a
+    runner's every write passes them; formatting them each time was a cost of every write)."""
+    made: list[str] = []
+
+    def what() -> str:
+        made.append("what")
+        return "writing flow 'o-2'"
+
+    def extra() -> dict[str, str]:
+        made.append("extra")
+        return {"flow_id": "o-2"}
+
+    async def ok() -> int:
+        return 1
+
+    assert await _retry.retrying(ok, what=what, extra=extra) == 1
+    assert made == []
+    fails = [_sqlite_error(5, "database is locked")]
+
+    async def once() -> int:
+        if fails:
+            raise fails.pop()
+        return 2
+
+    caplog.set_level(logging.WARNING, logger="ferry.flow")
+    assert await _retry.retrying(once, what=what, extra=extra) == 2
+    assert made == ["what", "extra"]
+    (record,) = [r for r in caplog.records if r.name == "ferry.flow"]
+    assert "writing flow 'o-2'" in record.getMessage()
+    assert record.__dict__["flow_id"] == "o-2"
 
 
 async def test_retrying_caps_the_delay_and_raises_anything_else() -> None:
@@ -372,6 +408,9 @@ async def test_a_bad_start_is_refused_at_its_call_and_fails_no_neighbour(tmp_pat
         ({"x": "y" * 1000}, ValueError, "max_data_bytes=1000"),
         ({"x": {1, 2}}, TypeError, "must be JSON"),
         ({1: "x"}, TypeError, "round trip"),
+        ({"x": [[1, (2, 3)]]}, TypeError, "round trip"),  # a tuple deep inside
+        ({"x": {"y": {2: "z"}}}, TypeError, "round trip"),  # a non-str key deep inside
+        ({"x": "\u00e9" * 600}, ValueError, "1208 bytes"),  # counted in UTF-8 bytes, not chars
     ],
 )
 async def test_bad_start_data_is_a_clear_error(
@@ -389,6 +428,34 @@ async def test_bad_start_data_is_a_clear_error(
             await engine.start(plan, flow_id="f", data=data)
         assert await engine.get("f") is None
         assert await engine.start(plan, flow_id="ok", data=_deep(64)) == "ok"  # 64 levels in all
+
+
+async def test_start_data_that_json_gives_back_equal_is_stored(tmp_path: Path) -> None:
+    """Subclasses of JSON's types (an IntEnum, a str subclass, a dict subclass) are not JSON's
+    own, but survive a round trip equal: stored as plain JSON, as before the check was cheap."""
+
+    class Level(enum.IntEnum):
+        HIGH = 3
+
+    class Name(str):
+        pass
+
+    class Doc(dict):  # type: ignore[type-arg]
+        pass
+
+    plan = flow.Plan("calls", version=1)
+
+    @plan.step
+    async def only(ctx: flow.Context) -> None:
+        pass
+
+    data = {"level": Level.HIGH, "name": Name("n"), "doc": Doc(a=[1.5, None, True])}
+    async with flow.open_engine(str(tmp_path / "f.db"), plans=[plan]) as engine:
+        await engine.wait(await engine.start(plan, flow_id="f", data=data))
+        snap = await engine.get("f")
+        assert snap is not None
+        assert snap.data == {"level": 3, "name": "n", "doc": {"a": [1.5, None, True]}}
+        assert type(snap.data["level"]) is int and type(snap.data["doc"]) is dict
 
 
 async def test_bad_wakes_and_publishes_are_refused_at_their_call(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import trio
 import trio.testing
 
 import ferry
+import stm
 from ferry import flow
 from ferry.flow import _store
 from ferry.projected import PostgresStore, SqliteStore, Store
@@ -125,6 +126,36 @@ async def count_rows(store: Any) -> dict[flow.State, int]:
 
 
 # ------------------------------------------------------------------------------ steps and data
+
+
+async def test_a_waiter_wakes_when_its_flow_settles_not_at_every_step(
+    store, autojump_clock
+) -> None:
+    """`wait` on a flow of 30 steps is woken by the write that settles it, not by each of the
+    30 writes before (each wake-up is a task switch and a rerun of its transaction): the stm
+    wake-ups of a waited-for flow are those of an unwaited one plus a few (the ferry's worker
+    may wake a few times more or less as the tasks interleave), not plus one per step."""
+
+    async def step(ctx: flow.Context) -> None:
+        ctx.data[ctx.step] = True
+
+    plan = simple_plan(*[step] * 30)
+    async with engine_on(store, plan) as engine:
+
+        async def wakeups(fid: str, *, waited: bool) -> int:
+            await trio.testing.wait_all_tasks_blocked()
+            before = stm.statistics().wakeups
+            await engine.start(plan, flow_id=fid)
+            if waited:
+                assert (await engine.wait(fid)).state is flow.State.COMPLETED
+            await trio.testing.wait_all_tasks_blocked()
+            snap = await engine.get(fid)
+            assert snap is not None and snap.state is flow.State.COMPLETED
+            return stm.statistics().wakeups - before
+
+        unwaited = await wakeups("a", waited=False)
+        waited = await wakeups("b", waited=True)
+        assert waited - unwaited < 10, (waited, unwaited)
 
 
 async def test_steps_run_in_order_and_the_flow_completes(store, autojump_clock) -> None:
