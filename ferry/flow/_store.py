@@ -49,6 +49,7 @@ import attrs
 
 from ferry.projected import Tx, canonical_json
 
+from . import _notify
 from ._machine import (
     ACTIVE,
     EMPTY_MAILBOX,
@@ -725,6 +726,7 @@ def write_batch(
     for i in range(0, len(rows), _HISTORY_CHUNK):
         chunk = rows[i : i + _HISTORY_CHUNK]
         tx.execute(batch.sql.history + _more_rows(len(chunk)), [v for r in chunk for v in r])
+    _notify.announce(tx, [r.transition for r in results if isinstance(r, Changed | Created)], ns=ns)
     return results  # type: ignore[return-value]  # every slot is filled
 
 
