@@ -77,7 +77,7 @@ import stm
 from ferry import Closed, Failed, open_ferry
 from ferry.projected import SqliteStore, Store
 
-from . import _checks, _heartbeat, _lease, _retention, _retry, _store, _tracing
+from . import _checks, _heartbeat, _lease, _retention, _retry, _store, _tracing, _waiters
 from . import _machine as m
 from . import _timers as timers
 from ._apart import write_apart
@@ -108,7 +108,6 @@ _RUNNING = State.RUNNING
 _COMPENSATING = State.COMPENSATING
 _PARKED = State.PARKED
 _ACTIVE = m.ACTIVE
-_SETTLED = frozenset({State.COMPLETED, State.FAILED, State.BLOCKED})
 _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
 _BACKOFF = 0.1  # seconds before the first retry of a step; doubles with every retry
 _BATCH_SIZE = 1000
@@ -116,7 +115,6 @@ _LEASE_MARGIN = 0.1  # of the lease: an engine lets its flows go this long befor
 _PRUNE_EVERY = 100  # scans between two prunings of the engines table
 _PRUNE_AFTER = 100  # leases: an engine gone that long and holding no flow is forgotten
 _SCAN_LIMIT = 1000  # orphans taken over per scan, at most
-_POLL_MAX = 1.0  # `wait` on a fleet polls the store at most this far apart
 _GUARD = 1 / 4  # of the lease: how long a fleet engine's transaction may sit idle (locks held)
 _GUARD_MIN = 0.5
 
@@ -242,14 +240,6 @@ class _Sched:
         return len(self.queue) - self.head
 
 
-class _Watch:
-    __slots__ = ("tvar", "users")
-
-    def __init__(self) -> None:
-        self.tvar: stm.TVar[Flow | None] = stm.TVar(None)
-        self.users = 0
-
-
 _COUNTERS = (
     "completed",
     "failed",
@@ -355,11 +345,14 @@ class Engine:
             if retain is not None and serve
             else None
         )
-        self._live: dict[str, _Live] = {}
-        self._watches: dict[str, _Watch] = {}
         self._sched: stm.TVar[_Sched] = stm.TVar(_Sched())
         self._timers: stm.TVar[timers.Heap] = stm.TVar(timers.EMPTY)
         self._closed_tv = stm.TVar(False)
+        # The waits (`_waiters`), and the flows this engine holds, a map that tells them.
+        self._waiters: _waiters.Waiters[_Live] = _waiters.Waiters(
+            store, fleet=fleet, lease=lease, closed=self._closed_tv, read=self._read, owner=owner
+        )
+        self._live = self._waiters.held
         self._closing = False
         self._mappers: dict[str, list[Callable[[Json], object]]] = {}
         self._stats = dict.fromkeys(_COUNTERS, 0)
@@ -529,9 +522,7 @@ class Engine:
                 stats[_ENDS[state]] += 1
                 for observer in self._observers:
                     observer.ended(flow)
-        watch = self._watches.get(fid)
-        if watch is not None:
-            stm.atomically_nowait(watch.tvar.set, flow)
+        self._waiters.saw(flow)
         if live is not None:
             live.flow = flow
             live.epoch = epoch
@@ -1748,106 +1739,18 @@ class Engine:
     async def wait(self, flow_id: str, *, timeout: float | None = None) -> Snapshot:  # noqa: ASYNC109
         """Until the flow is `COMPLETED`, `FAILED` or `BLOCKED`; its snapshot then.
 
-        A retry on the engine's state (no polling) for the flows this engine writes. A store
-        that is unavailable is retried until the timeout. Raises `UnknownFlow`,
+        No polling (docs/adr/0096): a flow this engine runs is followed in its memory (an stm
+        retry on the engine's state, no read); on SQLite, so is every flow (one engine writes
+        the file). On a fleet, a flow another engine runs, or a parked one, is read once, then
+        again when a PostgreSQL notification says it settled, and at most once per lease
+        besides. A store that is unavailable is retried until the timeout. Raises `UnknownFlow`,
         `trio.TooSlowError` after `timeout` seconds (its message says where the flow still is),
         `ferry.Failed` if the store failed for another reason, or was unavailable until the
         timeout before the flow could be read once, `ferry.Closed` if the engine closes
         meanwhile.
         """
         self._check("wait")
-        fid = _checks.flow_id(flow_id)
-        if timeout is not None and not (
-            isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout >= 0
-        ):
-            raise ValueError(f"timeout must be a number >= 0 or None, got {timeout!r}")
-        watch = self._watches.get(fid)
-        if watch is None:
-            watch = self._watches[fid] = _Watch()
-        watch.users += 1
-        deadline = trio.current_time() + (math.inf if timeout is None else timeout)
-        try:
-            live = self._live.get(fid)
-            flow = live.flow if live is not None else await self._load_until(fid, deadline)
-            if flow is None:
-                raise UnknownFlow(f"no flow has id {fid!r}")
-            tvar, closed = watch.tvar, self._closed_tv
-
-            def settled() -> Flow:
-                if closed.get():
-                    raise Closed("the flow engine closed while waiting")
-                f = tvar.get()
-                if f is None or f.state not in _SETTLED:
-                    stm.retry()
-                return f
-
-            if flow.state not in _SETTLED:
-                with trio.move_on_at(deadline) as waited:
-                    flow = await self._until_settled(fid, watch, settled)
-                if waited.cancelled_caught:
-                    assert timeout is not None
-                    latest = stm.atomically_nowait(tvar.get)
-                    raise trio.TooSlowError(_still(flow if latest is None else latest, timeout))
-            else:
-                await trio.lowlevel.checkpoint()
-            return m.snapshot(flow)
-        finally:
-            watch.users -= 1
-            if not watch.users and self._watches.get(fid) is watch:
-                del self._watches[fid]
-
-    async def _until_settled(self, fid: str, watch: _Watch, settled: Callable[[], Flow]) -> Flow:
-        """`settled` as an stm retry on the flow's watch; in a fleet (where another engine may
-        run the flow) or in an operator's engine, also a poll of the store, from 50 ms apart
-        up to `_POLL_MAX`."""
-        if self._serve and not self._fleet:
-            return await stm.atomically(settled)
-        poll = 0.05
-        while True:
-            with trio.move_on_after(poll):
-                return await stm.atomically(settled)
-            try:
-                row = await self._load(fid)
-            except Failed as exc:
-                if not _retry.unavailable(exc):
-                    raise
-                _log.warning(
-                    "flow store unavailable while waiting for flow %r: %r; polling again in %.2f s",
-                    fid,
-                    exc.__cause__,
-                    poll,
-                    extra={"flow_id": fid, "delay": poll},
-                )
-                row = None
-            if row is not None:
-                tvar = watch.tvar
-
-                def newer(row: Flow = row, tvar: stm.TVar[Flow | None] = tvar) -> None:
-                    known = tvar.get()
-                    if known is None or row.revision > known.revision:
-                        tvar.set(row)
-
-                stm.atomically_nowait(newer)
-            poll = min(poll * 2, _POLL_MAX)
-
-    async def _load_until(self, flow_id: str, deadline: float) -> Flow | None:
-        """`_load`, retried while the store is unavailable, until `deadline` (trio time): then
-        `ferry.Failed` (the flow could not be read once)."""
-        backoff = _retry.Backoff(f"reading flow {flow_id!r}", extra={"flow_id": flow_id})
-        try:
-            return await self._load(flow_id)
-        except Failed as exc:
-            last = exc
-        with trio.move_on_at(deadline):
-            while True:
-                await backoff.pause(last)
-                try:
-                    return await self._load(flow_id)
-                except Failed as exc:
-                    last = exc
-        raise Failed(
-            f"the flow store stayed unavailable while waiting for flow {flow_id!r}: {last}"
-        ) from last.__cause__
+        return m.snapshot(await self._waiters.wait(_checks.flow_id(flow_id), timeout))
 
     async def _load_row(self, flow_id: str) -> Flow | None:
         """The flow's row, for the engine's own use: the store's error is raised as it is (the
@@ -1938,19 +1841,6 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"<flow.Engine running={len(self._live)} parked={self._parked}>"
-
-
-def _still(flow: Flow, timeout: float) -> str:
-    """Why `wait` gave up: where the flow still is (as this engine last knew it)."""
-    where = f"flow {flow.flow_id!r} is still {flow.state.name} at step {flow.step!r}"
-    if flow.state is _PARKED:
-        where += " (a parked flow goes on when it is woken: Engine.wake"
-        if flow.park_deadline is not None:
-            where += ", or when its park times out"
-        where += ")"
-    elif flow.attempt > 1:
-        where += f" (attempt {flow.attempt})"
-    return f"{where} after {timeout:g} s"
 
 
 def _on_row(fn: Callable[..., Transition], *args: Any) -> _store.Apply:
@@ -2289,6 +2179,7 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
         engine._log_closed(engine_error or body_error)
         with trio.CancelScope(shield=True):
             await engine._stop_keeper()
+            await engine._waiters.aclose()
     if engine_error is not None:
         raise _merged(body_error, engine_error)
     if body_error is not None:
