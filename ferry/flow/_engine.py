@@ -21,7 +21,9 @@ own next write then fails its compare-and-set, and it carries on from the new st
 
 In stm TVars: the scheduler (`_Sched`: running count and the FIFO of flows waiting for one of
 `max_running` slots), the timer heap (`_timers`, one task sleeping in ``retry(deadline=)`` on its
-top, docs/adr/0023), a TVar per flow somebody `wait`s for, and the closed flag.
+top, docs/adr/0023), the closed flag, and the watches of `wait` (`_waiters`: the flows somebody
+waits for, followed through `_track` and the map of live flows, `_waiters.Held`; on a fleet also
+through PostgreSQL notifications, docs/adr/0096).
 
 Durable times are wall-clock seconds: ``time.time()`` at open plus `trio.current_time()` elapsed
 since, so `trio.testing.MockClock` drives hour-long parks in a test. Attempts: a retry writes
@@ -1963,7 +1965,8 @@ def open_engine(
     recorded, and a flow they make runnable is left to the engines that serve the store (on
     PostgreSQL the next scan of any of them takes it; on SQLite, where the operator's engine
     holds the file's lock like any engine, the next engine to open the file). Its `wait`
-    polls the store.
+    reads a flow once, then, on PostgreSQL, when a notification says it settled (and once per
+    lease besides).
 
     Definition errors (a bad plan, an empty plan, no plans for a serving engine) and bad
     options are raised as they are, before anything is opened. Leaving the block closes the

@@ -10,8 +10,9 @@ No timer runs: an idle listener costs nothing but the connection.
 
 When the connection fails (the server restarted, the backend was terminated, the network went),
 the thread logs a WARNING, tells the trio side (``on_state(False)``: waits then read the store
-on their own, as they would without notifications) and connects again after a pause (50 ms,
-doubling up to 2 s), a WARNING per failed attempt. Every time it is listening again it says so
+on their own, as they would without notifications) and connects again: at once, then, while
+connecting fails, after a pause (50 ms, doubling up to 2 s), with a WARNING per failed attempt.
+Every time it is listening again it says so
 (``on_state(True)``): what was announced in between is lost, and the waits catch up with one
 read. A connection that dies without a word (no reset ever arrives) is not noticed here: the
 waits' fallback read, once per lease, bounds what that costs.
@@ -179,15 +180,15 @@ class Listener:
         with selectors.DefaultSelector() as selector:
             selector.register(conn.fileno(), selectors.EVENT_READ)
             selector.register(self._wake_r, selectors.EVENT_READ)
-            while not self._stop.is_set():
-                ready = selector.select()
-                if self._stop.is_set():
-                    return
-                if not ready:
-                    continue
+            while True:
+                # First what psycopg may hold already (it keeps what arrives with a statement's
+                # answer, as with the LISTEN's), then what the socket has.
                 for note in conn.notifies(timeout=0):
                     if not self._tell(self._on_flows, _notify.parse(note.payload)):
                         return
+                selector.select()
+                if self._stop.is_set():
+                    return
 
 
 def _close(conn: Any, owner: str) -> None:

@@ -38,8 +38,9 @@ Invariants (all on the trio thread of the engine's run):
 - `_watches[fid]` exists while a wait for `fid` runs (`users` > 0), and not after.
 - `_Watch.known` is `_Watch.flow`'s value; it never moves back to an older revision of the flow.
 - `_Watch.here` is True iff the flow is in `held`.
-- `_Watch.stale` is True only while its flow id is in `_pending`; every id in `_pending` has a
-  watch.
+- `_Watch.stale` is True only while its flow id is in `_pending` (an id may be pending without
+  it: left there by a read the store could not answer, for the next read to take along); every
+  id in `_pending` has a watch.
 """
 
 from __future__ import annotations
@@ -277,8 +278,10 @@ class Waiters(Generic[H]):
         woken: list[stm.TVar[bool]] = []
         for fid in fids:
             watch = self._watches.get(fid)
-            if watch is not None and fid not in self._pending:
-                self._pending.add(fid)
+            if watch is None:
+                continue
+            self._pending.add(fid)
+            if not watch.stale.peek():
                 woken.append(watch.stale)
         if woken:
             stm.atomically_nowait(_set_all, woken, True)
