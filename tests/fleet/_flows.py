@@ -480,6 +480,27 @@ def in_flight(dsn: str, owner: str) -> dict[str, tuple[str, int]]:
     return {r[0]: (key_of(r[0], r[1], r[2], r[3]), r[4]) for r in rows}
 
 
+def quiesce(dsn: str, owner: str, ceiling: float = 60.0) -> None:
+    """Wait until the database runs nothing `owner`'s process sent it (its connections carry
+    its name as `application_name`): after a SIGSTOP, a
+    statement (a COMMIT) sent just before the signal still completes, and may move or end a
+    flow the stopped process held; what it holds is read once that has landed."""
+    end, idle = time.monotonic() + ceiling, 0
+    while time.monotonic() < end:
+        busy = query(
+            dsn,
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+            " AND state = 'active'",
+            (owner,),
+        )
+        # Idle at three reads in a row: bytes still in the socket may not show yet at one.
+        idle = 0 if int(busy[0][0]) else idle + 1
+        if idle == 3:
+            return
+        time.sleep(0.03)
+    raise AssertionError(f"{owner}'s statements still run {ceiling} s after it was stopped")
+
+
 def still_held(dsn: str, owner: str, flow_ids: Mapping[str, object]) -> int:
     """How many of `flow_ids` `owner` still holds."""
     rows = query(

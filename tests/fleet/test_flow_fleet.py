@@ -33,6 +33,7 @@ from ._flows import (
     last_audit_id,
     observe,
     prepare,
+    quiesce,
     scenario,
     still_held,
     summary,
@@ -116,6 +117,7 @@ def run_fleet(
         # SIGSTOP engine 2 past its lease (and the others' next scans), then SIGCONT.
         chaos.freeze_key = frozen.wait_holding()
         frozen.signal(signal.SIGSTOP)
+        quiesce(dsn, frozen.owner)
         held = {fid: rev for fid, (_key, rev) in in_flight(dsn, frozen.owner).items()}
         frozen_after = last_audit_id(dsn)
         # Frozen until the others took over every flow it held (at least a lease): then
