@@ -26,7 +26,7 @@ import attrs
 
 from ferry.projected import Tx, canonical_json
 
-from . import _sql
+from . import _notify, _sql
 from ._machine import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Transition
 from ._sql import FIELDS, MUTABLE, Statements, mutable_values, row_values, to_flow
 
@@ -557,7 +557,10 @@ def write_batch(tx: Tx, ops: Sequence[Op], *, guard: float | None = None) -> lis
     order = sorted(range(len(ops)), key=lambda i: op_flow_id(ops[i]))
     sql = _sql.statements(tx.dialect)
     writer = _Arrays(tx, sql) if sql.d.arrays else _RowByRow(tx, sql)
-    return writer.write(ops, order)
+    results = writer.write(ops, order)
+    # A wait in another engine hears of the flows this batch settles (PostgreSQL only).
+    _notify.announce(tx, [r.transition for r in results if isinstance(r, Changed | Created)])
+    return results
 
 
 class Undone(Exception):

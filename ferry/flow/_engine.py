@@ -17,6 +17,8 @@ methods it was given at construction, and no part imports this module):
   lapse, stated there once).
 - `_runner`: runner slots and the tasks that run steps and compensations.
 - `_timer_loop`: the park deadlines and the task that fires them (the heap itself: `_timers`).
+- `_waiters`: `wait`, and what wakes it (the engine's own writes, PostgreSQL notifications
+  through `_listener`, a read per lease at most).
 - `_writes`: every durable change of a flow, through the ferry, and the map of live flows that
   follows the commits.
 - `_versions`, `_clock`, `_live`: plan versions, the wall clock, and the records every part
@@ -27,36 +29,31 @@ methods it was given at construction, and no part imports this module):
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar, final
 
-import trio
-
 import stm
-from ferry import Closed, Failed
+from ferry import Closed
 from ferry._errors import wrong_run
 from ferry.projected import Store
 
-from . import _checks, _retry, _store, _tracing
+from . import _checks, _store, _tracing, _waiters
 from . import _machine as m
 from ._errors import UnknownFlow
+from ._live import Live
 from ._machine import Flow
 from ._observe import Observer
 from ._parts import Parts
 from ._plan import Plan
 from ._requests import check_mapper
-from ._types import Delivery, Event, FlowStatistics, Json, Snapshot, Start, State, Wake
+from ._types import Delivery, Event, FlowStatistics, Json, Snapshot, Start, Wake
 
 T = TypeVar("T")
 
 _log = logging.getLogger("ferry.flow")
 
-_PARKED = State.PARKED
-_SETTLED = frozenset({State.COMPLETED, State.FAILED, State.BLOCKED})
-_POLL_MAX = 1.0  # `wait` on a fleet polls the store at most this far apart
 
 _thread_id = threading.get_ident
 
@@ -65,21 +62,6 @@ def _wrong_run(method: str) -> RuntimeError:
     run = "run_sync" if method in ("on", "statistics") else "run"
     hint = f"trio.from_thread.{run}(engine.{method}, ..., trio_token=token)"
     return wrong_run(f"flow.Engine.{method}", "an engine", hint)
-
-
-class _Watch:
-    """The `wait`s on one flow. `tvar` changes only when the flow settles or leaves a settled
-    state (a waiter wakes once, not at every step); `latest` is every row seen (trio thread)."""
-
-    __slots__ = ("latest", "tvar", "users")
-
-    def __init__(self) -> None:
-        self.tvar: stm.TVar[Flow | None] = stm.TVar(None)
-        self.latest: Flow | None = None
-        self.users = 0
-
-
-# ------------------------------------------------------------------------------------ the engine
 
 
 @final
@@ -117,6 +99,11 @@ class Engine:
         self._fleet = fleet  # leases are respected (PostgreSQL); else one engine per store
         self._group_commit = group_commit
         self._lease = float(lease)
+        self._closed_tv = stm.TVar(False)
+        # The waits (`_waiters`), and the map of the flows this engine holds, which tells them.
+        self._waiters: _waiters.Waiters[Live] = _waiters.Waiters(
+            store, fleet=fleet, lease=lease, closed=self._closed_tv, read=self._read, owner=owner
+        )
         self._parts = parts = Parts(
             store,
             plans,
@@ -131,14 +118,13 @@ class Engine:
             wall_clock=wall_clock,
             retain=retain,
             tracing=tracing,
-            seen=self._seen,
+            seen=self._waiters.saw,
+            live=self._waiters.held,
         )
         self._requests = parts.requests
         self._shapes = parts.versions.shapes
         self._tally = parts.tally
         self._live = parts.writes.live  # the live flows (read only here)
-        self._watches: dict[str, _Watch] = {}
-        self._closed_tv = stm.TVar(False)
         self._closing = False
         self._mappers: dict[str, list[Callable[[Json], object]]] = {}
         self._thread = _thread_id()  # of the run that opened it: only its tasks may call it
@@ -151,16 +137,6 @@ class Engine:
     @_observers.setter
     def _observers(self, observers: tuple[Observer, ...]) -> None:
         self._tally.observers = observers
-
-    def _seen(self, flow: Flow) -> None:
-        """A committed row of `flow` (`Writes.track`): wake whoever waits for it."""
-        fid = flow.flow_id
-        watch = self._watches.get(fid)
-        if watch is not None:
-            watch.latest = flow
-            shown = watch.tvar.peek()
-            if flow.state in _SETTLED or (shown is not None and shown.state in _SETTLED):
-                stm.atomically_nowait(watch.tvar.set, flow)
 
     def _close(self) -> None:
         """The block ends: calls raise `ferry.Closed`, waiters wake, no flow gets a runner."""
@@ -254,113 +230,18 @@ class Engine:
     async def wait(self, flow_id: str, *, timeout: float | None = None) -> Snapshot:  # noqa: ASYNC109
         """Until the flow is `COMPLETED`, `FAILED` or `BLOCKED`; its snapshot then.
 
-        A retry on the engine's state (no polling) for the flows this engine writes. A store
-        that is unavailable is retried until the timeout. Raises `UnknownFlow`,
+        No polling (docs/adr/0096): a flow this engine runs is followed in its memory (an stm
+        retry on the engine's state, no read); on SQLite, so is every flow (one engine writes
+        the file). On a fleet, a flow another engine runs, or a parked one, is read once, then
+        again when a PostgreSQL notification says it settled, and at most once per lease
+        besides. A store that is unavailable is retried until the timeout. Raises `UnknownFlow`,
         `trio.TooSlowError` after `timeout` seconds (its message says where the flow still is),
         `ferry.Failed` if the store failed for another reason, or was unavailable until the
         timeout before the flow could be read once, `ferry.Closed` if the engine closes
         meanwhile.
         """
         self._check("wait")
-        fid = _checks.flow_id(flow_id)
-        if timeout is not None and not (
-            isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout >= 0
-        ):
-            raise ValueError(f"timeout must be a number >= 0 or None, got {timeout!r}")
-        watch = self._watches.get(fid)
-        if watch is None:
-            watch = self._watches[fid] = _Watch()
-        watch.users += 1
-        deadline = trio.current_time() + (math.inf if timeout is None else timeout)
-        try:
-            live = self._live.get(fid)
-            flow = live.flow if live is not None else await self._load_until(fid, deadline)
-            if flow is None:
-                raise UnknownFlow(f"no flow has id {fid!r}")
-            tvar, closed = watch.tvar, self._closed_tv
-
-            def settled() -> Flow:
-                if closed.get():
-                    raise Closed("the flow engine closed while waiting")
-                f = tvar.get()
-                if f is None or f.state not in _SETTLED:
-                    stm.retry()
-                return f
-
-            if flow.state not in _SETTLED:
-                with trio.move_on_at(deadline) as waited:
-                    flow = await self._until_settled(fid, watch, settled)
-                if waited.cancelled_caught:
-                    assert timeout is not None
-                    latest = watch.latest
-                    raise trio.TooSlowError(_still(flow if latest is None else latest, timeout))
-            else:
-                await trio.lowlevel.checkpoint()
-            return m.snapshot(flow)
-        finally:
-            watch.users -= 1
-            if not watch.users and self._watches.get(fid) is watch:
-                del self._watches[fid]
-
-    async def _until_settled(self, fid: str, watch: _Watch, settled: Callable[[], Flow]) -> Flow:
-        """`settled` as an stm retry on the flow's watch; in a fleet (where another engine may
-        run the flow) or in an operator's engine, also a poll of the store, from 50 ms apart
-        up to `_POLL_MAX`."""
-        if self._serve and not self._fleet:
-            return await stm.atomically(settled)
-        poll = 0.05
-        while True:
-            with trio.move_on_after(poll):
-                return await stm.atomically(settled)
-            try:
-                row = await self._load(fid)
-            except Failed as exc:
-                if not _retry.unavailable(exc):
-                    raise
-                _log.warning(
-                    "flow store unavailable while waiting for flow %r: %r; polling again in %.2f s",
-                    fid,
-                    exc.__cause__,
-                    poll,
-                    extra={"flow_id": fid, "delay": poll},
-                )
-                row = None
-            if row is not None:
-                tvar = watch.tvar
-
-                def newer(row: Flow = row, tvar: stm.TVar[Flow | None] = tvar) -> None:
-                    known = tvar.get()
-                    if known is None or row.revision > known.revision:
-                        tvar.set(row)
-
-                stm.atomically_nowait(newer)
-                if watch.latest is None or row.revision > watch.latest.revision:
-                    watch.latest = row
-            poll = min(poll * 2, _POLL_MAX)
-
-    async def _load_until(self, flow_id: str, deadline: float) -> Flow | None:
-        """`_load`, retried while the store is unavailable, until `deadline` (trio time): then
-        `ferry.Failed` (the flow could not be read once)."""
-        backoff = _retry.Backoff(f"reading flow {flow_id!r}", extra={"flow_id": flow_id})
-        try:
-            return await self._load(flow_id)
-        except Failed as exc:
-            last = exc
-        with trio.move_on_at(deadline):
-            while True:
-                await backoff.pause(last)
-                try:
-                    return await self._load(flow_id)
-                except Failed as exc:
-                    last = exc
-        raise Failed(
-            f"the flow store stayed unavailable while waiting for flow {flow_id!r}: {last}"
-        ) from last.__cause__
-
-    async def _load_row(self, flow_id: str) -> Flow | None:
-        """The flow's row, for the engine's own use: the store's error is raised as it is (the
-        engine retries unavailability, and any other error ends its block)."""
-        return await self._store.transact(partial(_store.load, flow_id=flow_id))
+        return m.snapshot(await self._waiters.wait(_checks.flow_id(flow_id), timeout))
 
     async def _load(self, flow_id: str) -> Flow | None:
         """The flow's row; `ferry.Failed` if the store failed."""
@@ -420,16 +301,3 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"<flow.Engine running={len(self._live)} parked={self._tally.parked}>"
-
-
-def _still(flow: Flow, timeout: float) -> str:
-    """Why `wait` gave up: where the flow still is (as this engine last knew it)."""
-    where = f"flow {flow.flow_id!r} is still {flow.state.name} at step {flow.step!r}"
-    if flow.state is _PARKED:
-        where += " (a parked flow goes on when it is woken: Engine.wake"
-        if flow.park_deadline is not None:
-            where += ", or when its park times out"
-        where += ")"
-    elif flow.attempt > 1:
-        where += f" (attempt {flow.attempt})"
-    return f"{where} after {timeout:g} s"

@@ -325,6 +325,7 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
         _log_closed(engine, engine_error or body_error)
         with trio.CancelScope(shield=True):
             await parts.end()
+            await engine._waiters.aclose()
     if engine_error is not None:
         raise _merged(body_error, engine_error)
     if body_error is not None:

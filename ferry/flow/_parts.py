@@ -52,6 +52,7 @@ class Parts:
         retain: float | None,
         tracing: _tracing.Tracing | None,
         seen: Callable[[Flow], None],
+        live: dict[str, Live],
     ) -> None:
         self._store = store
         self._owner = owner
@@ -78,6 +79,7 @@ class Parts:
             group_commit=group_commit,
             guard=guard,
             seen=seen,
+            live=live,
             runnable=runnable,
             arm=timers.arm,
         )

@@ -78,6 +78,7 @@ class Writes:
         group_commit: bool,
         guard: float | None,
         seen: Callable[[Flow], None],
+        live: dict[str, Live],
         runnable: Callable[[Live], None],
         arm: Callable[[float, str, int], None],
     ) -> None:
@@ -97,7 +98,7 @@ class Writes:
         self._runnable = runnable  # a flow became live: give it a runner
         self._arm = arm  # a flow parked with a deadline
         self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
-        self.live: dict[str, Live] = {}
+        self.live = live  # empty at first (`_waiters.Held`: it tells the waits what comes and goes)
         self.released: dict[str, int] = {}
         self.epoch = 0
 

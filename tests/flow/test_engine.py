@@ -394,7 +394,7 @@ async def test_wait_timeout(store, autojump_clock) -> None:
         with pytest.raises(trio.TooSlowError):
             await engine.wait("o", timeout=5)
         assert trio.current_time() - t0 == pytest.approx(5)
-        assert engine._watches == {}  # nothing left registered
+        assert engine._waiters._watches == {}  # nothing left registered
         with pytest.raises(flow.UnknownFlow):
             await engine.wait("nope", timeout=5)
 

@@ -322,8 +322,9 @@ async def test_a_dead_connection_reaches_reads_as_failed_and_wait_retries(
             else:  # pragma: no cover - the pool's one connection was dead
                 pytest.fail("a read on a killed connection went through")
         assert all(type(exc) is ferry.Failed for exc in failures), failures
-        # `wait` polls the store (an operator's engine, like a fleet engine for flows run
-        # elsewhere): connections killed under it are retried until the flow ends.
+        # `wait` reads the store (an operator's engine runs no flow: every flow is elsewhere),
+        # its listener's connection is killed too (it reads 50 ms apart, doubling, meanwhile):
+        # reads on killed connections are retried until the flow ends.
         async with trio.open_nursery() as nursery:
 
             async def kill_then_finish() -> None:
