@@ -28,7 +28,16 @@ from ferry.projected import Tx, canonical_json
 
 from . import _notify, _sql
 from ._machine import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Transition
-from ._sql import FIELDS, MUTABLE, Statements, mutable_values, row_values, to_flow
+from ._sql import (
+    FIELDS,
+    MUTABLE,
+    Statements,
+    changed_columns,
+    mutable_values,
+    row_values,
+    to_flow,
+    update_columns,
+)
 
 
 @attrs.frozen
@@ -199,10 +208,23 @@ class _RowByRow:
             else:
                 self.tx.execute(self.sql.take, (fid, msg.message_id))
 
-    def cas(self, t: Transition, lapsed_at: float | None = None, holder: str | None = None) -> bool:
+    def changes(self, sql: str, params: Sequence[Any]) -> int:
+        """Run one write statement; how many rows it changed. A compare-and-set or an insert
+        that may be ignored is answered by this count, without a ``RETURNING`` row to build
+        and fetch (the driver's own cursor: `_RowByRow` is SQLite's writer)."""
+        return int(self.tx.connection.execute(sql, params).rowcount)
+
+    def cas(
+        self,
+        t: Transition,
+        before: Flow,
+        lapsed_at: float | None = None,
+        holder: str | None = None,
+    ) -> bool:
         """Write the transition's row if the stored revision is still ``t.expected`` (and no
         lease holds it at `lapsed_at`, where given: a takeover of a flow its copy shows held by
-        `holder`).
+        `holder`). `before` is the row the transition ran on (the caller's copy or the held
+        row): only the columns it changes are written (`_sql.changed_columns`).
 
         Where leases exist (PostgreSQL) a takeover first locks `holder`'s lease row (``FOR
         SHARE``), so that the lease it reads is the one committed when it writes: a renewal of
@@ -216,9 +238,11 @@ class _RowByRow:
             rows = self.tx.execute(
                 self.sql.update_orphan, (*values, fid, t.expected, lapsed_at, lapsed_at)
             )
-        else:
-            rows = self.tx.execute(self.sql.update, (*values, fid, t.expected))
-        return bool(rows)
+            return bool(rows)
+        columns = changed_columns(mutable_values(before), values)
+        params = [values[i] for i in columns]
+        params += (fid, t.expected)
+        return self.changes(update_columns(columns), params) == 1
 
     def conflict(self, flow_id: str, expected: int | None) -> Conflict | Missing:
         rows = self.tx.execute(self.sql.revision, (flow_id,))
@@ -228,7 +252,7 @@ class _RowByRow:
 
     def create(self, op: Create) -> Result:
         t = op.transition
-        if self.tx.execute(self.sql.insert, row_values(t.flow)):
+        if self.changes(self.sql.insert, row_values(t.flow)):
             self.history += _history_rows(t)
             return Created(t)
         return _existing(self.tx.execute(self.sql.existing, (t.flow.flow_id,))[0], t.flow)
@@ -242,7 +266,7 @@ class _RowByRow:
             except Exception as exc:
                 return Refused(op.flow_id, exc)
             if t.written:
-                if not self.cas(t, op.lapsed_at, known.owner):
+                if not self.cas(t, known, op.lapsed_at, known.owner):
                     return self.conflict(op.flow_id, t.expected)
                 self.history += _history_rows(t)
             self.messages(t)
@@ -271,7 +295,7 @@ class _RowByRow:
         except Exception as exc:  # nothing was changed yet: the held row is as it was
             return Refused(op.flow_id, exc)
         if t.written:
-            if not self.cas(t):  # cannot happen while the row is held; never write blind
+            if not self.cas(t, flow):  # cannot happen while the row is held; never write blind
                 return self.conflict(op.flow_id, t.expected)
             self.history += _history_rows(t)
         self.messages(t)

@@ -25,6 +25,7 @@ No trio, no clock.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -158,6 +159,32 @@ def mutable_values(f: Flow) -> tuple[Any, ...]:
     )
 
 
+#: The index in `MUTABLE` of the one column a write may find changed at the revision it expects
+#: (a release sets ``lease_until`` alone, `_store.release`): `changed_columns` always writes it.
+_LEASE_UNTIL: Final = MUTABLE.index("lease_until")
+
+
+def changed_columns(before: Sequence[Any], after: Sequence[Any]) -> tuple[int, ...]:
+    """The indexes in `MUTABLE` of the columns a write from `before` to `after` (both as
+    `mutable_values` gives them) must set: those whose value or type differs (``1`` and
+    ``1.0`` are stored differently), and always ``lease_until``, which a release changes
+    without a new revision, so the stored row may hold another value than `before` does."""
+    return tuple(
+        i
+        for i in range(len(MUTABLE))
+        if i == _LEASE_UNTIL or (a := before[i]) != (b := after[i]) or type(a) is not type(b)
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def update_columns(columns: tuple[int, ...]) -> str:
+    """SQL: the compare-and-set UPDATE of the columns `MUTABLE[i]` for `i` in `columns` (their
+    values, then the flow id and the expected revision); answered by the count of rows it
+    changed (SQLite's writer, `_batch._RowByRow`). Cached: a handful of column sets occur."""
+    sets = ", ".join(f"{MUTABLE[i]} = ?" for i in columns)
+    return f"UPDATE {FLOWS} SET {sets} WHERE flow_id = ? AND revision = ?"
+
+
 def row_values(f: Flow) -> tuple[Any, ...]:
     """The values of `FIELDS` and ``start_data`` for a new flow `f` (its data is its start
     data)."""
@@ -267,7 +294,6 @@ class Statements:
     # writes, a row at a time
     insert: str
     existing: str
-    update: str
     update_orphan: str
     lock_lease: str
     hold: str
@@ -333,10 +359,8 @@ class Statements:
         return cls(
             d=d,
             insert=f"INSERT INTO {FLOWS} ({COLUMNS}, start_data) VALUES ({marks})"
-            " ON CONFLICT (flow_id) DO NOTHING RETURNING flow_id",
+            " ON CONFLICT (flow_id) DO NOTHING",
             existing=f"SELECT {COLUMNS}, start_data FROM {FLOWS} WHERE flow_id = ?{lock}",
-            update=f"UPDATE {FLOWS} SET {sets} WHERE flow_id = ? AND revision = ?"
-            " RETURNING revision",
             update_orphan=f"UPDATE {FLOWS} SET {sets} WHERE flow_id = ? AND revision = ?"
             f" AND {orphan(FLOWS)} RETURNING revision",
             lock_lease=f"SELECT 1 FROM {ENGINES} WHERE owner = ? FOR SHARE",

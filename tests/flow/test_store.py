@@ -646,3 +646,105 @@ async def test_a_start_a_wake_and_a_park_of_one_flow_in_one_batch_apply_in_order
     assert changed(results[4]).delivery is Delivery.QUEUED
     box = await store.transact(partial(s.load_mailbox, flow_id="w1"))
     assert box == Mailbox((), frozenset({"evt"}))
+
+
+async def test_a_change_of_some_columns_writes_those_and_keeps_the_rest(store: Store) -> None:
+    """A compare-and-set writes the columns its transition changed: each change of one column
+    at a time, from a row with every column set, reads back as written, and the rest as they
+    were."""
+    f = await started(store)
+    full = attrs.evolve(
+        f,
+        state=State.BLOCKED,
+        step_index=2,
+        step="ship",
+        attempt=7,
+        error="why",
+        park_deadline=T0 + 9.5,
+        on_timeout="continue",
+        wake='"w"',
+        timed_out=True,
+        stack=(0, 1),
+        blocked="held",
+        blocked_from=State.PARKED,
+        owner="e1",
+        revision=2,
+    )
+    row = changed(
+        (
+            await write(
+                store, s.Change("f1", lambda _f, _b: Transition(full, EMPTY_MAILBOX, 1), flow=f)
+            )
+        )[0]
+    ).flow
+    changes: list[dict[str, Any]] = [
+        {"state": State.RUNNING},
+        {"step_index": 0, "step": "reserve"},
+        {"attempt": 1},
+        {"data": '{"b":2}'},
+        {"updated_at": T0 + 3.25},
+        {"error": None},
+        {"park_deadline": None, "on_timeout": None},
+        {"wake": None, "timed_out": False},
+        {"stack": ()},
+        {"blocked": None, "blocked_from": None},
+        {"owner": "e2"},
+        {"lease_until": T0 + 4.0},
+        {"lease_until": None},
+    ]
+    for change in changes:
+        new = attrs.evolve(row, revision=row.revision + 1, **change)
+
+        def apply(_f: Flow, _b: Mailbox, new: Flow = new, at: int = row.revision) -> Transition:
+            return Transition(new, EMPTY_MAILBOX, at)
+
+        row = changed((await write(store, s.Change("f1", apply, flow=row)))[0]).flow
+        assert await load(store, "f1") == new, change
+
+
+async def test_sqlite_sets_only_the_changed_columns(make_store: StoreFactory) -> None:
+    """On SQLite a runner's compare-and-set is an UPDATE of the columns its transition
+    changed (and ``lease_until``, see the next test), answered by the count of rows changed."""
+    store = make_store()
+    await setup(store)
+    if store.dialect != "sqlite":
+        pytest.skip("PostgreSQL writes a batch's rows whole, in one statement")
+    f = await started(store)
+    seen: list[str] = []
+
+    def traced(tx: Tx) -> list[s.Result]:
+        tx.connection.set_trace_callback(seen.append)
+        try:
+            return s.write_batch(tx, [step(f)])
+        finally:
+            tx.connection.set_trace_callback(None)
+
+    (r,) = await store.transact(traced)
+    t = changed(r)
+    assert await load(store, "f1") == t.flow
+    (update,) = [q for q in seen if q.startswith("UPDATE")]
+    sets = update.split(" SET ")[1].split(" WHERE ")[0]
+    written = {c.split(" = ")[0] for c in sets.split(", ")}
+    assert written == {"step_index", "step", "stack", "revision", "updated_at", "lease_until"}, (
+        update
+    )
+
+
+async def test_a_write_after_a_release_holds_the_flow_again(store: Store) -> None:
+    """A release sets ``lease_until`` without a new revision, so the engine's copy is still
+    current: its next write (which holds the flow, ``lease_until`` None in its copy and in its
+    transition) must write that column even though its transition did not change it."""
+    f = await started(store)
+
+    def own(flow: Flow, box: Mailbox) -> Transition:
+        t = m.step_done(flow, box, SHAPE, CONTINUE, flow.data, T0 + 1)
+        return m.leased(t, flow, "e1", respect=False)
+
+    held = changed((await write(store, s.Change("f1", own, flow=f)))[0]).flow
+    assert held.owner == "e1" and held.lease_until is None
+    let_go = partial(s.release, owner="e1", flows=[("f1", held.revision)], at=T0 + 5)
+    assert await store.transact(let_go) == 1
+    assert await load(store, "f1") == attrs.evolve(held, lease_until=T0 + 5)
+    again = changed((await write(store, s.Change("f1", own, flow=held)))[0]).flow
+    assert again.lease_until is None
+    assert await load(store, "f1") == again
