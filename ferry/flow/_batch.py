@@ -211,7 +211,9 @@ class _RowByRow:
     def changes(self, sql: str, params: Sequence[Any]) -> int:
         """Run one write statement; how many rows it changed. A compare-and-set or an insert
         that may be ignored is answered by this count, without a ``RETURNING`` row to build
-        and fetch (the driver's own cursor: `_RowByRow` is SQLite's writer)."""
+        and fetch (the driver's own cursor: `_RowByRow` is SQLite's writer). It skips
+        `Tx.execute`'s check for a cancelled call; the store checks again before it commits,
+        and interrupts a statement in progress, so a cancelled batch still writes nothing."""
         return int(self.tx.connection.execute(sql, params).rowcount)
 
     def cas(
