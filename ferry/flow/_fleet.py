@@ -26,6 +26,7 @@ from ._clock import Clock
 from ._lease import Lease, transient
 from ._live import Live, Tally, on_row
 from ._machine import Flow
+from ._recovery import rerun
 from ._versions import Versions
 from ._writes import Writes, gather
 
@@ -192,7 +193,7 @@ class Fleet:
                 if live is not None:
                     recheck(live, row, epoch)
         if adopt and not self._lease.lapsing():
-            self._tally.stats["claimed"] += await writes.rerun(adopt)
+            self._tally.stats["claimed"] += await rerun(writes, self._clock, self._versions, adopt)
 
     async def hand_over(self, live: Live) -> bool:
         """A flow this engine holds but lacks the plan version of (it came back to it while no

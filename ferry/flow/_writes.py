@@ -329,25 +329,6 @@ class Writes:
             op = _store.Change(flow_id, block, expected=revision)
             await _retry.retrying(partial(self.write, op), what=what, extra=extra)
 
-    async def rerun(self, active: list[Flow]) -> int:
-        """Run `active` flows again (a compare-and-set on the row read): as attempt + 1 if a run
-        may have begun, else as the same attempt (`_machine.rerun`); or block those whose plan
-        version this engine lacks; how many run again."""
-        now = self._clock.now()
-        shapes = self._versions.shapes
-        ops: list[_store.Op] = []
-        for flow in active:
-            reason = m.mismatch(flow, shapes.get((flow.plan, flow.version)))
-            apply = on_row(m.rerun, now) if reason is None else on_row(m.block, reason, now)
-            leased = self.with_holder(apply, outside=False)
-            ops.append(_store.Change(flow.flow_id, leased, flow=flow))
-        results = await gather([partial(self.write, op) for op in ops])
-        return sum(
-            1
-            for r in results
-            if isinstance(r, _store.Changed) and r.transition.flow.state in _ACTIVE
-        )
-
 
 async def gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
     """Run the calls concurrently (so that their writes share transactions); results in order."""
