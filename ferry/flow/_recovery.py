@@ -93,7 +93,7 @@ async def rerun(writes: Writes, clock: Clock, versions: Versions, active: list[F
     run again.
 
     A row the database refuses (a trigger, a constraint: docs/adr/0063) is that flow's own
-    problem, answered as a runner answers it (`_answer_refused`); the others run. The store's
+    problem, answered as a runner answers it (`answer_refused`); the others run. The store's
     unavailability is raised (the open fails, or the fleet's round does)."""
     now = clock.now()
     shapes = versions.shapes
@@ -108,19 +108,27 @@ async def rerun(writes: Writes, clock: Clock, versions: Versions, active: list[F
         (flow, r) for flow, r in zip(active, results, strict=True) if isinstance(r, _store.Rejected)
     ]
     if refused:
-        await gather([partial(_answer_refused, writes, clock, versions, f, r) for f, r in refused])
+        await gather([partial(answer_refused, writes, clock, versions, f, r) for f, r in refused])
     return sum(
         1 for r in results if isinstance(r, _store.Changed) and r.transition.flow.state in m.ACTIVE
     )
 
 
-async def _answer_refused(
-    writes: Writes, clock: Clock, versions: Versions, flow: Flow, rejected: _store.Rejected
+async def answer_refused(
+    writes: Writes,
+    clock: Clock,
+    versions: Versions,
+    flow: Flow,
+    rejected: _store.Rejected,
+    *,
+    lapsed_at: float | None = None,
 ) -> None:
-    """The database refused the row that runs `flow` again: answer it as a runner answers a
-    refused write of its flow (the step fails and the flow compensates; a compensation fails
-    and the flow blocks); a flow this engine could not run is left as it is. If the database
-    refuses that write too, the flow is left as it is, not run: WARNING either way."""
+    """The database refused the row that runs `flow` (the row read) again, here or in a fleet's
+    takeover (`lapsed_at`: the answer, too, is written only while no engine holds the flow):
+    answer it as a runner answers a refused write of its flow (the step fails and the flow
+    compensates; a compensation fails and the flow blocks); a flow this engine could not run is
+    left as it is. If the database refuses that write too, the flow is left as it is, not run:
+    WARNING either way."""
     what = "it" if flow.state is State.COMPENSATING else f"step {flow.step!r}"
     problem = (
         f"the database refused to run {what} again (after attempt {flow.attempt}):"
@@ -142,7 +150,8 @@ async def _answer_refused(
             "its step fails" if flow.state is State.RUNNING else "it blocks",
             extra=about(flow),
         )
-        op = _store.Change(flow.flow_id, writes.with_holder(answer, outside=False), flow=flow)
+        leased = writes.with_holder(answer, outside=False)
+        op = _store.Change(flow.flow_id, leased, flow=flow, lapsed_at=lapsed_at)
         result = await writes.write_answered(op)
         if not isinstance(result, _store.Rejected):
             return

@@ -155,12 +155,13 @@ CREATE TRIGGER refuse_rerun BEFORE UPDATE ON flow_flows
 """
 
 
-async def test_on_postgres_a_row_refused_at_a_restart_is_its_flows_problem(
-    pg_server: pg.PgServer,
+@pytest.mark.parametrize("owner", ["a", "b"])
+async def test_on_postgres_a_row_refused_at_a_restart_or_a_takeover_is_its_flows_problem(
+    pg_server: pg.PgServer, owner: str
 ) -> None:
     """The same on PostgreSQL (a failed statement aborts the whole transaction there): an
-    engine that restarts under the same owner name resumes its flows, and the one whose row
-    is refused fails alone."""
+    engine that restarts under the same owner name ("a") resumes its flows, or another engine
+    ("b") takes them over at its first scan; the one whose row is refused fails alone."""
     undone: list[str] = []
     waiting = _Stuck()
     plan = _saga(undone, stuck="step", waiting=waiting)
@@ -169,11 +170,12 @@ async def test_on_postgres_a_row_refused_at_a_restart_is_its_flows_problem(
             async with flow.open_engine(store, plans=[plan], owner="a") as engine:
                 await _leave_begun(engine, plan, waiting)
             await store.transact(lambda tx: tx.execute(_PG_REFUSE_RERUNS))
-            async with flow.open_engine(store, plans=[plan], owner="a") as engine:
+            async with flow.open_engine(store, plans=[plan], owner=owner) as engine:
                 bad = await engine.wait("bad")
                 assert bad.state is flow.State.FAILED
                 assert bad.error is not None and "poisoned row" in bad.error
                 for fid in GOOD:
                     assert (await engine.wait(fid)).state is flow.State.COMPLETED
-                assert engine.statistics().recovered == len(GOOD)
+                stats = engine.statistics()
+                assert (stats.recovered if owner == "a" else stats.claimed) == len(GOOD)
     assert undone == ["bad"]
