@@ -308,9 +308,13 @@ class Writes:
         live = self.live.get(flow_id)
         return live is not None and live.flow.revision > revision
 
-    async def time_out(self, flow_id: str, revision: int, deadline: float) -> None:
+    async def time_out(
+        self, flow_id: str, revision: int, deadline: float
+    ) -> tuple[Flow, Flow] | None:
         """A park deadline came: time the flow out (its own problem if the database refuses
-        that write: it blocks, ADR 0063). The store's unavailability is retried."""
+        that write: it blocks, ADR 0063). The store's unavailability is retried. The row before
+        and the row written, or None if the flow had moved on (for its trace:
+        `_tracing.timed`)."""
         now = max(self._clock.now(), deadline)
         shapes = self._versions.shapes
 
@@ -327,26 +331,10 @@ class Writes:
             reason = f"the database refused its timeout: {_checks.describe(result.error)}"
             block = self.with_holder(on_row(m.block, reason, now), outside=True)
             op = _store.Change(flow_id, block, expected=revision)
-            await _retry.retrying(partial(self.write, op), what=what, extra=extra)
-
-    async def rerun(self, active: list[Flow]) -> int:
-        """Run `active` flows again (a compare-and-set on the row read): as attempt + 1 if a run
-        may have begun, else as the same attempt (`_machine.rerun`); or block those whose plan
-        version this engine lacks; how many run again."""
-        now = self._clock.now()
-        shapes = self._versions.shapes
-        ops: list[_store.Op] = []
-        for flow in active:
-            reason = m.mismatch(flow, shapes.get((flow.plan, flow.version)))
-            apply = on_row(m.rerun, now) if reason is None else on_row(m.block, reason, now)
-            leased = self.with_holder(apply, outside=False)
-            ops.append(_store.Change(flow.flow_id, leased, flow=flow))
-        results = await gather([partial(self.write, op) for op in ops])
-        return sum(
-            1
-            for r in results
-            if isinstance(r, _store.Changed) and r.transition.flow.state in _ACTIVE
-        )
+            result = await _retry.retrying(partial(self.write, op), what=what, extra=extra)
+        if isinstance(result, _store.Changed) and result.transition.written:
+            return result.before, result.transition.flow
+        return None
 
 
 async def gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
