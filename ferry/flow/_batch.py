@@ -27,8 +27,8 @@ import attrs
 from ferry.projected import Tx, canonical_json
 
 from . import _notify, _sql
-from ._machine import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Transition
 from ._sql import FIELDS, MUTABLE, Statements, mutable_values, row_values, to_flow
+from ._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Transition
 
 
 @attrs.frozen

@@ -25,7 +25,7 @@ from . import _store
 from ._clock import Clock
 from ._lease import Lease, transient
 from ._live import Live, Tally, on_row
-from ._machine import Flow
+from ._values import Flow
 from ._versions import Versions
 from ._writes import Writes, gather
 

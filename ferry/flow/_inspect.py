@@ -40,13 +40,12 @@ import trio
 
 from ferry.projected import PostgresStore, SqliteStore
 
-from . import _bulk, _query, _retention, _store, _times
-from . import _machine as m
+from . import _bulk, _query, _retention, _store, _times, _values
 from ._errors import FlowError, StoreLocked
-from ._machine import Flow
 from ._open import open_engine
 from ._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
 from ._types import Delivery, Json, State
+from ._values import ACTIVE, Flow
 
 PROG = "python -m ferry.flow"
 
@@ -363,7 +362,7 @@ def _step(f: Flow) -> str:
 
 
 def flow_json(f: Flow) -> dict[str, Json]:
-    snap = m.snapshot(f)
+    snap = _values.snapshot(f)
     return {
         "flow_id": f.flow_id,
         "plan": f.plan,
@@ -470,7 +469,7 @@ async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
             for e in events
         ],
     }
-    snap = m.snapshot(f)
+    snap = _values.snapshot(f)
     lines = [
         f"flow      {safe(f.flow_id)}",
         f"plan      {safe(f.plan)} version {f.version}",
@@ -488,12 +487,12 @@ async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
     if held is not None:
         status = "lapsed: any engine may take it over" if held["lapsed"] else "held"
         lines.append(f"engine    {safe(f.owner)}, until {_when(held['until'])} ({status})")
-    elif f.state in m.ACTIVE and not leased:
+    elif f.state in ACTIVE and not leased:
         lines.append(
             "engine    the engine that holds the file runs it (with none open, the next engine"
             " to open the file)"
         )
-    elif f.state in m.ACTIVE:
+    elif f.state in ACTIVE:
         lines.append("engine    none: the next engine to scan the store runs it")
     if box.queued:
         lines.append(f"queued    {', '.join(safe(q.message_id) for q in box.queued)}")
@@ -744,7 +743,7 @@ async def do_resume(args: argparse.Namespace, store: SqliteStore | PostgresStore
             else f"it is {after.state.name} (only a BLOCKED flow can be resumed)"
         )
         raise Problem(f"not resumed: flow {args.flow_id!r}: {why}")
-    where = _runs_next(args) if after.state in m.ACTIVE else f"it is {after.state.name} again"
+    where = _runs_next(args) if after.state in ACTIVE else f"it is {after.state.name} again"
     _print(
         args,
         f"resumed: {where}",

@@ -45,7 +45,7 @@ from . import _heartbeat, _retry, _store
 from ._clock import Clock
 from ._errors import StoreLocked
 from ._live import Live, Tally, about, named
-from ._machine import Flow
+from ._values import Flow
 from ._writes import Writes
 
 _log = logging.getLogger("ferry.flow")

@@ -43,10 +43,10 @@ import attrs
 from ferry.projected import Tx
 
 from . import _times
-from ._machine import Flow
 from ._sql import FIELDS as _FIELDS
 from ._sql import to_flow as _to_flow
 from ._types import State
+from ._values import Flow
 
 #: The most flows one page may hold.
 MAX_LIMIT = 1000

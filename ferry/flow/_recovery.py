@@ -23,6 +23,7 @@ from ._lease import Lease, transient
 from ._live import Tally, on_row
 from ._timer_loop import Timers
 from ._types import State
+from ._values import ACTIVE
 from ._versions import Versions
 from ._writes import Writes
 
@@ -90,7 +91,7 @@ async def let_go_unbegun(store: Store, clock: Clock, writes: Writes) -> None:
     ops: list[_store.Op] = [
         _store.Change(live.flow.flow_id, on_row(m.let_go, now), flow=live.flow)
         for live in writes.live.values()
-        if live.began != live.flow.revision and live.flow.state in m.ACTIVE
+        if live.began != live.flow.revision and live.flow.state in ACTIVE
     ]
     if not ops:
         return

@@ -26,14 +26,14 @@ import trio
 
 from ferry import Failed
 
-from . import _checks, _retry, _store, _tracing
+from . import _checks, _retry, _store, _tracing, _values
 from . import _machine as m
 from ._clock import Clock
 from ._lease import Lease
 from ._live import Live, Tally, about, named, on_row, on_row_and_mailbox
-from ._machine import Shape
 from ._plan import StepDef
 from ._types import Context, Park, State
+from ._values import Flow, Shape
 from ._versions import Versions
 from ._writes import Writes
 
@@ -136,7 +136,7 @@ class Runner:
             flow = live.flow
             key = (flow.plan, flow.version)
             shape = shapes.get(key)
-            reason = m.mismatch(flow, shape)
+            reason = _values.mismatch(flow, shape)
             if reason is not None and self._fleet and await self._hand_over(live):
                 return  # a version another live engine has: left to it, not blocked
             if reason is not None:
@@ -149,7 +149,7 @@ class Runner:
                 assert shape is not None
                 await self._run_compensation(live, shape, steps[key][flow.step_index])
 
-    def _context(self, flow: m.Flow, name: str, compensating: bool) -> Context:
+    def _context(self, flow: Flow, name: str, compensating: bool) -> Context:
         key = _checks.idempotency_key(
             flow.flow_id, flow.step_index, name, compensation=compensating
         )
@@ -347,7 +347,7 @@ class Runner:
             return False
         epoch = writes.epoch
 
-        async def load() -> m.Flow | None:
+        async def load() -> Flow | None:
             nonlocal epoch
             epoch = writes.epoch
             return await writes.load_row(flow.flow_id)

@@ -98,7 +98,6 @@ from ._batch import (
 from ._batch import (
     write_batch as write_batch,
 )
-from ._machine import Flow, Mailbox, Message, Shape
 from ._sql import (
     ENGINES,
     FLOWS,
@@ -111,6 +110,7 @@ from ._sql import (
     to_flow,
 )
 from ._types import Event, State
+from ._values import Flow, Mailbox, Message, Shape
 
 #: A limit that is none (``LIMIT ?`` takes a number in both dialects).
 _NO_LIMIT = 2**62

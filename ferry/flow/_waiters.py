@@ -62,9 +62,9 @@ from ferry.projected import Store
 from . import _heartbeat, _retry, _store
 from ._errors import UnknownFlow
 from ._listener import Listener
-from ._machine import Flow
 from ._notify import SETTLED
 from ._types import State
+from ._values import Flow
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ leaves the active states is dropped at once: a parked flow holds no task, only a
 deadline (`arm`). A write someone else made to a live flow (a cancel) replaces the runner's copy
 and cancels the step it runs; the runner's own next write then fails its compare-and-set.
 
-Who holds a flow after a write is one pure rule (`_machine.leased`), applied to every op here
+Who holds a flow after a write is one pure rule (`_machine.assign_holder`), applied to every op here
 (`with_holder`). The fleet's bookkeeping that rides on the live map is kept here too, as plain
 state the lease part reads and moves: `epoch` (see `_lease` for the rule it serves) and
 `released` (flows let go, to be released with the next renewal).
@@ -33,19 +33,19 @@ import trio
 from ferry import Closed, Failed
 from ferry.projected import Store
 
-from . import _checks, _retry, _store
+from . import _checks, _retry, _store, _values
 from . import _machine as m
 from ._apart import write_apart
 from ._clock import Clock
 from ._live import LOGGED, Live, Tally, log_ended, on_row
-from ._machine import Flow, Mailbox, Transition
 from ._types import State
+from ._values import ACTIVE, Flow, Mailbox, Transition
 from ._versions import Versions
 
 T = TypeVar("T")
 
 _PARKED = State.PARKED
-_ACTIVE = m.ACTIVE
+_ACTIVE = ACTIVE
 _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
 _ROLLBACK_RETRIES = 3
 
@@ -154,19 +154,19 @@ class Writes:
         return result
 
     def with_holder(self, apply: _store.Apply, *, outside: bool) -> _store.Apply:
-        """`apply`, with who holds the flow after its write (`_machine.leased`): a flow left
+        """`apply`, with who holds the flow after its write (`_machine.assign_holder`): a flow left
         active is this engine's (an operator's engine leaves it to whichever engine takes it
         over); an `outside` request (wake, cancel, resume, timeout) on a flow another engine
         of the fleet runs leaves it with that engine."""
         owner = self._owner if self._serve else None
-        respect = outside and self._fleet
+        keep_runner = outside and self._fleet
         elsewhere = self._versions.elsewhere
 
-        def leased(flow: Flow, box: Mailbox) -> Transition:
+        def held(flow: Flow, box: Mailbox) -> Transition:
             holder = None if elsewhere(flow) else owner
-            return m.leased(apply(flow, box), flow, holder, respect=respect)
+            return m.assign_holder(apply(flow, box), flow, holder, keep_runner=keep_runner)
 
-        return leased
+        return held
 
     def runs_here(self, flow: Flow) -> bool:
         """Is this an active flow this engine should run? (On one SQLite file: every active
@@ -337,7 +337,7 @@ class Writes:
         shapes = self._versions.shapes
         ops: list[_store.Op] = []
         for flow in active:
-            reason = m.mismatch(flow, shapes.get((flow.plan, flow.version)))
+            reason = _values.mismatch(flow, shapes.get((flow.plan, flow.version)))
             apply = on_row(m.rerun, now) if reason is None else on_row(m.block, reason, now)
             leased = self.with_holder(apply, outside=False)
             ops.append(_store.Change(flow.flow_id, leased, flow=flow))

@@ -21,6 +21,7 @@ import ferry
 from ferry import Failed, flow
 from ferry.flow import _machine as m
 from ferry.flow import _retry
+from ferry.flow._values import EMPTY_MAILBOX, Flow, Message, Shape
 from ferry.projected import PostgresStore
 from tests import pg
 
@@ -491,13 +492,11 @@ async def test_bad_wakes_and_publishes_are_refused_at_their_call(tmp_path: Path)
 # ------------------------------------------------------------------------ time wins at the deadline
 
 
-def _parked(on_timeout: str) -> tuple[m.Flow, m.Shape]:
-    shape = m.Shape(
-        name="p", version=1, steps=("a", "b"), compensable=(True, False), attempts=(3, 3)
-    )
+def _parked(on_timeout: str) -> tuple[Flow, Shape]:
+    shape = Shape(name="p", version=1, steps=("a", "b"), compensable=(True, False), attempts=(3, 3))
     started = m.start(shape, "f", "{}", 0.0).flow
     park = flow.park(timeout=10.0, on_timeout=on_timeout)  # type: ignore[arg-type]
-    parked = m.step_done(started, m.EMPTY_MAILBOX, shape, park, "{}", 0.0).flow
+    parked = m.step_done(started, EMPTY_MAILBOX, shape, park, "{}", 0.0).flow
     assert parked.state is flow.State.PARKED and parked.park_deadline == 10.0
     return parked, shape
 
@@ -513,10 +512,10 @@ def test_a_wake_at_the_deadline_meets_the_timeout_first(
     on_timeout: str, state: flow.State, delivery: flow.Delivery
 ) -> None:
     parked, shape = _parked(on_timeout)
-    message = m.Message("evt-1", '{"ok":1}')
-    before = m.wake(parked, m.EMPTY_MAILBOX, message, shape, 9.999)
+    message = Message("evt-1", '{"ok":1}')
+    before = m.wake(parked, EMPTY_MAILBOX, message, shape, 9.999)
     assert before.delivery is flow.Delivery.RESUMED  # just before: the wake wins
-    at = m.wake(parked, m.EMPTY_MAILBOX, message, shape, 10.0)
+    at = m.wake(parked, EMPTY_MAILBOX, message, shape, 10.0)
     assert at.delivery is delivery
     assert at.flow.state is state and at.flow.revision == parked.revision + 1
     assert at.flow.wake is None  # not resumed by the wake

@@ -24,8 +24,8 @@ import trio
 
 from ferry.flow import _inspect, _store
 from ferry.flow import _machine as m
-from ferry.flow._machine import Flow, Shape
 from ferry.flow._types import CONTINUE, State, fail, park
+from ferry.flow._values import Flow, Mailbox, Shape, Transition
 from ferry.projected import PostgresStore
 from tests import pg
 
@@ -54,9 +54,12 @@ def populate(tx: Any) -> None:
         return r.transition.flow
 
     def step(f: Flow, outcome: Any, at: float) -> Flow:
-        def apply(flow: Flow, box: m.Mailbox) -> m.Transition:
-            return m.leased(
-                m.step_done(flow, box, ORDER, outcome, flow.data, at), flow, "svc", respect=False
+        def apply(flow: Flow, box: Mailbox) -> Transition:
+            return m.assign_holder(
+                m.step_done(flow, box, ORDER, outcome, flow.data, at),
+                flow,
+                "svc",
+                keep_runner=False,
             )
 
         (r,) = write(_store.Change(f.flow_id, apply, flow=f, first_queued=True))

@@ -12,8 +12,8 @@ import trio
 
 from ferry.flow import _machine as m
 from ferry.flow import _store as s
-from ferry.flow._machine import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Transition
 from ferry.flow._types import CONTINUE, Delivery, State, park
+from ferry.flow._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Transition
 from ferry.projected import PostgresStore, Store, Tx
 from tests import pg, switches
 from tests.stores.conftest import StoreFactory

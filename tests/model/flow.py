@@ -34,8 +34,8 @@ Actors and their steps
   - timer: fires once the clock reaches the armed deadline: `timeout` on the held row with
     ``expected=`` the armed revision (`Writes.time_out`). If the flow runs on, the engine runs it.
   - who holds the flow: every write the engine makes names it in the row's `owner` while the
-    flow stays active, and none once it is not (`_machine.leased`, as `Writes.with_holder`; the
-    flow starts held by it).
+    flow stays active, and none once it is not (`_machine.assign_holder`, as
+    `Writes.with_holder`; the flow starts held by it).
   - crash: the engine loses its runner, its retry budget and its timer. Restart: recovery, in
     one step because `open_engine` finishes it before it lets any call in (`_recovery.recover`):
     a running or compensating flow gets `rerun` written and runs again, as attempt + 1 if the
@@ -97,9 +97,10 @@ from typing import Any, NamedTuple
 
 import attrs
 
+from ferry.flow import _invariants, _values
 from ferry.flow import _machine as fm
-from ferry.flow._machine import Flow, Mailbox, Message, Received, Shape, Taken, Transition
 from ferry.flow._types import COMPLETE, CONTINUE, Delivery, Outcome, State, fail, park
+from ferry.flow._values import Flow, Mailbox, Message, Received, Shape, Taken, Transition
 from tests.model.checker import Search, _step_violation
 
 RUNNING, PARKED, COMPENSATING = State.RUNNING, State.PARKED, State.COMPENSATING
@@ -223,8 +224,10 @@ class FlowProtocol:
     def let_go(self, flow: Flow, now: float) -> Transition:
         return fm.let_go(flow, now)
 
-    def leased(self, t: Transition, before: Flow, owner: str | None, respect: bool) -> Transition:
-        return fm.leased(t, before, owner, respect=respect)
+    def assign_holder(
+        self, t: Transition, before: Flow, writer: str | None, keep_runner: bool
+    ) -> Transition:
+        return fm.assign_holder(t, before, writer, keep_runner=keep_runner)
 
     def compensated(self, flow: Flow, shape: Shape, now: float) -> Transition:
         return fm.compensated(flow, shape, flow.data, now)
@@ -610,14 +613,14 @@ class FlowChecker(Search):
         one engine, while the flow stays active. The fleet overrides it."""
         p, apply = self.protocol, w.apply
 
-        def leased(f: Flow, b: Mailbox) -> Transition:
-            return p.leased(apply(f, b), f, OWNER, False)
+        def held(f: Flow, b: Mailbox) -> Transition:
+            return p.assign_holder(apply(f, b), f, OWNER, False)
 
-        return Write(leased, w.copy, w.message_id, w.head, w.orphan, w.cas)
+        return Write(held, w.copy, w.message_id, w.head, w.orphan, w.cas)
 
     def _block(self, copy: Flow, now: float) -> Write:
         """An engine that lacks the plan version blocks the flow (a compare-and-set on `copy`)."""
-        reason = fm.mismatch(copy, None)
+        reason = _values.mismatch(copy, None)
         assert reason is not None
         return Write(lambda f, _b: self.protocol.block(f, reason, now), copy)
 
@@ -886,7 +889,7 @@ class FlowChecker(Search):
     def _check_state(self, m: S) -> None:
         row, box, g = m.row, m.mailbox, m.ghost
         if self.check_machine:
-            fm.check_invariants(row, box, self.shape)
+            _invariants.check_invariants(row, box, self.shape)
         accepted = {mid for mid, _, _ in g.ledger}
         assert box.seen == accepted, f"mailbox ids {sorted(box.seen)}, accepted {sorted(accepted)}"
         pending = [mid for mid, _, status in g.ledger if status == "queued"]
@@ -896,10 +899,9 @@ class FlowChecker(Search):
             raise AssertionError(
                 f"parked with accepted wakes {pending} untaken: a wake before the park is lost"
             )
-        if row.state is BLOCKED and fm.mismatch(row, self.shape) is not None:
-            raise AssertionError(
-                f"blocked so that its own plan cannot resume it: {fm.mismatch(row, self.shape)}"
-            )
+        unfit = _values.mismatch(row, self.shape)
+        if row.state is BLOCKED and unfit is not None:
+            raise AssertionError(f"blocked so that its own plan cannot resume it: {unfit}")
         if g.undoing and row.state in (RUNNING, PARKED, COMPLETED):
             raise AssertionError(f"the flow compensated or failed, then went {row.state.name}")
 

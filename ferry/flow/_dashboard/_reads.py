@@ -30,11 +30,10 @@ import trio
 
 from ferry.projected import PostgresStore, Tx
 
-from .. import _machine as m
-from .. import _query, _sql, _store
-from .._machine import Flow
+from .. import _query, _sql, _store, _values
 from .._sqlite_file import ReadOnlyTx
 from .._types import Event, State
+from .._values import ACTIVE, Flow
 
 T = TypeVar("T")
 _log = logging.getLogger("ferry.flow")
@@ -301,13 +300,13 @@ def page_flow(tx: Tx, flow_id: str, *, ns: str = "flow") -> FlowPage | None:
     )
     created = tx.execute(f"SELECT created_at FROM {ns}_flows WHERE flow_id = ?", (flow_id,))
     held = None
-    if f.owner is not None and f.state in m.ACTIVE:
+    if f.owner is not None and f.state in ACTIVE:
         until = f.lease_until
         if until is None:
             lease = tx.execute(f"SELECT lease_until FROM {ns}_engines WHERE owner = ?", (f.owner,))
             until = lease[0][0] if lease else None
         held = (f.owner, until, until is None or until < time.time())
-    snap = m.snapshot(f)
+    snap = _values.snapshot(f)
     return FlowPage(
         flow=f,
         data=json.dumps(snap.data, indent=2, ensure_ascii=False, sort_keys=True),
