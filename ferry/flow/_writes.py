@@ -47,7 +47,6 @@ T = TypeVar("T")
 _PARKED = State.PARKED
 _ACTIVE = ACTIVE
 _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
-_ROLLBACK_RETRIES = 3
 
 
 def _rolled_back(exc: BaseException) -> bool:
@@ -196,18 +195,19 @@ class Writes:
     ) -> list[_store.Result]:
         """`ops` in one transaction (retried if the database rolled it back on its own), then
         their effects in memory, in commit order."""
-        tries = 0
-        while True:
+        epoch = self.epoch
+
+        async def attempt() -> list[_store.Result]:
+            nonlocal epoch
             epoch = self.epoch
-            try:
-                results = await self._store.transact(partial(write, ops=ops, guard=self.guard))
-            except Exception as exc:
-                tries += 1
-                if tries > _ROLLBACK_RETRIES or not _rolled_back(exc):
-                    raise
-                await trio.sleep(0.01 * tries)
-                continue
-            break
+            return await self._store.transact(partial(write, ops=ops, guard=self.guard))
+
+        results = await _retry.retrying(
+            attempt,
+            what=lambda: f"writing a batch of {len(ops)} flow writes (rolled back by the database)",
+            schedule=_retry.ROLLBACK,
+            when=_rolled_back,
+        )
         self._tally.stats["write_batches"] += 1
         for op, result in zip(ops, results, strict=True):
             self._applied(op, result, epoch)
