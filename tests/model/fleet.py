@@ -258,7 +258,7 @@ class FleetChecker(FlowChecker):
         def held(f: Flow, b: Mailbox) -> Transition:
             return p.assign_holder(apply(f, b), f, name, keep_runner)
 
-        return Write(held, w.copy, w.message_id, w.head, w.orphan, w.cas)
+        return Write(held, w.copy, w.message_id, w.first_queued, w.orphan, w.cas)
 
     def _record(self, m: S, t: Transition, step: str) -> S:
         """As `flow.py`'s; and an engine never blocks a flow for a version it lacks while

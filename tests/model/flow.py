@@ -170,12 +170,12 @@ Apply = Callable[[Flow, Mailbox], Transition]
 class Write:
     """One write as an engine sends it to the store (`_store.Change`): `apply` runs on `copy`
     as a compare-and-set on its revision, or (`copy` None) on the held row; the transition sees
-    the mailbox's `message_id` entry and, with `head`, its first queued message."""
+    the mailbox's `message_id` entry and, with `first_queued`, its first queued message."""
 
     apply: Apply
     copy: Flow | None = None
     message_id: str | None = None
-    head: bool = False
+    first_queued: bool = False
     #: the fleet's takeover (`_store.Change.lapsed_at`): the row must also be nobody's
     orphan: bool = False
     #: compare-and-set the copy's revision (None: as the protocol's `runner_cas` says)
@@ -409,7 +409,7 @@ class FlowChecker(Search):
         """What the store makes of `w` in state `m`: the transition, or None if the compare-and-set
         is refused (`_store.Conflict`). Nothing is applied yet (`_record` does that)."""
         seen = m.mailbox.seen & {w.message_id} if w.message_id is not None else frozenset()
-        view = Mailbox(m.mailbox.queued[:1] if w.head else (), seen)
+        view = Mailbox(m.mailbox.queued[:1] if w.first_queued else (), seen)
         if w.copy is None:
             return w.apply(m.row, view)
         cas = self.protocol.runner_cas if w.cas is None else w.cas
@@ -616,7 +616,7 @@ class FlowChecker(Search):
         def held(f: Flow, b: Mailbox) -> Transition:
             return p.assign_holder(apply(f, b), f, OWNER, False)
 
-        return Write(held, w.copy, w.message_id, w.head, w.orphan, w.cas)
+        return Write(held, w.copy, w.message_id, w.first_queued, w.orphan, w.cas)
 
     def _block(self, copy: Flow, now: float) -> Write:
         """An engine that lacks the plan version blocks the flow (a compare-and-set on `copy`)."""
@@ -677,7 +677,7 @@ class FlowChecker(Search):
             outcomes: dict[str, Outcome] = {"continue": CONTINUE, "complete": COMPLETE}
             outcome = fail("declined") if result == "fail" else outcomes.get(result, self.park)
             apply = lambda f, b: p.step_done(f, b, shape, outcome, now)  # noqa: E731
-            return Write(apply, copy, head=result == "park")
+            return Write(apply, copy, first_queued=result == "park")
         if result == "raise" and p.retries(copy, shape, failures):
             apply = lambda f, _b: p.next_attempt(f, now)  # noqa: E731
         elif copy.state is RUNNING:
@@ -852,7 +852,7 @@ class FlowChecker(Search):
             cancel = Write(lambda f, _b: p.cancel(f, shape, now))
             calls.append(("cancel", cancel, w._replace(cancelled=True)))
         if m.row.state is BLOCKED and w.resumes < cfg.resumes:
-            resume = Write(lambda f, b: p.resume(f, b, shape, now), head=True)
+            resume = Write(lambda f, b: p.resume(f, b, shape, now), first_queued=True)
             calls.append(("resume", resume, w._replace(resumes=w.resumes + 1)))
         return calls
 

@@ -261,7 +261,7 @@ class StoreMirror(FlowChecker):
                 w.apply,
                 flow=w.copy,
                 message_id=w.message_id,
-                first_queued=w.head,
+                first_queued=w.first_queued,
                 lapsed_at=lapsed_at,
             )
             (result,) = store.write_batch(tx, [op])
@@ -286,7 +286,7 @@ class StoreMirror(FlowChecker):
 
     def _drifted(self, w: Write) -> Write:
         """The write as a drifting model makes it: without the mailbox's head."""
-        return attrs.evolve(w, head=False) if w.head else w
+        return attrs.evolve(w, first_queued=False) if w.first_queued else w
 
     def _load(self, m: S) -> None:
         """Put the model's row, mailbox and (in a fleet) engine leases in the (empty) tables."""
