@@ -85,6 +85,7 @@ def tree(spans: Sequence[ReadableSpan], flow_id: str) -> list[dict[str, Any]]:
                     "ms": round(((s.end_time or 0) - (s.start_time or 0)) / 1e6, 3),
                     "attempt": a.get("workflow.task.attempt"),
                     "outcome": a.get("workflow.task.outcome"),
+                    "delivery": a.get("workflow.wake.delivery"),
                     "error": s.status.description,
                 }
             )
@@ -108,13 +109,16 @@ def one_flow(spans: Sequence[ReadableSpan]) -> dict[str, Any] | None:
 
 
 def render(shown: dict[str, Any]) -> list[str]:
-    """`one_flow`'s trace as text lines: indented by depth; attempt, outcome, duration, error."""
+    """`one_flow`'s trace as text lines: indented by depth; attempt and outcome (a wake: what
+    became of it), duration, error."""
     rows = shown["spans"]
     width = max(2 * r["depth"] + len(r["name"]) for r in rows)
     lines = [f"trace {shown['trace_id']} of flow {shown['flow_id']} ({len(rows)} spans)"]
     for r in rows:
         name = "  " * r["depth"] + r["name"]
         what = "" if r["attempt"] is None else f"attempt {r['attempt']}  {r['outcome']:<9}"
+        if r.get("delivery"):
+            what = r["delivery"]
         line = f"  {name:<{width}}  {what:<20}  {r['ms']:>8.3f} ms"
         if r["error"]:
             line += f"  {r['error']}"

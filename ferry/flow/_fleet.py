@@ -25,6 +25,7 @@ from . import _store
 from ._clock import Clock
 from ._lease import Lease, transient
 from ._live import Live, Tally, on_row
+from ._recovery import answer_refused, rerun
 from ._values import Flow
 from ._versions import Versions
 from ._writes import Writes, gather
@@ -85,13 +86,23 @@ class Fleet:
                 partial(_store.load_orphans, now=now, limit=room, plans=keys)
             )
             ops: list[_store.Op] = []
+            rows: list[Flow] = []
             for flow in orphans:
                 if flow.flow_id in writes.live:
                     continue  # let go a moment ago and not yet forgotten
                 apply = on_row(m.take_over, self._owner, now)
                 op = _store.Change(flow.flow_id, apply, flow=flow, lapsed_at=now)
                 ops.append(op)
-            results = await gather([partial(writes.write, op) for op in ops])
+                rows.append(flow)
+            results = await gather([partial(writes.write_answered, op) for op in ops])
+            answer = partial(answer_refused, writes, self._clock, self._versions, lapsed_at=now)
+            refused = [
+                partial(answer, f, r)
+                for f, r in zip(rows, results, strict=True)
+                if isinstance(r, _store.Rejected)  # that flow's own problem (docs/adr/0104)
+            ]
+            if refused:
+                await gather(refused)
             taken = [r for r in results if isinstance(r, _store.Changed)]
             self._tally.stats["claimed"] += len(taken)
             if taken:
@@ -192,7 +203,7 @@ class Fleet:
                 if live is not None:
                     recheck(live, row, epoch)
         if adopt and not self._lease.lapsing():
-            self._tally.stats["claimed"] += await writes.rerun(adopt)
+            self._tally.stats["claimed"] += await rerun(writes, self._clock, self._versions, adopt)
 
     async def hand_over(self, live: Live) -> bool:
         """A flow this engine holds but lacks the plan version of (it came back to it while no

@@ -58,6 +58,7 @@ class Parts:
         self._owner = owner
         self._serve = serve
         self._fleet = fleet
+        self._tracing = tracing
         self.clock = clock = Clock(wall_clock)
         self.versions = versions = Versions(plans)
         self.tally = tally = Tally()
@@ -161,7 +162,8 @@ class Parts:
         assert nursery is not None
         writes = self.writes
         if self._serve:
-            nursery.start_soon(self.timers.run, nursery, writes.stale, writes.time_out)
+            fire = _tracing.timed(self._tracing, writes.time_out)  # off: `time_out` itself
+            nursery.start_soon(self.timers.run, nursery, writes.stale, fire)
         if self._serve and self._fleet:
             nursery.start_soon(self.fleet.heartbeat_loop)
             nursery.start_soon(self.fleet.scan_loop)

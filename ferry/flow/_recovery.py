@@ -4,28 +4,33 @@ closes.
 At open a serving engine records its plans, then on one SQLite file resumes every running or
 compensating flow and arms every parked flow's timer; in a fleet it resumes the flows its owner
 name held (a restart under the same name) and takes over the orphans (its first scan). A flow is
-resumed as attempt + 1 if a run of it may have begun (docs/adr/0024). At close it lets go of the
-flows whose current run had not begun, so that the next engine keeps their attempt number.
+resumed as attempt + 1 if a run of it may have begun (docs/adr/0024). A flow whose row the
+database refuses meanwhile is that flow's own problem (`rerun`, docs/adr/0104): the engine opens
+and runs the others. At close it lets go of the flows whose current run had not begun, so that the
+next engine keeps their attempt number.
 """
 
 from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import TYPE_CHECKING
 
 from ferry.projected import Store
 
+from . import _checks, _retry, _store, _values
 from . import _machine as m
-from . import _retry, _store
 from ._clock import Clock
-from ._fleet import Fleet
 from ._lease import Lease, transient
-from ._live import Tally, on_row
+from ._live import Tally, about, named, on_row
 from ._timer_loop import Timers
 from ._types import State
-from ._values import ACTIVE
+from ._values import ACTIVE, Flow
 from ._versions import Versions
-from ._writes import Writes
+from ._writes import Writes, gather
+
+if TYPE_CHECKING:  # `_fleet` calls `rerun` for the flows it adopts
+    from ._fleet import Fleet
 
 _log = logging.getLogger("ferry.flow")
 
@@ -62,7 +67,7 @@ async def recover(
         others = [(f.flow_id, f.revision) for f in held if (f.plan, f.version) not in shapes]
         if others:  # a version this engine lacks: leave those to an engine that has it
             await store.transact(partial(_store.release, owner=owner, flows=others, at=now))
-        tally.stats["recovered"] = await writes.rerun(mine)
+        tally.stats["recovered"] = await rerun(writes, clock, versions, mine)
         try:
             await fleet.scan()
         except Exception as exc:
@@ -78,7 +83,85 @@ async def recover(
         return
     timers.load(await store.transact(_store.load_deadlines))
     active = await store.transact(_store.load_active)
-    tally.stats["recovered"] = await writes.rerun(active)
+    tally.stats["recovered"] = await rerun(writes, clock, versions, active)
+
+
+async def rerun(writes: Writes, clock: Clock, versions: Versions, active: list[Flow]) -> int:
+    """Run `active` flows again in this engine (at open, or adopted in a fleet), each by a
+    compare-and-set on the row read: as attempt + 1 if a run may have begun, else as the same
+    attempt (`_machine.rerun`); or block those whose plan version this engine lacks. How many
+    run again.
+
+    A row the database refuses (a trigger, a constraint: docs/adr/0063) is that flow's own
+    problem, answered as a runner answers it (`answer_refused`); the others run. The store's
+    unavailability is raised (the open fails, or the fleet's round does)."""
+    now = clock.now()
+    shapes = versions.shapes
+    ops: list[_store.Op] = []
+    for flow in active:
+        reason = _values.mismatch(flow, shapes.get((flow.plan, flow.version)))
+        apply = on_row(m.rerun, now) if reason is None else on_row(m.block, reason, now)
+        leased = writes.with_holder(apply, outside=False)
+        ops.append(_store.Change(flow.flow_id, leased, flow=flow))
+    results = await gather([partial(writes.write_answered, op) for op in ops])
+    refused = [
+        (flow, r) for flow, r in zip(active, results, strict=True) if isinstance(r, _store.Rejected)
+    ]
+    if refused:
+        await gather([partial(answer_refused, writes, clock, versions, f, r) for f, r in refused])
+    return sum(
+        1 for r in results if isinstance(r, _store.Changed) and r.transition.flow.state in ACTIVE
+    )
+
+
+async def answer_refused(
+    writes: Writes,
+    clock: Clock,
+    versions: Versions,
+    flow: Flow,
+    rejected: _store.Rejected,
+    *,
+    lapsed_at: float | None = None,
+) -> None:
+    """The database refused the row that runs `flow` (the row read) again, here or in a fleet's
+    takeover (`lapsed_at`: the answer, too, is written only while no engine holds the flow):
+    answer it as a runner answers a refused write of its flow (the step fails and the flow
+    compensates; a compensation fails and the flow blocks); a flow this engine could not run is
+    left as it is. If the database refuses that write too, the flow is left as it is, not run:
+    WARNING either way."""
+    what = "it" if flow.state is State.COMPENSATING else f"step {flow.step!r}"
+    problem = (
+        f"the database refused to run {what} again (after attempt {flow.attempt}):"
+        f" {_checks.describe(rejected.error)}"
+    )
+    shape = versions.shapes.get((flow.plan, flow.version))
+    now = clock.now()
+    answer: _store.Apply | None = None
+    if _values.mismatch(flow, shape) is None:
+        if flow.state is State.RUNNING:
+            answer = on_row(m.step_failed, shape, problem, now)
+        elif flow.state is State.COMPENSATING:
+            answer = on_row(m.compensation_failed, problem, now, shape)
+    if answer is not None:
+        _log.warning(
+            "%s: %s; %s instead",
+            named(flow),
+            problem,
+            "its step fails" if flow.state is State.RUNNING else "it blocks",
+            extra=about(flow),
+        )
+        leased = writes.with_holder(answer, outside=False)
+        op = _store.Change(flow.flow_id, leased, flow=flow, lapsed_at=lapsed_at)
+        result = await writes.write_answered(op)
+        if not isinstance(result, _store.Rejected):
+            return
+        problem = f"{problem}; and refused that too: {_checks.describe(result.error)}"
+    _log.warning(
+        "%s is left as it is, not run by this engine: %s",
+        named(flow),
+        problem,
+        extra=about(flow),
+    )
 
 
 async def let_go_unbegun(store: Store, clock: Clock, writes: Writes) -> None:

@@ -187,7 +187,13 @@ class Requests:
         async def call(shape_of: ShapeOf) -> _store.Result:
             return await self._writes.request(self._wake_op(flow_id, text, message_id, shape_of))
 
-        return self._delivered(await self.versioned(call))
+        tracing = self._tracing
+        if tracing is None:
+            return self._delivered(await self.versioned(call))
+        began = tracing.now()
+        result = await self.versioned(call)
+        _traced_wake(tracing, result, began)
+        return self._delivered(result)
 
     def _wake_input(self, flow_id: str, payload: Json, message_id: str | None, what: str) -> str:
         """A wake's input checked (`TypeError`/`ValueError`); the payload's JSON text."""
@@ -306,6 +312,8 @@ class Requests:
         if all(b is None for b in built):
             await trio.lowlevel.cancel_shielded_checkpoint()
             return [None] * len(decisions)
+        tracing = self._tracing
+        began = 0 if tracing is None else tracing.now()
         with trio.CancelScope(shield=True):  # all of them, or (if Cancelled) none
             done = await self.versioned(apply_all)
         answers = iter(done)
@@ -316,7 +324,10 @@ class Requests:
             elif isinstance(b, _store.Create):
                 results.append(self._started(b, next(answers)))
             else:
-                results.append(self._delivered(next(answers)))
+                answer = next(answers)
+                if tracing is not None:
+                    _traced_wake(tracing, answer, began)
+                results.append(self._delivered(answer))
         return results
 
     def _undone(self, ops: list[_store.Op], results: list[_store.Result]) -> NoReturn:
@@ -327,6 +338,13 @@ class Requests:
             if isinstance(op, _store.Create):
                 self._started(op, result)  # raises IdReused
         raise AssertionError(f"a publish was rolled back for no reason: {results!r}")
+
+
+def _traced_wake(tracing: _tracing.Tracing, result: _store.Result, began: int) -> None:
+    """The ``wake`` span of a wake that found its flow, in that flow's trace (ADR 0104)."""
+    if isinstance(result, _store.Changed) and result.transition.delivery is not None:
+        flow = result.transition.flow
+        tracing.moved("wake", flow, result.before.step, began, result.transition.delivery.name)
 
 
 def check_mapper(event_type: object, mapper: object) -> None:

@@ -72,7 +72,7 @@ class Timers:
         self,
         nursery: trio.Nursery,
         stale: Callable[[str, int], bool],
-        fire: Callable[[str, int, float], Awaitable[None]],
+        fire: Callable[[str, int, float], Awaitable[object]],
     ) -> None:
         """The timer task: for every entry that comes due and is not `stale(flow_id, revision)`
         (the flow was woken meanwhile), start ``fire(flow_id, revision, deadline)`` in

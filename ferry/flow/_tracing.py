@@ -13,16 +13,25 @@ Attributes (docs/operating.md): ``workflow.name`` (the plan), ``workflow.id``,
 ``complete``, ``park``, ``fail``, ``invalid``, ``compensated``, ``raised``, ``cancelled``) and,
 when it went wrong, the span's status ``ERROR`` with ``error.type`` and the exception recorded.
 
+What moves a parked flow from outside is in its trace too (docs/adr/0104): a wake
+(`Engine.wake`, or a `Wake` of `Engine.publish`) is a span ``wake {plan}`` and a park timeout
+that took the flow a span ``timeout {plan}``, both children of the start span, lasting the
+write, with ``workflow.task.name`` the step the flow was at and, for a wake,
+``workflow.wake.delivery`` (``RESUMED``, ``QUEUED``, ``DUPLICATE``, ``STALE``) and a link to the
+caller's current span (the caller's trace is its own). A wake to no such flow has no trace.
+
 Cost: `tracing_for` decides once, when an engine opens. Traces are off (None: the engine tests
-one attribute per step and per start, nothing else) unless a provider is given, or the
-application imported OpenTelemetry and set a global provider. Importing `ferry.flow` never
-imports OpenTelemetry; this module imports it only when traces are on. Design: docs/adr/0086.
+one attribute per step, per start, per wake and per publish, nothing else; the timer has no hook
+at all) unless a provider is given, or the application imported OpenTelemetry and set a global
+provider. Importing `ferry.flow` never imports OpenTelemetry; this module imports it only when
+traces are on. Design: docs/adr/0086, 0104.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
@@ -31,6 +40,8 @@ from ._types import Context, Fail, Park, _Complete, _Continue
 if TYPE_CHECKING:
     from opentelemetry.context import Context as OtelContext
     from opentelemetry.trace import Tracer
+
+    from ._values import Flow
 
 _NO_TRACE: Final = contextlib.nullcontext(None)
 _PARENTS_MAX: Final = 10_000
@@ -64,6 +75,26 @@ def starting(tracing: Tracing | None, plan: str, version: int, flow_id: str) -> 
     if tracing is None:
         return _NO_TRACE
     return tracing.start(plan, version, flow_id)
+
+
+def timed(
+    tracing: Tracing | None,
+    time_out: Callable[[str, int, float], Awaitable[tuple[Flow, Flow] | None]],
+) -> Callable[[str, int, float], Awaitable[object]]:
+    """The timer's ``fire(flow_id, revision, deadline)``: `time_out` itself when traces are off
+    (no cost at all); with tracing, `time_out` and then, if it took the flow (it returns the
+    row before and the row it wrote; None: the flow had moved on), its ``timeout`` span."""
+    if tracing is None:
+        return time_out
+
+    async def fire(flow_id: str, revision: int, deadline: float) -> None:
+        began = time.time_ns()
+        rows = await time_out(flow_id, revision, deadline)
+        if rows is not None:
+            before, after = rows
+            tracing.moved("timeout", after, before.step, began)
+
+    return fire
 
 
 def _outcome(result: object, compensating: bool) -> str:
@@ -123,6 +154,50 @@ class Tracing:
         self._parents[traceparent] = context
         return context
 
+    def _parent(self, parent: str | None) -> OtelContext:
+        """The context of a flow's start span from its stored ``traceparent`` (None, or one
+        that does not parse: an empty context, so the span is a root of its own)."""
+        if parent is None:
+            return self._context()
+        known = self._parents.get(parent)
+        if known is not None:
+            return known
+        carrier = {"traceparent": parent}
+        return self._remember(parent, self._propagator.extract(carrier, self._context()))
+
+    @staticmethod
+    def now() -> int:
+        """The time a wake or a timeout began (nanoseconds since the epoch, as spans count)."""
+        return time.time_ns()
+
+    def moved(
+        self, kind: str, flow: Flow, step: str | None, began: int, delivery: str | None = None
+    ) -> None:
+        """A span ``{kind} {plan}`` (``wake`` or ``timeout``) in `flow`'s trace, from `began`
+        (`now`) to now: `flow` is the row written, `step` the step the flow was at. A wake's
+        span says its `delivery` and links to the caller's current span, if it has one."""
+        attributes: dict[str, str | int] = {
+            "workflow.name": flow.plan,
+            "workflow.id": flow.flow_id,
+            "workflow.version": flow.version,
+        }
+        if step is not None:
+            attributes["workflow.task.name"] = step
+        links = None
+        if delivery is not None:
+            attributes["workflow.wake.delivery"] = delivery
+            caller = self._trace.get_current_span().get_span_context()
+            if caller.is_valid:
+                links = [self._trace.Link(caller)]
+        span = self._tracer.start_span(
+            f"{kind} {flow.plan}",
+            context=self._parent(flow.trace),
+            attributes=attributes,
+            links=links,
+            start_time=began,
+        )
+        span.end()
+
     async def run(
         self,
         fn: Callable[[Context], Awaitable[Any]],
@@ -133,13 +208,7 @@ class Tracing:
         """``await fn(ctx)`` (a step or a compensation) inside its span, whose parent is the
         flow's start span (`parent`, a ``traceparent``; None: a root of its own)."""
         kind = "compensation" if compensating else "step"
-        if parent is None:
-            context = self._context()
-        elif (known := self._parents.get(parent)) is not None:
-            context = known
-        else:
-            carrier = {"traceparent": parent}
-            context = self._remember(parent, self._propagator.extract(carrier, self._context()))
+        context = self._parent(parent)
         span = self._tracer.start_span(
             f"{'compensate' if compensating else 'step'} {ctx.plan}.{ctx.step}",
             context=context,

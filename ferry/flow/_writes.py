@@ -33,7 +33,7 @@ import trio
 from ferry import Closed, Failed
 from ferry.projected import Store
 
-from . import _checks, _retry, _store, _values
+from . import _checks, _retry, _store
 from . import _machine as m
 from ._apart import write_apart
 from ._clock import Clock
@@ -45,7 +45,6 @@ from ._versions import Versions
 T = TypeVar("T")
 
 _PARKED = State.PARKED
-_ACTIVE = ACTIVE
 _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
 
 
@@ -173,7 +172,7 @@ class Writes:
         none.)"""
         return (
             self._serve
-            and flow.state in _ACTIVE
+            and flow.state in ACTIVE
             and (not self._fleet or (flow.owner == self._owner and flow.lease_until is None))
             and not self._versions.elsewhere(flow)
         )
@@ -271,7 +270,7 @@ class Writes:
             return
         if live is not None:
             del self.live[fid]
-            if state in _ACTIVE or not write:  # it moved on without this engine: let go of it
+            if state in ACTIVE or not write:  # it moved on without this engine: let go of it
                 stats["lost"] += 1
                 if live.scope is not None:
                     live.scope.cancel()
@@ -308,9 +307,13 @@ class Writes:
         live = self.live.get(flow_id)
         return live is not None and live.flow.revision > revision
 
-    async def time_out(self, flow_id: str, revision: int, deadline: float) -> None:
+    async def time_out(
+        self, flow_id: str, revision: int, deadline: float
+    ) -> tuple[Flow, Flow] | None:
         """A park deadline came: time the flow out (its own problem if the database refuses
-        that write: it blocks, ADR 0063). The store's unavailability is retried."""
+        that write: it blocks, ADR 0063). The store's unavailability is retried. The row before
+        and the row written, or None if the flow had moved on (for its trace:
+        `_tracing.timed`)."""
         now = max(self._clock.now(), deadline)
         shapes = self._versions.shapes
 
@@ -327,26 +330,10 @@ class Writes:
             reason = f"the database refused its timeout: {_checks.describe(result.error)}"
             block = self.with_holder(on_row(m.block, reason, now), outside=True)
             op = _store.Change(flow_id, block, expected=revision)
-            await _retry.retrying(partial(self.write, op), what=what, extra=extra)
-
-    async def rerun(self, active: list[Flow]) -> int:
-        """Run `active` flows again (a compare-and-set on the row read): as attempt + 1 if a run
-        may have begun, else as the same attempt (`_machine.rerun`); or block those whose plan
-        version this engine lacks; how many run again."""
-        now = self._clock.now()
-        shapes = self._versions.shapes
-        ops: list[_store.Op] = []
-        for flow in active:
-            reason = _values.mismatch(flow, shapes.get((flow.plan, flow.version)))
-            apply = on_row(m.rerun, now) if reason is None else on_row(m.block, reason, now)
-            leased = self.with_holder(apply, outside=False)
-            ops.append(_store.Change(flow.flow_id, leased, flow=flow))
-        results = await gather([partial(self.write, op) for op in ops])
-        return sum(
-            1
-            for r in results
-            if isinstance(r, _store.Changed) and r.transition.flow.state in _ACTIVE
-        )
+            result = await _retry.retrying(partial(self.write, op), what=what, extra=extra)
+        if isinstance(result, _store.Changed) and result.transition.written:
+            return result.before, result.transition.flow
+        return None
 
 
 async def gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:

@@ -1,7 +1,8 @@
 """`ferry.flow` in operation: the cost of traces, and a purge beside a writer (SQLite).
 
 - **traces off**: what the engine adds per flow when no TracerProvider is set (one test of an
-  attribute per start and per step run, and an empty context manager around the start),
+  attribute per start, per step run and per wake, and an empty context manager around the
+  start; a park timeout has no hook when traces are off),
   measured alone on 1,000,000 rounds, against the time of one flow of the 3-step row (1,000
   concurrent flows, group commit, traces off). Target: under 1% (within the noise of that row).
 - **traces on vs off**: the same 1,000 concurrent 3-step flows with an SDK TracerProvider (a
@@ -47,8 +48,9 @@ async def _flows(path: Path, provider: TracerProvider | None) -> float:
 
 
 def _hooks_off(rounds: int = 1_000_000) -> float:
-    """Seconds per flow of the trace hooks with traces off: the start's context manager and
-    three tests of the engine's tracing attribute (what `_attempt` does per step run)."""
+    """Seconds per flow of the trace hooks with traces off: the start's context manager,
+    three tests of the engine's tracing attribute (what `_attempt` does per step run) and one
+    for a wake (a flow that parks once)."""
     tracing: _tracing.Tracing | None = None
     t0 = time.perf_counter()
     for _ in range(rounds):
@@ -57,6 +59,8 @@ def _hooks_off(rounds: int = 1_000_000) -> float:
         for _step in range(3):
             if tracing is not None:
                 raise AssertionError
+        if tracing is not None:  # `Requests.wake`
+            raise AssertionError
     return (time.perf_counter() - t0) / rounds
 
 

@@ -98,6 +98,7 @@ async def test_one_flow_is_one_trace_across_a_park_and_a_reopen(
         "step order.flaky",
         "step order.flaky",
         "step order.confirm",
+        "wake order",
         "step order.ship",
     ]
     trace_id = request.get_span_context().trace_id
@@ -109,7 +110,8 @@ async def test_one_flow_is_one_trace_across_a_park_and_a_reopen(
         "workflow.id": "o-1",
         "workflow.version": 3,
     }
-    steps = spans[2:]
+    assert spans[6].parent is not None and spans[6].parent.span_id == start.context.span_id
+    steps = spans[2:6] + spans[7:]
     assert all(s.parent is not None and s.parent.span_id == start.context.span_id for s in steps)
     expected = [
         ("reserve", 1, "continue"),
@@ -159,6 +161,85 @@ async def test_a_failed_flow_traces_its_compensation_and_a_start_without_a_span_
     assert attrs_of(release)["workflow.task.kind"] == "compensation"
     assert attrs_of(release)["workflow.task.outcome"] == "compensated"
     assert release.parent is not None and release.parent.span_id == start.context.span_id
+
+
+def wait_plan() -> flow.Plan:
+    """hold (parks for a wake, an hour at most, then runs on) -> after."""
+    plan = flow.Plan("waits", version=2)
+
+    @plan.step
+    async def hold(ctx: flow.Context) -> flow.Outcome:
+        return flow.park(timeout=3600, on_timeout="continue")
+
+    @plan.step
+    async def after(ctx: flow.Context) -> None:
+        ctx.data["woken_by"] = "timeout" if ctx.timed_out else ctx.wake
+
+    return plan
+
+
+async def test_a_wake_a_published_wake_and_a_park_timeout_are_spans_of_the_flows_trace(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Each is a span in the flow's own trace (a child of its start span), named for what it
+    was, with the step the flow was at; a wake says its delivery and links to its caller's span
+    (the caller's trace stays its own). A wake to no such flow traces nothing."""
+    provider, exporter = traced()
+    tracer = provider.get_tracer("the application")
+    plan = wait_plan()
+    async with flow.open_engine(tmp_path / "t.db", plans=[plan], tracer_provider=provider) as e:
+        e.on("paid", lambda ev: flow.Wake(ev["flow"], "paid", message_id=ev["id"]))
+        starts = {}
+        for fid in ("by-wake", "by-publish", "by-timeout"):
+            with tracer.start_as_current_span(f"POST /{fid}") as request:
+                await e.start(plan, flow_id=fid)
+            starts[fid] = request.get_span_context().trace_id
+        for fid in starts:
+            await parked(e, fid)
+        with tracer.start_as_current_span("POST /confirm") as confirm:
+            assert await e.wake("by-wake", "ok") is flow.Delivery.RESUMED
+        assert await e.wake("nobody", "ok") is flow.Delivery.UNKNOWN
+        with tracer.start_as_current_span("consume paid") as consume:
+            event = {"flow": "by-publish", "id": "evt-1"}
+            assert await e.publish("paid", event) == [flow.Delivery.RESUMED]
+        for fid, why in (("by-wake", "ok"), ("by-publish", "paid"), ("by-timeout", "timeout")):
+            assert (await e.wait(fid, timeout=7200)).data == {"woken_by": why}
+        assert await e.publish("paid", event) == [flow.Delivery.DUPLICATE]  # no caller span
+    spans = exporter.get_finished_spans()
+    moved = [s for s in spans if not s.name.startswith(("POST", "consume", "start", "step"))]
+    assert sorted(s.name for s in moved) == [
+        "timeout waits",
+        "wake waits",
+        "wake waits",
+        "wake waits",
+    ]
+    by_id = {
+        sid: next(s for s in spans if s.name == "start waits" and s.context.trace_id == tid)
+        for sid, tid in starts.items()
+    }
+    deliveries = []
+    for span in moved:
+        fid = attrs_of(span)["workflow.id"]
+        start = by_id[fid]
+        assert span.context.trace_id == starts[fid]
+        assert span.parent is not None and span.parent.span_id == start.context.span_id
+        assert span.start_time is not None and span.end_time is not None
+        assert start.end_time is not None and start.end_time <= span.start_time <= span.end_time
+        attributes = attrs_of(span)
+        delivery = attributes.pop("workflow.wake.delivery", None)
+        at = attributes.pop("workflow.task.name", None)  # none once the flow has completed
+        assert attributes == {"workflow.name": "waits", "workflow.id": fid, "workflow.version": 2}
+        links = [link.context.span_id for link in span.links]
+        deliveries.append((fid, span.name, at, delivery, links))
+    assert sorted(deliveries, key=str) == [
+        ("by-publish", "wake waits", "hold", "RESUMED", [consume.get_span_context().span_id]),
+        ("by-publish", "wake waits", None, "DUPLICATE", []),
+        ("by-timeout", "timeout waits", "hold", None, []),
+        ("by-wake", "wake waits", "hold", "RESUMED", [confirm.get_span_context().span_id]),
+    ]
+    # The callers' own spans stay in their own traces.
+    assert confirm.get_span_context().trace_id not in starts.values()
+    assert consume.get_span_context().trace_id not in starts.values()
 
 
 async def test_a_provider_that_is_not_one_is_refused(tmp_path: Path) -> None:
