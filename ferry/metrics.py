@@ -42,7 +42,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from ferry import FerryStatistics
 from ferry.flow import Engine, Fail, FlowStatistics, Park
-from ferry.flow._machine import Flow
+from ferry.flow._values import Flow
 
 __all__ = [
     "BATCH_SIZE_BUCKETS",

@@ -27,7 +27,6 @@ import attrs
 from ferry.projected import Tx, canonical_json
 
 from . import _notify, _sql
-from ._machine import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Transition
 from ._sql import (
     FIELDS,
     MUTABLE,
@@ -38,6 +37,7 @@ from ._sql import (
     to_flow,
     update_columns,
 )
+from ._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Transition
 
 
 @attrs.frozen

@@ -27,10 +27,10 @@ from ferry.projected import Store
 
 from . import _query, _times
 from ._engine import Engine
-from ._machine import Flow
 from ._open import open_engine
 from ._query import FlowFilter
 from ._types import State
+from ._values import Flow
 
 #: The filter options: (flag, FlowFilter field).
 FILTERS = (

@@ -39,16 +39,15 @@ from ferry import Closed
 from ferry._errors import wrong_run
 from ferry.projected import Store
 
-from . import _checks, _store, _tracing, _waiters
-from . import _machine as m
+from . import _checks, _store, _tracing, _values, _waiters
 from ._errors import UnknownFlow
 from ._live import Live
-from ._machine import Flow
 from ._observe import Observer
 from ._parts import Parts
 from ._plan import Plan
 from ._requests import check_mapper
 from ._types import Delivery, Event, FlowStatistics, Json, Snapshot, Start, Wake
+from ._values import Flow
 
 T = TypeVar("T")
 
@@ -241,7 +240,7 @@ class Engine:
         meanwhile.
         """
         self._check("wait")
-        return m.snapshot(await self._waiters.wait(_checks.flow_id(flow_id), timeout))
+        return _values.snapshot(await self._waiters.wait(_checks.flow_id(flow_id), timeout))
 
     async def _load(self, flow_id: str) -> Flow | None:
         """The flow's row; `ferry.Failed` if the store failed."""
@@ -251,7 +250,7 @@ class Engine:
         """The flow's durable state, read from the store; None if there is no such flow."""
         self._check("get")
         flow = await self._load(_checks.flow_id(flow_id))
-        return None if flow is None else m.snapshot(flow)
+        return None if flow is None else _values.snapshot(flow)
 
     async def cancel(self, flow_id: str, reason: str = "cancelled") -> bool:
         """Stop a running or parked flow and compensate its completed steps; durable on return.

@@ -25,8 +25,8 @@ from . import _store
 from ._clock import Clock
 from ._lease import Lease, transient
 from ._live import Live, Tally, on_row
-from ._machine import Flow
 from ._recovery import answer_refused, rerun
+from ._values import Flow
 from ._versions import Versions
 from ._writes import Writes, gather
 

@@ -45,7 +45,7 @@ from . import _heartbeat, _retry, _store
 from ._clock import Clock
 from ._errors import StoreLocked
 from ._live import Live, Tally, about, named
-from ._machine import Flow
+from ._values import Flow
 from ._writes import Writes
 
 _log = logging.getLogger("ferry.flow")
@@ -378,40 +378,27 @@ class Lease:
         )
         if self._superseded:
             return
-        tries = 0
         with trio.move_on_at(deadline):
-            while True:
-                try:
-                    rows = await self._store.transact(renew)
-                except _store.Superseded:
-                    self._superseded = True
-                    _log.warning(
-                        "flow engine %r lost its lease for good: another engine opened under the"
-                        " same owner name after this one's lease lapsed; this one runs no flow"
-                        " any more (close it)",
-                        self._owner,
-                        extra={"owner": self._owner},
-                    )
-                    self.lose_all("another engine opened under the same owner name")
-                    return
-                except Exception as exc:
-                    if not _retry.unavailable(exc):
-                        raise
-                    # At once again (the pool opens a fresh connection for a dead one), then
-                    # after a pause, until the margin.
-                    tries += 1
-                    delay = 0.0 if tries == 1 else min(_retry.FIRST_DELAY * 2 ** (tries - 2), 1.0)
-                    _log.warning(
-                        "flow engine %r: renewing its lease failed (%r); retry %d in %.2f s",
-                        self._owner,
-                        exc,
-                        tries,
-                        delay,
-                        extra={"owner": self._owner, "retry": tries, "delay": delay},
-                    )
-                    await trio.sleep(delay)
-                    continue
-                break
+            try:
+                # At once again (the pool opens a fresh connection for a dead one), then after
+                # a pause, until the margin.
+                rows = await _retry.retrying(
+                    partial(self._store.transact, renew),
+                    what=f"renewing the lease of flow engine {self._owner!r}",
+                    extra={"owner": self._owner},
+                    schedule=_retry.LEASE_RENEWAL,
+                )
+            except _store.Superseded:
+                self._superseded = True
+                _log.warning(
+                    "flow engine %r lost its lease for good: another engine opened under the"
+                    " same owner name after this one's lease lapsed; this one runs no flow"
+                    " any more (close it)",
+                    self._owner,
+                    extra={"owner": self._owner},
+                )
+                self.lose_all("another engine opened under the same owner name")
+                return
             if lapsed or self.lapsing():
                 writes.epoch += 1
                 for row in rows:

@@ -16,9 +16,9 @@ from typing import Any
 import trio
 
 from . import _store
-from ._machine import Flow, Transition
 from ._observe import Observer
 from ._types import Delivery, State
+from ._values import Flow, Transition
 
 _log = logging.getLogger("ferry.flow")
 

@@ -1,24 +1,12 @@
-"""The state machine of one flow: frozen values and pure transitions.
+"""The state machine of one flow: its pure transitions.
 
 PURE: this module never imports trio, never reads a clock and does no I/O. Time comes in as the
 `now` argument (wall-clock seconds). The store runs a transition inside the database transaction
 that records it; the engine decides which transition to ask for; the model check (tests) drives
-them directly. What a flow *is* lives here, and nowhere else.
+them directly. What a flow may become is decided here, and nowhere else.
 
-Values
-------
-- `Shape`: what the machine needs of a plan: its name, version, step names, which steps have a
-  compensation, and their attempts.
-- `Flow`: one flow's durable row. `revision` is 1 after `start` and +1 on every accepted write.
-  `stack` holds the indexes of the completed steps that have a compensation, oldest first: it is
-  the compensation stack (popped from the end). `attempt` is the attempt number of the step or
-  compensation in progress (or the last one started). `wake`/`timed_out` belong to the current
-  step (the one after a park). `error` is why the flow compensates (or failed); `blocked` is why
-  it is `BLOCKED`, and `blocked_from` the state it left (`resume` returns there).
-- `Mailbox`: a flow's durable mailbox: `queued` (messages kept for the next park, in arrival
-  order) and `seen` (every message id ever accepted: the `DUPLICATE` check). A transition reads
-  only ``message_id in seen`` and ``queued[:1]``, so a store may pass a partial mailbox holding
-  just those (and applies `Transition.messages` to its tables).
+The values it works on (`Flow`, `Shape`, `Mailbox`, `Transition`, ...) are in `_values`; the
+invariants those values keep are checked by `_invariants`.
 
 States and transitions (who asks for each)
 ------------------------------------------
@@ -46,8 +34,8 @@ States and transitions (who asks for each)
 Leases (the fleet): an active flow is run by the engine named in `owner`, for as long
 as that engine's own lease runs (one row per engine, renewed by the engine: no flow row is
 written to renew it). `lease_until` is None while the owner holds the flow, and the time it let
-it go once it has (then any engine may take it over). `leased` is the one rule for who holds a
-flow after a write (the writer, nobody after an operator's write, or the engine that runs it
+it go once it has (then any engine may take it over). `assign_holder` is the one rule for who
+holds a flow after a write (the writer, nobody after an operator's write, or the engine that runs it
 kept); `take_over` is how an engine takes an active flow that its owner no longer holds (a
 compare-and-set on the revision and on the owner's lease having lapsed, checked by the store;
 attempt + 1 if someone may have run the step). Non-active flows are nobody's.
@@ -58,68 +46,47 @@ happen. `wake`, `timeout`, `cancel`, `resume` and `block` come from outside at a
 answer with ``done=False`` (nothing written) when they do not apply. Every transition that
 writes bumps `revision` by exactly 1 and lists its history `events`; a wake that is only queued
 changes the mailbox, not the row.
-
-Invariants (`check_invariants`)
--------------------------------
-- A parked flow has an empty queue (a park takes a queued message at once): no wake is lost
-  because it came before the park. Every queued id is in `seen`.
-- The stack is strictly increasing, holds only steps with a compensation, and only steps before
-  the current one (up to and including it when parked: a step that parked has completed). A
-  compensating flow is at the top of its stack. Terminal flows have an empty stack.
-- Only a running flow has `wake`/`timed_out`; only a parked flow has a deadline or `on_timeout`;
-  only a blocked flow has `blocked`/`blocked_from`; terminal flows have no step, and every
-  other flow has one, except a compensation that a cancel without the plan started (its name
-  comes from the plan of the engine that runs it, `step_name`).
 """
 
 from __future__ import annotations
 
-import itertools
-import json
 import operator
-from collections.abc import Sequence
 from typing import Any, Final
 
 import attrs
 
-from ._types import (
-    Delivery,
-    Event,
-    Fail,
-    Json,
-    Outcome,
-    Park,
-    Snapshot,
-    State,
-    _Complete,
-    _Continue,
+from ._types import Delivery, Event, Fail, Json, Outcome, Park, State, _Complete, _Continue
+from ._values import (
+    ACTIVE,
+    BLOCKED,
+    COMPENSATING,
+    COMPLETED,
+    EMPTY_MAILBOX,
+    FAILED,
+    PARKED,
+    RUNNING,
+    TERMINAL,
+    Flow,
+    InvalidTransition,
+    Mailbox,
+    Message,
+    Received,
+    Shape,
+    Taken,
+    Transition,
+    mismatch,
 )
 
 __all__ = [
-    "EMPTY_MAILBOX",
-    "Flow",
-    "InvalidTransition",
-    "InvariantError",
-    "Mailbox",
-    "Message",
-    "Received",
-    "Shape",
-    "Taken",
-    "Transition",
+    "assign_holder",
     "block",
     "cancel",
-    "check_invariants",
     "compensated",
     "compensation_failed",
-    "leased",
     "let_go",
-    "mismatch",
     "next_attempt",
-    "parse_stack",
     "rerun",
     "resume",
-    "snapshot",
-    "stack_text",
     "start",
     "step_done",
     "step_failed",
@@ -128,127 +95,6 @@ __all__ = [
     "timeout",
     "wake",
 ]
-
-RUNNING: Final = State.RUNNING
-PARKED: Final = State.PARKED
-COMPENSATING: Final = State.COMPENSATING
-COMPLETED: Final = State.COMPLETED
-FAILED: Final = State.FAILED
-BLOCKED: Final = State.BLOCKED
-TERMINAL: Final = frozenset({COMPLETED, FAILED})
-ACTIVE: Final = frozenset({RUNNING, COMPENSATING})
-
-
-class InvalidTransition(Exception):
-    """A transition that only the flow's own runner asks for was asked in the wrong state."""
-
-
-class InvariantError(AssertionError):
-    """`check_invariants` found a state that no correct run can reach."""
-
-
-@attrs.frozen
-class Shape:
-    """What the machine needs of a plan (made by `Plan`; a model check may make its own)."""
-
-    name: str
-    version: int
-    steps: tuple[str, ...]
-    compensable: tuple[bool, ...]
-    attempts: tuple[int, ...]
-
-    def __attrs_post_init__(self) -> None:
-        n = len(self.steps)
-        assert n >= 1 and len(self.compensable) == n and len(self.attempts) == n
-
-
-@attrs.frozen
-class Message:
-    """One wake in a mailbox: its id (given, or made unique by the engine) and JSON payload text."""
-
-    message_id: str
-    payload: str
-
-
-@attrs.frozen
-class Mailbox:
-    """A flow's durable mailbox (or the part of it a transition reads; see the module doc)."""
-
-    queued: tuple[Message, ...] = ()
-    seen: frozenset[str] = frozenset()
-
-
-EMPTY_MAILBOX: Final = Mailbox()
-
-
-@attrs.frozen
-class Flow:
-    """One flow's durable row (see the module doc for what each field means)."""
-
-    flow_id: str
-    plan: str
-    version: int
-    state: State
-    step_index: int
-    step: str | None
-    attempt: int
-    data: str  # canonical JSON text of the flow's data object
-    revision: int
-    updated_at: float
-    error: str | None = None
-    park_deadline: float | None = None
-    on_timeout: str | None = None
-    wake: str | None = None  # JSON text of the payload that resumed the current step
-    timed_out: bool = False
-    stack: tuple[int, ...] = ()
-    blocked: str | None = None
-    blocked_from: State | None = None
-    owner: str | None = None
-    lease_until: float | None = None
-    created_at: float = 0.0  # when it was started (wall-clock seconds); never changes
-    # The W3C ``traceparent`` of the span that started the flow (None: traces were off then):
-    # every step's span joins its trace. Set by `start`, never changed; the machine ignores it.
-    trace: str | None = None
-
-
-@attrs.frozen
-class Received:
-    """A new message for the mailbox: kept for the next park, or `taken` at once (RESUMED)."""
-
-    message: Message
-    taken: bool
-    at: float = 0.0  # when it arrived (wall-clock seconds)
-
-
-@attrs.frozen
-class Taken:
-    """A queued message taken by a park (or a resume back to a park)."""
-
-    message: Message
-
-
-@attrs.frozen
-class Transition:
-    """What a transition did: the new row and mailbox, what must be written, what it answers.
-
-    `expected` is the revision the flow had before (0 for `start`); the row changed (and must be
-    written, with `events`, as a compare-and-set on `expected`) iff `written`. `messages` are
-    mailbox writes, to be applied even when the row did not change (a queued wake). `delivery`
-    answers a wake; `done` is False when an outside request did not apply (nothing to write).
-    """
-
-    flow: Flow
-    mailbox: Mailbox
-    expected: int
-    events: tuple[Event, ...] = ()
-    messages: tuple[Received | Taken, ...] = ()
-    delivery: Delivery | None = None
-    done: bool = True
-
-    @property
-    def written(self) -> bool:
-        """True if the row changed: a new revision, to be written with `events`."""
-        return self.flow.revision != self.expected
 
 
 # --------------------------------------------------------------------------------------- helpers
@@ -378,50 +224,6 @@ def _pushed(flow: Flow, shape: Shape) -> tuple[int, ...]:
     """The stack once the current step has completed."""
     i = flow.step_index
     return (*flow.stack, i) if shape.compensable[i] else flow.stack
-
-
-# ------------------------------------------------------------------------------------ reading
-
-
-def mismatch(flow: Flow, shape: Shape | None) -> str | None:
-    """Why `shape` cannot drive `flow` (versions fail closed), or None if it can. O(stack)."""
-    if shape is None or shape.name != flow.plan or shape.version != flow.version:
-        return f"plan {flow.plan!r} version {flow.version} is not registered with this engine"
-    state = flow.blocked_from if flow.state is BLOCKED else flow.state
-    if state not in (RUNNING, PARKED, COMPENSATING):
-        return None
-    i = flow.step_index
-    have = shape.steps[i] if 0 <= i < len(shape.steps) else None
-    unnamed = state is COMPENSATING and flow.step is None  # named by the plan (see `cancel`)
-    if have is None or (have != flow.step and not unnamed):
-        found = "no step" if have is None else f"step {have!r}"
-        return (
-            f"plan {flow.plan!r} version {flow.version} has {found} at index {i}, but the flow"
-            f" is at step {flow.step!r}"
-        )
-    for j in flow.stack:
-        if not (0 <= j < len(shape.steps) and shape.compensable[j]):
-            return (
-                f"plan {flow.plan!r} version {flow.version} has no compensation at index {j},"
-                " which the flow's compensation stack needs"
-            )
-    return None
-
-
-def snapshot(flow: Flow) -> Snapshot:
-    """The public view of a row (a fresh copy of its data). Cost: one JSON parse."""
-    return Snapshot(
-        flow_id=flow.flow_id,
-        plan=flow.plan,
-        version=flow.version,
-        state=flow.state,
-        step=flow.step,
-        step_index=flow.step_index,
-        data=json.loads(flow.data),
-        error=flow.blocked if flow.state is BLOCKED else flow.error,
-        park_deadline=flow.park_deadline,
-        revision=flow.revision,
-    )
 
 
 # -------------------------------------------------------------------- transitions of the runner
@@ -786,15 +588,17 @@ def let_go(flow: Flow, now: float) -> Transition:
     return Transition(new, EMPTY_MAILBOX, flow.revision)
 
 
-def leased(t: Transition, before: Flow | None, owner: str | None, *, respect: bool) -> Transition:
+def assign_holder(
+    t: Transition, before: Flow | None, writer: str | None, *, keep_runner: bool
+) -> Transition:
     """Who holds the flow after a write: `t` with its row's `owner`/`lease_until` set.
 
-    - A flow that the write leaves active is held by `owner` (the engine that made the write
+    - A flow that the write leaves active is held by `writer` (the engine that made the write
       runs it; an operator's engine passes None and leaves it to whichever engine takes it
-      over) -- except, with `respect`, when `before` was active and held by another engine: an
-      outside request (a cancel) on a flow another engine runs leaves it with that engine, whose
-      step must stop before anything else runs (one step at a time, across a fleet too). If
-      that engine is gone, the flow is an orphan like its others, and is taken over as one.
+      over) -- except, with `keep_runner`, when `before` was active and held by another engine:
+      an outside request (a cancel) on a flow another engine runs leaves it with that engine,
+      whose step must stop before anything else runs (one step at a time, across a fleet too).
+      If that engine is gone, the flow is an orphan like its others, and is taken over as one.
     - A flow that is not active is nobody's (owner and lease None): a parked flow holds nothing.
 
     Unwritten transitions are returned as they are. No cost beyond one `attrs.evolve`.
@@ -802,14 +606,14 @@ def leased(t: Transition, before: Flow | None, owner: str | None, *, respect: bo
     if not t.written:
         return t
     flow = t.flow
-    holder = owner
+    holder = writer
     if flow.state in ACTIVE:
         if (
-            respect
+            keep_runner
             and before is not None
             and before.state in ACTIVE
             and before.owner is not None
-            and before.owner != owner
+            and before.owner != writer
         ):
             holder = before.owner
     else:
@@ -817,81 +621,3 @@ def leased(t: Transition, before: Flow | None, owner: str | None, *, respect: bo
     if flow.owner == holder and flow.lease_until is None:
         return t
     return attrs.evolve(t, flow=_replace(flow, owner=holder, lease_until=None))
-
-
-# ------------------------------------------------------------------------------------ checking
-
-
-def check_invariants(
-    flow: Flow, mailbox: Mailbox | None = None, shape: Shape | None = None
-) -> None:
-    """Raise `InvariantError` naming the first broken invariant (module doc); None if all hold.
-
-    With `mailbox`, also the mailbox's; with `shape`, also that the flow's position and stack fit
-    the plan. Cost: O(stack + queue).
-    """
-
-    def bad(what: str) -> None:
-        raise InvariantError(f"flow {flow.flow_id!r} ({flow.state}): {what}")
-
-    if flow.revision < 1:
-        bad(f"revision {flow.revision} < 1")
-    if flow.attempt < 1:
-        bad(f"attempt {flow.attempt} < 1")
-    stack = flow.stack
-    if any(b <= a for a, b in itertools.pairwise(stack)):
-        bad(f"compensation stack {stack} is not strictly increasing")
-    state = flow.state
-    limit = flow.step_index + (1 if state in (PARKED, COMPENSATING) else 0)
-    if state is BLOCKED and flow.blocked_from in (PARKED, COMPENSATING):
-        limit += 1
-    compensating = state is COMPENSATING or (state is BLOCKED and flow.blocked_from is COMPENSATING)
-    if state in TERMINAL:
-        if flow.step is not None:
-            bad("a terminal flow has a step")
-        if stack:
-            bad(f"a terminal flow has compensations left: {stack}")
-    elif flow.step is None and not compensating:  # a compensation may await its name (`cancel`)
-        bad("an unfinished flow has no step")
-    if stack and (stack[0] < 0 or stack[-1] >= limit):
-        bad(f"compensation stack {stack} holds a step at or after the current one")
-    if state is COMPENSATING and (not stack or stack[-1] != flow.step_index):
-        bad(f"compensating step {flow.step_index}, but the stack is {stack}")
-    running = state is RUNNING or (state is BLOCKED and flow.blocked_from is RUNNING)
-    if not running and (flow.wake is not None or flow.timed_out):
-        bad("wake/timed_out set outside a running step")
-    parked = state is PARKED or (state is BLOCKED and flow.blocked_from is PARKED)
-    if not parked and (flow.park_deadline is not None or flow.on_timeout is not None):
-        bad("a park deadline outside a park")
-    if state is PARKED and flow.on_timeout not in ("compensate", "continue"):
-        bad(f"parked with on_timeout {flow.on_timeout!r}")
-    if (state is BLOCKED) != (flow.blocked is not None) or (state is BLOCKED) != (
-        flow.blocked_from is not None
-    ):
-        bad("blocked/blocked_from set iff the flow is blocked")
-    if state is BLOCKED and flow.blocked_from not in (RUNNING, PARKED, COMPENSATING):
-        bad(f"blocked from {flow.blocked_from}")
-    if state in (COMPENSATING, FAILED) and flow.error is None:
-        bad("compensating or failed without an error")
-    if mailbox is not None:
-        ids = [m.message_id for m in mailbox.queued]
-        if len(set(ids)) != len(ids):
-            bad(f"a message is queued twice: {ids}")
-        if not set(ids) <= mailbox.seen:
-            bad("a queued message id is not in `seen`")
-        if state is PARKED and mailbox.queued:
-            bad(f"parked with messages queued: {ids} (a wake before the park was not taken)")
-    if shape is not None and state is not BLOCKED and mismatch(flow, shape) is not None:
-        bad(str(mismatch(flow, shape)))
-    if shape is not None and any(not shape.compensable[i] for i in stack if i < len(shape.steps)):
-        bad(f"the stack {stack} holds a step without a compensation")
-
-
-def stack_text(stack: Sequence[int]) -> str:
-    """The stack as stored: ``"0,2,3"``."""
-    return ",".join(map(str, stack))
-
-
-def parse_stack(text: str) -> tuple[int, ...]:
-    """Inverse of `stack_text`."""
-    return tuple(int(x) for x in text.split(",")) if text else ()

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 from ferry.projected import Tx
 
-from ._machine import BLOCKED, COMPLETED, FAILED, Transition
+from ._values import BLOCKED, COMPLETED, FAILED, Transition
 
 #: The states a `wait` returns in.
 SETTLED = frozenset({COMPLETED, FAILED, BLOCKED})

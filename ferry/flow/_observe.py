@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ._machine import Flow
+from ._values import Flow
 
 
 class Observer(Protocol):

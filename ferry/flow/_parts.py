@@ -19,12 +19,12 @@ from ._clock import Clock
 from ._fleet import Fleet
 from ._lease import Lease
 from ._live import Live, Tally
-from ._machine import Flow
 from ._plan import Plan
 from ._recovery import let_go_unbegun, recover
 from ._requests import Requests
 from ._runner import Runner
 from ._timer_loop import Timers
+from ._values import Flow
 from ._versions import Versions
 from ._writes import Writes
 

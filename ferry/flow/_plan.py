@@ -17,8 +17,8 @@ from typing import Any, TypeVar, final, overload
 import attrs
 
 from ._checks import text_problem
-from ._machine import Shape
 from ._types import Context
+from ._values import Shape
 
 StepFn = Callable[[Context], Awaitable[Any]]
 CompensateFn = Callable[[Context], Awaitable[None]]

@@ -42,11 +42,11 @@ import attrs
 
 from ferry.projected import Tx
 
-from . import _times
-from ._machine import Flow
+from . import _sql, _times
 from ._sql import FIELDS as _FIELDS
 from ._sql import to_flow as _to_flow
 from ._types import State
+from ._values import Flow
 
 #: The most flows one page may hold.
 MAX_LIMIT = 1000
@@ -315,7 +315,7 @@ def _check_limit(limit: object) -> int:
 
 
 def page_sql(
-    flt: FlowFilter, dialect: str, *, ns: str = "flow", limit: int = 50, after: str | None = None
+    flt: FlowFilter, dialect: str, *, limit: int = 50, after: str | None = None
 ) -> tuple[str, list[Any]]:
     """The statement of `query_page` and its parameters (for tests and ``EXPLAIN``)."""
     limit = _check_limit(limit)
@@ -331,7 +331,7 @@ def page_sql(
             conds.append("(created_at, flow_id) < (?, ?)")
             params += [float(key[1]), key[2]]
     order = f"{fid}" if flt.by_id else "created_at DESC, flow_id DESC"
-    sql = f"SELECT {', '.join(_FIELDS)}, created_at FROM {ns}_flows"
+    sql = f"SELECT {', '.join(_FIELDS)}, created_at FROM {_sql.FLOWS}"
     if conds:
         sql += " WHERE " + " AND ".join(conds)
     # One more than the page: is there a next page?
@@ -339,14 +339,12 @@ def page_sql(
     return sql, params
 
 
-def query_page(
-    tx: Tx, flt: FlowFilter, *, ns: str = "flow", limit: int = 50, after: str | None = None
-) -> Page:
+def query_page(tx: Tx, flt: FlowFilter, *, limit: int = 50, after: str | None = None) -> Page:
     """The first `limit` flows matching `flt` (after the flow of the cursor `after`, if given),
     newest first (in id order with an id prefix). Cost: a range over an index, about `limit`
     rows read when the conditions are indexed (see the module's docstring). Raises
     `ValueError` for a bad cursor or limit."""
-    sql, params = page_sql(flt, tx.dialect, ns=ns, limit=limit, after=after)
+    sql, params = page_sql(flt, tx.dialect, limit=limit, after=after)
     rows = tx.execute(sql, params)
     more = len(rows) > limit
     rows = rows[:limit]
@@ -357,10 +355,10 @@ def query_page(
     return Page(flows, nxt, tuple(r[len(_FIELDS)] for r in rows))
 
 
-def count(tx: Tx, flt: FlowFilter, *, ns: str = "flow") -> int:
+def count(tx: Tx, flt: FlowFilter) -> int:
     """How many flows match `flt`. Cost: a pass over the matching index entries."""
     conds, params = flt.where(tx.dialect)
-    sql = f"SELECT COUNT(*) FROM {ns}_flows"
+    sql = f"SELECT COUNT(*) FROM {_sql.FLOWS}"
     if conds:
         sql += " WHERE " + " AND ".join(conds)
     return int(tx.execute(sql, params)[0][0])

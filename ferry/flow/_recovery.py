@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 from ferry.projected import Store
 
-from . import _checks, _retry, _store
+from . import _checks, _retry, _store, _values
 from . import _machine as m
 from ._clock import Clock
 from ._lease import Lease, transient
 from ._live import Tally, about, named, on_row
-from ._machine import Flow
 from ._timer_loop import Timers
 from ._types import State
+from ._values import ACTIVE, Flow
 from ._versions import Versions
 from ._writes import Writes, gather
 
@@ -99,7 +99,7 @@ async def rerun(writes: Writes, clock: Clock, versions: Versions, active: list[F
     shapes = versions.shapes
     ops: list[_store.Op] = []
     for flow in active:
-        reason = m.mismatch(flow, shapes.get((flow.plan, flow.version)))
+        reason = _values.mismatch(flow, shapes.get((flow.plan, flow.version)))
         apply = on_row(m.rerun, now) if reason is None else on_row(m.block, reason, now)
         leased = writes.with_holder(apply, outside=False)
         ops.append(_store.Change(flow.flow_id, leased, flow=flow))
@@ -110,7 +110,7 @@ async def rerun(writes: Writes, clock: Clock, versions: Versions, active: list[F
     if refused:
         await gather([partial(answer_refused, writes, clock, versions, f, r) for f, r in refused])
     return sum(
-        1 for r in results if isinstance(r, _store.Changed) and r.transition.flow.state in m.ACTIVE
+        1 for r in results if isinstance(r, _store.Changed) and r.transition.flow.state in ACTIVE
     )
 
 
@@ -137,7 +137,7 @@ async def answer_refused(
     shape = versions.shapes.get((flow.plan, flow.version))
     now = clock.now()
     answer: _store.Apply | None = None
-    if m.mismatch(flow, shape) is None:
+    if _values.mismatch(flow, shape) is None:
         if flow.state is State.RUNNING:
             answer = on_row(m.step_failed, shape, problem, now)
         elif flow.state is State.COMPENSATING:
@@ -174,7 +174,7 @@ async def let_go_unbegun(store: Store, clock: Clock, writes: Writes) -> None:
     ops: list[_store.Op] = [
         _store.Change(live.flow.flow_id, on_row(m.let_go, now), flow=live.flow)
         for live in writes.live.values()
-        if live.began != live.flow.revision and live.flow.state in m.ACTIVE
+        if live.began != live.flow.revision and live.flow.state in ACTIVE
     ]
     if not ops:
         return

@@ -28,9 +28,9 @@ from . import _machine as m
 from ._clock import Clock
 from ._errors import IdReused, UnknownPlan
 from ._live import Tally
-from ._machine import Flow, Mailbox, Message, Shape, Transition
 from ._plan import Plan
 from ._types import IGNORE, Delivery, Json, Start, Wake
+from ._values import Flow, Mailbox, Message, Shape, Transition
 from ._versions import Versions
 from ._writes import Writes
 

@@ -79,7 +79,6 @@ def purge_batch(
     before: float,
     *,
     limit: int = BATCH,
-    ns: str = "flow",
     guard: float | None = None,
 ) -> list[str]:
     """Delete at most `limit` finished flows whose last write is earlier than `before`, with
@@ -88,7 +87,7 @@ def purge_batch(
     Safe against concurrent purges and writes (see the module doc). Cost: one index range scan
     for the batch, and one ``DELETE`` per table keyed by flow id."""
     _store.guard_locks(tx, guard)
-    flows = f"{ns}_flows"
+    flows = _sql.FLOWS
     pick = (
         f"SELECT flow_id FROM {flows} WHERE {_FINISHED} AND updated_at < ?"
         f" ORDER BY updated_at LIMIT {int(limit)}"
@@ -106,8 +105,8 @@ def purge_batch(
             )
         ]
         if deleted:
-            tx.execute(f"DELETE FROM {ns}_history WHERE flow_id = ANY(?)", (deleted,))
-            tx.execute(f"DELETE FROM {ns}_mailbox WHERE flow_id = ANY(?)", (deleted,))
+            tx.execute(f"DELETE FROM {_sql.HISTORY} WHERE flow_id = ANY(?)", (deleted,))
+            tx.execute(f"DELETE FROM {_sql.MAILBOX} WHERE flow_id = ANY(?)", (deleted,))
     else:
         ids = [r[0] for r in tx.execute(pick, (before,))]
         if not ids:
@@ -123,16 +122,16 @@ def purge_batch(
         ]
         if deleted:
             marks = ", ".join("?" * len(deleted))
-            tx.execute(f"DELETE FROM {ns}_history WHERE flow_id IN ({marks})", deleted)
-            tx.execute(f"DELETE FROM {ns}_mailbox WHERE flow_id IN ({marks})", deleted)
+            tx.execute(f"DELETE FROM {_sql.HISTORY} WHERE flow_id IN ({marks})", deleted)
+            tx.execute(f"DELETE FROM {_sql.MAILBOX} WHERE flow_id IN ({marks})", deleted)
     order = {fid: i for i, fid in enumerate(ids)}
     return sorted(deleted, key=order.__getitem__)
 
 
-def count_finished(tx: Tx, before: float, *, ns: str = "flow") -> int:
+def count_finished(tx: Tx, before: float) -> int:
     """How many finished flows have their last write earlier than `before` (the index)."""
     rows = tx.execute(
-        f"SELECT COUNT(*) FROM {ns}_flows WHERE {_FINISHED} AND updated_at < ?", (before,)
+        f"SELECT COUNT(*) FROM {_sql.FLOWS} WHERE {_FINISHED} AND updated_at < ?", (before,)
     )
     return int(rows[0][0])
 

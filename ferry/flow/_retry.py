@@ -26,8 +26,13 @@ Unavailable (`unavailable`):
   and the runner re-reads the row.
 - An exception group all of whose exceptions are one of those (concurrent writes of a scan).
 
-Delays: 0.05 s, doubling, at most 2 s (not the step backoff, which is the user's retry policy). Each
-retry logs a WARNING on ``logging.getLogger("ferry.flow")`` naming what failed and the next delay.
+Delays (a `Schedule`; never the step backoff, which is the user's retry policy): `STORE`, for a
+call the engine needs done, 0.05 s, doubling, at most 2 s, for as long as it takes;
+`LEASE_RENEWAL`, at once (the pool opens a fresh connection for a dead one), then 0.05 s
+doubling to 1 s, until the renewal's deadline (the caller's cancel scope); `ROLLBACK`, a batch
+the database rolled back on its own (a deadlock), 0.01 s times the retry, at most 3 retries.
+Each retry logs a WARNING on ``logging.getLogger("ferry.flow")`` naming what failed and the next
+delay. The rule (which errors, the log, the pause) is written once, in `Backoff`.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ import logging
 import sqlite3
 import sys
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, Final, TypeAlias, TypeVar
 
+import attrs
 import trio
 
 from ferry import Failed
@@ -100,31 +106,60 @@ def unavailable(exc: BaseException) -> bool:
     return _pg_unavailable(exc)
 
 
-def next_delay(delay: float) -> float:
-    """The delay after `delay` (doubling, capped)."""
-    return min(delay * 2.0, MAX_DELAY)
+@attrs.frozen
+class Schedule:
+    """When a store call is tried again: `delay(n)` is the pause before retry n (1, 2, ...);
+    after `retries` retries (None: no limit) the error is raised."""
+
+    delay: Callable[[int], float]
+    retries: int | None = None
+
+
+def _doubling(first: float, cap: float) -> Callable[[int], float]:
+    # The exponent is bounded so that an outage of hours does not overflow a float.
+    return lambda n: min(first * 2.0 ** min(n - 1, 30), cap)
+
+
+_renewal_doubling: Final = _doubling(FIRST_DELAY, 1.0)
+
+#: The engine's store calls: 0.05 s, doubling, at most 2 s, no limit.
+STORE: Final = Schedule(_doubling(FIRST_DELAY, MAX_DELAY))
+#: A lease renewal: at once, then 0.05 s doubling to 1 s (the renewal's deadline ends it).
+LEASE_RENEWAL: Final = Schedule(lambda n: 0.0 if n == 1 else _renewal_doubling(n - 1))
+#: A batch the database rolled back on its own: 0.01 s times the retry, 3 retries at most.
+ROLLBACK: Final = Schedule(lambda n: 0.01 * n, retries=3)
 
 
 class Backoff:
-    """The delays of one run of retries: `await backoff.pause(exc)` raises `exc` unless it is
-    `unavailable`; else logs the retry (WARNING) and sleeps before the caller tries again. For
-    loops whose body is more than one call; `retrying` is the common case."""
+    """One run of retries: `await backoff.pause(exc)` raises `exc` unless the store is
+    unavailable (`when`, by default `unavailable`) and the `schedule` allows another retry;
+    else logs the retry (WARNING) and sleeps before the caller tries again. For loops whose
+    body is more than one call; `retrying` is the common case."""
 
-    __slots__ = ("_delay", "_extra", "_what", "retries")
+    __slots__ = ("_extra", "_schedule", "_what", "_when", "retries")
 
-    def __init__(self, what: Lazy[str], *, extra: Lazy[Mapping[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        what: Lazy[str],
+        *,
+        extra: Lazy[Mapping[str, Any]] | None = None,
+        schedule: Schedule = STORE,
+        when: Callable[[BaseException], bool] = unavailable,
+    ) -> None:
         self._what = what if isinstance(what, str) else what()
         if extra is not None and not isinstance(extra, Mapping):
             extra = extra()
         self._extra = dict(extra or {})
-        self._delay = FIRST_DELAY
+        self._schedule = schedule
+        self._when = when
         self.retries = 0
 
     async def pause(self, exc: BaseException) -> None:
-        if not unavailable(exc):
+        limit = self._schedule.retries
+        if not self._when(exc) or (limit is not None and self.retries >= limit):
             raise exc
-        delay = self._delay
         self.retries += 1
+        delay = self._schedule.delay(self.retries)
         _log.warning(
             "flow store unavailable while %s: %r; retry %d in %.2f s",
             self._what,
@@ -133,7 +168,6 @@ class Backoff:
             delay,
             extra={**self._extra, "what": self._what, "delay": delay, "retry": self.retries},
         )
-        self._delay = next_delay(delay)
         await trio.sleep(delay)
 
 
@@ -142,22 +176,24 @@ async def retrying(
     *,
     what: Lazy[str],
     extra: Lazy[Mapping[str, Any]] | None = None,
+    schedule: Schedule = STORE,
+    when: Callable[[BaseException], bool] = unavailable,
 ) -> T:
-    """``await call()`` until it returns; retried (with `Backoff`) while the store is
-    unavailable, any other exception raised. `what` names the call in the WARNING of each
-    retry ("writing flow 'o-1'"); `extra` goes into its log record (flow_id, step, ...). Either
-    may be a function that makes it: it is called only if there is a retry to log (a runner
-    writes several times per flow, and formatting its name each time costs more than the rest
-    of this call)."""
+    """``await call()`` until it returns; retried (with `Backoff`, on `schedule`) while the
+    store is unavailable (`when`), any other exception raised. `what` names the call in the
+    WARNING of each retry ("writing flow 'o-1'"); `extra` goes into its log record (flow_id,
+    step, ...). Either may be a function that makes it: it is called only if there is a retry
+    to log (a runner writes several times per flow, and formatting its name each time costs
+    more than the rest of this call)."""
     backoff: Backoff | None = None
     while True:
         try:
             return await call()
         except Exception as exc:
-            if not unavailable(exc):
+            if not when(exc):
                 raise
             if backoff is None:
-                backoff = Backoff(what, extra=extra)
+                backoff = Backoff(what, extra=extra, schedule=schedule, when=when)
             await backoff.pause(exc)
 
 

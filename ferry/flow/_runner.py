@@ -26,14 +26,14 @@ import trio
 
 from ferry import Failed
 
-from . import _checks, _retry, _store, _tracing
+from . import _checks, _retry, _store, _tracing, _values
 from . import _machine as m
 from ._clock import Clock
 from ._lease import Lease
 from ._live import Live, Tally, about, named, on_row, on_row_and_mailbox
-from ._machine import Shape
 from ._plan import StepDef
 from ._types import Context, Park, State
+from ._values import Flow, Shape
 from ._versions import Versions
 from ._writes import Writes
 
@@ -136,7 +136,7 @@ class Runner:
             flow = live.flow
             key = (flow.plan, flow.version)
             shape = shapes.get(key)
-            reason = m.mismatch(flow, shape)
+            reason = _values.mismatch(flow, shape)
             if reason is not None and self._fleet and await self._hand_over(live):
                 return  # a version another live engine has: left to it, not blocked
             if reason is not None:
@@ -149,7 +149,7 @@ class Runner:
                 assert shape is not None
                 await self._run_compensation(live, shape, steps[key][flow.step_index])
 
-    def _context(self, flow: m.Flow, name: str, compensating: bool) -> Context:
+    def _context(self, flow: Flow, name: str, compensating: bool) -> Context:
         key = _checks.idempotency_key(
             flow.flow_id, flow.step_index, name, compensation=compensating
         )
@@ -230,7 +230,7 @@ class Runner:
             return None
         return ctx, result, error
 
-    async def _tries(
+    async def _attempts(
         self, live: Live, step: StepDef, fn: Callable[[Context], Awaitable[Any]], counter: str
     ) -> tuple[Context, object, BaseException | None, int] | None:
         """Attempts of the flow's current step or compensation until one returns or `attempts`
@@ -261,7 +261,7 @@ class Runner:
             if self._writes.live.get(fid) is not live:
                 return None
 
-    def _data(self, ctx: Context, what: str) -> tuple[str, str | None]:
+    def _data_text(self, ctx: Context, what: str) -> tuple[str, str | None]:
         """The JSON text of what a body left in ``ctx.data``, or the problem with it."""
         try:
             return _checks.json_object_text(ctx.data, "ctx.data", max_bytes=self._max_data), None
@@ -271,7 +271,7 @@ class Runner:
             return "", f"{what} left data that cannot be stored: {exc}"
 
     async def _run_step(self, live: Live, shape: Shape, step: StepDef) -> None:
-        ran = await self._tries(live, step, step.fn, "steps_run")
+        ran = await self._attempts(live, step, step.fn, "steps_run")
         if ran is None:
             return
         ctx, result, error, failures = ran
@@ -286,7 +286,7 @@ class Runner:
         elif isinstance(outcome, str):
             problem = f"step {step.name!r} {outcome}"
         else:
-            data, problem = self._data(ctx, f"step {step.name!r}")
+            data, problem = self._data_text(ctx, f"step {step.name!r}")
         now = self._clock.now()
         if problem is not None:
             await self._advance(live, on_row(m.step_failed, shape, problem, now))
@@ -294,17 +294,17 @@ class Runner:
             assert not isinstance(outcome, str)
             parks = isinstance(outcome, Park)
             apply = on_row_and_mailbox(m.step_done, shape, outcome, data, now)
-            await self._advance(live, apply, head=parks)
+            await self._advance(live, apply, first_queued=parks)
 
     async def _run_compensation(self, live: Live, shape: Shape, step: StepDef) -> None:
         assert step.compensate is not None  # the machine stacks only steps with one
-        ran = await self._tries(live, step, step.compensate, "compensations_run")
+        ran = await self._attempts(live, step, step.compensate, "compensations_run")
         if ran is None:
             return
         ctx, _result, error, failures = ran
         now = self._clock.now()
         if error is None:
-            data, message = self._data(ctx, "it")
+            data, message = self._data_text(ctx, "it")
             if message is None:
                 await self._advance(live, on_row(m.compensated, shape, data, now))
                 return
@@ -316,7 +316,7 @@ class Runner:
         await self._advance(live, on_row(m.compensation_failed, message, now, shape))
 
     async def _advance(
-        self, live: Live, apply: _store.Apply, *, head: bool = False, fallback: bool = False
+        self, live: Live, apply: _store.Apply, *, first_queued: bool = False, fallback: bool = False
     ) -> bool:
         """Write a transition of the flow this runner drives, as a compare-and-set on its copy;
         True if it was accepted.
@@ -328,7 +328,7 @@ class Runner:
         writes = self._writes
         flow = live.flow
         leased = writes.with_holder(apply, outside=False)
-        op = _store.Change(flow.flow_id, leased, flow=flow, first_queued=head)
+        op = _store.Change(flow.flow_id, leased, flow=flow, first_queued=first_queued)
         extra = partial(about, flow)  # made only for a retry's WARNING, as its `what`
         result = await _retry.retrying(
             partial(writes.write_answered, op), what=lambda: f"writing {named(flow)}", extra=extra
@@ -347,7 +347,7 @@ class Runner:
             return False
         epoch = writes.epoch
 
-        async def load() -> m.Flow | None:
+        async def load() -> Flow | None:
             nonlocal epoch
             epoch = writes.epoch
             return await writes.load_row(flow.flow_id)

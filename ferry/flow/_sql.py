@@ -31,8 +31,8 @@ from typing import Any, Final
 
 import attrs
 
-from ._machine import ACTIVE, Flow, parse_stack, stack_text
 from ._types import State
+from ._values import ACTIVE, Flow, parse_stack, stack_text
 
 #: The tables (docs in `_store`).
 FLOWS: Final = "flow_flows"

@@ -98,7 +98,6 @@ from ._batch import (
 from ._batch import (
     write_batch as write_batch,
 )
-from ._machine import Flow, Mailbox, Message, Shape
 from ._sql import (
     ENGINES,
     FLOWS,
@@ -111,6 +110,7 @@ from ._sql import (
     to_flow,
 )
 from ._types import Event, State
+from ._values import Flow, Mailbox, Message, Shape
 
 #: A limit that is none (``LIMIT ?`` takes a number in both dialects).
 _NO_LIMIT = 2**62
@@ -261,19 +261,19 @@ def has_tables(tx: Tx) -> bool:
 # -------------------------------------------------------------------------------------- reads
 
 
-def _q(tx: Tx) -> _sql.Statements:
+def _statements(tx: Tx) -> _sql.Statements:
     return _sql.statements(tx.dialect)
 
 
 def load(tx: Tx, flow_id: str) -> Flow | None:
     """The flow's row, or None."""
-    rows = tx.execute(_q(tx).select, (flow_id,))
+    rows = tx.execute(_statements(tx).select, (flow_id,))
     return to_flow(rows[0]) if rows else None
 
 
 def load_history(tx: Tx, flow_id: str) -> list[Event] | None:
     """Every event of the flow, in order (revision, then position); None for an unknown flow."""
-    rows = tx.execute(_q(tx).select_history, (flow_id,))
+    rows = tx.execute(_statements(tx).select_history, (flow_id,))
     if not rows and load(tx, flow_id) is None:
         return None
     return [
@@ -291,7 +291,7 @@ def load_history(tx: Tx, flow_id: str) -> list[Event] | None:
 
 def load_mailbox(tx: Tx, flow_id: str) -> Mailbox:
     """The flow's whole mailbox: queued messages in arrival order, every id seen."""
-    rows = tx.execute(_q(tx).select_mailbox, (flow_id,))
+    rows = tx.execute(_statements(tx).select_mailbox, (flow_id,))
     queued = tuple(Message(r[0], r[1]) for r in rows if r[2] == "QUEUED")
     return Mailbox(queued, frozenset(r[0] for r in rows))
 
@@ -299,7 +299,7 @@ def load_mailbox(tx: Tx, flow_id: str) -> Mailbox:
 def load_active(tx: Tx, *, limit: int | None = None, owner: str | None = None) -> list[Flow]:
     """Flows that are active (`_machine.ACTIVE`: recovery's work list), oldest write first;
     with `owner`, only those leased to that owner."""
-    q = _q(tx)
+    q = _statements(tx)
     n = _NO_LIMIT if limit is None else int(limit)
     if owner is None:
         rows = tx.execute(q.select_active, (n,))
@@ -343,7 +343,7 @@ def load_deadlines(
         return []
     d = _sql.DIALECTS[tx.dialect]
     n = None if plans is None else len(plans)
-    sql = _of_plans(_q(tx).select_deadlines, d, n, " ORDER BY park_deadline")
+    sql = _of_plans(_statements(tx).select_deadlines, d, n, " ORDER BY park_deadline")
     params = [math.inf if before is None else before]
     if plans is not None:
         params += d.plans_params(plans)
@@ -360,7 +360,9 @@ def load_orphans(
         return []
     d = _sql.DIALECTS[tx.dialect]
     n = None if plans is None else len(plans)
-    sql = _of_plans(_q(tx).select_orphans, d, n, " ORDER BY f.updated_at, f.flow_id LIMIT ?")
+    sql = _of_plans(
+        _statements(tx).select_orphans, d, n, " ORDER BY f.updated_at, f.flow_id LIMIT ?"
+    )
     params: list[Any] = [now, now]
     if plans is not None:
         params += d.plans_params(plans)
@@ -369,12 +371,12 @@ def load_orphans(
 
 def count_parked(tx: Tx) -> int:
     """How many flows are parked (a fleet engine's `parked`, read at every scan)."""
-    return int(tx.execute(_q(tx).count_parked)[0][0])
+    return int(tx.execute(_statements(tx).count_parked)[0][0])
 
 
 def count_states(tx: Tx) -> dict[State, int]:
     """How many flows are in each state."""
-    return {STATES[r[0]]: r[1] for r in tx.execute(_q(tx).count_states)}
+    return {STATES[r[0]]: r[1] for r in tx.execute(_statements(tx).count_states)}
 
 
 # ------------------------------------------------------------------------ reads for operators
@@ -382,17 +384,17 @@ def count_states(tx: Tx) -> dict[State, int]:
 
 def count_plans(tx: Tx) -> list[tuple[str, int, State, int]]:
     """``(plan, version, state, flows)`` for every plan version and state that has flows."""
-    return [(r[0], r[1], STATES[r[2]], r[3]) for r in tx.execute(_q(tx).count_plans)]
+    return [(r[0], r[1], STATES[r[2]], r[3]) for r in tx.execute(_statements(tx).count_plans)]
 
 
 def oldest_parked(tx: Tx, *, limit: int = 10) -> list[Flow]:
     """The parked flows that have waited longest (since their last write), at most `limit`."""
-    return [to_flow(r) for r in tx.execute(_q(tx).oldest_parked, (int(limit),))]
+    return [to_flow(r) for r in tx.execute(_statements(tx).oldest_parked, (int(limit),))]
 
 
 def blocked_reasons(tx: Tx, *, limit: int = 20) -> list[tuple[str, int, str]]:
     """``(reason, flows, one of them)`` of blocked flows, the most common reason first."""
-    return [(r[0], r[1], r[2]) for r in tx.execute(_q(tx).blocked_reasons, (int(limit),))]
+    return [(r[0], r[1], r[2]) for r in tx.execute(_statements(tx).blocked_reasons, (int(limit),))]
 
 
 def leased(tx: Tx) -> bool:
@@ -407,7 +409,7 @@ def count_orphans(tx: Tx, now: float) -> int:
     them over at their next scan. 0 on a store without leases (`leased`)."""
     if not leased(tx):
         return 0
-    return int(tx.execute(_q(tx).count_orphans, (now, now))[0][0])
+    return int(tx.execute(_statements(tx).count_orphans, (now, now))[0][0])
 
 
 def holder(tx: Tx, flow_id: str, now: float) -> tuple[float, bool] | None:
@@ -417,7 +419,7 @@ def holder(tx: Tx, flow_id: str, now: float) -> tuple[float, bool] | None:
     the flow is not active or has no owner, or on a store without leases (`leased`)."""
     if not leased(tx):
         return None
-    rows = tx.execute(_q(tx).holder, (now, now, flow_id))
+    rows = tx.execute(_statements(tx).holder, (now, now, flow_id))
     if not rows:
         return None
     own, engine, orphaned = rows[0]
@@ -443,7 +445,7 @@ def register_plans(tx: Tx, shapes: Sequence[Shape], now: float) -> None:
     plans (an operator's tool) can still ask the machine for transitions. A registration of a
     known (name, version) replaces it: the last engine opened wins; engines still check their
     own plan before they run anything (versions fail closed)."""
-    sql = _q(tx).register_plan
+    sql = _statements(tx).register_plan
     for shape in shapes:
         tx.execute(sql, (shape.name, shape.version, _shape_json(shape), now))
 
@@ -451,7 +453,7 @@ def register_plans(tx: Tx, shapes: Sequence[Shape], now: float) -> None:
 def load_plans(tx: Tx) -> list[tuple[Shape, float]]:
     """Every registered plan version, with when it was last registered, by name and version."""
     plans = []
-    for name, version, text, at in tx.execute(_q(tx).select_plans):
+    for name, version, text, at in tx.execute(_statements(tx).select_plans):
         d = json.loads(text)
         shape = Shape(
             name, version, tuple(d["steps"]), tuple(d["compensable"]), tuple(d["attempts"])
@@ -465,7 +467,7 @@ def live_plans(tx: Tx, now: float) -> list[Shape]:
     deploy: an engine without a version leaves its flows to one with it). Two small reads: the
     live engines' lists, then the registered shapes."""
     have: set[tuple[str, int]] = set()
-    for (text,) in tx.execute(_q(tx).live_plans, (now,)):
+    for (text,) in tx.execute(_statements(tx).live_plans, (now,)):
         have.update((name, version) for name, version in json.loads(text))
     return [shape for shape, _at in load_plans(tx) if (shape.name, shape.version) in have]
 
@@ -478,7 +480,7 @@ def heartbeat(tx: Tx, owner: str, until: float, now: float) -> None:
     in the past lets them all go at once), whatever incarnation holds the name (for tests and
     tools; an engine claims its name with `claim` and renews with `renew`/`renew_lease`). One
     row per engine, nothing else is written."""
-    tx.execute(_q(tx).heartbeat, (owner, until, now))
+    tx.execute(_statements(tx).heartbeat, (owner, until, now))
 
 
 class Superseded(Exception):
@@ -518,7 +520,7 @@ def claim(
     proves that one's process gone. The row is held first (``FOR UPDATE`` on PostgreSQL), so
     that a claim and the old incarnation's renewal cannot both win; of two first claims of a new
     name, one inserts and the other is refused (``ON CONFLICT DO NOTHING``). Two statements."""
-    q = _q(tx)
+    q = _statements(tx)
     rows = tx.execute(q.claim_select + q.d.for_update, (owner,))
     text = canonical_json(sorted([name, version] for name, version in plans))
     if rows:
@@ -545,7 +547,7 @@ def renew_lease(
     re-reads its flows: `renew`). The lease now, or None if refused because it may have lapsed;
     raises `Superseded` if another incarnation holds the name. PostgreSQL only; one statement
     (two when refused)."""
-    q = _q(tx)
+    q = _statements(tx)
     rows = tx.execute(q.renew_lease, (until, owner, incarnation, margin))
     if rows:
         return float(rows[0][0])
@@ -558,7 +560,7 @@ def end_lease(tx: Tx, owner: str, incarnation: str, now: float) -> None:
     """At close: incarnation `incarnation` of `owner` ends its lease at `now`, so that other
     engines take its flows at their next scan and a restart under the name claims it at once.
     Nothing if another incarnation holds the name by now."""
-    tx.execute(_q(tx).end_lease, (now, owner, incarnation, now))
+    tx.execute(_statements(tx).end_lease, (now, owner, incarnation, now))
 
 
 def renew(
@@ -584,7 +586,7 @@ def renew(
     Cost: one statement for the lease, one per 500 flows released or read."""
     if incarnation is None:
         heartbeat(tx, owner, until, now)
-    elif not tx.execute(_q(tx).renew, (until, owner, incarnation)):
+    elif not tx.execute(_statements(tx).renew, (until, owner, incarnation)):
         raise Superseded(owner)
     if let_go:
         release(tx, owner, let_go, now)
@@ -628,9 +630,9 @@ def release(tx: Tx, owner: str, flows: Sequence[tuple[str, int]], at: float) -> 
 def prune_engines(tx: Tx, before: float) -> int:
     """Forget engines whose lease lapsed before `before` and that hold no active flow; how
     many."""
-    return len(tx.execute(_q(tx).prune_engines, (before,)))
+    return len(tx.execute(_statements(tx).prune_engines, (before,)))
 
 
 def load_engines(tx: Tx) -> list[tuple[str, float, float, int]]:
     """``(owner, lease_until, started_at, active flows it holds)`` of every known engine."""
-    return [(r[0], r[1], r[2], r[3]) for r in tx.execute(_q(tx).select_engines)]
+    return [(r[0], r[1], r[2], r[3]) for r in tx.execute(_statements(tx).select_engines)]

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from opentelemetry.context import Context as OtelContext
     from opentelemetry.trace import Tracer
 
-    from ._machine import Flow
+    from ._values import Flow
 
 _NO_TRACE: Final = contextlib.nullcontext(None)
 _PARENTS_MAX: Final = 10_000

@@ -15,8 +15,8 @@ from functools import partial
 from ferry.projected import Store
 
 from . import _store
-from ._machine import Flow, Shape
 from ._plan import Plan, StepDef
+from ._values import Flow, Shape
 
 
 class Versions:

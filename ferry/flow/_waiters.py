@@ -62,9 +62,9 @@ from ferry.projected import Store
 from . import _heartbeat, _retry, _store
 from ._errors import UnknownFlow
 from ._listener import Listener
-from ._machine import Flow
 from ._notify import SETTLED
 from ._types import State
+from ._values import Flow
 
 T = TypeVar("T")
 
@@ -330,7 +330,7 @@ class Waiters(Generic[H]):
             with trio.move_on_at(deadline):
                 return await self._until_settled(fid, watch)
             assert timeout is not None
-            raise trio.TooSlowError(_still(watch.known or flow, timeout))
+            raise trio.TooSlowError(_timed_out_message(watch.known or flow, timeout))
         finally:
             watch.users -= 1
             if not watch.users and self._watches.get(fid) is watch:
@@ -458,7 +458,7 @@ def _set_all(tvars: list[stm.TVar[bool]], value: bool) -> None:
         tvar.set(value)
 
 
-def _still(flow: Flow, timeout: float) -> str:
+def _timed_out_message(flow: Flow, timeout: float) -> str:
     """Why `wait` gave up: where the flow still is (as this engine last knew it)."""
     where = f"flow {flow.flow_id!r} is still {flow.state.name} at step {flow.step!r}"
     if flow.state is State.PARKED:

@@ -16,7 +16,7 @@ leaves the active states is dropped at once: a parked flow holds no task, only a
 deadline (`arm`). A write someone else made to a live flow (a cancel) replaces the runner's copy
 and cancels the step it runs; the runner's own next write then fails its compare-and-set.
 
-Who holds a flow after a write is one pure rule (`_machine.leased`), applied to every op here
+Who holds a flow after a write is one pure rule (`_machine.assign_holder`), applied to every op here
 (`with_holder`). The fleet's bookkeeping that rides on the live map is kept here too, as plain
 state the lease part reads and moves: `epoch` (see `_lease` for the rule it serves) and
 `released` (flows let go, to be released with the next renewal).
@@ -38,16 +38,14 @@ from . import _machine as m
 from ._apart import write_apart
 from ._clock import Clock
 from ._live import LOGGED, Live, Tally, log_ended, on_row
-from ._machine import Flow, Mailbox, Transition
 from ._types import State
+from ._values import ACTIVE, Flow, Mailbox, Transition
 from ._versions import Versions
 
 T = TypeVar("T")
 
 _PARKED = State.PARKED
-_ACTIVE = m.ACTIVE
 _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
-_ROLLBACK_RETRIES = 3
 
 
 def _rolled_back(exc: BaseException) -> bool:
@@ -154,19 +152,19 @@ class Writes:
         return result
 
     def with_holder(self, apply: _store.Apply, *, outside: bool) -> _store.Apply:
-        """`apply`, with who holds the flow after its write (`_machine.leased`): a flow left
+        """`apply`, with who holds the flow after its write (`_machine.assign_holder`): a flow left
         active is this engine's (an operator's engine leaves it to whichever engine takes it
         over); an `outside` request (wake, cancel, resume, timeout) on a flow another engine
         of the fleet runs leaves it with that engine."""
         owner = self._owner if self._serve else None
-        respect = outside and self._fleet
+        keep_runner = outside and self._fleet
         elsewhere = self._versions.elsewhere
 
-        def leased(flow: Flow, box: Mailbox) -> Transition:
+        def held(flow: Flow, box: Mailbox) -> Transition:
             holder = None if elsewhere(flow) else owner
-            return m.leased(apply(flow, box), flow, holder, respect=respect)
+            return m.assign_holder(apply(flow, box), flow, holder, keep_runner=keep_runner)
 
-        return leased
+        return held
 
     def runs_here(self, flow: Flow) -> bool:
         """Is this an active flow this engine should run? (On one SQLite file: every active
@@ -174,7 +172,7 @@ class Writes:
         none.)"""
         return (
             self._serve
-            and flow.state in _ACTIVE
+            and flow.state in ACTIVE
             and (not self._fleet or (flow.owner == self._owner and flow.lease_until is None))
             and not self._versions.elsewhere(flow)
         )
@@ -196,18 +194,19 @@ class Writes:
     ) -> list[_store.Result]:
         """`ops` in one transaction (retried if the database rolled it back on its own), then
         their effects in memory, in commit order."""
-        tries = 0
-        while True:
+        epoch = self.epoch
+
+        async def attempt() -> list[_store.Result]:
+            nonlocal epoch
             epoch = self.epoch
-            try:
-                results = await self._store.transact(partial(write, ops=ops, guard=self.guard))
-            except Exception as exc:
-                tries += 1
-                if tries > _ROLLBACK_RETRIES or not _rolled_back(exc):
-                    raise
-                await trio.sleep(0.01 * tries)
-                continue
-            break
+            return await self._store.transact(partial(write, ops=ops, guard=self.guard))
+
+        results = await _retry.retrying(
+            attempt,
+            what=lambda: f"writing a batch of {len(ops)} flow writes (rolled back by the database)",
+            schedule=_retry.ROLLBACK,
+            when=_rolled_back,
+        )
         self._tally.stats["write_batches"] += 1
         for op, result in zip(ops, results, strict=True):
             self._applied(op, result, epoch)
@@ -271,7 +270,7 @@ class Writes:
             return
         if live is not None:
             del self.live[fid]
-            if state in _ACTIVE or not write:  # it moved on without this engine: let go of it
+            if state in ACTIVE or not write:  # it moved on without this engine: let go of it
                 stats["lost"] += 1
                 if live.scope is not None:
                     live.scope.cancel()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -219,4 +220,5 @@ def test_connections_killed_every_200_ms_lose_no_lease(
     stats = a.stop()
     assert stats["lost"] == 0, (stats, a.log())
     assert sorted({r[2] for r in runs(dsn)}) == [1]  # every step ran once, as attempt 1
-    assert "renewing its lease failed" in a.log()
+    # the retry of the engine's renewal task or of its lease-keeping thread (`_heartbeat`)
+    assert re.search(r"renewing (its|the) lease", a.log())

@@ -31,7 +31,7 @@ from ferry.flow import _machine as m
 from ferry.flow import _store
 from ferry.flow._dashboard._app import Dashboard, chart, loopback_hosts
 from ferry.flow._dashboard._reads import Reader, Unavailable, page_overview
-from ferry.flow._machine import Flow
+from ferry.flow._values import Flow
 
 from ._helpers import _InlineTx
 from .test_inspect import ORDER, ROOT, T0, populate

@@ -21,6 +21,7 @@ import ferry
 from ferry import Failed, flow
 from ferry.flow import _machine as m
 from ferry.flow import _retry
+from ferry.flow._values import EMPTY_MAILBOX, Flow, Message, Shape
 from ferry.projected import PostgresStore
 from tests import pg
 
@@ -129,16 +130,92 @@ async def test_retrying_makes_a_lazy_name_only_for_a_retry(
 
 
 async def test_retrying_caps_the_delay_and_raises_anything_else() -> None:
-    delay = _retry.FIRST_DELAY
-    for _ in range(20):
-        delay = _retry.next_delay(delay)
-    assert delay == _retry.MAX_DELAY
+    store = [_retry.STORE.delay(n) for n in (1, 2, 3, 6, 7, 20, 10_000)]
+    assert store == [0.05, 0.1, 0.2, 1.6, _retry.MAX_DELAY, _retry.MAX_DELAY, _retry.MAX_DELAY]
+    renewal = [_retry.LEASE_RENEWAL.delay(n) for n in (1, 2, 3, 4, 5, 6, 7, 10_000)]
+    assert renewal == [0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]
+    assert _retry.STORE.retries is None and _retry.LEASE_RENEWAL.retries is None
 
     async def broken() -> None:
         raise KeyError("state")
 
     with pytest.raises(KeyError):
         await _retry.retrying(broken, what="reading flow 'x'")
+
+
+async def test_a_schedule_with_a_limit_raises_after_its_last_retry(
+    caplog: pytest.LogCaptureFixture, autojump_clock: trio.testing.MockClock
+) -> None:
+    """`ROLLBACK` (a batch the database rolled back on its own) tries 3 more times, 0.01 s times
+    the retry apart, and then raises; each retry is logged, and only what `when` accepts is
+    retried."""
+    caplog.set_level(logging.WARNING, logger="ferry.flow")
+    tries: list[float] = []
+
+    async def deadlocked() -> None:
+        tries.append(trio.current_time())
+        raise _sqlite_error(5, "database is locked")
+
+    start = trio.current_time()
+    with pytest.raises(sqlite3.OperationalError):
+        await _retry.retrying(deadlocked, what="writing a batch", schedule=_retry.ROLLBACK)
+    assert [round(t - start, 6) for t in tries] == [0.0, 0.01, 0.03, 0.06]
+    logged = [r for r in caplog.records if r.name == "ferry.flow"]
+    assert [getattr(r, "retry", None) for r in logged] == [1, 2, 3]
+    tries.clear()
+    with pytest.raises(sqlite3.OperationalError):
+        await _retry.retrying(deadlocked, what="x", schedule=_retry.ROLLBACK, when=lambda e: False)
+    assert len(tries) == 1
+
+
+async def test_a_batch_the_database_rolled_back_is_run_again_and_each_retry_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A batch the database rolls back on its own (a deadlock: SQLSTATE class 40; nothing of it
+    was written) is run again by the write path, up to 3 times, 0.01 s times the retry apart,
+    with a WARNING each time (`_retry.ROLLBACK`); the flow goes on as if nothing happened."""
+    import psycopg.errors as pg
+
+    from tests.flow._helpers import PlantedStore, kind
+
+    class Deadlocking(PlantedStore):
+        deadlocks = 0
+
+        async def transact(self, fn: Callable[..., Any]) -> Any:
+            if self.deadlocks and kind(fn) == "write_batch":
+                self.deadlocks -= 1
+                await trio.lowlevel.checkpoint()
+                raise pg.DeadlockDetected("deadlock detected (planted by the test)")
+            return await super().transact(fn)
+
+    plan = flow.Plan("deadlock", version=1)
+
+    @plan.step
+    async def first(ctx: flow.Context) -> None:
+        ctx.data["first"] = True
+        store.deadlocks = 3  # the write of this step's outcome is rolled back three times
+
+    @plan.step
+    async def second(ctx: flow.Context) -> None:
+        ctx.data["second"] = True
+
+    caplog.set_level(logging.WARNING, logger="ferry.flow")
+    store = Deadlocking(str(tmp_path / "flows.db"))
+    try:
+        async with flow.open_engine(store, plans=[plan]) as engine:
+            await engine.start(plan, flow_id="f")
+            snap = await engine.wait("f", timeout=600)
+    finally:
+        await store.aclose()
+    assert snap.state is flow.State.COMPLETED
+    assert snap.data == {"first": True, "second": True}
+    assert store.deadlocks == 0
+    retries = [r for r in caplog.records if "rolled back by the database" in r.getMessage()]
+    assert [(getattr(r, "retry", None), getattr(r, "delay", None)) for r in retries] == [
+        (1, 0.01),
+        (2, 0.02),
+        (3, 0.03),
+    ]
 
 
 async def test_a_write_past_the_call_timeout_is_retried_not_fatal(
@@ -491,13 +568,11 @@ async def test_bad_wakes_and_publishes_are_refused_at_their_call(tmp_path: Path)
 # ------------------------------------------------------------------------ time wins at the deadline
 
 
-def _parked(on_timeout: str) -> tuple[m.Flow, m.Shape]:
-    shape = m.Shape(
-        name="p", version=1, steps=("a", "b"), compensable=(True, False), attempts=(3, 3)
-    )
+def _parked(on_timeout: str) -> tuple[Flow, Shape]:
+    shape = Shape(name="p", version=1, steps=("a", "b"), compensable=(True, False), attempts=(3, 3))
     started = m.start(shape, "f", "{}", 0.0).flow
     park = flow.park(timeout=10.0, on_timeout=on_timeout)  # type: ignore[arg-type]
-    parked = m.step_done(started, m.EMPTY_MAILBOX, shape, park, "{}", 0.0).flow
+    parked = m.step_done(started, EMPTY_MAILBOX, shape, park, "{}", 0.0).flow
     assert parked.state is flow.State.PARKED and parked.park_deadline == 10.0
     return parked, shape
 
@@ -513,10 +588,10 @@ def test_a_wake_at_the_deadline_meets_the_timeout_first(
     on_timeout: str, state: flow.State, delivery: flow.Delivery
 ) -> None:
     parked, shape = _parked(on_timeout)
-    message = m.Message("evt-1", '{"ok":1}')
-    before = m.wake(parked, m.EMPTY_MAILBOX, message, shape, 9.999)
+    message = Message("evt-1", '{"ok":1}')
+    before = m.wake(parked, EMPTY_MAILBOX, message, shape, 9.999)
     assert before.delivery is flow.Delivery.RESUMED  # just before: the wake wins
-    at = m.wake(parked, m.EMPTY_MAILBOX, message, shape, 10.0)
+    at = m.wake(parked, EMPTY_MAILBOX, message, shape, 10.0)
     assert at.delivery is delivery
     assert at.flow.state is state and at.flow.revision == parked.revision + 1
     assert at.flow.wake is None  # not resumed by the wake

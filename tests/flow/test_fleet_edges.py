@@ -144,7 +144,7 @@ async def test_a_renewal_that_fails_is_retried_at_once_and_logged(
         await until(lambda: _true(a.statistics().renewals > renewals), step=1.0)
         # ... and its retry went through at once: same moment, nothing let go.
         assert a.statistics().lost == 0
-        retries = [r for r in caplog.records if "renewing its lease failed" in r.getMessage()]
+        retries = [r for r in caplog.records if "renewing the lease of" in r.getMessage()]
         assert len(retries) == 1 and getattr(retries[0], "delay", None) == 0.0
         gates["f/1"].set()
 

@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import trio
 
-from ferry.flow import _inspect, _store
+from ferry.flow import _inspect, _inspect_read, _store
 from ferry.flow import _machine as m
-from ferry.flow._machine import Flow, Shape
 from ferry.flow._types import CONTINUE, State, fail, park
+from ferry.flow._values import Flow, Mailbox, Shape, Transition
 from ferry.projected import PostgresStore
 from tests import pg
 
@@ -54,9 +54,12 @@ def populate(tx: Any) -> None:
         return r.transition.flow
 
     def step(f: Flow, outcome: Any, at: float) -> Flow:
-        def apply(flow: Flow, box: m.Mailbox) -> m.Transition:
-            return m.leased(
-                m.step_done(flow, box, ORDER, outcome, flow.data, at), flow, "svc", respect=False
+        def apply(flow: Flow, box: Mailbox) -> Transition:
+            return m.assign_holder(
+                m.step_done(flow, box, ORDER, outcome, flow.data, at),
+                flow,
+                "svc",
+                keep_runner=False,
             )
 
         (r,) = write(_store.Change(f.flow_id, apply, flow=f, first_queued=True))
@@ -176,10 +179,10 @@ def test_show_gives_deadlines_as_times_with_the_time_left_and_whole_details(
 
 
 def test_left_reads_like_a_clock() -> None:
-    assert _inspect._left(100.0, 40.0) == "in 1m 0s"
-    assert _inspect._left(0.0, 7322.0) == "2h 2m ago"
-    assert _inspect._left(3 * 86400 + 7200, 0.0) == "in 3d 2h"
-    assert _inspect._left(5.4, 0.0) == "in 5s"
+    assert _inspect_read._left(100.0, 40.0) == "in 1m 0s"
+    assert _inspect_read._left(0.0, 7322.0) == "2h 2m ago"
+    assert _inspect_read._left(3 * 86400 + 7200, 0.0) == "in 3d 2h"
+    assert _inspect_read._left(5.4, 0.0) == "in 5s"
 
 
 def test_stats(db: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,6 +27,7 @@ import trio.testing
 from ferry import flow
 from ferry.flow import _machine as m
 from ferry.flow import _store
+from ferry.flow._values import Flow
 from tests import switches
 
 from ._helpers import PlantedStore
@@ -56,7 +57,7 @@ async def fleet_engine(
         yield engine
 
 
-async def row(store: PlantedStore, flow_id: str) -> m.Flow:
+async def row(store: PlantedStore, flow_id: str) -> Flow:
     f = await store.transact(partial(_store.load, flow_id=flow_id))
     assert f is not None
     return f

@@ -9,9 +9,21 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ferry.flow import _invariants, _values
 from ferry.flow import _machine as m
-from ferry.flow._machine import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Shape, Taken
 from ferry.flow._types import COMPLETE, CONTINUE, Delivery, Event, Outcome, State, fail, park
+from ferry.flow._values import (
+    EMPTY_MAILBOX,
+    Flow,
+    InvalidTransition,
+    InvariantError,
+    Mailbox,
+    Message,
+    Received,
+    Shape,
+    Taken,
+    Transition,
+)
 
 SHAPE = Shape(
     name="order",
@@ -25,7 +37,7 @@ T0 = 1000.0
 
 def started(data: str = '{"a":1}') -> Flow:
     t = m.start(SHAPE, "f1", data, T0)
-    m.check_invariants(t.flow, t.mailbox, SHAPE)
+    _invariants.check_invariants(t.flow, t.mailbox, SHAPE)
     return t.flow
 
 
@@ -43,7 +55,7 @@ def parked(at: int = 1, timeout: float | None = 60.0, on_timeout: str = "compens
     return t.flow
 
 
-def kinds(t: m.Transition) -> list[str]:
+def kinds(t: Transition) -> list[str]:
     return [e.kind for e in t.events]
 
 
@@ -78,7 +90,7 @@ def test_continue_through_every_step_completes_and_stacks_compensable_steps() ->
     assert t3.flow.state is State.COMPLETED and t3.flow.step is None and t3.flow.stack == ()
     assert kinds(t3) == ["step", "completed"]
     assert t3.flow.revision == 4 and all(e.revision == 4 for e in t3.events)
-    m.check_invariants(t3.flow, EMPTY_MAILBOX, SHAPE)
+    _invariants.check_invariants(t3.flow, EMPTY_MAILBOX, SHAPE)
 
 
 def test_complete_skips_the_rest() -> None:
@@ -104,7 +116,7 @@ def test_park_then_wake_runs_the_next_step_with_the_payload() -> None:
     assert t.messages == (Received(Message("m1", '{"ok":true}'), taken=True, at=T0 + 5),)
     assert t.mailbox.seen == {"m1"} and t.mailbox.queued == ()
     assert kinds(t) == ["woken"]
-    m.check_invariants(f, t.mailbox, SHAPE)
+    _invariants.check_invariants(f, t.mailbox, SHAPE)
     # the wake is the current step's: it stays for a retry of that step
     assert m.next_attempt(f, T0).flow.wake == '{"ok":true}'
     # and is gone once that step is done
@@ -126,7 +138,7 @@ def test_wake_before_the_park_is_queued_then_taken_by_the_park() -> None:
     assert t.messages == (Taken(Message("early", '"paid"')),)
     assert t.mailbox.queued == () and t.mailbox.seen == {"early"}
     assert kinds(t) == ["step", "parked", "woken"]
-    m.check_invariants(t.flow, t.mailbox, SHAPE)
+    _invariants.check_invariants(t.flow, t.mailbox, SHAPE)
 
 
 def test_second_queued_message_stays_for_the_next_park() -> None:
@@ -171,7 +183,7 @@ def test_timeout_compensates_including_the_parked_step() -> None:
     assert t.flow.step == "charge" and t.flow.step_index == 1 and t.flow.stack == (0, 1)
     assert t.flow.error is not None and "timed out" in t.flow.error
     assert t.flow.park_deadline is None and kinds(t) == ["timed_out"]
-    m.check_invariants(t.flow, None, SHAPE)
+    _invariants.check_invariants(t.flow, None, SHAPE)
 
 
 def test_timeout_continue_runs_the_next_step_timed_out() -> None:
@@ -202,7 +214,7 @@ def test_fail_compensates_completed_steps_in_reverse_order() -> None:
     f = t.flow
     while f.state is State.COMPENSATING:
         order.append(f.step)
-        m.check_invariants(f, None, shape)
+        _invariants.check_invariants(f, None, shape)
         f = m.compensated(f, shape, f.data, T0).flow
     assert order == ["c", "a"]  # "d" failed (not completed); "b" has no compensation
     assert f.state is State.FAILED and f.error == "no stock" and f.stack == ()
@@ -226,9 +238,9 @@ def test_compensation_failure_blocks_and_resume_reruns_it() -> None:
     c = m.step_failed(f, SHAPE, "boom", T0).flow
     b = m.compensation_failed(c, "refund down", T0)
     assert b.flow.state is State.BLOCKED and b.flow.blocked_from is State.COMPENSATING
-    assert m.snapshot(b.flow).error == "compensation of step 'reserve' failed: refund down"
+    assert _values.snapshot(b.flow).error == "compensation of step 'reserve' failed: refund down"
     assert b.flow.stack == (0,)  # nothing is lost
-    m.check_invariants(b.flow, None, SHAPE)
+    _invariants.check_invariants(b.flow, None, SHAPE)
     r = m.resume(b.flow, EMPTY_MAILBOX, SHAPE, T0)
     assert r.done and r.flow.state is State.COMPENSATING and r.flow.attempt == c.attempt + 1
     assert r.flow.error == "boom"  # the saga's reason survives the block
@@ -270,15 +282,15 @@ def test_a_cancel_without_the_plan_is_recorded_and_compensates_under_the_plan(
     assert t.done and kinds(t) == ["cancelled"] and t.events[0].step == "confirm"
     c = t.flow
     assert (c.state, c.step_index, c.step, c.error) == (State.COMPENSATING, 0, None, "cancelled")
-    m.check_invariants(c, t.mailbox, CONFIRM)
-    assert m.mismatch(c, CONFIRM) is None and m.step_name(c, CONFIRM) == "reserve"
-    assert m.mismatch(c, None) is not None  # an engine without the plan still fails closed
+    _invariants.check_invariants(c, t.mailbox, CONFIRM)
+    assert _values.mismatch(c, CONFIRM) is None and m.step_name(c, CONFIRM) == "reserve"
+    assert _values.mismatch(c, None) is not None  # an engine without the plan still fails closed
     # an engine with the plan runs it: the event is named by the plan
     done = m.compensated(c, CONFIRM, "{}", T0 + 2)
     assert [(e.kind, e.step) for e in done.events] == [("compensated", "reserve"), ("failed", None)]
     # an engine without it blocks it; the plan back, resume re-drives it
-    b = m.block(c, str(m.mismatch(c, None)), T0 + 2)
-    m.check_invariants(b.flow, b.mailbox, CONFIRM)
+    b = m.block(c, str(_values.mismatch(c, None)), T0 + 2)
+    _invariants.check_invariants(b.flow, b.mailbox, CONFIRM)
     assert not m.resume(b.flow, EMPTY_MAILBOX, None, T0 + 3).done
     r = m.resume(b.flow, EMPTY_MAILBOX, CONFIRM, T0 + 3)
     assert r.done and r.flow.state is State.COMPENSATING and r.flow.attempt == 2
@@ -286,21 +298,21 @@ def test_a_cancel_without_the_plan_is_recorded_and_compensates_under_the_plan(
     assert failed.flow.blocked == "compensation of step 'reserve' failed: boom"
     # another plan whose index 0 has no compensation cannot drive it
     other = Shape("order", 1, ("a", "b", "c"), (False, False, False), (1, 1, 1))
-    assert "no compensation at index 0" in str(m.mismatch(c, other))
+    assert "no compensation at index 0" in str(_values.mismatch(c, other))
 
 
 def test_versions_fail_closed() -> None:
     p = parked(at=1)
     v2 = attrs.evolve(SHAPE, version=2)
-    assert "version 1 is not registered" in str(m.mismatch(p, v2))
+    assert "version 1 is not registered" in str(_values.mismatch(p, v2))
     renamed = attrs.evolve(SHAPE, steps=("reserve", "pay", "ship"))
     assert "has step 'pay' at index 1, but the flow is at step 'charge'" in str(
-        m.mismatch(p, renamed)
+        _values.mismatch(p, renamed)
     )
     t = m.wake(p, EMPTY_MAILBOX, Message("m", "1"), None, T0)
     assert t.delivery is Delivery.QUEUED and t.flow.state is State.BLOCKED
     assert t.flow.blocked_from is State.PARKED and t.mailbox.queued == (Message("m", "1"),)
-    m.check_invariants(t.flow, t.mailbox, None)
+    _invariants.check_invariants(t.flow, t.mailbox, None)
     # a blocked flow keeps further wakes in its mailbox
     t2 = m.wake(t.flow, t.mailbox, Message("n", "2"), None, T0)
     assert t2.delivery is Delivery.QUEUED and not t2.written
@@ -316,7 +328,7 @@ def test_block_and_resume_a_running_flow() -> None:
     f = run_to(started(), 2)
     b = m.block(f, "plan missing", T0)
     assert b.flow.state is State.BLOCKED and b.flow.blocked_from is State.RUNNING
-    assert m.snapshot(b.flow).error == "plan missing"
+    assert _values.snapshot(b.flow).error == "plan missing"
     r = m.resume(b.flow, EMPTY_MAILBOX, SHAPE, T0)
     assert r.flow.state is State.RUNNING and r.flow.attempt == 2 and r.flow.step == "ship"
     assert not m.block(m.step_done(r.flow, EMPTY_MAILBOX, SHAPE, None, "{}", T0).flow, "x", T0).done
@@ -336,13 +348,13 @@ def test_next_attempt_and_invalid_transitions() -> None:
         lambda: m.step_done(f, EMPTY_MAILBOX, SHAPE, "nope", "{}", T0),  # type: ignore[arg-type]
     ]
     for call in calls:
-        with pytest.raises(m.InvalidTransition):
+        with pytest.raises(InvalidTransition):
             call()
 
 
 def test_snapshot() -> None:
     p = parked(at=1, timeout=10)
-    s = m.snapshot(p)
+    s = _values.snapshot(p)
     assert (s.flow_id, s.plan, s.version, s.state, s.step, s.step_index) == (
         "f1",
         "order",
@@ -373,20 +385,20 @@ def test_snapshot() -> None:
 )
 def test_check_invariants_catches_broken_states(bad, message) -> None:
     p = parked(at=1)
-    m.check_invariants(p, EMPTY_MAILBOX, SHAPE)
-    with pytest.raises(m.InvariantError, match=message):
-        m.check_invariants(bad(p), None, None)
+    _invariants.check_invariants(p, EMPTY_MAILBOX, SHAPE)
+    with pytest.raises(InvariantError, match=message):
+        _invariants.check_invariants(bad(p), None, None)
 
 
 def test_check_invariants_catches_a_wake_left_queued_by_a_park() -> None:
     p = parked(at=1)
-    with pytest.raises(m.InvariantError, match="wake before the park"):
-        m.check_invariants(p, Mailbox((Message("m", "1"),), frozenset({"m"})))
+    with pytest.raises(InvariantError, match="wake before the park"):
+        _invariants.check_invariants(p, Mailbox((Message("m", "1"),), frozenset({"m"})))
 
 
 def test_stack_text_round_trips() -> None:
     for stack in [(), (0,), (0, 3, 11)]:
-        assert m.parse_stack(m.stack_text(stack)) == stack
+        assert _values.parse_stack(_values.stack_text(stack)) == stack
 
 
 # A random walk over every transition, checking the invariants and the revision discipline at
@@ -427,7 +439,7 @@ def test_random_walk_keeps_the_invariants(actions) -> None:
     history: list[Event] = []
     for action, dt in actions:
         now += dt
-        t: m.Transition | None = None
+        t: Transition | None = None
         if action in ("continue", "complete", "park", "park_continue", "fail"):
             if flow.state is State.RUNNING:
                 outcomes: dict[str, Outcome] = {
@@ -472,7 +484,7 @@ def test_random_walk_keeps_the_invariants(actions) -> None:
             assert not t.written  # terminal is final
         flow, box = t.flow, t.mailbox
         history.extend(t.events)
-        m.check_invariants(flow, box, SHAPE)
+        _invariants.check_invariants(flow, box, SHAPE)
     compensated = [e.step for e in history if e.kind == "compensated"]
     # steps are compensated in reverse order of completion: charge before reserve
     assert compensated == sorted(compensated, key=SHAPE.steps.index, reverse=True)
@@ -489,28 +501,32 @@ def test_take_over_reruns_the_step_as_the_next_attempt_if_someone_may_have_run_i
     assert (t.flow.owner, t.flow.lease_until, t.flow.attempt) == ("b", None, f.attempt + 1)
     nobodys = attrs.evolve(f, owner=None)  # an operator made it runnable: nobody ran it yet
     assert m.take_over(nobodys, "b", T0).flow.attempt == f.attempt
-    with pytest.raises(m.InvalidTransition):
+    with pytest.raises(InvalidTransition):
         m.take_over(parked(), "b", T0)
 
 
-def test_leased_gives_the_flow_to_the_writer_keeps_a_runner_and_frees_a_parked_flow() -> None:
+def test_assign_holder_gives_a_flow_to_its_writer_keeps_a_runner_frees_a_parked_one() -> None:
     f = attrs.evolve(run_to(started(), 1), owner="a")
     step = m.step_done(f, EMPTY_MAILBOX, SHAPE, CONTINUE, f.data, T0)
-    assert m.leased(step, f, "a", respect=False).flow.owner == "a"
+    assert m.assign_holder(step, f, "a", keep_runner=False).flow.owner == "a"
     # a cancel through b of a flow a runs leaves it with a (a's step must stop first) ...
     cancel = m.cancel(f, SHAPE, "x", T0)
-    assert m.leased(cancel, f, "b", respect=True).flow.owner == "a"
-    # ... one engine per file (respect off) or an operator's engine: the writer's, or nobody's
-    assert m.leased(cancel, f, "b", respect=False).flow.owner == "b"
-    ops = m.leased(m.cancel(f, SHAPE, "x", T0), f, None, respect=True)
+    assert m.assign_holder(cancel, f, "b", keep_runner=True).flow.owner == "a"
+    # ... one engine per file (keep_runner off) or an operator's engine: the writer's, or nobody's
+    assert m.assign_holder(cancel, f, "b", keep_runner=False).flow.owner == "b"
+    ops = m.assign_holder(m.cancel(f, SHAPE, "x", T0), f, None, keep_runner=True)
     assert ops.flow.owner == "a"
     p = attrs.evolve(parked(), owner="a", lease_until=T0)
     woken = m.wake(p, EMPTY_MAILBOX, Message("m", "1"), SHAPE, T0)
-    assert m.leased(woken, p, "b", respect=True).flow.owner == "b"  # b accepted it: b runs it
-    assert m.leased(woken, p, None, respect=True).flow.owner is None  # an operator's: the fleet's
+    assert (
+        m.assign_holder(woken, p, "b", keep_runner=True).flow.owner == "b"
+    )  # b accepted it: b runs it
+    assert (
+        m.assign_holder(woken, p, None, keep_runner=True).flow.owner is None
+    )  # an operator's: the fleet's
     parks = m.step_done(f, EMPTY_MAILBOX, SHAPE, park(60), f.data, T0)
-    left = m.leased(parks, f, "a", respect=False).flow
+    left = m.assign_holder(parks, f, "a", keep_runner=False).flow
     assert (left.state, left.owner, left.lease_until) == (State.PARKED, None, None)
-    assert m.leased(m.block(left, "r", T0), left, "a", respect=False).flow.owner is None
+    assert m.assign_holder(m.block(left, "r", T0), left, "a", keep_runner=False).flow.owner is None
     queued = m.wake(f, EMPTY_MAILBOX, Message("q", "1"), SHAPE, T0)  # the row does not change
-    assert not queued.written and m.leased(queued, f, "z", respect=False) is queued
+    assert not queued.written and m.assign_holder(queued, f, "z", keep_runner=False) is queued

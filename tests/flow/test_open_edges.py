@@ -29,7 +29,7 @@ import trio
 import trio.testing
 
 from ferry import flow
-from ferry.flow import _inspect, _sqlite_file
+from ferry.flow import _inspect, _inspect_read, _sqlite_file
 from ferry.projected import PostgresStore, SqliteStore
 from tests import pg
 
@@ -237,8 +237,8 @@ async def test_paths_that_cannot_be_an_engines_file_are_a_value_error_and_leave_
     # the inspector refuses it with the same words (one check), as one line
     code, out, err = await trio.to_thread.run_sync(lambda: inspect(capsys, path, "list"))
     assert (code, out) == (1, "")
-    assert err.startswith(f"{_inspect.PROG}: error: ") and err.count("\n") == 1
-    assert says.replace("open_engine", _inspect.PROG) in err
+    assert err.startswith(f"{_inspect_read.PROG}: error: ") and err.count("\n") == 1
+    assert says.replace("open_engine", _inspect_read.PROG) in err
     assert files(tmp_path) == []
 
 

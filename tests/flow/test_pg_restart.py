@@ -23,6 +23,7 @@ import trio
 from ferry import flow
 from ferry.flow import _fleet, _store
 from ferry.flow import _machine as m
+from ferry.flow._values import Shape
 from ferry.projected import PostgresStore
 from tests import pg
 
@@ -57,7 +58,7 @@ def plan(gate: trio.Event | None = None) -> flow.Plan:
     return p
 
 
-async def orphans(store: PostgresStore, shape: m.Shape) -> None:
+async def orphans(store: PostgresStore, shape: Shape) -> None:
     """`FLOWS` flows running their first step, held by an engine that is gone."""
     await store.transact(_store.create_schema)
     now = time.time()

@@ -15,6 +15,7 @@ import attrs
 import pytest
 
 from ferry.flow import _checks, _machine
+from ferry.flow._values import Flow, Transition
 from ferry.projected import canonical_json
 
 from . import test_properties as props
@@ -49,9 +50,9 @@ def test_a_retried_step_passes_the_oracle() -> None:
 def test_the_oracle_catches_a_retry_that_repeats_its_attempt_number(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    real: Callable[..., _machine.Transition] = _machine.next_attempt
+    real: Callable[..., Transition] = _machine.next_attempt
 
-    def same_attempt(flow: _machine.Flow, now: float) -> _machine.Transition:
+    def same_attempt(flow: Flow, now: float) -> Transition:
         t = real(flow, now)
         return attrs.evolve(t, flow=attrs.evolve(t.flow, attempt=flow.attempt))
 

@@ -12,8 +12,8 @@ import pytest
 from ferry.flow import _machine as m
 from ferry.flow import _query as q
 from ferry.flow import _store as s
-from ferry.flow._machine import Shape
 from ferry.flow._types import State
+from ferry.flow._values import Flow, Shape
 from ferry.projected import Store, Tx
 from tests.stores.conftest import StoreFactory
 
@@ -98,7 +98,7 @@ def test_bad_cursors_and_limits_are_refused() -> None:
         q.page_sql(f, "sqlite", limit=2.5)  # type: ignore[arg-type]
 
 
-def _flow(fid: str) -> m.Flow:
+def _flow(fid: str) -> Flow:
     return m.start(ORDER, fid, "{}", T0).flow
 
 

@@ -12,8 +12,8 @@ import trio
 
 from ferry.flow import _machine as m
 from ferry.flow import _store as s
-from ferry.flow._machine import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Transition
 from ferry.flow._types import CONTINUE, Delivery, State, park
+from ferry.flow._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Transition
 from ferry.projected import PostgresStore, Store, Tx
 from tests import pg, switches
 from tests.stores.conftest import StoreFactory
@@ -738,7 +738,7 @@ async def test_a_write_after_a_release_holds_the_flow_again(store: Store) -> Non
 
     def own(flow: Flow, box: Mailbox) -> Transition:
         t = m.step_done(flow, box, SHAPE, CONTINUE, flow.data, T0 + 1)
-        return m.leased(t, flow, "e1", respect=False)
+        return m.assign_holder(t, flow, "e1", keep_runner=False)
 
     held = changed((await write(store, s.Change("f1", own, flow=f)))[0]).flow
     assert held.owner == "e1" and held.lease_until is None

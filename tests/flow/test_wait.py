@@ -29,6 +29,7 @@ import stm
 from ferry import Closed, flow
 from ferry.flow import _listener, _notify, _store
 from ferry.flow import _machine as m
+from ferry.flow._values import Flow, Mailbox, Transition
 from ferry.projected import PostgresStore
 from tests import pg, switches
 
@@ -257,7 +258,7 @@ async def test_a_batch_notifies_the_flows_it_settles_and_nothing_else(dsn: str) 
             )
             assert heard() == []  # running: nobody's wait ends
 
-            def complete(f: m.Flow, box: m.Mailbox) -> m.Transition:
+            def complete(f: Flow, box: Mailbox) -> Transition:
                 return m.step_done(f, box, shape, None, "{}", 2.0)  # its one step: completed
 
             ops = [_store.Change(t.flow.flow_id, complete, flow=t.flow) for t in started]
@@ -377,11 +378,11 @@ async def _until(predicate: Callable[[], bool | Awaitable[bool]]) -> None:
 
 
 class _Holding:
-    def __init__(self, f: m.Flow) -> None:
+    def __init__(self, f: Flow) -> None:
         self.flow = f
 
 
-def _rule(rows: dict[str, m.Flow], lease: float = 30.0) -> tuple[Any, list[list[str]]]:
+def _rule(rows: dict[str, Flow], lease: float = 30.0) -> tuple[Any, list[list[str]]]:
     """A fleet engine's `Waiters` on no store: its reads come from `rows` (and are logged),
     and it listens (as far as it knows) without a listener."""
     from ferry.flow._waiters import Waiters
@@ -406,7 +407,7 @@ def _rule(rows: dict[str, m.Flow], lease: float = 30.0) -> tuple[Any, list[list[
     return waiters, log
 
 
-def _row(state: flow.State, revision: int) -> m.Flow:
+def _row(state: flow.State, revision: int) -> Flow:
     plan = flow.Plan("p")
     plan.step(name="s")(_noop)
     f = m.start(plan._close(), "f", "{}", 1.0).flow
@@ -419,7 +420,7 @@ async def test_a_settling_heard_while_the_flow_was_held_is_read_once_it_leaves(
     rows = {"f": _row(flow.State.COMPLETED, 5)}
     waiters, log = _rule(rows)
     waiters.held["f"] = _Holding(_row(flow.State.RUNNING, 2))
-    got: list[m.Flow] = []
+    got: list[Flow] = []
 
     async def waiter() -> None:
         got.append(await waiters.wait("f", None))
@@ -440,7 +441,7 @@ async def test_a_flow_elsewhere_is_read_at_most_once_per_lease_without_notificat
 ) -> None:
     rows = {"f": _row(flow.State.PARKED, 3)}
     waiters, log = _rule(rows, lease=30.0)
-    got: list[m.Flow] = []
+    got: list[Flow] = []
 
     async def waiter() -> None:
         got.append(await waiters.wait("f", None))

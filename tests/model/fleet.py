@@ -13,8 +13,8 @@ Actors and their steps (on top of `flow.py`'s)
 - the store also holds each engine's lease: held or lapsed (`S.leases`). A flow is *held* by
   engine e when it is active, its `owner` is e, e did not let it go (`lease_until` None) and
   e's lease is held; else it is nobody's (`_store._orphan`). Every write an engine makes leaves
-  the flow with that engine (`_machine.leased`), except that an outside request (wake, cancel,
-  resume, timeout) on an active flow with another owner leaves it with that owner.
+  the flow with that engine (`_machine.assign_holder`), except that an outside request (wake,
+  cancel, resume, timeout) on an active flow with another owner leaves it with that owner.
 - an engine that is up and not frozen, besides its runner, its timer and the calls it serves:
   - scans (`Fleet.scan`): if it trusts its lease and does not run the flow, it reads the flow
     when nobody holds it (runner ``(TAKE, copy)``), then takes it over (`take_over`: attempt
@@ -77,8 +77,8 @@ from typing import Any
 import attrs
 
 from ferry.flow import _machine as fm
-from ferry.flow._machine import Flow, Mailbox, Shape, Transition
 from ferry.flow._types import State
+from ferry.flow._values import Flow, Mailbox, Shape, Transition
 from tests.model.checker import _step_violation
 from tests.model.flow import (
     ACTIVE,
@@ -111,7 +111,7 @@ class FleetProtocol(FlowProtocol):
     takeover_checks_orphan = True
     #: a runner about to run a body lets the flow go if it no longer trusts its lease
     runner_checks_lease = True
-    #: an outside request leaves a flow another engine holds with that engine (``respect``)
+    #: an outside request leaves a flow another engine holds with that engine (``keep_runner``)
     outside_respects_owner = True
     #: a renewal releases the flow the engine let go (`_store.renew(let_go=...)`)
     renewal_releases = True
@@ -252,13 +252,13 @@ class FleetChecker(FlowChecker):
         p = self.protocol
         assert self._ctx is not None
         name = None if self._elsewhere(self._ctx, e) else self.names[e]
-        respect = outside and p.outside_respects_owner
+        keep_runner = outside and p.outside_respects_owner
         apply = w.apply
 
-        def leased(f: Flow, b: Mailbox) -> Transition:
-            return p.leased(apply(f, b), f, name, respect)
+        def held(f: Flow, b: Mailbox) -> Transition:
+            return p.assign_holder(apply(f, b), f, name, keep_runner)
 
-        return Write(leased, w.copy, w.message_id, w.head, w.orphan, w.cas)
+        return Write(held, w.copy, w.message_id, w.first_queued, w.orphan, w.cas)
 
     def _record(self, m: S, t: Transition, step: str) -> S:
         """As `flow.py`'s; and an engine never blocks a flow for a version it lacks while

@@ -34,8 +34,8 @@ Actors and their steps
   - timer: fires once the clock reaches the armed deadline: `timeout` on the held row with
     ``expected=`` the armed revision (`Writes.time_out`). If the flow runs on, the engine runs it.
   - who holds the flow: every write the engine makes names it in the row's `owner` while the
-    flow stays active, and none once it is not (`_machine.leased`, as `Writes.with_holder`; the
-    flow starts held by it).
+    flow stays active, and none once it is not (`_machine.assign_holder`, as
+    `Writes.with_holder`; the flow starts held by it).
   - crash: the engine loses its runner, its retry budget and its timer. Restart: recovery, in
     one step because `open_engine` finishes it before it lets any call in (`_recovery.recover`):
     a running or compensating flow gets `rerun` written and runs again, as attempt + 1 if the
@@ -97,9 +97,10 @@ from typing import Any, NamedTuple
 
 import attrs
 
+from ferry.flow import _invariants, _values
 from ferry.flow import _machine as fm
-from ferry.flow._machine import Flow, Mailbox, Message, Received, Shape, Taken, Transition
 from ferry.flow._types import COMPLETE, CONTINUE, Delivery, Outcome, State, fail, park
+from ferry.flow._values import Flow, Mailbox, Message, Received, Shape, Taken, Transition
 from tests.model.checker import Search, _step_violation
 
 RUNNING, PARKED, COMPENSATING = State.RUNNING, State.PARKED, State.COMPENSATING
@@ -169,12 +170,12 @@ Apply = Callable[[Flow, Mailbox], Transition]
 class Write:
     """One write as an engine sends it to the store (`_store.Change`): `apply` runs on `copy`
     as a compare-and-set on its revision, or (`copy` None) on the held row; the transition sees
-    the mailbox's `message_id` entry and, with `head`, its first queued message."""
+    the mailbox's `message_id` entry and, with `first_queued`, its first queued message."""
 
     apply: Apply
     copy: Flow | None = None
     message_id: str | None = None
-    head: bool = False
+    first_queued: bool = False
     #: the fleet's takeover (`_store.Change.lapsed_at`): the row must also be nobody's
     orphan: bool = False
     #: compare-and-set the copy's revision (None: as the protocol's `runner_cas` says)
@@ -223,8 +224,10 @@ class FlowProtocol:
     def let_go(self, flow: Flow, now: float) -> Transition:
         return fm.let_go(flow, now)
 
-    def leased(self, t: Transition, before: Flow, owner: str | None, respect: bool) -> Transition:
-        return fm.leased(t, before, owner, respect=respect)
+    def assign_holder(
+        self, t: Transition, before: Flow, writer: str | None, keep_runner: bool
+    ) -> Transition:
+        return fm.assign_holder(t, before, writer, keep_runner=keep_runner)
 
     def compensated(self, flow: Flow, shape: Shape, now: float) -> Transition:
         return fm.compensated(flow, shape, flow.data, now)
@@ -406,7 +409,7 @@ class FlowChecker(Search):
         """What the store makes of `w` in state `m`: the transition, or None if the compare-and-set
         is refused (`_store.Conflict`). Nothing is applied yet (`_record` does that)."""
         seen = m.mailbox.seen & {w.message_id} if w.message_id is not None else frozenset()
-        view = Mailbox(m.mailbox.queued[:1] if w.head else (), seen)
+        view = Mailbox(m.mailbox.queued[:1] if w.first_queued else (), seen)
         if w.copy is None:
             return w.apply(m.row, view)
         cas = self.protocol.runner_cas if w.cas is None else w.cas
@@ -610,14 +613,14 @@ class FlowChecker(Search):
         one engine, while the flow stays active. The fleet overrides it."""
         p, apply = self.protocol, w.apply
 
-        def leased(f: Flow, b: Mailbox) -> Transition:
-            return p.leased(apply(f, b), f, OWNER, False)
+        def held(f: Flow, b: Mailbox) -> Transition:
+            return p.assign_holder(apply(f, b), f, OWNER, False)
 
-        return Write(leased, w.copy, w.message_id, w.head, w.orphan, w.cas)
+        return Write(held, w.copy, w.message_id, w.first_queued, w.orphan, w.cas)
 
     def _block(self, copy: Flow, now: float) -> Write:
         """An engine that lacks the plan version blocks the flow (a compare-and-set on `copy`)."""
-        reason = fm.mismatch(copy, None)
+        reason = _values.mismatch(copy, None)
         assert reason is not None
         return Write(lambda f, _b: self.protocol.block(f, reason, now), copy)
 
@@ -674,7 +677,7 @@ class FlowChecker(Search):
             outcomes: dict[str, Outcome] = {"continue": CONTINUE, "complete": COMPLETE}
             outcome = fail("declined") if result == "fail" else outcomes.get(result, self.park)
             apply = lambda f, b: p.step_done(f, b, shape, outcome, now)  # noqa: E731
-            return Write(apply, copy, head=result == "park")
+            return Write(apply, copy, first_queued=result == "park")
         if result == "raise" and p.retries(copy, shape, failures):
             apply = lambda f, _b: p.next_attempt(f, now)  # noqa: E731
         elif copy.state is RUNNING:
@@ -849,7 +852,7 @@ class FlowChecker(Search):
             cancel = Write(lambda f, _b: p.cancel(f, shape, now))
             calls.append(("cancel", cancel, w._replace(cancelled=True)))
         if m.row.state is BLOCKED and w.resumes < cfg.resumes:
-            resume = Write(lambda f, b: p.resume(f, b, shape, now), head=True)
+            resume = Write(lambda f, b: p.resume(f, b, shape, now), first_queued=True)
             calls.append(("resume", resume, w._replace(resumes=w.resumes + 1)))
         return calls
 
@@ -886,7 +889,7 @@ class FlowChecker(Search):
     def _check_state(self, m: S) -> None:
         row, box, g = m.row, m.mailbox, m.ghost
         if self.check_machine:
-            fm.check_invariants(row, box, self.shape)
+            _invariants.check_invariants(row, box, self.shape)
         accepted = {mid for mid, _, _ in g.ledger}
         assert box.seen == accepted, f"mailbox ids {sorted(box.seen)}, accepted {sorted(accepted)}"
         pending = [mid for mid, _, status in g.ledger if status == "queued"]
@@ -896,10 +899,9 @@ class FlowChecker(Search):
             raise AssertionError(
                 f"parked with accepted wakes {pending} untaken: a wake before the park is lost"
             )
-        if row.state is BLOCKED and fm.mismatch(row, self.shape) is not None:
-            raise AssertionError(
-                f"blocked so that its own plan cannot resume it: {fm.mismatch(row, self.shape)}"
-            )
+        unfit = _values.mismatch(row, self.shape)
+        if row.state is BLOCKED and unfit is not None:
+            raise AssertionError(f"blocked so that its own plan cannot resume it: {unfit}")
         if g.undoing and row.state in (RUNNING, PARKED, COMPLETED):
             raise AssertionError(f"the flow compensated or failed, then went {row.state.name}")
 

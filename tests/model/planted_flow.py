@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import attrs
 
-from ferry.flow._machine import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Transition
 from ferry.flow._types import Outcome, State
+from ferry.flow._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Transition
 from tests.model.flow import FlowProtocol
 
 

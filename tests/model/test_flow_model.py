@@ -8,10 +8,11 @@ from typing import Any
 import attrs
 import pytest
 
+from ferry.flow import _invariants, _values
 from ferry.flow import _machine as fm
 from ferry.flow import _store as store
-from ferry.flow._machine import EMPTY_MAILBOX, Flow, Message, Received, Shape, Transition
 from ferry.flow._types import CONTINUE, State, park
+from ferry.flow._values import EMPTY_MAILBOX, Flow, Message, Received, Shape, Transition
 from tests.flow._helpers import _InlineTx
 from tests.model.checker import Counterexample
 from tests.model.configs import CLOSES, CLOSES_SLOW, FLOW_DEFAULT, FLOW_SLOW, PLAN_MISSING
@@ -224,10 +225,10 @@ def test_cancel_without_the_plan_version_keeps_the_flow_resumable(parked: bool) 
         flow = fm.step_done(flow, EMPTY_MAILBOX, CONFIRM_SHAPE, park(10), "{}", 0.0).flow
     assert flow.step == "confirm" and flow.stack == (0,)
     t = fm.cancel(flow, None, "cancelled", 1.0)  # an engine that lacks ("order", 1)
-    fm.check_invariants(t.flow, t.mailbox, CONFIRM_SHAPE)
+    _invariants.check_invariants(t.flow, t.mailbox, CONFIRM_SHAPE)
     if t.flow.state is not State.BLOCKED:
         t = fm.block(t.flow, "the plan is missing", 2.0)
-    assert fm.mismatch(t.flow, CONFIRM_SHAPE) is None  # resumable once the plan is back
+    assert _values.mismatch(t.flow, CONFIRM_SHAPE) is None  # resumable once the plan is back
     assert fm.resume(t.flow, t.mailbox, CONFIRM_SHAPE, 3.0).done
 
 
@@ -260,7 +261,7 @@ class StoreMirror(FlowChecker):
                 w.apply,
                 flow=w.copy,
                 message_id=w.message_id,
-                first_queued=w.head,
+                first_queued=w.first_queued,
                 lapsed_at=lapsed_at,
             )
             (result,) = store.write_batch(tx, [op])
@@ -285,7 +286,7 @@ class StoreMirror(FlowChecker):
 
     def _drifted(self, w: Write) -> Write:
         """The write as a drifting model makes it: without the mailbox's head."""
-        return attrs.evolve(w, head=False) if w.head else w
+        return attrs.evolve(w, first_queued=False) if w.first_queued else w
 
     def _load(self, m: S) -> None:
         """Put the model's row, mailbox and (in a fleet) engine leases in the (empty) tables."""

@@ -222,7 +222,7 @@ class Dashboard:
         now = self.clock()
         began = time.monotonic()
         try:
-            o = await self.reader.read(lambda tx: page_overview(tx, now=now, ns=self.reader.ns))
+            o = await self.reader.read(lambda tx: page_overview(tx, now=now))
         except Unavailable as why:
             return self.unavailable("Overview", why)
         # A store so big that the counts take long is asked less often (at most a tenth of the
@@ -240,7 +240,7 @@ class Dashboard:
             return self.render("flows.html", 400, fields=fields, page=None, problem=str(exc))
         try:
             page = await self.reader.read(
-                lambda tx: page_flows(tx, flt, after=after, limit=self.page_size, ns=self.reader.ns)
+                lambda tx: page_flows(tx, flt, after=after, limit=self.page_size)
             )
         except ValueError as exc:  # a cursor that is not ours
             return self.render("flows.html", 400, fields=fields, page=None, problem=str(exc))
@@ -277,7 +277,7 @@ class Dashboard:
         if not fid:
             return self.render("missing.html", 404, flow_id=fid)
         try:
-            p = await self.reader.read(lambda tx: page_flow(tx, fid, ns=self.reader.ns))
+            p = await self.reader.read(lambda tx: page_flow(tx, fid))
         except Unavailable as why:
             return self.unavailable("Flow", why)
         if p is None:
@@ -297,7 +297,7 @@ class Dashboard:
         from ._metrics import scrape
 
         try:
-            body = await self.reader.read(lambda tx: scrape(tx, ns=self.reader.ns))
+            body = await self.reader.read(lambda tx: scrape(tx))
         except Unavailable as why:
             return PlainTextResponse(f"the store is unavailable: {why}\n", 503)
         return Response(body, media_type=prometheus_client.CONTENT_TYPE_LATEST)

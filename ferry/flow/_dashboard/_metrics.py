@@ -23,9 +23,8 @@ from ._reads import count_by_state, count_unfinished_plans
 
 
 class _Counts(Collector):
-    def __init__(self, tx: Tx, ns: str) -> None:
+    def __init__(self, tx: Tx) -> None:
         self.tx = tx
-        self.ns = ns
 
     def collect(self) -> list[GaugeMetricFamily]:
         flows = GaugeMetricFamily(
@@ -41,9 +40,9 @@ class _Counts(Collector):
             "Engines known to the store, by whether their lease runs",
             labels=["alive"],
         )
-        for name, n in count_by_state(self.tx, ns=self.ns).items():
+        for name, n in count_by_state(self.tx).items():
             flows.add_metric([name], n)
-        for plan, version, state, n in count_unfinished_plans(self.tx, ns=self.ns):
+        for plan, version, state, n in count_unfinished_plans(self.tx):
             plans.add_metric([plan, str(version), state], n)
         now = time.time()
         known = _store.load_engines(self.tx)
@@ -53,8 +52,8 @@ class _Counts(Collector):
         return [flows, plans, engines]
 
 
-def scrape(tx: Tx, *, ns: str = "flow") -> bytes:
+def scrape(tx: Tx) -> bytes:
     """One scrape, read in this transaction."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Counts(tx, ns))
+    registry.register(_Counts(tx))
     return generate_latest(registry)

@@ -30,11 +30,10 @@ import trio
 
 from ferry.projected import PostgresStore, Tx
 
-from .. import _machine as m
-from .. import _query, _sql, _store
-from .._machine import Flow
+from .. import _query, _sql, _store, _values
 from .._sqlite_file import ReadOnlyTx
 from .._types import Event, State
+from .._values import ACTIVE, Flow
 
 T = TypeVar("T")
 _log = logging.getLogger("ferry.flow")
@@ -52,7 +51,6 @@ class Reader:
         *,
         path: str | None = None,
         store: PostgresStore | None = None,
-        ns: str = "flow",
         timeout: float = 5.0,
     ) -> None:
         assert (path is None) != (store is None)
@@ -60,7 +58,6 @@ class Reader:
             None if path is None else f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
         )
         self._store = store
-        self.ns = ns
         self.timeout = timeout
 
     @property
@@ -173,44 +170,44 @@ def _indexed_by(tx: Tx, index: str) -> str:
 UNFINISHED = ("RUNNING", "PARKED", "COMPENSATING", "BLOCKED")
 
 
-def count_unfinished_plans(tx: Tx, *, ns: str = "flow") -> list[tuple[str, int, str, int]]:
+def count_unfinished_plans(tx: Tx) -> list[tuple[str, int, str, int]]:
     """``(plan, version, state, flows)`` of the unfinished flows. Cost: the state index's range
     of each unfinished state, and a row read per unfinished flow."""
     marks = ", ".join(f"'{s}'" for s in UNFINISHED)
     rows = tx.execute(
-        f"SELECT plan, version, state, COUNT(*) FROM {ns}_flows"
-        f"{_indexed_by(tx, f'{ns}_flows_state_created')} WHERE state IN ({marks})"
+        f"SELECT plan, version, state, COUNT(*) FROM {_sql.FLOWS}"
+        f"{_indexed_by(tx, 'flow_flows_state_created')} WHERE state IN ({marks})"
         " GROUP BY plan, version, state ORDER BY plan, version, state"
     )
     return [(r[0], r[1], r[2], r[3]) for r in rows]
 
 
-def count_by_state(tx: Tx, *, ns: str = "flow") -> dict[str, int]:
+def count_by_state(tx: Tx) -> dict[str, int]:
     """Flows in each state (every state, 0 if none). Cost: one pass over the state index."""
     counts = dict.fromkeys((s.name for s in State), 0)
-    for state, n in tx.execute(f"SELECT state, COUNT(*) FROM {ns}_flows GROUP BY state"):
+    for state, n in tx.execute(f"SELECT state, COUNT(*) FROM {_sql.FLOWS} GROUP BY state"):
         counts[state] = n
     return counts
 
 
-def page_overview(tx: Tx, *, now: float, ns: str = "flow", deadlines: int = 15) -> Overview:
+def page_overview(tx: Tx, *, now: float, deadlines: int = 15) -> Overview:
     """Counts by state, the unfinished flows by plan version, the parked flows by deadline, the
     engines, and the per-minute series. Cost: a pass over the state index (the counts), a row
     per unfinished flow, and index ranges for the rest (about a second at a million flows)."""
-    states = count_by_state(tx, ns=ns)
+    states = count_by_state(tx)
     plans: dict[tuple[str, int], dict[str, int]] = {}
-    for plan, version, state, n in count_unfinished_plans(tx, ns=ns):
+    for plan, version, state, n in count_unfinished_plans(tx):
         plans.setdefault((plan, version), dict.fromkeys(UNFINISHED, 0))[state] = n
     cols = ", ".join(_sql.FIELDS)
     soon = [
         _sql.to_flow(r)
         for r in tx.execute(
-            f"SELECT {cols} FROM {ns}_flows WHERE state = 'PARKED'"
+            f"SELECT {cols} FROM {_sql.FLOWS} WHERE state = 'PARKED'"
             f" AND park_deadline IS NOT NULL ORDER BY park_deadline LIMIT {int(deadlines)}"
         )
     ]
     with_deadline = tx.execute(
-        f"SELECT COUNT(*) FROM {ns}_flows WHERE state = 'PARKED' AND park_deadline IS NOT NULL"
+        f"SELECT COUNT(*) FROM {_sql.FLOWS} WHERE state = 'PARKED' AND park_deadline IS NOT NULL"
     )[0][0]
     return Overview(
         states=states,
@@ -219,12 +216,12 @@ def page_overview(tx: Tx, *, now: float, ns: str = "flow", deadlines: int = 15) 
         deadlines=soon,
         parked_forever=states["PARKED"] - int(with_deadline),
         engines=_store.load_engines(tx),
-        series=_series(tx, now, ns),
+        series=_series(tx, now),
         now=now,
     )
 
 
-def _series(tx: Tx, now: float, ns: str) -> Series:
+def _series(tx: Tx, now: float) -> Series:
     start = (math.floor(now / 60) - (MINUTES - 1)) * 60.0
     started = [0] * MINUTES
     completed = [0] * MINUTES
@@ -236,7 +233,7 @@ def _series(tx: Tx, now: float, ns: str) -> Series:
         else "CAST((t - ?) / 60 AS INTEGER)"
     )
     rows = tx.execute(
-        f"SELECT {bucket.replace('t', 'created_at')}, COUNT(*) FROM {ns}_flows"
+        f"SELECT {bucket.replace('t', 'created_at')}, COUNT(*) FROM {_sql.FLOWS}"
         " WHERE created_at >= ? GROUP BY 1",
         (start, start),
     )
@@ -244,8 +241,8 @@ def _series(tx: Tx, now: float, ns: str) -> Series:
         if 0 <= b < MINUTES:
             started[b] = n
     rows = tx.execute(
-        f"SELECT state, {bucket.replace('t', 'updated_at')}, COUNT(*) FROM {ns}_flows"
-        f"{_indexed_by(tx, f'{ns}_flows_ended')}"
+        f"SELECT state, {bucket.replace('t', 'updated_at')}, COUNT(*) FROM {_sql.FLOWS}"
+        f"{_indexed_by(tx, 'flow_flows_ended')}"
         f" WHERE state {_sql.IN_FINISHED} AND updated_at >= ? GROUP BY 1, 2",
         (start, start),
     )
@@ -287,7 +284,7 @@ def pretty(text: str) -> str:
         return text
 
 
-def page_flow(tx: Tx, flow_id: str, *, ns: str = "flow") -> FlowPage | None:
+def page_flow(tx: Tx, flow_id: str) -> FlowPage | None:
     """One flow with its history, mailbox and holder; None if there is no such flow."""
     f = _store.load(tx, flow_id)
     if f is None:
@@ -296,18 +293,21 @@ def page_flow(tx: Tx, flow_id: str, *, ns: str = "flow") -> FlowPage | None:
     events = len(history)
     history = history[-HISTORY:]
     rows = tx.execute(
-        f"SELECT message_id, payload, status, at FROM {ns}_mailbox WHERE flow_id = ? ORDER BY seq",
+        f"SELECT message_id, payload, status, at FROM {_sql.MAILBOX}"
+        " WHERE flow_id = ? ORDER BY seq",
         (flow_id,),
     )
-    created = tx.execute(f"SELECT created_at FROM {ns}_flows WHERE flow_id = ?", (flow_id,))
+    created = tx.execute(f"SELECT created_at FROM {_sql.FLOWS} WHERE flow_id = ?", (flow_id,))
     held = None
-    if f.owner is not None and f.state in m.ACTIVE:
+    if f.owner is not None and f.state in ACTIVE:
         until = f.lease_until
         if until is None:
-            lease = tx.execute(f"SELECT lease_until FROM {ns}_engines WHERE owner = ?", (f.owner,))
+            lease = tx.execute(
+                f"SELECT lease_until FROM {_sql.ENGINES} WHERE owner = ?", (f.owner,)
+            )
             until = lease[0][0] if lease else None
         held = (f.owner, until, until is None or until < time.time())
-    snap = m.snapshot(f)
+    snap = _values.snapshot(f)
     return FlowPage(
         flow=f,
         data=json.dumps(snap.data, indent=2, ensure_ascii=False, sort_keys=True),
@@ -320,8 +320,6 @@ def page_flow(tx: Tx, flow_id: str, *, ns: str = "flow") -> FlowPage | None:
     )
 
 
-def page_flows(
-    tx: Tx, flt: _query.FlowFilter, *, after: str | None, limit: int, ns: str = "flow"
-) -> _query.Page:
+def page_flows(tx: Tx, flt: _query.FlowFilter, *, after: str | None, limit: int) -> _query.Page:
     """One page of the flows list (`_query.query_page`)."""
-    return _query.query_page(tx, flt, ns=ns, limit=limit, after=after)
+    return _query.query_page(tx, flt, limit=limit, after=after)
