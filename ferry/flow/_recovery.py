@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ferry.projected import Store
 
@@ -29,10 +29,16 @@ from ._values import ACTIVE, Flow
 from ._versions import Versions
 from ._writes import Writes, gather
 
-if TYPE_CHECKING:  # `_fleet` calls `rerun` for the flows it adopts
-    from ._fleet import Fleet
-
 _log = logging.getLogger("ferry.flow")
+
+
+class FirstScan(Protocol):
+    """What recovery asks of the fleet's rounds (`_fleet.Fleet`, which sits above this module:
+    it calls `rerun` for the flows it adopts): the first scan, and how far apart scans are."""
+
+    interval: float
+
+    async def scan(self) -> None: ...
 
 
 async def recover(
@@ -43,7 +49,7 @@ async def recover(
     tally: Tally,
     timers: Timers,
     lease: Lease,
-    fleet: Fleet | None,
+    fleet: FirstScan | None,
     *,
     owner: str,
     serve: bool,
