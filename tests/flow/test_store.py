@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -764,7 +765,7 @@ async def test_sqlite_writes_a_batch_of_starts_and_steps_in_a_few_statements(
     old = await start_many(store, 3, prefix="x")
     seen: list[str] = []
 
-    def traced(ops: list[s.Op], tx: Tx) -> list[s.Result]:
+    def traced(ops: Sequence[s.Op], tx: Tx) -> list[s.Result]:
         tx.connection.set_trace_callback(seen.append)
         try:
             return s.write_batch(tx, ops)
