@@ -187,8 +187,14 @@ def _existing(row: Sequence[Any], f: Flow) -> Existing:
 
 
 class _RowByRow:
-    """One batch's statements, an op at a time (SQLite: in process, a statement costs a few
-    microseconds); history rows are collected and inserted at the end."""
+    """One batch's statements (SQLite: in process, a statement costs a few microseconds).
+
+    The common ops go in multi-row statements, a few per batch (`plain`): the starts, and the
+    compare-and-sets from a copy that need nothing of the mailbox and are not takeovers, of the
+    flows that have only that op in the batch. Each returns the ids of the rows it wrote, so each
+    op still learns its own answer (a row it did not write is that op's `Conflict` alone). Every
+    other op goes an op at a time, in flow id order. History rows are collected and inserted at
+    the end."""
 
     __slots__ = ("history", "sql", "tx")
 
@@ -303,13 +309,102 @@ class _RowByRow:
         self.messages(t)
         return Changed(t, flow)
 
+    def rows(self, sql: str, params: Sequence[Any]) -> set[str]:
+        """Run one multi-row write that returns flow ids; those ids (the driver's own cursor,
+        as in `changes`)."""
+        return {r[0] for r in self.tx.connection.execute(sql, params)}
+
+    def create_rows(
+        self, creates: list[tuple[int, Transition]], results: list[Result | None]
+    ) -> None:
+        """Insert the flows of `creates` in a few statements; an id that exists is read."""
+        for start, n in _sql.chunks(len(creates)):
+            chunk = creates[start : start + n]
+            params = [v for _i, t in chunk for v in row_values(t.flow)]
+            inserted = self.rows(_sql.insert_rows(n), params)
+            for i, t in chunk:
+                if t.flow.flow_id in inserted:
+                    self.history += _history_rows(t)
+                    results[i] = Created(t)
+                else:
+                    row = self.tx.execute(self.sql.existing, (t.flow.flow_id,))[0]
+                    results[i] = _existing(row, t.flow)
+
+    def update_rows(self, writes: list[_Write], results: list[Result | None]) -> None:
+        """Write the rows of `writes` (one set of columns) in a few statements."""
+        columns = writes[0][3]
+        for start, n in _sql.chunks(len(writes)):
+            chunk = writes[start : start + n]
+            params: list[Any] = []
+            for _i, t, _before, _columns, values in chunk:
+                params += [values[c] for c in columns]
+                params += (t.flow.flow_id, t.expected)
+            matched = self.rows(_sql.update_rows(columns, n), params)
+            for i, t, before, _columns, _values in chunk:
+                if t.flow.flow_id in matched:
+                    self.history += _history_rows(t)
+                    self.messages(t)
+                    results[i] = Changed(t, before)
+                else:
+                    results[i] = self.conflict(t.flow.flow_id, t.expected)
+
+    def plain(
+        self, ops: Sequence[Op], order: Sequence[int], results: list[Result | None]
+    ) -> list[int]:
+        """Write the starts and plain compare-and-sets of `ops` in multi-row statements
+        (answering them in `results`, and a refused or unwritten transition at once); the
+        indexes of the ops left to write one at a time, in `order`."""
+        per_flow: dict[str, int] = {}
+        for op in ops:
+            fid = op_flow_id(op)
+            per_flow[fid] = per_flow.get(fid, 0) + 1
+        creates: list[tuple[int, Transition]] = []
+        writes: dict[tuple[int, ...], list[_Write]] = {}
+        rest: list[int] = []
+        for i in order:
+            op = ops[i]
+            if per_flow[op_flow_id(op)] > 1:  # its ops see each other's writes: one at a time
+                rest.append(i)
+            elif isinstance(op, Create):
+                creates.append((i, op.transition))
+            elif (
+                op.flow is None
+                or op.message_id is not None
+                or op.first_queued
+                or op.lapsed_at is not None
+            ):
+                rest.append(i)
+            else:
+                try:
+                    t = op.apply(op.flow, EMPTY_MAILBOX)
+                except Exception as exc:
+                    results[i] = Refused(op.flow_id, exc)
+                    continue
+                if not t.written:
+                    self.messages(t)
+                    results[i] = Changed(t, op.flow)
+                    continue
+                values = mutable_values(t.flow)
+                columns = changed_columns(mutable_values(op.flow), values)
+                writes.setdefault(columns, []).append((i, t, op.flow, columns, values))
+        if creates:
+            self.create_rows(creates, results)
+        for same in writes.values():
+            self.update_rows(same, results)
+        return rest
+
     def write(self, ops: Sequence[Op], order: Sequence[int]) -> list[Result]:
         results: list[Result | None] = [None] * len(ops)
-        for i in order:
+        for i in self.plain(ops, order, results):
             op = ops[i]
             results[i] = self.change(op) if isinstance(op, Change) else self.create(op)
         _insert_history(self.tx, self.sql, self.history)
         return results  # type: ignore[return-value]  # every slot is filled
+
+
+#: A compare-and-set for `_RowByRow.update_rows`: the op's index, its transition, the row it ran
+#: on, the columns it sets (`changed_columns`) and the transition's `mutable_values`.
+_Write: TypeAlias = tuple[int, Transition, Flow, tuple[int, ...], tuple[Any, ...]]
 
 
 # ------------------------------------------------------------------------ a batch at a time
@@ -576,8 +671,9 @@ def write_batch(tx: Tx, ops: Sequence[Op], *, guard: float | None = None) -> lis
     (or `Missing`) and writes nothing, and the others are applied; an op whose transition raises
     gets `Refused`. Raises only on a database error (the caller's transaction then rolls back,
     and every op fails with it). Cost: on PostgreSQL a fixed number of statements whatever the
-    batch's size (`_Arrays`: three for a batch of compare-and-sets); on SQLite a few statements
-    per op plus one multi-row insert per 500 history rows (`_RowByRow`); and a sort of the batch.
+    batch's size (`_Arrays`: three for a batch of compare-and-sets); on SQLite a few multi-row
+    statements for the starts and plain compare-and-sets, a few statements per other op, and one
+    multi-row insert per 500 history rows (`_RowByRow`); and a sort of the batch.
     """
     guard_locks(tx, guard)
     order = sorted(range(len(ops)), key=lambda i: op_flow_id(ops[i]))

@@ -18,7 +18,9 @@ dialects is in `Dialect` and nowhere else:
   only there does a takeover lock the lease row it reads (ADR 0048) and only there can a flow be
   an orphan;
 - the batch: PostgreSQL writes a batch in a fixed number of statements whatever its size, with
-  arrays (`_batch`, docs/adr/0094); SQLite, in process, writes it a row at a time.
+  arrays (`_batch`, docs/adr/0094); SQLite, in process, writes a batch's starts and plain
+  compare-and-sets in multi-row statements (`update_rows`, `insert_rows`), the rest a row at a
+  time.
 
 No trio, no clock.
 """
@@ -183,6 +185,50 @@ def update_columns(columns: tuple[int, ...]) -> str:
     changed (SQLite's writer, `_batch._RowByRow`). Cached: a handful of column sets occur."""
     sets = ", ".join(f"{MUTABLE[i]} = ?" for i in columns)
     return f"UPDATE {FLOWS} SET {sets} WHERE flow_id = ? AND revision = ?"
+
+
+#: The row counts of `update_rows` and `insert_rows` statements: a batch's rows go in chunks of
+#: these sizes (its count in binary, capped at the largest), so that few statement texts occur
+#: and each is prepared once; the largest keeps a chunk under SQLite's 32,766 parameters.
+CHUNKS: Final = (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
+
+
+def chunks(n: int) -> list[tuple[int, int]]:
+    """`n` rows as ``(start, size)`` chunks, every size one of `CHUNKS`."""
+    out = []
+    start = 0
+    for size in CHUNKS:
+        while n - start >= size:
+            out.append((start, size))
+            start += size
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def update_rows(columns: tuple[int, ...], n: int) -> str:
+    """SQL: the compare-and-set of `n` rows in one statement (SQLite), each setting the columns
+    `MUTABLE[i]` for `i` in `columns`: per row, those values, then its flow id and expected
+    revision. It returns the flow id of each row it matched; a row it does not return was at
+    another revision (or is gone) and is that row's conflict alone."""
+    row = "(" + ", ".join(["?"] * (len(columns) + 2)) + ")"
+    sets = ", ".join(f"{MUTABLE[c]} = v.column{j + 1}" for j, c in enumerate(columns))
+    k = len(columns)
+    return (
+        f"UPDATE {FLOWS} SET {sets} FROM (VALUES {', '.join([row] * n)}) AS v"
+        f" WHERE {FLOWS}.flow_id = v.column{k + 1} AND {FLOWS}.revision = v.column{k + 2}"
+        f" RETURNING {FLOWS}.flow_id"
+    )
+
+
+@functools.lru_cache(maxsize=len(CHUNKS))
+def insert_rows(n: int) -> str:
+    """SQL: insert `n` new flows in one statement (SQLite; `row_values` of each, one after the
+    other), skipping an id that exists; it returns the ids it inserted."""
+    row = "(" + ", ".join(["?"] * (len(FIELDS) + 1)) + ")"
+    return (
+        f"INSERT INTO {FLOWS} ({COLUMNS}, start_data) VALUES {', '.join([row] * n)}"
+        " ON CONFLICT (flow_id) DO NOTHING RETURNING flow_id"
+    )
 
 
 def row_values(f: Flow) -> tuple[Any, ...]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -704,7 +705,8 @@ async def test_a_change_of_some_columns_writes_those_and_keeps_the_rest(store: S
 
 async def test_sqlite_sets_only_the_changed_columns(make_store: StoreFactory) -> None:
     """On SQLite a runner's compare-and-set is an UPDATE of the columns its transition
-    changed (and ``lease_until``, see the next test), answered by the count of rows changed."""
+    changed (and ``lease_until``, see the next test), in a multi-row statement that returns the
+    ids of the rows it wrote."""
     store = make_store()
     await setup(store)
     if store.dialect != "sqlite":
@@ -723,7 +725,7 @@ async def test_sqlite_sets_only_the_changed_columns(make_store: StoreFactory) ->
     t = changed(r)
     assert await load(store, "f1") == t.flow
     (update,) = [q for q in seen if q.startswith("UPDATE")]
-    sets = update.split(" SET ")[1].split(" WHERE ")[0]
+    sets = update.split(" SET ")[1].split(" FROM ")[0]
     written = {c.split(" = ")[0] for c in sets.split(", ")}
     assert written == {"step_index", "step", "stack", "revision", "updated_at", "lease_until"}, (
         update
@@ -748,3 +750,42 @@ async def test_a_write_after_a_release_holds_the_flow_again(store: Store) -> Non
     again = changed((await write(store, s.Change("f1", own, flow=held)))[0]).flow
     assert again.lease_until is None
     assert await load(store, "f1") == again
+
+
+async def test_sqlite_writes_a_batch_of_starts_and_steps_in_a_few_statements(
+    make_store: StoreFactory,
+) -> None:
+    """On SQLite the starts and plain compare-and-sets of a batch go in multi-row statements
+    (chunks of at most 512 rows), each op still answered alone: an id that exists is
+    `Existing`, a stale revision is `Conflict`, the rest are written."""
+    store = make_store()
+    await setup(store)
+    if store.dialect != "sqlite":
+        pytest.skip("PostgreSQL writes a batch with arrays")
+    old = await start_many(store, 3, prefix="x")
+    seen: list[str] = []
+
+    def traced(ops: Sequence[s.Op], tx: Tx) -> list[s.Result]:
+        tx.connection.set_trace_callback(seen.append)
+        try:
+            return s.write_batch(tx, ops)
+        finally:
+            tx.connection.set_trace_callback(None)
+
+    creates = [s.Create(m.start(SHAPE, f"n{i:04d}", "{}", T0)) for i in range(1000)]
+    creates[10] = s.Create(m.start(SHAPE, "x0001", '{"other":1}', T0))
+    results = await store.transact(partial(traced, creates))
+    assert results[10] == s.Existing(old[1], same=False)
+    flows = [changed_or_created(r) for i, r in enumerate(results) if i != 10]
+    inserts = [q for q in seen if q.startswith("INSERT INTO flow_flows")]
+    assert len(inserts) == 6, [q[:60] for q in inserts]  # 1,000 = 512 + 256 + 128 + 64 + 32 + 8
+    seen.clear()
+    changed((await write(store, step(flows[700])))[0])  # another writer moved it on
+    results = await store.transact(partial(traced, [step(f) for f in flows]))
+    assert [(i, r) for i, r in enumerate(results) if not isinstance(r, s.Changed)] == [
+        (700, s.Conflict(flows[700].flow_id, 1, 2, None))
+    ]
+    assert len([q for q in seen if q.startswith("UPDATE")]) == 8  # 999 = 512 + 256 + ... + 2 + 1
+    stored = await store.transact(partial(s.load_many, flow_ids=[f.flow_id for f in flows]))
+    assert sorted(f.revision for f in stored) == [2] * 999
+    assert await history_kinds(store, flows[3].flow_id) == [(1, "started"), (2, "step")]
