@@ -190,10 +190,31 @@ def browse(
     shots: Path,
     state_of: Callable[[str], tuple[flow.State, int]],
 ) -> None:
-    from selenium.common.exceptions import NoAlertPresentException
+    from selenium.common.exceptions import (
+        NoAlertPresentException,
+        StaleElementReferenceException,
+        WebDriverException,
+    )
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.expected_conditions import staleness_of
     from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    def staleness_of(old: Any) -> Callable[[Any], bool]:
+        """Has the page `old` belongs to been replaced? As selenium's condition of that name,
+        but Chromium sometimes reports a node of the replaced document as one that "does not
+        belong to the document" (an unknown error) rather than as a stale element."""
+
+        def replaced(_driver: Any) -> bool:
+            try:
+                old.is_enabled()
+            except StaleElementReferenceException:
+                return True
+            except WebDriverException as exc:
+                if "does not belong to the document" not in str(exc):
+                    raise
+                return True
+            return False
+
+        return replaced
 
     driver = chrome(profile)
     try:
