@@ -32,12 +32,10 @@ from typing import Any
 
 import trio
 
-from . import _notify
+from . import _notify, _retry
 
 _log = logging.getLogger("ferry.flow")
 
-_FIRST_PAUSE = 0.05  # seconds before connecting again; doubles
-_MAX_PAUSE = 2.0
 APPLICATION_NAME = "ferry.flow wait listener"  # in pg_stat_activity
 
 
@@ -109,7 +107,6 @@ class Listener:
         return True
 
     def _run(self) -> None:
-        pause = _FIRST_PAUSE
         failures = 0
         try:
             while not self._stop.is_set():
@@ -117,6 +114,7 @@ class Listener:
                     conn = self._connect()
                 except Exception as exc:
                     failures += 1
+                    pause = _retry.STORE.delay(failures)  # the engine's store calls' delays
                     _log.warning(
                         "flow engine %r: could not listen for settled flows: %r; waits on flows"
                         " of other engines read the store meanwhile; retry %d in %.2f s",
@@ -128,9 +126,8 @@ class Listener:
                     )
                     if self._stop.wait(pause):
                         return
-                    pause = min(pause * 2, _MAX_PAUSE)
                     continue
-                pause, failures = _FIRST_PAUSE, 0
+                failures = 0
                 try:
                     if not self._tell(self._on_state, True):
                         return
