@@ -19,6 +19,7 @@ trio, no clock.
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -268,7 +269,7 @@ class _RowByRow:
     def change(self, op: Change) -> Result:
         sql, tx = self.sql, self.tx
         known = op.flow
-        if known is not None and op.message_id is None and not op.first_queued:
+        if known is not None and not _reads_mailbox(op):
             try:
                 t = op.apply(known, EMPTY_MAILBOX)
             except Exception as exc:
@@ -330,17 +331,18 @@ class _RowByRow:
                     row = self.tx.execute(self.sql.existing, (t.flow.flow_id,))[0]
                     results[i] = _existing(row, t.flow)
 
-    def update_rows(self, writes: list[_Write], results: list[Result | None]) -> None:
-        """Write the rows of `writes` (one set of columns) in a few statements."""
-        columns = writes[0][3]
+    def update_rows(
+        self, columns: tuple[int, ...], writes: list[_Write], results: list[Result | None]
+    ) -> None:
+        """Write the rows of `writes`, which all set `columns`, in a few statements."""
         for start, n in _sql.chunks(len(writes)):
             chunk = writes[start : start + n]
             params: list[Any] = []
-            for _i, t, _before, _columns, values in chunk:
+            for _i, t, _before, values in chunk:
                 params += [values[c] for c in columns]
                 params += (t.flow.flow_id, t.expected)
             matched = self.rows(_sql.update_rows(columns, n), params)
-            for i, t, before, _columns, _values in chunk:
+            for i, t, before, _values in chunk:
                 if t.flow.flow_id in matched:
                     self.history += _history_rows(t)
                     self.messages(t)
@@ -354,10 +356,7 @@ class _RowByRow:
         """Write the starts and plain compare-and-sets of `ops` in multi-row statements
         (answering them in `results`, and a refused or unwritten transition at once); the
         indexes of the ops left to write one at a time, in `order`."""
-        per_flow: dict[str, int] = {}
-        for op in ops:
-            fid = op_flow_id(op)
-            per_flow[fid] = per_flow.get(fid, 0) + 1
+        per_flow = Counter(op_flow_id(op) for op in ops)
         creates: list[tuple[int, Transition]] = []
         writes: dict[tuple[int, ...], list[_Write]] = {}
         rest: list[int] = []
@@ -367,12 +366,7 @@ class _RowByRow:
                 rest.append(i)
             elif isinstance(op, Create):
                 creates.append((i, op.transition))
-            elif (
-                op.flow is None
-                or op.message_id is not None
-                or op.first_queued
-                or op.lapsed_at is not None
-            ):
+            elif op.flow is None or _reads_mailbox(op) or op.lapsed_at is not None:
                 rest.append(i)
             else:
                 try:
@@ -386,11 +380,11 @@ class _RowByRow:
                     continue
                 values = mutable_values(t.flow)
                 columns = changed_columns(mutable_values(op.flow), values)
-                writes.setdefault(columns, []).append((i, t, op.flow, columns, values))
+                writes.setdefault(columns, []).append((i, t, op.flow, values))
         if creates:
             self.create_rows(creates, results)
-        for same in writes.values():
-            self.update_rows(same, results)
+        for columns, same in writes.items():
+            self.update_rows(columns, same, results)
         return rest
 
     def write(self, ops: Sequence[Op], order: Sequence[int]) -> list[Result]:
@@ -403,8 +397,14 @@ class _RowByRow:
 
 
 #: A compare-and-set for `_RowByRow.update_rows`: the op's index, its transition, the row it ran
-#: on, the columns it sets (`changed_columns`) and the transition's `mutable_values`.
-_Write: TypeAlias = tuple[int, Transition, Flow, tuple[int, ...], tuple[Any, ...]]
+#: on and the transition's `mutable_values`.
+_Write: TypeAlias = tuple[int, Transition, Flow, tuple[Any, ...]]
+
+
+def _reads_mailbox(op: Change) -> bool:
+    """Does the op's transition read the flow's mailbox (a wake's seen ids, the first queued
+    message)? Then it runs on the row held in the transaction, not on the caller's copy alone."""
+    return op.message_id is not None or op.first_queued
 
 
 # ------------------------------------------------------------------------ a batch at a time
@@ -504,7 +504,7 @@ class _Arrays:
         for i, op in round_:
             known = op.flow
             row = self.rows.get(op.flow_id)
-            if known is not None and op.message_id is None and not op.first_queued:
+            if known is not None and not _reads_mailbox(op):
                 try:
                     t = op.apply(known, EMPTY_MAILBOX)
                 except Exception as exc:
