@@ -95,7 +95,6 @@ class Engine:
         self._plans = plans
         self._owner = owner
         self._serve = serve  # False: an operator's engine, which never leases or runs a flow
-        self._fleet = fleet  # leases are respected (PostgreSQL); else one engine per store
         self._group_commit = group_commit
         self._lease = float(lease)
         self._closed_tv = stm.TVar(False)
