@@ -51,8 +51,9 @@ F = TypeVar("F")
 
 _thread_id = threading.get_ident
 _new_object = object.__new__
-_reschedule = trio.lowlevel.reschedule
-_Value, _Error = outcome.Value, outcome.Error
+# Typed to take an `_Entry` as well as an `outcome.Outcome`: both have the `unwrap` that
+# `wait_task_rescheduled` calls on what it was sent (`_Entry.unwrap`).
+_reschedule: Callable[[trio.lowlevel.Task, Any], None] = trio.lowlevel.reschedule
 _ADMITTED, _CLAIMED = _lanes.Admission.ADMITTED, _lanes.Admission.CLAIMED
 
 # A task's count of schedule points, or None if trio keeps none (`ferry._schedule_points`).
@@ -75,17 +76,38 @@ async def _unprotected(aw: Awaitable[Any]) -> Any:
 class _Entry:
     """One caller. `task` is set while the caller is parked and nobody has answered it yet.
 
-    An entry is also its caller's abort function (`__call__`), so parking allocates nothing more.
-    `submit` makes it with `object.__new__` and writes every slot (no `__init__` frame per caller).
+    An entry is also its caller's abort function (`__call__`), so parking allocates nothing more,
+    and the common answer, its slot of a batch's list of results (`result`, then `unwrap`), so
+    answering allocates nothing either (ADR 0105). `submit` makes it with `object.__new__` and
+    writes its slots (no `__init__` frame per caller).
     """
 
-    __slots__ = ("input", "item", "key", "room", "task")
+    __slots__ = ("input", "item", "key", "result", "room", "task")
 
     input: Any
     key: Any
     room: Room[Any, _Entry]
     item: _lanes.Item[_Entry] | None
     task: trio.lowlevel.Task | None
+    result: Any
+
+    def unwrap(self) -> Any:
+        """The answer `wait_task_rescheduled` returns when a worker rescheduled the caller with
+        the entry itself as its outcome: `result`, or, for an `InputError`, raised to it.
+
+        trio sends what `reschedule` was given into the parked task, whose
+        `wait_task_rescheduled` calls `.unwrap()` on it and nothing else; one `outcome.Value`
+        per caller cost more than the rest of the answer (ADR 0105).
+        """
+        result = self.result
+        if isinstance(result, InputError):
+            self.result = None
+            try:
+                raise result
+            finally:
+                # As `outcome.Error.unwrap`: no cycle through this frame and the traceback.
+                del result, self
+        return result
 
     def __call__(self, raise_cancel: Any) -> trio.lowlevel.Abort:
         """The caller was cancelled while parked: it stops waiting, whether its input still
@@ -308,8 +330,8 @@ class Shell:
                     task = e.task
                     if task is not None:
                         e.task = None
-                        refused = isinstance(result, InputError)
-                        _reschedule(task, _Error(result) if refused else _Value(result))
+                        e.result = result
+                        _reschedule(task, e)  # the entry is the answer: `_Entry.unwrap`
                 continue
             for e, answer in zip(entries, answers, strict=True):
                 task = e.task
