@@ -54,7 +54,10 @@ _new_object = object.__new__
 # Typed to take an `_Entry` as well as an `outcome.Outcome`: both have the `unwrap` that
 # `wait_task_rescheduled` calls on what it was sent (`_Entry.unwrap`).
 _reschedule: Callable[[trio.lowlevel.Task, Any], None] = trio.lowlevel.reschedule
-_ADMITTED, _CLAIMED = _lanes.Admission.ADMITTED, _lanes.Admission.CLAIMED
+_CLAIMED, _Item = _lanes.Admission.CLAIMED, _lanes.Item
+_checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+_current_task = trio.lowlevel.current_task
+_wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
 
 # A task's count of schedule points, or None if trio keeps none (`ferry._schedule_points`).
 _schedule_points = _read_schedule_points()
@@ -179,20 +182,19 @@ class Shell:
             key, weight, rank = classify(x)
         if _thread_id() != self._thread:
             raise wrong_run("a ferry", "a ferry", _FROM_THREAD)
-        await trio.lowlevel.checkpoint_if_cancelled()
+        await _checkpoint_if_cancelled()
         room = self.room
-        entry: _Entry = _new_object(_Entry)  # its slots written here: no __init__ frame
+        # Its slots written here (no __init__ frame): `item` and `task` once admitted, since
+        # nothing reads them before (the room hands out only admitted entries).
+        entry: _Entry = _new_object(_Entry)
         entry.input = x
         entry.key = key
         entry.room = room
-        entry.item = None
-        entry.task = None
-        admission, entry.item = room.admit(
-            key, entry, weight, rank, self._clock_now() if self._timed else 0.0
-        )
-        if admission is _ADMITTED:
-            entry.task = trio.lowlevel.current_task()
-            return await trio.lowlevel.wait_task_rescheduled(entry)
+        admission = room.admit(key, entry, weight, rank, self._clock_now() if self._timed else 0.0)
+        if type(admission) is _Item:
+            entry.item = admission
+            entry.task = _current_task()
+            return await _wait_task_rescheduled(entry)
         if admission is not _CLAIMED:
             await trio.lowlevel.cancel_shielded_checkpoint()
             if admission is _lanes.Admission.CLOSED:
