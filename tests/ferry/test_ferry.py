@@ -1516,7 +1516,8 @@ async def test_an_input_error_answer_is_freed_with_its_caller_not_by_the_collect
                 for _ in range(12):
                     nursery.start_soon(one, f)
             assert len(errors) == len(inputs) == 12
-            alive = [r for r in (*errors, *inputs) if r() is not None]
+            refs: list[weakref.ref[Any]] = [*errors, *inputs]
+            alive = [r for r in refs if r() is not None]
             assert alive == [], alive
     finally:
         gc.enable()
