@@ -21,23 +21,25 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import attrs
 
 from ferry.projected import Tx, canonical_json
 
 from . import _notify, _sql
+from ._machine import DETAILS
 from ._sql import (
     FIELDS,
     MUTABLE,
     Statements,
-    changed_columns,
+    changed_write,
     mutable_values,
     row_values,
     to_flow,
     update_columns,
 )
+from ._types import Json
 from ._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Transition
 
 
@@ -161,21 +163,33 @@ def op_flow_id(op: Op) -> str:
     return op.flow_id if isinstance(op, Change) else op.transition.flow.flow_id
 
 
+#: The text of each history detail that `_machine` makes once for every flow (`_machine.DETAILS`,
+#: never changed), by identity: encoded here once, not per event.
+_DETAIL_TEXT: Final = {id(d): canonical_json(d) for d in DETAILS}
+
+
+def _detail_text(detail: Json) -> str | None:
+    if detail is None:
+        return None
+    text = _DETAIL_TEXT.get(id(detail))
+    return canonical_json(detail) if text is None else text
+
+
 def _history_rows(t: Transition) -> list[tuple[Any, ...]]:
+    """The history rows of `t` (PostgreSQL's writer: they become columns)."""
     fid = t.flow.flow_id
     return [
-        (
-            fid,
-            e.revision,
-            n,
-            e.at,
-            e.kind,
-            e.step,
-            e.attempt,
-            None if e.detail is None else canonical_json(e.detail),
-        )
+        (fid, e.revision, n, e.at, e.kind, e.step, e.attempt, _detail_text(e.detail))
         for n, e in enumerate(t.events)
     ]
+
+
+def _add_history(values: list[Any], t: Transition) -> None:
+    """Append the history rows of `t` to `values`, one after the other, each `_HISTORY_WIDTH`
+    values in the order of `Statements.history` (SQLite's writer: no tuple per row)."""
+    fid = t.flow.flow_id
+    for n, e in enumerate(t.events):
+        values += (fid, e.revision, n, e.at, e.kind, e.step, e.attempt, _detail_text(e.detail))
 
 
 def _existing(row: Sequence[Any], f: Flow) -> Existing:
@@ -202,7 +216,7 @@ class _RowByRow:
     def __init__(self, tx: Tx, sql: Statements) -> None:
         self.tx = tx
         self.sql = sql
-        self.history: list[tuple[Any, ...]] = []
+        self.history: list[Any] = []  # the history rows' values, one row after the other
 
     def messages(self, t: Transition) -> None:
         fid = t.flow.flow_id
@@ -233,23 +247,22 @@ class _RowByRow:
         """Write the transition's row if the stored revision is still ``t.expected`` (and no
         lease holds it at `lapsed_at`, where given: a takeover of a flow its copy shows held by
         `holder`). `before` is the row the transition ran on (the caller's copy or the held
-        row): only the columns it changes are written (`_sql.changed_columns`).
+        row): only the columns it changes are written (`_sql.changed_write`).
 
         Where leases exist (PostgreSQL) a takeover first locks `holder`'s lease row (``FOR
         SHARE``), so that the lease it reads is the one committed when it writes: a renewal of
         that lease in flight either waits for this takeover to commit, or makes it wait and
         refuses it (ADR 0048)."""
-        values = mutable_values(t.flow)
         fid = t.flow.flow_id
         if lapsed_at is not None:
             if holder is not None and self.sql.d.leases:
                 self.tx.execute(self.sql.lock_lease, (holder,))
             rows = self.tx.execute(
-                self.sql.update_orphan, (*values, fid, t.expected, lapsed_at, lapsed_at)
+                self.sql.update_orphan,
+                (*mutable_values(t.flow), fid, t.expected, lapsed_at, lapsed_at),
             )
             return bool(rows)
-        columns = changed_columns(mutable_values(before), values)
-        params = [values[i] for i in columns]
+        columns, params = changed_write(before, t.flow)
         params += (fid, t.expected)
         return self.changes(update_columns(columns), params) == 1
 
@@ -262,7 +275,7 @@ class _RowByRow:
     def create(self, op: Create) -> Result:
         t = op.transition
         if self.changes(self.sql.insert, row_values(t.flow)):
-            self.history += _history_rows(t)
+            _add_history(self.history, t)
             return Created(t)
         return _existing(self.tx.execute(self.sql.existing, (t.flow.flow_id,))[0], t.flow)
 
@@ -277,7 +290,7 @@ class _RowByRow:
             if t.written:
                 if not self.cas(t, known, op.lapsed_at, known.owner):
                     return self.conflict(op.flow_id, t.expected)
-                self.history += _history_rows(t)
+                _add_history(self.history, t)
             self.messages(t)
             return Changed(t, known)
         if known is not None:
@@ -306,7 +319,7 @@ class _RowByRow:
         if t.written:
             if not self.cas(t, flow):  # cannot happen while the row is held; never write blind
                 return self.conflict(op.flow_id, t.expected)
-            self.history += _history_rows(t)
+            _add_history(self.history, t)
         self.messages(t)
         return Changed(t, flow)
 
@@ -325,28 +338,29 @@ class _RowByRow:
             inserted = self.rows(_sql.insert_rows(n), params)
             for i, t in chunk:
                 if t.flow.flow_id in inserted:
-                    self.history += _history_rows(t)
+                    _add_history(self.history, t)
                     results[i] = Created(t)
                 else:
                     row = self.tx.execute(self.sql.existing, (t.flow.flow_id,))[0]
                     results[i] = _existing(row, t.flow)
 
     def update_rows(
-        self, columns: tuple[int, ...], writes: list[_Write], results: list[Result | None]
+        self, columns: tuple[int, ...], group: _Group, results: list[Result | None]
     ) -> None:
-        """Write the rows of `writes`, which all set `columns`, in a few statements."""
-        for start, n in _sql.chunks(len(writes)):
-            chunk = writes[start : start + n]
-            params: list[Any] = []
-            for _i, t, _before, values in chunk:
-                params += [values[c] for c in columns]
-                params += (t.flow.flow_id, t.expected)
-            matched = self.rows(_sql.update_rows(columns, n), params)
-            for i, t, before, _values in chunk:
+        """Write the rows of `group`, which all set `columns`, in a few statements; each op of
+        it is answered `Changed` already, and becomes its `conflict` if its row is not
+        written."""
+        indexes, params = group
+        width = len(columns) + 2
+        for start, n in _sql.chunks(len(indexes)):
+            whole = start == 0 and n == len(indexes)
+            chunk = params if whole else params[start * width : (start + n) * width]
+            matched = self.rows(_sql.update_rows(columns, n), chunk)
+            for i in indexes[start : start + n]:
+                t = results[i].transition  # type: ignore[union-attr]  # Changed, see `plain`
                 if t.flow.flow_id in matched:
-                    self.history += _history_rows(t)
+                    _add_history(self.history, t)
                     self.messages(t)
-                    results[i] = Changed(t, before)
                 else:
                     results[i] = self.conflict(t.flow.flow_id, t.expected)
 
@@ -358,7 +372,7 @@ class _RowByRow:
         indexes of the ops left to write one at a time, in `order`."""
         per_flow = Counter(op_flow_id(op) for op in ops)
         creates: list[tuple[int, Transition]] = []
-        writes: dict[tuple[int, ...], list[_Write]] = {}
+        writes: dict[tuple[int, ...], _Group] = {}
         rest: list[int] = []
         for i in order:
             op = ops[i]
@@ -378,13 +392,19 @@ class _RowByRow:
                     self.messages(t)
                     results[i] = Changed(t, op.flow)
                     continue
-                values = mutable_values(t.flow)
-                columns = changed_columns(mutable_values(op.flow), values)
-                writes.setdefault(columns, []).append((i, t, op.flow, values))
+                columns, values = changed_write(op.flow, t.flow)
+                group = writes.get(columns)
+                if group is None:
+                    group = writes[columns] = ([], [])
+                indexes, params = group
+                indexes.append(i)
+                params += values
+                params += (t.flow.flow_id, t.expected)
+                results[i] = Changed(t, op.flow)  # unless `update_rows` finds a conflict
         if creates:
             self.create_rows(creates, results)
-        for columns, same in writes.items():
-            self.update_rows(columns, same, results)
+        for columns, group in writes.items():
+            self.update_rows(columns, group, results)
         return rest
 
     def write(self, ops: Sequence[Op], order: Sequence[int]) -> list[Result]:
@@ -396,9 +416,10 @@ class _RowByRow:
         return results  # type: ignore[return-value]  # every slot is filled
 
 
-#: A compare-and-set for `_RowByRow.update_rows`: the op's index, its transition, the row it ran
-#: on and the transition's `mutable_values`.
-_Write: TypeAlias = tuple[int, Transition, Flow, tuple[Any, ...]]
+#: The compare-and-sets of a batch that set the same columns (`_RowByRow.update_rows`): the
+#: indexes of their ops, and their parameters one row after the other (per row the values of
+#: the columns, `_sql.changed_write`, then the flow id and the expected revision).
+_Group: TypeAlias = tuple[list[int], list[Any]]
 
 
 def _reads_mailbox(op: Change) -> bool:
@@ -641,10 +662,16 @@ def _more_rows(n: int) -> str:
     return ", " + ", ".join([_HISTORY_ROW] * (n - 1)) if n > 1 else ""
 
 
-def _insert_history(tx: Tx, sql: Statements, rows: list[tuple[Any, ...]]) -> None:
-    for i in range(0, len(rows), _HISTORY_CHUNK):
-        chunk = rows[i : i + _HISTORY_CHUNK]
-        tx.execute(sql.history + _more_rows(len(chunk)), [v for r in chunk for v in r])
+_HISTORY_WIDTH = 8
+
+
+def _insert_history(tx: Tx, sql: Statements, values: list[Any]) -> None:
+    """Insert the history rows whose values `_add_history` put one after the other in
+    `values`."""
+    step = _HISTORY_CHUNK * _HISTORY_WIDTH
+    for i in range(0, len(values), step):
+        chunk = values if i == 0 and len(values) <= step else values[i : i + step]
+        tx.execute(sql.history + _more_rows(len(chunk) // _HISTORY_WIDTH), chunk)
 
 
 # ---------------------------------------------------------------------------------- the batch
