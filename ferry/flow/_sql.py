@@ -18,9 +18,9 @@ dialects is in `Dialect` and nowhere else:
   only there does a takeover lock the lease row it reads (ADR 0048) and only there can a flow be
   an orphan;
 - the batch: PostgreSQL writes a batch in a fixed number of statements whatever its size, with
-  arrays (`_batch`, docs/adr/0094); SQLite, in process, writes a batch's starts and plain
-  compare-and-sets in multi-row statements (`update_rows`, `insert_rows`), the rest a row at a
-  time.
+  arrays (`_batch`, docs/adr/0094); SQLite, in process, reads and writes the ops of the flows
+  that have one op in a batch in multi-row statements (`insert_rows`, `select_rows`,
+  `seen_rows`, `first_queued_rows`, `update_rows`, `receive_rows`), the rest a row at a time.
 
 No trio, no clock.
 """
@@ -259,6 +259,49 @@ def insert_rows(n: int) -> str:
     return (
         f"INSERT INTO {FLOWS} ({COLUMNS}, start_data) VALUES {', '.join([row] * n)}"
         " ON CONFLICT (flow_id) DO NOTHING RETURNING flow_id"
+    )
+
+
+def _marks(n: int, width: int = 1) -> str:
+    """``n`` rows of `width` placeholders: ``?, ?`` or ``(?, ?), (?, ?)``."""
+    if width == 1:
+        return ", ".join(["?"] * n)
+    return ", ".join(["(" + ", ".join(["?"] * width) + ")"] * n)
+
+
+@functools.lru_cache(maxsize=len(CHUNKS))
+def select_rows(n: int) -> str:
+    """SQL: the rows (`COLUMNS`) of `n` flow ids, in one statement (SQLite)."""
+    return f"SELECT {COLUMNS} FROM {FLOWS} WHERE flow_id IN ({_marks(n)})"
+
+
+@functools.lru_cache(maxsize=len(CHUNKS))
+def seen_rows(n: int) -> str:
+    """SQL: which of `n` (flow id, message id) pairs, one after the other, are in the mailbox
+    (SQLite); it returns those pairs."""
+    return (
+        f"SELECT flow_id, message_id FROM {MAILBOX}"
+        f" WHERE (flow_id, message_id) IN (VALUES {_marks(n, 2)})"
+    )
+
+
+@functools.lru_cache(maxsize=len(CHUNKS))
+def first_queued_rows(n: int) -> str:
+    """SQL: the first queued message (flow id, message id, payload) of each of `n` flows that
+    has one (SQLite: a bare column beside ``MIN`` comes from the row with the least ``seq``)."""
+    return (
+        f"SELECT flow_id, message_id, payload, MIN(seq) FROM {MAILBOX}"
+        f" WHERE flow_id IN ({_marks(n)}) AND status = 'QUEUED' GROUP BY flow_id"
+    )
+
+
+@functools.lru_cache(maxsize=len(CHUNKS))
+def receive_rows(n: int) -> str:
+    """SQL: `n` new messages (flow id, message id, payload, status, arrival time each) in one
+    statement (SQLite), in that order (their ``seq``); a message id its flow has is skipped."""
+    return (
+        f"INSERT INTO {MAILBOX} (flow_id, message_id, payload, status, at)"
+        f" VALUES {_marks(n, 5)} ON CONFLICT (flow_id, message_id) DO NOTHING"
     )
 
 
