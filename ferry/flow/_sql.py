@@ -278,10 +278,12 @@ def select_rows(n: int) -> str:
 @functools.lru_cache(maxsize=len(CHUNKS))
 def seen_rows(n: int) -> str:
     """SQL: which of `n` (flow id, message id) pairs, one after the other, are in the mailbox
-    (SQLite); it returns those pairs."""
+    (SQLite); it returns those pairs. (``CROSS JOIN`` keeps the pairs the outer loop, each
+    looked up in the mailbox's unique index: as ``(flow_id, message_id) IN (VALUES ...)``
+    SQLite scans the whole mailbox.)"""
     return (
-        f"SELECT flow_id, message_id FROM {MAILBOX}"
-        f" WHERE (flow_id, message_id) IN (VALUES {_marks(n, 2)})"
+        f"SELECT m.flow_id, m.message_id FROM (VALUES {_marks(n, 2)}) AS v"
+        f" CROSS JOIN {MAILBOX} AS m ON m.flow_id = v.column1 AND m.message_id = v.column2"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from collections.abc import Sequence
 from functools import partial
@@ -12,6 +13,7 @@ import pytest
 import trio
 
 from ferry.flow import _machine as m
+from ferry.flow import _sql
 from ferry.flow import _store as s
 from ferry.flow._types import CONTINUE, Delivery, State, park
 from ferry.flow._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Taken, Transition
@@ -882,3 +884,16 @@ async def test_sqlite_writes_a_batch_of_wakes_in_a_few_statements(
     assert sorted((f.revision, f.step) for f in stored) == [(3, "charge")] * 1000
     box = await store.transact(partial(s.load_mailbox, flow_id=flows[999].flow_id))
     assert box == Mailbox((), frozenset({"m999"}))
+
+
+@pytest.mark.parametrize("n", [1, 2, 512])
+def test_sqlite_batch_reads_search_by_index(n: int) -> None:
+    """The multi-row reads of a SQLite batch look each flow up in an index: none scans the
+    flows or the mailbox (a batch would then cost as much as the tables are large)."""
+    conn = sqlite3.connect(":memory:")
+    for statement in s.ddl("sqlite"):
+        conn.execute(statement)
+    for sql in (_sql.select_rows(n), _sql.seen_rows(n), _sql.first_queued_rows(n)):
+        plan = [r[3] for r in conn.execute("EXPLAIN QUERY PLAN " + sql, ["x"] * sql.count("?"))]
+        assert not [p for p in plan if p.startswith("SCAN flow_")], (sql[:60], plan)
+        assert [p for p in plan if p.startswith("SEARCH")], (sql[:60], plan)
