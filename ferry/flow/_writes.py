@@ -156,15 +156,28 @@ class Writes:
         active is this engine's (an operator's engine leaves it to whichever engine takes it
         over); an `outside` request (wake, cancel, resume, timeout) on a flow another engine
         of the fleet runs leaves it with that engine."""
+        if not outside or not self._fleet:
+            hold = self.hold
+
+            def held_here(flow: Flow, box: Mailbox) -> Transition:
+                return hold(apply(flow, box), flow)
+
+            return held_here
         owner = self._owner if self._serve else None
-        keep_runner = outside and self._fleet
         elsewhere = self._versions.elsewhere
 
         def held(flow: Flow, box: Mailbox) -> Transition:
             holder = None if elsewhere(flow) else owner
-            return m.assign_holder(apply(flow, box), flow, holder, keep_runner=keep_runner)
+            return m.assign_holder(apply(flow, box), flow, holder, keep_runner=True)
 
         return held
+
+    def hold(self, t: Transition, before: Flow) -> Transition:
+        """`t`, a transition of `before`, with who holds the flow after it, by the rule of
+        `with_holder` for a request that is not `outside` (or any request off a fleet): the
+        runner's writes apply it to their transition directly (no closure per write)."""
+        holder = None if self._versions.elsewhere(before) or not self._serve else self._owner
+        return m.assign_holder(t, before, holder, keep_runner=False)
 
     def runs_here(self, flow: Flow) -> bool:
         """Is this an active flow this engine should run? (On one SQLite file: every active
