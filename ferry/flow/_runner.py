@@ -423,7 +423,6 @@ class Runner:
         writes = self._writes
         flow = live.flow
         op = _store.Change(flow.flow_id, apply, flow=flow, first_queued=first_queued)
-        extra = partial(about, flow)  # made only for a retry's WARNING, as its `what`
         try:  # the first try without `_retry.retrying`'s objects: the common case
             result = await writes.write_answered(op)
         except Exception as exc:
@@ -432,7 +431,7 @@ class Runner:
             result = await _retry.retrying(
                 partial(writes.write_answered, op),
                 what=lambda: f"writing {named(flow)}",
-                extra=extra,
+                extra=partial(about, flow),  # made only for a retry's WARNING, as its `what`
                 failed=exc,
             )
         if isinstance(result, _store.Changed):
@@ -454,7 +453,9 @@ class Runner:
             epoch = writes.epoch
             return await writes.load_row(flow.flow_id)
 
-        stored = await _retry.retrying(load, what=lambda: f"reading {named(flow)}", extra=extra)
+        stored = await _retry.retrying(
+            load, what=lambda: f"reading {named(flow)}", extra=partial(about, flow)
+        )
         if writes.live.get(flow.flow_id) is not live or live.flow.revision > flow.revision:
             return False
         if stored is None:

@@ -36,7 +36,9 @@ that read puts what it took back.
 Invariants (all on the trio thread of the engine's run):
 
 - `_watches[fid]` exists while a wait for `fid` runs (`users` > 0), and not after.
-- `_Watch.known` is `_Watch.flow`'s value; it never moves back to an older revision of the flow.
+- `_Watch.known` is the newest row of the flow this engine knows; it never moves back to an
+  older revision. The TVar `_Watch.flow` holds the same row whenever that row is settled or was
+  read for a wait; else it may hold an older unsettled row, or None (`_put`).
 - In a fleet, `_Watch.here` is True iff the flow is in `held` (off a fleet nothing reads it,
   and it is not kept).
 - `_Watch.stale` is True only while its flow id is in `_pending` (an id may be pending without
@@ -324,7 +326,9 @@ class Waiters(Generic[H]):
                 if loaded is None:
                     raise UnknownFlow(f"no flow has id {fid!r}")
                 flow = loaded
-            _put(watch, flow, read=True)
+            # A read row always reaches the TVar; the engine's own copy, like its writes, only
+            # if settled (a held flow is active: the wait's transaction has nothing to see yet).
+            _put(watch, flow, read=held is None)
             if flow.state in SETTLED:
                 await trio.lowlevel.checkpoint()
                 return flow

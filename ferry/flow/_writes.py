@@ -176,7 +176,8 @@ class Writes:
         """`t`, a transition of `before`, with who holds the flow after it, by the rule of
         `with_holder` for a request that is not `outside` (or any request off a fleet): the
         runner's writes apply it to their transition directly (no closure per write)."""
-        holder = None if self._versions.elsewhere(before) or not self._serve else self._owner
+        elsewhere = self._fleet and self._versions.elsewhere(before)  # only a fleet's versions
+        holder = self._owner if self._serve and not elsewhere else None
         return m.assign_holder(t, before, holder, keep_runner=False)
 
     def runs_here(self, flow: Flow) -> bool:
@@ -187,7 +188,7 @@ class Writes:
             self._serve
             and flow.state in ACTIVE
             and (not self._fleet or (flow.owner == self._owner and flow.lease_until is None))
-            and not self._versions.elsewhere(flow)
+            and not (self._fleet and self._versions.elsewhere(flow))  # only a fleet's versions
         )
 
     async def batch(self, ops: list[_store.Op], *, whole: bool = False) -> list[_store.Result]:
