@@ -7,9 +7,15 @@ retry writes attempt + 1 before it runs (docs/adr/0024), and the outcome is writ
 transition of the flow (`_advance`, a compare-and-set on the runner's copy). The runner checks
 what a body left (its outcome, its data) and turns a problem into the flow's own failure.
 
+A runner task has one cancel scope (not one per attempt: a scope is a few objects and their
+bookkeeping in trio); a body runs in it, and only then may it be cancelled (`Live.scope`): by a
+write someone else made to the flow, or by the lease's deadline. A cancelled scope stays
+cancelled, so the attempt that saw it is void and the task goes on in a fresh scope (`_Void`).
+
 In a fleet a body runs only on a trusted copy under a trusted lease (`_lease`'s rule: trust after
 a lapse, ADR 0047): a copy from an older epoch is read again first (`Lease.confirm`), an engine
-whose lease is lapsing lets the flow go, and the body's cancel scope has the lease's deadline.
+whose lease is lapsing lets the flow go, and while a body runs the scope has the lease's deadline
+(inf the rest of the time, and always off a fleet).
 """
 
 from __future__ import annotations

@@ -948,6 +948,51 @@ async def test_a_call_that_raises_cancelled_did_not_happen(planted, autojump_clo
         assert (await settle(engine, "c")).state is flow.State.COMPLETED
 
 
+async def test_a_cancelled_call_whose_write_waited_for_a_batch_did_not_happen(
+    planted, autojump_clock
+) -> None:
+    """API calls write without a cancel scope of their own: a call cancelled while its write
+    waits behind a batch in flight raises `Cancelled` and nothing of it is written; one
+    cancelled while its write is in the batch waits for it and returns its answer, an error
+    included (here `IdReused`), and one that wrote a wake returns the delivery."""
+    store = planted
+    plan = simple_plan(_noop)
+    async with engine_on(store, plan) as engine:
+        await settle(engine, await engine.start(plan, flow_id="x", data={"a": 1}))
+        store.gate = trio.Event()
+        outcomes: dict[str, object] = {}
+
+        async def call(name: str, fn: Callable[[], Any], scope: trio.CancelScope) -> None:
+            with scope:
+                try:
+                    outcomes[name] = await fn()
+                except flow.IdReused as exc:
+                    outcomes[name] = exc
+            if scope.cancelled_caught:
+                outcomes[name] = "cancelled"
+
+        async with trio.open_nursery() as nursery:
+            first, reused = trio.CancelScope(), trio.CancelScope()
+            nursery.start_soon(call, "first", partial(engine.start, plan, flow_id="a"), first)
+            nursery.start_soon(
+                call, "reused", partial(engine.start, plan, flow_id="x", data={"a": 2}), reused
+            )
+            await trio.testing.wait_all_tasks_blocked()  # their batch waits in the store
+            queued = trio.CancelScope()
+            nursery.start_soon(call, "queued", partial(engine.start, plan, flow_id="q"), queued)
+            await trio.testing.wait_all_tasks_blocked()  # behind the batch in flight
+            for scope in (first, reused, queued):
+                scope.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            assert outcomes == {"queued": "cancelled"}
+            store.gate.set()
+        assert outcomes["first"] == "a"
+        assert isinstance(outcomes["reused"], flow.IdReused)
+        assert await engine.get("q") is None
+        assert (await settle(engine, "a")).state is flow.State.COMPLETED
+        assert engine._parts.writes._requested == {}  # nothing left behind
+
+
 # ------------------------------------------------------------------------ idempotent start
 
 
