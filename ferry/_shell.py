@@ -256,9 +256,7 @@ class Shell:
 
     @trio.lowlevel.enable_ki_protection
     async def _worker(self) -> None:
-        room, call, plain, timeout = self.room, self._call, self._plain, self._timeout
-        take, release, now = room.take, room.release, self._now
-        plain_results = self._extract is None  # a list of results, one per input, is the norm
+        room, take, now = self.room, self.room.take, self._now
         while True:
             await trio.lowlevel.checkpoint()
             # Taking a batch and owning it are one step: nothing can cancel in between.
@@ -268,54 +266,68 @@ class Shell:
                 # No checkpoint since the failed take, so no ring can have been missed.
                 await self._sleep(room.bell.peek(), room.sleep_deadline())
                 continue
-            key = batch.key
-            entries = [item.entry for item in batch.items]
-            inputs = [e.input for e in entries]
-            failed = False
-            bad: str | None = None
-            results: list[Any] | None = None
+            # In a call of its own, so that nothing of a batch (its inputs, its results) stays
+            # referenced while the worker sleeps.
+            await self._send(batch)
+
+    @trio.lowlevel.enable_ki_protection
+    async def _send(self, batch: _lanes.Batch[Any, _Entry]) -> None:
+        """Call the user's function with the batch and answer its callers."""
+        call, plain, timeout = self._call, self._plain, self._timeout
+        key = batch.key
+        entries = [item.entry for item in batch.items]
+        inputs = []
+        for e in entries:
+            # Taken: a cancelled caller has nothing left to drop from the room. And the entry
+            # no longer holds its item, which holds it: without that cycle, what the caller
+            # sent is freed when its answer is taken, not by the garbage collector.
+            e.item = None
+            inputs.append(e.input)
+        failed = False
+        bad: str | None = None
+        results: list[Any] | None = None
+        try:
             try:
-                try:
-                    aw = call(inputs) if plain else call(key, inputs)
-                    if type(aw) is not CoroutineType and not inspect.isawaitable(aw):
-                        bad = _not_awaitable(aw)
-                    elif timeout == math.inf:
-                        output = await _unprotected(aw)
-                    else:
-                        with trio.CancelScope(deadline=trio.current_time() + timeout) as limit:
-                            output = await _unprotected(aw)
-                        if limit.cancelled_caught:
-                            raise _too_slow(timeout)
-                except Exception as exc:
-                    failed = True
-                    answers = _failures(exc, key, entries, plain)
+                aw = call(inputs) if plain else call(key, inputs)
+                if type(aw) is not CoroutineType and not inspect.isawaitable(aw):
+                    bad = _not_awaitable(aw)
+                elif timeout == math.inf:
+                    output = await _unprotected(aw)
                 else:
-                    if bad is not None:
-                        answers = _all_errors(entries, bad)
-                    elif plain_results and type(output) is list and len(output) == len(entries):
-                        results = output  # the common shape, on a short path below
-                    else:
-                        answers = self._answers(output, entries)
-            except BaseException:
-                # The ferry is closing (or the process is being interrupted): whoever this batch
-                # still holds is told so, and the exception goes on.
-                _close_out(entries)
-                raise
-            finally:
-                release(key, now(), failed)
-            if results is not None:
-                for e, result in zip(entries, results, strict=True):
-                    task = e.task
-                    if task is not None:
-                        e.task = None
-                        refused = isinstance(result, InputError)
-                        _reschedule(task, _Error(result) if refused else _Value(result))
-                continue
-            for e, answer in zip(entries, answers, strict=True):
+                    with trio.CancelScope(deadline=trio.current_time() + timeout) as limit:
+                        output = await _unprotected(aw)
+                    if limit.cancelled_caught:
+                        raise _too_slow(timeout)
+            except Exception as exc:
+                failed = True
+                answers = _failures(exc, key, entries, plain)
+            else:
+                if bad is not None:
+                    answers = _all_errors(entries, bad)
+                elif self._extract is None and type(output) is list and len(output) == len(entries):
+                    results = output  # the common shape, on a short path below
+                else:
+                    answers = self._answers(output, entries)
+        except BaseException:
+            # The ferry is closing (or the process is being interrupted): whoever this batch
+            # still holds is told so, and the exception goes on.
+            _close_out(entries)
+            raise
+        finally:
+            self.room.release(key, self._now(), failed)
+        if results is not None:
+            for e, result in zip(entries, results, strict=True):
                 task = e.task
                 if task is not None:
                     e.task = None
-                    _reschedule(task, answer)
+                    refused = isinstance(result, InputError)
+                    _reschedule(task, _Error(result) if refused else _Value(result))
+            return
+        for e, answer in zip(entries, answers, strict=True):
+            task = e.task
+            if task is not None:
+                e.task = None
+                _reschedule(task, answer)
 
     async def _sleep(self, rung: int, deadline: float | None) -> None:
         """Until the bell rings past `rung`, or `deadline` passes. A checkpoint."""

@@ -182,14 +182,19 @@ class Keeper:
 
     def _transact(self, fn: Callable[[_ConnTx], T]) -> T:
         if self._conn is None:
-            import psycopg
+            from ferry.projected._postgres import connect
 
             guard = max(1, int(self._lease * 250))  # ms: a quarter of the lease
             # Autocommit: each statement commits on its own, so a process frozen between two
             # statements holds no lock on its lease row (a takeover of its flows locks that
             # row, ADR 0048, and would wait for as long as the process sleeps).
-            conn = psycopg.connect(
-                self._dsn, autocommit=True, connect_timeout=max(2, round(self._lease / 4))
+            # A renewal sent into a connection that died without a word gives up after a
+            # lease, not after the system's default (minutes), so that reconnecting can begin.
+            conn = connect(
+                self._dsn,
+                autocommit=True,
+                connect_timeout=max(2, round(self._lease / 4)),
+                tcp_user_timeout=max(1000, round(self._lease * 1000)),
             )
             conn.execute(f"SET statement_timeout = {guard}")
             self._conn = conn

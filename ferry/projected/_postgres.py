@@ -6,6 +6,12 @@ psycopg's ``%s`` once per statement text. A call cancelled mid-statement sends a
 (``cancel_safe``, on a helper thread so the trio thread never blocks) and the connection is closed
 afterwards instead of reused: a cancel request that arrives late could otherwise hit the next
 user's statement.
+
+Every connection the package opens to PostgreSQL (the store's, and a flow engine's lease and
+listener connections) goes through `connect`, which asks the kernel to watch it (`KEEPALIVE`): a
+peer that vanished without a word (a NAT or a firewall that forgot the connection, a host that
+lost power) is noticed within about a minute instead of the system's default of hours, and the
+caller's usual retry takes over.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Sequence
-from typing import Any, TypeVar, final
+from typing import Any, Final, TypeVar, final
 
 import trio
 
@@ -21,6 +27,33 @@ from ._pool import ConnectionPool, PooledStore, _Use
 from ._types import Tx
 
 T = TypeVar("T")
+
+
+#: libpq options every connection gets unless its DSN sets them (docs/adr/0106): a TCP keepalive
+#: probe after 30 s of silence, every 10 s, 3 unanswered ones and the connection is dead (about
+#: 60 s); data sent and not acknowledged for 60 s kills it too (``tcp_user_timeout``, in ms; a
+#: statement that merely runs long is acknowledged, and is not affected). Over a Unix socket the
+#: kernel ignores them.
+KEEPALIVE: Final[dict[str, int]] = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,
+}
+
+
+def connect(dsn: str, **options: Any) -> Any:
+    """``psycopg.connect(dsn, **options)``, with `KEEPALIVE` for each option neither the DSN nor
+    `options` sets. The one way this package connects to PostgreSQL."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    given = conninfo_to_dict(dsn)
+    defaults: dict[str, Any] = {
+        k: v for k, v in KEEPALIVE.items() if k not in given and k not in options
+    }
+    return psycopg.connect(dsn, **defaults, **options)
 
 
 @functools.lru_cache(maxsize=512)
@@ -61,9 +94,7 @@ class _PgDriver:
         self._connect_timeout = connect_timeout
 
     def connect(self) -> Any:
-        import psycopg
-
-        return psycopg.connect(
+        return connect(
             self._dsn, autocommit=False, connect_timeout=max(1, round(self._connect_timeout))
         )
 

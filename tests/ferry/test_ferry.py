@@ -1430,3 +1430,51 @@ async def test_without_trios_count_every_direct_call_adds_its_schedule_point(
     alone = counter.steps["the call alone"]
     assert alone == (2 if yields else 1)
     assert counter.steps["through the ferry"] == alone + 1
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+async def test_what_a_caller_sent_is_freed_with_its_answer_not_by_the_collector(
+    keyed: bool,
+) -> None:
+    """A batched call leaves no reference cycle behind: once the caller has its answer and
+    drops its input, the input is gone at once (reference counting), with the cyclic garbage
+    collector off, and the worker keeps nothing of a batch while it sleeps. A cycle per call
+    (the caller's entry and its place in the room holding each other) kept every input, and all
+    it held, alive until the next collection."""
+    import gc
+    import weakref
+
+    class Input:
+        pass
+
+    async def call(xs: list[Input]) -> list[int]:
+        await trio.lowlevel.checkpoint()
+        return [1 for _ in xs]
+
+    async def keyed_call(key: Any, xs: list[Input]) -> list[int]:
+        return await call(xs)
+
+    refs: list[weakref.ref[Input]] = []
+
+    async def one(f: Any) -> None:
+        x = Input()
+        refs.append(weakref.ref(x))
+        assert await f(x) == 1
+
+    opened = (
+        ferry.open_per_key_ferry(keyed_call, key=lambda x: 0, max_batch_size=8)
+        if keyed
+        else ferry.open_ferry(call, max_batch_size=8, max_in_flight_batches=1)
+    )
+    gc.collect()
+    gc.disable()
+    try:
+        async with opened as f:
+            async with trio.open_nursery() as nursery:
+                for _ in range(20):
+                    nursery.start_soon(one, f)
+            assert len(refs) == 20
+            alive = [i for i, r in enumerate(refs) if r() is not None]
+            assert alive == [], alive
+    finally:
+        gc.enable()
