@@ -308,9 +308,14 @@ class Runner:
             _not_only_cancelled(exc)  # what else was raised with it goes on up
         finally:
             live.scope = None
+        if fleet:
+            # No deadline on the runner's writes. And set before `cancel_called` is read: on an
+            # open scope that read cancels it if its deadline has passed. A body that held the
+            # loop past the deadline and returned without a checkpoint ran to its end (its
+            # lease kept by the lease thread, or not): its result is written as a compare-and-set
+            # like any other, refused if another engine took the flow meanwhile.
+            scope.deadline = math.inf
         cancelled = scope.cancel_called
-        if fleet and not cancelled:
-            scope.deadline = math.inf  # no deadline on the runner's writes
         void = cancelled or live.flow is not flow
         for observer in observers:
             observer.ran(flow, step.name, compensating, result, error, seconds, void)
