@@ -1,0 +1,43 @@
+"""The first contact with a PostgreSQL store at `open_engine`: a database the engine cannot reach.
+
+The first thing an engine does with its store is to create its tables. On PostgreSQL that opens
+the first connection, and a DSN that names a database, a role, a host or a port that is not
+there (or a server that is down) fails there. The driver's error alone reads like a bug in the
+engine (a traceback through its internals), so `open_engine` answers it as `ferry.Failed` naming
+the database (its password masked), the driver's reason in one line and what to do; the driver's
+error is its ``__cause__``. It does not wait: a wrong DSN must fail at once, and a server that is
+down cannot be told from a wrong port. Once open, the engine retries its store's unavailability
+as usual (`_retry`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from ferry import Failed
+from ferry.projected import Store
+from ferry.projected._postgres import masked as masked
+
+
+def shown(spec: str) -> str:
+    """`spec` as the inspector and `open_engine` print it (quoted), with a DSN's password
+    masked."""
+    return repr(masked(spec))
+
+
+def unreachable(store: Store, error: BaseException) -> Failed | None:
+    """The `Failed` that `open_engine` raises for `error`, raised by the first transaction on a
+    PostgreSQL `store`; None if `error` is not the driver's (the engine's own: raise it)."""
+    psycopg = sys.modules.get("psycopg")  # never imported here: if absent, it raised nothing
+    if store.dialect != "postgres" or psycopg is None or not isinstance(error, psycopg.Error):
+        return None
+    dsn = getattr(store, "dsn", None)
+    where = shown(dsn) if isinstance(dsn, str) else repr(store)
+    reason = masked(" ".join(str(error).split()) or type(error).__name__)
+    return Failed(
+        f"open_engine could not reach its PostgreSQL database {where}:"
+        f" {type(error).__name__}: {reason}. Check the DSN's host, port, database (dbname), user"
+        " and password, and that the server is up and accepts connections from here; the engine"
+        " does not wait for a server that is down: open it again once the server is up (a loop,"
+        " or your service manager's restart)"
+    )

@@ -1,0 +1,115 @@
+"""What a newcomer to the fleet tripped on (session 23): a PostgreSQL engine pointed at the wrong
+place, or opened twice under one name, answers at once and in the user's words.
+
+Each test here failed before its fix. They run on the suite's throwaway PostgreSQL server.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import pytest
+
+import ferry
+from ferry import flow
+from ferry.projected import PostgresStore
+from tests import pg
+
+
+def plan() -> flow.Plan:
+    p = flow.Plan("trip")
+
+    @p.step
+    async def book(ctx: flow.Context) -> None:
+        return None
+
+    return p
+
+
+def closed_port() -> int:
+    """A local port nobody listens on (bound, then let go)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wrong_dsns(server: pg.PgServer) -> list[tuple[str, str]]:
+    """DSNs that cannot work, each with a word of the driver's error the message must carry."""
+    return [
+        (f"host=127.0.0.1 port={server.port} user=postgres dbname=no_such_db", "no_such_db"),
+        (f"host=127.0.0.1 port={server.port} user=no_such_role dbname=postgres", "no_such_role"),
+        (f"host=127.0.0.1 port={closed_port()} user=postgres dbname=postgres", "refused"),
+    ]
+
+
+async def test_an_engine_on_a_database_it_cannot_reach_fails_at_once_saying_what_to_check(
+    pg_server: pg.PgServer,
+) -> None:
+    """A wrong database, role or port (or a server that is down) is `ferry.Failed` at open,
+    naming the database (password masked), the driver's reason and what to do; the driver's
+    error is its cause. Before: psycopg's OperationalError as it was, after a 30-line
+    traceback through the engine's internals."""
+    for dsn, word in wrong_dsns(pg_server):
+        secret = f"{dsn} password=hunter2"
+        async with PostgresStore(secret, connect_timeout=5) as store:
+            with pytest.raises(ferry.Failed) as info:
+                async with flow.open_engine(store, [plan()], owner="eu-1"):
+                    pytest.fail("opened")  # pragma: no cover
+        text = str(info.value)
+        assert word in text
+        assert "hunter2" not in text and "password=***" in text
+        assert "open_engine could not reach its PostgreSQL database" in text
+        assert "open it again" in text  # what to do: a server that is down comes up later
+        assert type(info.value.__cause__).__name__ == "OperationalError"
+
+
+async def test_an_engine_opens_once_the_server_that_was_down_is_up(pg_server: pg.PgServer) -> None:
+    """The advice holds: the same store object, opened again after a `ferry.Failed` at open,
+    serves once the database is there."""
+    import psycopg
+
+    name = f"late_{closed_port()}"
+    dsn = f"host=127.0.0.1 port={pg_server.port} user=postgres dbname={name}"
+    async with PostgresStore(dsn) as store:
+        with pytest.raises(ferry.Failed):
+            async with flow.open_engine(store, [plan()]):
+                pytest.fail("opened")  # pragma: no cover
+        with psycopg.connect(pg_server.dsn, autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        p = plan()
+        async with flow.open_engine(store, [p]) as engine:
+            fid = await engine.start(p)
+            assert (await engine.wait(fid, timeout=30)).state is flow.State.COMPLETED
+
+
+@pytest.mark.parametrize(
+    "dsn", ["not a dsn", "host=127.0.0.1 port=5432 dbname='unclosed", "postgresql://[::1"]
+)
+def test_a_malformed_dsn_is_a_value_error_when_the_store_is_made(dsn: str) -> None:
+    """Before: accepted, and a psycopg ProgrammingError at the first use (inside open_engine)."""
+    with pytest.raises(ValueError, match="PostgresStore got a DSN psycopg cannot read"):
+        PostgresStore(dsn)
+
+
+async def test_an_engine_refused_at_open_logs_that_it_did_not_open_with_the_whole_advice(
+    pg_server: pg.PgServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The second engine under a live name logs one INFO line saying it did not open and why,
+    the advice whole. Before: 'closed by StoreLocked(...' cut at 200 characters, before the
+    advice, for an engine that never opened."""
+    dsn = pg_server.fresh_schema_dsn("twice")
+    caplog.set_level(logging.INFO, logger="ferry.flow")
+    async with (
+        PostgresStore(dsn) as first_store,
+        flow.open_engine(first_store, [plan()], owner="eu-1"),
+        PostgresStore(dsn) as second_store,
+    ):
+        with pytest.raises(flow.StoreLocked) as info:
+            async with flow.open_engine(second_store, [plan()], owner="eu-1"):
+                pytest.fail("opened")  # pragma: no cover
+        said = [r.getMessage() for r in caplog.records if "did not open" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in caplog.records]
+        assert str(info.value) in said[0]
+        assert not any("closed by" in r.getMessage() for r in caplog.records)
