@@ -251,6 +251,7 @@ async def _opened(
     else:
         raise TypeError(f"store must be a path or a SqliteStore/PostgresStore, got {store!r}")
     try:
+        _reach.check_clock(db)
         try:
             await db.transact(_store.create_schema)
         except Exception as exc:

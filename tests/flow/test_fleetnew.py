@@ -7,14 +7,21 @@ Each test here failed before its fix. They run on the suite's throwaway PostgreS
 from __future__ import annotations
 
 import logging
+import re
 import socket
+from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
+import trio.testing
 
 import ferry
 from ferry import flow
 from ferry.projected import PostgresStore
 from tests import pg
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def plan() -> flow.Plan:
@@ -113,3 +120,63 @@ async def test_an_engine_refused_at_open_logs_that_it_did_not_open_with_the_whol
         assert len(said) == 1, [r.getMessage() for r in caplog.records]
         assert str(info.value) in said[0]
         assert not any("closed by" in r.getMessage() for r in caplog.records)
+
+
+def test_an_engine_on_postgres_under_an_autojumping_mock_clock_is_refused_saying_what_to_do(
+    pg_server: pg.PgServer,
+) -> None:
+    """flow.md's testing recipe (MockClock(autojump_threshold=0)) tried on PostgreSQL: the
+    clock jumps while a statement runs on a worker thread, so every batch ran past its
+    call_timeout and the engine retried it forever, one WARNING each, and the test failed
+    with ferry.Failed. Refused at open now, before anything is written, saying what to do."""
+    dsn = pg_server.fresh_schema_dsn("mock")
+
+    async def main() -> None:
+        async with PostgresStore(dsn) as store:
+            with pytest.raises(ValueError, match="MockClock") as info:
+                async with flow.open_engine(store, [plan()]):
+                    pytest.fail("opened")  # pragma: no cover
+            assert "SQLite" in str(info.value) and "real clock" in str(info.value)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    # Nothing was created: the refusal came first.
+    import psycopg
+
+    with psycopg.connect(dsn) as conn:
+        (tables,) = conn.execute(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = current_schema()"
+        ).fetchone() or (None,)
+        assert tables == 0
+
+
+def test_a_mock_clock_that_does_not_jump_on_its_own_is_allowed_on_postgres(
+    pg_server: pg.PgServer,
+) -> None:
+    """Only autojump is refused: a MockClock moved by hand (or at a rate) never moves while a
+    statement is in flight unless the test says so."""
+    dsn = pg_server.fresh_schema_dsn("mockrate")
+    p = plan()
+
+    async def main() -> None:
+        async with PostgresStore(dsn) as store, flow.open_engine(store, [p]) as engine:
+            fid = await engine.start(p)
+            assert (await engine.wait(fid, timeout=30)).state is flow.State.COMPLETED
+
+    trio.run(main, clock=trio.testing.MockClock(rate=1.0))
+
+
+def test_the_docs_postgres_saga_test(
+    pg_server: pg.PgServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/flow-fleet.md's "Testing your sagas on PostgreSQL", run as it is written there
+    against the suite's server (TEST_DSN), on the real clock."""
+    text = (ROOT / "docs" / "flow-fleet.md").read_text()
+    section = text.split("## Testing your sagas on PostgreSQL\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    monkeypatch.setenv("TEST_DSN", pg_server.dsn)
+    namespace: dict[str, Any] = {"__name__": "docs_example"}
+    exec(compile(code, "docs/flow-fleet.md", "exec"), namespace)
+    tests = sorted(name for name in namespace if name.startswith("test_"))
+    assert tests == ["test_a_confirmation_ships_the_order", "test_no_confirmation_refunds"]
+    for name in tests:
+        namespace[name]()
