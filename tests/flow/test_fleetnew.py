@@ -180,3 +180,35 @@ def test_the_docs_postgres_saga_test(
     assert tests == ["test_a_confirmation_ships_the_order", "test_no_confirmation_refunds"]
     for name in tests:
         namespace[name]()
+
+
+async def test_a_takeover_log_line_says_whose_flows_it_took(
+    pg_server: pg.PgServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Engine 'a' closes with two flows mid-step; engine 'b' takes them over at its next scan,
+    and its INFO line says from whom. Before: 'took over 2 flow(s) no live engine held', with
+    no word of whose (an operator after a crash wants to know which engine's flows moved)."""
+    dsn = pg_server.fresh_schema_dsn("took")
+    release = trio.Event()
+    p = flow.Plan("trip")
+
+    @p.step
+    async def book(ctx: flow.Context) -> None:
+        if ctx.attempt == 1:
+            await release.wait()  # never set: 'a' closes with the step in flight
+
+    caplog.set_level(logging.INFO, logger="ferry.flow")
+    async with (
+        PostgresStore(dsn) as store_b,
+        flow.open_engine(store_b, [p], owner="b", lease=0.6) as b,
+    ):
+        async with (
+            PostgresStore(dsn) as store_a,
+            flow.open_engine(store_a, [p], owner="a", lease=0.6) as a,
+        ):
+            fids = [await a.start(p) for _ in range(2)]
+        for fid in fids:
+            assert (await b.wait(fid, timeout=30)).state is flow.State.COMPLETED
+    said = [r.getMessage() for r in caplog.records if "'b' took over" in r.getMessage()]
+    assert said and all("from 'a'" in s for s in said), said
+    assert sum(int(s.split(" flow(s)")[0].rsplit(" ", 1)[1]) for s in said) == 2
