@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +214,66 @@ async def test_a_takeover_log_line_says_whose_flows_it_took(
     said = [r.getMessage() for r in caplog.records if "'b' took over" in r.getMessage()]
     assert said and all("from 'a'" in s for s in said), said
     assert sum(int(s.split(" flow(s)")[0].rsplit(" ", 1)[1]) for s in said) == 2
+
+
+@pytest.fixture(scope="module")
+def own_server() -> Iterator[pg.PgServer]:
+    """A throwaway server of this module's own, which a test halts (the session's is not).
+    Its commits are synchronous: the suite's default (``synchronous_commit=off``) loses the
+    last commits in a crash, here the engine's lease row, and the engine, finding no row of its
+    incarnation after the restart, takes itself for superseded (docs/flow-fleet.md)."""
+    bindir = pg.find_binaries()
+    if bindir is None:
+        pytest.skip(pg.SKIP_REASON)
+    server = pg.start(bindir, ["synchronous_commit=on"])
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class _Heard(logging.Handler):
+    """Sets a threading.Event when a record on ferry.flow says `words` (from any thread)."""
+
+    def __init__(self, words: str) -> None:
+        super().__init__(logging.INFO)
+        self.words = words
+        self.heard = threading.Event()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.words in record.getMessage():
+            self.messages.append(record.getMessage())
+            self.heard.set()
+
+
+@pytest.mark.slow
+async def test_an_engine_says_when_its_store_is_back_after_an_outage(
+    own_server: pg.PgServer,
+) -> None:
+    """The server goes down under a serving engine and comes back: the WARNINGs of each failed
+    renewal are followed by one INFO line saying the store is reachable again, after how long.
+    Before: a run of WARNINGs and then silence (an operator could not tell from the log when,
+    or whether, the engine had its store back)."""
+    log = logging.getLogger("ferry.flow")
+    failed, back = _Heard("renewing its lease failed"), _Heard("renewed its lease again")
+    for handler in (failed, back):
+        log.addHandler(handler)
+    old_level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        async with (
+            PostgresStore(own_server.fresh_schema_dsn("outage")) as store,
+            flow.open_engine(store, [plan()], owner="eu-1", lease=3.0),
+        ):
+            await trio.to_thread.run_sync(own_server.halt)
+            assert await trio.to_thread.run_sync(failed.heard.wait, 60)
+            await trio.to_thread.run_sync(own_server.resume)
+            assert await trio.to_thread.run_sync(back.heard.wait, 60)
+    finally:
+        for handler in (failed, back):
+            log.removeHandler(handler)
+        log.setLevel(old_level)
+    (said,) = back.messages
+    assert said.startswith("flow engine 'eu-1' renewed its lease again, ")
+    assert "failed tries by its lease thread): its store is reachable again" in said
