@@ -349,7 +349,10 @@ STATS_LEGEND = {
     "SINCE": "when the flow parked (its last write)",
     "DEADLINE": "when its park times out (-: never; it waits for a wake)",
     "E.G.": "one flow blocked for that reason: `show` it, fix the cause, then `resume` it",
-    "LEASE": "alive while the engine renews its lease (UNTIL); gone: it closed or died",
+    "LEASE": (
+        "alive while the engine renews its lease (UNTIL); gone: it closed or died (the fleet"
+        " forgets it about 100 leases later, once it holds no flow)"
+    ),
     "FLOWS": "(engines) the running or compensating flows the engine holds",
 }
 
