@@ -277,3 +277,63 @@ async def test_an_engine_says_when_its_store_is_back_after_an_outage(
     (said,) = back.messages
     assert said.startswith("flow engine 'eu-1' renewed its lease again, ")
     assert "failed tries by its lease thread): its store is reachable again" in said
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://ops:hunter2@db.example:5432/orders",
+        "postgres://ops@db.example/orders",
+        "host=db.example port=5432 dbname=orders user=ops password=hunter2",
+        "dbname=orders",
+    ],
+)
+async def test_a_dsn_given_to_open_engine_as_a_path_is_refused_saying_use_postgres_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dsn: str
+) -> None:
+    """A newcomer to the fleet passes the DSN where the docs pass a store. Before: a URL was
+    'no such directory: .../postgresql:'; a key=value DSN silently made an SQLite file of that
+    name in the working directory, and every "fleet" engine ran alone on its own file."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="looks like a PostgreSQL DSN") as info:
+        async with flow.open_engine(dsn, [plan()]):
+            pytest.fail("opened")  # pragma: no cover
+    assert "PostgresStore(dsn)" in str(info.value) and "hunter2" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []  # no file made
+
+
+async def test_a_url_of_another_scheme_is_refused_as_a_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """'postgress://...' (a typo) or 'sqlite:///x.db' is not a file path either."""
+    monkeypatch.chdir(tmp_path)
+    for url in ("postgress://ops@db.example/orders", "sqlite:///orders.db"):
+        with pytest.raises(ValueError, match="looks like a URL"):
+            async with flow.open_engine(url, [plan()]):
+                pytest.fail("opened")  # pragma: no cover
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_file_whose_name_has_an_equals_sign_still_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only names that read as a DSN are refused: 'run=3.db' is a file like any other."""
+    monkeypatch.chdir(tmp_path)
+    p = plan()
+    async with flow.open_engine("run=3.db", [p]) as engine:
+        fid = await engine.start(p)
+        assert (await engine.wait(fid, timeout=30)).state is flow.State.COMPLETED
+
+
+def test_the_inspector_given_a_mistyped_postgres_url_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: 'no such directory: .../postgress:/ops@db.example', create the directory first."""
+    from ferry.flow import _inspect
+
+    monkeypatch.chdir(tmp_path)
+    code = _inspect.main(["postgress://ops:hunter2@db.example/orders", "stats"])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert "looks like a URL (scheme 'postgress')" in err and "postgresql://" in err
+    assert "hunter2" not in err and "directory" not in err
