@@ -25,7 +25,8 @@ from ferry.projected import PostgresStore, SqliteStore
 
 from . import _bulk, _store, _times, _values
 from ._errors import FlowError
-from ._reach import masked, shown
+from ._reach import masked
+from ._reach import shown as shown
 from ._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
 from ._types import Json, State
 from ._values import ACTIVE, Flow
