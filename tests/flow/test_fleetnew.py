@@ -338,3 +338,36 @@ def test_the_inspector_given_a_mistyped_postgres_url_says_so(
     assert code != 0
     assert "looks like a URL (scheme 'postgress')" in err and "postgresql://" in err
     assert "hunter2" not in err and "directory" not in err
+
+
+def test_the_inspector_says_a_wake_ended_a_flow_parked_at_its_last_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A flow whose last step parked completes with the wake itself. Before: the inspector said
+    'RESUMED: it was parked and runs its next step: the next scan of an engine serving the
+    store runs it' (there is no next step; the flow was COMPLETED already)."""
+    from ferry.flow import _inspect
+
+    p = flow.Plan("trip")
+
+    @p.step
+    async def book(ctx: flow.Context) -> flow.Outcome:
+        return flow.park()
+
+    db = str(tmp_path / "trip.db")
+
+    async def main() -> str:
+        async with flow.open_engine(db, [p]) as engine:
+            fid = await engine.start(p)
+            await trio.testing.wait_all_tasks_blocked()
+            snap = await engine.get(fid)
+            assert snap is not None and snap.state is flow.State.PARKED
+            return fid
+
+    fid = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    code = _inspect.main([db, "wake", fid, "--message-id", "ops-1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert (
+        out.strip() == "RESUMED: it was parked at its last step, and the wake ended it: COMPLETED"
+    )
