@@ -51,9 +51,13 @@ F = TypeVar("F")
 
 _thread_id = threading.get_ident
 _new_object = object.__new__
-_reschedule = trio.lowlevel.reschedule
-_Value, _Error = outcome.Value, outcome.Error
-_ADMITTED, _CLAIMED = _lanes.Admission.ADMITTED, _lanes.Admission.CLAIMED
+# Typed to take an `_Entry` as well as an `outcome.Outcome`: both have the `unwrap` that
+# `wait_task_rescheduled` calls on what it was sent (`_Entry.unwrap`).
+_reschedule: Callable[[trio.lowlevel.Task, Any], None] = trio.lowlevel.reschedule
+_CLAIMED, _Item = _lanes.Admission.CLAIMED, _lanes.Item
+_checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+_current_task = trio.lowlevel.current_task
+_wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
 
 # A task's count of schedule points, or None if trio keeps none (`ferry._schedule_points`).
 _schedule_points = _read_schedule_points()
@@ -75,17 +79,38 @@ async def _unprotected(aw: Awaitable[Any]) -> Any:
 class _Entry:
     """One caller. `task` is set while the caller is parked and nobody has answered it yet.
 
-    An entry is also its caller's abort function (`__call__`), so parking allocates nothing more.
-    `submit` makes it with `object.__new__` and writes every slot (no `__init__` frame per caller).
+    An entry is also its caller's abort function (`__call__`), so parking allocates nothing more,
+    and the common answer, its slot of a batch's list of results (`result`, then `unwrap`), so
+    answering allocates nothing either (ADR 0105). `submit` makes it with `object.__new__` and
+    writes its slots (no `__init__` frame per caller).
     """
 
-    __slots__ = ("input", "item", "key", "room", "task")
+    __slots__ = ("input", "item", "key", "result", "room", "task")
 
     input: Any
     key: Any
     room: Room[Any, _Entry]
     item: _lanes.Item[_Entry] | None
     task: trio.lowlevel.Task | None
+    result: Any
+
+    def unwrap(self) -> Any:
+        """The answer `wait_task_rescheduled` returns when a worker rescheduled the caller with
+        the entry itself as its outcome: `result`, or, for an `InputError`, raised to it.
+
+        trio sends what `reschedule` was given into the parked task, whose
+        `wait_task_rescheduled` calls `.unwrap()` on it and nothing else; one `outcome.Value`
+        per caller cost more than the rest of the answer (ADR 0105).
+        """
+        result = self.result
+        if isinstance(result, InputError):
+            self.result = None
+            try:
+                raise result
+            finally:
+                # As `outcome.Error.unwrap`: no cycle through this frame and the traceback.
+                del result, self
+        return result
 
     def __call__(self, raise_cancel: Any) -> trio.lowlevel.Abort:
         """The caller was cancelled while parked: it stops waiting, whether its input still
@@ -157,20 +182,19 @@ class Shell:
             key, weight, rank = classify(x)
         if _thread_id() != self._thread:
             raise wrong_run("a ferry", "a ferry", _FROM_THREAD)
-        await trio.lowlevel.checkpoint_if_cancelled()
+        await _checkpoint_if_cancelled()
         room = self.room
-        entry: _Entry = _new_object(_Entry)  # its slots written here: no __init__ frame
+        # Its slots written here (no __init__ frame): `item` and `task` once admitted, since
+        # nothing reads them before (the room hands out only admitted entries).
+        entry: _Entry = _new_object(_Entry)
         entry.input = x
         entry.key = key
         entry.room = room
-        entry.item = None
-        entry.task = None
-        admission, entry.item = room.admit(
-            key, entry, weight, rank, self._clock_now() if self._timed else 0.0
-        )
-        if admission is _ADMITTED:
-            entry.task = trio.lowlevel.current_task()
-            return await trio.lowlevel.wait_task_rescheduled(entry)
+        admission = room.admit(key, entry, weight, rank, self._clock_now() if self._timed else 0.0)
+        if type(admission) is _Item:
+            entry.item = admission
+            entry.task = _current_task()
+            return await _wait_task_rescheduled(entry)
         if admission is not _CLAIMED:
             await trio.lowlevel.cancel_shielded_checkpoint()
             if admission is _lanes.Admission.CLOSED:
@@ -320,8 +344,8 @@ class Shell:
                 task = e.task
                 if task is not None:
                     e.task = None
-                    refused = isinstance(result, InputError)
-                    _reschedule(task, _Error(result) if refused else _Value(result))
+                    e.result = result
+                    _reschedule(task, e)  # the entry is the answer: `_Entry.unwrap`
             return
         for e, answer in zip(entries, answers, strict=True):
             task = e.task

@@ -1478,3 +1478,46 @@ async def test_what_a_caller_sent_is_freed_with_its_answer_not_by_the_collector(
             assert alive == [], alive
     finally:
         gc.enable()
+
+
+async def test_an_input_error_answer_is_freed_with_its_caller_not_by_the_collector() -> None:
+    """A caller answered by an `InputError` in its slot gets it raised (the caller's entry is its
+    answer: `_Entry.unwrap`, ADR 0105), and that raise leaves no reference cycle: once the
+    caller drops the exception, it and the input are gone at once, with the collector off."""
+    import gc
+    import weakref
+
+    class Input:
+        pass
+
+    errors: list[weakref.ref[ferry.InputError]] = []
+    inputs: list[weakref.ref[Input]] = []
+
+    async def call(xs: list[Input]) -> list[Any]:
+        await trio.lowlevel.checkpoint()
+        out: list[Any] = []
+        for i, _ in enumerate(xs):
+            error = ferry.IdReused(f"slot {i} refused")
+            errors.append(weakref.ref(error))
+            out.append(error)
+        return out
+
+    async def one(f: Any) -> None:
+        x = Input()
+        inputs.append(weakref.ref(x))
+        with pytest.raises(ferry.IdReused, match="refused"):
+            await f(x)
+
+    gc.collect()
+    gc.disable()
+    try:
+        async with ferry.open_ferry(call, max_batch_size=8, max_in_flight_batches=1) as f:
+            async with trio.open_nursery() as nursery:
+                for _ in range(12):
+                    nursery.start_soon(one, f)
+            assert len(errors) == len(inputs) == 12
+            refs: list[weakref.ref[Any]] = [*errors, *inputs]
+            alive = [r for r in refs if r() is not None]
+            assert alive == [], alive
+    finally:
+        gc.enable()
