@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Sequence
 from typing import Any, Final, TypeVar, final
 
@@ -54,6 +55,46 @@ def connect(dsn: str, **options: Any) -> Any:
         k: v for k, v in KEEPALIVE.items() if k not in given and k not in options
     }
     return psycopg.connect(dsn, **defaults, **options)
+
+
+#: A DSN's password, in either form (``password=...`` or ``scheme://user:password@host``).
+PASSWORD: Final = re.compile(
+    r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)|(://[^:/@\s]*:)([^@\s]*)(@)"
+)
+
+
+def _mask(match: re.Match[str]) -> str:
+    if match.group(1) is not None:
+        return f"{match.group(1)}***"
+    return f"{match.group(3)}***{match.group(5)}"
+
+
+def masked(text: str) -> str:
+    """`text` (a DSN, or an error that quotes one) with every password in it replaced by
+    ``***``: what an error message or a log line may show of a DSN."""
+    return PASSWORD.sub(_mask, text)
+
+
+def check_dsn(dsn: object) -> None:
+    """Raise, in the user's words, if psycopg is missing or cannot read `dsn` (a connection
+    string ``host=... dbname=...`` or a URI ``postgresql://user@host/db``)."""
+    if not isinstance(dsn, str):
+        raise TypeError(f"PostgresStore takes a DSN str, got {type(dsn).__name__}")
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        raise ImportError(
+            "PostgresStore needs psycopg 3: pip install 'stm-ferry[postgres]'"
+        ) from None
+    try:
+        conninfo_to_dict(dsn)
+    except Exception as exc:
+        reason = masked(" ".join(str(exc).split()))
+        raise ValueError(
+            f"PostgresStore got a DSN psycopg cannot read ({reason}); give"
+            " 'host=db.example port=5432 dbname=orders user=ops' or"
+            " 'postgresql://ops@db.example:5432/orders'"
+        ) from None
 
 
 @functools.lru_cache(maxsize=512)
@@ -137,6 +178,7 @@ class PostgresStore(PooledStore):
     def __init__(self, dsn: str, *, connections: int = 4, connect_timeout: float = 10.0) -> None:
         if not connect_timeout > 0:
             raise ValueError(f"connect_timeout must be > 0, got {connect_timeout!r}")
+        check_dsn(dsn)
         self.dsn = dsn
         self._pool = ConnectionPool(_PgDriver(dsn, connect_timeout), connections)
 
