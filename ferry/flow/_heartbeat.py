@@ -7,17 +7,19 @@ flows over and runs their steps again while the first one's steps are still goin
 thread keeps running while the loop is held (Python switches threads every few milliseconds even
 under CPU-bound code), so it renews on time.
 
-`Keeper` owns one connection of its own, in autocommit (not one of the store's pool, which
-may all be busy with batches or dead after a network fault) and, every third of the lease,
-extends the
-incarnation's lease (`_store.renew_lease`). It renews only a lease that still runs: past the
+`Keeper` owns one connection of its own, in autocommit (not one of the store's pool, which may
+all be busy with batches or dead after a network fault) and, every third of the lease, extends
+the incarnation's lease (`_store.renew_lease`). It renews only a lease that still runs: past the
 margin the renewal is the engine's own, through the store, with the re-read of the flows it runs
-(ADR 0047); that is also what a process frozen as a whole (SIGSTOP) sees when it thaws, since the
-thread froze with it. A renewal that fails is tried again at once on a fresh connection, then
-after short pauses, until the margin; each failure is a WARNING. `held_until` is read by the
-engine on the trio thread (`Lease.lapsing`), and `Trust`, a trio instrument, moves the
-deadlines of the steps the engine runs with it before trio fires any expired deadline: a loop
-that was held past the lease wakes up with its steps cancelled, not resumed.
+(ADR 0047); that is also what a process frozen as a whole (SIGSTOP) sees when it thaws, since
+the thread froze with it. A lease row gone missing (lost by the database, or pruned) is the
+engine's own renewal's too: the thread's is refused and it waits, and the engine writes the row
+again (docs/adr/0107); only a row of another incarnation makes the thread give up
+(`superseded`). A renewal that fails is tried again at once on a fresh connection, then after
+short pauses, until the margin; each failure is a WARNING. `held_until` is read by the engine on
+the trio thread (`Lease.lapsing`), and `Trust`, a trio instrument, moves the deadlines of the
+steps the engine runs with it before trio fires any expired deadline: a loop that was held past
+the lease wakes up with its steps cancelled, not resumed.
 """
 
 from __future__ import annotations

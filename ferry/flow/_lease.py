@@ -166,6 +166,9 @@ class Lease:
         self._instrument: _heartbeat.Trust | None = None
         self._trusted_until = -math.inf  # the lease the step deadlines were last set to
         self._superseded = False  # another incarnation holds the owner name now
+        # What the lease row says besides the lease, to write it again if it goes missing
+        # (`renew`); set by `claim`.
+        self._registration: _store.Registration | None = None
 
     # --------------------------------------------------------------------- opening, closing
 
@@ -198,6 +201,9 @@ class Lease:
             )
         self.until = until
         self._trusted_until = until
+        self._registration = _store.Registration(
+            host=host_identity(), pid=os.getpid(), started_at=now, plans=tuple(plans)
+        )
         dsn = _heartbeat.keeper_for(self._store)
         if dsn is not None:
             keeper = _heartbeat.Keeper(
@@ -359,7 +365,12 @@ class Lease:
         flows it let go meanwhile are released in the same transaction: the moment its lease
         runs again, they are orphans for any engine to take, not stranded under its name. A
         renewal after a lapse starts a new epoch and rechecks the flows it runs (the module
-        docstring)."""
+        docstring).
+
+        A lease row gone missing (`_store.RowMissing`: the database lost it, or another engine
+        pruned it after a lapse) is no other incarnation's: the renewal is made again at once,
+        writing the row again, and counts as one after a lapse (its flows re-read, those taken
+        meanwhile let go), with a WARNING. Only a row of another incarnation is `Superseded`."""
         writes = self._writes
         clock = self._clock
         now = clock.now()
@@ -367,27 +378,38 @@ class Lease:
         lapsed = self.lapsing()
         deadline = clock.trio_time(max(self.until - self.margin, now + self.lease / 3))
         released = dict(writes.released)
-        renew = partial(
-            _store.renew,
-            owner=self._owner,
-            until=until,
-            now=now,
-            let_go=sorted(released.items()),
-            reread=sorted(writes.live) if lapsed else None,
-            incarnation=self.incarnation,
-        )
         if self._superseded:
             return
+        restore: _store.Registration | None = None
         with trio.move_on_at(deadline):
             try:
-                # At once again (the pool opens a fresh connection for a dead one), then after
-                # a pause, until the margin.
-                rows = await _retry.retrying(
-                    partial(self._store.transact, renew),
-                    what=f"renewing the lease of flow engine {self._owner!r}",
-                    extra={"owner": self._owner},
-                    schedule=_retry.LEASE_RENEWAL,
-                )
+                while True:
+                    renew = partial(
+                        _store.renew,
+                        owner=self._owner,
+                        until=until,
+                        now=now,
+                        let_go=sorted(released.items()),
+                        reread=sorted(writes.live) if lapsed else None,
+                        incarnation=self.incarnation,
+                        restore=restore,
+                    )
+                    try:
+                        # At once again (the pool opens a fresh connection for a dead one),
+                        # then after a pause, until the margin.
+                        rows = await _retry.retrying(
+                            partial(self._store.transact, renew),
+                            what=f"renewing the lease of flow engine {self._owner!r}",
+                            extra={"owner": self._owner},
+                            schedule=_retry.LEASE_RENEWAL,
+                        )
+                    except _store.RowMissing:
+                        if restore is not None or self._registration is None:
+                            raise  # a bug: a renewal that restores writes the row
+                        restore = self._registration
+                        lapsed = True
+                        continue
+                    break
             except _store.Superseded:
                 self._superseded = True
                 _log.warning(
@@ -399,6 +421,16 @@ class Lease:
                 )
                 self.lose_all("another engine opened under the same owner name")
                 return
+            if restore is not None:
+                _log.warning(
+                    "flow engine %r: its lease row was missing from the engines table (lost by"
+                    " the database in a crash or a restore, or pruned after its lease lapsed)"
+                    " and was written again: as after a lapse, it re-read the %d flow(s) it"
+                    " runs and lets go those another engine took over meanwhile",
+                    self._owner,
+                    len(rows),
+                    extra={"owner": self._owner, "reread": len(rows)},
+                )
             if lapsed or self.lapsing():
                 writes.epoch += 1
                 for row in rows:

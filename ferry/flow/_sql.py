@@ -462,7 +462,7 @@ class Statements:
     claim_insert: str
     renew: str
     renew_lease: str
-    incarnation_holds: str
+    incarnation_of: str
     end_lease: str
 
     @classmethod
@@ -577,7 +577,7 @@ class Statements:
             " WHERE owner = ? AND incarnation = ?"
             " AND lease_until - ? > EXTRACT(EPOCH FROM clock_timestamp())"
             " RETURNING lease_until",
-            incarnation_holds=f"SELECT 1 FROM {ENGINES} WHERE owner = ? AND incarnation = ?",
+            incarnation_of=f"SELECT incarnation FROM {ENGINES} WHERE owner = ?",
             end_lease=f"UPDATE {ENGINES} SET lease_until = ? WHERE owner = ? AND incarnation = ?"
             " AND lease_until > ?",
         )

@@ -489,6 +489,25 @@ class Superseded(Exception):
     writes nothing."""
 
 
+class RowMissing(Exception):
+    """No row of the engines table names this engine's owner at all (`renew`): the database
+    lost it (a crash with ``synchronous_commit = off``, a restore from a backup) or another
+    engine pruned it after the lease lapsed (`prune_engines`). Nobody else holds the name; the
+    lease lapsed as far as any other engine knows. Raised inside the transaction, which then
+    writes nothing: the engine renews again with `Registration`, which writes the row again."""
+
+
+@attrs.frozen
+class Registration:
+    """What an engine's lease row says besides its lease (`claim`), to write it again when it
+    is missing (`renew`): where the incarnation runs, when it opened, its plan versions."""
+
+    host: str
+    pid: int
+    started_at: float
+    plans: Sequence[tuple[str, int]]
+
+
 @attrs.frozen
 class Holder:
     """The incarnation that holds an owner name (`claim`): when its lease runs out, where it
@@ -544,16 +563,24 @@ def renew_lease(
     """The heartbeat thread's renewal (`_heartbeat`): extend the lease of incarnation
     `incarnation` to `until`, only while it still runs for more than `margin` seconds by the
     database's clock (a renewal after the lease may have lapsed is the engine's own, which
-    re-reads its flows: `renew`). The lease now, or None if refused because it may have lapsed;
+    re-reads its flows: `renew`). The lease now, or None if refused because it may have lapsed
+    or because the name has no row at all (the engine's own renewal writes it again: `renew`);
     raises `Superseded` if another incarnation holds the name. PostgreSQL only; one statement
     (two when refused)."""
     q = _statements(tx)
     rows = tx.execute(q.renew_lease, (until, owner, incarnation, margin))
     if rows:
         return float(rows[0][0])
-    if not tx.execute(q.incarnation_holds, (owner, incarnation)):
+    if _held_by_another(tx, owner, incarnation):
         raise Superseded(owner)
     return None
+
+
+def _held_by_another(tx: Tx, owner: str, incarnation: str) -> bool:
+    """Does a row name `owner` with an incarnation other than `incarnation`? (No row at all is
+    not another incarnation: `RowMissing`.)"""
+    rows = tx.execute(_statements(tx).incarnation_of, (owner,))
+    return bool(rows) and rows[0][0] != incarnation
 
 
 def end_lease(tx: Tx, owner: str, incarnation: str, now: float) -> None:
@@ -572,6 +599,7 @@ def renew(
     let_go: Sequence[tuple[str, int]] = (),
     reread: Sequence[str] | None = None,
     incarnation: str | None = None,
+    restore: Registration | None = None,
 ) -> list[Flow]:
     """An engine's renewal, in this one transaction: its lease is renewed (with `incarnation`,
     only while that incarnation holds the name, else `Superseded` is raised and nothing is
@@ -579,15 +607,29 @@ def renew(
     go at)``) are released (`release`), and the rows of the flows in `reread` are read
     (`load_many`) and returned (``[]`` without it).
 
+    A name with no row at all is not superseded: `RowMissing` is raised (nothing written), or,
+    given `restore`, the row of `incarnation` is written again (``ON CONFLICT DO NOTHING``: if
+    another incarnation's claim got there first, that one holds the name, `Superseded`). The
+    lease lapsed meanwhile as far as the others know, so a caller that restores re-reads what
+    it runs (`reread`).
+
     The lease row comes first: a takeover locks it (`_batch`), so on PostgreSQL a takeover
     either committed before this renewal took the row, and the rows read here show it, or it
     waits for this renewal to commit and is refused (docs/adr/0048). An engine whose lease may
     have lapsed re-reads what it runs in this transaction before it trusts it again (ADR 0047).
     Cost: one statement for the lease, one per 500 flows released or read."""
+    q = _statements(tx)
     if incarnation is None:
         heartbeat(tx, owner, until, now)
-    elif not tx.execute(_statements(tx).renew, (until, owner, incarnation)):
-        raise Superseded(owner)
+    elif not tx.execute(q.renew, (until, owner, incarnation)):
+        if _held_by_another(tx, owner, incarnation):
+            raise Superseded(owner)
+        if restore is None:
+            raise RowMissing(owner)
+        text = canonical_json(sorted([name, version] for name, version in restore.plans))
+        row = (owner, until, restore.started_at, incarnation, restore.host, restore.pid, text)
+        if not tx.execute(q.claim_insert, row):
+            raise Superseded(owner)
     if let_go:
         release(tx, owner, let_go, now)
     return [] if reread is None else load_many(tx, reread)
