@@ -221,8 +221,8 @@ async def test_a_takeover_log_line_says_whose_flows_it_took(
 def own_server() -> Iterator[pg.PgServer]:
     """A throwaway server of this module's own, which a test halts (the session's is not).
     Its commits are synchronous: the suite's default (``synchronous_commit=off``) loses the
-    last commits in a crash, here the engine's lease row, and the engine, finding no row of its
-    incarnation after the restart, takes itself for superseded (docs/flow-fleet.md)."""
+    last commits in a crash, here the engine's lease row, which the engine then writes again
+    with a WARNING of its own (docs/adr/0107, tests/flow/test_lease_row.py)."""
     bindir = pg.find_binaries()
     if bindir is None:
         pytest.skip(pg.SKIP_REASON)
