@@ -30,9 +30,10 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import NoReturn
 
 import trio
@@ -248,10 +249,39 @@ COMMANDS = {
 async def run(args: argparse.Namespace) -> None:
     store = open_store(args.store)
     try:
-        await COMMANDS[args.command](args, store)
+        if args.command == "serve":  # the server stops on Ctrl-C its own way
+            await do_serve(args, store)
+        else:
+            await _until_ctrl_c(COMMANDS[args.command](args, store))
     finally:
         with trio.CancelScope(shield=True):
             await store.aclose()
+
+
+async def _until_ctrl_c(command: Awaitable[None]) -> None:
+    """Run `command`; Ctrl-C (SIGINT) cancels it, so that the engine call in hand did not happen
+    and every engine closes as at the end of its block, then raises KeyboardInterrupt (trio's
+    default would raise it wherever the code is, even inside a library's bookkeeping)."""
+    interrupted = False
+
+    async def watch(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        nonlocal interrupted
+        with trio.open_signal_receiver(signal.SIGINT) as signals:
+            task_status.started()
+            async for _ in signals:
+                interrupted = True
+                scope.cancel()
+                return
+
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watch)
+            try:
+                await command
+            finally:
+                nursery.cancel_scope.cancel()
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 def _usage(p: argparse.ArgumentParser, message: str) -> int:
