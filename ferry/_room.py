@@ -29,8 +29,6 @@ from . import _lanes
 from ._lanes import Admission, Batch, Item, Lanes, Limits
 from ._stats import FerryStatistics
 
-_ADMITTED = Admission.ADMITTED
-
 K = TypeVar("K")
 E = TypeVar("E")
 
@@ -64,7 +62,9 @@ def rings(old: Lanes[Any, Any], new: Lanes[Any, Any]) -> bool:
 
 def _admit(
     old: Lanes[K, E], args: tuple[K, E, float, Any, float]
-) -> tuple[Lanes[K, E], tuple[Admission, Item[E] | None], bool]:
+) -> tuple[Lanes[K, E], Item[E] | Admission, bool]:
+    """The admission's result is the new `Item` when admitted, else the `Admission` (CLAIMED,
+    CLOSED or REJECTED): one object, no pair per caller."""
     key, entry, weight, rank, now = args
     try:
         new, admission, item = _lanes.admit(old, key, entry, weight=weight, rank=rank, now=now)
@@ -76,15 +76,15 @@ def _admit(
             f"waiting for key {key!r}: {exc}"
         ) from exc
     # Only an admitted input can make work: a claim, a refusal or a count after close cannot.
-    if admission is not _ADMITTED:
-        return new, (admission, item), False
+    if item is None:
+        return new, admission, False
     # `rings` for an admission, which leaves `busy` as it was: a lane became ready while a call
     # may start, or the earliest deadline moved earlier.
     if new.n_ready > old.n_ready and new.busy < new.limits.max_in_flight:
-        return new, (admission, item), True
+        return new, item, True
     if not new.waiting_size:
-        return new, (admission, item), False
-    return new, (admission, item), _earlier(new.waiting[0][0], _lanes.next_deadline(old))
+        return new, item, False
+    return new, item, _earlier(new.waiting[0][0], _lanes.next_deadline(old))
 
 
 def _take(old: Lanes[K, E], now: float) -> tuple[Lanes[K, E], Batch[K, E] | None, bool]:
@@ -127,10 +127,10 @@ class Room(Generic[K, E]):
 
     # ---- the transactions ----------------------------------------------------------------------
 
-    def admit(
-        self, key: K, entry: E, weight: float, rank: Any, now: float
-    ) -> tuple[Admission, Item[E] | None]:
-        """`_lanes.admit`; a rank that does not compare with its lane's is a clear TypeError."""
+    def admit(self, key: K, entry: E, weight: float, rank: Any, now: float) -> Item[E] | Admission:
+        """`_lanes.admit`: the new `Item` if admitted (keep it to `cancel`), else the `Admission`
+        (CLAIMED, CLOSED or REJECTED). A rank that does not compare with its lane's is a clear
+        TypeError."""
         return _update(self.state, self.bell, _admit, (key, entry, weight, rank, now))
 
     def take(self, now: float) -> Batch[K, E] | None:

@@ -51,9 +51,13 @@ F = TypeVar("F")
 
 _thread_id = threading.get_ident
 _new_object = object.__new__
-_reschedule = trio.lowlevel.reschedule
-_Value, _Error = outcome.Value, outcome.Error
-_ADMITTED, _CLAIMED = _lanes.Admission.ADMITTED, _lanes.Admission.CLAIMED
+# Typed to take an `_Entry` as well as an `outcome.Outcome`: both have the `unwrap` that
+# `wait_task_rescheduled` calls on what it was sent (`_Entry.unwrap`).
+_reschedule: Callable[[trio.lowlevel.Task, Any], None] = trio.lowlevel.reschedule
+_CLAIMED, _Item = _lanes.Admission.CLAIMED, _lanes.Item
+_checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
+_current_task = trio.lowlevel.current_task
+_wait_task_rescheduled = trio.lowlevel.wait_task_rescheduled
 
 # A task's count of schedule points, or None if trio keeps none (`ferry._schedule_points`).
 _schedule_points = _read_schedule_points()
@@ -75,17 +79,38 @@ async def _unprotected(aw: Awaitable[Any]) -> Any:
 class _Entry:
     """One caller. `task` is set while the caller is parked and nobody has answered it yet.
 
-    An entry is also its caller's abort function (`__call__`), so parking allocates nothing more.
-    `submit` makes it with `object.__new__` and writes every slot (no `__init__` frame per caller).
+    An entry is also its caller's abort function (`__call__`), so parking allocates nothing more,
+    and the common answer, its slot of a batch's list of results (`result`, then `unwrap`), so
+    answering allocates nothing either (ADR 0105). `submit` makes it with `object.__new__` and
+    writes its slots (no `__init__` frame per caller).
     """
 
-    __slots__ = ("input", "item", "key", "room", "task")
+    __slots__ = ("input", "item", "key", "result", "room", "task")
 
     input: Any
     key: Any
     room: Room[Any, _Entry]
     item: _lanes.Item[_Entry] | None
     task: trio.lowlevel.Task | None
+    result: Any
+
+    def unwrap(self) -> Any:
+        """The answer `wait_task_rescheduled` returns when a worker rescheduled the caller with
+        the entry itself as its outcome: `result`, or, for an `InputError`, raised to it.
+
+        trio sends what `reschedule` was given into the parked task, whose
+        `wait_task_rescheduled` calls `.unwrap()` on it and nothing else; one `outcome.Value`
+        per caller cost more than the rest of the answer (ADR 0105).
+        """
+        result = self.result
+        if isinstance(result, InputError):
+            self.result = None
+            try:
+                raise result
+            finally:
+                # As `outcome.Error.unwrap`: no cycle through this frame and the traceback.
+                del result, self
+        return result
 
     def __call__(self, raise_cancel: Any) -> trio.lowlevel.Abort:
         """The caller was cancelled while parked: it stops waiting, whether its input still
@@ -157,20 +182,19 @@ class Shell:
             key, weight, rank = classify(x)
         if _thread_id() != self._thread:
             raise wrong_run("a ferry", "a ferry", _FROM_THREAD)
-        await trio.lowlevel.checkpoint_if_cancelled()
+        await _checkpoint_if_cancelled()
         room = self.room
-        entry: _Entry = _new_object(_Entry)  # its slots written here: no __init__ frame
+        # Its slots written here (no __init__ frame): `item` and `task` once admitted, since
+        # nothing reads them before (the room hands out only admitted entries).
+        entry: _Entry = _new_object(_Entry)
         entry.input = x
         entry.key = key
         entry.room = room
-        entry.item = None
-        entry.task = None
-        admission, entry.item = room.admit(
-            key, entry, weight, rank, self._clock_now() if self._timed else 0.0
-        )
-        if admission is _ADMITTED:
-            entry.task = trio.lowlevel.current_task()
-            return await trio.lowlevel.wait_task_rescheduled(entry)
+        admission = room.admit(key, entry, weight, rank, self._clock_now() if self._timed else 0.0)
+        if type(admission) is _Item:
+            entry.item = admission
+            entry.task = _current_task()
+            return await _wait_task_rescheduled(entry)
         if admission is not _CLAIMED:
             await trio.lowlevel.cancel_shielded_checkpoint()
             if admission is _lanes.Admission.CLOSED:
@@ -256,9 +280,7 @@ class Shell:
 
     @trio.lowlevel.enable_ki_protection
     async def _worker(self) -> None:
-        room, call, plain, timeout = self.room, self._call, self._plain, self._timeout
-        take, release, now = room.take, room.release, self._now
-        plain_results = self._extract is None  # a list of results, one per input, is the norm
+        room, take, now = self.room, self.room.take, self._now
         while True:
             await trio.lowlevel.checkpoint()
             # Taking a batch and owning it are one step: nothing can cancel in between.
@@ -268,54 +290,68 @@ class Shell:
                 # No checkpoint since the failed take, so no ring can have been missed.
                 await self._sleep(room.bell.peek(), room.sleep_deadline())
                 continue
-            key = batch.key
-            entries = [item.entry for item in batch.items]
-            inputs = [e.input for e in entries]
-            failed = False
-            bad: str | None = None
-            results: list[Any] | None = None
+            # In a call of its own, so that nothing of a batch (its inputs, its results) stays
+            # referenced while the worker sleeps.
+            await self._send(batch)
+
+    @trio.lowlevel.enable_ki_protection
+    async def _send(self, batch: _lanes.Batch[Any, _Entry]) -> None:
+        """Call the user's function with the batch and answer its callers."""
+        call, plain, timeout = self._call, self._plain, self._timeout
+        key = batch.key
+        entries = [item.entry for item in batch.items]
+        inputs = []
+        for e in entries:
+            # Taken: a cancelled caller has nothing left to drop from the room. And the entry
+            # no longer holds its item, which holds it: without that cycle, what the caller
+            # sent is freed when its answer is taken, not by the garbage collector.
+            e.item = None
+            inputs.append(e.input)
+        failed = False
+        bad: str | None = None
+        results: list[Any] | None = None
+        try:
             try:
-                try:
-                    aw = call(inputs) if plain else call(key, inputs)
-                    if type(aw) is not CoroutineType and not inspect.isawaitable(aw):
-                        bad = _not_awaitable(aw)
-                    elif timeout == math.inf:
-                        output = await _unprotected(aw)
-                    else:
-                        with trio.CancelScope(deadline=trio.current_time() + timeout) as limit:
-                            output = await _unprotected(aw)
-                        if limit.cancelled_caught:
-                            raise _too_slow(timeout)
-                except Exception as exc:
-                    failed = True
-                    answers = _failures(exc, key, entries, plain)
+                aw = call(inputs) if plain else call(key, inputs)
+                if type(aw) is not CoroutineType and not inspect.isawaitable(aw):
+                    bad = _not_awaitable(aw)
+                elif timeout == math.inf:
+                    output = await _unprotected(aw)
                 else:
-                    if bad is not None:
-                        answers = _all_errors(entries, bad)
-                    elif plain_results and type(output) is list and len(output) == len(entries):
-                        results = output  # the common shape, on a short path below
-                    else:
-                        answers = self._answers(output, entries)
-            except BaseException:
-                # The ferry is closing (or the process is being interrupted): whoever this batch
-                # still holds is told so, and the exception goes on.
-                _close_out(entries)
-                raise
-            finally:
-                release(key, now(), failed)
-            if results is not None:
-                for e, result in zip(entries, results, strict=True):
-                    task = e.task
-                    if task is not None:
-                        e.task = None
-                        refused = isinstance(result, InputError)
-                        _reschedule(task, _Error(result) if refused else _Value(result))
-                continue
-            for e, answer in zip(entries, answers, strict=True):
+                    with trio.CancelScope(deadline=trio.current_time() + timeout) as limit:
+                        output = await _unprotected(aw)
+                    if limit.cancelled_caught:
+                        raise _too_slow(timeout)
+            except Exception as exc:
+                failed = True
+                answers = _failures(exc, key, entries, plain)
+            else:
+                if bad is not None:
+                    answers = _all_errors(entries, bad)
+                elif self._extract is None and type(output) is list and len(output) == len(entries):
+                    results = output  # the common shape, on a short path below
+                else:
+                    answers = self._answers(output, entries)
+        except BaseException:
+            # The ferry is closing (or the process is being interrupted): whoever this batch
+            # still holds is told so, and the exception goes on.
+            _close_out(entries)
+            raise
+        finally:
+            self.room.release(key, self._now(), failed)
+        if results is not None:
+            for e, result in zip(entries, results, strict=True):
                 task = e.task
                 if task is not None:
                     e.task = None
-                    _reschedule(task, answer)
+                    e.result = result
+                    _reschedule(task, e)  # the entry is the answer: `_Entry.unwrap`
+            return
+        for e, answer in zip(entries, answers, strict=True):
+            task = e.task
+            if task is not None:
+                e.task = None
+                _reschedule(task, answer)
 
     async def _sleep(self, rung: int, deadline: float | None) -> None:
         """Until the bell rings past `rung`, or `deadline` passes. A checkpoint."""

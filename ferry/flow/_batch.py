@@ -21,23 +21,25 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, TypeAlias
+from typing import Any, Final, TypeAlias
 
 import attrs
 
 from ferry.projected import Tx, canonical_json
 
 from . import _notify, _sql
+from ._machine import DETAILS
 from ._sql import (
     FIELDS,
     MUTABLE,
     Statements,
-    changed_columns,
+    changed_write,
     mutable_values,
     row_values,
     to_flow,
     update_columns,
 )
+from ._types import Json
 from ._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Transition
 
 
@@ -161,21 +163,33 @@ def op_flow_id(op: Op) -> str:
     return op.flow_id if isinstance(op, Change) else op.transition.flow.flow_id
 
 
+#: The text of each history detail that `_machine` makes once for every flow (`_machine.DETAILS`,
+#: never changed), by identity: encoded here once, not per event.
+_DETAIL_TEXT: Final = {id(d): canonical_json(d) for d in DETAILS}
+
+
+def _detail_text(detail: Json) -> str | None:
+    if detail is None:
+        return None
+    text = _DETAIL_TEXT.get(id(detail))
+    return canonical_json(detail) if text is None else text
+
+
 def _history_rows(t: Transition) -> list[tuple[Any, ...]]:
+    """The history rows of `t` (PostgreSQL's writer: they become columns)."""
     fid = t.flow.flow_id
     return [
-        (
-            fid,
-            e.revision,
-            n,
-            e.at,
-            e.kind,
-            e.step,
-            e.attempt,
-            None if e.detail is None else canonical_json(e.detail),
-        )
+        (fid, e.revision, n, e.at, e.kind, e.step, e.attempt, _detail_text(e.detail))
         for n, e in enumerate(t.events)
     ]
+
+
+def _add_history(values: list[Any], t: Transition) -> None:
+    """Append the history rows of `t` to `values`, one after the other, each `_HISTORY_WIDTH`
+    values in the order of `Statements.history` (SQLite's writer: no tuple per row)."""
+    fid = t.flow.flow_id
+    for n, e in enumerate(t.events):
+        values += (fid, e.revision, n, e.at, e.kind, e.step, e.attempt, _detail_text(e.detail))
 
 
 def _existing(row: Sequence[Any], f: Flow) -> Existing:
@@ -190,19 +204,44 @@ def _existing(row: Sequence[Any], f: Flow) -> Existing:
 class _RowByRow:
     """One batch's statements (SQLite: in process, a statement costs a few microseconds).
 
-    The common ops go in multi-row statements, a few per batch (`plain`): the starts, and the
-    compare-and-sets from a copy that need nothing of the mailbox and are not takeovers, of the
-    flows that have only that op in the batch. Each returns the ids of the rows it wrote, so each
-    op still learns its own answer (a row it did not write is that op's `Conflict` alone). Every
-    other op goes an op at a time, in flow id order. History rows are collected and inserted at
-    the end."""
+    The ops of the flows that have only that op in the batch go in multi-row statements, a few
+    per batch (`plain`): the starts; the compare-and-sets from a copy; and the ops that read
+    the row or the mailbox (a wake, a park), whose rows, message ids seen and first queued
+    messages are read for all of them at once (`read_and_apply`). A write returns the ids of
+    the rows it wrote, so each op still learns its own answer (a row it did not write is that
+    op's `Conflict` alone). A takeover, and the ops of a flow with several in the batch (each
+    must see the writes of the one before), go an op at a time, in flow id order. History rows
+    and new messages are collected and inserted at the end."""
 
-    __slots__ = ("history", "sql", "tx")
+    __slots__ = ("history", "received", "sql", "tx")
 
     def __init__(self, tx: Tx, sql: Statements) -> None:
         self.tx = tx
         self.sql = sql
-        self.history: list[tuple[Any, ...]] = []
+        self.history: list[Any] = []  # the history rows' values, one row after the other
+        self.received: list[Any] = []  # the new messages of `plain`'s ops, likewise
+
+    def later(self, t: Transition) -> None:
+        """Apply the mailbox writes of `t`, an op of `plain`: a new message is inserted with the
+        others of the batch (`received`), a taken one now. (A flow with one op in the batch:
+        nothing else of the batch reads or writes its mailbox.)"""
+        fid = t.flow.flow_id
+        for w in t.messages:
+            msg = w.message
+            if isinstance(w, Received):
+                status = "TAKEN" if w.taken else "QUEUED"
+                self.received += (fid, msg.message_id, msg.payload, status, w.at)
+            else:
+                self.tx.execute(self.sql.take, (fid, msg.message_id))
+
+    def insert_received(self) -> None:
+        """Insert the messages `later` kept, in a few statements, in the order kept."""
+        values = self.received
+        width = 5
+        for start, n in _sql.chunks(len(values) // width):
+            whole = start == 0 and n * width == len(values)
+            chunk = values if whole else values[start * width : (start + n) * width]
+            self.tx.connection.execute(_sql.receive_rows(n), chunk)
 
     def messages(self, t: Transition) -> None:
         fid = t.flow.flow_id
@@ -233,23 +272,22 @@ class _RowByRow:
         """Write the transition's row if the stored revision is still ``t.expected`` (and no
         lease holds it at `lapsed_at`, where given: a takeover of a flow its copy shows held by
         `holder`). `before` is the row the transition ran on (the caller's copy or the held
-        row): only the columns it changes are written (`_sql.changed_columns`).
+        row): only the columns it changes are written (`_sql.changed_write`).
 
         Where leases exist (PostgreSQL) a takeover first locks `holder`'s lease row (``FOR
         SHARE``), so that the lease it reads is the one committed when it writes: a renewal of
         that lease in flight either waits for this takeover to commit, or makes it wait and
         refuses it (ADR 0048)."""
-        values = mutable_values(t.flow)
         fid = t.flow.flow_id
         if lapsed_at is not None:
             if holder is not None and self.sql.d.leases:
                 self.tx.execute(self.sql.lock_lease, (holder,))
             rows = self.tx.execute(
-                self.sql.update_orphan, (*values, fid, t.expected, lapsed_at, lapsed_at)
+                self.sql.update_orphan,
+                (*mutable_values(t.flow), fid, t.expected, lapsed_at, lapsed_at),
             )
             return bool(rows)
-        columns = changed_columns(mutable_values(before), values)
-        params = [values[i] for i in columns]
+        columns, params = changed_write(before, t.flow)
         params += (fid, t.expected)
         return self.changes(update_columns(columns), params) == 1
 
@@ -262,7 +300,7 @@ class _RowByRow:
     def create(self, op: Create) -> Result:
         t = op.transition
         if self.changes(self.sql.insert, row_values(t.flow)):
-            self.history += _history_rows(t)
+            _add_history(self.history, t)
             return Created(t)
         return _existing(self.tx.execute(self.sql.existing, (t.flow.flow_id,))[0], t.flow)
 
@@ -277,7 +315,7 @@ class _RowByRow:
             if t.written:
                 if not self.cas(t, known, op.lapsed_at, known.owner):
                     return self.conflict(op.flow_id, t.expected)
-                self.history += _history_rows(t)
+                _add_history(self.history, t)
             self.messages(t)
             return Changed(t, known)
         if known is not None:
@@ -306,7 +344,7 @@ class _RowByRow:
         if t.written:
             if not self.cas(t, flow):  # cannot happen while the row is held; never write blind
                 return self.conflict(op.flow_id, t.expected)
-            self.history += _history_rows(t)
+            _add_history(self.history, t)
         self.messages(t)
         return Changed(t, flow)
 
@@ -325,40 +363,42 @@ class _RowByRow:
             inserted = self.rows(_sql.insert_rows(n), params)
             for i, t in chunk:
                 if t.flow.flow_id in inserted:
-                    self.history += _history_rows(t)
+                    _add_history(self.history, t)
                     results[i] = Created(t)
                 else:
                     row = self.tx.execute(self.sql.existing, (t.flow.flow_id,))[0]
                     results[i] = _existing(row, t.flow)
 
     def update_rows(
-        self, columns: tuple[int, ...], writes: list[_Write], results: list[Result | None]
+        self, columns: tuple[int, ...], group: _Group, results: list[Result | None]
     ) -> None:
-        """Write the rows of `writes`, which all set `columns`, in a few statements."""
-        for start, n in _sql.chunks(len(writes)):
-            chunk = writes[start : start + n]
-            params: list[Any] = []
-            for _i, t, _before, values in chunk:
-                params += [values[c] for c in columns]
-                params += (t.flow.flow_id, t.expected)
-            matched = self.rows(_sql.update_rows(columns, n), params)
-            for i, t, before, _values in chunk:
+        """Write the rows of `group`, which all set `columns`, in a few statements; each op of
+        it is answered `Changed` already, and becomes its `conflict` if its row is not
+        written."""
+        indexes, params = group
+        width = len(columns) + 2
+        for start, n in _sql.chunks(len(indexes)):
+            whole = start == 0 and n == len(indexes)
+            chunk = params if whole else params[start * width : (start + n) * width]
+            matched = self.rows(_sql.update_rows(columns, n), chunk)
+            for i in indexes[start : start + n]:
+                t = results[i].transition  # type: ignore[union-attr]  # Changed, see `plain`
                 if t.flow.flow_id in matched:
-                    self.history += _history_rows(t)
-                    self.messages(t)
-                    results[i] = Changed(t, before)
+                    _add_history(self.history, t)
+                    self.later(t)
                 else:
                     results[i] = self.conflict(t.flow.flow_id, t.expected)
 
     def plain(
         self, ops: Sequence[Op], order: Sequence[int], results: list[Result | None]
     ) -> list[int]:
-        """Write the starts and plain compare-and-sets of `ops` in multi-row statements
-        (answering them in `results`, and a refused or unwritten transition at once); the
-        indexes of the ops left to write one at a time, in `order`."""
+        """Write the ops of the flows that have one op in `ops` (a takeover aside) in multi-row
+        statements, answering them in `results`; the indexes of the ops left to write one at
+        a time, in `order`."""
         per_flow = Counter(op_flow_id(op) for op in ops)
         creates: list[tuple[int, Transition]] = []
-        writes: dict[tuple[int, ...], list[_Write]] = {}
+        writes: dict[tuple[int, ...], _Group] = {}
+        boxed: list[tuple[int, Change]] = []
         rest: list[int] = []
         for i in order:
             op = ops[i]
@@ -366,26 +406,104 @@ class _RowByRow:
                 rest.append(i)
             elif isinstance(op, Create):
                 creates.append((i, op.transition))
-            elif op.flow is None or _reads_mailbox(op) or op.lapsed_at is not None:
+            elif op.lapsed_at is not None:  # a takeover: its own statement (`cas`)
                 rest.append(i)
+            elif op.flow is None or _reads_mailbox(op):
+                boxed.append((i, op))
             else:
                 try:
                     t = op.apply(op.flow, EMPTY_MAILBOX)
                 except Exception as exc:
                     results[i] = Refused(op.flow_id, exc)
                     continue
-                if not t.written:
-                    self.messages(t)
-                    results[i] = Changed(t, op.flow)
-                    continue
-                values = mutable_values(t.flow)
-                columns = changed_columns(mutable_values(op.flow), values)
-                writes.setdefault(columns, []).append((i, t, op.flow, values))
+                self.applied(i, t, op.flow, writes, results)
         if creates:
             self.create_rows(creates, results)
-        for columns, same in writes.items():
-            self.update_rows(columns, same, results)
+        if boxed:
+            self.read_and_apply(boxed, writes, results)
+        for columns, group in writes.items():
+            self.update_rows(columns, group, results)
+        self.insert_received()
         return rest
+
+    def applied(
+        self,
+        i: int,
+        t: Transition,
+        before: Flow,
+        writes: dict[tuple[int, ...], _Group],
+        results: list[Result | None],
+    ) -> None:
+        """Op `i`'s transition `t` ran on `before`: answer it, and add its row to `writes`
+        if it changed (the answer becomes a conflict if `update_rows` does not write it)."""
+        results[i] = Changed(t, before)
+        if not t.written:
+            self.later(t)
+            return
+        columns, values = changed_write(before, t.flow)
+        group = writes.get(columns)
+        if group is None:
+            group = writes[columns] = ([], [])
+        indexes, params = group
+        indexes.append(i)
+        params += values
+        params += (t.flow.flow_id, t.expected)
+
+    def read_and_apply(
+        self,
+        boxed: list[tuple[int, Change]],
+        writes: dict[tuple[int, ...], _Group],
+        results: list[Result | None],
+    ) -> None:
+        """Run the transitions of `boxed` (changes of a flow's row as it is stored, or of a copy
+        that read its mailbox; each its flow's only op in the batch) with what they read read
+        in a few statements for all of them: the rows (for a copy: its revision must still be
+        the row's, as a held row's is), the message ids seen, the first queued messages. Their
+        rows are then written with the plain ones (`writes`), as compare-and-sets."""
+        conn = self.tx.connection
+        ids = [op.flow_id for _i, op in boxed]
+        rows: dict[str, Sequence[Any]] = {}
+        for start, n in _sql.chunks(len(ids)):
+            for r in conn.execute(_sql.select_rows(n), ids[start : start + n]):
+                rows[r[0]] = r
+        pairs = [
+            v for _i, op in boxed if op.message_id is not None for v in (op.flow_id, op.message_id)
+        ]
+        seen: set[tuple[str, str]] = set()
+        for start, n in _sql.chunks(len(pairs) // 2):
+            params = pairs[start * 2 : (start + n) * 2]
+            seen.update((r[0], r[1]) for r in conn.execute(_sql.seen_rows(n), params))
+        firsts = [op.flow_id for _i, op in boxed if op.first_queued]
+        first: dict[str, Message] = {}
+        for start, n in _sql.chunks(len(firsts)):
+            for r in conn.execute(_sql.first_queued_rows(n), firsts[start : start + n]):
+                first[r[0]] = Message(r[1], r[2])
+        for i, op in boxed:
+            fid = op.flow_id
+            row = rows.get(fid)
+            if row is None:
+                results[i] = Missing(fid)
+                continue
+            flow = op.flow
+            if flow is not None:
+                if row[_REVISION] != flow.revision:
+                    results[i] = Conflict(fid, flow.revision, row[_REVISION], row[_OWNER])
+                    continue
+            else:
+                flow = to_flow(row)
+                if op.expected is not None and flow.revision != op.expected:
+                    results[i] = Conflict(fid, op.expected, flow.revision, flow.owner)
+                    continue
+            queued = (first[fid],) if op.first_queued and fid in first else ()
+            m = op.message_id
+            ids_seen = frozenset((m,)) if m is not None and (fid, m) in seen else frozenset()
+            box = Mailbox(queued, ids_seen) if queued or ids_seen else EMPTY_MAILBOX
+            try:
+                t = op.apply(flow, box)
+            except Exception as exc:  # nothing was changed yet
+                results[i] = Refused(fid, exc)
+                continue
+            self.applied(i, t, flow, writes, results)
 
     def write(self, ops: Sequence[Op], order: Sequence[int]) -> list[Result]:
         results: list[Result | None] = [None] * len(ops)
@@ -396,9 +514,14 @@ class _RowByRow:
         return results  # type: ignore[return-value]  # every slot is filled
 
 
-#: A compare-and-set for `_RowByRow.update_rows`: the op's index, its transition, the row it ran
-#: on and the transition's `mutable_values`.
-_Write: TypeAlias = tuple[int, Transition, Flow, tuple[Any, ...]]
+#: The compare-and-sets of a batch that set the same columns (`_RowByRow.update_rows`): the
+#: indexes of their ops, and their parameters one row after the other (per row the values of
+#: the columns, `_sql.changed_write`, then the flow id and the expected revision).
+_Group: TypeAlias = tuple[list[int], list[Any]]
+
+
+_REVISION: Final = FIELDS.index("revision")
+_OWNER: Final = FIELDS.index("owner")
 
 
 def _reads_mailbox(op: Change) -> bool:
@@ -641,10 +764,16 @@ def _more_rows(n: int) -> str:
     return ", " + ", ".join([_HISTORY_ROW] * (n - 1)) if n > 1 else ""
 
 
-def _insert_history(tx: Tx, sql: Statements, rows: list[tuple[Any, ...]]) -> None:
-    for i in range(0, len(rows), _HISTORY_CHUNK):
-        chunk = rows[i : i + _HISTORY_CHUNK]
-        tx.execute(sql.history + _more_rows(len(chunk)), [v for r in chunk for v in r])
+_HISTORY_WIDTH = 8
+
+
+def _insert_history(tx: Tx, sql: Statements, values: list[Any]) -> None:
+    """Insert the history rows whose values `_add_history` put one after the other in
+    `values`."""
+    step = _HISTORY_CHUNK * _HISTORY_WIDTH
+    for i in range(0, len(values), step):
+        chunk = values if i == 0 and len(values) <= step else values[i : i + step]
+        tx.execute(sql.history + _more_rows(len(chunk) // _HISTORY_WIDTH), chunk)
 
 
 # ---------------------------------------------------------------------------------- the batch
@@ -672,8 +801,9 @@ def write_batch(tx: Tx, ops: Sequence[Op], *, guard: float | None = None) -> lis
     gets `Refused`. Raises only on a database error (the caller's transaction then rolls back,
     and every op fails with it). Cost: on PostgreSQL a fixed number of statements whatever the
     batch's size (`_Arrays`: three for a batch of compare-and-sets); on SQLite a few multi-row
-    statements for the starts and plain compare-and-sets, a few statements per other op, and one
-    multi-row insert per 500 history rows (`_RowByRow`); and a sort of the batch.
+    statements for the ops of the flows with one op in the batch (a takeover aside), a few
+    statements per other op, and one multi-row insert per 500 history rows (`_RowByRow`); and a
+    sort of the batch.
     """
     guard_locks(tx, guard)
     order = sorted(range(len(ops)), key=lambda i: op_flow_id(ops[i]))

@@ -12,9 +12,11 @@ engine may trust meanwhile is `_lease`'s rule (trust after a lapse, docs/adr/004
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import trio
 
@@ -107,9 +109,10 @@ class Fleet:
             self._tally.stats["claimed"] += len(taken)
             if taken:
                 _log.info(
-                    "flow engine %r took over %d flow(s) no live engine held",
+                    "flow engine %r took over %d flow(s) no live engine held (%s)",
                     self._owner,
                     len(taken),
+                    _took_from(rows, results, self._owner),
                     extra={"owner": self._owner, "claimed": len(taken)},
                 )
         horizon = now + 2 * self.interval
@@ -224,3 +227,20 @@ class Fleet:
             return False
         writes.let_go(live, release=True)
         return True
+
+
+def _took_from(rows: list[Flow], results: list[Any], owner: str) -> str:
+    """Whose flows a scan took over, for its log line: ``3 from 'eu-1', 1 another engine took
+    first``. A flow its engine let go (it closed) names it as well; this engine's own, taken
+    back after its lease lapsed, is ``itself``."""
+    froms = collections.Counter(
+        f.owner for f, r in zip(rows, results, strict=True) if isinstance(r, _store.Changed)
+    )
+    parts = [
+        f"{n} from {'itself' if o == owner else 'no engine' if o is None else repr(o)}"
+        for o, n in sorted(froms.items(), key=lambda item: (-item[1], str(item[0])))
+    ]
+    lost = sum(isinstance(r, _store.Conflict) for r in results)
+    if lost:
+        parts.append(f"{lost} another engine took first")
+    return ", ".join(parts)

@@ -95,12 +95,35 @@ class Keeper:
         self.superseded = False
         self.renewals = 0
         self.failures = 0
+        # The first failed renewal since the last one that went through (monotonic seconds),
+        # and how many failed since: the INFO line that says the store is back names both.
+        self._failing_since: float | None = None
+        self._failed_since = 0
 
     def extend(self, until: float) -> None:
-        """The lease runs at least until `until` (a renewal of the engine's own). Any thread."""
+        """The lease runs at least until `until` (a renewal that went through: the thread's,
+        or the engine's own). Any thread. After failed renewals, logs once that it is back."""
         with self._lock:
             if until > self.held_until:
                 self.held_until = until
+            since, failed = self._failing_since, self._failed_since
+            self._failing_since, self._failed_since = None, 0
+        if since is not None:
+            took = time.monotonic() - since
+            _log.info(
+                "flow engine %r renewed its lease again, %.1f s after its first failed renewal"
+                " (%d failed tries by its lease thread): its store is reachable again",
+                self._owner,
+                took,
+                failed,
+                extra={"owner": self._owner, "outage": took, "failed": failed},
+            )
+
+    def _failed(self) -> None:
+        with self._lock:
+            if self._failing_since is None:
+                self._failing_since = time.monotonic()
+            self._failed_since += 1
 
     def start(self) -> None:
         self._thread = threading.Thread(
@@ -160,6 +183,7 @@ class Keeper:
             except Exception as exc:
                 self._close()
                 self.failures += 1
+                self._failed()
                 tries += 1
                 delay = 0.0 if tries == 1 else pause
                 _log.warning(
@@ -182,14 +206,19 @@ class Keeper:
 
     def _transact(self, fn: Callable[[_ConnTx], T]) -> T:
         if self._conn is None:
-            import psycopg
+            from ferry.projected._postgres import connect
 
             guard = max(1, int(self._lease * 250))  # ms: a quarter of the lease
             # Autocommit: each statement commits on its own, so a process frozen between two
             # statements holds no lock on its lease row (a takeover of its flows locks that
             # row, ADR 0048, and would wait for as long as the process sleeps).
-            conn = psycopg.connect(
-                self._dsn, autocommit=True, connect_timeout=max(2, round(self._lease / 4))
+            # A renewal sent into a connection that died without a word gives up after a
+            # lease, not after the system's default (minutes), so that reconnecting can begin.
+            conn = connect(
+                self._dsn,
+                autocommit=True,
+                connect_timeout=max(2, round(self._lease / 4)),
+                tcp_user_timeout=max(1000, round(self._lease * 1000)),
             )
             conn.execute(f"SET statement_timeout = {guard}")
             self._conn = conn

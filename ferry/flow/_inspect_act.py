@@ -137,6 +137,8 @@ async def do_wake(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
     }
     if after is not None and after.state is State.BLOCKED:
         notes[Delivery.QUEUED] = "kept in its mailbox: the flow is BLOCKED (resume it)"
+    if after is not None and after.state is State.COMPLETED:
+        notes[Delivery.RESUMED] = "it was parked at its last step, and the wake ended it: COMPLETED"
     output(
         args,
         f"{delivery.name}: {notes[delivery]}",

@@ -14,7 +14,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sqlite3
 import time
 import urllib.parse
@@ -26,6 +25,8 @@ from ferry.projected import PostgresStore, SqliteStore
 
 from . import _bulk, _store, _times, _values
 from ._errors import FlowError
+from ._reach import masked
+from ._reach import shown as shown
 from ._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
 from ._types import Json, State
 from ._values import ACTIVE, Flow
@@ -47,18 +48,6 @@ def is_dsn(spec: str) -> bool:
 
 
 _NO_FLOWS = "{where} holds no flows (no flow engine has opened it)"
-_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)|(://[^:/@\s]*:)([^@\s]*)(@)")
-
-
-def shown(spec: str) -> str:
-    """`spec` as the inspector prints it (quoted), with a DSN's password masked."""
-    return repr(_PASSWORD.sub(_mask, spec))
-
-
-def _mask(match: re.Match[str]) -> str:
-    if match.group(1) is not None:
-        return f"{match.group(1)}***"
-    return f"{match.group(3)}***{match.group(5)}"
 
 
 def _check_dsn(spec: str, where: str) -> None:
@@ -74,7 +63,7 @@ def _check_dsn(spec: str, where: str) -> None:
     except Exception as exc:
         raise Problem(
             f"{where} is neither an SQLite file (there is no such file) nor a PostgreSQL DSN"
-            f" ({_PASSWORD.sub(_mask, _first_line(exc))})"
+            f" ({masked(_first_line(exc))})"
         ) from None
 
 
@@ -361,7 +350,10 @@ STATS_LEGEND = {
     "SINCE": "when the flow parked (its last write)",
     "DEADLINE": "when its park times out (-: never; it waits for a wake)",
     "E.G.": "one flow blocked for that reason: `show` it, fix the cause, then `resume` it",
-    "LEASE": "alive while the engine renews its lease (UNTIL); gone: it closed or died",
+    "LEASE": (
+        "alive while the engine renews its lease (UNTIL); gone: it closed or died (the fleet"
+        " forgets it about 100 leases later, once it holds no flow)"
+    ),
     "FLOWS": "(engines) the running or compensating flows the engine holds",
 }
 
@@ -464,7 +456,7 @@ def one_line(error: BaseException, spec: str) -> str:
     if isinstance(error, Problem):
         return str(error)
     if isinstance(error, FlowError | ValueError | TypeError):  # the engine refused an argument
-        return _PASSWORD.sub(_mask, _first_line(error))
+        return masked(_first_line(error))
     what = "the PostgreSQL database" if is_dsn(spec) else "the SQLite file"
-    text = _PASSWORD.sub(_mask, _cut(_first_line(error), 300))
+    text = masked(_cut(_first_line(error), 300))
     return f"cannot use {what} {shown(spec)}: {type(error).__name__}: {text}"

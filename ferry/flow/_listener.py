@@ -14,8 +14,9 @@ on their own, as they would without notifications) and connects again: at once, 
 connecting fails, after a pause (50 ms, doubling up to 2 s), with a WARNING per failed attempt.
 Every time it is listening again it says so
 (``on_state(True)``): what was announced in between is lost, and the waits catch up with one
-read. A connection that dies without a word (no reset ever arrives) is not noticed here: the
-waits' fallback read, once per lease, bounds what that costs.
+read. A connection that dies without a word (no reset ever arrives: a NAT that forgot it) is
+noticed by the kernel's keepalive probes (`ferry.projected._postgres.connect`), within about a
+minute; meanwhile the waits' fallback read, once per lease, bounds what it costs.
 
 `stop` writes to the wake-up pipe and joins the thread: it returns at once, or after the
 connect in progress gives up (at most its timeout). Nothing of it outlives `stop`.
@@ -150,10 +151,11 @@ class Listener:
             raise
 
     def _connect(self) -> Any:
-        import psycopg
         from psycopg import sql
 
-        conn = psycopg.connect(
+        from ferry.projected._postgres import connect
+
+        conn = connect(
             self._dsn,
             autocommit=True,
             connect_timeout=max(1, round(self._connect_timeout)),

@@ -46,7 +46,9 @@ class Live:
 
     def __init__(self, flow: Flow, epoch: int) -> None:
         self.flow = flow  # the latest committed row this engine knows
-        self.scope: trio.CancelScope | None = None  # around the running step or compensation
+        # The runner task's cancel scope while a step or compensation of this flow runs in it
+        # (None the rest of the time): cancelling it voids that run.
+        self.scope: trio.CancelScope | None = None
         # The revision of the row whose run (of its step or compensation) began in this engine:
         # a flow whose current row's run has not begun is let go at close
         # (`_recovery.let_go_unbegun`).

@@ -78,6 +78,7 @@ from ._values import (
 )
 
 __all__ = [
+    "DETAILS",
     "assign_holder",
     "block",
     "cancel",
@@ -98,6 +99,12 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------- helpers
+
+#: The details of the history events that are the same for every flow: one object each, shared
+#: by every event that has it (never changed), so that a store may encode each once.
+_CONTINUED: Final[dict[str, Json]] = {"outcome": "continue"}
+_COMPLETED: Final[dict[str, Json]] = {"outcome": "complete"}
+DETAILS: Final = (_CONTINUED, _COMPLETED)
 
 
 def _event(
@@ -291,14 +298,14 @@ def step_done(
             flow, now, data=data, **_advance(flow, shape, _pushed(flow, shape), None, False)
         )
         events = (
-            _event(new, now, "step", step, attempt, {"outcome": "continue"}),
+            _event(new, now, "step", step, attempt, _CONTINUED),
             *_completed_events(new, now),
         )
         return Transition(new, mailbox, flow.revision, events=events)
     if isinstance(outcome, _Complete):
         new = _bump(flow, now, data=data, step_index=flow.step_index, **_ended(COMPLETED))
         events = (
-            _event(new, now, "step", step, attempt, {"outcome": "complete"}),
+            _event(new, now, "step", step, attempt, _COMPLETED),
             _event(new, now, "completed", None, None),
         )
         return Transition(new, mailbox, flow.revision, events=events)

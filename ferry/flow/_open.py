@@ -24,7 +24,7 @@ import trio
 from ferry import open_ferry
 from ferry.projected import SqliteStore, Store
 
-from . import _checks, _lease, _retention, _store, _tracing
+from . import _checks, _lease, _reach, _retention, _store, _tracing
 from ._engine import Engine
 from ._plan import Plan
 from ._sqlite_file import EngineLock, check_path
@@ -251,7 +251,14 @@ async def _opened(
     else:
         raise TypeError(f"store must be a path or a SqliteStore/PostgresStore, got {store!r}")
     try:
-        await db.transact(_store.create_schema)
+        _reach.check_clock(db)
+        try:
+            await db.transact(_store.create_schema)
+        except Exception as exc:
+            failed = _reach.unreachable(db, exc)
+            if failed is None:
+                raise
+            raise failed from exc
         engine = Engine(
             db,
             registry,
@@ -282,6 +289,7 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
     """Own the write ferry and the engine's tasks for the ``async with`` block."""
     body_error: BaseException | None = None
     engine_error: BaseException | None = None
+    opened = False
     parts = engine._parts
     ferry_cm: contextlib.AbstractAsyncContextManager[Any]
     if engine._group_commit:
@@ -303,6 +311,7 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                     try:
                         await parts.recover()
                         _log_opened(engine)
+                        opened = True
                         parts.start_tasks()
                         yield engine
                     except BaseException as exc:
@@ -322,7 +331,7 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                 await parts.leave(touch_flows=engine_error is None)
     finally:
         engine._close()
-        _log_closed(engine, engine_error or body_error)
+        _log_closed(engine, engine_error or body_error, opened=opened)
         with trio.CancelScope(shield=True):
             await parts.end()
             await engine._waiters.aclose()
@@ -348,11 +357,20 @@ def _log_opened(engine: Engine) -> None:
     )
 
 
-def _log_closed(engine: Engine, error: BaseException | None) -> None:
-    """INFO: the engine closed (what it left to the next engine), or why it ended."""
+def _log_closed(engine: Engine, error: BaseException | None, *, opened: bool) -> None:
+    """INFO: the engine closed (what it left to the next engine), why it ended, or why it did
+    not open (the whole error: it says what to do)."""
     s = engine._statistics()
     owner = engine._owner
     running = s.running
+    if not opened and error is not None:
+        _log.info(
+            "flow engine %r did not open: %s",
+            owner,
+            _checks.describe(error, 2000),
+            extra={"owner": owner},
+        )
+        return
     if error is not None and not isinstance(error, trio.Cancelled | GeneratorExit):
         _log.info(
             "flow engine %r closed by %s; %d flows running left to the next engine",

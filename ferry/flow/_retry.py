@@ -178,14 +178,23 @@ async def retrying(
     extra: Lazy[Mapping[str, Any]] | None = None,
     schedule: Schedule = STORE,
     when: Callable[[BaseException], bool] = unavailable,
+    failed: BaseException | None = None,
 ) -> T:
     """``await call()`` until it returns; retried (with `Backoff`, on `schedule`) while the
     store is unavailable (`when`), any other exception raised. `what` names the call in the
     WARNING of each retry ("writing flow 'o-1'"); `extra` goes into its log record (flow_id,
     step, ...). Either may be a function that makes it: it is called only if there is a retry
     to log (a runner writes several times per flow, and formatting its name each time costs
-    more than the rest of this call)."""
+    more than the rest of this call).
+
+    `failed`: the caller made the first try itself and it raised this (which `when` accepts):
+    it is logged and paused on as a failed try of this call, before the next. A hot path
+    (the runner's writes) so makes no wrapper objects for the common first try that
+    succeeds."""
     backoff: Backoff | None = None
+    if failed is not None:
+        backoff = Backoff(what, extra=extra, schedule=schedule, when=when)
+        await backoff.pause(failed)
     while True:
         try:
             return await call()

@@ -7,9 +7,15 @@ retry writes attempt + 1 before it runs (docs/adr/0024), and the outcome is writ
 transition of the flow (`_advance`, a compare-and-set on the runner's copy). The runner checks
 what a body left (its outcome, its data) and turns a problem into the flow's own failure.
 
+A runner task has one cancel scope (not one per attempt: a scope is a few objects and their
+bookkeeping in trio); a body runs in it, and only then may it be cancelled (`Live.scope`): by a
+write someone else made to the flow, or by the lease's deadline. A cancelled scope stays
+cancelled, so the attempt that saw it is void and the task goes on in a fresh scope (`_Void`).
+
 In a fleet a body runs only on a trusted copy under a trusted lease (`_lease`'s rule: trust after
 a lapse, ADR 0047): a copy from an older epoch is read again first (`Lease.confirm`), an engine
-whose lease is lapsing lets the flow go, and the body's cancel scope has the lease's deadline.
+whose lease is lapsing lets the flow go, and while a body runs the scope has the lease's deadline
+(inf the rest of the time, and always off a fleet).
 """
 
 from __future__ import annotations
@@ -30,10 +36,10 @@ from . import _checks, _retry, _store, _tracing, _values
 from . import _machine as m
 from ._clock import Clock
 from ._lease import Lease
-from ._live import Live, Tally, about, named, on_row, on_row_and_mailbox
+from ._live import Live, Tally, about, named
 from ._plan import StepDef
 from ._types import Context, Park, State
-from ._values import Flow, Shape
+from ._values import Flow, Mailbox, Shape, Transition
 from ._versions import Versions
 from ._writes import Writes
 
@@ -47,6 +53,51 @@ STEP_BACKOFF = 0.1  # seconds before the first retry of a step; doubles with eve
 def step_backoff(failures: int) -> float:
     """Seconds to wait after the `failures`-th failed attempt of a step, before the next."""
     return STEP_BACKOFF * 2.0 ** (failures - 1)
+
+
+class _Void(Exception):
+    """The runner's cancel scope was cancelled while a body ran in it (the attempt is void):
+    raised by `Runner._attempt` before any other checkpoint, caught by `Runner._run`, which goes
+    on in a fresh scope (a cancelled scope stays cancelled)."""
+
+
+def _not_only_cancelled(exc: BaseException) -> None:
+    """Raise what `exc` holds besides `trio.Cancelled` (a body's nursery may group a cancel
+    with its own errors), as the runner's cancel scope would have; return if it is only
+    that."""
+    if isinstance(exc, trio.Cancelled):
+        return
+    if isinstance(exc, BaseExceptionGroup):
+        _cancelled, rest = exc.split(trio.Cancelled)
+        if rest is None:
+            return
+        raise rest
+    raise exc
+
+
+class _Held:
+    """A runner's write, ``apply(flow, mailbox)``: the transition ``fn(flow, *args)`` (with
+    `box`: ``fn(flow, mailbox, *args)``) and who holds the flow after it (`Writes.hold`). One
+    object per write, in place of a closure for the transition and another for its holder."""
+
+    __slots__ = ("_args", "_box", "_fn", "_hold")
+
+    def __init__(
+        self,
+        hold: Callable[[Transition, Flow], Transition],
+        box: bool,
+        fn: Callable[..., Transition],
+        args: tuple[Any, ...],
+    ) -> None:
+        self._hold = hold
+        self._box = box
+        self._fn = fn
+        self._args = args
+
+    def __call__(self, flow: Flow, mailbox: Mailbox) -> Transition:
+        if self._box:
+            return self._hold(self._fn(flow, mailbox, *self._args), flow)
+        return self._hold(self._fn(flow, *self._args), flow)
 
 
 class Slots:
@@ -96,6 +147,7 @@ class Runner:
         hand_over: Callable[[Live], Awaitable[bool]],
     ) -> None:
         self._writes = writes
+        self._hold = writes.hold  # who holds a flow after a runner's write
         self._lease = lease
         self._versions = versions
         self._clock = clock
@@ -122,11 +174,23 @@ class Runner:
             nursery.start_soon(self._run, live)
 
     async def _run(self, live: Live | None) -> None:
+        # One cancel scope for the runner's life, not one per attempt (each costs a `CancelStatus`
+        # and its bookkeeping): it can be cancelled only while a body runs in it (`live.scope`
+        # is set only then; off a fleet its deadline stays inf, in a fleet it has the lease's
+        # deadline only then), and a scope once cancelled stays so: `_attempt` then raises
+        # `_Void` before any other checkpoint, and the runner goes on in a fresh scope.
         while live is not None:
-            await self._drive(live)
-            live = self.slots.next()
+            with trio.CancelScope() as scope:
+                try:
+                    while live is not None:
+                        await self._drive(live, scope)
+                        live = self.slots.next()
+                except _Void:
+                    pass  # the same flow again (or whatever it became), in a fresh scope
+            # An engine closing at the same time as a void: stop here, not in a new body.
+            await trio.lowlevel.checkpoint_if_cancelled()
 
-    async def _drive(self, live: Live) -> None:
+    async def _drive(self, live: Live, scope: trio.CancelScope) -> None:
         """Run the flow's steps or compensations until it parks, ends, blocks or is let go."""
         fid = live.flow.flow_id
         lives = self._writes.live
@@ -141,13 +205,22 @@ class Runner:
                 return  # a version another live engine has: left to it, not blocked
             if reason is not None:
                 now = self._clock.now()
-                await self._advance(live, on_row(m.block, reason, now))
+                await self._advance(live, self._on_row(m.block, reason, now))
             elif flow.state is _RUNNING:
                 assert shape is not None
-                await self._run_step(live, shape, steps[key][flow.step_index])
+                await self._run_step(live, shape, steps[key][flow.step_index], scope)
             else:
                 assert shape is not None
-                await self._run_compensation(live, shape, steps[key][flow.step_index])
+                await self._run_compensation(live, shape, steps[key][flow.step_index], scope)
+
+    def _on_row(self, fn: Callable[..., Transition], *args: Any) -> _Held:
+        """The runner's write of ``fn(flow, *args)``, a transition that does not read the
+        mailbox."""
+        return _Held(self._hold, False, fn, args)
+
+    def _on_row_and_mailbox(self, fn: Callable[..., Transition], *args: Any) -> _Held:
+        """The runner's write of ``fn(flow, mailbox, *args)``."""
+        return _Held(self._hold, True, fn, args)
 
     def _context(self, flow: Flow, name: str, compensating: bool) -> Context:
         key = _checks.idempotency_key(
@@ -168,11 +241,18 @@ class Runner:
         )
 
     async def _attempt(
-        self, live: Live, step: StepDef, fn: Callable[[Context], Awaitable[Any]], failures: int
+        self,
+        live: Live,
+        step: StepDef,
+        fn: Callable[[Context], Awaitable[Any]],
+        failures: int,
+        scope: trio.CancelScope,
     ) -> tuple[Context, object, BaseException | None] | None:
         """Run one attempt of the flow's current step or compensation (and, if it raised and may
-        be retried, the backoff after it). None if the flow was moved by someone else meanwhile
-        (a cancel): the attempt is void and its changes are discarded."""
+        be retried, the backoff after it) in the runner's `scope`. None if the flow was moved by
+        someone else meanwhile: the attempt is void and its changes are discarded. Raises
+        `_Void` (no checkpoint first) if `scope` was cancelled: a cancel or the lease's deadline
+        voided the attempt, and the runner needs a fresh scope."""
         lease = self._lease
         if self._fleet:
             if live.epoch != self._writes.epoch and not await lease.confirm(live):
@@ -203,10 +283,14 @@ class Runner:
         began = trio.current_time() if observers else 0.0
         seconds = math.nan
         tracing = self._tracing
-        # The body may run only while the lease is trusted (`_lease`; inf off a fleet).
-        with trio.CancelScope(deadline=lease.trust_deadline()) as scope:
-            live.scope = scope
-            live.began = flow.revision
+        # The body may run only while the lease is trusted (`_lease`; inf off a fleet, where the
+        # runner's scope keeps its deadline inf throughout).
+        fleet = self._fleet
+        if fleet:
+            scope.deadline = lease.trust_deadline()
+        live.scope = scope
+        live.began = flow.revision
+        try:
             try:
                 if tracing is None:
                     result = await fn(ctx)
@@ -218,20 +302,38 @@ class Runner:
                 seconds = trio.current_time() - began
             if error is not None and failures + 1 < step.attempts:
                 await trio.sleep(step_backoff(failures + 1))
-        live.scope = None
-        void = scope.cancelled_caught or live.flow is not flow
+        except BaseException as exc:
+            if not scope.cancel_called:
+                raise  # not this attempt's cancel (the engine is closing, say)
+            _not_only_cancelled(exc)  # what else was raised with it goes on up
+        finally:
+            live.scope = None
+        if fleet:
+            # No deadline on the runner's writes. And set before `cancel_called` is read: on an
+            # open scope that read cancels it if its deadline has passed. A body that held the
+            # loop past the deadline and returned without a checkpoint ran to its end (its
+            # lease kept by the lease thread, or not): its result is written as a compare-and-set
+            # like any other, refused if another engine took the flow meanwhile.
+            scope.deadline = math.inf
+        cancelled = scope.cancel_called
+        void = cancelled or live.flow is not flow
         for observer in observers:
             observer.ran(flow, step.name, compensating, result, error, seconds, void)
-        if scope.cancelled_caught and self._fleet and lease.lapsing():
-            if self._writes.live.get(flow.flow_id) is live:
+        if cancelled:
+            if fleet and lease.lapsing() and self._writes.live.get(flow.flow_id) is live:
                 lease.lose_all("its lease lapsed while it ran steps")
-            return None
+            raise _Void
         if void:
             return None
         return ctx, result, error
 
     async def _attempts(
-        self, live: Live, step: StepDef, fn: Callable[[Context], Awaitable[Any]], counter: str
+        self,
+        live: Live,
+        step: StepDef,
+        fn: Callable[[Context], Awaitable[Any]],
+        counter: str,
+        scope: trio.CancelScope,
     ) -> tuple[Context, object, BaseException | None, int] | None:
         """Attempts of the flow's current step or compensation until one returns or `attempts`
         have raised; attempt + 1 is written before every retry. Returns the last attempt's
@@ -243,7 +345,7 @@ class Runner:
         while True:
             flow = live.flow
             stats[counter] += 1
-            ran = await self._attempt(live, step, fn, failures)
+            ran = await self._attempt(live, step, fn, failures, scope)
             if ran is None:
                 return None
             ctx, result, error = ran
@@ -254,7 +356,7 @@ class Runner:
                 return ctx, result, error, failures
             if counter == "steps_run":
                 stats["step_retries"] += 1
-            accepted = await self._advance(live, on_row(m.next_attempt, self._clock.now()))
+            accepted = await self._advance(live, self._on_row(m.next_attempt, self._clock.now()))
             # ours must be the last write applied: a cancel may have come right after it
             if not accepted or live.flow.revision != flow.revision + 1:
                 return None
@@ -270,8 +372,10 @@ class Runner:
         except ValueError as exc:
             return "", f"{what} left data that cannot be stored: {exc}"
 
-    async def _run_step(self, live: Live, shape: Shape, step: StepDef) -> None:
-        ran = await self._attempts(live, step, step.fn, "steps_run")
+    async def _run_step(
+        self, live: Live, shape: Shape, step: StepDef, scope: trio.CancelScope
+    ) -> None:
+        ran = await self._attempts(live, step, step.fn, "steps_run", scope)
         if ran is None:
             return
         ctx, result, error, failures = ran
@@ -289,16 +393,18 @@ class Runner:
             data, problem = self._data_text(ctx, f"step {step.name!r}")
         now = self._clock.now()
         if problem is not None:
-            await self._advance(live, on_row(m.step_failed, shape, problem, now))
+            await self._advance(live, self._on_row(m.step_failed, shape, problem, now))
         else:
             assert not isinstance(outcome, str)
             parks = isinstance(outcome, Park)
-            apply = on_row_and_mailbox(m.step_done, shape, outcome, data, now)
+            apply = self._on_row_and_mailbox(m.step_done, shape, outcome, data, now)
             await self._advance(live, apply, first_queued=parks)
 
-    async def _run_compensation(self, live: Live, shape: Shape, step: StepDef) -> None:
+    async def _run_compensation(
+        self, live: Live, shape: Shape, step: StepDef, scope: trio.CancelScope
+    ) -> None:
         assert step.compensate is not None  # the machine stacks only steps with one
-        ran = await self._attempts(live, step, step.compensate, "compensations_run")
+        ran = await self._attempts(live, step, step.compensate, "compensations_run", scope)
         if ran is None:
             return
         ctx, _result, error, failures = ran
@@ -306,14 +412,14 @@ class Runner:
         if error is None:
             data, message = self._data_text(ctx, "it")
             if message is None:
-                await self._advance(live, on_row(m.compensated, shape, data, now))
+                await self._advance(live, self._on_row(m.compensated, shape, data, now))
                 return
         else:
             message = (
                 f"{_checks.describe(error)} on attempt {live.flow.attempt} ({failures} of"
                 f" {step.attempts} tries)"
             )
-        await self._advance(live, on_row(m.compensation_failed, message, now, shape))
+        await self._advance(live, self._on_row(m.compensation_failed, message, now, shape))
 
     async def _advance(
         self, live: Live, apply: _store.Apply, *, first_queued: bool = False, fallback: bool = False
@@ -327,12 +433,18 @@ class Runner:
         """
         writes = self._writes
         flow = live.flow
-        leased = writes.with_holder(apply, outside=False)
-        op = _store.Change(flow.flow_id, leased, flow=flow, first_queued=first_queued)
-        extra = partial(about, flow)  # made only for a retry's WARNING, as its `what`
-        result = await _retry.retrying(
-            partial(writes.write_answered, op), what=lambda: f"writing {named(flow)}", extra=extra
-        )
+        op = _store.Change(flow.flow_id, apply, flow=flow, first_queued=first_queued)
+        try:  # the first try without `_retry.retrying`'s objects: the common case
+            result = await writes.write_answered(op)
+        except Exception as exc:
+            if not _retry.unavailable(exc):
+                raise
+            result = await _retry.retrying(
+                partial(writes.write_answered, op),
+                what=lambda: f"writing {named(flow)}",
+                extra=partial(about, flow),  # made only for a retry's WARNING, as its `what`
+                failed=exc,
+            )
         if isinstance(result, _store.Changed):
             return True
         if isinstance(result, _store.Rejected):
@@ -352,7 +464,9 @@ class Runner:
             epoch = writes.epoch
             return await writes.load_row(flow.flow_id)
 
-        stored = await _retry.retrying(load, what=lambda: f"reading {named(flow)}", extra=extra)
+        stored = await _retry.retrying(
+            load, what=lambda: f"reading {named(flow)}", extra=partial(about, flow)
+        )
         if writes.live.get(flow.flow_id) is not live or live.flow.revision > flow.revision:
             return False
         if stored is None:
@@ -373,7 +487,7 @@ class Runner:
         shape = self._versions.shapes.get((flow.plan, flow.version))
         now = self._clock.now()
         if flow.state is _RUNNING:
-            apply = on_row(m.step_failed, shape, problem, now)
+            apply = self._on_row(m.step_failed, shape, problem, now)
         else:
-            apply = on_row(m.compensation_failed, problem, now, shape)
+            apply = self._on_row(m.compensation_failed, problem, now, shape)
         await self._advance(live, apply, fallback=True)

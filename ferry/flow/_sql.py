@@ -18,9 +18,9 @@ dialects is in `Dialect` and nowhere else:
   only there does a takeover lock the lease row it reads (ADR 0048) and only there can a flow be
   an orphan;
 - the batch: PostgreSQL writes a batch in a fixed number of statements whatever its size, with
-  arrays (`_batch`, docs/adr/0094); SQLite, in process, writes a batch's starts and plain
-  compare-and-sets in multi-row statements (`update_rows`, `insert_rows`), the rest a row at a
-  time.
+  arrays (`_batch`, docs/adr/0094); SQLite, in process, reads and writes the ops of the flows
+  that have one op in a batch in multi-row statements (`insert_rows`, `select_rows`,
+  `seen_rows`, `first_queued_rows`, `update_rows`, `receive_rows`), the rest a row at a time.
 
 No trio, no clock.
 """
@@ -28,7 +28,10 @@ No trio, no clock.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
+from itertools import compress
+from operator import is_not
 from typing import Any, Final
 
 import attrs
@@ -162,20 +165,48 @@ def mutable_values(f: Flow) -> tuple[Any, ...]:
 
 
 #: The index in `MUTABLE` of the one column a write may find changed at the revision it expects
-#: (a release sets ``lease_until`` alone, `_store.release`): `changed_columns` always writes it.
+#: (a release sets ``lease_until`` alone, `_store.release`): `changed_write` always writes it.
 _LEASE_UNTIL: Final = MUTABLE.index("lease_until")
+assert MUTABLE[-1] == "lease_until"  # `changed_write` appends it last
 
 
-def changed_columns(before: Sequence[Any], after: Sequence[Any]) -> tuple[int, ...]:
-    """The indexes in `MUTABLE` of the columns a write from `before` to `after` (both as
-    `mutable_values` gives them) must set: those whose value or type differs (``1`` and
-    ``1.0`` are stored differently), and always ``lease_until``, which a release changes
-    without a new revision, so the stored row may hold another value than `before` does."""
-    return tuple(
+#: A `Flow`'s values of `MUTABLE` as the row holds them (a `State`, a bool, a tuple: not yet
+#: converted as `mutable_values` converts them), read in one call.
+_unconverted: Final = operator.attrgetter(*MUTABLE)
+_ALL: Final = range(len(MUTABLE))
+
+
+def _value_or_none(state: State | None) -> str | None:
+    return None if state is None else state.value
+
+
+#: How `mutable_values` converts each column of `MUTABLE` (None: stored as it is).
+_CONVERTED: Final[dict[str, Callable[[Any], Any]]] = {
+    "state": operator.attrgetter("value"),
+    "timed_out": int,
+    "stack": stack_text,
+    "blocked_from": _value_or_none,
+}
+_STORED: Final = tuple(_CONVERTED.get(name) for name in MUTABLE)
+
+
+def changed_write(before: Flow, after: Flow) -> tuple[tuple[int, ...], list[Any]]:
+    """What a write from `before` to `after` must set: the indexes in `MUTABLE` of its
+    columns, and their values as `mutable_values` gives them. A column is set if its value or
+    type differs (``1`` and ``1.0`` are stored differently), and ``lease_until`` always: a
+    release changes it without a new revision, so the stored row may hold another value than
+    `before` does. A transition copies the fields it leaves alone (`_machine._bump`), so only
+    the fields that are not the same object are compared, and only the set ones converted."""
+    b = _unconverted(before)
+    a = _unconverted(after)
+    columns = [
         i
-        for i in range(len(MUTABLE))
-        if i == _LEASE_UNTIL or (a := before[i]) != (b := after[i]) or type(a) is not type(b)
-    )
+        for i in compress(_ALL, map(is_not, b, a))
+        if (x := b[i]) != (y := a[i]) or type(x) is not type(y)
+    ]
+    if not columns or columns[-1] != _LEASE_UNTIL:  # the last column of MUTABLE
+        columns.append(_LEASE_UNTIL)
+    return tuple(columns), [a[i] if (c := _STORED[i]) is None else c(a[i]) for i in columns]
 
 
 @functools.lru_cache(maxsize=256)
@@ -228,6 +259,51 @@ def insert_rows(n: int) -> str:
     return (
         f"INSERT INTO {FLOWS} ({COLUMNS}, start_data) VALUES {', '.join([row] * n)}"
         " ON CONFLICT (flow_id) DO NOTHING RETURNING flow_id"
+    )
+
+
+def _marks(n: int, width: int = 1) -> str:
+    """``n`` rows of `width` placeholders: ``?, ?`` or ``(?, ?), (?, ?)``."""
+    if width == 1:
+        return ", ".join(["?"] * n)
+    return ", ".join(["(" + ", ".join(["?"] * width) + ")"] * n)
+
+
+@functools.lru_cache(maxsize=len(CHUNKS))
+def select_rows(n: int) -> str:
+    """SQL: the rows (`COLUMNS`) of `n` flow ids, in one statement (SQLite)."""
+    return f"SELECT {COLUMNS} FROM {FLOWS} WHERE flow_id IN ({_marks(n)})"
+
+
+@functools.lru_cache(maxsize=len(CHUNKS))
+def seen_rows(n: int) -> str:
+    """SQL: which of `n` (flow id, message id) pairs, one after the other, are in the mailbox
+    (SQLite); it returns those pairs. (``CROSS JOIN`` keeps the pairs the outer loop, each
+    looked up in the mailbox's unique index: as ``(flow_id, message_id) IN (VALUES ...)``
+    SQLite scans the whole mailbox.)"""
+    return (
+        f"SELECT m.flow_id, m.message_id FROM (VALUES {_marks(n, 2)}) AS v"
+        f" CROSS JOIN {MAILBOX} AS m ON m.flow_id = v.column1 AND m.message_id = v.column2"
+    )
+
+
+@functools.lru_cache(maxsize=len(CHUNKS))
+def first_queued_rows(n: int) -> str:
+    """SQL: the first queued message (flow id, message id, payload) of each of `n` flows that
+    has one (SQLite: a bare column beside ``MIN`` comes from the row with the least ``seq``)."""
+    return (
+        f"SELECT flow_id, message_id, payload, MIN(seq) FROM {MAILBOX}"
+        f" WHERE flow_id IN ({_marks(n)}) AND status = 'QUEUED' GROUP BY flow_id"
+    )
+
+
+@functools.lru_cache(maxsize=len(CHUNKS))
+def receive_rows(n: int) -> str:
+    """SQL: `n` new messages (flow id, message id, payload, status, arrival time each) in one
+    statement (SQLite), in that order (their ``seq``); a message id its flow has is skipped."""
+    return (
+        f"INSERT INTO {MAILBOX} (flow_id, message_id, payload, status, at)"
+        f" VALUES {_marks(n, 5)} ON CONFLICT (flow_id, message_id) DO NOTHING"
     )
 
 

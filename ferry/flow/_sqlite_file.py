@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import sqlite3
 import sys
 import threading
@@ -31,6 +32,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+
+from ferry.projected._postgres import masked
 
 from ._errors import StoreLocked
 
@@ -69,6 +72,34 @@ class ReadOnlyTx:
         raise sqlite3.OperationalError("read-only")
 
 
+#: What reads as a URL (``scheme://``), and as a libpq key=value DSN (a keyword, then ``=``).
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_LIBPQ = re.compile(r"(?:^|\s)(?:host|hostaddr|port|dbname|user|password|sslmode|service)\s*=")
+
+
+def _refuse_dsn(text: str, who: str) -> None:
+    """A `ValueError` for a path that is no file but reads as a PostgreSQL DSN or another URL:
+    given as a path, it would name an SQLite file in the working directory (or a missing one)."""
+    url = _URL.match(text)
+    shown = repr(masked(text))
+    if (url is not None and url.group(1) in ("postgres", "postgresql")) or (
+        url is None and _LIBPQ.search(text)
+    ):
+        raise ValueError(
+            f"{who} got {shown}, which looks like a PostgreSQL DSN, where it takes the path of"
+            " an SQLite file or an open store: for PostgreSQL give it a PostgresStore, as in"
+            " `async with PostgresStore(dsn) as store, flow.open_engine(store, plans=...)`"
+            " (from ferry.projected import PostgresStore)"
+        )
+    if url is not None:
+        raise ValueError(
+            f"{who} got {shown}, which looks like a URL (scheme {url.group(1)!r}), where it"
+            " takes the path of an SQLite file (for example 'orders.db'); a PostgreSQL DSN"
+            " starts with postgresql://"
+            + (" (open it as a PostgresStore(dsn))" if who == "open_engine" else "")
+        )
+
+
 def check_path(path: object, *, who: str = "open_engine") -> str:
     """`path` as a file system path (str) if it can name an SQLite file; else a `ValueError` (or
     `TypeError`) saying what to give instead. `who` names the caller in the message.
@@ -93,6 +124,8 @@ def check_path(path: object, *, who: str = "open_engine") -> str:
             f"{who} takes the path of an SQLite file, not a URI ({text!r}): give the file's path"
             " (for example 'orders.db'); open options are not taken"
         )
+    if not os.path.exists(text):
+        _refuse_dsn(text, who)
     if os.path.isdir(text):
         raise ValueError(
             f"{text!r} is a directory: give {who} the path of an SQLite file in it (for example"

@@ -28,6 +28,10 @@ class State(enum.Enum):
     FAILED = "FAILED"
     BLOCKED = "BLOCKED"
 
+    # A member is equal only to itself: its identity hash does as well as `Enum`'s (a Python
+    # call hashing the name), and `state in ACTIVE` on every write stays in C.
+    __hash__ = object.__hash__
+
     def __repr__(self) -> str:
         return f"State.{self.name}"
 

@@ -36,8 +36,11 @@ that read puts what it took back.
 Invariants (all on the trio thread of the engine's run):
 
 - `_watches[fid]` exists while a wait for `fid` runs (`users` > 0), and not after.
-- `_Watch.known` is `_Watch.flow`'s value; it never moves back to an older revision of the flow.
-- `_Watch.here` is True iff the flow is in `held`.
+- `_Watch.known` is the newest row of the flow this engine knows; it never moves back to an
+  older revision. The TVar `_Watch.flow` holds the same row whenever that row is settled or was
+  read for a wait; else it may hold an older unsettled row, or None (`_put`).
+- In a fleet, `_Watch.here` is True iff the flow is in `held` (off a fleet nothing reads it,
+  and it is not kept).
 - `_Watch.stale` is True only while its flow id is in `_pending` (an id may be pending without
   it: left there by a read the store could not answer, for the next read to take along); every
   id in `_pending` has a watch.
@@ -204,11 +207,11 @@ class Waiters(Generic[H]):
     def _moved(self, fid: str, *, here: bool) -> None:
         """The engine took the flow (`here`) or let it go (`Held`)."""
         watch = self._watches.get(fid)
-        if watch is None:
-            return
+        if watch is None or not self._fleet:
+            return  # off a fleet no wait reads `here` (every change is this engine's to see)
         stm.atomically_nowait(watch.here.set, here)
         missed, watch.missed = watch.missed, 0
-        if here or not self._fleet:
+        if here:
             return
         watch.read_at = trio.current_time()  # the engine knew the flow until now
         known = watch.known
@@ -323,13 +326,16 @@ class Waiters(Generic[H]):
                 if loaded is None:
                     raise UnknownFlow(f"no flow has id {fid!r}")
                 flow = loaded
-            _put(watch, flow, read=True)
+            # A read row always reaches the TVar; the engine's own copy, like its writes, only
+            # if settled (a held flow is active: the wait's transaction has nothing to see yet).
+            _put(watch, flow, read=held is None)
             if flow.state in SETTLED:
                 await trio.lowlevel.checkpoint()
                 return flow
+            if timeout is None:  # no cancel scope to open (each costs its bookkeeping)
+                return await self._until_settled(fid, watch)
             with trio.move_on_at(deadline):
                 return await self._until_settled(fid, watch)
-            assert timeout is not None
             raise trio.TooSlowError(_timed_out_message(watch.known or flow, timeout))
         finally:
             watch.users -= 1
@@ -443,8 +449,10 @@ def _put(watch: _Watch, flow: Flow, *, read: bool = False) -> None:
     the waits `read` always reaches the TVar (reads are rare); one of the engine's own writes
     only when it settles the flow or leaves a settled state."""
     known = watch.known
-    if known is not None and (known.created_at, known.revision) >= (flow.created_at, flow.revision):
-        return
+    if known is not None:  # (created_at, revision) compared, without building the tuples
+        created, was = flow.created_at, known.created_at
+        if was > created or (was == created and known.revision >= flow.revision):
+            return
     watch.known = flow
     # The TVar changes only when the flow settles or leaves a settled state: its waits wake once,
     # not at every step (`known` has every row, for the timeout's message).

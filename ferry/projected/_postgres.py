@@ -6,14 +6,21 @@ psycopg's ``%s`` once per statement text. A call cancelled mid-statement sends a
 (``cancel_safe``, on a helper thread so the trio thread never blocks) and the connection is closed
 afterwards instead of reused: a cancel request that arrives late could otherwise hit the next
 user's statement.
+
+Every connection the package opens to PostgreSQL (the store's, and a flow engine's lease and
+listener connections) goes through `connect`, which asks the kernel to watch it (`KEEPALIVE`): a
+peer that vanished without a word (a NAT or a firewall that forgot the connection, a host that
+lost power) is noticed within about a minute instead of the system's default of hours, and the
+caller's usual retry takes over.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from collections.abc import Sequence
-from typing import Any, TypeVar, final
+from typing import Any, Final, TypeVar, final
 
 import trio
 
@@ -21,6 +28,73 @@ from ._pool import ConnectionPool, PooledStore, _Use
 from ._types import Tx
 
 T = TypeVar("T")
+
+
+#: libpq options every connection gets unless its DSN sets them (docs/adr/0106): a TCP keepalive
+#: probe after 30 s of silence, every 10 s, 3 unanswered ones and the connection is dead (about
+#: 60 s); data sent and not acknowledged for 60 s kills it too (``tcp_user_timeout``, in ms; a
+#: statement that merely runs long is acknowledged, and is not affected). Over a Unix socket the
+#: kernel ignores them.
+KEEPALIVE: Final[dict[str, int]] = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,
+}
+
+
+def connect(dsn: str, **options: Any) -> Any:
+    """``psycopg.connect(dsn, **options)``, with `KEEPALIVE` for each option neither the DSN nor
+    `options` sets. The one way this package connects to PostgreSQL."""
+    import psycopg
+    from psycopg.conninfo import conninfo_to_dict
+
+    given = conninfo_to_dict(dsn)
+    defaults: dict[str, Any] = {
+        k: v for k, v in KEEPALIVE.items() if k not in given and k not in options
+    }
+    return psycopg.connect(dsn, **defaults, **options)
+
+
+#: A DSN's password, in either form (``password=...`` or ``scheme://user:password@host``).
+PASSWORD: Final = re.compile(
+    r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)|(://[^:/@\s]*:)([^@\s]*)(@)"
+)
+
+
+def _mask(match: re.Match[str]) -> str:
+    if match.group(1) is not None:
+        return f"{match.group(1)}***"
+    return f"{match.group(3)}***{match.group(5)}"
+
+
+def masked(text: str) -> str:
+    """`text` (a DSN, or an error that quotes one) with every password in it replaced by
+    ``***``: what an error message or a log line may show of a DSN."""
+    return PASSWORD.sub(_mask, text)
+
+
+def check_dsn(dsn: object) -> None:
+    """Raise, in the user's words, if psycopg is missing or cannot read `dsn` (a connection
+    string ``host=... dbname=...`` or a URI ``postgresql://user@host/db``)."""
+    if not isinstance(dsn, str):
+        raise TypeError(f"PostgresStore takes a DSN str, got {type(dsn).__name__}")
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        raise ImportError(
+            "PostgresStore needs psycopg 3: pip install 'stm-ferry[postgres]'"
+        ) from None
+    try:
+        conninfo_to_dict(dsn)
+    except Exception as exc:
+        reason = masked(" ".join(str(exc).split()))
+        raise ValueError(
+            f"PostgresStore got a DSN psycopg cannot read ({reason}); give"
+            " 'host=db.example port=5432 dbname=orders user=ops' or"
+            " 'postgresql://ops@db.example:5432/orders'"
+        ) from None
 
 
 @functools.lru_cache(maxsize=512)
@@ -61,9 +135,7 @@ class _PgDriver:
         self._connect_timeout = connect_timeout
 
     def connect(self) -> Any:
-        import psycopg
-
-        return psycopg.connect(
+        return connect(
             self._dsn, autocommit=False, connect_timeout=max(1, round(self._connect_timeout))
         )
 
@@ -106,6 +178,7 @@ class PostgresStore(PooledStore):
     def __init__(self, dsn: str, *, connections: int = 4, connect_timeout: float = 10.0) -> None:
         if not connect_timeout > 0:
             raise ValueError(f"connect_timeout must be > 0, got {connect_timeout!r}")
+        check_dsn(dsn)
         self.dsn = dsn
         self._pool = ConnectionPool(_PgDriver(dsn, connect_timeout), connections)
 

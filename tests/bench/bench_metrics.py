@@ -79,7 +79,12 @@ async def _run(path: Path, observed: bool) -> float:
 
 
 async def _attempt_before_the_hook(
-    self: Any, live: Any, step: Any, fn: Callable[[Any], Awaitable[Any]], failures: int
+    self: Any,
+    live: Any,
+    step: Any,
+    fn: Callable[[Any], Awaitable[Any]],
+    failures: int,
+    scope: trio.CancelScope,
 ) -> Any:
     """`Runner._attempt` as it is without the observer hook (the one-engine path: this bench
     runs no fleet, so the fleet's checks before the body are left out)."""
@@ -87,20 +92,23 @@ async def _attempt_before_the_hook(
     ctx = self._context(flow_, step.name, flow_.state is _runner._COMPENSATING)
     result: object = None
     error: BaseException | None = None
-    with trio.CancelScope(deadline=self._lease.trust_deadline()) as scope:
-        live.scope = scope
+    live.scope = scope
+    try:
         try:
             result = await fn(ctx)
         except Exception as exc:
             error = exc
-            if failures + 1 < step.attempts:
-                await trio.sleep(_runner.step_backoff(failures + 1))
-    live.scope = None
-    if scope.cancelled_caught and self._fleet and self._lease.lapsing():
-        if self._writes.live.get(flow_.flow_id) is live:
-            self._lease.lose_all("its lease lapsed while it ran steps")
-        return None
-    if scope.cancelled_caught or live.flow is not flow_:
+        if error is not None and failures + 1 < step.attempts:
+            await trio.sleep(_runner.step_backoff(failures + 1))
+    except BaseException as exc:
+        if not scope.cancel_called:
+            raise
+        _runner._not_only_cancelled(exc)
+    finally:
+        live.scope = None
+    if scope.cancel_called:
+        raise _runner._Void
+    if live.flow is not flow_:
         return None
     return ctx, result, error
 

@@ -1430,3 +1430,94 @@ async def test_without_trios_count_every_direct_call_adds_its_schedule_point(
     alone = counter.steps["the call alone"]
     assert alone == (2 if yields else 1)
     assert counter.steps["through the ferry"] == alone + 1
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+async def test_what_a_caller_sent_is_freed_with_its_answer_not_by_the_collector(
+    keyed: bool,
+) -> None:
+    """A batched call leaves no reference cycle behind: once the caller has its answer and
+    drops its input, the input is gone at once (reference counting), with the cyclic garbage
+    collector off, and the worker keeps nothing of a batch while it sleeps. A cycle per call
+    (the caller's entry and its place in the room holding each other) kept every input, and all
+    it held, alive until the next collection."""
+    import gc
+    import weakref
+
+    class Input:
+        pass
+
+    async def call(xs: list[Input]) -> list[int]:
+        await trio.lowlevel.checkpoint()
+        return [1 for _ in xs]
+
+    async def keyed_call(key: Any, xs: list[Input]) -> list[int]:
+        return await call(xs)
+
+    refs: list[weakref.ref[Input]] = []
+
+    async def one(f: Any) -> None:
+        x = Input()
+        refs.append(weakref.ref(x))
+        assert await f(x) == 1
+
+    opened = (
+        ferry.open_per_key_ferry(keyed_call, key=lambda x: 0, max_batch_size=8)
+        if keyed
+        else ferry.open_ferry(call, max_batch_size=8, max_in_flight_batches=1)
+    )
+    gc.collect()
+    gc.disable()
+    try:
+        async with opened as f:
+            async with trio.open_nursery() as nursery:
+                for _ in range(20):
+                    nursery.start_soon(one, f)
+            assert len(refs) == 20
+            alive = [i for i, r in enumerate(refs) if r() is not None]
+            assert alive == [], alive
+    finally:
+        gc.enable()
+
+
+async def test_an_input_error_answer_is_freed_with_its_caller_not_by_the_collector() -> None:
+    """A caller answered by an `InputError` in its slot gets it raised (the caller's entry is its
+    answer: `_Entry.unwrap`, ADR 0105), and that raise leaves no reference cycle: once the
+    caller drops the exception, it and the input are gone at once, with the collector off."""
+    import gc
+    import weakref
+
+    class Input:
+        pass
+
+    errors: list[weakref.ref[ferry.InputError]] = []
+    inputs: list[weakref.ref[Input]] = []
+
+    async def call(xs: list[Input]) -> list[Any]:
+        await trio.lowlevel.checkpoint()
+        out: list[Any] = []
+        for i, _ in enumerate(xs):
+            error = ferry.IdReused(f"slot {i} refused")
+            errors.append(weakref.ref(error))
+            out.append(error)
+        return out
+
+    async def one(f: Any) -> None:
+        x = Input()
+        inputs.append(weakref.ref(x))
+        with pytest.raises(ferry.IdReused, match="refused"):
+            await f(x)
+
+    gc.collect()
+    gc.disable()
+    try:
+        async with ferry.open_ferry(call, max_batch_size=8, max_in_flight_batches=1) as f:
+            async with trio.open_nursery() as nursery:
+                for _ in range(12):
+                    nursery.start_soon(one, f)
+            assert len(errors) == len(inputs) == 12
+            refs: list[weakref.ref[Any]] = [*errors, *inputs]
+            alive = [r for r in refs if r() is not None]
+            assert alive == [], alive
+    finally:
+        gc.enable()

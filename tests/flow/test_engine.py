@@ -9,6 +9,7 @@ tests at the end run on the threaded `SqliteStore` and on PostgreSQL.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -539,6 +540,86 @@ async def test_cancel_a_running_flow(store, autojump_clock) -> None:
     assert log == ["first", "undo first: customer changed their mind"]
 
 
+async def test_a_step_that_cancels_its_own_flow_is_void_and_the_compensations_run(
+    store, autojump_clock
+) -> None:
+    """A cancel that lands after a step's last checkpoint (here the step cancels its own flow
+    and returns without another): the step is void all the same, and the compensations run to
+    the end, checkpoints and all (the runner goes on in a fresh cancel scope: a cancelled one
+    would void every body after it)."""
+    log: list[str] = []
+    engine_box: list[flow.Engine] = []
+
+    async def first(ctx: flow.Context) -> None:
+        log.append("first")
+
+    async def undo_first(ctx: flow.Context) -> None:
+        await trio.sleep(1)
+        await trio.lowlevel.checkpoint()
+        log.append(f"undo first: {ctx.error}")
+
+    async def second(ctx: flow.Context) -> None:
+        ctx.data["second"] = True
+        assert await engine_box[0].cancel(ctx.flow_id, "cancelled by its own step")
+        log.append("second returned")
+
+    plan = simple_plan(first, second, compensations={0: undo_first})
+    async with engine_on(store, plan) as engine:
+        engine_box.append(engine)
+        fid = await engine.start(plan)
+        snap = await settle(engine, fid)
+        assert snap.state is flow.State.FAILED and snap.error == "cancelled by its own step"
+        assert "second" not in snap.data
+        assert await kinds(engine, fid) == ["started", "step", "cancelled", "compensated", "failed"]
+        again = await engine.start(plan)  # the engine runs on, in fresh scopes
+        assert (await settle(engine, again)).state is flow.State.FAILED
+    assert log == [
+        "first",
+        "second returned",
+        "undo first: cancelled by its own step",
+        "first",
+        "second returned",
+        "undo first: cancelled by its own step",
+    ]
+
+
+async def test_a_cancel_of_a_step_with_its_own_tasks_is_void_and_the_flow_compensates(
+    store, autojump_clock
+) -> None:
+    """A step whose body runs tasks of its own: a cancel reaches it as a group of
+    `trio.Cancelled` out of its nursery, which voids the step like a bare one."""
+    log: list[str] = []
+    cancelled = trio.Event()
+
+    async def first(ctx: flow.Context) -> None:
+        log.append("first")
+
+    async def undo_first(ctx: flow.Context) -> None:
+        await trio.sleep(1)
+        log.append(f"undo first: {ctx.error}")
+
+    async def fan_out(ctx: flow.Context) -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trio.sleep_forever)
+                nursery.start_soon(trio.sleep_forever)
+                await trio.sleep_forever()
+        except BaseExceptionGroup:
+            cancelled.set()
+            raise
+
+    plan = simple_plan(first, fan_out, compensations={0: undo_first})
+    async with engine_on(store, plan) as engine:
+        fid = await engine.start(plan)
+        await trio.testing.wait_all_tasks_blocked()
+        assert await engine.cancel(fid, "stop the fan-out")
+        snap = await settle(engine, fid)
+        assert cancelled.is_set()
+        assert snap.state is flow.State.FAILED and snap.error == "stop the fan-out"
+        assert await kinds(engine, fid) == ["started", "step", "cancelled", "compensated", "failed"]
+    assert log == ["first", "undo first: stop the fan-out"]
+
+
 async def test_cancel_a_parked_flow_compensates_the_parked_step(store, autojump_clock) -> None:
     log: Log = []
     plan = order_plan(log, park_timeout=3600)
@@ -867,6 +948,51 @@ async def test_a_call_that_raises_cancelled_did_not_happen(planted, autojump_clo
         assert (await settle(engine, "c")).state is flow.State.COMPLETED
 
 
+async def test_a_cancelled_call_whose_write_waited_for_a_batch_did_not_happen(
+    planted, autojump_clock
+) -> None:
+    """API calls write without a cancel scope of their own: a call cancelled while its write
+    waits behind a batch in flight raises `Cancelled` and nothing of it is written; one
+    cancelled while its write is in the batch waits for it and returns its answer, an error
+    included (here `IdReused`), and one that wrote a wake returns the delivery."""
+    store = planted
+    plan = simple_plan(_noop)
+    async with engine_on(store, plan) as engine:
+        await settle(engine, await engine.start(plan, flow_id="x", data={"a": 1}))
+        store.gate = trio.Event()
+        outcomes: dict[str, object] = {}
+
+        async def call(name: str, fn: Callable[[], Any], scope: trio.CancelScope) -> None:
+            with scope:
+                try:
+                    outcomes[name] = await fn()
+                except flow.IdReused as exc:
+                    outcomes[name] = exc
+            if scope.cancelled_caught:
+                outcomes[name] = "cancelled"
+
+        async with trio.open_nursery() as nursery:
+            first, reused = trio.CancelScope(), trio.CancelScope()
+            nursery.start_soon(call, "first", partial(engine.start, plan, flow_id="a"), first)
+            nursery.start_soon(
+                call, "reused", partial(engine.start, plan, flow_id="x", data={"a": 2}), reused
+            )
+            await trio.testing.wait_all_tasks_blocked()  # their batch waits in the store
+            queued = trio.CancelScope()
+            nursery.start_soon(call, "queued", partial(engine.start, plan, flow_id="q"), queued)
+            await trio.testing.wait_all_tasks_blocked()  # behind the batch in flight
+            for scope in (first, reused, queued):
+                scope.cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            assert outcomes == {"queued": "cancelled"}
+            store.gate.set()
+        assert outcomes["first"] == "a"
+        assert isinstance(outcomes["reused"], flow.IdReused)
+        assert await engine.get("q") is None
+        assert (await settle(engine, "a")).state is flow.State.COMPLETED
+        assert engine._parts.writes._requested == {}  # nothing left behind
+
+
 # ------------------------------------------------------------------------ idempotent start
 
 
@@ -992,14 +1118,25 @@ async def test_max_running_bounds_running_flows_first_come_first_served(
 # --------------------------------------------------------------------- store trouble, fencing
 
 
-async def test_a_failed_write_is_retried_and_a_failed_call_raises(planted, autojump_clock) -> None:
+async def test_a_failed_write_is_retried_and_a_failed_call_raises(
+    planted, autojump_clock, caplog: pytest.LogCaptureFixture
+) -> None:
     store = planted
     plan = simple_plan(_noop, _noop)
     async with engine_on(store, plan) as engine:
         fid = await engine.start(plan)
         store.fail_next = 2  # the first step's write fails twice, then goes through
-        snap = await settle(engine, fid)
+        with caplog.at_level(logging.WARNING, logger="ferry.flow"):
+            snap = await settle(engine, fid)
         assert snap.state is flow.State.COMPLETED and snap.revision == 3
+        # each failed try is logged with its delay, the runner's first try too
+        retries = [r for r in caplog.records if r.name == "ferry.flow" and "retry" in r.__dict__]
+        assert [(r.__dict__["retry"], r.__dict__["delay"]) for r in retries] == [
+            (1, 0.05),
+            (2, 0.1),
+        ]
+        assert all(f"writing flow {fid!r}" in r.getMessage() for r in retries)
+        assert all(r.__dict__["flow_id"] == fid for r in retries)
         store.fail_next = 1
         with pytest.raises(ferry.Failed) as info:
             await engine.start(plan, flow_id="y")

@@ -146,8 +146,12 @@ async def test_every_engine_call_from_another_run_or_thread_names_the_engine_and
     plan = plan_of(_park)
     async with engine_on(store, plan) as engine:
         fid = await engine.start(plan, flow_id="f")
-        await trio.testing.wait_all_tasks_blocked()
+        # Parked in the store (all tasks blocked is not enough: the park's write may still be
+        # in the store's thread, and the count below would change under the test).
+        while engine.statistics().parked < 1:
+            await trio.testing.wait_all_tasks_blocked(cushion=0.001)
         before = await read(store, _store.count_states)
+        assert before == {flow.State.PARKED: 1}
         calls: dict[str, Callable[[], Awaitable[object]]] = {
             "start": partial(engine.start, plan),
             "wake": partial(engine.wake, fid, "x"),

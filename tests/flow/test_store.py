@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from collections.abc import Sequence
 from functools import partial
@@ -12,9 +13,10 @@ import pytest
 import trio
 
 from ferry.flow import _machine as m
+from ferry.flow import _sql
 from ferry.flow import _store as s
 from ferry.flow._types import CONTINUE, Delivery, State, park
-from ferry.flow._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Transition
+from ferry.flow._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Taken, Transition
 from ferry.projected import PostgresStore, Store, Tx
 from tests import pg, switches
 from tests.stores.conftest import StoreFactory
@@ -789,3 +791,109 @@ async def test_sqlite_writes_a_batch_of_starts_and_steps_in_a_few_statements(
     stored = await store.transact(partial(s.load_many, flow_ids=[f.flow_id for f in flows]))
     assert sorted(f.revision for f in stored) == [2] * 999
     assert await history_kinds(store, flows[3].flow_id) == [(1, "started"), (2, "step")]
+
+
+async def test_a_batch_of_parks_and_wakes_answers_each_op_alone(store: Store) -> None:
+    """Parks (which read the first queued message) and wakes (which read the row and the ids
+    seen), each its flow's only op in one batch: each is answered as it would be alone."""
+    f = [await started(store, f"p{i}") for i in range(7)]
+    for message_id in ("e1", "e2"):  # two wakes queued before p0 parks: it takes the first
+        assert changed((await write(store, wake("p0", message_id)))[0]).delivery is Delivery.QUEUED
+    parked = changed((await write(store, step(f[2], park(None))))[0]).flow
+    changed((await write(store, wake("p3", "dup")))[0])
+    changed((await write(store, step(f[4])))[0])  # another writer moved p4 on
+
+    def broken(_f: Flow, _b: Mailbox) -> Transition:
+        raise RuntimeError("a bug")
+
+    ops = [
+        step(f[0], park(60)),
+        step(f[1], park(60)),
+        wake("p2", "go", '"on"'),
+        wake("p3", "dup"),
+        step(f[4], park(60)),  # from a stale copy
+        wake("nope", "x"),
+        s.Change("p5", broken),
+        wake("p6", "later"),
+    ]
+    r = await write(store, *ops)
+    took = changed(r[0])
+    assert took.flow.state is State.RUNNING and took.flow.step == "charge"
+    assert took.flow.wake == "1" and took.messages == (Taken(Message("e1", "1")),)
+    assert changed(r[1]).flow.state is State.PARKED
+    assert changed(r[2]).delivery is Delivery.RESUMED and changed(r[2]).flow.wake == '"on"'
+    assert changed(r[3]).delivery is Delivery.DUPLICATE
+    assert r[4] == s.Conflict("p4", 1, 2, None)
+    assert r[5] == s.Missing("nope")
+    assert isinstance(r[6], s.Refused) and str(r[6].error) == "a bug"
+    assert changed(r[7]).delivery is Delivery.QUEUED and not changed(r[7]).written
+    for i in (0, 1, 2):
+        assert await load(store, f"p{i}") == changed(r[i]).flow
+    assert (await load(store, "p2")) == attrs.evolve(
+        changed(r[2]).flow, revision=parked.revision + 1
+    )
+    assert await load(store, "p5") == f[5]
+    boxes = {
+        fid: await store.transact(partial(s.load_mailbox, flow_id=fid))
+        for fid in ("p0", "p2", "p6")
+    }
+    assert boxes["p0"] == Mailbox((Message("e2", "1"),), frozenset({"e1", "e2"}))
+    assert boxes["p2"] == Mailbox((), frozenset({"go"}))
+    assert boxes["p6"] == Mailbox((Message("later", "1"),), frozenset({"later"}))
+    assert await history_kinds(store, "p0") == [
+        (1, "started"),
+        (2, "step"),
+        (2, "parked"),
+        (2, "woken"),
+    ]
+    assert await history_kinds(store, "p2") == [
+        (1, "started"),
+        (2, "step"),
+        (2, "parked"),
+        (3, "woken"),
+    ]
+
+
+async def test_sqlite_writes_a_batch_of_wakes_in_a_few_statements(
+    make_store: StoreFactory,
+) -> None:
+    """On SQLite the ops that read a flow's row or mailbox (a wake, a park), one per flow, read
+    and write in multi-row statements too: a batch of 1,000 wakes is a few dozen statements,
+    not a few per wake."""
+    store = make_store()
+    await setup(store)
+    if store.dialect != "sqlite":
+        pytest.skip("PostgreSQL writes a batch with arrays")
+    flows = await start_many(store, 1000)
+    parks = await write(store, *(step(f, park(None)) for f in flows))
+    assert all(changed(r).flow.state is State.PARKED for r in parks)
+    seen: list[str] = []
+
+    def traced(ops: Sequence[s.Op], tx: Tx) -> list[s.Result]:
+        tx.connection.set_trace_callback(seen.append)
+        try:
+            return s.write_batch(tx, ops)
+        finally:
+            tx.connection.set_trace_callback(None)
+
+    ops = [wake(f.flow_id, f"m{i}") for i, f in enumerate(flows)]
+    results = await store.transact(partial(traced, ops))
+    assert all(changed(r).delivery is Delivery.RESUMED for r in results)
+    assert len(seen) <= 30, [q[:60] for q in seen]  # 6 chunks each: rows, seen, UPDATE, mailbox
+    stored = await store.transact(partial(s.load_many, flow_ids=[f.flow_id for f in flows]))
+    assert sorted((f.revision, f.step) for f in stored) == [(3, "charge")] * 1000
+    box = await store.transact(partial(s.load_mailbox, flow_id=flows[999].flow_id))
+    assert box == Mailbox((), frozenset({"m999"}))
+
+
+@pytest.mark.parametrize("n", [1, 2, 512])
+def test_sqlite_batch_reads_search_by_index(n: int) -> None:
+    """The multi-row reads of a SQLite batch look each flow up in an index: none scans the
+    flows or the mailbox (a batch would then cost as much as the tables are large)."""
+    conn = sqlite3.connect(":memory:")
+    for statement in s.ddl("sqlite"):
+        conn.execute(statement)
+    for sql in (_sql.select_rows(n), _sql.seen_rows(n), _sql.first_queued_rows(n)):
+        plan = [r[3] for r in conn.execute("EXPLAIN QUERY PLAN " + sql, ["x"] * sql.count("?"))]
+        assert not [p for p in plan if p.startswith("SCAN flow_")], (sql[:60], plan)
+        assert [p for p in plan if p.startswith("SEARCH")], (sql[:60], plan)

@@ -206,14 +206,15 @@ def _walk(limits: Limits, seen: set[tuple[str, bool]], proto: ShellProtocol | No
         old, b0 = state.peek(), bell.peek()
         if op == "admit":
             key = rnd.choice(keys)
-            got, item = room.admit(key, n, 1.0, None, now)
+            got = room.admit(key, n, 1.0, None, now)
             assert rung(b0) == proto.admit_rings(old, state.peek())
             seen.add(("admit", rung(b0)))
             if got is Admission.CLAIMED:
                 held.append(key)
-            elif got is Admission.ADMITTED:
-                assert item is not None
-                waiting.append((key, item))
+            elif type(got) is Item:
+                waiting.append((key, got))
+            else:
+                assert got in (Admission.REJECTED, Admission.CLOSED), got
         elif op == "take":
             batch = room.take(now)
             if batch is None:
