@@ -53,14 +53,7 @@ def test_ctrl_c_stops_the_ledger_with_one_line() -> None:
     assert err.splitlines()[-1] == "ledger.py: interrupted (Ctrl-C)", err
 
 
-@pytest.mark.long
-@pytest.mark.xfail(
-    strict=True,
-    reason="Ctrl-C cancels the run, and the engine's block then hangs with starts in flight"
-    " (tests/flow/test_cancel_with_starts_in_flight.py); fix in ferry/flow/_writes.py or"
-    " ferry/_shell.py",
-)
-@pytest.mark.parametrize("crash", [False, True])
+@pytest.mark.parametrize("crash", [False, pytest.param(True, marks=pytest.mark.long)])
 def test_ctrl_c_stops_the_orders_and_says_where_their_flows_are(
     tmp_path: Path, crash: bool
 ) -> None:
