@@ -760,8 +760,11 @@ def show(report: dict[str, Any], where: str, out: TextIO) -> None:
     for problem in problems[:20]:
         print(f"    {problem}", file=out)
     print("\n  legend:", file=out)
+    explained = {name for name, _ in rows} | ({"trace"} if "trace" in report else set())
     for key, text in LEGEND.items():
         name = key.replace("_", " ")
+        if name not in explained:  # a line this run did not print (--metrics-port, ...)
+            continue
         lines = textwrap.wrap(text, 96 - width)
         print(f"    {name:<{width}}  {lines[0]}", file=out)
         for more in lines[1:]:
