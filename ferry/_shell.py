@@ -51,9 +51,7 @@ F = TypeVar("F")
 
 _thread_id = threading.get_ident
 _new_object = object.__new__
-# Typed to take an `_Entry` as well as an `outcome.Outcome`: both have the `unwrap` that
-# `wait_task_rescheduled` calls on what it was sent (`_Entry.unwrap`).
-_reschedule: Callable[[trio.lowlevel.Task, Any], None] = trio.lowlevel.reschedule
+_reschedule = trio.lowlevel.reschedule
 _CLAIMED, _Item = _lanes.Admission.CLAIMED, _lanes.Item
 _checkpoint_if_cancelled = trio.lowlevel.checkpoint_if_cancelled
 _current_task = trio.lowlevel.current_task
@@ -76,13 +74,13 @@ async def _unprotected(aw: Awaitable[Any]) -> Any:
     return await aw
 
 
-class _Entry:
+class _Entry(outcome.Outcome[Any]):
     """One caller. `task` is set while the caller is parked and nobody has answered it yet.
 
     An entry is also its caller's abort function (`__call__`), so parking allocates nothing more,
-    and the common answer, its slot of a batch's list of results (`result`, then `unwrap`), so
-    answering allocates nothing either (ADR 0105). `submit` makes it with `object.__new__` and
-    writes its slots (no `__init__` frame per caller).
+    and the common answer: an `outcome.Outcome` of its own whose value is its slot of a batch's
+    list of results (`result`), so answering allocates nothing either (ADR 0105). `submit` makes
+    it with `object.__new__` and writes its slots (no `__init__` frame per caller).
     """
 
     __slots__ = ("input", "item", "key", "result", "room", "task")
@@ -95,13 +93,9 @@ class _Entry:
     result: Any
 
     def unwrap(self) -> Any:
-        """The answer `wait_task_rescheduled` returns when a worker rescheduled the caller with
-        the entry itself as its outcome: `result`, or, for an `InputError`, raised to it.
-
-        trio sends what `reschedule` was given into the parked task, whose
-        `wait_task_rescheduled` calls `.unwrap()` on it and nothing else; one `outcome.Value`
-        per caller cost more than the rest of the answer (ADR 0105).
-        """
+        """The answer `wait_task_rescheduled` gives the caller when a worker rescheduled it with
+        the entry: `result`, or, for an `InputError`, raised to it. Called once; unlike
+        `outcome.Value` it does not check that (nothing else holds the entry as an outcome)."""
         result = self.result
         if isinstance(result, InputError):
             self.result = None
@@ -111,6 +105,22 @@ class _Entry:
                 # As `outcome.Error.unwrap`: no cycle through this frame and the traceback.
                 del result, self
         return result
+
+    def send(self, gen: Any) -> Any:
+        """`outcome.Outcome.send`: the answer sent into (or raised in) `gen`."""
+        try:
+            value = self.unwrap()
+        except InputError as exc:
+            return gen.throw(exc)
+        return gen.send(value)
+
+    async def asend(self, agen: Any) -> Any:
+        """`outcome.Outcome.asend`: the answer sent into (or raised in) `agen`."""
+        try:
+            value = self.unwrap()
+        except InputError as exc:
+            return await agen.athrow(exc)
+        return await agen.asend(value)
 
     def __call__(self, raise_cancel: Any) -> trio.lowlevel.Abort:
         """The caller was cancelled while parked: it stops waiting, whether its input still
