@@ -12,15 +12,27 @@
   read (`ArgumentParser.connects`).
 - ``--json`` prints one object whose keys are snake_case; counts of things are written with
   `plural` (``1 account``, ``2 accounts``).
+- Ctrl-C ends a run with one line on stderr, ``PROG: interrupted (Ctrl-C)`` (and what was left
+  where, if anything was), exit status 130, never a traceback (`ctrl_c`). In trio the examples
+  run through `run`, where Ctrl-C cancels the run (its engines and ferries close as at the end
+  of their ``async with``) instead of raising KeyboardInterrupt wherever the code happens to be.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
+
+import outcome
+import trio
+
+T = TypeVar("T")
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -189,3 +201,58 @@ def connect(dsn: str) -> None:
 def _first_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+def is_ctrl_c(error: BaseException) -> bool:
+    """A Ctrl-C: KeyboardInterrupt, alone or in trio's exception groups."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(is_ctrl_c(e) for e in error.exceptions)
+    return isinstance(error, KeyboardInterrupt)
+
+
+@contextlib.contextmanager
+def ctrl_c(prog: str, left: Callable[[], str] | None = None) -> Iterator[None]:
+    """Ctrl-C in the block ends the program with one line on stderr, ``PROG: interrupted
+    (Ctrl-C)``, then ``: `` and ``left()`` if it says something (what the run left where), and
+    exit status 130 (the shell's for SIGINT), instead of a traceback."""
+    try:
+        yield
+    except BaseException as error:
+        if not is_ctrl_c(error):
+            raise
+        note = left() if left is not None else ""
+        print(f"{prog}: interrupted (Ctrl-C){': ' + note if note else ''}", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """``trio.run(fn, *args)``, where Ctrl-C (SIGINT) cancels `fn` and then raises
+    KeyboardInterrupt from here, once everything it opened has closed: trio's default raises
+    KeyboardInterrupt inside whatever code runs at that moment, which can be in the middle of
+    a library's bookkeeping. A second Ctrl-C during the close gets trio's default."""
+    return trio.run(_until_ctrl_c, fn, args)
+
+
+async def _until_ctrl_c(fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]) -> T:
+    done: list[outcome.Outcome[T]] = []
+    interrupted = False
+
+    async def watch(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        nonlocal interrupted
+        with trio.open_signal_receiver(signal.SIGINT) as signals:
+            task_status.started()
+            async for _ in signals:
+                interrupted = True
+                nursery.cancel_scope.cancel()
+                return
+
+    async def body() -> None:  # its outcome as it is (a SystemExit not in an ExceptionGroup)
+        done.append(await outcome.acapture(fn, *args))
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch)
+        nursery.start_soon(body)
+    if interrupted:
+        raise KeyboardInterrupt
+    return done[0].unwrap()

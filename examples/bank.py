@@ -129,8 +129,9 @@ def build_parser() -> cli.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    trio.run(run, args.seed)
+    cli.run(run, args.seed)
 
 
 if __name__ == "__main__":
-    main()
+    with cli.ctrl_c("bank.py"):
+        main()

@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    trio.run(run, args.requests, args.seed)
+    cli.run(run, args.requests, args.seed)
 
 
 if __name__ == "__main__":
-    main()
+    with cli.ctrl_c("inference.py"):
+        main()

@@ -445,4 +445,5 @@ async def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(trio.run(main, sys.argv[1:]))
+    with cli.ctrl_c("ledger.py"):
+        sys.exit(cli.run(main, sys.argv[1:]))

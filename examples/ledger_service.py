@@ -228,4 +228,5 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    trio.run(serve, parse(sys.argv[1:]))
+    with cli.ctrl_c("ledger_service.py"):
+        cli.run(serve, parse(sys.argv[1:]))

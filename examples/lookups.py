@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    trio.run(run, args.callers, args.latency)
+    cli.run(run, args.callers, args.latency)
 
 
 if __name__ == "__main__":
-    main()
+    with cli.ctrl_c("lookups.py"):
+        main()

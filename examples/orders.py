@@ -49,6 +49,7 @@ run in child processes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -61,7 +62,7 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -759,8 +760,11 @@ def show(report: dict[str, Any], where: str, out: TextIO) -> None:
     for problem in problems[:20]:
         print(f"    {problem}", file=out)
     print("\n  legend:", file=out)
+    explained = {name for name, _ in rows} | ({"trace"} if "trace" in report else set())
     for key, text in LEGEND.items():
         name = key.replace("_", " ")
+        if name not in explained:  # a line this run did not print (--metrics-port, ...)
+            continue
         lines = textwrap.wrap(text, 96 - width)
         print(f"    {name:<{width}}  {lines[0]}", file=out)
         for more in lines[1:]:
@@ -881,7 +885,7 @@ def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
         async with open_store(args, path) as store:  # type: ignore[attr-defined]
             await prepare(store, run, args)
 
-    trio.run(setup_store)
+    cli.run(setup_store)
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--run", run]
     command += ["--orders", str(args.orders), "--seed", str(args.seed), "--rate", str(args.rate)]
     command += ["--epoch", repr(time.time() + 0.5)]  # about when the first engine is open
@@ -903,28 +907,10 @@ def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
     for attempt in range(2):
         more = ["--mark", mark] if attempt == 0 else ["--steps-before", str(totals["steps"])]
         child = subprocess.Popen(command + more, stdout=subprocess.PIPE, text=True)
-        assert child.stdout is not None
-        line = child.stdout.readline()
-        if line != "open\n":
-            child.wait()
-            fail(f"the engine process did not start (exit code {child.returncode})")
-        killed = False
-        lines = []
-        if attempt == 0:
-            for line in child.stdout:  # its counters every TICK s, until the victim is charged
-                lines.append(line)
-                if line == f"charged {mark}\n":
-                    child.send_signal(signal.SIGKILL)
-                    killed = True
-                    kills += 1
-                    say(
-                        f"\n  *** SIGKILL to the engine process {child.pid} after"
-                        f" {time.perf_counter() - t0:.2f} s: order {mark} was just charged, and"
-                        " its charge step had not returned ***"
-                    )
-                    break
-        out, _ = child.communicate()
-        lines += out.splitlines()
+        with stopped_with(child):
+            lines, killed = drive_child(child, attempt, mark, say, t0)
+        if killed:
+            kills += 1
         if not killed and child.returncode != 0:
             fail(f"the engine process failed (exit code {child.returncode})")
         reports = [line[6:] for line in lines if line.startswith("stats ")]
@@ -944,7 +930,54 @@ def crash(args: argparse.Namespace, path: Path | None, run: str) -> int:
             shop = make_shop(store, args, run)
             return await finish(args, path, shop, merged, seconds, kills)
 
-    return trio.run(audited)
+    return cli.run(audited)
+
+
+@contextlib.contextmanager
+def stopped_with(child: subprocess.Popen[str]) -> Iterator[None]:
+    """If the block is left by an exception (Ctrl-C) while the engine process still runs, it is
+    stopped too (a terminal's Ctrl-C reaches it as well; a SIGINT to this process alone does not),
+    and waited for: no engine is left holding the store."""
+    try:
+        yield
+    except BaseException:
+        if child.poll() is None:
+            child.send_signal(signal.SIGINT)
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        raise
+
+
+def drive_child(
+    child: subprocess.Popen[str], attempt: int, mark: str, say: Callable[[str], None], t0: float
+) -> tuple[list[str], bool]:
+    """Read the engine process's lines until it ends; on the first attempt SIGKILL it once the
+    victim `mark` was charged. Its lines, and whether it was killed."""
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    if line != "open\n":
+        child.wait()
+        fail(f"the engine process did not start (exit code {child.returncode})")
+    killed = False
+    lines = []
+    if attempt == 0:
+        for line in child.stdout:  # its counters every TICK s, until the victim is charged
+            lines.append(line)
+            if line == f"charged {mark}\n":
+                child.send_signal(signal.SIGKILL)
+                killed = True
+                say(
+                    f"\n  *** SIGKILL to the engine process {child.pid} after"
+                    f" {time.perf_counter() - t0:.2f} s: order {mark} was just charged, and"
+                    " its charge step had not returned ***"
+                )
+                break
+    out, _ = child.communicate()
+    lines += out.splitlines()
+    return lines, killed
 
 
 # ------------------------------------------------------------------------------ command line
@@ -1043,6 +1076,20 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+def left_behind(args: argparse.Namespace) -> str:
+    """What a run stopped by Ctrl-C leaves, and where to look at it."""
+    if args.worker:  # --crash's child: its parent says it
+        return ""
+    if args.postgres:
+        return "the orders that had not settled stay in the database as they were, unaudited"
+    if args.db is None:
+        return "the temporary store was removed with its orders (--db PATH keeps a store)"
+    return (
+        f"the orders that had not settled stay in {args.db} as they were, unaudited:"
+        f" python -m ferry.flow {args.db} list"
+    )
+
+
 def main(argv: Sequence[str]) -> int:
     args = parse(argv)
     run = args.run or uuid.uuid4().hex[:8]
@@ -1050,11 +1097,13 @@ def main(argv: Sequence[str]) -> int:
         path = None if args.postgres else Path(args.db or os.path.join(tmp, "orders.db"))
         try:
             if args.worker:
-                trio.run(worker, args, path)
+                with cli.ctrl_c("orders.py (engine process)"):
+                    cli.run(worker, args, path)
                 return 0
-            if args.crash:
-                return crash(args, path, run)
-            return trio.run(in_process, args, path, run)
+            with cli.ctrl_c("orders.py", partial(left_behind, args)):
+                if args.crash:
+                    return crash(args, path, run)
+                return cli.run(in_process, args, path, run)
         except flow.StoreLocked:
             fail(
                 f"another engine is serving {path} right now (another orders.py?): wait for it"

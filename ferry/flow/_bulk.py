@@ -68,10 +68,24 @@ def _version(text: str) -> int:
     return n
 
 
+def utf8(text: str) -> str:
+    """An argparse type: `text` as it is, if it is valid UTF-8 text. A shell hands Python bytes
+    that are not UTF-8 (a terminal in another encoding, a mangled paste) as lone surrogates,
+    which no flow id, plan, step or message id can hold: say so, instead of a codec error."""
+    for i, ch in enumerate(text):
+        if "\ud800" <= ch <= "\udfff":
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not valid UTF-8 text ({ch!r} at index {i}: bytes the shell could"
+                " not decode, or a lone surrogate); nothing in a store holds it: check the"
+                " terminal's encoding (LANG, LC_ALL) and retype it"
+            )
+    return text
+
+
 def _name(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("must not be empty (leave it out to match every flow)")
-    return text
+    return utf8(text)
 
 
 def _when(text: str) -> float:
@@ -157,6 +171,10 @@ def matching(
 Done = tuple[bool, str, str | None]
 
 
+#: Seconds between two progress lines of an action on many flows (stderr).
+PROGRESS_EVERY = 1.0
+
+
 class Refused(Exception):
     """The operator did not say yes: nothing was done."""
 
@@ -174,14 +192,27 @@ async def act(
     store: Store,
     ids: list[str],
     one: Callable[[Engine, str], Awaitable[Done]],
+    results: list[dict[str, Any]] | None = None,
+    progress: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``one(engine, flow_id)`` for each id with one operator's engine, each its own call;
-    a result per flow, in order. Raises `StoreLocked` if an engine serves the SQLite file."""
-    results: list[dict[str, Any]] = []
+    a result per flow, in order, appended to `results` as each is done (so that a caller that
+    is interrupted knows how far it got). ``progress(results)`` is called after a flow at most
+    every `PROGRESS_EVERY` seconds, and after the last one if it was called before. Raises
+    `StoreLocked` if an engine serves the SQLite file."""
+    results = [] if results is None else results
+    shown_at, shown = 0.0, 0
     async with open_engine(store, [], serve=False) as engine:
+        start = time.monotonic()
         for fid in ids:
             acted, what, state = await one(engine, fid)
             results.append({"flow_id": fid, "acted": acted, "result": what, "state": state})
+            now = time.monotonic()
+            if progress is not None and now - max(shown_at, start) >= PROGRESS_EVERY:
+                progress(results)
+                shown_at, shown = now, len(results)
+    if progress is not None and 0 < shown < len(results):
+        progress(results)  # the last line says that all were done
     return results
 
 

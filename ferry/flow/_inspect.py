@@ -29,9 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import NoReturn
 
 import trio
@@ -39,7 +41,7 @@ import trio
 from ferry.projected import PostgresStore, SqliteStore
 
 from . import _bulk, _retention
-from ._inspect_act import do_cancel, do_purge, do_resume, do_wake
+from ._inspect_act import do_cancel, do_purge, do_resume, do_wake, so_far
 from ._inspect_read import (
     PROG,
     Problem,
@@ -74,12 +76,16 @@ def _count(text: str) -> int:
 def _nonempty(text: str) -> str:
     if not text:
         raise argparse.ArgumentTypeError("must not be empty (leave it out for no deduplication)")
-    return text
+    return _bulk.utf8(text)
+
+
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value (JSON has no NaN and Infinity)")
 
 
 def _json_value(text: str) -> Json:
     try:
-        value: Json = json.loads(text)
+        value: Json = json.loads(text, parse_constant=_not_json)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
     return value
@@ -121,10 +127,11 @@ def parser() -> argparse.ArgumentParser:
     ls.add_argument(
         "--after",
         metavar="CURSOR",
+        type=_bulk.utf8,
         help="the page after this cursor (list prints it when more flows match than --limit)",
     )
     show = command("show", "One flow: its state, and its history as a table.")
-    show.add_argument("flow_id", metavar="FLOW_ID")
+    show.add_argument("flow_id", metavar="FLOW_ID", type=_bulk.utf8)
     stats = command(
         "stats",
         "Counts by state and plan, the oldest parked flows, why flows are blocked, the engines.",
@@ -140,7 +147,13 @@ def parser() -> argparse.ArgumentParser:
 
     def one_or_many(name: str, summary: str, what: str) -> argparse.ArgumentParser:
         c = sub.add_parser(name, parents=[common], help=summary, description=f"{summary} {bulk}")
-        c.add_argument("flow_id", metavar="FLOW_ID", nargs="?", help="one flow (or use filters)")
+        c.add_argument(
+            "flow_id",
+            metavar="FLOW_ID",
+            nargs="?",
+            type=_bulk.utf8,
+            help="one flow (or use filters)",
+        )
         _bulk.add_filters(c, what)
         c.add_argument("--limit", metavar="N", type=_count, help="act on at most this many matches")
         c.add_argument("--yes", action="store_true", help="do not ask: act on every match")
@@ -156,7 +169,9 @@ def parser() -> argparse.ArgumentParser:
     cancel = one_or_many(
         "cancel", "Stop a running or parked flow; it compensates (Engine.cancel).", "to cancel"
     )
-    cancel.add_argument("--reason", default="cancelled by an operator", help="recorded as why")
+    cancel.add_argument(
+        "--reason", type=_bulk.utf8, default="cancelled by an operator", help="recorded as why"
+    )
     one_or_many("resume", "Re-drive a BLOCKED flow (Engine.resume).", "to resume")
     purge = command(
         "purge",
@@ -234,10 +249,39 @@ COMMANDS = {
 async def run(args: argparse.Namespace) -> None:
     store = open_store(args.store)
     try:
-        await COMMANDS[args.command](args, store)
+        if args.command == "serve":  # the server stops on Ctrl-C its own way
+            await do_serve(args, store)
+        else:
+            await _until_ctrl_c(COMMANDS[args.command](args, store))
     finally:
         with trio.CancelScope(shield=True):
             await store.aclose()
+
+
+async def _until_ctrl_c(command: Awaitable[None]) -> None:
+    """Run `command`; Ctrl-C (SIGINT) cancels it, so that the engine call in hand did not happen
+    and every engine closes as at the end of its block, then raises KeyboardInterrupt (trio's
+    default would raise it wherever the code is, even inside a library's bookkeeping)."""
+    interrupted = False
+
+    async def watch(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        nonlocal interrupted
+        with trio.open_signal_receiver(signal.SIGINT) as signals:
+            task_status.started()
+            async for _ in signals:
+                interrupted = True
+                scope.cancel()
+                return
+
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watch)
+            try:
+                await command
+            finally:
+                nursery.cancel_scope.cancel()
+    if interrupted:
+        raise KeyboardInterrupt
 
 
 def _usage(p: argparse.ArgumentParser, message: str) -> int:
@@ -256,9 +300,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rest = " ".join(argv[1:]) or "STORE"
         return _usage(p, f"the store comes first: {PROG} {rest.split()[0]} {argv[0]} ...")
     try:
-        args = p.parse_args(argv)
+        args, extras = p.parse_known_args(argv)
     except SystemExit as done:
         return int(done.code or 0)
+    if extras:
+        return _usage(p, _unrecognized(args, extras))
     args.json = args.json or args.json_first
     args.where = shown(args.store)
     if args.command in ("list", "wake", "cancel", "resume"):
@@ -277,17 +323,55 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     try:
         trio.run(run, args)
-    except KeyboardInterrupt:
+    except BaseException as error:
+        if not _interrupted(error):
+            if isinstance(error, Exception):
+                return _failed(error, args)
+            raise
         if args.command == "serve":  # how a server is stopped
             return 0
-        raise
-    except Exception as error:
-        if _broken_pipe(error):  # the reader went away (`| head`): nothing to say to anyone
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 1
-        print(f"{PROG}: error: {one_line(error, args.store)}", file=sys.stderr)
-        return 1
+        print(f"{PROG}: interrupted{_how_far(args)}", file=sys.stderr)
+        return 130
     return 0
+
+
+def _failed(error: Exception, args: argparse.Namespace) -> int:
+    if _broken_pipe(error):  # the reader went away (`| head`): nothing to say to anyone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    print(f"{PROG}: error: {one_line(error, args.store)}", file=sys.stderr)
+    return 1
+
+
+def _unrecognized(args: argparse.Namespace, extras: list[str]) -> str:
+    """What argparse would say about words it did not expect, and for the likeliest one (a
+    wake's payload written after the flow id, as in ``Engine.wake(flow_id, payload)``) how to
+    give it."""
+    one_word = len(extras) == 1 and not extras[0].startswith("-")
+    if args.command == "wake" and args.flow_id is not None and one_word:
+        word = extras[0]
+        fid, payload = shlex.quote(args.flow_id), shlex.quote(word)
+        return f"wake: the payload goes in --payload: {PROG} STORE wake {fid} --payload {payload}"
+    return f"unrecognized arguments: {' '.join(extras)}"
+
+
+def _interrupted(error: BaseException) -> bool:
+    """A Ctrl-C: KeyboardInterrupt, alone or in trio's exception groups."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(_interrupted(e) for e in error.exceptions)
+    return isinstance(error, KeyboardInterrupt)
+
+
+def _how_far(args: argparse.Namespace) -> str:
+    """For a bulk action stopped by Ctrl-C: how far it got, and how to go on."""
+    done = getattr(args, "done", None)
+    if done is None:
+        return ""
+    return (
+        f": {so_far(args, done, 'stopped after')}; the flow in hand when it stopped may have"
+        " been acted on too, the others are untouched: run the same command again to act on"
+        " what still matches"
+    )
 
 
 def _broken_pipe(error: BaseException) -> bool:

@@ -63,6 +63,12 @@ def test_the_default_run_audits_clean_and_explains_its_summary(tmp_path: Path) -
     assert done.stdout.startswith("orders: 200 orders arriving over 1.3 s (150/s), SQLite ")
     assert "settled" in done.stderr  # the progress line
     assert "auditing 200 orders ..." in done.stderr  # and what comes after it
+    # the legend explains the lines shown, and only those: no --metrics-port, no --trace, no note
+    summary, legend = done.stdout.split("\n  legend:\n")
+    named = {line[4:22].strip() for line in legend.splitlines() if line[4:5] != " "}
+    shown = {line[2:20].strip() for line in summary.splitlines()[1:] if line[2:3] != " "}
+    assert named == shown - {""}, (named, shown)
+    assert not {"metrics", "trace", "note"} & named
 
 
 def test_the_store_is_kept_with_db_and_the_inspector_finds_its_orders(tmp_path: Path) -> None:
