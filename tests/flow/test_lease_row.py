@@ -194,3 +194,49 @@ def _hide_row(dsn: str, owner: str) -> psycopg.Connection[Any]:
         if held:
             return conn
         conn.rollback()
+
+
+async def test_a_claim_that_wins_the_name_while_the_row_is_missing_supersedes_the_engine(
+    pg_server: pg.PgServer, caplog: pytest.LogCaptureFixture, heard: _Heard
+) -> None:
+    """The engine's renewal, writing its missing row again, loses the race to another
+    incarnation's claim of the name (``ON CONFLICT DO NOTHING`` inserts nothing): that one holds
+    the name, and the engine is superseded, as when it finds that row at once. The claim here is
+    the test's, committed once the engine's insert waits for it; the row stays the claimant's."""
+    dsn = pg_server.fresh_schema_dsn("leaserow")
+    runs: list[tuple[str, str, str]] = []
+    p = _plan(runs, "solo")
+    async with (
+        PostgresStore(dsn) as store,
+        flow.open_engine(store, [p], owner="solo", lease=3.0),
+    ):
+        claim = await trio.to_thread.run_sync(_hide_row, dsn, "solo")
+        try:
+            await trio.to_thread.run_sync(
+                claim.execute,
+                "UPDATE flow_engines SET incarnation = 'elsewhere', lease_until = %s"
+                " WHERE owner = 'solo'",
+                (time.time() + 600,),
+            )
+            with trio.fail_after(_WAIT):
+                # The engine's insert of its row, waiting for the claim's (no event to wait on).
+                while not await trio.to_thread.run_sync(_insert_waits, dsn):  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+            await trio.to_thread.run_sync(claim.commit)
+        finally:
+            await trio.to_thread.run_sync(claim.close)
+        assert await _heard(heard)
+    ((incarnation,),) = _sql(dsn, "SELECT incarnation FROM flow_engines WHERE owner = 'solo'")
+    assert incarnation == "elsewhere"
+    assert [m for m in _lost(caplog) if "for good" in m], caplog.text
+    assert not [r for r in caplog.records if _REWRITTEN in r.getMessage()]
+
+
+def _insert_waits(dsn: str) -> bool:
+    """Is a session's insert into the engines table waiting for a lock?"""
+    rows = _sql(
+        dsn,
+        "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND query LIKE 'INSERT INTO flow_engines%%'",
+    )
+    return bool(rows)
