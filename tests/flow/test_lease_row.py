@@ -3,9 +3,11 @@ commits in a crash, with ``synchronous_commit = off``; a restore; a prune after 
 superseded: nobody else holds its name. It writes the row again and goes on as after a lapse,
 re-reading its flows. Only a row of another incarnation ends it (tests/fleet, test_fleetnew).
 
-Each test here failed before its fix: the engine's next renewal found no row of its incarnation,
-took itself for superseded ("lost its lease for good") and ran nothing more, for ever. They run
-on the suite's throwaway PostgreSQL server, through the public API.
+The first two tests failed before the fix: the engine's next renewal found no row of its
+incarnation, took itself for superseded ("lost its lease for good") and ran nothing more, for
+ever. The third checks the race the fix opens (another incarnation's claim wins the name while
+the row is missing: superseded). They run on the suite's throwaway PostgreSQL server, through the
+public API.
 """
 
 from __future__ import annotations
