@@ -262,7 +262,12 @@ class Writes:
         A transaction the database rolled back on its own (a deadlock or a serialization
         failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times.
         Without `whole`, a row the database refuses is answered `Rejected` to its op alone and
-        the others are written without it (`_apart.write_apart`, ADR 0063)."""
+        the others are written without it (`_apart.write_apart`, ADR 0063).
+
+        Shielded: a batch the ferry took is written to its end even when the engine is closing
+        (its block cancelled), so that every caller in it learns what became of its write (a
+        `start` returns its flow's id) instead of "it may or may not have been written"; the
+        close waits for that one transaction (docs/adr/0108)."""
         requested = self._requested
         if requested:  # API calls wait for answers: note which of them this batch took
             flight = _Flight(ops)
@@ -270,14 +275,17 @@ class Writes:
                 if id(op) in requested:
                     requested[id(op)] = flight
             try:
-                flight.results = await self._batch(ops, whole)
+                with trio.CancelScope(shield=True):
+                    flight.results = await self._batch(ops, whole)
             except BaseException as exc:
                 flight.error = exc
                 raise
             finally:
                 flight.done.set()
             return flight.results
-        return await self._batch(ops, whole)
+        with trio.CancelScope(shield=True):
+            results = await self._batch(ops, whole)
+        return results
 
     async def _batch(self, ops: list[_store.Op], whole: bool) -> list[_store.Result]:
         if whole:
