@@ -276,13 +276,14 @@ class Writes:
                     requested[id(op)] = flight
             try:
                 with trio.CancelScope(shield=True):
-                    flight.results = await self._batch(ops, whole)
+                    results = await self._batch(ops, whole)
+                flight.results = results
             except BaseException as exc:
                 flight.error = exc
                 raise
             finally:
                 flight.done.set()
-            return flight.results
+            return results
         with trio.CancelScope(shield=True):
             results = await self._batch(ops, whole)
         return results
