@@ -103,6 +103,7 @@ class ConnectionPool(Generic[C]):
         self._available = trio.Semaphore(size, max_value=size)
         self._closed = False
 
+    @trio.lowlevel.enable_ki_protection
     async def transact(self, fn: Callable[[Tx], T], *, read_only: bool = False) -> T:
         """Run ``fn(tx)`` in one transaction on a worker thread; commit if it returns.
 
@@ -117,6 +118,12 @@ class ConnectionPool(Generic[C]):
         runs the transaction on the trio thread instead: waiting for a thread counts as blocked,
         and the clock's autojump would move time while a transaction is in flight
         (docs/adr/0066). Then the call is a checkpoint before the transaction and nothing after.
+
+        KeyboardInterrupt-protected: a Ctrl-C never lands between taking a connection and parking
+        (trio raises it at the park instead, whose abort_fn hands the connection back when the
+        thread is done). Unprotected, it could leave the connection taken forever (`aclose`
+        then waits for it: a hang) or leave the thread's completion rescheduling a task that
+        never parked (an error inside trio itself, `trio.TrioInternalError`).
         """
         if self._closed:
             raise trio.ClosedResourceError("this store is closed")
