@@ -16,6 +16,8 @@
   where, if anything was), exit status 130, never a traceback (`ctrl_c`). In trio the examples
   run through `run`, where Ctrl-C cancels the run (its engines and ferries close as at the end
   of their ``async with``) instead of raising KeyboardInterrupt wherever the code happens to be.
+- Output piped into a reader that stops early (``| head``) ends the example quietly, exit status
+  141, never a BrokenPipeError traceback (also `ctrl_c`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
+import select
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -210,14 +214,37 @@ def is_ctrl_c(error: BaseException) -> bool:
     return isinstance(error, KeyboardInterrupt)
 
 
+def _stdout_closed(error: BaseException) -> bool:
+    """`error` is BrokenPipeError (alone or in trio's exception groups) and standard output is
+    a pipe whose reader has gone (``python examples/ledger.py | head``)."""
+    if isinstance(error, BaseExceptionGroup):
+        return all(_stdout_closed(e) for e in error.exceptions)
+    if not isinstance(error, BrokenPipeError):
+        return False
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll here, or stdout is not a file
+        return False
+
+
 @contextlib.contextmanager
 def ctrl_c(prog: str, left: Callable[[], str] | None = None) -> Iterator[None]:
     """Ctrl-C in the block ends the program with one line on stderr, ``PROG: interrupted
     (Ctrl-C)``, then ``: `` and ``left()`` if it says something (what the run left where), and
-    exit status 130 (the shell's for SIGINT), instead of a traceback."""
+    exit status 130 (the shell's for SIGINT), instead of a traceback. A standard output closed
+    by its reader (``| head``) ends it quietly, with exit status 141 (the shell's for SIGPIPE):
+    the reader has what it wanted."""
     try:
         yield
     except BaseException as error:
+        if _stdout_closed(error):
+            # What is still buffered for stdout would fail again at exit: send it nowhere.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            raise SystemExit(141) from None
         if not is_ctrl_c(error):
             raise
         note = left() if left is not None else ""

@@ -76,3 +76,30 @@ def test_ctrl_c_stops_the_orders_and_says_where_their_flows_are(
         check=False,
     )
     assert done.returncode == 1 and "no flow has id 'nobody'" in done.stderr, done.stderr
+
+
+def test_a_reader_that_stops_early_ends_the_ledger_quietly() -> None:
+    """``python examples/ledger.py | head -1``: the example's later lines meet a closed pipe; it
+    ends with exit status 141 (as a program that SIGPIPE ended) and nothing on stderr, not a
+    BrokenPipeError traceback (neither from the print nor from the flush at exit)."""
+    p = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "ledger.py"), "--ops", "300", "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert p.stdout is not None and p.stderr is not None
+    try:
+        first = p.stdout.readline()
+        p.stdout.close()  # the reader is done: the summary that follows has nowhere to go
+        err = p.stderr.read()
+        p.wait(timeout=60)
+    finally:
+        p.stderr.close()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert first.startswith("ledger: 300 inputs"), first
+    assert err == "", err
+    assert p.returncode == 141, err
