@@ -32,6 +32,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Sequence
 from typing import NoReturn
@@ -261,7 +262,12 @@ async def run(args: argparse.Namespace) -> None:
 async def _until_ctrl_c(command: Awaitable[None]) -> None:
     """Run `command`; Ctrl-C (SIGINT) cancels it, so that the engine call in hand did not happen
     and every engine closes as at the end of its block, then raises KeyboardInterrupt (trio's
-    default would raise it wherever the code is, even inside a library's bookkeeping)."""
+    default would raise it wherever the code is, even inside a library's bookkeeping). Off the
+    main thread (`main` called from a program's worker thread) signals cannot be received: the
+    command just runs."""
+    if threading.current_thread() is not threading.main_thread():
+        await command
+        return
     interrupted = False
 
     async def watch(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
