@@ -240,6 +240,8 @@ def attempt(fn: Callable[..., Any], args: tuple[Any, ...], irrevocable: bool) ->
 
     Returns the attempt with `status` COMMITTED (and `result`), RETRY or CONFLICT. Exceptions
     raised by `fn` propagate only if the attempt's reads are still current; otherwise CONFLICT.
+    KeyboardInterrupt and SystemExit always propagate (nothing written): a Ctrl-C that lands in
+    `fn` is not the product of an inconsistent read, and taking it for a conflict would lose it.
     Never blocks except on the commit lock (held only for short commits, or while an
     irrevocable attempt runs).
     """
@@ -258,7 +260,7 @@ def attempt(fn: Callable[..., Any], args: tuple[Any, ...], irrevocable: bool) ->
         txn.status = CONFLICT
         _n_conflicts += 1
         return txn
-    except BaseException:
+    except Exception:  # not KeyboardInterrupt, SystemExit: a Ctrl-C in `fn` is never a conflict
         if txn.doomed is not None or not txn.still_valid():
             txn.status = CONFLICT
             _n_conflicts += 1

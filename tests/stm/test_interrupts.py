@@ -258,3 +258,45 @@ def test_ctrl_c_at_every_point_of_a_single_tvar_update_is_all_or_nothing(
         # `update` is KeyboardInterrupt-protected from its first instruction: every Ctrl-C
         # that lands in it is delivered afterwards, and the commit is whole.
         assert committed
+
+
+# ---- a Ctrl-C in the transaction function itself ----------------------------------------------
+
+
+def test_ctrl_c_while_a_retry_unwinds_is_not_lost(trio_owns_sigint: None) -> None:
+    """A Ctrl-C that lands in `fn` after it called `retry` (here: in a `finally` block that the
+    retry's unwinding runs) ends `atomically` with KeyboardInterrupt. It was once taken for a
+    conflict (the attempt was already doomed to retry), the attempt reran, and the Ctrl-C was
+    lost: the program went on as if no one had pressed it."""
+    ready = TVar(False)
+    interrupts = 0
+
+    def wait_until_ready() -> str:
+        nonlocal interrupts
+        try:
+            if not ready.get():
+                stm.retry()
+            return "ready"
+        finally:
+            if interrupts == 0:
+                interrupts += 1
+                signal.raise_signal(signal.SIGINT)  # trio's handler raises it here, in fn
+
+    async def main() -> str:
+        async def set_ready() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            await stm.atomically(ready.set, True)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(set_ready)
+            return await stm.atomically(wait_until_ready)
+
+    def only_ctrl_c(error: BaseException) -> bool:
+        if isinstance(error, BaseExceptionGroup):
+            return all(only_ctrl_c(e) for e in error.exceptions)
+        return isinstance(error, KeyboardInterrupt)
+
+    with pytest.raises(BaseException) as raised:
+        trio.run(main)  # (before the fix: returned "ready", the Ctrl-C lost)
+    assert interrupts == 1
+    assert only_ctrl_c(raised.value), raised.value

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import pytest
 import trio
 
 from ferry.projected import SqliteStore, Tx
@@ -72,7 +74,16 @@ def interrupted_at_line(path: Path, k: int) -> str:
     return trio.run(main)  # a TrioInternalError raises here
 
 
-def test_ctrl_c_at_any_line_of_a_transaction(tmp_path: Path) -> None:
+@pytest.fixture
+def default_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler, which trio replaces with its own during a run (a test run
+    started in the background may have inherited SIGINT ignored)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_at_any_line_of_a_transaction(tmp_path: Path, default_sigint: None) -> None:
     seen: list[int] = []
     failed: list[str] = []
     for k in range(1, 100):
