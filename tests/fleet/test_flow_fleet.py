@@ -170,14 +170,33 @@ def test_a_fleet_with_a_kill_and_a_frozen_owner_runs_every_flow_once(
     assert {s for s in seen.states.values()} == {"COMPLETED", "FAILED"}
 
 
+#: Chaos runs the unfenced fleet gets to show its damage. Whether a stale engine writes over
+#: newer state depends on what the kill and the freeze catch in flight: one run in three or four
+#: shows none, so the planted bug must be caught within a few independent runs (seeds), not one.
+UNFENCED_RUNS = 5
+
+
 def test_without_fencing_the_fleet_oracle_fails(pg_server: pg.PgServer, tmp_path: Path) -> None:
-    dsn = pg_server.fresh_database_dsn("unfencedflows")
-    specs, seen, chaos, reports = run_fleet(
-        dsn, tmp_path, flows=600, spread=3.0, seed=2, fencing=False, patience=10.0, settle=False
-    )
-    problems = check(specs, seen, chaos.freeze)
-    print(f"\n{summary(specs, seen, reports)}\n{len(problems)} problems, e.g. {problems[:5]}")
-    assert problems
+    problems: list[str] = []
+    for attempt in range(UNFENCED_RUNS):
+        dsn = pg_server.fresh_database_dsn("unfencedflows")
+        workdir = tmp_path / f"run{attempt}"
+        workdir.mkdir()
+        specs, seen, chaos, reports = run_fleet(
+            dsn,
+            workdir,
+            flows=600,
+            spread=3.0,
+            seed=2 + attempt,
+            fencing=False,
+            patience=10.0,
+            settle=False,
+        )
+        problems = check(specs, seen, chaos.freeze)
+        print(f"\n{summary(specs, seen, reports)}\n{len(problems)} problems, e.g. {problems[:5]}")
+        if problems:
+            break
+    assert problems, f"no run of {UNFENCED_RUNS} showed the unfenced fleet's damage"
     text = "\n".join(problems)
     # Stale engines (the frozen one when it woke, and rival takeovers) wrote over newer state:
     # a step outcome recorded twice, a flow rewound.
