@@ -16,7 +16,18 @@ from tests.model.planted import (
 BOUND_DIRECT = next(c for c in DEFAULT if "at most 2 calls" in c.name)
 
 
-@pytest.mark.parametrize("config", DEFAULT, ids=lambda c: c.name)
+# The lanes' own "per-key, delay 1, batches split by size" (10 s) runs under `-m long`: the
+# shell's model checks the same configuration with the workers around the lanes (configs.py).
+_TWIN_IN_SHELL = "per-key, delay 1, batches split by size"
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(c, id=c.name, marks=[pytest.mark.long] if c.name == _TWIN_IN_SHELL else [])
+        for c in DEFAULT
+    ],
+)
 def test_model_check(config: Config) -> None:
     report = Checker(config).run()
     assert report.states > 1000  # the bounds really branch
