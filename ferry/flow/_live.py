@@ -121,8 +121,3 @@ def log_ended(before: Flow, after: Flow) -> None:
 def on_row(fn: Callable[..., Transition], *args: Any) -> _store.Apply:
     """``apply(flow, mailbox)`` for a transition that does not read the mailbox."""
     return lambda flow, _mailbox: fn(flow, *args)
-
-
-def on_row_and_mailbox(fn: Callable[..., Transition], *args: Any) -> _store.Apply:
-    """``apply(flow, mailbox)`` for a transition that reads the mailbox."""
-    return lambda flow, mailbox: fn(flow, mailbox, *args)

@@ -133,13 +133,7 @@ class Writes:
         alone (ADR 0063; nothing of it was written either way), and the exception of a
         transition that raised (a bug, raised to whoever asked for it alone).
         """
-        result = await self.write_answered(op)
-        if isinstance(result, _store.Rejected):
-            raise Failed(
-                f"the database refused the write of flow {result.flow_id!r}:"
-                f" {_checks.describe(result.error)}; nothing of it was written"
-            ) from result.error
-        return result
+        return _unless_rejected(await self.write_answered(op))
 
     async def write_answered(self, op: _store.Op) -> _store.Result:
         """`write`, but a row the database refused is answered (`_store.Rejected`), not
@@ -153,11 +147,7 @@ class Writes:
                 (result,) = await self.batch([op])
             except Exception as exc:
                 raise Failed(f"the flow store raised {exc!r}") from exc
-        if isinstance(result, _store.Refused):
-            raise result.error
-        if isinstance(result, _store.Unwritten):
-            raise Failed(f"the flow store raised {result.error!r}") from result.error
-        return result
+        return _answered(result)
 
     async def request(self, op: _store.Op) -> _store.Result:
         """An API call's write: a cancel point first, then the write, so that a call that raises
@@ -203,17 +193,7 @@ class Writes:
                 " read the flow to know"
             ) from error
         index = next(i for i, o in enumerate(flight.ops) if o is op)
-        result = flight.results[index]
-        if isinstance(result, _store.Refused):
-            raise result.error
-        if isinstance(result, _store.Unwritten):
-            raise Failed(f"the flow store raised {result.error!r}") from result.error
-        if isinstance(result, _store.Rejected):
-            raise Failed(
-                f"the database refused the write of flow {result.flow_id!r}:"
-                f" {_checks.describe(result.error)}; nothing of it was written"
-            ) from result.error
-        return result
+        return _unless_rejected(_answered(flight.results[index]))
 
     def with_holder(self, apply: _store.Apply, *, outside: bool) -> _store.Apply:
         """`apply`, with who holds the flow after its write (`_machine.assign_holder`): a flow left
@@ -438,6 +418,26 @@ class Writes:
         if isinstance(result, _store.Changed) and result.transition.written:
             return result.before, result.transition.flow
         return None
+
+
+def _answered(result: _store.Result) -> _store.Result:
+    """An op's result as `write_answered` gives it: a transition that raised is raised, a
+    store that failed is `ferry.Failed`."""
+    if isinstance(result, _store.Refused):
+        raise result.error
+    if isinstance(result, _store.Unwritten):
+        raise Failed(f"the flow store raised {result.error!r}") from result.error
+    return result
+
+
+def _unless_rejected(result: _store.Result) -> _store.Result:
+    """`result`, or `ferry.Failed` if the database refused the op's row (as `write` raises)."""
+    if isinstance(result, _store.Rejected):
+        raise Failed(
+            f"the database refused the write of flow {result.flow_id!r}:"
+            f" {_checks.describe(result.error)}; nothing of it was written"
+        ) from result.error
+    return result
 
 
 async def gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
