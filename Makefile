@@ -8,16 +8,29 @@ APT    := DEBIAN_FRONTEND=noninteractive apt-get
 
 .PHONY: test lint pytest demo bench clean postgres-binaries browser
 
-$(STAMP): pyproject.toml
+# Two stamps: `make demo` installs only the runtime (trio, attrs, pyrsistent, immutables: what the
+# examples it runs import), `make test` and the other targets the dev tools on top of it.
+DEMO_STAMP := $(VENV)/.installed-runtime
+
+define make_venv
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { \
 	  echo "venv unavailable: installing python3-venv with apt-get"; \
 	  rm -rf $(VENV); $(APT) update -qq && $(APT) install -y -qq python3-venv && \
 	  $(PYTHON) -m venv $(VENV); }
+endef
+
+$(STAMP): pyproject.toml
+	$(make_venv)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	@# -qq: setuptools' editable install prints an informational notice that -q still shows;
 	@# errors are still printed.
 	$(BIN)/python -m pip install --quiet --quiet -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+$(DEMO_STAMP): pyproject.toml
+	$(make_venv)
+	$(BIN)/python -m pip install --quiet --quiet --disable-pip-version-check -e .
+	touch $(DEMO_STAMP)
 
 test: lint pytest
 
@@ -42,7 +55,7 @@ browser:
 	  $(APT) update -qq && $(APT) install -y -qq chromium chromium-driver || \
 	  echo "could not install Chromium: the dashboard's browser test will be skipped"; }
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python examples/ledger.py --ops 5000
 	@# The orders' store is kept in the checkout: `python -m ferry.flow orders.db list` (README).
 	$(BIN)/python examples/orders.py --db orders.db
