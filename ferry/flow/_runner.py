@@ -38,7 +38,7 @@ from ._clock import Clock
 from ._lease import Lease
 from ._live import Live, Tally, about, named
 from ._plan import StepDef
-from ._types import Context, Park, State
+from ._types import Context, MisusedOutcome, Park, State
 from ._values import Flow, Mailbox, Shape, Transition
 from ._versions import Versions
 from ._writes import Writes
@@ -352,7 +352,7 @@ class Runner:
             if error is None:
                 return ctx, result, None, failures
             failures += 1
-            if failures >= step.attempts:
+            if failures >= step.attempts or isinstance(error, MisusedOutcome):
                 return ctx, result, error, failures
             if counter == "steps_run":
                 stats["step_retries"] += 1
@@ -382,7 +382,12 @@ class Runner:
         outcome = _checks.outcome(result)
         problem: str | None = None
         data = ""
-        if error is not None:
+        if isinstance(error, MisusedOutcome):
+            problem = (
+                f"step {step.name!r} raised {_checks.describe(error)} on attempt"
+                f" {live.flow.attempt} (a bad argument to park() or fail(): not retried)"
+            )
+        elif error is not None:
             problem = (
                 f"step {step.name!r} raised {_checks.describe(error)} on attempt"
                 f" {live.flow.attempt} ({failures} of {step.attempts} tries)"
