@@ -93,10 +93,17 @@ def _json_value(text: str) -> Json:
 
 
 def _before(text: str) -> float:
+    now = time.time()
     try:
-        return _retention.parse_before(text, time.time())
+        when = _retention.parse_before(text, now)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if when > now:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is in the future: every finished flow ended before it, including those"
+            " that end from now on; give a time in the past or an age (7d)"
+        )
+    return when
 
 
 def parser() -> argparse.ArgumentParser:
@@ -186,6 +193,14 @@ def parser() -> argparse.ArgumentParser:
         required=True,
         help="ISO 8601 (2026-11-01, 2026-11-01T12:00:00Z; UTC unless it says otherwise) or an"
         " age: 7d, 12h, 30m, 90s, 2w",
+    )
+    purge.add_argument(
+        "--plan", metavar="NAME", type=_bulk.utf8, help="only the flows of this plan (its name)"
+    )
+    purge.add_argument(
+        "--state",
+        choices=_retention.FINISHED_STATES,
+        help="only the flows that ended in this state (keep failed flows longer, say)",
     )
     purge.add_argument("--yes", action="store_true", help="delete without asking")
     what = (

@@ -206,14 +206,26 @@ async def do_purge(args: argparse.Namespace, store: SqliteStore | PostgresStore)
     store, on SQLite too, since a finished flow is never written again)."""
     before = args.finished_before
     when = _times.iso(before)
-    matched = await read_store(store, args.where, partial(_retention.count_finished, before=before))
-    data: dict[str, Json] = {"finished_before": when, "matched": matched, "deleted": 0}
+    only = _retention.Only(plan=args.plan, state=args.state)
+    count = partial(_retention.count_finished, before=before, only=only)
+    matched = await read_store(store, args.where, count)
+    data: dict[str, Json] = {
+        "finished_before": when,
+        "plan": only.plan,
+        "state": only.state,
+        "matched": matched,
+        "deleted": 0,
+    }
+    which = "" if only.state is None else f" ({only.state})"
+    if only.plan is not None:
+        which += f" of plan {only.plan!r}"
     if not matched:
-        output(args, f"no finished flow ended before {when}: nothing to delete", data)
+        output(args, f"no finished flow{which} ended before {when}: nothing to delete", data)
         return
     question = (
-        f"delete {matched} finished flow{'s' * (matched != 1)} (COMPLETED or FAILED) that ended"
-        f" before {when}, with their history and mailbox, from {args.where}?"
+        f"delete {matched} finished flow{'s' * (matched != 1)}"
+        f"{which or ' (COMPLETED or FAILED)'} that ended before {when}, with their history and"
+        f" mailbox, from {args.where}?"
     )
     if not args.yes and not sys.stdin.isatty():
         raise Problem(
@@ -225,5 +237,5 @@ async def do_purge(args: argparse.Namespace, store: SqliteStore | PostgresStore)
     ):
         output(args, "nothing deleted", data)
         return
-    data["deleted"] = await _retention.purge(store, before)
-    output(args, f"deleted {data['deleted']} finished flows that ended before {when}", data)
+    data["deleted"] = deleted = await _retention.purge(store, before, only=only)
+    output(args, f"deleted {deleted} finished flows{which} that ended before {when}", data)

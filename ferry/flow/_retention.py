@@ -35,6 +35,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Final
 
+import attrs
 import trio
 
 from ferry.projected import Store, Tx
@@ -74,26 +75,72 @@ def check_retain(retain: object) -> float | None:
 # ------------------------------------------------------------------------ the SQL (one batch)
 
 
+FINISHED_STATES: Final = ("COMPLETED", "FAILED")
+#: Free pages an SQLite purge batch gives back to the file system, at most (4 KiB each).
+RECLAIM_PAGES: Final = 4096
+
+
+@attrs.frozen
+class Only:
+    """Which finished flows a purge may delete: of this plan (its name) and in this state
+    (``"COMPLETED"`` or ``"FAILED"``); None is any."""
+
+    plan: str | None = None
+    state: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.in_(FINISHED_STATES))
+    )
+
+    def sql(self) -> tuple[str, tuple[str, ...]]:
+        """The extra ``WHERE`` terms (each starting with AND) and their parameters."""
+        terms, params = "", []
+        if self.plan is not None:
+            terms += " AND plan = ?"
+            params.append(self.plan)
+        if self.state is not None:
+            terms += " AND state = ?"
+            params.append(self.state)
+        return terms, tuple(params)
+
+
+ANY: Final = Only()
+
+
+def reclaim(tx: Tx, pages: int = RECLAIM_PAGES) -> int:
+    """On SQLite, give free pages back to the file system in this transaction (the file
+    shrinks), at most `pages`; how many. Only a file in incremental auto-vacuum mode (what
+    `SqliteStore` makes of a new file) can; in another one, and on PostgreSQL (autovacuum
+    makes the space reusable, not smaller), this does nothing."""
+    if tx.dialect != "sqlite" or tx.execute("PRAGMA auto_vacuum")[0][0] != 2:
+        return 0
+    free = min(int(tx.execute("PRAGMA freelist_count")[0][0]), pages)
+    for _ in range(free):  # Python's sqlite3 steps the pragma once: one page per statement
+        tx.execute("PRAGMA incremental_vacuum(1)")
+    return free
+
+
 def purge_batch(
     tx: Tx,
     before: float,
     *,
     limit: int = BATCH,
     guard: float | None = None,
+    only: Only = ANY,
 ) -> list[str]:
-    """Delete at most `limit` finished flows whose last write is earlier than `before`, with
-    their history and mailbox rows, in this transaction; the ids deleted (oldest first).
+    """Delete at most `limit` finished flows whose last write is earlier than `before` (and
+    that `only` admits), with their history and mailbox rows, in this transaction; the ids
+    deleted (oldest first). On SQLite the pages freed go back to the file system (`reclaim`).
 
     Safe against concurrent purges and writes (see the module doc). Cost: one index range scan
     for the batch, and one ``DELETE`` per table keyed by flow id."""
     _store.guard_locks(tx, guard)
     flows = _sql.FLOWS
+    terms, params = only.sql()
     pick = (
-        f"SELECT flow_id FROM {flows} WHERE {_FINISHED} AND updated_at < ?"
+        f"SELECT flow_id FROM {flows} WHERE {_FINISHED} AND updated_at < ?{terms}"
         f" ORDER BY updated_at LIMIT {int(limit)}"
     )
     if tx.dialect == "postgres":
-        ids = [r[0] for r in tx.execute(pick + " FOR UPDATE SKIP LOCKED", (before,))]
+        ids = [r[0] for r in tx.execute(pick + " FOR UPDATE SKIP LOCKED", (before, *params))]
         if not ids:
             return []
         deleted = [
@@ -108,7 +155,7 @@ def purge_batch(
             tx.execute(f"DELETE FROM {_sql.HISTORY} WHERE flow_id = ANY(?)", (deleted,))
             tx.execute(f"DELETE FROM {_sql.MAILBOX} WHERE flow_id = ANY(?)", (deleted,))
     else:
-        ids = [r[0] for r in tx.execute(pick, (before,))]
+        ids = [r[0] for r in tx.execute(pick, (before, *params))]
         if not ids:
             return []
         marks = ", ".join("?" * len(ids))
@@ -124,14 +171,18 @@ def purge_batch(
             marks = ", ".join("?" * len(deleted))
             tx.execute(f"DELETE FROM {_sql.HISTORY} WHERE flow_id IN ({marks})", deleted)
             tx.execute(f"DELETE FROM {_sql.MAILBOX} WHERE flow_id IN ({marks})", deleted)
+            reclaim(tx)
     order = {fid: i for i, fid in enumerate(ids)}
     return sorted(deleted, key=order.__getitem__)
 
 
-def count_finished(tx: Tx, before: float) -> int:
-    """How many finished flows have their last write earlier than `before` (the index)."""
+def count_finished(tx: Tx, before: float, only: Only = ANY) -> int:
+    """How many finished flows (that `only` admits) have their last write earlier than
+    `before` (the index)."""
+    terms, params = only.sql()
     rows = tx.execute(
-        f"SELECT COUNT(*) FROM {_sql.FLOWS} WHERE {_FINISHED} AND updated_at < ?", (before,)
+        f"SELECT COUNT(*) FROM {_sql.FLOWS} WHERE {_FINISHED} AND updated_at < ?{terms}",
+        (before, *params),
     )
     return int(rows[0][0])
 
@@ -146,10 +197,12 @@ async def purge(
     batch: int = BATCH,
     guard: float | None = None,
     on_batch: Callable[[int], object] | None = None,
+    only: Only = ANY,
 ) -> int:
     """Delete every finished flow whose last write is earlier than `before` (wall-clock
-    seconds), one batch of at most `batch` flows per transaction, pausing between batches (at
-    least `PAUSE_MIN`, and as long as the last batch took); how many this call deleted.
+    seconds) and that `only` admits, one batch of at most `batch` flows per transaction,
+    pausing between batches (at least `PAUSE_MIN`, and as long as the last batch took); how
+    many this call deleted.
 
     A checkpoint. Cancelled between batches, it stops there (what was deleted stays deleted);
     `on_batch(n)` is called after each committed batch. A store error is raised as it is."""
@@ -157,7 +210,7 @@ async def purge(
     while True:
         began = trio.current_time()
         deleted = await store.transact(
-            partial(purge_batch, before=before, limit=batch, guard=guard)
+            partial(purge_batch, before=before, limit=batch, guard=guard, only=only)
         )
         n = len(deleted)
         total += n

@@ -59,6 +59,10 @@ class _SqliteDriver:
             isolation_level=None,
             check_same_thread=False,
         )
+        # Before WAL, which writes the header: a new file is made in incremental auto-vacuum
+        # mode, so that what a purge deletes can be given back (`PRAGMA incremental_vacuum`);
+        # on an existing file this changes nothing.
+        conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         return conn
