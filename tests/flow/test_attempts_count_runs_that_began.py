@@ -12,8 +12,8 @@ from ferry import flow
 
 
 async def test_after_an_operators_wake_the_next_step_runs_as_attempt_1(tmp_path: Path) -> None:
-    """Issue 15 item 8: the operator's engine (the inspector's) wakes a parked flow; the engine
-    that opens next ran its next step as attempt 2, though no run of it had begun."""
+    """The operator's engine (the inspector's) wakes a parked flow; the engine that opens next
+    ran its next step as attempt 2, though no run of it had begun. Now it runs as attempt 1."""
     path = str(tmp_path / "flows.db")
     attempts: list[tuple[str, int]] = []
     plan = flow.Plan("operated", version=1)

@@ -1,4 +1,4 @@
-"""The fleet at its edges (issue 16), in one process: names and leases checked in the user's
+"""The fleet at its edges, in one process: names and leases checked in the user's
 words, a loop that wakes after its lease lapsed, statistics, rolling deploys, the warnings.
 
 Most tests run the fleet's code on one SQLite file under `MockClock(autojump_threshold=0)`, as

@@ -1,5 +1,5 @@
-"""What a newcomer to the fleet tripped on (session 23): a PostgreSQL engine pointed at the wrong
-place, or opened twice under one name, answers at once and in the user's words.
+"""What a newcomer to the fleet trips on: a PostgreSQL engine pointed at the wrong place, or
+opened twice under one name, answers at once and in the user's words.
 
 Each test here failed before its fix. They run on the suite's throwaway PostgreSQL server.
 """

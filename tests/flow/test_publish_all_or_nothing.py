@@ -12,8 +12,9 @@ from ferry import flow
 
 
 async def test_a_publish_applies_all_of_its_decisions_or_none(tmp_path: Path) -> None:
-    """Issue 15 item 9: a Wake, then a Start whose id is taken: the wake was applied (the flow
-    completed) and the caller got IdReused, unable to tell what happened."""
+    """A Wake, then a Start whose id is taken: the wake was applied (the flow completed) and the
+    caller got IdReused, unable to tell what happened. Now neither is, and once the id is free
+    both are, in one go."""
     plan = flow.Plan("chore", version=1)
 
     @plan.step

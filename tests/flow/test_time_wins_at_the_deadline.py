@@ -48,8 +48,9 @@ def test_a_wake_at_the_deadline_meets_the_timeout_first(
 
 
 async def test_time_wins_at_open_over_the_first_wake(tmp_path: Path) -> None:
-    """Issue 15 item 7: flows parked with a short timeout, the engine closed and reopened after
-    their deadlines; a wake as the first call resumed one of them, the others timed out."""
+    """Flows parked with a short timeout, the engine closed and reopened after their deadlines:
+    a wake as the first call resumed one of them (the others timed out). Now time wins: all
+    time out."""
     path = str(tmp_path / "flows.db")
     plan = flow.Plan("deadline", version=1)
     refunded: list[str] = []
