@@ -19,14 +19,12 @@ from tests import switches
 
 from ._helpers import PlantedStore, ValveStore
 
-# ------------------------------------------------------------------ the fleet (ADR 0052, 0047)
-#
 # Two engines share one SQLite file, each through its own connection, with the fleet's leases
 # forced on (`fleet=True`, tests/switches.py), as in test_leases.py. Engine a's store is a
-# `ValveStore`: the test
-# lets its transactions through one by one, so that a's tasks stall exactly where a frozen or
-# cut-off process's would, while its other tasks (a runner waiting for its slot under
-# `max_running=1`) are scheduled after the renewal, as the model's shortest traces have them.
+# `ValveStore`: the test lets its transactions through one by one, so that a's tasks stall
+# exactly where a frozen or cut-off process's would, while its other tasks (a runner waiting for
+# its slot under `max_running=1`) are scheduled after the renewal, as the model's shortest traces
+# have them.
 
 T0 = 1_700_000_000.0
 LEASE = 30.0
