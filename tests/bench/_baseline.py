@@ -18,7 +18,7 @@ from pathlib import Path
 
 import attrs
 
-COMMIT = "67e18f2"  # main just before issue 20 (flow speed)
+COMMIT = "67e18f2"  # main just before the flow speed work (ADR 0096-0100)
 PACKAGES = ("ferry", "stm")
 ROOT = Path(__file__).resolve().parents[2]
 

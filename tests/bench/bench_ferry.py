@@ -315,7 +315,7 @@ def benchmarks() -> list[Row]:
         s, b = paired(rounds, run(_run, _per_key, n), run(_run, _baseline, n))
         rows.append(Row(f"ferry per-key over 1k keys, {n:,} callers", s, b, 1.5))
     direct, bare, lock = _direct_overhead(ROUNDS + 2)
-    rows.append(  # issue 4's form of the figure; the target is the overhead row below
+    rows.append(  # the figure's first form (the shell's); the target is the overhead row below
         Row(
             "direct call at idle vs awaiting call",
             direct,

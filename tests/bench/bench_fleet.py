@@ -1,11 +1,11 @@
-"""`ferry.flow` on a fleet: engine processes on one PostgreSQL (issue 10).
+"""`ferry.flow` on a fleet: engine processes on one PostgreSQL (ADR 0075).
 
 - **throughput**: 1,000 flows per round, shared out among 1, 2 or 3 engine processes (each
   starts its share at once and runs them); seconds per flow from the first start to the last
   completion, best of ``BENCH_ROUNDS`` rounds. Two workloads: the 3-step flow, and park then
   wake (each flow's first step parks; once all are parked, each is woken through another
   engine than the one that started it, and runs its second step). Beside each, the baseline of
-  issue 9: the same engines committing every write in its own transaction
+  the first engine: the same engines committing every write in its own transaction
   (``group_commit=False``, tests/switches.py). Rows: group commit against that baseline at the
   same number of
   engines (target: at most 1x, i.e. not slower), and 2 or 3 engines against 1 (how throughput
@@ -22,8 +22,8 @@
 
 The processes are `tests/bench/_fleet.py`; the database is a throwaway PostgreSQL of its own
 (tests/pg.py) with durable commits (``fsync``, ``synchronous_commit`` and ``full_page_writes``
-on, unlike the tests' server), as SQLite's ``synchronous=FULL`` in the issue 9 figures. Progress
-is read from the database every 20 ms.
+on, unlike the tests' server), as SQLite's ``synchronous=FULL`` in the SQLite figures (ADR
+0057). Progress is read from the database every 20 ms.
 """
 
 from __future__ import annotations

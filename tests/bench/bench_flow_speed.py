@@ -1,11 +1,11 @@
-"""`ferry.flow`'s speed against the code of a baseline commit, measured in the same run (issue 20).
+"""`ferry.flow`'s speed against the code of a baseline commit, measured in the same run (ADR 0100).
 
 Every figure comes from a child process (`tests/bench/_speed.py`) that runs one workload on one
 engine and reports. The same script runs on today's code and on the code of commit
-`_baseline.COMMIT` (main before issue 20), extracted with ``git archive`` and put first on
-``PYTHONPATH``; rounds alternate between the two so that both see the same machine
-(docs/adr/0100). Without that commit in the checkout, today's figures are printed alone, with
-'-' as their target.
+`_baseline.COMMIT` (main before the speed work of ADR 0096-0100), extracted with
+``git archive`` and put first on ``PYTHONPATH``; rounds alternate between the two so that
+both see the same machine (docs/adr/0100). Without that commit in the checkout, today's
+figures are printed alone, with '-' as their target.
 
 - **Driven by ``wait()``** (1,000 flows, all started at once, each task ``start`` then ``wait``):
   3-step flows, and flows that park then are woken (``wake`` then ``wait``), ``ROUNDS`` runs of

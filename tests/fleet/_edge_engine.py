@@ -1,4 +1,4 @@
-"""One engine process for the fleet edge tests (tests/fleet/test_fleet_edges.py).
+"""One engine process for the fleet edge tests (tests/fleet/test_fleet_processes_that_lapse.py).
 
 ``python -m tests.fleet._edge_engine DSN --owner NAME --lease S --hold S [--busy] [--start N]``
 opens a flow engine on PostgreSQL (logging WARNING and up to stderr), starts `--start` flows,

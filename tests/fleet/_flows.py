@@ -1,4 +1,4 @@
-"""The flow fleet test's pieces (issue 10): engine processes, the chaos, what is read back, and
+"""The flow fleet test's pieces (ADR 0045): engine processes, the chaos, what is read back, and
 the oracle.
 
 The engine process (``python -m tests.fleet._flows DSN --owner NAME ...``) opens a flow engine

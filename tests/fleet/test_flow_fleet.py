@@ -1,4 +1,4 @@
-"""The flow fleet (issue 10): three engine processes on one PostgreSQL run an order plan over
+"""The flow fleet (ADR 0045): three engine processes on one PostgreSQL run an order plan over
 many flows; wakes and events go to random engines, some twice; one engine is SIGKILLed mid-run
 and restarted; another is SIGSTOPped past its lease and then resumed. The oracle
 (tests/fleet/_flows.py) reads the flows, their histories, the side table of effective runs and

@@ -1,4 +1,4 @@
-"""The SIGKILL test's pieces (issue 9): the child that runs the flows, the parent that
+"""The SIGKILL test's pieces (ADR 0055): the child that runs the flows, the parent that
 kills and restarts it, and the oracle.
 
 The child (``python -m tests.flow._sigkill DIR --flows N --gen G ...``) opens an engine on
@@ -144,7 +144,7 @@ def make_plan(
 
     async def replay_previous(ctx: flow.Context) -> None:
         # The planted bug: on a re-run, an engine that "resumes" by replaying the previous step
-        # (what issue 9 reports of Prefect's resume) runs a step whose outcome is recorded.
+        # (what was reported of Prefect's resume) runs a step whose outcome is recorded.
         if plant == "replay" and ctx.attempt > 1 and ctx.step_index > 0:
             previous = STEPS[ctx.step_index - 1]
             key = f"{ctx.flow_id}/{ctx.step_index - 1}/{previous}"

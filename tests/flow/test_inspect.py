@@ -1,4 +1,4 @@
-"""The flow inspector, ``python -m ferry.flow STORE COMMAND`` (issue 10): each subcommand, as a
+"""The flow inspector, ``python -m ferry.flow STORE COMMAND`` (ADR 0044): each subcommand, as a
 table and as JSON, on SQLite (and a read and an action on PostgreSQL); operator actions through an
 operator's engine (no plans); what happens while a service engine holds an SQLite file; bad
 arguments as one-line errors.

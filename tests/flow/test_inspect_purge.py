@@ -1,4 +1,4 @@
-"""The inspector's ``purge --finished-before TIME`` (issue 18): it counts, asks (or takes
+"""The inspector's ``purge --finished-before TIME`` (ADR 0085): it counts, asks (or takes
 ``--yes``), deletes the finished flows that ended before TIME with their history and mailbox,
 and reports the count as text or JSON; a time it cannot read is a one-line error. The store is
 the inspector tests' (`populate`: flows in every state, written at T0 and a few seconds after).

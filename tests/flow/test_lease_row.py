@@ -1,7 +1,8 @@
 """A fleet engine whose lease row vanished from the engines table (a database that lost its last
 commits in a crash, with ``synchronous_commit = off``; a restore; a prune after a lapse) is not
 superseded: nobody else holds its name. It writes the row again and goes on as after a lapse,
-re-reading its flows. Only a row of another incarnation ends it (tests/fleet, test_fleetnew).
+re-reading its flows. Only a row of another incarnation ends it (tests/fleet,
+tests/flow/test_postgres_mistakes_answered.py).
 
 The first two tests failed before the fix: the engine's next renewal found no row of its
 incarnation, took itself for superseded ("lost its lease for good") and ran nothing more, for

@@ -1,4 +1,4 @@
-"""The fleet's leases (issue 10) under `MockClock(autojump_threshold=0)`.
+"""The fleet's leases (ADR 0040) under `MockClock(autojump_threshold=0)`.
 
 Several engines share one real SQLite file here, each through its own `PlantedStore` (a public
 `SqliteStore` wrapped, see _helpers, so no engine lock), with the fleet's leases forced on

@@ -1,4 +1,4 @@
-"""The edges at `open_engine` and in the inspector (issue 15), through the public API.
+"""The edges at `open_engine` and in the inspector, through the public API.
 
 - One engine per SQLite file, whatever the path (a symlink, a hard link, a relative path, an
   open `SqliteStore`); no side file; a killed process releases the lock; the lock never drops

@@ -1,4 +1,4 @@
-"""``examples/orders.py --trace`` (issue 18): the spans of one flow, as a tree under its start
+"""``examples/orders.py --trace`` (ADR 0086): the spans of one flow, as a tree under its start
 span, in the text summary and in ``--json``."""
 
 from __future__ import annotations

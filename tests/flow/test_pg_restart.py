@@ -1,4 +1,4 @@
-"""Recovery that strands nothing (issue 10): PostgreSQL goes down in the middle of an engine's
+"""Recovery that strands nothing: PostgreSQL goes down in the middle of an engine's
 recovery and comes back; every flow still runs to its end, none stays pending for ever.
 
 The engine opens on a database holding hundreds of orphaned flows (running, held by an engine

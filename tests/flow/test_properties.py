@@ -1316,7 +1316,7 @@ def test_flow_properties_long() -> None:
 
 # ------------------------------------------------------------------------ found on the search
 
-# Scenarios the search found on `main` before issue 15's fixes, shrunk by hypothesis, kept as
+# Scenarios the search found before the edge fixes (ADR 0060-0065), shrunk by hypothesis, kept as
 # fixed examples of the machine (each a few rules; they run in well under a second when the
 # engine is right).
 

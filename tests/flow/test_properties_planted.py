@@ -62,7 +62,7 @@ def test_the_oracle_catches_a_retry_that_repeats_its_attempt_number(
 
 
 def _old_json_text(value: object, what: str, *, max_bytes: int | None = None) -> str:
-    """The JSON check before issue 15: JSON text with ``ensure_ascii=False`` and a round trip,
+    """The earlier JSON check: JSON text with ``ensure_ascii=False`` and a round trip,
     which lets a lone surrogate through (and any depth, and any size)."""
     try:
         text = canonical_json(value)
@@ -82,7 +82,7 @@ def test_the_oracle_catches_the_old_json_check_letting_a_lone_surrogate_through(
 
 
 def _old_idempotency_key(flow_id: str, step_index: int, step: str, *, compensation: bool) -> str:
-    """The key before issue 15: a compensation's key is its step's key + "/compensate"."""
+    """The earlier key: a compensation's key is its step's key + "/compensate"."""
     key = f"{flow_id}/{step_index}/{step}"
     return f"{key}/compensate" if compensation else key
 

@@ -1,4 +1,4 @@
-"""Retention of finished flows (issue 18): ``open_engine(retain=)`` and the purge behind it.
+"""Retention of finished flows (ADR 0085): ``open_engine(retain=)`` and the purge behind it.
 
 The rule (docs/adr/0085): a `COMPLETED` or `FAILED` flow is deleted, with its history and its
 mailbox, `retain` seconds after it ended; parked, running, compensating and blocked flows are

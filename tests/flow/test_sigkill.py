@@ -1,4 +1,4 @@
-"""The SIGKILL test on SQLite (issue 9): a child process runs hundreds of flows and is
+"""The SIGKILL test on SQLite (ADR 0055): a child process runs hundreds of flows and is
 killed at random moments, several times; the oracle (tests/flow/_sigkill.py) must hold, and it
 must catch a planted bug that re-runs a recorded step."""
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces of flows (issue 18), with the SDK's in-memory exporter.
+"""OpenTelemetry traces of flows (ADR 0086), with the SDK's in-memory exporter.
 
 One flow is one trace: its start span is a child of the caller's span, and every run of its
 steps and compensations is a child of the start span, also after the flow parked, the engine

@@ -1,4 +1,4 @@
-"""`Engine.wait` without polling (issue 20, docs/adr/0096).
+"""`Engine.wait` without polling (docs/adr/0096).
 
 What a wait costs is counted at the store: every engine here has its store's `transact` wrapped
 (`reads`), which records the reads of flow rows (`_store.load`, `_store.load_many`), the only

@@ -246,8 +246,8 @@ FLEET_DEFAULT = [
     ),
 ]
 
-# Issue 16: owner incarnations (engine 1 is a second opening of engine 0's name) and versions
-# (engine 1 lacks the flow's plan version, a rolling deploy).
+# The fleet at its edges: owner incarnations (engine 1 is a second opening of engine 0's name)
+# and versions (engine 1 lacks the flow's plan version, a rolling deploy).
 FLEET_EDGES = [
     FlowConfig(
         "fleet: a second incarnation of engine 0's name, a freeze, 1 crash, the timeout",

@@ -70,9 +70,10 @@ def test_fleet_model_check(config: FlowConfig) -> None:
 
 @pytest.mark.parametrize("config", FLEET_EDGES, ids=lambda c: c.name)
 def test_fleet_model_check_of_incarnations_and_versions(config: FlowConfig) -> None:
-    """Issue 16: a second opening under engine 0's name (refused while engine 0 is up with its
-    lease; allowed once it crashed or its lease lapsed, which supersedes it), and an engine
-    without the flow's version (it leaves the flow to engine 0 while that one is live)."""
+    """Incarnations and versions: a second opening under engine 0's name (refused while engine 0
+    is up with its lease; allowed once it crashed or its lease lapsed, which supersedes it), and
+    an engine without the flow's version (it leaves the flow to engine 0 while that one is
+    live)."""
     _run(config, FleetProtocol())
 
 

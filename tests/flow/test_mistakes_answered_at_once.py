@@ -8,7 +8,6 @@ directory.
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -352,25 +351,6 @@ async def test_a_step_that_sets_a_read_only_field_of_its_context_is_told_which(
         snap = await engine.wait(await engine.start(plan), timeout=60)
     assert snap.error is not None
     assert "ctx.wake is read-only: a step may change only ctx.data" in snap.error
-
-
-# ------------------------------------------------------------------------------------- docs
-
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def test_the_docs_lead_to_the_fleet_page_and_the_inspector() -> None:
-    guide = (ROOT / "docs" / "flow.md").read_text()
-    assert "](flow-fleet.md)" in guide and "python -m ferry.flow orders.db list" in guide
-    readme = (ROOT / "README.md").read_text()
-    assert "python -m ferry.flow orders.db list" in " ".join(readme.split())  # after the tour
-    assert "[docs/flow-fleet.md](docs/flow-fleet.md)" in readme
-    assert "[docs/operating.md](docs/operating.md)" in readme and "](operating.md" in guide
-    for page in ("flow.md", "flow-fleet.md", "operating.md"):  # every relative link resolves
-        text = (ROOT / "docs" / page).read_text()
-        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", text):
-            assert (ROOT / "docs" / target).exists(), f"{page} links {target}, which is missing"
 
 
 async def test_an_empty_message_id_is_refused_before_it_swallows_later_wakes(

@@ -1,5 +1,5 @@
-"""What a newcomer to the fleet tripped on (session 23): a PostgreSQL engine pointed at the wrong
-place, or opened twice under one name, answers at once and in the user's words.
+"""What a newcomer to the fleet trips on: a PostgreSQL engine pointed at the wrong place, or
+opened twice under one name, answers at once and in the user's words.
 
 Each test here failed before its fix. They run on the suite's throwaway PostgreSQL server.
 """
@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
@@ -23,8 +21,6 @@ import ferry
 from ferry import flow
 from ferry.projected import PostgresStore
 from tests import pg
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def plan() -> flow.Plan:
@@ -166,23 +162,6 @@ def test_a_mock_clock_that_does_not_jump_on_its_own_is_allowed_on_postgres(
             assert (await engine.wait(fid, timeout=30)).state is flow.State.COMPLETED
 
     trio.run(main, clock=trio.testing.MockClock(rate=1.0))
-
-
-def test_the_docs_postgres_saga_test(
-    pg_server: pg.PgServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """docs/flow-fleet.md's "Testing your sagas on PostgreSQL", run as it is written there
-    against the suite's server (TEST_DSN), on the real clock."""
-    text = (ROOT / "docs" / "flow-fleet.md").read_text()
-    section = text.split("## Testing your sagas on PostgreSQL\n", 1)[1].split("\n## ", 1)[0]
-    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
-    monkeypatch.setenv("TEST_DSN", pg_server.dsn)
-    namespace: dict[str, Any] = {"__name__": "docs_example"}
-    exec(compile(code, "docs/flow-fleet.md", "exec"), namespace)
-    tests = sorted(name for name in namespace if name.startswith("test_"))
-    assert tests == ["test_a_confirmation_ships_the_order", "test_no_confirmation_refunds"]
-    for name in tests:
-        namespace[name]()
 
 
 async def test_a_takeover_log_line_says_whose_flows_it_took(

@@ -1,4 +1,4 @@
-"""The fleet at its edges (issue 16), in one process: names and leases checked in the user's
+"""The fleet at its edges, in one process: names and leases checked in the user's
 words, a loop that wakes after its lease lapsed, statistics, rolling deploys, the warnings.
 
 Most tests run the fleet's code on one SQLite file under `MockClock(autojump_threshold=0)`, as
@@ -341,7 +341,8 @@ async def test_a_dead_connection_reaches_reads_as_failed_and_wait_retries(
 
 
 async def test_parked_is_not_negative_on_postgres_either(pg_server: pg.PgServer) -> None:
-    """The issue's figure (-200) came from two PostgreSQL engines: one parks, the other wakes."""
+    """The reported figure (-200, ADR 0075) came from two PostgreSQL engines: one parks, the
+    other wakes."""
     dsn = pg_server.fresh_schema_dsn("parked")
     parking = flow.Plan("hold")
 

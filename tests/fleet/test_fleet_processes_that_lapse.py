@@ -1,4 +1,4 @@
-"""The fleet at its edges (issue 16) with engines as separate processes on the suite's
+"""The fleet at its edges with engines as separate processes on the suite's
 PostgreSQL: the same owner name twice, a step that holds the loop longer than the lease, a
 process stopped (SIGSTOP) past its lease while its steps wait, connections killed every 200 ms.
 
