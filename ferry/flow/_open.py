@@ -24,7 +24,7 @@ import trio
 from ferry import open_ferry
 from ferry.projected import SqliteStore, Store
 
-from . import _checks, _lease, _reach, _retention, _store, _tracing
+from . import _checks, _lease, _observe, _reach, _retention, _store, _tracing
 from ._engine import Engine
 from ._plan import Plan
 from ._sqlite_file import EngineLock, check_path
@@ -335,6 +335,8 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
         with trio.CancelScope(shield=True):
             await parts.end()
             await engine._waiters.aclose()
+        if engine._observers:  # its statistics are final now: a collector may let it go
+            _observe.closed(engine._observers, engine)
     if engine_error is not None:
         raise _merged(body_error, engine_error)
     if body_error is not None:
