@@ -245,3 +245,26 @@ def test_a_raising_metrics_collector_changes_nothing(
     assert answers == clean_answers
     logged = observability_warnings(caplog)
     assert 1 <= len(logged) <= 5, [r.getMessage() for r in logged]
+
+
+def test_the_warnings_are_rate_limited_per_kind_and_count_what_they_kept_quiet(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first failure of a kind is logged at once, the next ones of that kind within a
+    minute are counted and said by the first line after it; another kind has its own limit."""
+    now = [0.0]
+    complaints = _observe._Complaints(clock=lambda: now[0])
+    caplog.set_level(logging.WARNING)
+    for _ in range(100):
+        complaints.report(_observe.TRACING, "ending a span", Broken("on_end"))
+    complaints.report(_observe.OBSERVER, "told of an attempt", Broken("ran"))
+    now[0] = 59.0
+    complaints.report(_observe.TRACING, "ending a span", Broken("on_end"))
+    now[0] = 61.0
+    complaints.report(_observe.TRACING, "ending a span", Broken("on_end"))
+    lines = [r.getMessage() for r in caplog.records if r.name == "ferry.flow"]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("OpenTelemetry") and "more failures" not in lines[0]
+    assert lines[1].startswith("an observer")
+    assert lines[2].startswith("OpenTelemetry") and "100 more failures of it" in lines[2]
+    assert all(r.exc_info is not None for r in caplog.records if r.name == "ferry.flow")
