@@ -332,11 +332,13 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
     finally:
         engine._close()
         _log_closed(engine, engine_error or body_error, opened=opened)
-        with trio.CancelScope(shield=True):
-            await parts.end()
-            await engine._waiters.aclose()
-        if engine._observers:  # its statistics are final now: a collector may let it go
-            _observe.closed(engine._observers, engine)
+        try:
+            with trio.CancelScope(shield=True):
+                await parts.end()
+                await engine._waiters.aclose()
+        finally:
+            if engine._observers:  # its statistics are final now: a collector lets it go
+                _observe.closed(engine._observers, engine)
     if engine_error is not None:
         raise _merged(body_error, engine_error)
     if body_error is not None:
