@@ -14,11 +14,14 @@ Design
 A scrape reads the statistics an engine or ferry already keeps (`Engine.statistics`,
 `Ferry.statistics`) when it is collected: the counters and gauges cost nothing between scrapes.
 Step and flow durations are seen only as they happen, so the collector attaches itself to each
-engine as an observer (`ferry.flow._observe`): the engine calls it once per step attempt and once
-per flow that ends. Without a collector the engine's observer tuple is empty, and its hot path
-pays one truth test. The histograms are kept here, under one lock, because a scrape may come from
-another thread (``start_http_server`` serves from its own): the engine's trio thread writes them,
-the scrape copies them.
+engine as an observer (`ferry.flow._observe`): the engine calls it once per step attempt, once
+per flow that ends, and once when it closes. A closed engine is dropped then (docs/adr/0114):
+its gauges leave the scrape, and its counters' last values stay in the sums (`_retired`), so a
+counter never goes down because an engine closed; the collector keeps no engine after its
+block ended, however many open and close. Without a collector the engine's observer tuple is
+empty, and its hot path pays one truth test. The histograms are kept here, under one lock,
+because a scrape may come from another thread (``start_http_server`` serves from its own): the
+engine's trio thread writes them, the scrape copies them.
 
 `import ferry` and `import ferry.flow` never import this module, nor prometheus_client.
 """
@@ -28,9 +31,11 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol, final
 
+import attrs
 from prometheus_client.core import (
     REGISTRY,
     CounterMetricFamily,
@@ -41,7 +46,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from ferry import FerryStatistics
-from ferry.flow import Engine, Fail, FlowStatistics, Park
+from ferry.flow import Delivery, Engine, Fail, FlowStatistics, Park
 from ferry.flow._values import Flow
 
 __all__ = [
@@ -124,7 +129,8 @@ class Metrics(Collector):
     """The collector `register` made: engines' and ferries' metrics, read at every scrape.
 
     `add_engine` and `add_ferry` add more; `unregister` takes it out of its registry and detaches
-    it from its engines. Durations are observed from the moment an engine was added."""
+    it from its engines. Durations are observed from the moment an engine was added. An engine
+    is dropped when its block ends (its last counts kept in the totals, its gauges gone)."""
 
     def __init__(
         self,
@@ -134,6 +140,10 @@ class Metrics(Collector):
     ) -> None:
         self._lock = threading.Lock()
         self._engines: list[Engine] = []
+        # The counters of the engines that closed, summed (their last statistics): scrapes go on
+        # counting them, and the engines themselves are let go.
+        self._retired: Counter[str] = Counter()
+        self._retired_wakes: Counter[Delivery] = Counter()
         self._ferries: dict[str, FerryLike] = {}
         self._registry: CollectorRegistry | None = None
         self._steps = _Histogram(step_buckets)  # (plan, step)
@@ -171,13 +181,42 @@ class Metrics(Collector):
         with self._lock:
             self._flows.observe((flow.plan, flow.state.name.lower()), seconds)
 
+    def closed(self, engine: Engine) -> None:
+        """`engine`'s block ended: drop it, keeping its counters' final values."""
+        stats = engine._statistics()
+        with self._lock:
+            if not any(e is engine for e in self._engines):
+                return
+            self._engines = [e for e in self._engines if e is not engine]
+            for field in _COUNTED:
+                self._retired[field] += getattr(stats, field)
+            self._retired_wakes.update(stats.wakes)
+        engine._observers = tuple(o for o in engine._observers if o is not self)
+
+    def _retired_statistics(self) -> FlowStatistics:
+        """The closed engines' counters as one engine's statistics, holding no flow (under the
+        lock)."""
+        return FlowStatistics(
+            running=0,
+            parked=0,
+            wakes=dict(self._retired_wakes),
+            **{field: self._retired[field] for field in _COUNTED},
+        )
+
     # ------------------------------------------------------------------------------ the API
 
     def add_engine(self, engine: Engine) -> None:
-        """Expose `engine`'s statistics and observe its steps and flows (until `unregister`)."""
+        """Expose `engine`'s statistics and observe its steps and flows (until `unregister`, or
+        until its block ends). Raises `TypeError` for something else than an engine,
+        `ValueError` for one already here or closed."""
         if not isinstance(engine, Engine):
             raise TypeError(
                 f"add_engine takes a flow.Engine (from flow.open_engine), got {engine!r}"
+            )
+        if engine._closing:
+            raise ValueError(
+                f"{engine!r} is closed (its `async with open_engine(...)` block ended): add an"
+                " engine while it is open"
             )
         with self._lock:
             if any(e is engine for e in self._engines):
@@ -217,11 +256,12 @@ class Metrics(Collector):
     def collect(self) -> Iterator[Metric]:
         with self._lock:
             engines = list(self._engines)
+            retired = self._retired_statistics()
             ferries = dict(self._ferries)
             steps, compensations = self._steps.copy(), self._compensations.copy()
             flows = self._flows.copy()
             outcomes, comp_outcomes = dict(self._outcomes), dict(self._comp_outcomes)
-        yield from _engine_metrics([e._statistics() for e in engines])
+        yield from _engine_metrics([retired, *(e._statistics() for e in engines)])
         family = CounterMetricFamily(
             "ferry_flow_steps",
             "Step attempts, by plan and outcome (ok, parked, failed, raised, void).",
@@ -291,6 +331,11 @@ def _engine_metrics(stats: list[FlowStatistics]) -> Iterator[Metric]:
     for field, name, doc in _ENGINE_COUNTERS:
         yield CounterMetricFamily(name, doc, value=total(field))
 
+
+#: The counters of `FlowStatistics` (all but its gauges and its wakes by delivery).
+_COUNTED: tuple[str, ...] = tuple(
+    name for name in attrs.fields_dict(FlowStatistics) if name not in ("running", "parked", "wakes")
+)
 
 _ENGINE_COUNTERS = (
     ("step_retries", "ferry_flow_step_retries", "Step attempts after an exception."),

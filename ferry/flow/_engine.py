@@ -209,10 +209,16 @@ class Engine:
         cannot be (a `Start` whose id is taken: `IdReused`), none is and that error is raised;
         a database error raises `ferry.Failed`, nothing applied. Events are at-least-once:
         give wakes a `message_id` (the event's id).
+
+        The event is checked like a payload before any mapper sees it, whether or not a mapper
+        uses it: `TypeError` if it is not JSON (a set, bytes, NaN), `ValueError` if it cannot be
+        stored (nested deeper than 64 levels, a lone surrogate, larger than `max_data_bytes`);
+        nothing is applied then.
         """
         self._check("publish")
         if not isinstance(event_type, str):
             raise TypeError(f"event_type must be a str, got {event_type!r}")
+        self._requests.event(event_type, event)
         decisions: list[Wake | Start | None] = []
         for mapper in self._mappers.get(event_type, ()):
             decision = mapper(event)

@@ -24,7 +24,7 @@ import trio
 from ferry import open_ferry
 from ferry.projected import SqliteStore, Store
 
-from . import _checks, _lease, _reach, _retention, _store, _tracing
+from . import _checks, _lease, _observe, _reach, _retention, _store, _tracing
 from ._engine import Engine
 from ._plan import Plan
 from ._sqlite_file import EngineLock, check_path
@@ -332,9 +332,13 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
     finally:
         engine._close()
         _log_closed(engine, engine_error or body_error, opened=opened)
-        with trio.CancelScope(shield=True):
-            await parts.end()
-            await engine._waiters.aclose()
+        try:
+            with trio.CancelScope(shield=True):
+                await parts.end()
+                await engine._waiters.aclose()
+        finally:
+            if engine._observers:  # its statistics are final now: a collector lets it go
+                _observe.closed(engine._observers, engine)
     if engine_error is not None:
         raise _merged(body_error, engine_error)
     if body_error is not None:

@@ -262,6 +262,10 @@ class Requests:
 
     # ---------------------------------------------------------------------------- publishing
 
+    def event(self, event_type: str, event: Json) -> None:
+        """A published event, checked like a payload (`TypeError`/`ValueError` naming it)."""
+        _checks.json_text(event, f"the event of type {event_type!r}", max_bytes=self._max_data)
+
     def decision(self, decision: object) -> Wake | Start | None:
         """A mapper's result, checked (type, ids, JSON, plan); raises `TypeError`/`ValueError`."""
         if decision is None or decision is IGNORE:

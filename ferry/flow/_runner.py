@@ -32,7 +32,7 @@ import trio
 
 from ferry import Failed
 
-from . import _checks, _retry, _store, _tracing, _values
+from . import _checks, _observe, _retry, _store, _tracing, _values
 from . import _machine as m
 from ._clock import Clock
 from ._lease import Lease
@@ -317,8 +317,8 @@ class Runner:
             scope.deadline = math.inf
         cancelled = scope.cancel_called
         void = cancelled or live.flow is not flow
-        for observer in observers:
-            observer.ran(flow, step.name, compensating, result, error, seconds, void)
+        if observers:
+            _observe.ran(observers, flow, step.name, compensating, result, error, seconds, void)
         if cancelled:
             if fleet and lease.lapsing() and self._writes.live.get(flow.flow_id) is live:
                 lease.lose_all("its lease lapsed while it ran steps")

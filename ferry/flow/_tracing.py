@@ -20,11 +20,17 @@ write, with ``workflow.task.name`` the step the flow was at and, for a wake,
 ``workflow.wake.delivery`` (``RESUMED``, ``QUEUED``, ``DUPLICATE``, ``STALE``) and a link to the
 caller's current span (the caller's trace is its own). A wake to no such flow has no trace.
 
+A tracer or span processor that raises changes nothing (docs/adr/0113): every call into
+OpenTelemetry is at one guarded place (`tracing_for`, `Tracing.start`, `Tracing.run` and its
+`_ended`, `Tracing.moved`), what it raises is logged (`_observe.failed`, rate limited) and the
+start, step, wake or timeout goes on as it would without traces; a span that could not be begun
+is left out, the body still runs once.
+
 Cost: `tracing_for` decides once, when an engine opens. Traces are off (None: the engine tests
 one attribute per step, per start, per wake and per publish, nothing else; the timer has no hook
 at all) unless a provider is given, or the application imported OpenTelemetry and set a global
 provider. Importing `ferry.flow` never imports OpenTelemetry; this module imports it only when
-traces are on. Design: docs/adr/0086, 0104.
+traces are on. Design: docs/adr/0086, 0104, 0113.
 """
 
 from __future__ import annotations
@@ -35,11 +41,14 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
+from ._observe import TRACING, failed
 from ._types import Context, Fail, Park, _Complete, _Continue
 
 if TYPE_CHECKING:
+    from contextvars import Token
+
     from opentelemetry.context import Context as OtelContext
-    from opentelemetry.trace import Tracer
+    from opentelemetry.trace import Span, Tracer
 
     from ._values import Flow
 
@@ -52,7 +61,8 @@ def tracing_for(provider: object | None) -> Tracing | None:
 
     None: the application's global provider, if it imported OpenTelemetry and set one (the
     API's default proxy provider, which no SDK backs, means off). Raises `TypeError` for a
-    provider without ``get_tracer``. Cost: a dict lookup when traces are off."""
+    provider without ``get_tracer``; a ``get_tracer`` that raises is logged (`failed`) and
+    traces are off. Cost: a dict lookup when traces are off."""
     if provider is None:
         if "opentelemetry.trace" not in sys.modules:
             return None  # never imported: no provider can have been set
@@ -66,7 +76,11 @@ def tracing_for(provider: object | None) -> Tracing | None:
             f"tracer_provider must be an OpenTelemetry TracerProvider (or None for the"
             f" application's global one), got {provider!r}"
         )
-    return Tracing(provider.get_tracer("ferry.flow"))  # type: ignore[attr-defined]
+    try:
+        return Tracing(provider.get_tracer("ferry.flow"))  # type: ignore[attr-defined]
+    except Exception as exc:
+        failed(TRACING, "an engine opened (the provider's get_tracer): traces are off", exc)
+        return None
 
 
 def starting(tracing: Tracing | None, plan: str, version: int, flow_id: str) -> Any:
@@ -115,15 +129,17 @@ class Tracing:
     """An engine's tracer and what it needs of OpenTelemetry (imported here, not at module
     level: see the module doc)."""
 
-    __slots__ = ("_context", "_parents", "_propagator", "_status", "_trace", "_tracer")
+    __slots__ = ("_api", "_context", "_parents", "_propagator", "_status", "_trace", "_tracer")
 
     def __init__(self, tracer: Tracer) -> None:
+        from opentelemetry import context as api
         from opentelemetry import trace
         from opentelemetry.context import Context as OtelContext
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._tracer = tracer
         self._trace = trace
+        self._api = api
         self._context = OtelContext
         self._status = trace.Status, trace.StatusCode
         self._propagator = TraceContextTextMapPropagator()
@@ -134,19 +150,59 @@ class Tracing:
     @contextlib.contextmanager
     def start(self, plan: str, version: int, flow_id: str) -> Iterator[str | None]:
         """The span of one `Engine.start` (a child of the caller's current span), current while
-        the start is written; yields its ``traceparent`` text."""
-        attributes: dict[str, str | int] = {
-            "workflow.name": plan,
-            "workflow.id": flow_id,
-            "workflow.version": version,
-        }
-        with self._tracer.start_as_current_span(f"start {plan}", attributes=attributes) as span:
+        the start is written; yields its ``traceparent`` text (None if the span could not be
+        begun: the flow is stored without one, as with traces off)."""
+        span: Span | None = None
+        token: Token[OtelContext] | None = None
+        traceparent: str | None = None
+        try:
+            span = self._tracer.start_span(
+                f"start {plan}",
+                attributes={
+                    "workflow.name": plan,
+                    "workflow.id": flow_id,
+                    "workflow.version": version,
+                },
+            )
+            token = self._api.attach(self._trace.set_span_in_context(span))
             carrier: dict[str, str] = {}
             self._propagator.inject(carrier)
             traceparent = carrier.get("traceparent")
             if traceparent is not None:
                 self._remember(traceparent, self._trace.set_span_in_context(span, self._context()))
+        except Exception as exc:
+            failed(TRACING, f"beginning the span of starting flow {flow_id!r}", exc)
+            traceparent = None
+        error: Exception | None = None
+        try:
             yield traceparent
+        except Exception as exc:
+            error = exc
+            raise
+        finally:
+            self._close(span, token, error, f"ending the span of starting flow {flow_id!r}")
+
+    def _close(
+        self,
+        span: Span | None,
+        token: Token[OtelContext] | None,
+        error: Exception | None,
+        what: str,
+    ) -> None:
+        """Detach `token` and end the start `span` (recording `error`), guarded."""
+        try:
+            try:
+                if token is not None:
+                    self._api.detach(token)
+            finally:
+                if span is not None:
+                    if error is not None:
+                        status, code = self._status
+                        span.record_exception(error)
+                        span.set_status(status(code.ERROR, f"{type(error).__name__}: {error}"))
+                    span.end()
+        except Exception as exc:
+            failed(TRACING, what, exc)
 
     def _remember(self, traceparent: str, context: OtelContext) -> OtelContext:
         if len(self._parents) >= _PARENTS_MAX:
@@ -175,7 +231,16 @@ class Tracing:
     ) -> None:
         """A span ``{kind} {plan}`` (``wake`` or ``timeout``) in `flow`'s trace, from `began`
         (`now`) to now: `flow` is the row written, `step` the step the flow was at. A wake's
-        span says its `delivery` and links to the caller's current span, if it has one."""
+        span says its `delivery` and links to the caller's current span, if it has one. Never
+        raises (what OpenTelemetry raises is `failed`)."""
+        try:
+            self._moved(kind, flow, step, began, delivery)
+        except Exception as exc:
+            failed(TRACING, f"making the {kind} span of flow {flow.flow_id!r}", exc)
+
+    def _moved(
+        self, kind: str, flow: Flow, step: str | None, began: int, delivery: str | None
+    ) -> None:
         attributes: dict[str, str | int] = {
             "workflow.name": flow.plan,
             "workflow.id": flow.flow_id,
@@ -206,41 +271,60 @@ class Tracing:
         compensating: bool,
     ) -> Any:
         """``await fn(ctx)`` (a step or a compensation) inside its span, whose parent is the
-        flow's start span (`parent`, a ``traceparent``; None: a root of its own)."""
+        flow's start span (`parent`, a ``traceparent``; None: a root of its own). `fn` runs
+        once whatever OpenTelemetry raises (`failed`: then without its span, or with a span
+        that may not be exported); what `fn` returns or raises is this call's."""
         kind = "compensation" if compensating else "step"
-        context = self._parent(parent)
-        span = self._tracer.start_span(
-            f"{'compensate' if compensating else 'step'} {ctx.plan}.{ctx.step}",
-            context=context,
-            attributes={
-                "workflow.name": ctx.plan,
-                "workflow.id": ctx.flow_id,
-                "workflow.version": ctx.version,
-                "workflow.task.name": ctx.step,
-                "workflow.task.kind": kind,
-                "workflow.task.attempt": ctx.attempt,
-            },
-        )
-        status, code = self._status
-        with self._trace.use_span(
-            span, end_on_exit=True, record_exception=False, set_status_on_exception=False
-        ):
+        try:
+            span = self._tracer.start_span(
+                f"{'compensate' if compensating else 'step'} {ctx.plan}.{ctx.step}",
+                context=self._parent(parent),
+                attributes={
+                    "workflow.name": ctx.plan,
+                    "workflow.id": ctx.flow_id,
+                    "workflow.version": ctx.version,
+                    "workflow.task.name": ctx.step,
+                    "workflow.task.kind": kind,
+                    "workflow.task.attempt": ctx.attempt,
+                },
+            )
+            token = self._api.attach(self._trace.set_span_in_context(span))
+        except Exception as exc:
+            failed(TRACING, f"beginning the span of {kind} {ctx.step!r}", exc)
+            return await fn(ctx)
+        try:
+            result = await fn(ctx)
+        except Exception as exc:
+            self._ended(span, token, ctx, "raised", exc)
+            raise
+        except BaseException:  # cancelled: the run is void, and runs again
+            self._ended(span, token, ctx, "cancelled", None)
+            raise
+        self._ended(span, token, ctx, _outcome(result, compensating), result)
+        return result
+
+    def _ended(
+        self, span: Span, token: Token[OtelContext], ctx: Context, outcome: str, what: object
+    ) -> None:
+        """The end of a run's span: no longer current, its `outcome` (`what`: the exception
+        raised, or the result) and status, ended. Never raises (`failed`)."""
+        try:
             try:
-                result = await fn(ctx)
-            except Exception as exc:
-                span.record_exception(exc)
-                span.set_attribute("workflow.task.outcome", "raised")
-                span.set_attribute("error.type", type(exc).__qualname__)
-                span.set_status(status(code.ERROR, f"{type(exc).__name__}: {exc}"))
-                raise
-            except BaseException:  # cancelled: the run is void, and runs again
-                span.set_attribute("workflow.task.outcome", "cancelled")
-                raise
-            outcome = _outcome(result, compensating)
-            span.set_attribute("workflow.task.outcome", outcome)
-            if outcome == "fail":
-                span.set_status(status(code.ERROR, result.reason))
-            elif outcome == "invalid":
-                span.set_attribute("error.type", "invalid outcome")
-                span.set_status(status(code.ERROR, f"returned {result!r}, not an outcome"))
-            return result
+                self._api.detach(token)
+                span.set_attribute("workflow.task.outcome", outcome)
+                status, code = self._status
+                if outcome == "raised":
+                    assert isinstance(what, Exception)
+                    span.record_exception(what)
+                    span.set_attribute("error.type", type(what).__qualname__)
+                    span.set_status(status(code.ERROR, f"{type(what).__name__}: {what}"))
+                elif outcome == "fail":
+                    assert isinstance(what, Fail)
+                    span.set_status(status(code.ERROR, what.reason))
+                elif outcome == "invalid":
+                    span.set_attribute("error.type", "invalid outcome")
+                    span.set_status(status(code.ERROR, f"returned {what!r}, not an outcome"))
+            finally:
+                span.end()
+        except Exception as exc:
+            failed(TRACING, f"ending the span of step {ctx.step!r} of flow {ctx.flow_id!r}", exc)

@@ -33,7 +33,7 @@ import trio
 from ferry import Closed, Failed
 from ferry.projected import Store
 
-from . import _checks, _retry, _store
+from . import _checks, _observe, _retry, _store
 from . import _machine as m
 from ._apart import write_apart
 from ._clock import Clock
@@ -336,8 +336,8 @@ class Writes:
                 tally.parked += 1
             elif write and state in _ENDS:
                 stats[_ENDS[state]] += 1
-                for observer in tally.observers:
-                    observer.ended(flow)
+                if tally.observers:
+                    _observe.ended(tally.observers, flow)
         self._seen(flow)
         if live is not None:
             live.flow = flow
