@@ -239,6 +239,14 @@ async def resume_one(engine: Engine, fid: str) -> Done:
     return False, "not resumed: not BLOCKED" if state else "gone", state
 
 
+async def abandon_one(engine: Engine, fid: str, *, reason: str, by: str) -> Done:
+    done = await engine.abandon(fid, reason=reason, by=by)
+    state = await state_of(engine, fid)
+    if done:
+        return True, "abandoned", state
+    return False, "not abandoned: not BLOCKED" if state else "gone", state
+
+
 async def wake_one(engine: Engine, fid: str, *, payload: Any, message_id: str | None) -> Done:
     delivery = await engine.wake(fid, payload, message_id=message_id)
     state = await state_of(engine, fid)
@@ -252,6 +260,8 @@ def one_for(args: argparse.Namespace) -> Callable[[Engine, str], Awaitable[Done]
         return partial(cancel_one, reason=args.reason)
     if args.command == "resume":
         return resume_one
+    if args.command == "abandon":
+        return partial(abandon_one, reason=args.reason, by=args.by)
     return partial(wake_one, payload=args.payload, message_id=args.message_id)
 
 

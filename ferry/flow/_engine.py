@@ -273,6 +273,21 @@ class Engine:
         self._check("resume")
         return await self._requests.resume(flow_id)
 
+    async def abandon(self, flow_id: str, *, reason: str, by: str | None = None) -> bool:
+        """Give up on a `BLOCKED` flow: it ends `FAILED` at once, without running the
+        compensations left on its stack (the one that keeps failing among them); durable on
+        return. For a compensation that can never succeed (a refund to a closed account) once
+        its effect was handled by hand: `resume` would only run it again.
+
+        The history's ``abandoned`` event records `reason`, `by` (who; None records "an
+        operator"), why the flow was blocked and which compensations were skipped; the flow's
+        `error` says it was abandoned. Returns False (nothing changes) for a flow that is not
+        blocked or unknown. Raises `TypeError`/`ValueError` for a `reason` or `by` that is not
+        a non-empty str that can be stored.
+        """
+        self._check("abandon")
+        return await self._requests.abandon(flow_id, reason, by)
+
     async def history(self, flow_id: str) -> list[Event]:
         """Every durable transition of the flow, in order. Raises `UnknownFlow`."""
         self._check("history")

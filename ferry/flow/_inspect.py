@@ -27,10 +27,12 @@ checks, the reads and their rendering are in `_inspect_read`, the actions in `_i
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import shlex
 import signal
+import socket
 import sys
 import threading
 import time
@@ -42,7 +44,7 @@ import trio
 from ferry.projected import PostgresStore, SqliteStore
 
 from . import _bulk, _retention
-from ._inspect_act import do_cancel, do_purge, do_resume, do_wake, so_far
+from ._inspect_act import do_abandon, do_cancel, do_purge, do_resume, do_wake, so_far
 from ._inspect_read import (
     PROG,
     Problem,
@@ -80,6 +82,12 @@ def _nonempty(text: str) -> str:
     return _bulk.utf8(text)
 
 
+def _said(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must say something: it is recorded in the history")
+    return _bulk.utf8(text)
+
+
 def _not_json(name: str) -> None:
     raise ValueError(f"{name} is not a JSON value (JSON has no NaN and Infinity)")
 
@@ -90,6 +98,15 @@ def _json_value(text: str) -> Json:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
     return value
+
+
+def _operator() -> str:
+    """``user@host`` of whoever runs the inspector (recorded by ``abandon``)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container)
+        user = f"uid {os.getuid()}"
+    return f"{user}@{socket.gethostname()}"
 
 
 def _before(text: str) -> float:
@@ -181,6 +198,19 @@ def parser() -> argparse.ArgumentParser:
         "--reason", type=_bulk.utf8, default="cancelled by an operator", help="recorded as why"
     )
     one_or_many("resume", "Re-drive a BLOCKED flow (Engine.resume).", "to resume")
+    abandon = one_or_many(
+        "abandon",
+        "End a BLOCKED flow FAILED without running the compensations left on it, the failing"
+        " one among them (Engine.abandon): once their effect was handled by hand.",
+        "to abandon",
+    )
+    abandon.add_argument("--reason", type=_said, required=True, help="recorded as why (required)")
+    abandon.add_argument(
+        "--by",
+        type=_said,
+        default=_operator(),
+        help="recorded as who (default: this user@host)",
+    )
     purge = command(
         "purge",
         "Delete finished (COMPLETED or FAILED) flows that ended before a time, with their"
@@ -258,6 +288,7 @@ COMMANDS = {
     "wake": do_wake,
     "cancel": do_cancel,
     "resume": do_resume,
+    "abandon": do_abandon,
     "purge": do_purge,
 }
 
@@ -328,12 +359,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _usage(p, _unrecognized(args, extras))
     args.json = args.json or args.json_first
     args.where = shown(args.store)
-    if args.command in ("list", "wake", "cancel", "resume"):
+    if args.command in ("list", "wake", "cancel", "resume", "abandon"):
         try:
             args.filter = _bulk.flow_filter(args)
         except ValueError as exc:
             return _usage(p, str(exc))
-    if args.command in ("wake", "cancel", "resume"):
+    if args.command in ("wake", "cancel", "resume", "abandon"):
         if args.flow_id is not None and _bulk.has_filters(args):
             return _usage(p, f"{args.command}: give FLOW_ID or filters, not both")
         if args.flow_id is None and not _bulk.has_filters(args):

@@ -91,7 +91,12 @@ async def do_bulk(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
     output(args, "\n".join(lines), data)
 
 
-_DONE = {"cancel": "cancelled", "resume": "resumed", "wake": "woken or queued"}
+_DONE = {
+    "cancel": "cancelled",
+    "resume": "resumed",
+    "abandon": "abandoned",
+    "wake": "woken or queued",
+}
 
 
 def so_far(args: argparse.Namespace, results: list[dict[str, Any]], how: str = "") -> str:
@@ -114,8 +119,8 @@ def _progress(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
 def _locked(args: argparse.Namespace) -> str:
     return (
         f"a flow engine is serving {args.where} right now: on SQLite one engine holds the"
-        " file, so make the call through that engine's API (Engine.wake/cancel/resume) or"
-        " stop it first (list, show and stats work meanwhile)"
+        " file, so make the call through that engine's API (Engine.wake/cancel/resume/abandon)"
+        " or stop it first (list, show and stats work meanwhile)"
     )
 
 
@@ -188,6 +193,26 @@ async def do_resume(args: argparse.Namespace, store: SqliteStore | PostgresStore
         args,
         f"resumed: {where}",
         {"flow_id": args.flow_id, "resumed": True, "state": after.state.name},
+    )
+
+
+async def do_abandon(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    if args.flow_id is None:
+        return await do_bulk(args, store)
+    done, after = await _act(
+        args, store, lambda e: e.abandon(args.flow_id, reason=args.reason, by=args.by)
+    )
+    if after is None:
+        raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
+    if not done:
+        raise Problem(
+            f"not abandoned: flow {args.flow_id!r} is {after.state.name} (only a BLOCKED flow"
+            " can be abandoned)"
+        )
+    output(
+        args,
+        f"abandoned: it has FAILED, its compensations skipped ({after.error})",
+        {"flow_id": args.flow_id, "abandoned": True, "state": after.state.name},
     )
 
 

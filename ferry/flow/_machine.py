@@ -552,6 +552,32 @@ def resume(flow: Flow, mailbox: Mailbox, shape: Shape | None, now: float) -> Tra
     return Transition(new, mailbox, flow.revision, events=events)
 
 
+def abandon(flow: Flow, shape: Shape | None, reason: str, by: str | None, now: float) -> Transition:
+    """An operator gives up on a `BLOCKED` flow: it ends `FAILED` at once, without running the
+    compensations left on its stack (the one that kept failing among them). The `abandoned`
+    event records who (`by`), why (`reason`), why it was blocked and which compensations were
+    skipped (the steps' names where `shape` knows them, else ``#index``), in the order they would
+    have run. ``done=False`` (nothing changes) if the flow is not blocked. Needs no plan."""
+    if flow.state is not BLOCKED:
+        return _no_change(flow, EMPTY_MAILBOX)
+    names = shape.steps if shape is not None else ()
+    skipped: list[Json] = [names[i] if i < len(names) else f"#{i}" for i in reversed(flow.stack)]
+    who = "an operator" if by is None else by
+    error = f"abandoned by {who} while blocked ({flow.blocked}): {reason}"
+    new = _bump(flow, now, error=error, **_ended(FAILED))
+    detail: dict[str, Json] = {
+        "reason": reason,
+        "by": by,
+        "blocked": flow.blocked,
+        "skipped": skipped,
+    }
+    events = (
+        _event(new, now, "abandoned", flow.step, None, detail),
+        _event(new, now, "failed", None, None, {"error": error}),
+    )
+    return Transition(new, EMPTY_MAILBOX, flow.revision, events=events)
+
+
 # ------------------------------------------------------------------------- leases (the fleet)
 
 

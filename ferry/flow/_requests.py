@@ -260,6 +260,31 @@ class Requests:
         result = await self.versioned(call)
         return isinstance(result, _store.Changed) and result.transition.done
 
+    async def abandon(self, flow_id: str, reason: str, by: str | None) -> bool:
+        """`Engine.abandon`."""
+        fid = _checks.flow_id(flow_id)
+        for name, value in (("reason", reason), ("by", by)):
+            if value is None and name == "by":
+                continue
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {value!r}")
+            if not value.strip():
+                raise ValueError(f"{name} must say something (it is recorded), got {value!r}")
+            problem = _checks.text_problem(value)
+            if problem is not None:
+                raise ValueError(f"{name} {value!r} cannot be stored: {problem}")
+        now = self._clock.now()
+
+        async def call(shape_of: ShapeOf) -> _store.Result:
+            def apply(f: Flow, _b: Mailbox) -> Transition:
+                return m.abandon(f, shape_of(f), reason, by, now)
+
+            leased = self._writes.with_holder(apply, outside=True)
+            return await self._writes.request(_store.Change(fid, leased))
+
+        result = await self.versioned(call)
+        return isinstance(result, _store.Changed) and result.transition.done
+
     # ---------------------------------------------------------------------------- publishing
 
     def event(self, event_type: str, event: Json) -> None:

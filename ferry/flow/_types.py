@@ -234,8 +234,8 @@ class Event:
     """One entry of a flow's history: a durable transition, written in the write of `revision`.
 
     `kind` is one of ``started step parked woken timed_out compensated completed failed blocked
-    cancelled resumed``; `at` is wall-clock seconds; `step`/`attempt` name the step concerned
-    (None when none is); `detail` is a JSON object with the particulars, or None.
+    cancelled resumed abandoned``; `at` is wall-clock seconds; `step`/`attempt` name the step
+    concerned (None when none is); `detail` is a JSON object with the particulars, or None.
     """
 
     revision: int
