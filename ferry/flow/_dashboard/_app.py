@@ -189,6 +189,14 @@ class BodyTooLarge(HTTPException):
         )
 
 
+class _Unopened(Exception):
+    """The operator's engine could not be opened: the store is gone or is no store (503)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class _Bounded:
     """Bounds every request body to `limit` bytes before it is read: a ``Content-Length`` over
     the limit is answered 413 at once (the body is never read; the server closes the
@@ -446,6 +454,19 @@ class Dashboard:
                 " engine holds the file, so make the call through that engine's API"
                 " (Engine.wake/cancel/resume) or stop it first",
             )
+        except _Unopened as why:  # gone, a directory, not a store: the page says unavailable
+            _log.warning(
+                "dashboard: %s of flow %r refused: the store cannot be opened (%s)",
+                action,
+                fid,
+                why.reason,
+                extra={"flow_id": fid},
+            )
+            return await self.flow_page(
+                fid,
+                status=503,
+                problem=f"the store is unavailable, nothing was done: {why.reason}",
+            )
         except (FlowError, ValueError, TypeError) as exc:
             return await self.flow_page(fid, problem=f"refused: {exc}", status=409)
         except Exception as exc:  # the store: said on the page, and logged
@@ -477,8 +498,19 @@ class Dashboard:
         return RedirectResponse(f"/flow?id={urllib.parse.quote(fid, safe='')}&done={key}", 303)
 
     async def _with_engine(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
-        async with open_engine(self.store, [], serve=False) as engine:
-            return await call(engine)
+        """``call(engine)`` with an operator's engine, which never creates the store's file;
+        `_Unopened` if the engine could not be opened (other than `StoreLocked`)."""
+        opened = False
+        try:
+            async with open_engine(self.store, [], serve=False) as engine:
+                opened = True
+                return await call(engine)
+        except StoreLocked:
+            raise
+        except Exception as exc:
+            if opened:
+                raise
+            raise _Unopened(f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
 
     # -------------------------------------------------------------------------------- app
 
