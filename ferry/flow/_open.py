@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 import uuid
@@ -240,7 +239,7 @@ async def _opened(
             " given, so this one could run no flow; give it plans=[...], or serve=False for an"
             " operator's engine (it wakes, cancels and resumes flows, and runs none)"
         )
-    if scan_interval is not None and not (0 < scan_interval < math.inf):
+    if scan_interval is not None and not (_checks.finite(scan_interval) and scan_interval > 0):
         raise ValueError(f"scan_interval must be a finite number > 0, got {scan_interval!r}")
     own_store = isinstance(store, str | os.PathLike)
     lock: EngineLock | None = None

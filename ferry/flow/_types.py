@@ -97,6 +97,14 @@ class Fail:
 Outcome: TypeAlias = _Continue | _Complete | Park | Fail
 
 
+def _finite(value: int | float) -> bool:
+    """`_checks.finite` (which imports this module): a huge int is not finite either."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def park(timeout: float | None = None, on_timeout: OnTimeout = "compensate") -> Park:
     """Persist the flow and stop until `Engine.wake` (or a published event) resumes it.
 
@@ -110,8 +118,9 @@ def park(timeout: float | None = None, on_timeout: OnTimeout = "compensate") -> 
             raise TypeError(
                 f"park(timeout=...) must be a number of seconds or None, got {timeout!r}"
             )
-        if not (math.isfinite(timeout) and timeout >= 0):
-            raise ValueError(f"park(timeout=...) must be finite and >= 0, got {timeout!r}")
+        if not (_finite(timeout) and timeout >= 0):
+            shown = repr(timeout) if len(repr(timeout)) <= 40 else f"{repr(timeout)[:40]}..."
+            raise ValueError(f"park(timeout=...) must be finite and >= 0, got {shown}")
         timeout = float(timeout)
     if on_timeout not in ("compensate", "continue"):
         raise ValueError(

@@ -54,6 +54,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ferry.projected import Store
 
 from .. import _query
+from .._checks import shown_number
 from .._errors import FlowError, StoreLocked
 from .._open import open_engine
 from .._types import Delivery, State
@@ -570,7 +571,7 @@ def _call(action: str, fid: str, form: dict[str, str]) -> Callable[[Any], Awaita
     if action == "wake":
         text = form.get("payload", "").strip() or "null"
         try:
-            payload = json.loads(text)
+            payload = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
         except ValueError as exc:
             raise ValueError(f"the payload is not JSON ({exc}): nothing was done") from None
         mid = form.get("message_id", "").strip() or None
@@ -581,6 +582,17 @@ def _call(action: str, fid: str, form: dict[str, str]) -> Callable[[Any], Awaita
     if action == "resume":
         return lambda e: e.resume(fid)
     raise ValueError(f"no action {action!r}: wake, cancel or resume")
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{shown_number(text)} is too big for a number")
+    return value
 
 
 def _outcome_key(action: str, outcome: Any) -> str | None:
