@@ -240,8 +240,8 @@ def parse_time(text: str, now: float, name: str = "time") -> float:
     when = _times.read(text, now, units="smhd")
     if when is None:
         raise ValueError(
-            f"{name}: {_checks.shown_number(text.strip())} is neither a time (ISO 8601, e.g. 2026-12-01T12:00) nor a"
-            " duration before now (e.g. 90s, 15m, 2h, 3d)"
+            f"{name}: {_checks.shown_number(text.strip())} is neither a time (ISO 8601, e.g."
+            " 2026-12-01T12:00) nor a duration before now (e.g. 90s, 15m, 2h, 3d)"
         )
     return when
 

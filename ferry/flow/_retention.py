@@ -230,9 +230,9 @@ def parse_before(text: str, now: float) -> float:
     when = _times.read(text, now, units="smhdw")
     if when is None:
         raise ValueError(
-            f"{_checks.shown_number(text)} is not a time: give an ISO 8601 date or time (2026-11-01,"
-            " 2026-11-01T12:00:00Z; UTC unless it says otherwise) or an age such as 7d, 12h,"
-            " 30m, 90s, 2w"
+            f"{_checks.shown_number(text)} is not a time: give an ISO 8601 date or time"
+            " (2026-11-01, 2026-11-01T12:00:00Z; UTC unless it says otherwise) or an age such as"
+            " 7d, 12h, 30m, 90s, 2w"
         )
     return when
 

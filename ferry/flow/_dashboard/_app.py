@@ -277,14 +277,17 @@ class Dashboard:
         if not read_only and len(token) < 16:
             raise ValueError("the dashboard's token must be at least 16 characters")
         if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1024:
-            raise ValueError(f"max_body must be a whole number of bytes >= 1024, got {max_body!r}")
+            raise ValueError(
+                f"max_body must be a whole number of bytes >= 1024, got {shown_number(max_body)}"
+            )
         if (
             isinstance(page_size, bool)
             or not isinstance(page_size, int)
             or not 1 <= page_size <= _query.MAX_LIMIT
         ):
             raise ValueError(
-                f"page_size must be a whole number from 1 to {_query.MAX_LIMIT}, got {page_size!r}"
+                f"page_size must be a whole number from 1 to {_query.MAX_LIMIT}, got"
+                f" {shown_number(page_size)}"
             )
         self.reader = reader
         self.store = store
