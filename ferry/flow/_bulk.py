@@ -26,8 +26,10 @@ import trio
 from ferry.projected import Store
 
 from . import _query, _times
+from ._checks import shown_number
 from ._engine import Engine
 from ._open import open_engine
+from ._plan import MAX_VERSION
 from ._query import FlowFilter
 from ._types import State
 from ._values import Flow
@@ -63,8 +65,10 @@ def _version(text: str) -> int:
         n = int(text)
     except ValueError:
         n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a plan version (a whole number >= 1)")
+    if not 1 <= n <= MAX_VERSION:
+        raise argparse.ArgumentTypeError(
+            f"{shown_number(text)} is not a plan version (a whole number from 1 to {MAX_VERSION})"
+        )
     return n
 
 

@@ -28,6 +28,25 @@ MAX_DEPTH = 64  # levels of nested lists and dicts a stored JSON value may have
 MAX_DATA_BYTES = 1 << 20  # the default of open_engine(max_data_bytes=): 1 MiB of JSON text
 
 
+def finite(value: int | float) -> bool:
+    """Is the number `value` finite? A whole number too big for a float (``10**400``) is not:
+    it has no float, so it can be neither a time nor a count of seconds (`math.isfinite` would
+    raise `OverflowError` for it)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def shown_number(value: object, width: int = 40) -> str:
+    """`value` for an error message, as `repr` says it, cut short if it is long (a whole number
+    of 400 digits is said as its first digits and how many it has)."""
+    text = repr(value)
+    if len(text) <= width:
+        return text
+    return f"{text[:width]}... ({len(text)} characters)"
+
+
 def text_problem(value: str) -> str | None:
     """Why `value` cannot be stored as text, or None if it can."""
     try:
@@ -205,7 +224,7 @@ def _park_problem(p: Park) -> str | None:
     if timeout is not None and (
         isinstance(timeout, bool)
         or not isinstance(timeout, int | float)
-        or not math.isfinite(timeout)
+        or not finite(timeout)
         or timeout < 0
     ):
         return (

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
+import math
 import os
 import shlex
 import signal
@@ -43,7 +44,8 @@ import trio
 
 from ferry.projected import PostgresStore, SqliteStore
 
-from . import _bulk, _retention
+from . import _bulk, _query, _retention
+from ._checks import shown_number
 from ._inspect_act import do_abandon, do_cancel, do_purge, do_resume, do_wake, so_far
 from ._inspect_read import (
     PROG,
@@ -66,14 +68,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+#: The most a count on the command line may be (--limit, --oldest): more than any store holds.
+COUNT_MAX = 10**9
+
+
 def _count(text: str) -> int:
     try:
         n = int(text)
     except ValueError:
         n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    if not 1 <= n <= COUNT_MAX:
+        raise argparse.ArgumentTypeError(
+            f"{shown_number(text)} is not a whole number >= 1 and <= {COUNT_MAX}"
+        )
     return n
+
+
+def _cursor(text: str) -> str:
+    try:
+        return _query.check_cursor(_bulk.utf8(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _nonempty(text: str) -> str:
@@ -92,9 +107,16 @@ def _not_json(name: str) -> None:
     raise ValueError(f"{name} is not a JSON value (JSON has no NaN and Infinity)")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{shown_number(text)} is too big for a float (JSON numbers are finite)")
+    return value
+
+
 def _json_value(text: str) -> Json:
     try:
-        value: Json = json.loads(text, parse_constant=_not_json)
+        value: Json = json.loads(text, parse_constant=_not_json, parse_float=_finite_float)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
     return value
@@ -152,7 +174,7 @@ def parser() -> argparse.ArgumentParser:
     ls.add_argument(
         "--after",
         metavar="CURSOR",
-        type=_bulk.utf8,
+        type=_cursor,
         help="the page after this cursor (list prints it when more flows match than --limit)",
     )
     show = command("show", "One flow: its state, and its history as a table.")

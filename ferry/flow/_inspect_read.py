@@ -106,7 +106,7 @@ def open_store(spec: str) -> SqliteStore | PostgresStore:
         _check_dsn(spec, where)
         return PostgresStore(spec, connections=1, connect_timeout=5.0)
     _check_sqlite(spec, where)
-    return SqliteStore(spec)
+    return SqliteStore(spec, create=False)  # a file removed meanwhile is an error, never made
 
 
 async def read_store(

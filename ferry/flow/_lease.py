@@ -41,7 +41,7 @@ import trio
 from ferry import Failed
 from ferry.projected import Store
 
-from . import _heartbeat, _retry, _store
+from . import _checks, _heartbeat, _retry, _store
 from ._clock import Clock
 from ._errors import StoreLocked
 from ._live import Live, Tally, about, named
@@ -83,9 +83,10 @@ def check_lease(lease: object) -> float:
     """`lease` in seconds if it is in the range the store can enforce; else a `ValueError`."""
     if isinstance(lease, bool) or not isinstance(lease, int | float):
         raise ValueError(f"lease must be a number of seconds, got {lease!r}")
-    if not (math.isfinite(lease) and LEASE_MIN <= lease <= LEASE_MAX):
+    if not (_checks.finite(lease) and LEASE_MIN <= lease <= LEASE_MAX):
         raise ValueError(
-            f"lease must be between {LEASE_MIN:g} s and {LEASE_MAX:g} s (one day), got {lease!r}:"
+            f"lease must be between {LEASE_MIN:g} s and {LEASE_MAX:g} s (one day), got"
+            f" {_checks.shown_number(lease)}:"
             " engines renew it every third, and the database ends a transaction left idle for a"
             " quarter of it"
         )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 import uuid
@@ -65,7 +64,8 @@ def open_engine(
 ) -> contextlib.AbstractAsyncContextManager[Engine]:
     """Open a flow engine on `store` for the duration of an ``async with``.
 
-    `store`: a path (an SQLite file, created if missing, closed with the engine) or an open
+    `store`: a path (an SQLite file, created if missing -- except by an operator's engine, see
+    `serve` -- and closed with the engine) or an open
     `SqliteStore`/`PostgresStore` (left open). `plans`: the plans it runs (several versions of
     one plan may be given; at least one, unless ``serve=False``). At most `max_running` flows
     run at once; the others wait their turn, first come first served. `owner` names this
@@ -122,7 +122,9 @@ def open_engine(
     recorded, and a flow they make runnable is left to the engines that serve the store (on
     PostgreSQL the next scan of any of them takes it; on SQLite, where the operator's engine
     holds the file's lock like any engine, the next engine to open the file). Its `wait`
-    polls the store.
+    polls the store. It acts on an existing store and never creates one: on a path (or an
+    `SqliteStore`) where there is no file -- removed, or a symlink to nowhere -- it raises
+    `FileNotFoundError` and nothing is made there.
 
     Definition errors (a bad plan, an empty plan, no plans for a serving engine) and bad
     options are raised as they are, before anything is opened. Leaving the block closes the
@@ -237,17 +239,19 @@ async def _opened(
             " given, so this one could run no flow; give it plans=[...], or serve=False for an"
             " operator's engine (it wakes, cancels and resumes flows, and runs none)"
         )
-    if scan_interval is not None and not (0 < scan_interval < math.inf):
+    if scan_interval is not None and not (_checks.finite(scan_interval) and scan_interval > 0):
         raise ValueError(f"scan_interval must be a finite number > 0, got {scan_interval!r}")
     own_store = isinstance(store, str | os.PathLike)
     lock: EngineLock | None = None
+    # An operator's engine acts on an existing store: it never creates the SQLite file
+    # (docs/adr/0116), nor does any engine on a store opened with create=False.
     if own_store:
-        lock = EngineLock.acquire(check_path(store))
-        db: Store = SqliteStore(lock.path)
+        lock = EngineLock.acquire(check_path(store), create=serve)
+        db: Store = SqliteStore(lock.path, create=serve)
     elif callable(getattr(store, "transact", None)):
         db = store  # type: ignore[assignment]
         if isinstance(db, SqliteStore):
-            lock = EngineLock.acquire(db.path)
+            lock = EngineLock.acquire(db.path, create=serve and db.create)
     else:
         raise TypeError(f"store must be a path or a SqliteStore/PostgresStore, got {store!r}")
     try:

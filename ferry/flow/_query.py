@@ -35,14 +35,14 @@ from __future__ import annotations
 import base64
 import datetime
 import json
-import math
 from typing import Any
 
 import attrs
 
 from ferry.projected import Tx
 
-from . import _sql, _times
+from . import _checks, _sql, _times
+from ._plan import MAX_VERSION
 from ._sql import FIELDS as _FIELDS
 from ._sql import to_flow as _to_flow
 from ._types import State
@@ -77,8 +77,11 @@ def _check_version(_self: object, _attr: object, value: Any) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"version must be an int or None, got {value!r}")
-    if value < 1:
-        raise ValueError(f"version must be >= 1 (plan versions start at 1), got {value!r}")
+    if not 1 <= value <= MAX_VERSION:
+        raise ValueError(
+            f"version must be >= 1 and <= {MAX_VERSION} (a plan's versions), got"
+            f" {_checks.shown_number(value)}"
+        )
 
 
 def _check_time(_self: object, attr: attrs.Attribute[Any], value: object) -> None:
@@ -88,8 +91,8 @@ def _check_time(_self: object, attr: attrs.Attribute[Any], value: object) -> Non
         raise TypeError(
             f"{attr.name} must be seconds since the epoch (a float) or None, got {value!r}"
         )
-    if not math.isfinite(value):
-        raise ValueError(f"{attr.name} must be a finite time, got {value!r}")
+    if not _checks.finite(value):
+        raise ValueError(f"{attr.name} must be a finite time, got {_checks.shown_number(value)}")
 
 
 @attrs.frozen(kw_only=True)
@@ -175,7 +178,10 @@ class FlowFilter:
             try:
                 ver = int(v)
             except ValueError:
-                raise ValueError(f"version must be a whole number >= 1, got {v!r}") from None
+                raise ValueError(
+                    f"version must be a whole number from 1 to {MAX_VERSION}, got"
+                    f" {_checks.shown_number(v)}"
+                ) from None
         times = {
             name: None if word(text) is None else parse_time(str(word(text)), now, name)
             for name, text in (
@@ -234,8 +240,8 @@ def parse_time(text: str, now: float, name: str = "time") -> float:
     when = _times.read(text, now, units="smhd")
     if when is None:
         raise ValueError(
-            f"{name}: {text.strip()!r} is neither a time (ISO 8601, e.g. 2026-12-01T12:00) nor a"
-            " duration before now (e.g. 90s, 15m, 2h, 3d)"
+            f"{name}: {_checks.shown_number(text.strip())} is neither a time (ISO 8601, e.g."
+            " 2026-12-01T12:00) nor a duration before now (e.g. 90s, 15m, 2h, 3d)"
         )
     return when
 
@@ -291,7 +297,7 @@ def _decode(cursor: str, by_id: bool) -> list[Any]:
         raise TypeError(f"a cursor is a str, got {cursor!r}")
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        key = json.loads(raw)
+        key = json.loads(raw, parse_constant=_no_constant)  # no NaN, no Infinity
     except ValueError:
         raise bad from None
     if by_id:
@@ -300,17 +306,33 @@ def _decode(cursor: str, by_id: bool) -> list[Any]:
     else:
         ok = isinstance(key, list) and len(key) == 3 and key[0] == "c"
         ok = ok and isinstance(key[1], int | float) and not isinstance(key[1], bool)
-        ok = ok and isinstance(key[2], str)
+        ok = ok and _checks.finite(key[1]) and isinstance(key[2], str)
     if not ok:
         raise bad
     return list(key)
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is no time")
+
+
+def check_cursor(cursor: str) -> str:
+    """`cursor` if it is a cursor of either order (by start time, by id); else `ValueError`
+    (for a command line, which checks it before it knows the order)."""
+    try:
+        _decode(cursor, by_id=False)
+    except ValueError:
+        _decode(cursor, by_id=True)
+    return cursor
 
 
 def _check_limit(limit: object) -> int:
     if isinstance(limit, bool) or not isinstance(limit, int):
         raise TypeError(f"limit must be an int, got {limit!r}")
     if not 1 <= limit <= MAX_LIMIT:
-        raise ValueError(f"limit must be between 1 and {MAX_LIMIT}, got {limit}")
+        raise ValueError(
+            f"limit must be between 1 and {MAX_LIMIT}, got {_checks.shown_number(limit)}"
+        )
     return limit
 
 

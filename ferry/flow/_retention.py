@@ -30,7 +30,6 @@ WARNING per retry); any other error ends the engine's ``async with`` block with 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Final
@@ -40,7 +39,7 @@ import trio
 
 from ferry.projected import Store, Tx
 
-from . import _retry, _sql, _store, _times
+from . import _checks, _retry, _sql, _store, _times
 
 _log = logging.getLogger("ferry.flow")
 
@@ -63,11 +62,11 @@ def check_retain(retain: object) -> float | None:
     if (
         isinstance(retain, bool)
         or not isinstance(retain, int | float)
-        or not (0 < retain < math.inf)
+        or not (_checks.finite(retain) and retain > 0)
     ):
         raise ValueError(
             f"retain must be a finite number of seconds > 0 (how long a finished flow is kept,"
-            f" e.g. 30 * 86400), or None to keep every flow; got {retain!r}"
+            f" e.g. 30 * 86400), or None to keep every flow; got {_checks.shown_number(retain)}"
         )
     return float(retain)
 
@@ -284,9 +283,9 @@ def parse_before(text: str, now: float) -> float:
     when = _times.read(text, now, units="smhdw")
     if when is None:
         raise ValueError(
-            f"{text!r} is not a time: give an ISO 8601 date or time (2026-11-01,"
-            " 2026-11-01T12:00:00Z; UTC unless it says otherwise) or an age such as 7d, 12h,"
-            " 30m, 90s, 2w"
+            f"{_checks.shown_number(text)} is not a time: give an ISO 8601 date or time"
+            " (2026-11-01, 2026-11-01T12:00:00Z; UTC unless it says otherwise) or an age such as"
+            " 7d, 12h, 30m, 90s, 2w"
         )
     return when
 

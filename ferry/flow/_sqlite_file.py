@@ -150,12 +150,14 @@ class EngineLock:
     sidecar: str | None  # the sidecar's path where the lock cannot be on the file itself
 
     @classmethod
-    def acquire(cls, path: str) -> EngineLock:
-        """Check `path` (`check_path`), create the file if missing, check that it is an SQLite
-        database (`ValueError`), and take its engine lock (`StoreLocked` if another engine, in
-        this process or another, holds it). Not a checkpoint: a few system calls."""
+    def acquire(cls, path: str, *, create: bool = True) -> EngineLock:
+        """Check `path` (`check_path`), create the file if missing (unless not `create`: then a
+        missing file, or a symlink to nowhere, is a `FileNotFoundError` and nothing is made),
+        check that it is an SQLite database (`ValueError`), and take its engine lock
+        (`StoreLocked` if another engine, in this process or another, holds it). Not a
+        checkpoint: a few system calls."""
         check_path(path)
-        fd, key = _open(path, path)
+        fd, key = _open(path, path, create)
         try:
             _check_header(fd, path)
             if ON_THE_FILE:
@@ -188,8 +190,9 @@ class EngineLock:
         _close_kept()
 
 
-def _open(path: str, shown: str) -> tuple[int, tuple[int, int]]:
-    """A descriptor of the file at `path` (created if missing), reusing a kept one."""
+def _open(path: str, shown: str, create: bool = True) -> tuple[int, tuple[int, int]]:
+    """A descriptor of the file at `path` (created if missing and `create`), reusing a kept
+    one."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -203,8 +206,16 @@ def _open(path: str, shown: str) -> tuple[int, tuple[int, int]]:
                 del _KEPT[key]
         if fd is not None:
             return fd, key
+    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        if create:
+            raise
+        raise FileNotFoundError(
+            f"no flow store at {shown!r}: there is no such file (it was removed, or a symlink"
+            " points nowhere), and an operator's engine never creates one"
+        ) from None
     except OSError as exc:
         raise type(exc)(f"cannot open the flow store {shown!r}: {exc.strerror}") from None
     st = os.fstat(fd)

@@ -7,6 +7,7 @@ wall-clock seconds since the epoch (the engine's durable times are).
 from __future__ import annotations
 
 import datetime
+import math
 import re
 
 _AGE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")
@@ -25,7 +26,10 @@ def read(text: str, now: float, *, units: str) -> float | None:
     text = text.strip()
     m = _AGE.fullmatch(text)
     if m is not None:
-        return now - float(m.group(1)) * _UNIT[m.group(2)] if m.group(2) in units else None
+        if m.group(2) not in units:
+            return None
+        ago = now - float(m.group(1)) * _UNIT[m.group(2)]
+        return ago if math.isfinite(ago) else None  # an age of 1e400 days is no time
     try:
         when = datetime.datetime.fromisoformat(text)
     except ValueError:

@@ -98,6 +98,14 @@ class Fail:
 Outcome: TypeAlias = _Continue | _Complete | Park | Fail
 
 
+def _finite(value: int | float) -> bool:
+    """`_checks.finite` (which imports this module): a huge int is not finite either."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 class MisusedOutcome(Exception):
     """Marks an error raised by `park()` or `fail()` for a bad argument: a mistake in the step's
     code, which the same code makes again on every attempt. The runner fails the flow at once
@@ -138,8 +146,9 @@ def park(
                 "park(timeout=...) must be a number of seconds, a datetime.timedelta or None,"
                 f" got {timeout!r}"
             )
-        if not (math.isfinite(timeout) and timeout >= 0):
-            raise _OutcomeValueError(f"park(timeout=...) must be finite and >= 0, got {timeout!r}")
+        if not (_finite(timeout) and timeout >= 0):
+            shown = repr(timeout) if len(repr(timeout)) <= 40 else f"{repr(timeout)[:40]}..."
+            raise _OutcomeValueError(f"park(timeout=...) must be finite and >= 0, got {shown}")
         timeout = float(timeout)
     if on_timeout not in ("compensate", "continue"):
         raise _OutcomeValueError(

@@ -62,7 +62,7 @@ import stm
 from ferry import Closed, Failed
 from ferry.projected import Store
 
-from . import _heartbeat, _retry, _store
+from . import _checks, _heartbeat, _retry, _store
 from ._errors import UnknownFlow
 from ._listener import Listener
 from ._notify import SETTLED
@@ -306,9 +306,15 @@ class Waiters(Generic[H]):
     async def wait(self, fid: str, timeout: float | None) -> Flow:  # noqa: ASYNC109
         """Until the flow is settled; its row then (see `Engine.wait`)."""
         if timeout is not None and not (
-            isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout >= 0
+            isinstance(timeout, int | float)
+            and not isinstance(timeout, bool)
+            and timeout >= 0
+            and (timeout == math.inf or _checks.finite(timeout))
         ):
-            raise ValueError(f"timeout must be a number >= 0 or None, got {timeout!r}")
+            raise ValueError(
+                f"timeout must be a number of seconds >= 0 (a float: at most about 1e308) or"
+                f" None, got {_checks.shown_number(timeout)}"
+            )
         watch = self._watches.get(fid)
         if watch is None:
             watch = self._watches[fid] = _Watch(fid in self.held)

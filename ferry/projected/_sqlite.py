@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import urllib.parse
 from collections.abc import Sequence
 from typing import Any, TypeVar, final
 
@@ -46,18 +47,22 @@ class _SqliteDriver:
     discard_after_cancel = False
     inline_under_mock_clock = True  # a local file: a transaction is short and cannot hang
 
-    def __init__(self, path: str, busy_timeout: float, synchronous: str) -> None:
+    def __init__(self, path: str, busy_timeout: float, synchronous: str, create: bool) -> None:
         self._path = path
+        # Without create: the file's absolute path (fixed now) as a URI opened read-write only,
+        # so that a file removed meanwhile is an error, not a new empty database.
+        self._uri = None if create else f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=rw"
         self._busy_timeout = busy_timeout
         self._synchronous = synchronous
         self._query_only: set[int] = set()  # ids of connections in a read transaction
 
     def connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
-            self._path,
+            self._path if self._uri is None else self._uri,
             timeout=self._busy_timeout,
             isolation_level=None,
             check_same_thread=False,
+            uri=self._uri is not None,
         )
         # Before WAL, which writes the header: a new file is made in incremental auto-vacuum
         # mode, so that what a purge deletes can be given back (`PRAGMA incremental_vacuum`);
@@ -103,10 +108,13 @@ class _SqliteDriver:
 class SqliteStore(PooledStore):
     """A journal store in one SQLite file: the embedded default, zero set-up.
 
-    ``SqliteStore(path, *, connections=2, busy_timeout=10.0, synchronous="FULL")``. Nothing is
-    opened until first use. Every transaction starts with ``BEGIN IMMEDIATE`` (writers queue on
-    SQLite's lock, waiting up to `busy_timeout` seconds), runs on a trio worker thread, and is
-    interrupted with ``Connection.interrupt()`` when its call is cancelled. `synchronous` is the
+    ``SqliteStore(path, *, connections=2, busy_timeout=10.0, synchronous="FULL", create=True)``.
+    Nothing is opened until first use. ``create=False`` never creates the file: a connection to
+    a path where there is no file (gone, a symlink to nowhere) fails with
+    `sqlite3.OperationalError` instead of making a new empty database there. Every transaction
+    starts with ``BEGIN IMMEDIATE`` (writers queue on SQLite's lock, waiting up to
+    `busy_timeout` seconds), runs on a trio worker thread, and is interrupted with
+    ``Connection.interrupt()`` when its call is cancelled. `synchronous` is the
     SQLite pragma: ``"FULL"`` (default) survives power loss, ``"NORMAL"`` only process crashes.
     ``transact(fn, read_only=True)`` runs a read transaction (``BEGIN DEFERRED``, writes refused):
     in WAL mode it neither waits for a writer nor delays one. While the current trio clock is a
@@ -123,6 +131,7 @@ class SqliteStore(PooledStore):
         connections: int = 2,
         busy_timeout: float = 10.0,
         synchronous: str = "FULL",
+        create: bool = True,
     ) -> None:
         if sqlite3.sqlite_version_info < (3, 35, 0):  # pragma: no cover - depends on the build
             raise RuntimeError(f"SQLite >= 3.35 is needed (RETURNING); {sqlite3.sqlite_version}")
@@ -130,9 +139,12 @@ class SqliteStore(PooledStore):
             raise ValueError(f"synchronous must be one of {_SYNCHRONOUS}, got {synchronous!r}")
         if not busy_timeout >= 0:
             raise ValueError(f"busy_timeout must be >= 0, got {busy_timeout!r}")
+        if not isinstance(create, bool):
+            raise TypeError(f"create must be a bool, got {create!r}")
         self.path = os.fspath(path)
+        self.create = create
         self._pool = ConnectionPool(
-            _SqliteDriver(self.path, busy_timeout, synchronous.upper()), connections
+            _SqliteDriver(self.path, busy_timeout, synchronous.upper(), create), connections
         )
 
     dialect = "sqlite"

@@ -399,7 +399,7 @@ def test_list_says_when_more_flows_match_than_it_shows(
         cursor = ["--after", page["next"]] if page["more"] else []
     assert page["next"] is None and len(seen) == len(set(seen)) == 8
     code, _, err = run(capsys, db, "list", "--after", "bogus")
-    assert code == 1 and "--after: not a cursor of this listing" in err
+    assert code == 2 and "argument --after: not a cursor of this listing" in err
 
 
 def test_json_first_the_store_second_and_a_closed_pipe(

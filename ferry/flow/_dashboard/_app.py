@@ -9,10 +9,16 @@ action and closed after it, as the inspector's are (docs/adr/0044).
 
 The safety rules (docs/adr/0081), each enforced in one place:
 
+- Every request body is bounded before it is read (`_Bounded`, docs/adr/0115): a
+  ``Content-Length`` over `MAX_BODY` (64 KiB by default) is answered 413 before a byte of the
+  body is read, and a body without one (chunked) is cut off with a 413 as soon as it grows past
+  the limit, so an unauthenticated client cannot make the server hold more than that.
 - Every action is a POST whose form carries the token (`_allowed`, a constant-time compare); a
-  wrong or missing token is refused (403) before anything is read or written. The token is in
-  the form, never in a cookie or a URL: another site cannot make a browser send it.
-- Read-only mode refuses every POST (403) in the same place, and the templates show no forms.
+  wrong or missing token is refused (403) before anything is looked up, read or written, whether
+  or not the flow exists. The token is in the form, never in a cookie or a URL: another site
+  cannot make a browser send it.
+- Read-only mode refuses every POST (403) before its body is read, and the templates show no
+  forms.
 - Every value reaches the page through Jinja2's autoescape; the one piece of markup made in
   Python, the chart, is built from numbers only. A Content-Security-Policy that allows no script
   at all is a second line.
@@ -36,6 +42,7 @@ from typing import Any
 import jinja2
 import trio
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
@@ -47,6 +54,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ferry.projected import Store
 
 from .. import _query
+from .._checks import shown_number
 from .._errors import FlowError, StoreLocked
 from .._open import open_engine
 from .._types import Delivery, State
@@ -71,6 +79,10 @@ _CSP = (
     " frame-ancestors 'none'; base-uri 'none'"
 )
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+#: The most bytes a request's body may have (a dashboard form holds an id, the token and at
+#: most a wake's payload and message id): 413 beyond it, before it is read (docs/adr/0115).
+MAX_BODY = 64 * 1024
 
 
 def _when(t: float | None) -> str:
@@ -166,6 +178,85 @@ class _Headers:
         await self.app(scope, receive, with_headers)
 
 
+class BodyTooLarge(HTTPException):
+    """A request body over the dashboard's limit (413): raised where the body is read, as soon
+    as it grows past the limit, so no more than the limit is ever held."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            413,
+            f"the request body is over {limit} bytes, the most a dashboard form may hold:"
+            " nothing was done\n",
+        )
+
+
+class _Unopened(Exception):
+    """The operator's engine could not be opened: the store is gone or is no store (503)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Bounded:
+    """Bounds every request body to `limit` bytes before it is read: a ``Content-Length`` over
+    the limit is answered 413 at once (the body is never read; the server closes the
+    connection), and the app's ``receive`` counts the bytes of a body without one and raises
+    `BodyTooLarge` (413) the moment they pass the limit."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.limit:
+            _log.warning(
+                "dashboard: a %s of %s refused unread: its body of %d bytes is over the limit"
+                " of %d",
+                scope.get("method"),
+                scope.get("path"),
+                declared,
+                self.limit,
+            )
+            exc = BodyTooLarge(self.limit)
+            await PlainTextResponse(exc.detail, exc.status_code)(scope, receive, send)
+            return
+        seen = 0
+
+        async def bounded() -> MutableMapping[str, Any]:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:
+                    _log.warning(
+                        "dashboard: a %s of %s refused: its body grew past the limit of %d bytes",
+                        scope.get("method"),
+                        scope.get("path"),
+                        self.limit,
+                    )
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        await self.app(scope, bounded, send)
+
+
+def _content_length(scope: Scope) -> int | None:
+    """The request's ``Content-Length`` (None if it has none; the server has checked it is a
+    number)."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
 class Dashboard:
     """The pages and actions of one store. `store` is what the actions' operator engine opens
     (an SQLite path or an open `PostgresStore`); `reader` does the reads; `where` names the
@@ -181,9 +272,23 @@ class Dashboard:
         read_only: bool = False,
         clock: Callable[[], float] = time.time,
         page_size: int = PAGE,
+        max_body: int = MAX_BODY,
     ) -> None:
         if not read_only and len(token) < 16:
             raise ValueError("the dashboard's token must be at least 16 characters")
+        if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1024:
+            raise ValueError(
+                f"max_body must be a whole number of bytes >= 1024, got {shown_number(max_body)}"
+            )
+        if (
+            isinstance(page_size, bool)
+            or not isinstance(page_size, int)
+            or not 1 <= page_size <= _query.MAX_LIMIT
+        ):
+            raise ValueError(
+                f"page_size must be a whole number from 1 to {_query.MAX_LIMIT}, got"
+                f" {shown_number(page_size)}"
+            )
         self.reader = reader
         self.store = store
         self.where = where
@@ -191,6 +296,7 @@ class Dashboard:
         self.read_only = read_only
         self.clock = clock
         self.page_size = page_size
+        self.max_body = max_body
         self.env = _environment()
         self._acting = trio.Lock()  # one operator engine at a time (SQLite: one engine lock)
 
@@ -263,17 +369,22 @@ class Dashboard:
             by_id=flt.by_id,
         )
 
-    async def flow(
+    async def flow(self, request: Request) -> Response:
+        done = request.query_params.get("done")
+        return await self.flow_page(
+            request.query_params.get("id", ""), notice=_DONE.get(done or "")
+        )
+
+    async def flow_page(
         self,
-        request: Request,
+        fid: str,
         *,
         notice: str | None = None,
         problem: str | None = None,
         status: int = 200,
     ) -> Response:
-        fid = request.query_params.get("id", "")
-        if request.method == "POST":
-            fid = (await _form(request)).get("id", "")
+        """The page of the flow `fid` (404 if there is none), with `notice` or `problem` said
+        at the top and answered with `status`."""
         if not fid:
             return self.render("missing.html", 404, flow_id=fid)
         try:
@@ -282,9 +393,6 @@ class Dashboard:
             return self.unavailable("Flow", why)
         if p is None:
             return self.render("missing.html", 404, flow_id=fid)
-        done = request.query_params.get("done")
-        if notice is None and done in _DONE:
-            notice = _DONE[done]
         return self.render("flow.html", status, p=p, notice=notice, problem=problem)
 
     async def metrics(self, request: Request) -> Response:
@@ -305,9 +413,8 @@ class Dashboard:
     # ------------------------------------------------------------------------------ actions
 
     def _allowed(self, form: dict[str, str]) -> str | None:
-        """Why this POST is refused, or None. Nothing is read or written before this passes."""
-        if self.read_only:
-            return "this dashboard is read-only: actions are refused"
+        """Why this POST is refused, or None. Nothing is looked up, read or written before
+        this passes."""
         given = form.get("token", "")
         if not given:
             return "no token: paste the token the serve command printed at start"
@@ -315,39 +422,57 @@ class Dashboard:
             return "wrong token: paste the token the serve command printed at start"
         return None
 
+    def _refused(self, action: str, fid: str | None, why: str) -> Response:
+        """403: the POST was refused before anything was looked up (the flow may not exist)."""
+        _log.warning(
+            "dashboard: %s of flow %r refused: %s", action, fid, why, extra={"flow_id": fid}
+        )
+        return self.render("refused.html", 403, flow_id=fid or "", problem=why)
+
     async def act(self, request: Request) -> Response:
         action = request.path_params["action"]
-        form = await _form(request)
+        if self.read_only:  # before the body is read
+            return self._refused(action, None, "this dashboard is read-only: actions are refused")
+        try:
+            form = await _form(request)
+        except BodyTooLarge as exc:
+            return PlainTextResponse(exc.detail, exc.status_code)
         refused = self._allowed(form)
         if refused is not None:
-            _log.warning(
-                "dashboard: %s of flow %r refused: %s",
-                action,
-                form.get("id"),
-                refused,
-                extra={"flow_id": form.get("id")},
-            )
-            return await self._after(request, problem=refused, status=403)
+            return self._refused(action, form.get("id"), refused)
         fid = form.get("id", "")
         if not fid:
             return PlainTextResponse("which flow? the form has no id\n", 400)
         try:
             call = _call(action, fid, form)
         except ValueError as exc:
-            return await self._after(request, problem=str(exc), status=400)
+            return await self.flow_page(fid, problem=str(exc), status=400)
         try:
             async with self._acting:
                 outcome = await self._with_engine(call)
         except StoreLocked:
-            return await self._after(
-                request,
+            return await self.flow_page(
+                fid,
                 status=409,
                 problem="a flow engine is serving this SQLite file right now: on SQLite one"
                 " engine holds the file, so make the call through that engine's API"
                 " (Engine.wake/cancel/resume) or stop it first",
             )
+        except _Unopened as why:  # gone, a directory, not a store: the page says unavailable
+            _log.warning(
+                "dashboard: %s of flow %r refused: the store cannot be opened (%s)",
+                action,
+                fid,
+                why.reason,
+                extra={"flow_id": fid},
+            )
+            return await self.flow_page(
+                fid,
+                status=503,
+                problem=f"the store is unavailable, nothing was done: {why.reason}",
+            )
         except (FlowError, ValueError, TypeError) as exc:
-            return await self._after(request, problem=f"refused: {exc}", status=409)
+            return await self.flow_page(fid, problem=f"refused: {exc}", status=409)
         except Exception as exc:  # the store: said on the page, and logged
             _log.warning(
                 "dashboard: %s of flow %r failed",
@@ -356,8 +481,8 @@ class Dashboard:
                 exc_info=True,
                 extra={"flow_id": fid},
             )
-            return await self._after(
-                request,
+            return await self.flow_page(
+                fid,
                 status=503,
                 problem=f"the store is unavailable, nothing was done: {type(exc).__name__}:"
                 f" {' '.join(str(exc).split())}",
@@ -371,18 +496,25 @@ class Dashboard:
             extra={"flow_id": fid},
         )
         if key is None:
-            return await self._after(
-                request, status=409, problem=f"{action} did not apply: {_NOT_DONE[action]}"
+            return await self.flow_page(
+                fid, status=409, problem=f"{action} did not apply: {_NOT_DONE[action]}"
             )
         return RedirectResponse(f"/flow?id={urllib.parse.quote(fid, safe='')}&done={key}", 303)
 
     async def _with_engine(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
-        async with open_engine(self.store, [], serve=False) as engine:
-            return await call(engine)
-
-    async def _after(self, request: Request, *, problem: str, status: int) -> Response:
-        """The flow's page again with `problem` said at the top (or just the problem)."""
-        return await self.flow(request, problem=problem, status=status)
+        """``call(engine)`` with an operator's engine, which never creates the store's file;
+        `_Unopened` if the engine could not be opened (other than `StoreLocked`)."""
+        opened = False
+        try:
+            async with open_engine(self.store, [], serve=False) as engine:
+                opened = True
+                return await call(engine)
+        except StoreLocked:
+            raise
+        except Exception as exc:
+            if opened:
+                raise
+            raise _Unopened(f"{type(exc).__name__}: {' '.join(str(exc).split())}") from exc
 
     # -------------------------------------------------------------------------------- app
 
@@ -399,7 +531,7 @@ class Dashboard:
         middleware = []
         if hosts is not None:
             middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=hosts))
-        return _Headers(Starlette(routes=routes, middleware=middleware))
+        return _Headers(_Bounded(Starlette(routes=routes, middleware=middleware), self.max_body))
 
 
 _FILTER_FIELDS = (
@@ -430,9 +562,8 @@ _NOT_DONE = {
 
 async def _form(request: Request) -> dict[str, str]:
     """The POST's urlencoded form (the last value of each field); parsed here, so that the
-    dashboard needs no multipart parser."""
-    if request.method != "POST":
-        return {}
+    dashboard needs no multipart parser. The body is at most the dashboard's limit (`_Bounded`
+    raises `BodyTooLarge` past it)."""
     body = await request.body()
     pairs = urllib.parse.parse_qsl(body.decode("utf-8", "replace"), keep_blank_values=True)
     return dict(pairs)
@@ -443,7 +574,7 @@ def _call(action: str, fid: str, form: dict[str, str]) -> Callable[[Any], Awaita
     if action == "wake":
         text = form.get("payload", "").strip() or "null"
         try:
-            payload = json.loads(text)
+            payload = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
         except ValueError as exc:
             raise ValueError(f"the payload is not JSON ({exc}): nothing was done") from None
         mid = form.get("message_id", "").strip() or None
@@ -454,6 +585,17 @@ def _call(action: str, fid: str, form: dict[str, str]) -> Callable[[Any], Awaita
     if action == "resume":
         return lambda e: e.resume(fid)
     raise ValueError(f"no action {action!r}: wake, cancel or resume")
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{shown_number(text)} is too big for a number")
+    return value
 
 
 def _outcome_key(action: str, outcome: Any) -> str | None:
