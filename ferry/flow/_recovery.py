@@ -162,6 +162,8 @@ async def answer_refused(
         if not isinstance(result, _store.Rejected):
             return
         problem = f"{problem}; and refused that too: {_checks.describe(result.error)}"
+        writes.left_as_it_is(flow, problem, result.error)
+        return
     _log.warning(
         "%s is left as it is, not run by this engine: %s",
         named(flow),

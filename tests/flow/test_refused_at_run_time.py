@@ -1,0 +1,117 @@
+"""A flow whose every later write the database refuses, while the engine runs it, is that flow's
+own problem (docs/adr/0117): the engine keeps running every other flow (those that shared the
+refused write's batch commit), the flow is left as the database keeps it, a WARNING names it
+with the database's reason, a wait on it answers at once with that reason, and the engine's
+block ends normally. Before, the refused write that fails the flow ended the block with
+`ferry.Failed` and every other flow stopped with it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import trio
+
+from ferry import Failed, flow
+from ferry.projected import PostgresStore
+
+OTHERS = [f"{c}" for c in "BCDEFGHIJKLMNOPQRSTUVWXYZ"]
+
+# An operator's trigger: every change of flow "A" once its first step is recorded is refused.
+_SQLITE_REFUSE_A = (
+    "CREATE TRIGGER refuse_a BEFORE UPDATE ON flow_flows"
+    " WHEN OLD.flow_id = 'A' AND OLD.step_index >= 1"
+    " BEGIN SELECT RAISE(ABORT, 'flow A is frozen by the DBA'); END"
+)
+_PG_REFUSE_A = """
+CREATE FUNCTION refuse_a() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF OLD.flow_id = 'A' AND OLD.step_index >= 1 THEN
+        RAISE EXCEPTION 'flow A is frozen by the DBA' USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER refuse_a BEFORE UPDATE ON flow_flows
+    FOR EACH ROW EXECUTE FUNCTION refuse_a();
+"""
+
+
+def _plan(second: trio.Event, undone: list[str], all_in: trio.Event) -> flow.Plan:
+    """Three steps; every flow's second step waits for `second` (`all_in` is set once every
+    flow is in it), so that their writes share batches."""
+    plan = flow.Plan("refused-while-running")
+    arrived: list[str] = []
+
+    async def undo(ctx: flow.Context) -> None:
+        undone.append(ctx.flow_id)
+
+    @plan.step(compensate=undo)
+    async def reserve(ctx: flow.Context) -> None:
+        ctx.data["reserved"] = True
+
+    @plan.step
+    async def charge(ctx: flow.Context) -> None:
+        arrived.append(ctx.flow_id)
+        if len(arrived) == 1 + len(OTHERS):
+            all_in.set()
+        await second.wait()
+        ctx.data["charged"] = True
+
+    @plan.step
+    async def ship(ctx: flow.Context) -> None:
+        ctx.data["shipped"] = True
+
+    return plan
+
+
+async def test_a_flow_whose_later_writes_are_refused_is_its_own_problem_and_the_rest_run(
+    make_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="ferry.flow")
+    second = trio.Event()
+    undone: list[str] = []
+    all_in = trio.Event()
+    plan = _plan(second, undone, all_in)
+    store = make_store()
+    async with store:
+        with trio.fail_after(30):
+            async with flow.open_engine(store, [plan], owner="a") as engine:
+                postgres = isinstance(store, PostgresStore)
+                await store.transact(
+                    lambda tx: tx.execute(_PG_REFUSE_A if postgres else _SQLITE_REFUSE_A)
+                )
+                for fid in ["A", *OTHERS]:
+                    await engine.start(plan, flow_id=fid)
+                await all_in.wait()
+                answers: list[BaseException] = []
+
+                async def wait_for_a() -> None:
+                    with pytest.raises(Failed) as raised:
+                        await engine.wait("A")
+                    answers.append(raised.value)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(wait_for_a)
+                    await trio.sleep(0.05)
+                    second.set()  # every flow writes its second step: A's is refused
+                    for fid in OTHERS:
+                        snap = await engine.wait(fid)
+                        assert snap.state is flow.State.COMPLETED, snap
+                assert len(answers) == 1
+                message = str(answers[0])
+                assert "'A'" in message and "flow A is frozen by the DBA" in message
+                with pytest.raises(Failed, match="frozen by the DBA"):  # a later wait too
+                    await engine.wait("A", timeout=5)
+                a = await engine.get("A")
+                assert a is not None and a.state is flow.State.RUNNING and a.step == "charge"
+                stats = engine.statistics()
+                assert stats.completed == len(OTHERS)
+    assert undone == []
+    left = [
+        r
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "left as it is" in r.getMessage()
+    ]
+    assert left and all(getattr(r, "flow_id", None) == "A" for r in left)
+    assert "flow A is frozen by the DBA" in left[0].getMessage()
