@@ -28,8 +28,10 @@ parked, or ended by this engine (2 to 3): reads start. A notification of a flow 
 not read but remembered (`_Watch.missed`): if the flow leaves at a revision older than that,
 one read follows; the listener's reconnection makes every held watch remember "unknown".
 
-A wait whose flow cannot settle answers at once (`_Watch.answer`):
+A wait whose flow cannot settle answers at once (`_Watch.answer`), whichever case it is in:
 
+- *Gone*: a read finds no row for it (on a fleet, the flow ended and was purged, by retention or
+  the inspector's ``purge``, before this engine read it): `UnknownFlow`, as for an unknown id.
 - *Refused*: the database refuses every write of its row (`refused`: the runner, or recovery,
   could not even fail the flow, docs/adr/0117): `ferry.Failed` naming the database's reason,
   for every wait on it from then on, until a newer row of the flow is seen (`saw`).
@@ -123,7 +125,7 @@ class _Watch:
         self.missed = 0  # the newest revision a notification named while the flow was held
         self.read_at = -math.inf  # trio time the last read of its row began
         self.users = 0  # waits on it
-        # What its waits raise at once (the flow refuses every write), or None.
+        # What its waits raise at once (the flow is gone, or refuses every write), or None.
         self.answer: stm.TVar[Callable[[], Exception] | None] = stm.TVar(None)
 
 
@@ -430,6 +432,7 @@ class Waiters(Generic[H]):
         fids = self._take()
         if not fids:
             return True
+        before = {f: self._watches[f].known for f in fids}
         self.reads += 1
         try:
             rows = await self._read(
@@ -460,6 +463,13 @@ class Waiters(Generic[H]):
             watch = self._watches.get(row.flow_id)
             if watch is not None:
                 _put(watch, row, read=True)
+        if len(rows) < len(fids):
+            found = {row.flow_id for row in rows}
+            for gone in fids - found:
+                watch = self._watches.get(gone)
+                # Unless a row of it came meanwhile (the id started again, here): it is gone.
+                if watch is not None and watch.known is before[gone]:
+                    stm.atomically_nowait(watch.answer.set, partial(_gone, gone))
         return True
 
     async def _load_until(self, fid: str, deadline: float) -> Flow | None:
@@ -507,6 +517,15 @@ def _put(watch: _Watch, flow: Flow, *, read: bool = False) -> None:
 def _newer(flow: Flow, than: Flow) -> bool:
     """Is `flow` a later row than `than` (a later revision, or the same id started again)?"""
     return (flow.created_at, flow.revision) > (than.created_at, than.revision)
+
+
+def _gone(fid: str) -> Exception:
+    """What a wait raises when its flow's row is no longer there."""
+    return UnknownFlow(
+        f"no flow has id {fid!r} any more: it was deleted while this wait waited for it (a"
+        " finished flow purged, by retention or the inspector's purge, before this engine"
+        " read how it ended)"
+    )
 
 
 def _set_all(tvars: list[stm.TVar[bool]], value: bool) -> None:
