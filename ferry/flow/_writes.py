@@ -420,7 +420,8 @@ class Writes:
         self, flow_id: str, revision: int, deadline: float
     ) -> tuple[Flow, Flow] | None:
         """A park deadline came: time the flow out (its own problem if the database refuses
-        that write: it blocks, ADR 0063). The store's unavailability is retried. The row before
+        that write: it blocks, ADR 0063; if it refuses that too, the flow is left as it is,
+        ADR 0117). The store's unavailability is retried. The row before
         and the row written, or None if the flow had moved on (for its trace:
         `_tracing.timed`)."""
         now = max(self._clock.now(), deadline)
@@ -439,7 +440,15 @@ class Writes:
             reason = f"the database refused its timeout: {_checks.describe(result.error)}"
             block = self.with_holder(on_row(m.block, reason, now), outside=True)
             op = _store.Change(flow_id, block, expected=revision)
-            result = await _retry.retrying(partial(self.write, op), what=what, extra=extra)
+            result = await _retry.retrying(partial(self.write_answered, op), what=what, extra=extra)
+            if isinstance(result, _store.Rejected):  # that too: left as it is (ADR 0117)
+                stored = await _retry.retrying(
+                    partial(self.load_row, flow_id), what=what, extra=extra
+                )
+                if stored is not None and stored.revision == revision:
+                    problem = f"{reason}; and refused that too: {_checks.describe(result.error)}"
+                    self.left_as_it_is(stored, problem, result.error)
+                return None
         if isinstance(result, _store.Changed) and result.transition.written:
             return result.before, result.transition.flow
         return None

@@ -115,3 +115,60 @@ async def test_a_flow_whose_later_writes_are_refused_is_its_own_problem_and_the_
     ]
     assert left and all(getattr(r, "flow_id", None) == "A" for r in left)
     assert "flow A is frozen by the DBA" in left[0].getMessage()
+
+
+_SQLITE_REFUSE_PARKED_T = (
+    "CREATE TRIGGER refuse_t BEFORE UPDATE ON flow_flows"
+    " WHEN OLD.flow_id = 'T' AND OLD.state = 'PARKED'"
+    " BEGIN SELECT RAISE(ABORT, 'flow T is frozen by the DBA'); END"
+)
+_PG_REFUSE_PARKED_T = """
+CREATE FUNCTION refuse_t() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF OLD.flow_id = 'T' AND OLD.state = 'PARKED' THEN
+        RAISE EXCEPTION 'flow T is frozen by the DBA' USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER refuse_t BEFORE UPDATE ON flow_flows
+    FOR EACH ROW EXECUTE FUNCTION refuse_t();
+"""
+
+
+async def test_a_parked_flow_whose_timeout_is_refused_is_its_own_problem(
+    make_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same for a park's timeout: the database refuses it and the write that blocks the
+    flow instead; the flow is left parked, its wait answers, and a flow started after it runs."""
+    caplog.set_level(logging.INFO, logger="ferry.flow")
+    plan = flow.Plan("parks-briefly")
+
+    @plan.step
+    async def wait_briefly(ctx: flow.Context) -> flow.Outcome:
+        return flow.park(timeout=0.2)
+
+    @plan.step
+    async def after(ctx: flow.Context) -> None:
+        pass
+
+    quick = flow.Plan("quick")
+    quick.step(name="only")(after)
+    store = make_store()
+    async with store:
+        with trio.fail_after(30):
+            async with flow.open_engine(store, [plan, quick], owner="a") as engine:
+                postgres = isinstance(store, PostgresStore)
+                await store.transact(
+                    lambda tx: tx.execute(
+                        _PG_REFUSE_PARKED_T if postgres else _SQLITE_REFUSE_PARKED_T
+                    )
+                )
+                await engine.start(plan, flow_id="T")
+                with pytest.raises(Failed, match="flow T is frozen by the DBA"):
+                    await engine.wait("T")
+                await engine.start(quick, flow_id="Q")
+                assert (await engine.wait("Q")).state is flow.State.COMPLETED
+                t = await engine.get("T")
+                assert t is not None and t.state is flow.State.PARKED
+    left = [r for r in caplog.records if "left as it is" in r.getMessage()]
+    assert left and getattr(left[0], "flow_id", None) == "T"
