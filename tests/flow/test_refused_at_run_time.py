@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from ferry import Failed, flow
+from ferry.flow import _store
 from ferry.projected import PostgresStore
 
 OTHERS = [f"{c}" for c in "BCDEFGHIJKLMNOPQRSTUVWXYZ"]
@@ -65,8 +66,22 @@ def _plan(second: trio.Event, undone: list[str], all_in: trio.Event) -> flow.Pla
     return plan
 
 
+def _batches(monkeypatch: pytest.MonkeyPatch, store: Any) -> list[set[str]]:
+    """The flow ids of every batch of writes through `store` from now on, as they are tried."""
+    batches: list[set[str]] = []
+    transact = store.transact
+
+    async def recording(fn: Any, **options: Any) -> Any:
+        if getattr(fn, "func", None) is _store.write_batch:
+            batches.append({_store.op_flow_id(op) for op in fn.keywords["ops"]})
+        return await transact(fn, **options)
+
+    monkeypatch.setattr(store, "transact", recording)
+    return batches
+
+
 async def test_a_flow_whose_later_writes_are_refused_is_its_own_problem_and_the_rest_run(
-    make_store: Any, caplog: pytest.LogCaptureFixture
+    make_store: Any, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.INFO, logger="ferry.flow")
     second = trio.Event()
@@ -74,6 +89,7 @@ async def test_a_flow_whose_later_writes_are_refused_is_its_own_problem_and_the_
     all_in = trio.Event()
     plan = _plan(second, undone, all_in)
     store = make_store()
+    batches = _batches(monkeypatch, store)
     async with store:
         with trio.fail_after(30):
             async with flow.open_engine(store, [plan], owner="a") as engine:
@@ -99,6 +115,8 @@ async def test_a_flow_whose_later_writes_are_refused_is_its_own_problem_and_the_
                         snap = await engine.wait(fid)
                         assert snap.state is flow.State.COMPLETED, snap
                 assert len(answers) == 1
+                # A's refused write shared a batch with others' writes, which committed
+                assert any("A" in b and len(b) > 1 for b in batches), batches
                 message = str(answers[0])
                 assert "'A'" in message and "flow A is frozen by the DBA" in message
                 with pytest.raises(Failed, match="frozen by the DBA"):  # a later wait too
