@@ -507,6 +507,9 @@ def _put(watch: _Watch, flow: Flow, *, read: bool = False) -> None:
         if was > created or (was == created and known.revision >= flow.revision):
             return
     watch.known = flow
+    answer = watch.answer.peek()
+    if answer is not None and getattr(answer, "func", None) is _gone:
+        stm.atomically_nowait(watch.answer.set, None)  # the id was started again
     # The TVar changes only when the flow settles or leaves a settled state: its waits wake once,
     # not at every step (`known` has every row, for the timeout's message).
     shown = watch.flow.peek()

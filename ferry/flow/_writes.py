@@ -421,8 +421,8 @@ class Writes:
     ) -> tuple[Flow, Flow] | None:
         """A park deadline came: time the flow out (its own problem if the database refuses
         that write: it blocks, ADR 0063; if it refuses that too, the flow is left as it is,
-        ADR 0117). The store's unavailability is retried. The row before
-        and the row written, or None if the flow had moved on (for its trace:
+        ADR 0117). The store's unavailability is retried. The row before and the row written,
+        or None if the flow had moved on or was left as it is (for its trace:
         `_tracing.timed`)."""
         now = max(self._clock.now(), deadline)
         shapes = self._versions.shapes
