@@ -8,6 +8,7 @@ block ends normally. Before, the refused write that fails the flow ended the blo
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 import pytest
@@ -190,3 +191,55 @@ async def test_a_parked_flow_whose_timeout_is_refused_is_its_own_problem(
                 assert t is not None and t.state is flow.State.PARKED
     left = [r for r in caplog.records if "left as it is" in r.getMessage()]
     assert left and getattr(left[0], "flow_id", None) == "T"
+
+
+_SQLITE_REFUSE_W = (
+    "CREATE TRIGGER refuse_w BEFORE UPDATE ON flow_flows WHEN OLD.flow_id = 'W'"
+    " BEGIN SELECT RAISE(ABORT, 'flow W is frozen by the DBA'); END"
+)
+_PG_REFUSE_W = """
+CREATE FUNCTION refuse_w() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF OLD.flow_id = 'W' THEN
+        RAISE EXCEPTION 'flow W is frozen by the DBA' USING ERRCODE = 'check_violation';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER refuse_w BEFORE UPDATE ON flow_flows
+    FOR EACH ROW EXECUTE FUNCTION refuse_w();
+"""
+
+
+async def test_a_flow_waiting_for_a_runner_whose_row_is_refused_at_close_is_left_as_it_is(
+    make_store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At close the engine lets go of the flows whose run had not begun (one batch); a row the
+    database refuses there is left as it is, with a WARNING, the others are let go, and the
+    block ends normally (before, the close raised the database's error)."""
+    caplog.set_level(logging.INFO, logger="ferry.flow")
+    running = trio.Event()
+    plan = flow.Plan("one-at-a-time")
+
+    @plan.step
+    async def hold(ctx: flow.Context) -> None:
+        running.set()
+        await trio.sleep_forever()
+
+    store = make_store()
+    async with store:
+        with trio.fail_after(30):
+            async with flow.open_engine(store, [plan], owner="a", max_running=1) as engine:
+                postgres = isinstance(store, PostgresStore)
+                await store.transact(
+                    lambda tx: tx.execute(_PG_REFUSE_W if postgres else _SQLITE_REFUSE_W)
+                )
+                await engine.start(plan, flow_id="first")
+                await running.wait()
+                await engine.start(plan, flow_id="W")  # waits for the only runner slot
+                await engine.start(plan, flow_id="X")  # and so does this one
+                before = await store.transact(partial(_store.load, flow_id="X"))
+            after = await store.transact(partial(_store.load, flow_id="X"))
+            assert after.revision == before.revision + 1  # X was let go, W's refusal aside
+            left = [r for r in caplog.records if "left as it is" in r.getMessage()]
+            assert left and getattr(left[0], "flow_id", None) == "W"
+            assert "flow W is frozen by the DBA" in left[0].getMessage()
