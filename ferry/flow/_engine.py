@@ -117,6 +117,7 @@ class Engine:
             retain=retain,
             tracing=tracing,
             seen=self._waiters.saw,
+            refused=self._waiters.refused,
             live=self._waiters.held,
         )
         self._requests = parts.requests

@@ -52,6 +52,7 @@ class Parts:
         retain: float | None,
         tracing: _tracing.Tracing | None,
         seen: Callable[[Flow], None],
+        refused: Callable[[Flow, str, BaseException], None],
         live: dict[str, Live],
     ) -> None:
         self._store = store
@@ -80,6 +81,7 @@ class Parts:
             group_commit=group_commit,
             guard=guard,
             seen=seen,
+            refused=refused,
             live=live,
             runnable=runnable,
             arm=timers.arm,

@@ -13,6 +13,7 @@ next engine keeps their attempt number.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from functools import partial
 from typing import Protocol
 
@@ -20,6 +21,7 @@ from ferry.projected import Store
 
 from . import _checks, _retry, _store, _values
 from . import _machine as m
+from ._apart import write_apart
 from ._clock import Clock
 from ._lease import Lease, transient
 from ._live import Tally, about, named, on_row
@@ -162,6 +164,8 @@ async def answer_refused(
         if not isinstance(result, _store.Rejected):
             return
         problem = f"{problem}; and refused that too: {_checks.describe(result.error)}"
+        writes.left_as_it_is(flow, problem, result.error)
+        return
     _log.warning(
         "%s is left as it is, not run by this engine: %s",
         named(flow),
@@ -175,16 +179,34 @@ async def let_go_unbegun(store: Store, clock: Clock, writes: Writes) -> None:
     waited for a runner slot, or for a retry's backoff), each by a compare-and-set on the row it
     knows, so that the engine that runs them next keeps their attempt number (attempts count
     runs that began). A flow that moved on meanwhile is left as it is (its next run then counts
-    as attempt + 1: numbers may skip, never repeat)."""
+    as attempt + 1: numbers may skip, never repeat), and so is one whose row the database
+    refuses (split out of the batch, ADR 0063; WARNING): the close goes on."""
     now = clock.now()
-    ops: list[_store.Op] = [
-        _store.Change(live.flow.flow_id, on_row(m.let_go, now), flow=live.flow)
+    unbegun = [
+        live.flow
         for live in writes.live.values()
         if live.began != live.flow.revision and live.flow.state in ACTIVE
     ]
+    ops: list[_store.Op] = [
+        _store.Change(flow.flow_id, on_row(m.let_go, now), flow=flow) for flow in unbegun
+    ]
     if not ops:
         return
+
+    async def run(batch: Sequence[_store.Op]) -> list[_store.Result]:
+        return await store.transact(partial(_store.write_batch, ops=batch, guard=writes.guard))
+
     try:
-        await store.transact(partial(_store.write_batch, ops=ops, guard=writes.guard))
+        results = await write_apart(run, ops)
     except Exception as exc:  # unavailable: they run again as attempt + 1
         _retry.log_or_raise(exc, f"letting go of {len(ops)} flows not begun, at close")
+        return
+    for flow, result in zip(unbegun, results, strict=True):
+        if isinstance(result, _store.Rejected):  # its own problem (docs/adr/0117)
+            _log.warning(
+                "%s is left as it is at close, not let go: the database refused that write: %s"
+                " (its next run counts as attempt + 1)",
+                named(flow),
+                _checks.describe(result.error),
+                extra=about(flow),
+            )

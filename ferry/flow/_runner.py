@@ -30,8 +30,6 @@ from typing import Any
 
 import trio
 
-from ferry import Failed
-
 from . import _checks, _observe, _retry, _store, _tracing, _values
 from . import _machine as m
 from ._clock import Clock
@@ -427,14 +425,21 @@ class Runner:
         await self._advance(live, self._on_row(m.compensation_failed, message, now, shape))
 
     async def _advance(
-        self, live: Live, apply: _store.Apply, *, first_queued: bool = False, fallback: bool = False
+        self,
+        live: Live,
+        apply: _store.Apply,
+        *,
+        first_queued: bool = False,
+        fallback: str | None = None,
     ) -> bool:
         """Write a transition of the flow this runner drives, as a compare-and-set on its copy;
         True if it was accepted.
 
         The store's unavailability is retried (`_retry`); a lost compare-and-set means the flow
         moved on without this runner: it re-reads the row and carries on from there (or lets
-        go). A row the database refuses fails the flow instead (`_fail_refused`; False).
+        go). A row the database refuses fails the flow instead (`_fail_refused`; False); if
+        the write that fails it (`fallback`: why) is refused too, the flow is left as it is
+        (`Writes.left_as_it_is`, docs/adr/0117; False): its problem, not the engine's.
         """
         writes = self._writes
         flow = live.flow
@@ -453,11 +458,10 @@ class Runner:
         if isinstance(result, _store.Changed):
             return True
         if isinstance(result, _store.Rejected):
-            if fallback:  # even the write that fails the flow was refused: a bug to be seen
-                raise Failed(
-                    f"the database refused the write that fails {named(flow)}:"
-                    f" {_checks.describe(result.error)}"
-                ) from result.error
+            if fallback is not None:  # even the write that fails the flow was refused
+                problem = f"{fallback}; and refused that too: {_checks.describe(result.error)}"
+                writes.left_as_it_is(flow, problem, result.error)
+                return False
             await self._fail_refused(live, result)
             return False
         if live.flow.revision > flow.revision:
@@ -495,4 +499,4 @@ class Runner:
             apply = self._on_row(m.step_failed, shape, problem, now)
         else:
             apply = self._on_row(m.compensation_failed, problem, now, shape)
-        await self._advance(live, apply, fallback=True)
+        await self._advance(live, apply, fallback=problem)

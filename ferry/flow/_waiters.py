@@ -28,6 +28,14 @@ parked, or ended by this engine (2 to 3): reads start. A notification of a flow 
 not read but remembered (`_Watch.missed`): if the flow leaves at a revision older than that,
 one read follows; the listener's reconnection makes every held watch remember "unknown".
 
+A wait whose flow cannot settle answers at once (`_Watch.answer`), whichever case it is in:
+
+- *Gone*: a read finds no row for it (on a fleet, the flow ended and was purged, by retention or
+  the inspector's ``purge``, before this engine read it): `UnknownFlow`, as for an unknown id.
+- *Refused*: the database refuses every write of its row (`refused`: the runner, or recovery,
+  could not even fail the flow, docs/adr/0117): `ferry.Failed` naming the database's reason,
+  for every wait on it from then on, until a newer row of the flow is seen (`saw`).
+
 Reads are shared: a flow whose read is due goes into `_pending` and its watch is marked
 `stale`; the first of the waits so woken takes everything pending and reads it in one
 transaction (`_store.load_many`); the others find their watch moved. A wait cancelled during
@@ -105,7 +113,7 @@ class _Step(enum.Enum):
 class _Watch:
     """The flows somebody waits for, one each (see the module's invariants)."""
 
-    __slots__ = ("flow", "here", "known", "missed", "read_at", "stale", "users")
+    __slots__ = ("answer", "flow", "here", "known", "missed", "read_at", "stale", "users")
 
     def __init__(self, here: bool) -> None:
         self.flow: stm.TVar[Flow | None] = stm.TVar(
@@ -117,6 +125,8 @@ class _Watch:
         self.missed = 0  # the newest revision a notification named while the flow was held
         self.read_at = -math.inf  # trio time the last read of its row began
         self.users = 0  # waits on it
+        # What its waits raise at once (the flow is gone, or refuses every write), or None.
+        self.answer: stm.TVar[Callable[[], Exception] | None] = stm.TVar(None)
 
 
 class Held(dict[str, H]):
@@ -194,6 +204,9 @@ class Waiters(Generic[H]):
         self.listener: Listener | None = None
         self.held: Held[H] = Held(self)
         self.reads = 0
+        # The flows whose every write the database refuses (`refused`), by id: the row left as
+        # it is and what its waits raise, until a newer row of it is seen.
+        self._refused: dict[str, tuple[Flow, Callable[[], Exception]]] = {}
 
     # ------------------------------------------------------------------- the engine's side
 
@@ -203,6 +216,31 @@ class Waiters(Generic[H]):
         watch = self._watches.get(flow.flow_id)
         if watch is not None:
             _put(watch, flow)
+        if self._refused:
+            left = self._refused.get(flow.flow_id)
+            if left is not None and _newer(flow, left[0]):
+                del self._refused[flow.flow_id]  # the row took a write after all
+                if watch is not None:
+                    stm.atomically_nowait(watch.answer.set, None)
+
+    def refused(self, flow: Flow, problem: str, error: BaseException) -> None:
+        """The database refuses every write of `flow` (this row), even the one that fails it:
+        it is left as it is (docs/adr/0117), and every wait on it raises `ferry.Failed` naming
+        `problem` (its cause `error`) at once, until a newer row of it is seen. No checkpoint."""
+        fid = flow.flow_id
+
+        def answer() -> Exception:
+            exc = Failed(
+                f"flow {fid!r} cannot end: {problem}; it is left as it is ({flow.state.name} at"
+                f" step {flow.step!r}, revision {flow.revision}), not run by this engine"
+            )
+            exc.__cause__ = error
+            return exc
+
+        self._refused[fid] = (flow, answer)
+        watch = self._watches.get(fid)
+        if watch is not None:
+            stm.atomically_nowait(watch.answer.set, answer)
 
     def _moved(self, fid: str, *, here: bool) -> None:
         """The engine took the flow (`here`) or let it go (`Held`)."""
@@ -321,6 +359,10 @@ class Waiters(Generic[H]):
         watch.users += 1
         deadline = trio.current_time() + (math.inf if timeout is None else timeout)
         try:
+            left = self._refused.get(fid)
+            if left is not None:
+                await trio.lowlevel.checkpoint()
+                raise left[1]()
             held = self.held.get(fid)
             if held is not None:
                 flow = held.flow
@@ -376,6 +418,9 @@ class Waiters(Generic[H]):
         flow = watch.flow.get()
         if flow is not None and flow.state in SETTLED:
             return flow
+        answer = watch.answer.get()
+        if answer is not None:
+            raise answer()
         if not self._fleet or watch.here.get():
             stm.retry()  # every change of the flow is this engine's to see
         if watch.stale.get():
@@ -393,6 +438,7 @@ class Waiters(Generic[H]):
         fids = self._take()
         if not fids:
             return True
+        before = {f: self._watches[f].known for f in fids}
         self.reads += 1
         try:
             rows = await self._read(
@@ -423,6 +469,13 @@ class Waiters(Generic[H]):
             watch = self._watches.get(row.flow_id)
             if watch is not None:
                 _put(watch, row, read=True)
+        if len(rows) < len(fids):
+            found = {row.flow_id for row in rows}
+            for gone in fids - found:
+                watch = self._watches.get(gone)
+                # Unless a row of it came meanwhile (the id started again, here): it is gone.
+                if watch is not None and watch.known is before[gone]:
+                    stm.atomically_nowait(watch.answer.set, partial(_gone, gone))
         return True
 
     async def _load_until(self, fid: str, deadline: float) -> Flow | None:
@@ -460,11 +513,28 @@ def _put(watch: _Watch, flow: Flow, *, read: bool = False) -> None:
         if was > created or (was == created and known.revision >= flow.revision):
             return
     watch.known = flow
+    answer = watch.answer.peek()
+    if answer is not None and getattr(answer, "func", None) is _gone:
+        stm.atomically_nowait(watch.answer.set, None)  # the id was started again
     # The TVar changes only when the flow settles or leaves a settled state: its waits wake once,
     # not at every step (`known` has every row, for the timeout's message).
     shown = watch.flow.peek()
     if read or flow.state in SETTLED or (shown is not None and shown.state in SETTLED):
         stm.atomically_nowait(watch.flow.set, flow)
+
+
+def _newer(flow: Flow, than: Flow) -> bool:
+    """Is `flow` a later row than `than` (a later revision, or the same id started again)?"""
+    return (flow.created_at, flow.revision) > (than.created_at, than.revision)
+
+
+def _gone(fid: str) -> Exception:
+    """What a wait raises when its flow's row is no longer there."""
+    return UnknownFlow(
+        f"no flow has id {fid!r} any more: it was deleted while this wait waited for it (a"
+        " finished flow purged, by retention or the inspector's purge, before this engine"
+        " read how it ended)"
+    )
 
 
 def _set_all(tvars: list[stm.TVar[bool]], value: bool) -> None:

@@ -24,6 +24,7 @@ state the lease part reads and moves: `epoch` (see `_lease` for the rule it serv
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -37,12 +38,14 @@ from . import _checks, _observe, _retry, _store
 from . import _machine as m
 from ._apart import write_apart
 from ._clock import Clock
-from ._live import LOGGED, Live, Tally, log_ended, on_row
+from ._live import LOGGED, Live, Tally, about, log_ended, named, on_row
 from ._types import State
 from ._values import ACTIVE, Flow, Mailbox, Transition
 from ._versions import Versions
 
 T = TypeVar("T")
+
+_log = logging.getLogger("ferry.flow")
 
 _PARKED = State.PARKED
 _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
@@ -89,6 +92,7 @@ class Writes:
         group_commit: bool,
         guard: float | None,
         seen: Callable[[Flow], None],
+        refused: Callable[[Flow, str, BaseException], None],
         live: dict[str, Live],
         runnable: Callable[[Live], None],
         arm: Callable[[float, str, int], None],
@@ -106,6 +110,7 @@ class Writes:
         # longer than this.
         self.guard = guard
         self._seen = seen  # every committed row of a flow, for those who wait for it
+        self._refused = refused  # a flow whose every write is refused, for those who wait for it
         self._runnable = runnable  # a flow became live: give it a runner
         self._arm = arm  # a flow parked with a deadline
         self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
@@ -379,6 +384,26 @@ class Writes:
         if live.scope is not None:
             live.scope.cancel()
 
+    def left_as_it_is(self, flow: Flow, problem: str, error: BaseException) -> None:
+        """The database refuses every write of `flow` (this row), even the one that fails it
+        (docs/adr/0117): a WARNING names it, the engine lets it go if it held it (no runner;
+        a step's changes are discarded) and its waits answer at once with `problem`. The
+        other flows go on; the next open (or, in a fleet, check round or scan) tries it again
+        (docs/adr/0104)."""
+        _log.warning(
+            "%s is left as it is, not run by this engine: %s",
+            named(flow),
+            problem,
+            extra=about(flow),
+        )
+        self._refused(flow, problem, error)
+        fid = flow.flow_id
+        live = self.live.get(fid)
+        if live is not None:
+            del self.live[fid]
+            if live.scope is not None:
+                live.scope.cancel()
+
     async def load_row(self, flow_id: str) -> Flow | None:
         """The flow's row, for the engine's own use: the store's error is raised as it is (the
         engine retries unavailability, and any other error ends its block)."""
@@ -395,8 +420,9 @@ class Writes:
         self, flow_id: str, revision: int, deadline: float
     ) -> tuple[Flow, Flow] | None:
         """A park deadline came: time the flow out (its own problem if the database refuses
-        that write: it blocks, ADR 0063). The store's unavailability is retried. The row before
-        and the row written, or None if the flow had moved on (for its trace:
+        that write: it blocks, ADR 0063; if it refuses that too, the flow is left as it is,
+        ADR 0117). The store's unavailability is retried. The row before and the row written,
+        or None if the flow had moved on or was left as it is (for its trace:
         `_tracing.timed`)."""
         now = max(self._clock.now(), deadline)
         shapes = self._versions.shapes
@@ -414,7 +440,15 @@ class Writes:
             reason = f"the database refused its timeout: {_checks.describe(result.error)}"
             block = self.with_holder(on_row(m.block, reason, now), outside=True)
             op = _store.Change(flow_id, block, expected=revision)
-            result = await _retry.retrying(partial(self.write, op), what=what, extra=extra)
+            result = await _retry.retrying(partial(self.write_answered, op), what=what, extra=extra)
+            if isinstance(result, _store.Rejected):  # that too: left as it is (ADR 0117)
+                stored = await _retry.retrying(
+                    partial(self.load_row, flow_id), what=what, extra=extra
+                )
+                if stored is not None and stored.revision == revision:
+                    problem = f"{reason}; and refused that too: {_checks.describe(result.error)}"
+                    self.left_as_it_is(stored, problem, result.error)
+                return None
         if isinstance(result, _store.Changed) and result.transition.written:
             return result.before, result.transition.flow
         return None

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from ferry import flow
+from ferry import Failed, flow
 from ferry.projected import PostgresStore
 from tests import pg
 
@@ -136,6 +136,9 @@ async def test_a_flow_whose_row_refuses_every_change_is_left_as_it_is_and_the_re
                 assert (await engine.wait(fid)).state is flow.State.COMPLETED
             bad = await engine.get("bad")
             assert bad is not None and bad.state is flow.State.RUNNING and bad.step == "hold"
+            # it cannot end: a wait on it answers at once, with the database's reason
+            with pytest.raises(Failed, match="poisoned row"):
+                await engine.wait("bad", timeout=1)
             assert engine.statistics().recovered == len(GOOD)
     left = [r for r in caplog.records if "left as it is" in r.getMessage()]
     assert len(left) == 1 and left[0].levelno == logging.WARNING
