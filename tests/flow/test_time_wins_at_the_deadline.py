@@ -84,7 +84,9 @@ async def test_time_wins_at_open_over_the_first_wake(tmp_path: Path) -> None:
         snaps = [await engine.wait(fid, timeout=5) for fid in ids]
     assert [s.state for s in snaps] == [flow.State.FAILED] * 5
     assert all(s.error == "step 'charge' timed out while parked" for s in snaps)
-    assert sorted(refunded) == ids
+    # each refunded; under load the first engine may have timed a flow out and begun its
+    # compensation before it closed, and a compensation is at least once across a close
+    assert set(refunded) == set(ids)
 
 
 async def test_a_wake_to_a_compensating_flow_is_stale(tmp_path: Path) -> None:
