@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import traceback
 from typing import Any
 
 from ferry.projected import canonical_json
@@ -166,6 +167,40 @@ def describe(value: object, limit: int = 1000) -> str:
     if text_problem(text) is not None:
         text = text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
     return text
+
+
+#: A failure's traceback is kept up to this many characters: its first and (mostly) its last
+#: lines, where the raising frame is.
+TRACEBACK_CHARS = 4000
+
+
+def _storable(text: str) -> str:
+    if text_problem(text) is None:
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+
+
+def traceback_text(error: BaseException, limit: int = TRACEBACK_CHARS) -> str:
+    """`error`'s traceback as text that can be stored, at most about `limit` characters: the
+    head and the tail (the frame that raised) of a longer one."""
+    try:
+        text = "".join(traceback.format_exception(error)).rstrip()
+    except Exception as exc:  # a user's exception whose str or repr raises: name it
+        text = f"<the traceback could not be formatted: {type(exc).__name__}>"
+    if len(text) > limit:
+        head = limit // 4
+        cut = len(text) - limit
+        text = f"{text[:head]}\n... ({cut} characters left out) ...\n{text[-(limit - head) :]}"
+    return _storable(text)
+
+
+def failure(error: BaseException) -> dict[str, Json]:
+    """What an attempt that raised records: ``error`` (its `describe`), ``type`` (the
+    exception's qualified name) and ``traceback`` (`traceback_text`)."""
+    cls = type(error)
+    module = cls.__module__
+    name = cls.__qualname__ if module == "builtins" else f"{module}.{cls.__qualname__}"
+    return {"error": describe(error), "type": _storable(name), "traceback": traceback_text(error)}
 
 
 def flow_id(value: object) -> str:

@@ -270,12 +270,17 @@ def start(
     )
 
 
-def next_attempt(flow: Flow, now: float) -> Transition:
+def next_attempt(flow: Flow, now: float, failure: Json = None) -> Transition:
     """The step or compensation in progress runs again as attempt + 1 (a retry after an exception,
-    or a re-run after a crash or close: written before it runs, so every re-run counts)."""
+    or a re-run after a crash or close: written before it runs, so every re-run counts). A retry
+    gives the `failure` of the attempt that raised (`_checks.failure`), recorded as an
+    ``attempt_failed`` event of that attempt."""
     _require(flow.state in ACTIVE, flow, "next_attempt")
     new = _bump(flow, now, attempt=flow.attempt + 1)
-    return Transition(new, EMPTY_MAILBOX, flow.revision)
+    if failure is None:
+        return Transition(new, EMPTY_MAILBOX, flow.revision)
+    events = (_event(new, now, "attempt_failed", flow.step, flow.attempt, failure),)
+    return Transition(new, EMPTY_MAILBOX, flow.revision, events=events)
 
 
 def step_done(
@@ -353,14 +358,18 @@ def step_done(
     raise InvalidTransition(f"step_done got {outcome!r}, which is not an outcome")
 
 
-def step_failed(flow: Flow, shape: Shape | None, error: str, now: float) -> Transition:
+def step_failed(
+    flow: Flow, shape: Shape | None, error: str, now: float, traceback: str | None = None
+) -> Transition:
     """The current step failed for good (raised on its last attempt, returned a non-outcome, or
-    left data that is not JSON): its changes are discarded and the flow compensates."""
+    left data that is not JSON): its changes are discarded and the flow compensates. The
+    `traceback` of a last attempt that raised is kept in the step's event."""
     _require(flow.state is RUNNING, flow, "step_failed")
     new = _bump(flow, now)
-    events = [
-        _event(new, now, "step", flow.step, flow.attempt, {"outcome": "error", "error": error})
-    ]
+    detail: dict[str, Json] = {"outcome": "error", "error": error}
+    if traceback is not None:
+        detail["traceback"] = traceback
+    events = [_event(new, now, "step", flow.step, flow.attempt, detail)]
     new = _compensate(flow, shape, new, error, now, events)
     return Transition(new, EMPTY_MAILBOX, flow.revision, events=tuple(events))
 
@@ -385,7 +394,7 @@ def compensated(flow: Flow, shape: Shape | None, data: str, now: float) -> Trans
 
 
 def compensation_failed(
-    flow: Flow, error: str, now: float, shape: Shape | None = None
+    flow: Flow, error: str, now: float, shape: Shape | None = None, traceback: str | None = None
 ) -> Transition:
     """The compensation in progress raised on its last attempt: the flow is `BLOCKED` (an operator
     fixes the cause and calls `resume`). Nothing is lost: the stack is kept. `shape` names the
@@ -394,7 +403,10 @@ def compensation_failed(
     name = step_name(flow, shape)
     reason = f"compensation of step {name!r} failed: {error}"
     new = _bump(flow, now, state=BLOCKED, blocked=reason, blocked_from=COMPENSATING)
-    events = (_event(new, now, "blocked", name, flow.attempt, {"reason": reason}),)
+    detail: dict[str, Json] = {"reason": reason}
+    if traceback is not None:
+        detail["traceback"] = traceback
+    events = (_event(new, now, "blocked", name, flow.attempt, detail),)
     return Transition(new, EMPTY_MAILBOX, flow.revision, events=events)
 
 

@@ -298,8 +298,27 @@ class Runner:
                 error = exc
             if observers:
                 seconds = trio.current_time() - began
-            if error is not None and failures + 1 < step.attempts:
-                await trio.sleep(step_backoff(failures + 1))
+            if (
+                error is not None
+                and failures + 1 < step.attempts
+                and not isinstance(error, MisusedOutcome)
+            ):
+                delay = step_backoff(failures + 1)
+                _log.warning(
+                    "flow %r (plan %r): %s %r raised %s on attempt %d (%d of %d tries); it runs"
+                    " again in %.1f s",
+                    flow.flow_id,
+                    flow.plan,
+                    "compensation of step" if compensating else "step",
+                    step.name,
+                    _checks.describe(error, 200),
+                    flow.attempt,
+                    failures + 1,
+                    step.attempts,
+                    delay,
+                    extra={**about(flow), "step": step.name, "error_type": type(error).__name__},
+                )
+                await trio.sleep(delay)
         except BaseException as exc:
             if not scope.cancel_called:
                 raise  # not this attempt's cancel (the engine is closing, say)
@@ -354,7 +373,10 @@ class Runner:
                 return ctx, result, error, failures
             if counter == "steps_run":
                 stats["step_retries"] += 1
-            accepted = await self._advance(live, self._on_row(m.next_attempt, self._clock.now()))
+            failed = _checks.failure(error)
+            accepted = await self._advance(
+                live, self._on_row(m.next_attempt, self._clock.now(), failed)
+            )
             # ours must be the last write applied: a cancel may have come right after it
             if not accepted or live.flow.revision != flow.revision + 1:
                 return None
@@ -396,7 +418,8 @@ class Runner:
             data, problem = self._data_text(ctx, f"step {step.name!r}")
         now = self._clock.now()
         if problem is not None:
-            await self._advance(live, self._on_row(m.step_failed, shape, problem, now))
+            tb = None if error is None else _checks.traceback_text(error)
+            await self._advance(live, self._on_row(m.step_failed, shape, problem, now, tb))
         else:
             assert not isinstance(outcome, str)
             parks = isinstance(outcome, Park)
@@ -422,7 +445,8 @@ class Runner:
                 f"{_checks.describe(error)} on attempt {live.flow.attempt} ({failures} of"
                 f" {step.attempts} tries)"
             )
-        await self._advance(live, self._on_row(m.compensation_failed, message, now, shape))
+        tb = None if error is None else _checks.traceback_text(error)
+        await self._advance(live, self._on_row(m.compensation_failed, message, now, shape, tb))
 
     async def _advance(
         self,

@@ -242,9 +242,13 @@ class Snapshot:
 class Event:
     """One entry of a flow's history: a durable transition, written in the write of `revision`.
 
-    `kind` is one of ``started step parked woken timed_out compensated completed failed blocked
-    cancelled resumed abandoned``; `at` is wall-clock seconds; `step`/`attempt` name the step
-    concerned (None when none is); `detail` is a JSON object with the particulars, or None.
+    `kind` is one of ``started step attempt_failed parked woken timed_out compensated completed
+    failed blocked cancelled resumed abandoned``; `at` is wall-clock seconds; `step`/`attempt`
+    name the step concerned (None when none is); `detail` is a JSON object with the particulars,
+    or None. An ``attempt_failed`` event is an attempt of a step or compensation that raised and
+    was retried: ``{"error": repr, "type": qualified name, "traceback": text}``, the traceback
+    cut to about 4,000 characters; the last attempt's traceback is in its ``step`` (or
+    ``blocked``) event.
     """
 
     revision: int

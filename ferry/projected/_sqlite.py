@@ -64,10 +64,11 @@ class _SqliteDriver:
             check_same_thread=False,
             uri=self._uri is not None,
         )
-        # Before WAL, which writes the header: a new file is made in incremental auto-vacuum
-        # mode, so that what a purge deletes can be given back (`PRAGMA incremental_vacuum`);
-        # on an existing file this changes nothing.
-        conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+        # A new (empty) file is made in incremental auto-vacuum mode, so that what a purge
+        # deletes can be given back (`PRAGMA incremental_vacuum`); set before WAL, which writes
+        # the header. An existing file is left as it is (the pragma would wait for its lock).
+        if conn.execute("PRAGMA page_count").fetchone()[0] == 0:
+            conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={self._synchronous}")
         return conn

@@ -52,8 +52,8 @@ def test_the_oracle_catches_a_retry_that_repeats_its_attempt_number(
 ) -> None:
     real: Callable[..., Transition] = _machine.next_attempt
 
-    def same_attempt(flow: Flow, now: float) -> Transition:
-        t = real(flow, now)
+    def same_attempt(flow: Flow, now: float, *failure: object) -> Transition:
+        t = real(flow, now, *failure)
         return attrs.evolve(t, flow=attrs.evolve(t.flow, attempt=flow.attempt))
 
     monkeypatch.setattr(_machine, "next_attempt", same_attempt)
