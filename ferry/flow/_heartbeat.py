@@ -205,6 +205,7 @@ class Keeper:
                 return  # lapsing: the engine renews itself, re-reading its flows
             if self._loop_frozen():
                 return  # the trio loop is blocked: its flows are to be taken over
+            self._tick()  # (retries may take a while: the loop goes on being asked)
             until = self._clock() + self._lease
             try:
                 renewed = self._transact(

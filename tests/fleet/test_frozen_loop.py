@@ -32,7 +32,7 @@ LEASE = 1.0
 FLOWS = 10
 # The other engine takes over within two leases of the block's start (the thread's last
 # renewal comes at most a lease into it) and its next scan (a third of a lease), 2.3 leases in
-# all; the rest is slack for a loaded machine (measured: 1.8 to 2.2 s).
+# all; the rest is slack for a loaded machine (measured: 1.7 to 2.2 s).
 TAKEOVER_WITHIN = 3.5 * LEASE
 
 
