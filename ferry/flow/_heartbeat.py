@@ -52,10 +52,10 @@ T = TypeVar("T")
 _log = logging.getLogger("ferry.flow")
 _FIRST_PAUSE = 0.05  # seconds, after the retry at once on a fresh connection; doubles
 # The loop counts as alive while it noted the time within this much of the lease: a block
-# shorter than the lease never costs the lease (the last renewal before the thread stops comes
-# at least two thirds of a lease into the block, so the lease runs at least 1.3 leases past the
-# block's start, margin and tick included); a longer one loses it at most two leases after it
-# began (docs/adr/0112).
+# shorter than the lease never costs the lease (the last renewal the thread makes comes more
+# than 0.57 of a lease into the block, a tick included, so the engine trusts its lease until
+# 1.47 leases in, its margin included); a longer one lapses at most two leases after it began
+# (docs/adr/0112).
 _LOOP_BOUND = 1.0
 _TICK = 0.1  # of the lease: how often the thread asks the loop to note the time
 _WARN_EVERY = 60.0  # seconds: at most one WARNING about a frozen loop this often
