@@ -87,9 +87,7 @@ class Keeper:
 
     `held_until` (wall-clock seconds) is how long the lease is known to run: raised by the
     thread's renewals and by the engine's own (`extend`). `superseded` is set once another
-    incarnation holds the name. `renewals` and `failures` count the thread's work, `frozen` the
-    renewals it did not make because the trio loop did not answer within the lease
-    (`_LOOP_BOUND`).
+    incarnation holds the name. `renewals` and `failures` count the thread's work.
     """
 
     def __init__(
@@ -128,7 +126,7 @@ class Keeper:
         self._alive_at = time.monotonic()
         self._token: trio.lowlevel.TrioToken | None = None
         self._asked = False  # a tick is on its way to the loop, not answered yet
-        self.frozen = 0
+        self.frozen = 0  # renewals not made: the loop was silent for longer than the lease
         self._frozen_since: float | None = None
         self._frozen_logged = False
         self._warned_at = -math.inf
