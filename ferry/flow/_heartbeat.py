@@ -20,11 +20,21 @@ short pauses, until the margin; each failure is a WARNING. `held_until` is read 
 the trio thread (`Lease.lapsing`), and `Trust`, a trio instrument, moves the deadlines of the
 steps the engine runs with it before trio fires any expired deadline: a loop that was held past
 the lease wakes up with its steps cancelled, not resumed.
+
+The thread renews only while the trio loop is alive (docs/adr/0112): every tenth of the lease it
+asks the loop to note the time (`TrioToken.run_sync_soon`, which wakes the loop whatever its
+clock, a `MockClock` too), and it renews only if the loop did so within the last lease
+(`_LOOP_BOUND`). A loop blocked for less than the lease (a slow library call) keeps its flows;
+one blocked for longer (a `time.sleep(30)` in a step, a write to a pipe nobody reads) loses its
+lease within about two leases, and another engine takes its flows over; when it thaws it runs
+none of them (the lapse rule above, docs/adr/0073). The thread says so once per freeze (a
+WARNING, at most one a minute), and again (INFO) when the loop runs again.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,6 +51,14 @@ T = TypeVar("T")
 
 _log = logging.getLogger("ferry.flow")
 _FIRST_PAUSE = 0.05  # seconds, after the retry at once on a fresh connection; doubles
+# The loop counts as alive while it noted the time within this much of the lease: a block
+# shorter than the lease never costs the lease (the last renewal the thread makes comes more
+# than 0.57 of a lease into the block, a tick included, so the engine trusts its lease until
+# 1.47 leases in, its margin included); a longer one lapses at most two leases after it began
+# (docs/adr/0112).
+_LOOP_BOUND = 1.0
+_TICK = 0.1  # of the lease: how often the thread asks the loop to note the time
+_WARN_EVERY = 60.0  # seconds: at most one WARNING about a frozen loop this often
 
 
 class _ConnTx:
@@ -101,6 +119,18 @@ class Keeper:
         # and how many failed since: the INFO line that says the store is back names both.
         self._failing_since: float | None = None
         self._failed_since = 0
+        # The loop's last answer to the thread's tick (monotonic seconds; a float written by the
+        # trio thread, read by this one), the trio run to ask, and the current freeze: since
+        # when the thread has not renewed for it (monotonic), whether that was logged, and when
+        # the last WARNING about one was (with the freezes left unlogged since).
+        self._alive_at = time.monotonic()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._asked = False  # a tick is on its way to the loop, not answered yet
+        self.frozen = 0  # renewals not made: the loop was silent for longer than the lease
+        self._frozen_since: float | None = None
+        self._frozen_logged = False
+        self._warned_at = -math.inf
+        self._unlogged = 0
 
     def extend(self, until: float) -> None:
         """The lease runs at least until `until` (a renewal that went through: the thread's,
@@ -128,6 +158,9 @@ class Keeper:
             self._failed_since += 1
 
     def start(self) -> None:
+        """Start the thread; called on the trio thread, whose loop it then watches."""
+        self._token = trio.lowlevel.current_trio_token()
+        self._alive_at = time.monotonic()
         self._thread = threading.Thread(
             target=self._run, name=f"ferry.flow lease of {self._owner!r}", daemon=True
         )
@@ -145,9 +178,15 @@ class Keeper:
     # --------------------------------------------------------------------- the thread
 
     def _run(self) -> None:
+        every, tick = self._lease / 3, self._lease * _TICK
         try:
-            while not self._stop.wait(self._lease / 3):
-                self._renew()
+            self._tick()
+            due = time.monotonic() + every
+            while not self._stop.wait(max(0.0, min(tick, due - time.monotonic()))):
+                if time.monotonic() >= due:
+                    self._renew()
+                    due = time.monotonic() + every
+                self._tick()
         except BaseException:  # a bug: the lease lapses, the engine lets its flows go
             _log.exception("flow engine %r: its lease thread stopped", self._owner)
             raise
@@ -162,6 +201,9 @@ class Keeper:
         while not self._stop.is_set():
             if self._clock() >= self.held_until - self._margin:
                 return  # lapsing: the engine renews itself, re-reading its flows
+            if self._loop_frozen():
+                return  # the trio loop is blocked: its flows are to be taken over
+            self._tick()  # (retries may take a while: the loop goes on being asked)
             until = self._clock() + self._lease
             try:
                 renewed = self._transact(
@@ -205,6 +247,64 @@ class Keeper:
                 self.extend(renewed)
                 self.renewals += 1
             return
+
+    # --------------------------------------------------------------- is the loop alive?
+
+    def _tick(self) -> None:
+        """Ask the trio loop to note the time at its next turn (from the thread; through the
+        loop's wake-up socket, so whatever its clock). A run that ended is not asked."""
+        token = self._token
+        if token is None or self._asked:
+            return  # (asked already: a blocked loop does not pile up one call per tick)
+        self._asked = True
+        try:
+            token.run_sync_soon(self._noted)
+        except trio.RunFinishedError:
+            self._token = None
+
+    def _noted(self) -> None:
+        """On the trio thread, at a turn of its loop: it runs."""
+        self._alive_at = time.monotonic()
+        self._asked = False
+
+    def _loop_frozen(self) -> bool:
+        """Has the trio loop not answered for longer than the lease (`_LOOP_BOUND`)? Then the
+        thread does not renew: a WARNING once per freeze (at most one every `_WARN_EVERY`
+        seconds, counting those left unsaid); an INFO when the loop answers again after one
+        that was logged."""
+        now = time.monotonic()
+        silent = now - self._alive_at
+        if silent <= self._lease * _LOOP_BOUND:
+            since, self._frozen_since = self._frozen_since, None
+            if since is not None and self._frozen_logged:
+                _log.info(
+                    "flow engine %r: its trio loop runs again after about %.1f s blocked;"
+                    " its lease thread renews again",
+                    self._owner,
+                    now - since + self._lease * _LOOP_BOUND,
+                    extra={"owner": self._owner},
+                )
+            return False
+        self.frozen += 1
+        if self._frozen_since is None:
+            self._frozen_since = now
+            self._frozen_logged = now - self._warned_at >= _WARN_EVERY
+            if not self._frozen_logged:
+                self._unlogged += 1
+                return True
+            unlogged, self._unlogged, self._warned_at = self._unlogged, 0, now
+            _log.warning(
+                "flow engine %r: its trio loop has not run for %.1f s (longer than its lease"
+                " of %g s: a step's synchronous code, or a write to a full pipe, blocks it), so"
+                " its lease thread stops renewing: its flows lapse and another engine takes"
+                " them over; when the loop runs again, it runs none of them%s",
+                self._owner,
+                silent,
+                self._lease,
+                f" ({unlogged} earlier freeze(s) not logged)" if unlogged else "",
+                extra={"owner": self._owner, "blocked": silent, "unlogged": unlogged},
+            )
+        return True
 
     def _transact(self, fn: Callable[[_ConnTx], T]) -> T:
         if self._conn is None:

@@ -269,6 +269,19 @@ FLEET_EDGES = [
     ),
 ]
 
+# ADR 0112: the engine that runs the flow has its trio loop blocked while its lease thread runs
+# on (a step's `time.sleep`, a full pipe), for longer than its lease.
+FLEET_BLOCKED = FlowConfig(
+    "fleet: a blocked loop whose lease thread runs on, the timeout",
+    LEAN,
+    wakes=(),
+    cancel=False,
+    resumes=0,
+    crashes=0,
+    engines=2,
+    blocks=1,
+)
+
 FLEET_SLOW = [
     FlowConfig(
         "fleet: ORDER's retry and raising compensation, 1 wake, a cancel, 1 crash",

@@ -43,6 +43,12 @@ Actors and their steps (on top of `flow.py`'s)
   fires no timer; it thaws at any moment later and goes on exactly where it stopped (a body that
   was in flight finishes, a write that was due is sent, a runner about to run a body runs it if
   its lease is trusted by then).
+- a blocked loop (a step's `time.sleep`, a write to a pipe nobody reads): as frozen, but its
+  lease thread runs on (`_heartbeat.Keeper`). It renews only while the loop answers within a
+  lease (ADR 0112), so the lease may lapse while the loop is blocked, and the loop thaws only
+  after that: the model's block is longer than any lease (a shorter one is a slow step, which
+  it does not tell from any other). A thread that renewed for a blocked loop would hold the
+  flow for ever: the terminal states say so.
 - crash and restart: a restart keeps the engine's name (`open_engine(owner=...)`): recovery
   renews its lease and re-runs, as attempt + 1, the flow if it is active under its name
   (`_recovery.recover`); its first scan is the scan steps above.
@@ -133,6 +139,9 @@ class FleetProtocol(FlowProtocol):
     #: no timer and takes nothing over of that version, and its runner lets such a flow go
     #: instead of blocking it (`Requests.versioned`, `Versions.elsewhere`, ADR 0074)
     fleet_versions = True
+    #: the lease thread renews only while the trio loop answers within a lease: a blocked loop
+    #: loses its lease (`_heartbeat.Keeper`, ADR 0112)
+    renews_only_while_the_loop_runs = True
 
     def take_over(self, flow: Flow, owner: str, now: float) -> Transition:
         return fm.take_over(flow, owner, now)
@@ -282,12 +291,21 @@ class FleetChecker(FlowChecker):
         engine = m.engines[e]
         steps: list[tuple[str, S]] = []
         if engine.up and engine.frozen:
-            steps.append((f"engine {e} thaws", self._set_engine(m, e, frozen=False)))
+            if not engine.blocked:
+                steps.append((f"engine {e} thaws", self._set_engine(m, e, frozen=False)))
+            elif not m.leases[e]:  # a block longer than the lease (the module doc)
+                self.coverage.add("blocked loop thaws")
+                thawed = self._set_engine(m, e, frozen=False, blocked=False)
+                steps.append((f"engine {e}'s loop runs again", thawed))
         else:
             steps += super()._engine_steps(m, e)
             if engine.up:
                 steps += self._fleet_steps(m, e)
-        if m.leases[e] and (engine.frozen or not engine.trust):
+        # The lease thread of a blocked loop renews a lease the engine trusts, unless it
+        # watches the loop.
+        kept = engine.blocked and engine.trust
+        kept = kept and not self.protocol.renews_only_while_the_loop_runs
+        if m.leases[e] and (engine.frozen or not engine.trust) and not kept:
             steps.append(self._lapse(m, e))
         return steps
 
@@ -295,7 +313,10 @@ class FleetChecker(FlowChecker):
         """Engine e's lease lapses in the store (it is frozen, down, or could not renew)."""
         engine = m.engines[e]
         label = f"engine {e}'s lease lapses"
-        label += " while it is frozen" if engine.frozen else "" if engine.up else " (down)"
+        if engine.blocked:
+            label += " while its loop is blocked"
+        else:
+            label += " while it is frozen" if engine.frozen else "" if engine.up else " (down)"
         leases = _set(m.leases, e, False)
         key, g, void = self._in_flight(m, e), m.ghost, engine.void
         if key is not None:
@@ -468,7 +489,8 @@ class FleetChecker(FlowChecker):
 
     def _crash(self, m: S, e: int) -> tuple[str, S]:
         label, m = super()._crash(m, e)
-        return label, self._set_engine(m, e, frozen=False, trust=False, released=0, void=False)
+        m = self._set_engine(m, e, frozen=False, blocked=False)
+        return label, self._set_engine(m, e, trust=False, released=0, void=False)
 
     def _restart(self, m: S, e: int) -> Iterator[tuple[str, S]]:
         """`_recovery.recover` in a fleet: renew the lease under the same name, then re-run the
@@ -523,6 +545,14 @@ class FleetChecker(FlowChecker):
                         world=w._replace(freezes=w.freezes + 1)
                     ),
                 )
+            if w.blocks < cfg.blocks:
+                self.coverage.add("loop blocked")
+                yield (
+                    f"engine {e}'s loop blocks (its lease thread runs on)",
+                    self._set_engine(m, e, frozen=True, blocked=True)._replace(
+                        world=w._replace(blocks=w.blocks + 1)
+                    ),
+                )
             if w.outages < cfg.outages and engine.trust:
                 # The heartbeat gives up at the margin and lets every flow go at once.
                 label, nxt = self._let_go(self._set_engine(m, e, trust=False), e, "cannot renew")
@@ -551,6 +581,17 @@ class FleetChecker(FlowChecker):
             raise _step_violation(
                 label, f"engine {e}{frozen} recorded its run of a flow held by {m.row.owner}"
             )
+
+    def _check_terminal(self, m: S) -> None:
+        """As `flow.py`'s; a flow left with an engine whose loop is blocked is named as such."""
+        holder = self._holder(m)
+        if holder is not None and m.engines[holder].blocked:
+            raise AssertionError(
+                f"the flow stays {_where(m.row)} with engine {holder}, whose loop is blocked:"
+                " its lease thread renews the lease for a loop that runs nothing, and no other"
+                " engine may take the flow over"
+            )
+        super()._check_terminal(m)
 
     def _check_state(self, m: S) -> None:
         super()._check_state(m)

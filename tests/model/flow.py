@@ -148,6 +148,9 @@ class FlowConfig:
     unregistered: int = 0  # restarts that may come up without the flow's plan version
     engines: int = 1
     freezes: int = 0  # the fleet: an engine that runs the flow may freeze (SIGSTOP), then thaw
+    # the fleet: an engine that runs the flow may have its trio loop blocked while its lease
+    # thread runs on (a step's `time.sleep`, a full pipe), for longer than its lease
+    blocks: int = 0
     outages: int = 0  # the fleet: an engine that runs the flow may fail to renew in time
     same_name: bool = False  # the fleet: engine 1 is a second incarnation of engine 0's name
     versions: bool = False  # the fleet: engine 1 lacks the flow's plan version (a deploy)
@@ -269,6 +272,7 @@ class Engine(NamedTuple):
     plan: bool  # it has the flow's plan version (else it blocks the flow instead of running it)
     # The fleet (tests/model/fleet.py); constant in the one-engine model.
     frozen: bool = False  # SIGSTOP: it takes no step and answers no call until it thaws
+    blocked: bool = False  # frozen, but only its trio loop: its lease thread runs on
     trust: bool = True  # it believes its lease holds (not `Lease.lapsing()`)
     # It let the flow go at this revision (0: it did not); its next renewal releases the flow
     # in the store if the row is still at that revision.
@@ -286,6 +290,7 @@ class World(NamedTuple):
     ambiguous: int
     unregistered: int
     freezes: int = 0  # the fleet: engines frozen (SIGSTOP) so far
+    blocks: int = 0  # the fleet: trio loops blocked so far
     outages: int = 0  # the fleet: renewals an engine could not make in time while it ran on
     closes: int = 0  # graceful closes so far
 

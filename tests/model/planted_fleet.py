@@ -103,3 +103,11 @@ class BlocksForAVersionAnotherEngineHas(FleetProtocol):
     version and would run it."""
 
     fleet_versions = False
+
+
+class RenewsWhileTheLoopIsBlocked(FleetProtocol):
+    """(11) The engine before ADR 0112: the lease thread renews whether or not the trio loop
+    runs, so a loop blocked for good (a step's `time.sleep`, a full pipe) holds its flow for
+    ever while another engine stands by."""
+
+    renews_only_while_the_loop_runs = False

@@ -7,7 +7,7 @@ import attrs
 import pytest
 
 from ferry.flow import _store as store
-from tests.model.configs import FLEET_DEFAULT, FLEET_EDGES, FLEET_SLOW
+from tests.model.configs import FLEET_BLOCKED, FLEET_DEFAULT, FLEET_EDGES, FLEET_SLOW
 from tests.model.fleet import NAMES, FleetChecker, FleetProtocol
 from tests.model.flow import FlowConfig, S, Write
 from tests.model.planted_fleet import (
@@ -18,6 +18,7 @@ from tests.model.planted_fleet import (
     FleetWriteWithoutRevisionCheck,
     ReleaseOfAnotherOwnersFlow,
     RenewalTrustsWithoutRereading,
+    RenewsWhileTheLoopIsBlocked,
     RetakenFlowReleased,
     RunnerIgnoresItsLease,
     TakeoverKeepsTheAttempt,
@@ -42,10 +43,12 @@ EXTRA = {
     OUTAGE.name: {"let go", "release", "takeover answer lost", "adopt", "let go, then ours again"},
     SAME_NAME.name: {"claim refused", "claim takes the name", "freeze", "takeover"},
     VERSIONS.name: {"wake RESUMED", "wake QUEUED", "cancel True", "takeover", "timer fires"},
+    FLEET_BLOCKED.name: {"loop blocked", "lapse hits a run", "blocked loop thaws", "let go"},
 }
 WAKELESS = {"end COMPLETED", "completed", "woken"}  # without a wake, the park times out
 REACHED_BY = {
-    c.name: REACHED - (WAKELESS if not c.wakes else set()) for c in FLEET_DEFAULT + FLEET_EDGES
+    c.name: REACHED - (WAKELESS if not c.wakes else set())
+    for c in [*FLEET_DEFAULT, *FLEET_EDGES, FLEET_BLOCKED]
 }
 REACHED_BY[SAME_NAME.name] -= {"takeover refused"}  # one runner at a time under one name
 
@@ -90,6 +93,21 @@ def test_catches_an_engine_that_blocks_a_version_another_engine_has() -> None:
     print(f"\n{found}")
     assert "blocked for a missing version while engine [0] has it" in found.message
     assert "(engine 1)" in found.trace[-1]
+
+
+def test_fleet_model_check_of_a_blocked_loop() -> None:
+    """ADR 0112: the loop of the engine that runs the flow is blocked for longer than its lease
+    while its lease thread runs on: the thread stops renewing, the lease lapses, engine 1 takes
+    the flow over, and the loop, running again, runs nothing of it beside engine 1."""
+    _run(FLEET_BLOCKED, FleetProtocol())
+
+
+def test_catches_a_lease_thread_that_renews_for_a_blocked_loop() -> None:
+    """The engine before ADR 0112: the flow stays with the blocked engine for ever."""
+    found = FleetChecker(FLEET_BLOCKED, RenewsWhileTheLoopIsBlocked()).find()
+    print(f"\n{found}")
+    assert "with engine 0, whose loop is blocked" in found.message
+    assert found.trace == ["engine 0's loop blocks (its lease thread runs on)"]
 
 
 @pytest.mark.long
@@ -218,6 +236,7 @@ def test_fleet_protocol_flags_are_the_engine_s() -> None:
     assert p.outside_respects_owner and p.renewal_releases and p.release_checks_owner
     assert p.release_checks_revision  # `_store.release` (ADR 0047)
     assert p.renewal_rereads and p.retaken_not_released  # the findings, fixed (ADR 0047)
+    assert p.renews_only_while_the_loop_runs  # `_heartbeat.Keeper` (ADR 0112)
 
 
 # ---- fidelity: takeovers and releases as the real store makes them ------------------------------
