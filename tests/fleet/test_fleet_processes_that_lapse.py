@@ -1,5 +1,5 @@
 """The fleet at its edges with engines as separate processes on the suite's
-PostgreSQL: the same owner name twice, a step that holds the loop longer than the lease, a
+PostgreSQL: the same owner name twice, a step that holds the loop for most of the lease, a
 process stopped (SIGSTOP) past its lease while its steps wait, connections killed every 200 ms.
 
 Each engine is ``python -m tests.fleet._edge_engine`` (see there): its one step records
