@@ -169,6 +169,16 @@ FLOW_DEFAULT = [
     ),
 ]
 
+# An operator's way out of BLOCKED (`Engine.abandon`): the compensation of reserve raises until
+# the flow blocks; the operator abandons it (or, in other branches, never does); 1 crash.
+ABANDON = FlowConfig(
+    "flow: a compensation that keeps raising, abandoned, 1 wake, cancel, 1 crash",
+    ORDER,
+    wakes=("m1",),
+    resumes=0,
+    abandon=True,
+)
+
 FLOW_SLOW = [
     FlowConfig(
         "flow: 3 steps, park with timeout, 2 wakes, cancel, resume, 2 crashes", ORDER, crashes=2

@@ -54,8 +54,9 @@ Actors and their steps
     the plan back.
 - the outside world, through any engine that is up: sends each wake of the bound once, in order
   (``message_id`` from the bound: two equal ids make a duplicate), at any moment, so before the
-  park, during it and after it; cancels once; resumes a `BLOCKED` flow (bounded); or stops
-  (sends nothing more: a confirmation that never comes, a blocked flow nobody resumes).
+  park, during it and after it; cancels once; resumes a `BLOCKED` flow (bounded); with
+  ``abandon``, abandons a `BLOCKED` flow once (`Engine.abandon`); or stops (sends nothing more:
+  a confirmation that never comes, a blocked flow nobody resumes).
 - the clock: jumps to the next deadline (the row's, or an armed timer's).
 
 The engine starts with the flow just started (revision 1) and its runner about to run step 0.
@@ -84,9 +85,13 @@ idempotency key <= 1 + crashes that hit an unrecorded run of it + resumes that r
 retries (``attempts - 1`` in each drive: the engine's retry budget is in memory, so a crash gives
 a fresh one).
 
+An abandon ends the flow `FAILED` in its own write and names, as skipped, exactly the
+compensations not yet recorded, in the order they would have run; no body runs after it.
+
 In every terminal state (nothing can move): the flow is `COMPLETED`, `FAILED` or `BLOCKED` with
 a reason; a completed flow compensated nothing; a failed one compensated every completed step
-that has a compensation; no runner is left; no accepted wake that a later park should have taken
+that has a compensation (an abandoned one: those recorded, then the skipped ones, in reverse
+order of completion); no runner is left; no accepted wake that a later park should have taken
 is left queued.
 """
 
@@ -142,6 +147,7 @@ class FlowConfig:
     wakes: tuple[str, ...] = ("m1", "m2")  # message ids the world sends, in this order
     cancel: bool = True
     resumes: int = 1
+    abandon: bool = False  # an operator may abandon a blocked flow (`Engine.abandon`), once
     crashes: int = 1
     closes: int = 0  # graceful closes of an engine (each followed by a restart)
     ambiguous: int = 0  # writes that commit and lose their answer
@@ -259,6 +265,9 @@ class FlowProtocol:
     def block(self, flow: Flow, reason: str, now: float) -> Transition:
         return fm.block(flow, reason, now)
 
+    def abandon(self, flow: Flow, shape: Shape | None, now: float) -> Transition:
+        return fm.abandon(flow, shape, "abandoned", "an operator", now)
+
 
 class Engine(NamedTuple):
     """One engine's memory: lost on a crash."""
@@ -293,6 +302,7 @@ class World(NamedTuple):
     blocks: int = 0  # the fleet: trio loops blocked so far
     outages: int = 0  # the fleet: renewals an engine could not make in time while it ran on
     closes: int = 0  # graceful closes so far
+    abandoned: bool = False  # an operator abandoned the blocked flow
 
 
 class Ghost(NamedTuple):
@@ -313,6 +323,9 @@ class Ghost(NamedTuple):
     skips: tuple[int, ...]
     resumes: tuple[int, ...]  # resumes that re-drove each key
     undoing: bool  # the flow compensated or failed: it never runs forward again
+    # the compensations an operator's abandon skipped (ended the flow without), in the order
+    # they would have run; None: not abandoned
+    skipped: tuple[int, ...] | None = None
 
 
 class S(NamedTuple):
@@ -491,7 +504,7 @@ class FlowChecker(Search):
     def _fold(self, g: Ghost, t: Transition, taken: frozenset[str], step: str) -> Ghost:
         """Fold the write's history events into the ghost, checking each."""
         outcomes, done, comps = g.outcomes, g.done, g.compensated
-        took, park_state, resumes = g.took, g.park, g.resumes
+        took, park_state, resumes, skipped = g.took, g.park, g.resumes, g.skipped
         woken: set[str] = set()
         for ev in t.events:
             kind = ev.kind
@@ -543,6 +556,16 @@ class FlowChecker(Search):
             elif kind == "resumed" and t.flow.state in ACTIVE:
                 key = self._key(t.flow)
                 resumes = _bumped(resumes, key)
+            elif kind == "abandoned":
+                if t.flow.state is not FAILED:
+                    raise _step_violation(step, f"abandoned, then {_where(t.flow)}")
+                unrun = tuple(j for j in reversed(done) if j not in comps)
+                names = [self.shape.steps[j] for j in unrun]
+                if ev.detail["skipped"] != names:
+                    raise _step_violation(
+                        step, f"abandon says it skipped {ev.detail['skipped']}, not {names}"
+                    )
+                skipped = unrun
         if woken != taken:
             raise _step_violation(step, f"messages {sorted(taken - woken)} taken but not woken")
         before = g
@@ -553,6 +576,7 @@ class FlowChecker(Search):
             took=took,
             park=park_state,
             resumes=resumes,
+            skipped=skipped,
         )
         # A key whose outcome is recorded never runs again (checked at every run): its counters
         # are forgotten, so that states that differ only in a finished key's past are one.
@@ -639,6 +663,8 @@ class FlowChecker(Search):
         self._check_run(m, e, copy, label)
         if copy.step_index in (g.outcomes if key < self.n else g.compensated):
             raise _step_violation(label, f"{name} ran again after its outcome was recorded")
+        if g.skipped is not None:
+            raise _step_violation(label, f"{name} ran after an operator abandoned the flow")
         if copy.attempt <= g.attempts[key]:
             raise _step_violation(
                 label, f"{name} ran as attempt {copy.attempt} again (attempts never repeat)"
@@ -841,7 +867,9 @@ class FlowChecker(Search):
             cfg, w = self.config, m.world
             # Nothing more comes from outside (a wake that never comes: the park times out; no
             # operator resumes a blocked flow).
-            done = w._replace(sent=len(cfg.wakes), cancelled=True, resumes=cfg.resumes)
+            done = w._replace(
+                sent=len(cfg.wakes), cancelled=True, resumes=cfg.resumes, abandoned=True
+            )
             yield "the world sends nothing more", m._replace(world=done)
 
     def _calls(self, m: S, shape: Shape | None) -> list[tuple[str, Write, World]]:
@@ -859,6 +887,9 @@ class FlowChecker(Search):
         if m.row.state is BLOCKED and w.resumes < cfg.resumes:
             resume = Write(lambda f, b: p.resume(f, b, shape, now), first_queued=True)
             calls.append(("resume", resume, w._replace(resumes=w.resumes + 1)))
+        if cfg.abandon and m.row.state is BLOCKED and not w.abandoned:
+            abandon = Write(lambda f, _b: p.abandon(f, shape, now))
+            calls.append(("abandon", abandon, w._replace(abandoned=True)))
         return calls
 
     def _check_delivery(self, m: S, write: Write, t: Transition, label: str, plan: bool) -> None:
@@ -919,8 +950,9 @@ class FlowChecker(Search):
         if row.state is COMPLETED:
             assert not g.compensated, f"completed after compensating {g.compensated}"
         if row.state is FAILED:
-            assert g.compensated == tuple(reversed(g.done)), (
-                f"failed with compensations {g.compensated}, completed {g.done}"
+            assert g.compensated + (g.skipped or ()) == tuple(reversed(g.done)), (
+                f"failed with compensations {g.compensated} (and skipped {g.skipped}),"
+                f" completed {g.done}"
             )
         for e, engine in enumerate(m.engines):
             assert engine.runner is None, f"engine {e} still runs {engine.runner[:1]}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from ferry.flow import _machine as fm
 from ferry.flow._types import Outcome, State
 from ferry.flow._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Transition
 from tests.model.flow import FlowProtocol
@@ -120,3 +121,29 @@ class CloseLetsGoOfARunThatBegan(FlowProtocol):
     the next engine runs it again with the same attempt number."""
 
     close_lets_go_of_unbegun_runs_only = False
+
+
+class AbandonRunsTheCompensation(FlowProtocol):
+    """(12) Abandon re-drives the blocked compensation (a resume under another name): the
+    compensation that can never succeed runs again, after the operator gave up on it."""
+
+    def abandon(self, flow: Flow, shape: Shape | None, now: float) -> Transition:
+        t = fm.resume(flow, EMPTY_MAILBOX, shape, now)
+        if not t.done:
+            return t
+        events = (*t.events, attrs.evolve(t.events[0], kind="abandoned", detail={"skipped": []}))
+        return attrs.evolve(t, events=events)
+
+
+class AbandonSkipsTooLittle(FlowProtocol):
+    """(13) Abandon ends the flow but leaves the compensation that failed out of what it says it
+    skipped: an operator reading the history would believe it ran."""
+
+    def abandon(self, flow: Flow, shape: Shape | None, now: float) -> Transition:
+        t = fm.abandon(flow, shape, "abandoned", None, now)
+        if not t.done:
+            return t
+        first = t.events[0]
+        assert isinstance(first.detail, dict)
+        detail = {**first.detail, "skipped": first.detail["skipped"][1:]}
+        return attrs.evolve(t, events=(attrs.evolve(first, detail=detail), *t.events[1:]))

@@ -15,10 +15,19 @@ from ferry.flow._types import CONTINUE, State, park
 from ferry.flow._values import EMPTY_MAILBOX, Flow, Message, Received, Shape, Transition
 from tests.flow._helpers import _InlineTx
 from tests.model.checker import Counterexample
-from tests.model.configs import CLOSES, CLOSES_SLOW, FLOW_DEFAULT, FLOW_SLOW, PLAN_MISSING
+from tests.model.configs import (
+    ABANDON,
+    CLOSES,
+    CLOSES_SLOW,
+    FLOW_DEFAULT,
+    FLOW_SLOW,
+    PLAN_MISSING,
+)
 from tests.model.fleet import NAMES
 from tests.model.flow import FlowChecker, FlowConfig, FlowProtocol, S, Write
 from tests.model.planted_flow import (
+    AbandonRunsTheCompensation,
+    AbandonSkipsTooLittle,
     CloseLetsGoOfARunThatBegan,
     CompensateOldestFirst,
     ParkIgnoresQueue,
@@ -331,3 +340,25 @@ def test_the_model_store_behaves_as_the_real_store() -> None:
 def test_the_store_mirror_sees_a_model_that_drifts() -> None:
     found = StoreMirror(MIRRORED, drift=True).find()
     assert found.message.startswith("the store and the model disagree on the transition")
+
+
+# ---- an operator's abandon of a blocked flow -----------------------------------------------------
+
+
+def test_flow_model_check_with_an_abandon() -> None:
+    checker = FlowChecker(ABANDON)
+    report = checker.run()
+    print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
+    assert {"abandoned", "abandon True", "end FAILED", "end BLOCKED"} <= checker.coverage
+
+
+@pytest.mark.parametrize(
+    ("protocol", "says"),
+    [
+        (AbandonRunsTheCompensation, "abandoned, then COMPENSATING"),
+        (AbandonSkipsTooLittle, "abandon says it skipped"),
+    ],
+)
+def test_catches_an_abandon_that_is_not_one(protocol: type[FlowProtocol], says: str) -> None:
+    found = _counterexample(ABANDON, protocol())
+    assert says in str(found)
