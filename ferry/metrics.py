@@ -14,8 +14,8 @@ Design
 A scrape reads the statistics an engine or ferry already keeps (`Engine.statistics`,
 `Ferry.statistics`) when it is collected: the counters and gauges cost nothing between scrapes.
 Step and flow durations are seen only as they happen, so the collector attaches itself to each
-engine as an observer (`ferry.flow._observe`): the engine calls it once per step attempt, once
-per flow that ends, and once when it closes. A closed engine is dropped then (docs/adr/0114):
+engine as an observer (`ferry.flow._runtime._observe`): the engine calls it once per step attempt,
+once per flow that ends, and once when it closes. A closed engine is dropped then (docs/adr/0114):
 its gauges leave the scrape, and its counters' last values stay in the sums (`_retired`), so a
 counter never goes down because an engine closed; the collector keeps no engine after its
 block ended, however many open and close. Without a collector the engine's observer tuple is
@@ -47,7 +47,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from ferry import FerryStatistics
 from ferry.flow import Delivery, Engine, Fail, FlowStatistics, Park
-from ferry.flow._values import Flow
+from ferry.flow._model._values import Flow
 
 __all__ = [
     "BATCH_SIZE_BUCKETS",

@@ -20,7 +20,8 @@ from typing import Any
 import attrs
 
 from ferry import flow
-from ferry.flow import _batch, _open, _store
+from ferry.flow._engine import _open
+from ferry.flow._store import _batch, _store
 from ferry.projected import Tx
 
 WriteBatch = Callable[..., list[_store.Result]]

@@ -43,31 +43,31 @@ from __future__ import annotations
 
 from stm._internal import fixup_module_metadata as _fixup_module_metadata
 
-from ._engine import Engine as Engine
-from ._errors import FlowError as FlowError
-from ._errors import IdReused as IdReused
-from ._errors import StoreLocked as StoreLocked
-from ._errors import UnknownFlow as UnknownFlow
-from ._errors import UnknownPlan as UnknownPlan
-from ._open import open_engine as open_engine
-from ._plan import Plan as Plan
-from ._plan import StepDef as StepDef
-from ._types import COMPLETE as COMPLETE
-from ._types import CONTINUE as CONTINUE
-from ._types import IGNORE as IGNORE
-from ._types import Context as Context
-from ._types import Delivery as Delivery
-from ._types import Event as Event
-from ._types import Fail as Fail
-from ._types import FlowStatistics as FlowStatistics
-from ._types import Outcome as Outcome
-from ._types import Park as Park
-from ._types import Snapshot as Snapshot
-from ._types import Start as Start
-from ._types import State as State
-from ._types import Wake as Wake
-from ._types import fail as fail
-from ._types import park as park
+from ._engine._engine import Engine as Engine
+from ._engine._open import open_engine as open_engine
+from ._model._errors import FlowError as FlowError
+from ._model._errors import IdReused as IdReused
+from ._model._errors import StoreLocked as StoreLocked
+from ._model._errors import UnknownFlow as UnknownFlow
+from ._model._errors import UnknownPlan as UnknownPlan
+from ._model._plan import Plan as Plan
+from ._model._plan import StepDef as StepDef
+from ._model._types import COMPLETE as COMPLETE
+from ._model._types import CONTINUE as CONTINUE
+from ._model._types import IGNORE as IGNORE
+from ._model._types import Context as Context
+from ._model._types import Delivery as Delivery
+from ._model._types import Event as Event
+from ._model._types import Fail as Fail
+from ._model._types import FlowStatistics as FlowStatistics
+from ._model._types import Outcome as Outcome
+from ._model._types import Park as Park
+from ._model._types import Snapshot as Snapshot
+from ._model._types import Start as Start
+from ._model._types import State as State
+from ._model._types import Wake as Wake
+from ._model._types import fail as fail
+from ._model._types import park as park
 
 __all__ = [
     "COMPLETE",

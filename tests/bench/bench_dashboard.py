@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 import trio
 
-from ferry.flow import _sql, _store
-from ferry.flow._dashboard._app import Dashboard
-from ferry.flow._dashboard._reads import Reader
+from ferry.flow._ops._dashboard._app import Dashboard
+from ferry.flow._ops._dashboard._reads import Reader
+from ferry.flow._store import _sql, _store
 from tests.bench._harness import Row
 from tests.flow._helpers import _InlineTx
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import attrs
 import psycopg
 
-from ferry.flow import _store
+from ferry.flow._store import _store
 from tests import pg
 from tests.bench import _usage
 from tests.bench._harness import Row

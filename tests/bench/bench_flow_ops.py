@@ -33,7 +33,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ferry import flow
-from ferry.flow import _tracing
+from ferry.flow._runtime import _tracing
 from ferry.projected import SqliteStore
 from tests.bench._harness import Row, paired
 from tests.bench.bench_flow import FLOWS, run_three_steps, three

@@ -30,7 +30,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from ferry import flow, metrics
-from ferry.flow import _runner
+from ferry.flow._runtime import _runner
 from tests.bench._harness import Row, paired
 
 ROUNDS = max(5, int(os.environ.get("BENCH_ROUNDS", "3")))

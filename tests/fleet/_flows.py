@@ -63,7 +63,7 @@ import trio
 
 import ferry
 from ferry import flow
-from ferry.flow import _store
+from ferry.flow._store import _store
 from ferry.projected import PostgresStore
 from tests import switches
 

@@ -48,7 +48,7 @@ import attrs
 import trio
 
 from ferry import flow
-from ferry.flow import _store
+from ferry.flow._store import _store
 
 from ._helpers import _InlineTx
 

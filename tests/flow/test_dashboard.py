@@ -27,11 +27,11 @@ import pytest
 import trio
 
 from ferry import flow
-from ferry.flow import _machine as m
-from ferry.flow import _store
-from ferry.flow._dashboard._app import Dashboard, chart, loopback_hosts
-from ferry.flow._dashboard._reads import Reader, Unavailable, page_overview
-from ferry.flow._values import Flow
+from ferry.flow._model import _machine as m
+from ferry.flow._model._values import Flow
+from ferry.flow._ops._dashboard._app import Dashboard, chart, loopback_hosts
+from ferry.flow._ops._dashboard._reads import Reader, Unavailable, page_overview
+from ferry.flow._store import _store
 
 from ._helpers import _InlineTx
 from .test_inspect import ORDER, ROOT, T0, populate
@@ -312,7 +312,7 @@ def test_serve_prints_the_token_and_serves_on_loopback(db: str) -> None:
 
 
 def test_serve_refuses_bad_arguments(db: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from ferry.flow._inspect import main
+    from ferry.flow._ops._inspect import main
 
     assert main([db, "serve", "--port", "99999"]) == 2
     assert "'99999' is not a port" in capsys.readouterr().err
@@ -402,11 +402,11 @@ def test_the_screenshot_in_the_docs_is_a_png() -> None:
 def test_serve_without_the_extra_says_what_to_install(
     db: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ferry.flow._inspect import main
+    from ferry.flow._ops._inspect import main
 
     for name in ["hypercorn", *(n for n in sys.modules if n.startswith("hypercorn."))]:
         monkeypatch.setitem(sys.modules, name, None)  # as if it were not installed
-    monkeypatch.delitem(sys.modules, "ferry.flow._dashboard._serve", raising=False)
+    monkeypatch.delitem(sys.modules, "ferry.flow._ops._dashboard._serve", raising=False)
     # (an address that cannot be bound: were the import to work, this ends, not serves)
     assert main([db, "serve", "--host", "256.1.1.1"]) == 1
     err = capsys.readouterr().err
@@ -435,7 +435,7 @@ async def test_pages_never_wait_for_the_writer(db: str) -> None:
 async def test_a_long_history_shows_its_latest_events(
     web: httpx.AsyncClient, db: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ferry.flow._dashboard import _reads
+    from ferry.flow._ops._dashboard import _reads
 
     monkeypatch.setattr(_reads, "HISTORY", 2)
     r = await web.get(flow_url("blocked"))

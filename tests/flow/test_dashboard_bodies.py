@@ -26,8 +26,8 @@ import httpx
 import pytest
 
 from ferry import flow
-from ferry.flow._dashboard._app import MAX_BODY, Dashboard
-from ferry.flow._dashboard._reads import Reader
+from ferry.flow._ops._dashboard._app import MAX_BODY, Dashboard
+from ferry.flow._ops._dashboard._reads import Reader
 
 from .test_dashboard import TOKEN, client_of, fill, row, text_of
 from .test_inspect import ROOT

@@ -26,7 +26,7 @@ import pytest
 import trio
 
 from ferry import flow
-from ferry.flow._dashboard._serve import open_dashboard, serve
+from ferry.flow._ops._dashboard._serve import open_dashboard, serve
 from ferry.projected import PostgresStore
 from tests import pg
 

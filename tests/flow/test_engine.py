@@ -23,7 +23,7 @@ import trio.testing
 import ferry
 import stm
 from ferry import flow
-from ferry.flow import _store
+from ferry.flow._store import _store
 from ferry.projected import PostgresStore, SqliteStore, Store
 from tests import pg, switches
 
@@ -1164,7 +1164,7 @@ async def test_a_write_behind_the_engines_back_makes_its_runner_follow_the_store
         fid = await engine.start(plan)
         await trio.testing.wait_all_tasks_blocked()
         shape = engine._shapes[("p", 1)]
-        from ferry.flow import _machine as m
+        from ferry.flow._model import _machine as m
 
         # another writer (say, an operator's tool) cancels the flow directly in the store
         op = _store.Change(fid, lambda f, _b: m.cancel(f, shape, "by hand", 0.0))

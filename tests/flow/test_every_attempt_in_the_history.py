@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from ferry import flow
-from ferry.flow import _checks
+from ferry.flow._model import _checks
 
 
 async def test_a_flaky_step_leaves_each_failed_attempt_in_the_history(

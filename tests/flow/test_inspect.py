@@ -22,10 +22,11 @@ from typing import Any
 import pytest
 import trio
 
-from ferry.flow import _inspect, _inspect_read, _store
-from ferry.flow import _machine as m
-from ferry.flow._types import CONTINUE, State, fail, park
-from ferry.flow._values import Flow, Mailbox, Shape, Transition
+from ferry.flow._model import _machine as m
+from ferry.flow._model._types import CONTINUE, State, fail, park
+from ferry.flow._model._values import Flow, Mailbox, Shape, Transition
+from ferry.flow._ops import _inspect, _inspect_read
+from ferry.flow._store import _store
 from ferry.projected import PostgresStore
 from tests import pg
 

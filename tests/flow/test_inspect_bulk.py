@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ferry.flow._types import State
+from ferry.flow._model._types import State
 
 from .test_inspect import T0, run, run_json, state
 from .test_inspect import db as db  # the fixture

@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from ferry.flow import _bulk, _inspect
+from ferry.flow._ops import _bulk, _inspect
 
 from .test_inspect import db as db  # the fixture
 from .test_inspect import run, state

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from ferry import flow
-from ferry.flow import _times
+from ferry.flow._model import _times
 from ferry.projected import PostgresStore
 from tests import pg
 

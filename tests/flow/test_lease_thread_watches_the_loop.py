@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from ferry.flow._heartbeat import Keeper
+from ferry.flow._fleet._heartbeat import Keeper
 
 
 def keeper() -> Keeper:

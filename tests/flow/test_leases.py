@@ -25,9 +25,9 @@ import trio
 import trio.testing
 
 from ferry import flow
-from ferry.flow import _machine as m
-from ferry.flow import _store
-from ferry.flow._values import Flow
+from ferry.flow._model import _machine as m
+from ferry.flow._model._values import Flow
+from ferry.flow._store import _store
 from tests import switches
 
 from ._helpers import PlantedStore

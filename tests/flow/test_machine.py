@@ -1,4 +1,5 @@
-"""Unit tests of the pure flow machine (`ferry.flow._machine`): no trio, no clock, no store."""
+"""Unit tests of the pure flow machine (`ferry.flow._model._machine`): no trio, no clock, no
+store."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ferry.flow import _invariants, _values
-from ferry.flow import _machine as m
-from ferry.flow._types import COMPLETE, CONTINUE, Delivery, Event, Outcome, State, fail, park
-from ferry.flow._values import (
+from ferry.flow._model import _invariants, _values
+from ferry.flow._model import _machine as m
+from ferry.flow._model._types import COMPLETE, CONTINUE, Delivery, Event, Outcome, State, fail, park
+from ferry.flow._model._values import (
     EMPTY_MAILBOX,
     Flow,
     InvalidTransition,

@@ -20,7 +20,7 @@ import trio.testing
 
 import ferry
 from ferry import flow
-from ferry.flow import _store
+from ferry.flow._store import _store
 from ferry.projected import SqliteStore
 
 

@@ -23,10 +23,10 @@ import pytest
 import trio
 
 from ferry import flow
-from ferry.flow import _query
-from ferry.flow._dashboard._app import Dashboard
-from ferry.flow._dashboard._reads import Reader
-from ferry.flow._inspect import main
+from ferry.flow._ops._dashboard._app import Dashboard
+from ferry.flow._ops._dashboard._reads import Reader
+from ferry.flow._ops._inspect import main
+from ferry.flow._store import _query
 
 from .test_dashboard import TOKEN, client_of, fill, row
 

@@ -29,7 +29,8 @@ import trio
 import trio.testing
 
 from ferry import flow
-from ferry.flow import _inspect, _inspect_read, _sqlite_file
+from ferry.flow._ops import _inspect, _inspect_read
+from ferry.flow._store import _sqlite_file
 from ferry.projected import PostgresStore, SqliteStore
 from tests import pg
 

@@ -21,9 +21,10 @@ import pytest
 import trio
 
 from ferry import flow
-from ferry.flow import _fleet, _store
-from ferry.flow import _machine as m
-from ferry.flow._values import Shape
+from ferry.flow._fleet import _fleet
+from ferry.flow._model import _machine as m
+from ferry.flow._model._values import Shape
+from ferry.flow._store import _store
 from ferry.projected import PostgresStore
 from tests import pg
 
@@ -141,7 +142,7 @@ async def test_the_dashboard_says_the_database_is_down_and_recovers(server: pg.P
     503 "unavailable" (and reload themselves), then the flows again, with nothing restarted."""
     import httpx
 
-    from ferry.flow._dashboard._serve import open_dashboard
+    from ferry.flow._ops._dashboard._serve import open_dashboard
 
     dsn = server.fresh_schema_dsn()
     async with PostgresStore(dsn, connections=1) as store:

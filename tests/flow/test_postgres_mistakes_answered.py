@@ -309,7 +309,7 @@ def test_the_inspector_given_a_mistyped_postgres_url_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Before: 'no such directory: .../postgress:/ops@db.example', create the directory first."""
-    from ferry.flow import _inspect
+    from ferry.flow._ops import _inspect
 
     monkeypatch.chdir(tmp_path)
     code = _inspect.main(["postgress://ops:hunter2@db.example/orders", "stats"])
@@ -325,7 +325,7 @@ def test_the_inspector_says_a_wake_ended_a_flow_parked_at_its_last_step(
     """A flow whose last step parked completes with the wake itself. Before: the inspector said
     'RESUMED: it was parked and runs its next step: the next scan of an engine serving the
     store runs it' (there is no next step; the flow was COMPLETED already)."""
-    from ferry.flow import _inspect
+    from ferry.flow._ops import _inspect
 
     p = flow.Plan("trip")
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 import attrs
 import pytest
 
-from ferry.flow import _checks, _machine
-from ferry.flow._values import Flow, Transition
+from ferry.flow._model import _checks, _machine
+from ferry.flow._model._values import Flow, Transition
 from ferry.projected import canonical_json
 
 from . import test_properties as props

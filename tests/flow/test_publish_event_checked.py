@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from ferry import flow
-from ferry.flow._checks import MAX_DEPTH
+from ferry.flow._model._checks import MAX_DEPTH
 
 MAX_DATA = 10_000
 

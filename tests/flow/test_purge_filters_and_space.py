@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from ferry import flow
-from ferry.flow import _times
+from ferry.flow._model import _times
 
 from ._helpers import _InlineTx
 from .test_inspect import T0, populate, run, run_json

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from ferry.flow import _machine as m
-from ferry.flow import _query as q
-from ferry.flow import _store as s
-from ferry.flow._types import State
-from ferry.flow._values import Flow, Shape
+from ferry.flow._model import _machine as m
+from ferry.flow._model._types import State
+from ferry.flow._model._values import Flow, Shape
+from ferry.flow._store import _query as q
+from ferry.flow._store import _store as s
 from ferry.projected import Store, Tx
 from tests.stores.conftest import StoreFactory
 
@@ -284,7 +284,7 @@ async def test_an_existing_store_gains_the_indexes(make_store: StoreFactory) -> 
 async def test_the_overview_series_by_minute(make_store: StoreFactory) -> None:
     """The overview's chart: flows started, completed and failed in each minute of the last
     hour, on both stores (each minute a bucket of its own, the latest last)."""
-    from ferry.flow._dashboard._reads import page_overview
+    from ferry.flow._ops._dashboard._reads import page_overview
 
     store = make_store()
     await store.transact(s.create_schema)

@@ -28,8 +28,8 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerPro
 from prometheus_client import CollectorRegistry
 
 from ferry import flow, metrics
-from ferry.flow import _observe
-from ferry.flow._values import Flow
+from ferry.flow._model._values import Flow
+from ferry.flow._runtime import _observe
 
 FLOWS = 20
 
@@ -63,7 +63,7 @@ class RaisingProcessor(SpanProcessor):
 
 
 class RaisingObserver:
-    """An observer (`ferry.flow._observe.Observer`) that raises at every call."""
+    """An observer (`ferry.flow._runtime._observe.Observer`) that raises at every call."""
 
     def __init__(self) -> None:
         self.calls = 0

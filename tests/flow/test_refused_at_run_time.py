@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from ferry import Failed, flow
-from ferry.flow import _store
+from ferry.flow._store import _store
 from ferry.projected import PostgresStore
 
 OTHERS = [f"{c}" for c in "BCDEFGHIJKLMNOPQRSTUVWXYZ"]

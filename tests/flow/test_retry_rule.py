@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from ferry import Failed, flow
-from ferry.flow import _retry
+from ferry.flow._runtime import _retry
 
 
 def _sqlite_error(code: int, text: str) -> sqlite3.OperationalError:

@@ -12,11 +12,19 @@ import attrs
 import pytest
 import trio
 
-from ferry.flow import _machine as m
-from ferry.flow import _sql
-from ferry.flow import _store as s
-from ferry.flow._types import CONTINUE, Delivery, State, park
-from ferry.flow._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Taken, Transition
+from ferry.flow._model import _machine as m
+from ferry.flow._model._types import CONTINUE, Delivery, State, park
+from ferry.flow._model._values import (
+    EMPTY_MAILBOX,
+    Flow,
+    Mailbox,
+    Message,
+    Shape,
+    Taken,
+    Transition,
+)
+from ferry.flow._store import _sql
+from ferry.flow._store import _store as s
 from ferry.projected import PostgresStore, Store, Tx
 from tests import pg, switches
 from tests.stores.conftest import StoreFactory

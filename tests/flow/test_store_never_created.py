@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from ferry import flow
-from ferry.flow import _inspect
-from ferry.flow._dashboard._app import Dashboard
-from ferry.flow._dashboard._reads import Reader
-from ferry.flow._inspect_act import do_wake
-from ferry.flow._inspect_read import open_store
+from ferry.flow._ops import _inspect
+from ferry.flow._ops._dashboard._app import Dashboard
+from ferry.flow._ops._dashboard._reads import Reader
+from ferry.flow._ops._inspect_act import do_wake
+from ferry.flow._ops._inspect_read import open_store
 from ferry.projected import SqliteStore
 
 from .test_dashboard import TOKEN, client_of, fill

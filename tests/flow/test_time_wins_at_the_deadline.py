@@ -11,8 +11,8 @@ import trio
 import trio.testing
 
 from ferry import flow
-from ferry.flow import _machine as m
-from ferry.flow._values import EMPTY_MAILBOX, Flow, Message, Shape
+from ferry.flow._model import _machine as m
+from ferry.flow._model._values import EMPTY_MAILBOX, Flow, Message, Shape
 
 
 def _parked(on_timeout: str) -> tuple[Flow, Shape]:

@@ -27,9 +27,10 @@ import trio.testing
 
 import stm
 from ferry import Closed, flow
-from ferry.flow import _listener, _notify, _store
-from ferry.flow import _machine as m
-from ferry.flow._values import Flow, Mailbox, Transition
+from ferry.flow._fleet import _listener
+from ferry.flow._model import _machine as m
+from ferry.flow._model._values import Flow, Mailbox, Transition
+from ferry.flow._store import _notify, _store
 from ferry.projected import PostgresStore
 from tests import pg, switches
 
@@ -385,7 +386,7 @@ class _Holding:
 def _rule(rows: dict[str, Flow], lease: float = 30.0) -> tuple[Any, list[list[str]]]:
     """A fleet engine's `Waiters` on no store: its reads come from `rows` (and are logged),
     and it listens (as far as it knows) without a listener."""
-    from ferry.flow._waiters import Waiters
+    from ferry.flow._runtime._waiters import Waiters
 
     log: list[list[str]] = []
 

@@ -15,7 +15,8 @@ import trio
 import trio.testing
 
 from ferry import flow
-from ferry.flow import _retention, _store
+from ferry.flow._runtime import _retention
+from ferry.flow._store import _store
 from ferry.projected import PostgresStore
 from tests import pg
 

@@ -1,8 +1,8 @@
 """Exhaustive model check of one flow run by a fleet of two engines with leases.
 
 `tests/model/flow.py` explores one flow with one engine on one SQLite file. This model puts the
-same flow on PostgreSQL with two engines, as `ferry/flow/_engine.py` runs a fleet: each engine
-holds a lease of its own (a row it renews every ``lease / 3``); an active flow is held by the
+same flow on PostgreSQL with two engines, as `ferry/flow/_engine/_engine.py` runs a fleet: each
+engine holds a lease of its own (a row it renews every ``lease / 3``); an active flow is held by the
 engine named in its `owner` for as long as that engine's lease runs, unless the engine let it go
 (`lease_until` set on the row); any engine may take over a flow that nobody holds. The store,
 the machine's transitions, the world and the clock are those of the one-engine model; what
@@ -82,9 +82,9 @@ from typing import Any
 
 import attrs
 
-from ferry.flow import _machine as fm
-from ferry.flow._types import State
-from ferry.flow._values import Flow, Mailbox, Shape, Transition
+from ferry.flow._model import _machine as fm
+from ferry.flow._model._types import State
+from ferry.flow._model._values import Flow, Mailbox, Shape, Transition
 from tests.model.checker import _step_violation
 from tests.model.flow import (
     ACTIVE,

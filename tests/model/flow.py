@@ -1,7 +1,7 @@
 """Exhaustive model check of one flow: the pure machine composed with the actors around it.
 
-`ferry.flow._machine` decides what a flow does; the store, the engine, the timer and the outside
-world decide *when* each transition is asked for and on which copy of the row. This model
+`ferry.flow._model._machine` decides what a flow does; the store, the engine, the timer and the
+outside world decide *when* each transition is asked for and on which copy of the row. This model
 explores every interleaving of those actors for small bounds with the search of
 `checker.py` (BFS, deduplicated states, shortest counterexample traces), asking the machine for
 every transition through a `FlowProtocol` object, so that a test can plant a bug by overriding one.
@@ -102,10 +102,10 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from ferry.flow import _invariants, _values
-from ferry.flow import _machine as fm
-from ferry.flow._types import COMPLETE, CONTINUE, Delivery, Outcome, State, fail, park
-from ferry.flow._values import Flow, Mailbox, Message, Received, Shape, Taken, Transition
+from ferry.flow._model import _invariants, _values
+from ferry.flow._model import _machine as fm
+from ferry.flow._model._types import COMPLETE, CONTINUE, Delivery, Outcome, State, fail, park
+from ferry.flow._model._values import Flow, Mailbox, Message, Received, Shape, Taken, Transition
 from tests.model.checker import Search, _step_violation
 
 RUNNING, PARKED, COMPENSATING = State.RUNNING, State.PARKED, State.COMPENSATING

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import attrs
 
-from ferry.flow._values import Flow, Transition
+from ferry.flow._model._values import Flow, Transition
 from tests.model.fleet import FleetProtocol
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import attrs
 
-from ferry.flow import _machine as fm
-from ferry.flow._types import Outcome, State
-from ferry.flow._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Transition
+from ferry.flow._model import _machine as fm
+from ferry.flow._model._types import Outcome, State
+from ferry.flow._model._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Shape, Transition
 from tests.model.flow import FlowProtocol
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from ferry.flow import _store as store
+from ferry.flow._store import _store as store
 from tests.model.configs import FLEET_BLOCKED, FLEET_DEFAULT, FLEET_EDGES, FLEET_SLOW
 from tests.model.fleet import NAMES, FleetChecker, FleetProtocol
 from tests.model.flow import FlowConfig, S, Write

@@ -8,11 +8,11 @@ from typing import Any
 import attrs
 import pytest
 
-from ferry.flow import _invariants, _values
-from ferry.flow import _machine as fm
-from ferry.flow import _store as store
-from ferry.flow._types import CONTINUE, State, park
-from ferry.flow._values import EMPTY_MAILBOX, Flow, Message, Received, Shape, Transition
+from ferry.flow._model import _invariants, _values
+from ferry.flow._model import _machine as fm
+from ferry.flow._model._types import CONTINUE, State, park
+from ferry.flow._model._values import EMPTY_MAILBOX, Flow, Message, Received, Shape, Transition
+from ferry.flow._store import _store as store
 from tests.flow._helpers import _InlineTx
 from tests.model.checker import Counterexample
 from tests.model.configs import (

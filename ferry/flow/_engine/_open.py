@@ -1,0 +1,438 @@
+"""Opening an engine: `open_engine`, its option checks, and the engine's lifetime for the
+``async with`` block (the write ferry, the engine's tasks, and what it leaves at close).
+
+An engine is made and run only here (`_opened`, `_lifetime`); its parts are started and stopped
+through the methods of `_parts.Parts`, never by setting their state from outside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Generator, Iterable
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import Any, final
+
+import attrs
+import trio
+
+from ferry import open_ferry
+from ferry.projected import SqliteStore, Store
+
+from .._fleet import _lease, _reach
+from .._model import _checks
+from .._model._plan import Plan
+from .._runtime import _observe, _retention, _tracing
+from .._store import _store
+from .._store._sqlite_file import EngineLock, check_path
+from ._engine import Engine
+
+_log = logging.getLogger("ferry.flow")
+
+_BATCH_SIZE = 1000
+
+
+def _registry(plans: object) -> dict[tuple[str, int], Plan]:
+    if isinstance(plans, Plan):
+        raise TypeError(f"plans must be a list of flow.Plan: plans=[{plans.name}], got {plans!r}")
+    if not isinstance(plans, Iterable) or isinstance(plans, str | bytes):
+        raise TypeError(f"plans must be a list of flow.Plan, got {plans!r}")
+    registry: dict[tuple[str, int], Plan] = {}
+    for plan in plans:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plans must hold flow.Plan objects, got {plan!r}")
+        plan._close()  # raises ValueError for an empty plan
+        key = (plan.name, plan.version)
+        if key in registry and registry[key] is not plan:
+            raise ValueError(f"two plans are named {plan.name!r} version {plan.version}")
+        registry[key] = plan
+    return registry
+
+
+def open_engine(
+    store: Store | str | os.PathLike[str],
+    plans: Iterable[Plan],
+    *,
+    owner: str | None = None,
+    max_running: int = 10_000,
+    lease: float = 30.0,
+    serve: bool = True,
+    max_data_bytes: int = _checks.MAX_DATA_BYTES,
+    retain: float | None = _retention.DEFAULT_RETAIN,
+    tracer_provider: object | None = None,
+) -> contextlib.AbstractAsyncContextManager[Engine]:
+    """Open a flow engine on `store` for the duration of an ``async with``.
+
+    `store`: a path (an SQLite file, created if missing -- except by an operator's engine, see
+    `serve` -- and closed with the engine) or an open
+    `SqliteStore`/`PostgresStore` (left open). `plans`: the plans it runs (several versions of
+    one plan may be given; at least one, unless ``serve=False``). At most `max_running` flows
+    run at once; the others wait their turn, first come first served. `owner` names this
+    engine in the rows it leases (default: a new uuid; printable, 1 to 200 characters; on a
+    fleet one live engine per name: `StoreLocked` naming the owner while another holds it).
+    `lease`: 0.5 s to 86,400 s (`ValueError` outside). Creates the tables if missing, records its
+    plans' shapes in the store, takes the SQLite file's engine lock (`StoreLocked` if another
+    engine holds the file, by whatever path), then recovers. A path that cannot be
+    an engine's file (``":memory:"``, a ``file:`` URI, a directory, an empty path, a file that
+    is not SQLite) is a `ValueError` saying what to give instead, before anything is created.
+
+    One SQLite file is served by one engine: at open every running and compensating flow runs
+    again (attempt + 1) and every parked flow's timer is armed (overdue ones time out at once).
+
+    On PostgreSQL engines form a fleet (docs/flow-fleet.md): each engine holds a lease of
+    `lease` seconds, renewed every ``lease / 3`` (one row, whatever the number of flows), and
+    runs the running flows that name it. Every ``lease / 3`` it also scans for orphans (running
+    flows of its plan versions that no live engine holds: their engine died, froze or closed)
+    and takes them over, each by a compare-and-set, and arms the timers of flows parked by any
+    engine whose deadline is near (exactly one engine's timeout takes each). At open it resumes
+    the flows its own `owner` name held (a restart under the same name) and scans. An engine
+    that could not renew in time lets its flows go (`FlowStatistics.lost`) and releases them
+    with its next renewal; one that lost a flow to another engine finds out at its next write,
+    which fails, or its next check. Closing ends its lease, so that others take its flows over
+    at their next scan. A slow or frozen engine can never advance a flow another engine took
+    over: every write is a compare-and-set on the flow's revision.
+
+    `max_data_bytes` (default 1 MiB): the most UTF-8 JSON text a flow's data (at `start` and
+    after every step) or a wake's payload may take. A step that leaves more, or returns a
+    malformed outcome, fails its flow alone (it compensates and ends `FAILED` with an error
+    naming the step and the problem); bad input at a call is refused at that call.
+
+    Only the store's unavailability (a lock held elsewhere, a lost connection, a serialization
+    failure) is retried by the engine's own tasks, with a WARNING on the ``ferry.flow`` logger
+    per retry; any other error in them ends the ``async with`` block with that exception (in an
+    `ExceptionGroup` after the block's own, if the block raised one too).
+
+    `retain` (seconds, default 30 days; None keeps every flow): finished (`COMPLETED` or
+    `FAILED`) flows are deleted, with their history and mailbox, `retain` seconds after they
+    ended, by a task of the engine (from its open on, every ``retain / 4`` at most ten minutes
+    apart), in transactions of at most 500 flows with a pause between them; any engine of a
+    fleet may do it at the same time as others (docs/adr/0085). A deleted flow's id is unknown
+    from then on: a wake of it is `Delivery.UNKNOWN` and `start` may use it again.
+    `ValueError` unless it is a finite number > 0 or None.
+
+    `tracer_provider`: OpenTelemetry traces (the extra ``otel``): every `start` and every run
+    of a step or compensation is a span, and one flow is one trace across parks, restarts and
+    engines (docs/operating.md). None (default): the application's global provider, if it set
+    one; without one (or without OpenTelemetry) traces are off and cost nothing.
+
+    `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
+    plans (it reads the plan shapes engines recorded in the store), runs no step, leases
+    nothing, arms no timer and does no recovery; its `wake`, `cancel` and `resume` are
+    recorded, and a flow they make runnable is left to the engines that serve the store (on
+    PostgreSQL the next scan of any of them takes it; on SQLite, where the operator's engine
+    holds the file's lock like any engine, the next engine to open the file). Its `wait`
+    polls the store. It acts on an existing store and never creates one: on a path (or an
+    `SqliteStore`) where there is no file -- removed, or a symlink to nowhere -- it raises
+    `FileNotFoundError` and nothing is made there.
+
+    Definition errors (a bad plan, an empty plan, no plans for a serving engine) and bad
+    options are raised as they are, before anything is opened. Leaving the block closes the
+    engine: running steps and compensations are cancelled (their changes discarded; they run
+    again, as attempt + 1, when an engine next takes them), parked flows stay parked, and later
+    calls raise `ferry.Closed`.
+    """
+    return _Opening(
+        _opened(
+            store,
+            plans,
+            owner=owner,
+            max_running=max_running,
+            lease=lease,
+            serve=serve,
+            max_data_bytes=max_data_bytes,
+            retain=retain,
+            tracer_provider=tracer_provider,
+            switches=_SWITCHES,
+        )
+    )
+
+
+@attrs.frozen
+class _Switches:
+    """What only tests and benchmarks change (tests/switches.py opens engines with them):
+    `group_commit=False` commits every write in its own transaction; `fleet` forces the fleet's
+    leases on (or off) whatever the store; `scan_interval` overrides ``lease / 3``;
+    `wall_clock` is the clock of leases and deadlines. (Fencing off, a planted bug, is
+    tests/switches.py's own.)"""
+
+    group_commit: bool = True
+    wall_clock: Callable[[], float] = time.time
+    fleet: bool | None = None
+    scan_interval: float | None = None
+
+
+_SWITCHES = _Switches()
+
+
+_NOT_WITH = (
+    "open_engine(...) is an async context manager, not the engine: open it with"
+    " `async with flow.open_engine(store, plans=[...]) as engine:` and call the engine inside"
+    " that block"
+)
+
+
+@final
+class _Opening(contextlib.AbstractAsyncContextManager[Engine]):
+    """What `open_engine` returns: the engine's context manager, which also answers the
+    mistake of leaving out ``async with`` (awaiting it, or calling it as if it were the
+    engine) with a `TypeError`/`AttributeError` that says how to open it."""
+
+    def __init__(self, opened: contextlib.AbstractAsyncContextManager[Engine]) -> None:
+        self._opened = opened
+
+    async def __aenter__(self) -> Engine:
+        return await self._opened.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        return await self._opened.__aexit__(exc_type, exc, tb)
+
+    def __await__(self) -> Generator[Any, None, Engine]:
+        raise TypeError(_NOT_WITH)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"{_NOT_WITH} ('.{name}' was asked of the context manager)")
+
+
+@asynccontextmanager
+async def _opened(
+    store: Store | str | os.PathLike[str],
+    plans: Iterable[Plan],
+    *,
+    owner: str | None,
+    max_running: int,
+    lease: float,
+    serve: bool,
+    max_data_bytes: int,
+    retain: float | None,
+    tracer_provider: object | None,
+    switches: _Switches,
+) -> AsyncIterator[Engine]:
+    """The body of `open_engine` (its docstring says what it promises)."""
+    scan_interval = switches.scan_interval
+    registry = _registry(plans)
+    if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+        raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
+    lease = _lease.check_lease(lease)
+    if owner is not None:
+        owner = _lease.check_owner(owner)
+    if not isinstance(serve, bool):
+        raise TypeError(f"serve must be a bool, got {serve!r}")
+    if (
+        isinstance(max_data_bytes, bool)
+        or not isinstance(max_data_bytes, int)
+        or max_data_bytes < 2  # "{}" must fit
+    ):
+        raise ValueError(f"max_data_bytes must be an int >= 2, got {max_data_bytes!r}")
+    retain = _retention.check_retain(retain)
+    tracing = _tracing.tracing_for(tracer_provider)
+    if serve and not registry:
+        raise ValueError(
+            "open_engine got no plans: an engine that serves a store runs only the plans it is"
+            " given, so this one could run no flow; give it plans=[...], or serve=False for an"
+            " operator's engine (it wakes, cancels and resumes flows, and runs none)"
+        )
+    if scan_interval is not None and not (_checks.finite(scan_interval) and scan_interval > 0):
+        raise ValueError(f"scan_interval must be a finite number > 0, got {scan_interval!r}")
+    own_store = isinstance(store, str | os.PathLike)
+    lock: EngineLock | None = None
+    # An operator's engine acts on an existing store: it never creates the SQLite file
+    # (docs/adr/0116), nor does any engine on a store opened with create=False.
+    if own_store:
+        lock = EngineLock.acquire(check_path(store), create=serve)
+        db: Store = SqliteStore(lock.path, create=serve)
+    elif callable(getattr(store, "transact", None)):
+        db = store  # type: ignore[assignment]
+        if isinstance(db, SqliteStore):
+            lock = EngineLock.acquire(db.path, create=serve and db.create)
+    else:
+        raise TypeError(f"store must be a path or a SqliteStore/PostgresStore, got {store!r}")
+    try:
+        _reach.check_clock(db)
+        try:
+            await db.transact(_store.create_schema)
+        except Exception as exc:
+            failed = _reach.unreachable(db, exc)
+            if failed is None:
+                raise
+            raise failed from exc
+        engine = Engine(
+            db,
+            registry,
+            owner=owner if owner is not None else uuid.uuid4().hex,
+            max_running=max_running,
+            lease=lease,
+            serve=serve,
+            fleet=db.dialect == "postgres" if switches.fleet is None else switches.fleet,
+            max_data_bytes=max_data_bytes,
+            group_commit=switches.group_commit,
+            scan_interval=scan_interval,
+            wall_clock=switches.wall_clock,
+            retain=retain,
+            tracing=tracing,
+        )
+        async with _lifetime(engine) as running:
+            yield running
+    finally:
+        if own_store:
+            with trio.CancelScope(shield=True):
+                await db.aclose()
+        if lock is not None:
+            lock.release()
+
+
+@asynccontextmanager
+async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
+    """Own the write ferry and the engine's tasks for the ``async with`` block."""
+    body_error: BaseException | None = None
+    engine_error: BaseException | None = None
+    opened = False
+    parts = engine._parts
+    ferry_cm: contextlib.AbstractAsyncContextManager[Any]
+    if engine._group_commit:
+        ferry_cm = open_ferry(
+            parts.writes.batch,
+            max_batch_size=_BATCH_SIZE,
+            # PostgreSQL: three batches in flight leave one connection of a default store's
+            # four for lease renewals, scans and reads, which must not queue behind batches.
+            max_in_flight_batches=1 if engine._store.dialect == "sqlite" else 3,
+            max_queueing=1 << 40,
+        )
+    else:
+        ferry_cm = contextlib.nullcontext(None)
+    try:
+        async with ferry_cm as write_ferry:
+            try:
+                async with trio.open_nursery() as nursery:
+                    parts.begin(write_ferry, nursery)
+                    try:
+                        await parts.recover()
+                        _log_opened(engine)
+                        opened = True
+                        parts.start_tasks()
+                        yield engine
+                    except BaseException as exc:
+                        body_error = exc  # re-raised below, not wrapped in an exception group
+                    finally:
+                        engine._close()
+                        nursery.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                # A task of the engine raised (a bug, or an error that is not the store's
+                # unavailability): the block ends with that exception, not a group of it (with
+                # the block's own too, if it raised one: `_merged`).
+                engine_error = _one_error(group)
+                if engine_error is None:
+                    raise _merged(body_error, group) from None
+            with trio.CancelScope(shield=True), trio.move_on_after(engine._lease / 3):
+                # after a bug, touch no flow: they run again
+                await parts.leave(touch_flows=engine_error is None)
+    finally:
+        engine._close()
+        _log_closed(engine, engine_error or body_error, opened=opened)
+        try:
+            with trio.CancelScope(shield=True):
+                await parts.end()
+                await engine._waiters.aclose()
+        finally:
+            if engine._observers:  # its statistics are final now: a collector lets it go
+                _observe.closed(engine._observers, engine)
+    if engine_error is not None:
+        raise _merged(body_error, engine_error)
+    if body_error is not None:
+        raise body_error
+
+
+def _log_opened(engine: Engine) -> None:
+    """INFO: the engine is open, and what it recovered."""
+    s = engine._statistics()
+    owner = engine._owner
+    _log.info(
+        "flow engine %r opened on %s (%s): %d flows recovered, %d parked, plans %s",
+        owner,
+        _where(engine._store),
+        "serving" if engine._serve else "operator, runs nothing",
+        s.recovered,
+        s.parked,
+        ", ".join(f"{name} v{version}" for name, version in sorted(engine._shapes)) or "none",
+        extra={"owner": owner, "recovered": s.recovered, "parked": s.parked},
+    )
+
+
+def _log_closed(engine: Engine, error: BaseException | None, *, opened: bool) -> None:
+    """INFO: the engine closed (what it left to the next engine), why it ended, or why it did
+    not open (the whole error: it says what to do)."""
+    s = engine._statistics()
+    owner = engine._owner
+    running = s.running
+    if not opened and error is not None:
+        _log.info(
+            "flow engine %r did not open: %s",
+            owner,
+            _checks.describe(error, 2000),
+            extra={"owner": owner},
+        )
+        return
+    if error is not None and not isinstance(error, trio.Cancelled | GeneratorExit):
+        _log.info(
+            "flow engine %r closed by %s; %d flows running left to the next engine",
+            owner,
+            _checks.describe(error, 200),
+            running,
+            extra={"owner": owner, "running": running},
+        )
+        return
+    _log.info(
+        "flow engine %r closed; %d flows running left to the next engine (steps run %d,"
+        " completed %d, failed %d, blocked %d)",
+        owner,
+        running,
+        s.steps_run,
+        s.completed,
+        s.failed,
+        s.blocked,
+        extra={"owner": owner, "running": running},
+    )
+
+
+def _merged(body_error: BaseException | None, engine_error: BaseException) -> BaseException:
+    """What ends the block when a task of the engine failed: its error, or, if the block raised
+    an error of its own too, both (neither may be lost); the block's `trio.Cancelled` is only
+    the echo of the task's failure. As `ferry`'s `Shell.lifetime` does."""
+    if body_error is None or isinstance(body_error, trio.Cancelled):
+        return engine_error
+    return BaseExceptionGroup(
+        "the engine's block raised, and so did a task of the engine", [body_error, engine_error]
+    )
+
+
+def _where(store: Store) -> str:
+    """The store, for a log line: an SQLite path, or the kind of store (no DSN: it may hold a
+    password)."""
+    path = getattr(store, "path", None)
+    return f"SQLite file {path!r}" if isinstance(path, str) else type(store).__name__
+
+
+def _one_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
+    """The one exception of `group` that is not a `trio.Cancelled`, if there is one only."""
+    _, rest = group.split(trio.Cancelled)
+    if rest is None:
+        return None
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [rest]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    return leaves[0] if len(leaves) == 1 else None

@@ -1,0 +1,246 @@
+"""The fleet's periodic work (PostgreSQL, docs/flow-fleet.md): renewing and checking what this
+engine holds, scanning for orphans and deadlines, handing a flow to an engine that has its plan
+version.
+
+Every ``lease / 3`` an engine renews its lease (`_lease.Lease.renew`) and then compares the active
+flows the store says it holds with those it runs (`check_held`); every `scan_interval` (default
+``lease / 3``) it scans (`scan`): orphans (active flows of its plan versions that no engine holds)
+are taken over by a compare-and-set, and the deadlines of flows parked by any engine are armed
+(docs/adr/0040-0043). A database that is unavailable fails one round, never the loop. What the
+engine may trust meanwhile is `_lease`'s rule (trust after a lapse, docs/adr/0047).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import trio
+
+from ferry.projected import Store
+
+from .._model import _machine as m
+from .._model._values import Flow
+from .._runtime._clock import Clock
+from .._runtime._live import Live, Tally, on_row
+from .._runtime._recovery import answer_refused, rerun
+from .._runtime._versions import Versions
+from .._runtime._writes import Writes, gather
+from .._store import _store
+from ._lease import Lease, transient
+
+_log = logging.getLogger("ferry.flow")
+
+_PRUNE_EVERY = 100  # scans between two prunings of the engines table
+_PRUNE_AFTER = 100  # leases: an engine gone that long and holding no flow is forgotten
+_SCAN_LIMIT = 1000  # orphans taken over per scan, at most
+
+
+class Fleet:
+    """The periodic tasks of a serving fleet engine (`heartbeat_loop`, `scan_loop`) and the
+    scan that recovery runs first. `strays` holds the flows the store said this engine holds
+    but that it does not run, at the last check (adopted if seen so twice in a row)."""
+
+    def __init__(
+        self,
+        store: Store,
+        clock: Clock,
+        writes: Writes,
+        lease: Lease,
+        versions: Versions,
+        tally: Tally,
+        *,
+        owner: str,
+        max_running: int,
+        scan_interval: float,
+        arm: Callable[[float, str, int], None],
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._writes = writes
+        self._lease = lease
+        self._versions = versions
+        self._tally = tally
+        self._owner = owner
+        self._max_running = max_running
+        self.interval = scan_interval
+        self._arm = arm
+        self._strays: dict[str, int] = {}
+
+    async def scan(self) -> None:
+        """One scan (at open, then every `interval`): take over orphans (active flows of this
+        engine's plan versions that no engine holds), as many as it has room for, each by a
+        compare-and-set on its revision and on its still being nobody's; and arm the timers of
+        parked flows whose deadline comes before the next scan but one (parked by any engine:
+        exactly one engine's timeout takes each). An engine whose own lease is lapsing takes
+        nothing. Raises on a database error."""
+        store = self._store
+        writes = self._writes
+        shapes = self._versions.shapes
+        now = self._clock.now()
+        room = min(self._max_running - len(writes.live), _SCAN_LIMIT)
+        if room > 0 and shapes and not self._lease.lapsing():
+            keys = list(shapes)
+            orphans = await store.transact(
+                partial(_store.load_orphans, now=now, limit=room, plans=keys)
+            )
+            ops: list[_store.Op] = []
+            rows: list[Flow] = []
+            for flow in orphans:
+                if flow.flow_id in writes.live:
+                    continue  # let go a moment ago and not yet forgotten
+                apply = on_row(m.take_over, self._owner, now)
+                op = _store.Change(flow.flow_id, apply, flow=flow, lapsed_at=now)
+                ops.append(op)
+                rows.append(flow)
+            results = await gather([partial(writes.write_answered, op) for op in ops])
+            answer = partial(answer_refused, writes, self._clock, self._versions, lapsed_at=now)
+            refused = [
+                partial(answer, f, r)
+                for f, r in zip(rows, results, strict=True)
+                if isinstance(r, _store.Rejected)  # that flow's own problem (docs/adr/0104)
+            ]
+            if refused:
+                await gather(refused)
+            taken = [r for r in results if isinstance(r, _store.Changed)]
+            self._tally.stats["claimed"] += len(taken)
+            if taken:
+                _log.info(
+                    "flow engine %r took over %d flow(s) no live engine held (%s)",
+                    self._owner,
+                    len(taken),
+                    _took_from(rows, results, self._owner),
+                    extra={"owner": self._owner, "claimed": len(taken)},
+                )
+        horizon = now + 2 * self.interval
+        # Only the timers of its own plan versions: a timeout of a version it lacks is fired by
+        # an engine that has it (a rolling deploy), not turned into a BLOCKED flow here.
+        due = await store.transact(
+            partial(_store.load_deadlines, before=horizon, plans=sorted(shapes))
+        )
+        for deadline, fid, revision in due:
+            self._arm(deadline, fid, revision)
+        await self._versions.refresh(store, now)
+        # Parked flows are nobody's: in a fleet `parked` is the store's count, read here.
+        self._tally.parked = await store.transact(_store.count_parked)
+
+    async def scan_loop(self) -> None:
+        """`scan` every `interval`, and now and then forget engines long gone."""
+        scans = 0
+        while True:
+            await trio.sleep(self.interval)
+            try:
+                await self.scan()
+                scans += 1
+                if scans % _PRUNE_EVERY == 0:  # engines long gone that hold nothing
+                    before = self._clock.now() - _PRUNE_AFTER * self._lease.lease
+                    await self._store.transact(partial(_store.prune_engines, before=before))
+            except Exception as exc:
+                if not transient(exc):
+                    raise
+                _log.warning(
+                    "flow engine %r: a scan of the fleet failed (%r); the next one is in %.1f s",
+                    self._owner,
+                    exc,
+                    self.interval,
+                    extra={"owner": self._owner, "delay": self.interval},
+                )
+
+    async def heartbeat_loop(self) -> None:
+        """Renew this engine's lease every ``lease / 3`` (one row: `_store.renew`), then check
+        the flows the store says it holds against those it runs (`check_held`). If the lease is
+        about to lapse before a renewal got through (the database is down or slow, or the
+        process was frozen), the renewal lets every flow go: another engine may take them over
+        from then on."""
+        every = self._lease.lease / 3
+        while True:
+            await trio.sleep(every)
+            await self._lease.renew()
+            try:
+                await self.check_held()
+            except Exception as exc:
+                if not transient(exc):
+                    raise
+                _log.warning(
+                    "flow engine %r: reading the flows it holds failed (%r); again in %.1f s",
+                    self._owner,
+                    exc,
+                    every,
+                    extra={"owner": self._owner, "delay": every},
+                )
+
+    async def check_held(self) -> None:
+        """Compare the active flows the store says this engine holds with those it runs: follow
+        a flow whose row moved on without it (a cancel through another engine) or that it no
+        longer holds; adopt (attempt + 1) one it holds but does not run, seen so twice in a row
+        (a takeover whose answer was lost with its connection: it must not stay stranded)."""
+        writes = self._writes
+        recheck = self._lease.recheck
+        ids = set(writes.live)
+        epoch = writes.epoch
+        rows = await self._store.transact(partial(_store.load_active, owner=self._owner))
+        strays: dict[str, int] = {}
+        adopt: list[Flow] = []
+        for row in rows:
+            fid = row.flow_id
+            live = writes.live.get(fid)
+            if live is not None:
+                ids.discard(fid)
+                recheck(live, row, epoch)
+                continue
+            if row.lease_until is not None or writes.released.get(fid) == row.revision:
+                continue  # let go: any engine may take it (once the next renewal releases it)
+            if self._strays.get(fid) == row.revision:
+                adopt.append(row)
+            else:
+                strays[fid] = row.revision
+        self._strays = strays
+        gone = [fid for fid in ids if fid in writes.live]
+        if gone:
+            epoch = writes.epoch
+            for row in await self._store.transact(partial(_store.load_many, flow_ids=gone)):
+                live = writes.live.get(row.flow_id)
+                if live is not None:
+                    recheck(live, row, epoch)
+        if adopt and not self._lease.lapsing():
+            self._tally.stats["claimed"] += await rerun(writes, self._clock, self._versions, adopt)
+
+    async def hand_over(self, live: Live) -> bool:
+        """A flow this engine holds but lacks the plan version of (it came back to it while no
+        engine with the version was live, or the fleet's list was stale): if a live engine has
+        the version now, let the flow go (released with the next renewal, then taken over by
+        such an engine) and say True; else False (it is blocked: no live engine could run it).
+        A checkpoint; a store error counts as "no"."""
+        try:
+            await self._versions.refresh(self._store, self._clock.now())
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            return False
+        writes = self._writes
+        if writes.live.get(live.flow.flow_id) is not live or not self._versions.elsewhere(
+            live.flow
+        ):
+            return False
+        writes.let_go(live, release=True)
+        return True
+
+
+def _took_from(rows: list[Flow], results: list[Any], owner: str) -> str:
+    """Whose flows a scan took over, for its log line: ``3 from 'eu-1', 1 another engine took
+    first``. A flow its engine let go (it closed) names it as well; this engine's own, taken
+    back after its lease lapsed, is ``itself``."""
+    froms = collections.Counter(
+        f.owner for f, r in zip(rows, results, strict=True) if isinstance(r, _store.Changed)
+    )
+    parts = [
+        f"{n} from {'itself' if o == owner else 'no engine' if o is None else repr(o)}"
+        for o, n in sorted(froms.items(), key=lambda item: (-item[1], str(item[0])))
+    ]
+    lost = sum(isinstance(r, _store.Conflict) for r in results)
+    if lost:
+        parts.append(f"{lost} another engine took first")
+    return ", ".join(parts)

@@ -1,0 +1,465 @@
+"""A fleet engine's name and lease: the checks of `owner` and `lease`, who holds a name, and
+what an engine may trust while it holds its lease (`Lease`).
+
+Each `open_engine` on a fleet is an *incarnation* of its owner name (a new uuid): the name's row
+in ``ns_engines`` says which incarnation holds it, where that one runs and until when its lease
+runs (`_store.claim`). One live engine per name: a second opening while the holder's lease runs
+raises `flow.StoreLocked` naming the owner, unless the holder's process is proven gone
+(`process_gone`: it ran on this very host, in this pid namespace and boot, and that process id
+no longer exists), as after a crash and a restart on the same machine. A clean close ends the
+lease (`_store.end_lease`), so a restart after one claims the name at once too. docs/adr/0071.
+
+The lease's range is what the store can enforce: its guard on idle transactions is a quarter of
+the lease in milliseconds, a 32-bit count on PostgreSQL, and a lease under half a second leaves no
+time for a renewal on a loaded machine.
+
+Trust after a lapse (docs/adr/0047), the one rule every other place points to: a renewal that
+may come after the lease lapsed (the engine stopped trusting it before the renewal, or the renewal
+came back past the margin) must not make the engine trust what it has in memory: another engine
+may have taken those flows over meanwhile, and nothing forbids renewing a lapsed lease. So such a
+renewal starts a new *epoch* (`Writes.epoch`), and no copy of a flow made in an older epoch
+(`Live.epoch`) is trusted until it has been read again: the renewal itself re-reads the flows the
+engine runs (`Lease.recheck`: each followed, dropped or confirmed before the lease is trusted
+again, with no checkpoint in between), and a runner re-reads any other copy before it runs a body
+on it (`Lease.confirm`). Until the lease is trusted again nothing runs: every body runs under a
+deadline at the lease's margin, moved on with each renewal (`Lease.retrust`, docs/adr/0073), and
+an engine whose lease is within the margin of lapsing (`Lease.lapsing`) lets its flows go
+(`Lease.lose_all`), to be released in the store with its next renewal.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import uuid
+from functools import cache, partial
+
+import trio
+
+from ferry import Failed
+from ferry.projected import Store
+
+from .._model import _checks
+from .._model._errors import StoreLocked
+from .._model._values import Flow
+from .._runtime import _retry
+from .._runtime._clock import Clock
+from .._runtime._live import Live, Tally, about, named
+from .._runtime._writes import Writes
+from .._store import _store
+from . import _heartbeat
+
+_log = logging.getLogger("ferry.flow")
+
+_LEASE_MARGIN = 0.1  # of the lease: an engine lets its flows go this long before it lapses
+
+OWNER_MAX = 200  # characters
+LEASE_MIN = 0.5  # seconds
+LEASE_MAX = 86_400.0  # seconds (one day)
+
+
+def check_owner(owner: object) -> str:
+    """`owner` if it is a usable engine name; else a `ValueError` saying why."""
+    if not isinstance(owner, str):
+        raise ValueError(
+            f"owner must be a str (the engine's name in the fleet) or None, got {owner!r}"
+        )
+    if not owner:
+        raise ValueError("owner must not be empty: give each engine a name, or None for a new uuid")
+    if len(owner) > OWNER_MAX:
+        raise ValueError(
+            f"owner must be at most {OWNER_MAX} characters, got {len(owner)}"
+            f" ({owner[:20]!r}...): use a short name such as a host and an instance number"
+        )
+    if not owner.isprintable():
+        bad = next(ch for ch in owner if not ch.isprintable())
+        raise ValueError(
+            f"owner must be printable text, got {owner!r} (it holds {bad!r}, a control,"
+            " separator or unpaired surrogate character): use letters, digits and punctuation"
+        )
+    return owner
+
+
+def check_lease(lease: object) -> float:
+    """`lease` in seconds if it is in the range the store can enforce; else a `ValueError`."""
+    if isinstance(lease, bool) or not isinstance(lease, int | float):
+        raise ValueError(f"lease must be a number of seconds, got {lease!r}")
+    if not (_checks.finite(lease) and LEASE_MIN <= lease <= LEASE_MAX):
+        raise ValueError(
+            f"lease must be between {LEASE_MIN:g} s and {LEASE_MAX:g} s (one day), got"
+            f" {_checks.shown_number(lease)}:"
+            " engines renew it every third, and the database ends a transaction left idle for a"
+            " quarter of it"
+        )
+    return float(lease)
+
+
+@cache
+def host_identity() -> str:
+    """This machine and process namespace, as precisely as it can be told: the host name, the
+    boot id and the pid namespace (two containers on one host, or one host before and after a
+    reboot, are different hosts here: a process id means something only within one of them)."""
+    parts = [socket.gethostname()]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+    except OSError:
+        parts.append("")
+    try:
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    except OSError:
+        parts.append("")
+    return "/".join(parts)
+
+
+def process_gone(host: str | None, pid: int | None) -> bool:
+    """Is the process that holds a name proven gone? Only if it ran in this host identity and
+    its process id exists no more. False whenever it cannot be told (another host, an engine of
+    an older version that recorded neither): then its lease must lapse first."""
+    if host is None or pid is None or host != host_identity():
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it exists (another user's): alive
+        return False
+    return False
+
+
+class Lease:
+    """This engine's own lease in a fleet, and what it may trust on it (the module docstring).
+
+    `until` is how long the lease runs by this engine's own renewals (wall clock; -inf before
+    the first and after a lapse was seen); the heartbeat thread (`_heartbeat.Keeper`, PostgreSQL)
+    may know of a later one (`runs_until`). Off a fleet there is no lease: `trust_deadline` is
+    inf and nothing else is called."""
+
+    def __init__(
+        self,
+        store: Store,
+        clock: Clock,
+        writes: Writes,
+        tally: Tally,
+        *,
+        owner: str,
+        lease: float,
+        fleet: bool,
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._writes = writes
+        self._tally = tally
+        self._owner = owner
+        self._fleet = fleet
+        self.lease = float(lease)
+        # This opening of the owner name (docs/adr/0071): a fleet engine's lease row names it,
+        # and only this incarnation renews it.
+        self.incarnation = uuid.uuid4().hex
+        # How long before a lease lapses this engine lets the flow go (for clock skew between
+        # hosts).
+        self.margin = lease * _LEASE_MARGIN
+        self.until = -math.inf
+        # The thread that renews the lease without the trio loop (PostgreSQL), and the
+        # instrument that follows its renewals when the loop wakes up.
+        self._keeper: _heartbeat.Keeper | None = None
+        self._instrument: _heartbeat.Trust | None = None
+        self._trusted_until = -math.inf  # the lease the step deadlines were last set to
+        self._superseded = False  # another incarnation holds the owner name now
+        # What the lease row says besides the lease, to write it again if it goes missing
+        # (`renew`); set by `claim`.
+        self._registration: _store.Registration | None = None
+
+    # --------------------------------------------------------------------- opening, closing
+
+    async def claim(self, now: float, until: float, plans: list[tuple[str, int]]) -> None:
+        """Open this incarnation of the owner name (docs/adr/0071): `StoreLocked` while another
+        incarnation holds it with a live lease (and is not proven gone). On PostgreSQL, start
+        the thread that renews the lease from then on (`_heartbeat.Keeper`)."""
+        claim = partial(
+            _store.claim,
+            owner=self._owner,
+            incarnation=self.incarnation,
+            until=until,
+            now=now,
+            host=host_identity(),
+            pid=os.getpid(),
+            plans=plans,
+            gone=process_gone,
+        )
+        holder = await self._store.transact(claim)
+        if holder is not None:
+            where = "this process" if holder.pid == os.getpid() else f"process {holder.pid}"
+            if holder.host != host_identity():
+                where += " on another host" if holder.host is not None else ""
+            raise StoreLocked(
+                f"another flow engine runs as owner {self._owner!r} ({where}; its lease runs"
+                f" {holder.lease_until - now:.1f} s more): one live engine per owner name. Give"
+                " this engine another owner name, or stop that one (a restart under the same"
+                " name takes over once that engine closed, died on this host, or let its lease"
+                " lapse)"
+            )
+        self.until = until
+        self._trusted_until = until
+        self._registration = _store.Registration(
+            host=host_identity(), pid=os.getpid(), started_at=now, plans=tuple(plans)
+        )
+        dsn = _heartbeat.keeper_for(self._store)
+        if dsn is not None:
+            keeper = _heartbeat.Keeper(
+                dsn,
+                owner=self._owner,
+                incarnation=self.incarnation,
+                lease=self.lease,
+                margin=self.margin,
+                held_until=until,
+            )
+            self._keeper = keeper
+            self._instrument = _heartbeat.Trust(self._on_loop_wake)
+            trio.lowlevel.add_instrument(self._instrument)
+            keeper.start()
+        _log.info(
+            "flow engine %r opened on the fleet (incarnation %s, lease %g s)",
+            self._owner,
+            self.incarnation,
+            self.lease,
+            extra={"owner": self._owner},
+        )
+
+    async def stop_keeper(self) -> None:
+        """Stop the heartbeat thread (waiting for it) and remove the instrument. Idempotent;
+        shielded."""
+        keeper, self._keeper = self._keeper, None
+        if keeper is not None:
+            await keeper.stop()
+        if self._instrument is not None:
+            trio.lowlevel.remove_instrument(self._instrument)
+            self._instrument = None
+
+    async def end(self) -> None:
+        """At close: end this engine's lease (its steps are cancelled by then), so that other
+        engines take its flows over at their next scan instead of after the lease. Best effort:
+        a database error leaves them to lapse."""
+        await self.stop_keeper()
+        now = self._clock.now()
+        end = partial(_store.end_lease, owner=self._owner, incarnation=self.incarnation, now=now)
+        try:
+            await self._store.transact(end)
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            _log.warning(
+                "flow engine %r: ending its lease at close failed (%r): its flows wait for the"
+                " lease to lapse",
+                self._owner,
+                exc,
+                extra={"owner": self._owner},
+            )
+
+    # ------------------------------------------------------------------------------- trust
+
+    def runs_until(self) -> float:
+        """How long this engine's lease is known to run (wall clock): its own renewals and its
+        heartbeat thread's, whichever is later; -inf once another incarnation holds the name."""
+        keeper = self._keeper
+        if self._superseded or (keeper is not None and keeper.superseded):
+            return -math.inf
+        if keeper is None:
+            return self.until
+        return max(self.until, keeper.held_until)
+
+    def lapsing(self) -> bool:
+        """Is this engine's lease about to lapse (within the margin)?"""
+        return self._clock.now() >= self.runs_until() - self.margin
+
+    def trust_deadline(self) -> float:
+        """The trio time until which a body may run on this engine's lease (inf off a fleet)."""
+        if not self._fleet:
+            return math.inf
+        return self._clock.trio_time(self.runs_until() - self.margin)
+
+    def _retrust(self) -> None:
+        """Move the deadlines of the bodies this engine runs to what its lease allows now. No
+        checkpoint; O(flows it runs), once per renewal."""
+        until = self.runs_until()
+        if until == self._trusted_until:
+            return
+        self._trusted_until = until
+        deadline = self.trust_deadline()
+        for live in self._writes.live.values():
+            if live.scope is not None:
+                live.scope.deadline = deadline
+
+    def _on_loop_wake(self) -> None:
+        """Before trio fires expired deadlines (`_heartbeat.Trust`): follow the heartbeat
+        thread's renewals, so that a body's deadline expires only if the lease lapsed."""
+        if self.runs_until() != self._trusted_until:
+            self._retrust()
+
+    def lose_all(self, why: str) -> None:
+        """This engine's lease lapsed (or is about to): stop every step and compensation it runs
+        (their changes are discarded, nothing is recorded for them), forget their flows (to be
+        released with the next renewal) and say so once (WARNING). No checkpoint."""
+        lives = list(self._writes.live.values())
+        for live in lives:
+            self._writes.let_go(live, release=True)
+        self.until = min(self.until, self._clock.now())
+        if lives:
+            _log.warning(
+                "flow engine %r lost its lease (%s): it let %d running flow(s) go, their steps"
+                " cancelled; another engine takes them over",
+                self._owner,
+                why,
+                len(lives),
+                extra={"owner": self._owner, "lost": len(lives)},
+            )
+
+    async def confirm(self, live: Live) -> bool:
+        """Read the flow's row again before a body runs on a copy from an older epoch (the
+        module docstring): True if the row is still that copy and the flow is still held by
+        this engine; else the row is followed (a newer one) or the flow let go, and False.
+        Retries while the store is unavailable. A checkpoint."""
+        writes = self._writes
+        fid = live.flow.flow_id
+        backoff = _retry.Backoff(f"re-reading {named(live.flow)}", extra=about(live.flow))
+        while True:
+            epoch = writes.epoch
+            try:
+                row = await writes.load_row(fid)
+            except Exception as exc:
+                await backoff.pause(exc)  # raises unless the store is unavailable
+                continue
+            if writes.live.get(fid) is not live:
+                return False
+            if not self.recheck(live, row, epoch):
+                return False
+            if epoch == writes.epoch:
+                return True
+            # another renewal after a lapse came meanwhile: read again
+
+    def recheck(self, live: Live, row: Flow | None, epoch: int) -> bool:
+        """A row of the live flow, read in `epoch`: True if it is the copy this engine runs and
+        the flow is still held by this engine (the copy is then trusted in `epoch`); else the
+        row is followed (`Writes.track`: a newer row, which may drop the flow) or the flow let
+        go (it is released, or gone), and False. An older row (a write of this engine that the
+        read did not see yet) changes nothing. No checkpoint."""
+        writes = self._writes
+        if row is None:
+            writes.let_go(live)
+            return False
+        if row.revision > live.flow.revision:
+            writes.track(live.flow.state, row, False, epoch=epoch, write=False)
+            return False
+        if row.revision < live.flow.revision:
+            return False
+        if writes.runs_here(row):
+            live.epoch = epoch
+            return True
+        writes.let_go(live)
+        return False
+
+    # ------------------------------------------------------------------------------ renewal
+
+    async def renew(self) -> None:
+        """One renewal of this engine's lease, given up at the margin before it lapses. The
+        flows it let go meanwhile are released in the same transaction: the moment its lease
+        runs again, they are orphans for any engine to take, not stranded under its name. A
+        renewal after a lapse starts a new epoch and rechecks the flows it runs (the module
+        docstring).
+
+        A lease row gone missing (`_store.RowMissing`: the database lost it, or another engine
+        pruned it after a lapse) is no other incarnation's: the renewal is made again at once,
+        writing the row again, and counts as one after a lapse (its flows re-read, those taken
+        meanwhile let go), with a WARNING. Only a row of another incarnation is `Superseded`."""
+        writes = self._writes
+        clock = self._clock
+        now = clock.now()
+        until = now + self.lease
+        lapsed = self.lapsing()
+        deadline = clock.trio_time(max(self.until - self.margin, now + self.lease / 3))
+        released = dict(writes.released)
+        if self._superseded:
+            return
+        restore: _store.Registration | None = None
+        with trio.move_on_at(deadline):
+            try:
+                while True:
+                    renew = partial(
+                        _store.renew,
+                        owner=self._owner,
+                        until=until,
+                        now=now,
+                        let_go=sorted(released.items()),
+                        reread=sorted(writes.live) if lapsed else None,
+                        incarnation=self.incarnation,
+                        restore=restore,
+                    )
+                    try:
+                        # At once again (the pool opens a fresh connection for a dead one),
+                        # then after a pause, until the margin.
+                        rows = await _retry.retrying(
+                            partial(self._store.transact, renew),
+                            what=f"renewing the lease of flow engine {self._owner!r}",
+                            extra={"owner": self._owner},
+                            schedule=_retry.LEASE_RENEWAL,
+                        )
+                    except _store.RowMissing:
+                        if restore is not None or self._registration is None:
+                            raise  # a bug: a renewal that restores writes the row
+                        restore = self._registration
+                        lapsed = True
+                        continue
+                    break
+            except _store.Superseded:
+                self._superseded = True
+                _log.warning(
+                    "flow engine %r lost its lease for good: another engine opened under the"
+                    " same owner name after this one's lease lapsed; this one runs no flow"
+                    " any more (close it)",
+                    self._owner,
+                    extra={"owner": self._owner},
+                )
+                self.lose_all("another engine opened under the same owner name")
+                return
+            if restore is not None:
+                _log.warning(
+                    "flow engine %r: its lease row was missing from the engines table (lost by"
+                    " the database in a crash or a restore, or pruned after its lease lapsed)"
+                    " and was written again: as after a lapse, it re-read the %d flow(s) it"
+                    " runs and lets go those another engine took over meanwhile",
+                    self._owner,
+                    len(rows),
+                    extra={"owner": self._owner, "reread": len(rows)},
+                )
+            if lapsed or self.lapsing():
+                writes.epoch += 1
+                for row in rows:
+                    live = writes.live.get(row.flow_id)
+                    if live is not None:
+                        self.recheck(live, row, writes.epoch)
+            self.until = until
+            if self._keeper is not None:
+                self._keeper.extend(until)
+            self._retrust()
+            self._tally.stats["renewals"] += 1
+            for fid, revision in released.items():
+                if writes.released.get(fid) == revision:
+                    del writes.released[fid]
+            return
+        if self.lapsing():
+            # Until a renewal gets through it runs nothing: what it starts or accepts is let go
+            # at once (`Runner`), an orphan for the others to take over.
+            self.lose_all("it could not renew it in time")
+
+
+def transient(exc: BaseException) -> bool:
+    """Is `exc` the store failing for now (unavailable, or a write the ferry could not get
+    through: `ferry.Failed`), also as an exception group of those? A scan or a check that meets
+    one tries again at its next round; anything else is a bug and is raised."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(transient(e) for e in exc.exceptions)
+    return isinstance(exc, Failed) or _retry.unavailable(exc)

@@ -1,0 +1,464 @@
+"""The inspector's reading side: which store a STORE argument names, its read transactions, how
+flows and errors are rendered, and the reading commands ``list``, ``show`` and ``stats``.
+
+Nothing here writes to a store: a path that is no flow store is refused before it is opened
+(opening an SQLite file would switch it to WAL mode), and every read is one read-only
+transaction that neither waits for an engine's writes nor delays them. `Problem` (one line for
+the operator, exit status 1) and `PROG` are defined here, at the bottom of the inspector's
+modules, because everything above them raises or names them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sqlite3
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+from ferry.projected import PostgresStore, SqliteStore
+
+from .._fleet._reach import masked
+from .._fleet._reach import shown as shown
+from .._model import _times, _values
+from .._model._errors import FlowError
+from .._model._types import Json, State
+from .._model._values import ACTIVE, Flow
+from .._store import _store
+from .._store._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
+from . import _bulk
+
+PROG = "python -m ferry.flow"
+
+
+class Problem(Exception):
+    """What went wrong, in one line for the operator (exit status 1)."""
+
+
+# ------------------------------------------------------------------------------------ stores
+
+
+def is_dsn(spec: str) -> bool:
+    return spec.startswith(("postgres://", "postgresql://")) or (
+        "=" in spec and not spec.startswith("file:") and not os.path.exists(spec)
+    )
+
+
+_NO_FLOWS = "{where} holds no flows (no flow engine has opened it)"
+
+
+def _check_dsn(spec: str, where: str) -> None:
+    try:
+        from psycopg.conninfo import conninfo_to_dict
+    except ImportError:
+        raise Problem(
+            f"{where} looks like a PostgreSQL DSN, and PostgreSQL needs psycopg:"
+            " pip install 'stm-ferry[postgres]'"
+        ) from None
+    try:
+        conninfo_to_dict(spec)
+    except Exception as exc:
+        raise Problem(
+            f"{where} is neither an SQLite file (there is no such file) nor a PostgreSQL DSN"
+            f" ({masked(_first_line(exc))})"
+        ) from None
+
+
+def _check_sqlite(spec: str, where: str) -> None:
+    """Refuse, without writing to it, a path that is no flow store: what `open_engine` refuses
+    (`check_path`: an empty path, ``:memory:``, a URI, a directory), no file, an empty file, a
+    file of another kind, or an SQLite database no flow engine has opened. (An `SqliteStore`
+    switches a database to WAL mode: that would change somebody else's file.)"""
+    try:
+        check_path(spec, who=PROG)
+    except (ValueError, OSError) as exc:
+        raise Problem(str(exc)) from None
+    if not os.path.isfile(spec):
+        raise Problem(
+            f"no such SQLite file: {where} (give the path of an engine's SQLite file, or a"
+            " PostgreSQL DSN)"
+        )
+    header = read_header(spec)
+    if not header:
+        raise Problem(_NO_FLOWS.format(where=where) + ": the file is empty")
+    if not header.startswith(SQLITE_HEADER):
+        raise Problem(f"{where} is not an SQLite database: give the path of an engine's file")
+    if header[18] == 2:
+        return  # in WAL mode already, as every engine leaves its file: opening it changes nothing
+    # A rollback-journal database: look at it read-only first.
+    conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(spec))}?mode=ro", uri=True)
+    try:
+        found = _store.has_tables(ReadOnlyTx(conn))
+    finally:
+        conn.close()
+    if not found:
+        raise Problem(_NO_FLOWS.format(where=where))
+
+
+def open_store(spec: str) -> SqliteStore | PostgresStore:
+    """The store `spec` names (nothing is connected yet). Raises `Problem` for a path that is
+    no flow store, or a DSN that does not parse."""
+    where = shown(spec)
+    if is_dsn(spec):
+        _check_dsn(spec, where)
+        return PostgresStore(spec, connections=1, connect_timeout=5.0)
+    _check_sqlite(spec, where)
+    return SqliteStore(spec, create=False)  # a file removed meanwhile is an error, never made
+
+
+async def read_store(
+    store: SqliteStore | PostgresStore, where: str, fn: Callable[[Any], Any]
+) -> Any:
+    """Run ``fn(tx)`` in one read transaction (no write lock: it neither waits for an engine's
+    writes nor delays them), after checking that the store has flow tables."""
+
+    def both(tx: Any) -> Any:
+        if not _store.has_tables(tx):
+            raise Problem(_NO_FLOWS.format(where=where))
+        return fn(tx)
+
+    return await store.transact(both, read_only=True)
+
+
+# ------------------------------------------------------------------------------------ output
+
+
+def _when(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return _times.iso(t)
+
+
+def _left(t: float, now: float) -> str:
+    """How far `t` is from `now`: ``in 59m 58s``, ``3h 2m ago``."""
+    d = t - now
+    s = abs(d)
+    if s < 60:
+        span = f"{s:.0f}s"
+    elif s < 3600:
+        span = f"{int(s // 60)}m {int(s % 60)}s"
+    elif s < 86400:
+        span = f"{int(s // 3600)}h {int(s % 3600 // 60)}m"
+    else:
+        span = f"{int(s // 86400)}d {int(s % 86400 // 3600)}h"
+    return f"in {span}" if d >= 0 else f"{span} ago"
+
+
+def _deadline(t: float, now: float) -> str:
+    return f"{_when(t)} ({_left(t, now)})"
+
+
+def _detail(detail: Any, now: float) -> str:
+    """An event's detail as JSON, whole, with a deadline shown as a time and how far it is."""
+    if isinstance(detail, dict) and isinstance(detail.get("deadline"), int | float):
+        detail = {**detail, "deadline": _deadline(detail["deadline"], now)}
+    return json.dumps(detail, ensure_ascii=False).replace("\n", " ")
+
+
+def safe(value: object) -> str:
+    """`value` as text that cannot break a line or a column, nor drive the terminal: as it is if
+    every character is printable, else escaped and quoted as `repr` does (a newline, a tab, an
+    ANSI escape, a bidirectional override). ``--json`` output is exact instead."""
+    text = str(value)
+    return text if text.isprintable() else repr(text)
+
+
+def _cut(text: str, width: int = 60) -> str:
+    text = text.replace("\n", " ")
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain-text table: a header row, a rule, then the rows; columns as wide as needed. Cells
+    are shown `safe`."""
+    cells = [[str(h) for h in headers], *[["-" if c is None else safe(c) for c in r] for r in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _step(f: Flow) -> str:
+    return (
+        "-"
+        if f.step is None and f.state.name in ("COMPLETED", "FAILED")
+        else f"{f.step_index}:{f.step}"
+    )
+
+
+def flow_json(f: Flow) -> dict[str, Json]:
+    snap = _values.snapshot(f)
+    return {
+        "flow_id": f.flow_id,
+        "plan": f.plan,
+        "version": f.version,
+        "state": f.state.name,
+        "step": f.step,
+        "step_index": f.step_index,
+        "attempt": f.attempt,
+        "revision": f.revision,
+        "updated_at": f.updated_at,
+        "error": snap.error,
+        "park_deadline": f.park_deadline,
+        "owner": f.owner,
+        "data": snap.data,
+    }
+
+
+def _flow_rows(flows: Sequence[Flow]) -> list[list[object]]:
+    return [
+        [
+            f.flow_id,
+            f"{f.plan}@{f.version}",
+            f.state.name,
+            _step(f),
+            f.revision,
+            _when(f.updated_at),
+            f.owner,
+        ]
+        for f in flows
+    ]
+
+
+_FLOW_HEADERS = ("FLOW", "PLAN", "STATE", "STEP", "REV", "UPDATED", "OWNER")
+
+
+def output(args: argparse.Namespace, text: str, data: object) -> None:
+    if args.json:
+        print(json.dumps(data, indent=2, ensure_ascii=False))
+    else:
+        print(text)
+
+
+# ---------------------------------------------------------------------------------- commands
+
+
+async def do_list(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    try:
+        flows, cursor = await read_store(
+            store,
+            args.where,
+            partial(_bulk.matching, flt=args.filter, limit=args.limit, after=args.after),
+        )
+    except ValueError as exc:  # a cursor that is not one of this listing
+        raise Problem(f"--after: {exc}") from None
+    text = table(_FLOW_HEADERS, _flow_rows(flows)) if flows else "no flows match"
+    if cursor is not None:
+        text += (
+            f"\n(the first {len(flows)}; more match: --limit N shows more, --after {cursor}"
+            " the next page)"
+        )
+    data = {
+        "flows": [flow_json(f) for f in flows],
+        "count": len(flows),
+        "limit": args.limit,
+        "more": cursor is not None,
+        "next": cursor,
+    }
+    output(args, text, data)
+
+
+async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    now = time.time()
+
+    def read(tx: Any) -> tuple[Flow | None, Any, Any, Any, bool]:
+        f = _store.load(tx, args.flow_id)
+        if f is None:
+            return None, None, None, None, False
+        events = _store.load_history(tx, args.flow_id) or []
+        box = _store.load_mailbox(tx, args.flow_id)
+        return f, events, box, _store.holder(tx, args.flow_id, now), _store.leased(tx)
+
+    f, events, box, hold, leased = await read_store(store, args.where, read)
+    if f is None:
+        raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
+    held = None
+    if hold is not None:
+        until, orphaned = hold
+        held = {"owner": f.owner, "until": until if until > -math.inf else None, "lapsed": orphaned}
+    data = {
+        "flow": flow_json(f),
+        "held": held,
+        "queued": [
+            {"message_id": q.message_id, "payload": json.loads(q.payload)} for q in box.queued
+        ],
+        "history": [
+            {
+                "revision": e.revision,
+                "at": e.at,
+                "kind": e.kind,
+                "step": e.step,
+                "attempt": e.attempt,
+                "detail": e.detail,
+            }
+            for e in events
+        ],
+    }
+    snap = _values.snapshot(f)
+    lines = [
+        f"flow      {safe(f.flow_id)}",
+        f"plan      {safe(f.plan)} version {f.version}",
+        f"state     {f.state.name}",
+        f"step      {safe(_step(f))} (attempt {f.attempt})",
+        f"revision  {f.revision}, last written {_when(f.updated_at)}",
+    ]
+    if snap.error is not None:
+        what = "blocked" if f.state is State.BLOCKED else "error"
+        lines.append(f"{what:<9} {safe(snap.error)}")
+    if f.park_deadline is not None:
+        lines.append(
+            f"deadline  {_deadline(f.park_deadline, now)}; then {safe(f.on_timeout)} (on timeout)"
+        )
+    if held is not None:
+        status = "lapsed: any engine may take it over" if held["lapsed"] else "held"
+        lines.append(f"engine    {safe(f.owner)}, until {_when(held['until'])} ({status})")
+    elif f.state in ACTIVE and not leased:
+        lines.append(
+            "engine    the engine that holds the file runs it (with none open, the next engine"
+            " to open the file)"
+        )
+    elif f.state in ACTIVE:
+        lines.append("engine    none: the next engine to scan the store runs it")
+    if box.queued:
+        lines.append(f"queued    {', '.join(safe(q.message_id) for q in box.queued)}")
+    lines.append(f"data      {safe(_cut(json.dumps(snap.data, ensure_ascii=False), 200))}")
+    rows = [
+        [
+            e.revision,
+            _when(e.at),
+            e.kind,
+            e.step,
+            e.attempt,
+            "" if e.detail is None else _detail(e.detail, now),
+        ]
+        for e in events
+    ]
+    lines += ["", table(("REV", "AT", "KIND", "STEP", "ATTEMPT", "DETAIL"), rows)]
+    output(args, "\n".join(lines), data)
+
+
+#: What the terms of `stats` mean (the legend under its tables names those shown).
+STATS_LEGEND = {
+    "orphans": "running or compensating flows no live engine holds: the next engine to scan"
+    " or open the store runs them",
+    "PLAN": "a plan's name@version",
+    "SINCE": "when the flow parked (its last write)",
+    "DEADLINE": "when its park times out (-: never; it waits for a wake)",
+    "E.G.": "one flow blocked for that reason: `show` it, fix the cause, then `resume` it",
+    "LEASE": (
+        "alive while the engine renews its lease (UNTIL); gone: it closed or died (the fleet"
+        " forgets it about 100 leases later, once it holds no flow)"
+    ),
+    "FLOWS": "(engines) the running or compensating flows the engine holds",
+}
+
+
+async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    now = time.time()
+
+    def read(tx: Any) -> dict[str, Any]:
+        return {
+            "plans": _store.count_plans(tx),
+            "parked": _store.oldest_parked(tx, limit=args.oldest),
+            "blocked": _store.blocked_reasons(tx),
+            "engines": _store.load_engines(tx),
+            "orphans": _store.count_orphans(tx, now),
+            "registered": _store.load_plans(tx),
+        }
+
+    r = await read_store(store, args.where, read)
+    by_state = dict.fromkeys((s.name for s in State), 0)
+    by_plan: dict[str, dict[str, int]] = {}
+    for plan, version, state, n in r["plans"]:
+        by_state[state.name] += n
+        by_plan.setdefault(f"{plan}@{version}", dict.fromkeys((s.name for s in State), 0))
+        by_plan[f"{plan}@{version}"][state.name] += n
+    data = {
+        "states": by_state,
+        "plans": by_plan,
+        "orphans": r["orphans"],
+        "oldest_parked": [
+            {
+                "flow_id": f.flow_id,
+                "plan": f.plan,
+                "version": f.version,
+                "step": f.step,
+                "since": f.updated_at,
+                "deadline": f.park_deadline,
+            }
+            for f in r["parked"]
+        ],
+        "blocked": [{"reason": why, "flows": n, "example": fid} for why, n, fid in r["blocked"]],
+        "engines": [
+            {"owner": o, "lease_until": until, "alive": until >= now, "started_at": at, "flows": n}
+            for o, until, at, n in r["engines"]
+        ],
+        "registered_plans": [
+            {"plan": sh.name, "version": sh.version, "steps": list(sh.steps), "at": at}
+            for sh, at in r["registered"]
+        ],
+    }
+    states = [s.name for s in State]
+    parts = [
+        table(("STATE", "FLOWS"), [[s, by_state[s]] for s in states]),
+        f"\nrunning flows no engine holds (orphans): {r['orphans']}",
+    ]
+    legend = ["orphans"]
+    if by_plan:
+        legend.append("PLAN")
+        rows = [[p, *(counts[s] for s in states)] for p, counts in by_plan.items()]
+        parts.append("\n" + table(("PLAN", *states), rows))
+    if r["parked"]:
+        rows = [
+            [
+                f.flow_id,
+                f"{f.plan}@{f.version}",
+                f.step,
+                _when(f.updated_at),
+                _when(f.park_deadline),
+            ]
+            for f in r["parked"]
+        ]
+        parts.append(
+            "\noldest parked\n" + table(("FLOW", "PLAN", "STEP", "SINCE", "DEADLINE"), rows)
+        )
+        legend += ["SINCE", "DEADLINE"]
+    if r["blocked"]:
+        rows = [[n, fid, _cut(why, 80)] for why, n, fid in r["blocked"]]
+        parts.append("\nblocked, by reason\n" + table(("FLOWS", "E.G.", "REASON"), rows))
+        legend.append("E.G.")
+    if r["engines"]:
+        rows = [
+            [o, "alive" if until >= now else "gone", _when(until), n]
+            for o, until, _at, n in r["engines"]
+        ]
+        parts.append("\nengines\n" + table(("ENGINE", "LEASE", "UNTIL", "FLOWS"), rows))
+        legend += ["LEASE", "FLOWS"]
+    width = max(len(k) for k in legend)
+    parts.append("\nlegend\n" + "\n".join(f"  {k:<{width}}  {STATS_LEGEND[k]}" for k in legend))
+    output(args, "\n".join(parts), data)
+
+
+def _first_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def one_line(error: BaseException, spec: str) -> str:
+    """What went wrong: a `Problem` as it is; anything else (an unreachable store, a refusal)
+    named by its type, not as a traceback; a DSN's password never shown."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    if isinstance(error, Problem):
+        return str(error)
+    if isinstance(error, FlowError | ValueError | TypeError):  # the engine refused an argument
+        return masked(_first_line(error))
+    what = "the PostgreSQL database" if is_dsn(spec) else "the SQLite file"
+    text = masked(_cut(_first_line(error), 300))
+    return f"cannot use {what} {shown(spec)}: {type(error).__name__}: {text}"

@@ -1,0 +1,123 @@
+"""What every part of the engine shares: a live flow's record, the counters, and how to name a
+flow in a log line.
+
+A flow that is `RUNNING` or `COMPENSATING` in this engine is *live*: a `Live` record in the write
+path's map (`_writes.Writes.live`), driven by one runner task or waiting for a runner slot. The
+record is the engine's copy of the flow's latest committed row; whoever changes the row (a runner,
+a cancel, a takeover) changes the copy in commit order (`Writes.track`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from .._model._types import Delivery, State
+from .._model._values import Flow, Transition
+from .._store import _store
+from ._observe import Observer
+
+_log = logging.getLogger("ferry.flow")
+
+COUNTERS = (
+    "completed",
+    "failed",
+    "blocked",
+    "steps_run",
+    "step_retries",
+    "compensations_run",
+    "writes",
+    "write_batches",
+    "conflicts",
+    "recovered",
+    "claimed",
+    "lost",
+    "renewals",
+)
+
+
+class Live:
+    """A flow that is running or compensating in this engine (or waiting for a runner slot)."""
+
+    __slots__ = ("began", "epoch", "flow", "scope")
+
+    def __init__(self, flow: Flow, epoch: int) -> None:
+        self.flow = flow  # the latest committed row this engine knows
+        # The runner task's cancel scope while a step or compensation of this flow runs in it
+        # (None the rest of the time): cancelling it voids that run.
+        self.scope: trio.CancelScope | None = None
+        # The revision of the row whose run (of its step or compensation) began in this engine:
+        # a flow whose current row's run has not begun is let go at close
+        # (`_recovery.let_go_unbegun`).
+        self.began = 0
+        # The fleet: the write path's `epoch` when the write or read that gave `flow` began. A
+        # copy from an older epoch is not trusted until it is read again (see `_lease`).
+        self.epoch = epoch
+
+
+class Tally:
+    """The engine's counters (`FlowStatistics`) and its observers (`ferry.metrics`).
+
+    `stats` holds the counters named in `COUNTERS`; `wakes` counts deliveries by kind; `parked`
+    is the number of parked flows (on one SQLite file this engine's count, in a fleet the store's,
+    read at every scan). Plain integers: read from any thread by `Engine._statistics`."""
+
+    __slots__ = ("observers", "parked", "stats", "wakes")
+
+    def __init__(self) -> None:
+        self.stats = dict.fromkeys(COUNTERS, 0)
+        self.wakes = dict.fromkeys(Delivery, 0)
+        self.parked = 0
+        self.observers: tuple[Observer, ...] = ()  # empty: nothing is observed
+
+
+def named(flow: Flow) -> str:
+    """The flow, its plan, step and attempt, for a log line or an error."""
+    return (
+        f"flow {flow.flow_id!r} (plan {flow.plan!r} v{flow.version}, step {flow.step_index}"
+        f" {flow.step!r}, attempt {flow.attempt}, {flow.state.name})"
+    )
+
+
+def about(flow: Flow) -> dict[str, object]:
+    """The `extra=` of a log record about the flow."""
+    return {
+        "flow_id": flow.flow_id,
+        "plan": flow.plan,
+        "step": flow.step,
+        "attempt": flow.attempt,
+    }
+
+
+LOGGED = frozenset({State.FAILED, State.BLOCKED})
+
+
+def log_ended(before: Flow, after: Flow) -> None:
+    """INFO: this engine's write left the flow `FAILED` or `BLOCKED` (an operator may act)."""
+    why = after.blocked if after.state is State.BLOCKED else after.error
+    _log.info(
+        "flow %r (plan %r v%d) is %s at step %r (attempt %d): %s",
+        after.flow_id,
+        after.plan,
+        after.version,
+        after.state.name,
+        before.step,
+        before.attempt,
+        why,
+        extra={
+            "flow_id": after.flow_id,
+            "plan": after.plan,
+            "step": before.step,
+            "attempt": before.attempt,
+            "state": after.state.name,
+            "error": why,
+        },
+    )
+
+
+def on_row(fn: Callable[..., Transition], *args: Any) -> _store.Apply:
+    """``apply(flow, mailbox)`` for a transition that does not read the mailbox."""
+    return lambda flow, _mailbox: fn(flow, *args)

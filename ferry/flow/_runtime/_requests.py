@@ -1,0 +1,407 @@
+"""The outside requests of the public engine: their input checks, their ops, and the plan version
+each one's transition is computed with.
+
+A request (`start`, `wake`, `cancel`, `resume`, `publish`) is checked whole before anything is
+written (bad input raises `TypeError`/`ValueError`/`UnknownPlan` and nothing is stored), then
+written as one op, or one all-or-nothing batch for a `publish` (`_writes.Writes.request`,
+`Writes.batch`): a call that raises `Cancelled` did not happen, and one that wrote returns its
+result. The transition of a wake, cancel or resume depends on the flow's plan version, known only
+inside the transaction: `versioned` gives it the shape of that version (or None: the machine then
+blocks the flow, versions fail closed).
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, NoReturn, TypeVar
+
+import trio
+
+from ferry import Failed
+from ferry.projected import Store
+
+from .._model import _checks
+from .._model import _machine as m
+from .._model._errors import IdReused, UnknownPlan
+from .._model._plan import Plan
+from .._model._types import IGNORE, Delivery, Json, Start, Wake
+from .._model._values import Flow, Mailbox, Message, Shape, Transition
+from .._store import _store
+from . import _tracing
+from ._clock import Clock
+from ._live import Tally
+from ._versions import Versions
+from ._writes import Writes
+
+T = TypeVar("T")
+
+ShapeOf = Callable[[Flow], Shape | None]
+
+
+class _Unseen(Exception):
+    """Raised by a transition for a plan version the engine has not seen in the fleet yet
+    (`Requests.versioned`): nothing is written, and the request runs again on a fresh read."""
+
+
+class Requests:
+    """The outside requests of one engine (the module docstring)."""
+
+    def __init__(
+        self,
+        store: Store,
+        clock: Clock,
+        writes: Writes,
+        versions: Versions,
+        tally: Tally,
+        plans: dict[tuple[str, int], Plan],
+        *,
+        owner: str,
+        serve: bool,
+        fleet: bool,
+        max_data: int,
+        tracing: _tracing.Tracing | None,
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._writes = writes
+        self._versions = versions
+        self._shapes = versions.shapes
+        self._tally = tally
+        self._plans = plans
+        self._registered = {id(p): k for k, p in plans.items()}
+        self._owner = owner
+        self._serve = serve
+        self._fleet = fleet
+        self._max_data = max_data  # of a flow's data (or a payload) as UTF-8 JSON text
+        self._tracing = tracing  # OpenTelemetry spans of starts (None: traces off)
+
+    async def read(self, fn: Callable[[Any], T], what: str) -> T:
+        """A read of an API call: a store error is raised as `ferry.Failed` (its cause the
+        driver's error), never as the driver's exception. A checkpoint."""
+        try:
+            return await self._store.transact(fn)
+        except Exception as exc:
+            raise Failed(f"the flow store failed while {what}: {exc!r}") from exc
+
+    # -------------------------------------------------------------------------- plan versions
+
+    async def _known_shapes(self) -> dict[tuple[str, int], Shape]:
+        """The plan versions whose transitions this engine may ask for: its own plans; for an
+        operator's engine also every version any engine registered in the store (read anew on
+        every call: an operator's calls are few, and a deploy may have added one)."""
+        if self._serve:
+            return self._shapes
+        stored = await self.read(_store.load_plans, "reading the registered plans")
+        return {**{(sh.name, sh.version): sh for sh, _at in stored}, **self._shapes}
+
+    async def versioned(self, call: Callable[[ShapeOf], Awaitable[T]]) -> T:
+        """``await call(shape_of)`` for an outside request (wake, cancel, resume, publish),
+        where ``shape_of(flow)`` is the shape of the flow's plan version to compute its
+        transition with, or None (the machine then blocks the flow: versions fail closed).
+
+        In a fleet a version this engine lacks but a live engine has is not missing (a rolling
+        deploy, `_versions`): its shape comes from the store and the flow is left to an engine
+        with the version (`Writes.with_holder`). The engine keeps those versions from its last
+        scan; a version it does not know of yet makes the transition raise `_Unseen` inside the
+        transaction (nothing is written) and the request runs again on a fresh read."""
+        if not self._fleet or not self._serve:
+            shapes = await self._known_shapes()
+            return await call(lambda f: shapes.get((f.plan, f.version)))
+        known = {**self._versions.fleet_known, **self._shapes}
+
+        def shape_of(f: Flow) -> Shape | None:
+            shape = known.get((f.plan, f.version))
+            if shape is None:
+                raise _Unseen(f.plan, f.version)
+            return shape
+
+        try:
+            return await call(shape_of)
+        except _Unseen:
+            pass
+        read = partial(_store.live_plans, now=self._clock.now())
+        fresh = await self.read(read, "reading the fleet's plans")
+        shapes = {**self._versions.learn(fresh), **self._shapes}
+        return await call(lambda f: shapes.get((f.plan, f.version)))
+
+    def shape_of(self, plan: object) -> Shape:
+        """The shape of `plan`, one of the engine's own (`TypeError`, `UnknownPlan`)."""
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a flow.Plan, got {plan!r}")
+        key = self._registered.get(id(plan))
+        if key is None and (plan.name, plan.version) in self._plans:
+            raise UnknownPlan(
+                f"this flow.Plan {plan.name!r} version {plan.version} is not the object given to"
+                " open_engine, which has another Plan of that name and version (was the plan"
+                " built twice?): start flows with the Plan object the engine was opened with"
+            )
+        if key is None:
+            raise UnknownPlan(
+                f"plan {plan.name!r} version {plan.version} was not given to open_engine; an"
+                " engine runs only the plans it was opened with"
+            )
+        return self._shapes[key]
+
+    # ------------------------------------------------------------------------------ requests
+
+    async def start(self, plan: Plan, flow_id: str | None, data: dict[str, Json] | None) -> str:
+        """`Engine.start`."""
+        shape, fid, text = self._start_input(plan, flow_id, data, "data")
+        with _tracing.starting(self._tracing, shape.name, shape.version, fid) as trace:
+            op = self._start_op(shape, fid, text, trace)
+            result = await self._writes.request(op)
+        return self._started(op, result)
+
+    def _start_input(
+        self, plan: Plan, flow_id: str | None, data: dict[str, Json] | None, what: str
+    ) -> tuple[Shape, str, str]:
+        """A start's input checked (raises `TypeError`/`ValueError`/`UnknownPlan`): its plan's
+        shape, its flow id and its data's JSON text."""
+        shape = self.shape_of(plan)
+        fid = uuid.uuid4().hex if flow_id is None else _checks.flow_id(flow_id)
+        data = {} if data is None else data
+        return shape, fid, _checks.json_object_text(data, what, max_bytes=self._max_data)
+
+    def _start_op(
+        self, shape: Shape, fid: str, text: str, trace: str | None = None
+    ) -> _store.Create:
+        """The op of a start whose input was checked (`_start_input`)."""
+        owner = self._owner if self._serve else None
+        return _store.Create(m.start(shape, fid, text, self._clock.now(), owner=owner, trace=trace))
+
+    @staticmethod
+    def _started(op: _store.Create, result: _store.Result) -> str:
+        fid = op.transition.flow.flow_id
+        if isinstance(result, _store.Existing) and not result.same:
+            raise IdReused(
+                f"flow id {fid!r} is already used by a flow of plan {result.flow.plan!r} with"
+                " other start data; nothing was stored (pick another id, or send the same data)"
+            )
+        return fid
+
+    async def wake(self, flow_id: str, payload: Json, message_id: str | None) -> Delivery:
+        """`Engine.wake`."""
+        text = self._wake_input(flow_id, payload, message_id, "")
+
+        async def call(shape_of: ShapeOf) -> _store.Result:
+            return await self._writes.request(self._wake_op(flow_id, text, message_id, shape_of))
+
+        tracing = self._tracing
+        if tracing is None:
+            return self._delivered(await self.versioned(call))
+        began = tracing.now()
+        result = await self.versioned(call)
+        _traced_wake(tracing, result, began)
+        return self._delivered(result)
+
+    def _wake_input(self, flow_id: str, payload: Json, message_id: str | None, what: str) -> str:
+        """A wake's input checked (`TypeError`/`ValueError`); the payload's JSON text."""
+        _checks.flow_id(flow_id)
+        text = _checks.json_text(payload, f"{what}payload", max_bytes=self._max_data)
+        _checks.message_id(message_id, f"{what}message_id")
+        return text
+
+    def _wake_op(
+        self, flow_id: str, text: str, message_id: str | None, shape_of: ShapeOf
+    ) -> _store.Change:
+        """The op of a wake whose input was checked (`_wake_input`: `text` is its payload);
+        `shape_of` as in `versioned`."""
+        message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
+        now = self._clock.now()
+
+        def apply(f: Flow, box: Mailbox) -> Transition:
+            return m.wake(f, box, message, shape_of(f), now)
+
+        leased = self._writes.with_holder(apply, outside=True)
+        return _store.Change(flow_id, leased, message_id=message_id)
+
+    def _delivered(self, result: _store.Result) -> Delivery:
+        if isinstance(result, _store.Changed):
+            assert result.transition.delivery is not None
+            return result.transition.delivery
+        self._tally.wakes[Delivery.UNKNOWN] += 1
+        return Delivery.UNKNOWN
+
+    async def cancel(self, flow_id: str, reason: str) -> bool:
+        """`Engine.cancel`."""
+        fid = _checks.flow_id(flow_id)
+        if not isinstance(reason, str):
+            raise TypeError(f"reason must be a str, got {reason!r}")
+        problem = _checks.text_problem(reason)
+        if problem is not None:
+            raise ValueError(f"reason {reason!r} cannot be stored: {problem}")
+        now = self._clock.now()
+
+        async def call(shape_of: ShapeOf) -> _store.Result:
+            def apply(f: Flow, _b: Mailbox) -> Transition:
+                return m.cancel(f, shape_of(f), reason, now)
+
+            leased = self._writes.with_holder(apply, outside=True)
+            return await self._writes.request(_store.Change(fid, leased))
+
+        result = await self.versioned(call)
+        return isinstance(result, _store.Changed) and result.transition.done
+
+    async def resume(self, flow_id: str) -> bool:
+        """`Engine.resume`."""
+        fid = _checks.flow_id(flow_id)
+        now = self._clock.now()
+
+        async def call(shape_of: ShapeOf) -> _store.Result:
+            def apply(f: Flow, box: Mailbox) -> Transition:
+                return m.resume(f, box, shape_of(f), now)
+
+            op = _store.Change(
+                fid, self._writes.with_holder(apply, outside=True), first_queued=True
+            )
+            return await self._writes.request(op)
+
+        result = await self.versioned(call)
+        return isinstance(result, _store.Changed) and result.transition.done
+
+    async def abandon(self, flow_id: str, reason: str, by: str | None) -> bool:
+        """`Engine.abandon`."""
+        fid = _checks.flow_id(flow_id)
+        for name, value in (("reason", reason), ("by", by)):
+            if value is None and name == "by":
+                continue
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str, got {value!r}")
+            if not value.strip():
+                raise ValueError(f"{name} must say something (it is recorded), got {value!r}")
+            problem = _checks.text_problem(value)
+            if problem is not None:
+                raise ValueError(f"{name} {value!r} cannot be stored: {problem}")
+        now = self._clock.now()
+
+        async def call(shape_of: ShapeOf) -> _store.Result:
+            def apply(f: Flow, _b: Mailbox) -> Transition:
+                return m.abandon(f, shape_of(f), reason, by, now)
+
+            leased = self._writes.with_holder(apply, outside=True)
+            return await self._writes.request(_store.Change(fid, leased))
+
+        result = await self.versioned(call)
+        return isinstance(result, _store.Changed) and result.transition.done
+
+    # ---------------------------------------------------------------------------- publishing
+
+    def event(self, event_type: str, event: Json) -> None:
+        """A published event, checked like a payload (`TypeError`/`ValueError` naming it)."""
+        _checks.json_text(event, f"the event of type {event_type!r}", max_bytes=self._max_data)
+
+    def decision(self, decision: object) -> Wake | Start | None:
+        """A mapper's result, checked (type, ids, JSON, plan); raises `TypeError`/`ValueError`."""
+        if decision is None or decision is IGNORE:
+            return None
+        if isinstance(decision, Wake):
+            _checks.flow_id(decision.flow_id)
+            _checks.json_text(decision.payload, "Wake.payload", max_bytes=self._max_data)
+            _checks.message_id(decision.message_id, "Wake.message_id")
+            return decision
+        if isinstance(decision, Start):
+            self.shape_of(decision.plan)
+            _checks.flow_id(decision.flow_id)
+            data = {} if decision.data is None else decision.data
+            _checks.json_object_text(data, "Start.data", max_bytes=self._max_data)
+            return decision
+        raise TypeError("a mapper must return flow.Wake, flow.Start, flow.IGNORE or None")
+
+    async def publish(self, decisions: list[Wake | Start | None]) -> list[Delivery | str | None]:
+        """Apply checked `decisions` (`decision`) all or nothing; `Engine.publish`."""
+        # Checked and built before anything is written: a start's op (its flow), a wake's text.
+        built: list[_store.Create | str | None] = []
+        for d in decisions:
+            if isinstance(d, Wake):
+                built.append(self._wake_input(d.flow_id, d.payload, d.message_id, "Wake."))
+            elif isinstance(d, Start):
+                built.append(
+                    self._start_op(*self._start_input(d.plan, d.flow_id, d.data, "Start.data"))
+                )
+            else:
+                built.append(None)
+
+        async def apply_all(shape_of: ShapeOf) -> list[_store.Result]:
+            ops: list[_store.Op] = []
+            for d, b in zip(decisions, built, strict=True):
+                if isinstance(d, Wake):
+                    assert isinstance(b, str)
+                    ops.append(self._wake_op(d.flow_id, b, d.message_id, shape_of))
+                elif isinstance(b, _store.Create):
+                    ops.append(b)
+            try:
+                return await self._writes.batch(ops, whole=True)
+            except _store.Undone as undone:
+                self._undone(ops, undone.results)  # raises (`_Unseen`: `versioned` reads again)
+            except Exception as exc:
+                raise Failed(f"the flow store raised {exc!r}; nothing was applied") from exc
+
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if all(b is None for b in built):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return [None] * len(decisions)
+        tracing = self._tracing
+        began = 0 if tracing is None else tracing.now()
+        with trio.CancelScope(shield=True):  # all of them, or (if Cancelled) none
+            done = await self.versioned(apply_all)
+        answers = iter(done)
+        results: list[Delivery | str | None] = []
+        for b in built:
+            if b is None:
+                results.append(None)
+            elif isinstance(b, _store.Create):
+                results.append(self._started(b, next(answers)))
+            else:
+                answer = next(answers)
+                if tracing is not None:
+                    _traced_wake(tracing, answer, began)
+                results.append(self._delivered(answer))
+        return results
+
+    def _undone(self, ops: list[_store.Op], results: list[_store.Result]) -> NoReturn:
+        """Raise why an all-or-nothing batch (a `publish`) was rolled back."""
+        for op, result in zip(ops, results, strict=True):
+            if isinstance(result, _store.Refused):
+                raise result.error
+            if isinstance(op, _store.Create):
+                self._started(op, result)  # raises IdReused
+        raise AssertionError(f"a publish was rolled back for no reason: {results!r}")
+
+
+def _traced_wake(tracing: _tracing.Tracing, result: _store.Result, began: int) -> None:
+    """The ``wake`` span of a wake that found its flow, in that flow's trace (ADR 0104)."""
+    if isinstance(result, _store.Changed) and result.transition.delivery is not None:
+        flow = result.transition.flow
+        tracing.moved("wake", flow, result.before.step, began, result.transition.delivery.name)
+
+
+def check_mapper(event_type: object, mapper: object) -> None:
+    """Raise `TypeError` unless `mapper` can be registered for `event_type` (`Engine.on`): a
+    plain function of one argument, the event."""
+    if not isinstance(event_type, str):
+        raise TypeError(f"event_type must be a str, got {event_type!r}")
+    if not callable(mapper):
+        raise TypeError(f"mapper must be a function, got {mapper!r}")
+    if _is_async(mapper):
+        raise TypeError(f"mapper must be a plain function, not async: {mapper!r}")
+    try:
+        signature = inspect.signature(mapper)
+    except (TypeError, ValueError):  # no signature to read: publish will tell
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(None)
+        except TypeError:
+            raise TypeError(
+                f"mapper must take one argument, the event (def mapper(event): ...), got"
+                f" {mapper!r} taking {signature}"
+            ) from None
+
+
+def _is_async(fn: object) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004
+    )

@@ -1,0 +1,489 @@
+"""The engine's write path: every durable change of a flow, and the map of live flows that
+follows the commits.
+
+Every durable change of every flow, whoever asks for it (the runner of the flow, a wake, a timer,
+a cancel, a resume, recovery, a takeover), is one store op: a pure transition run on the flow's
+row inside the transaction that records it, compare-and-set on the row's revision (docs/adr/0020).
+The ops go through one plain ferry whose batch call (`Writes.batch`) runs a whole batch in one
+`store.transact` (`_store.write_batch`): concurrent flows share transactions (group commit), and
+an op whose compare-and-set fails is answered alone with `Conflict` while the others commit
+(docs/adr/0022). A row the database refuses is answered `Rejected` to its op alone (ADR 0063).
+
+What the engine holds in memory follows the commits, in commit order: the batch call applies each
+result (`applied`, `track`) before it answers anyone. A flow this engine should run
+(`runs_here`) is live: a `_live.Live` in `live`, handed to the runner (`runnable`). A flow that
+leaves the active states is dropped at once: a parked flow holds no task, only a timer if it has a
+deadline (`arm`). A write someone else made to a live flow (a cancel) replaces the runner's copy
+and cancels the step it runs; the runner's own next write then fails its compare-and-set.
+
+Who holds a flow after a write is one pure rule (`_machine.assign_holder`), applied to every op here
+(`with_holder`). The fleet's bookkeeping that rides on the live map is kept here too, as plain
+state the lease part reads and moves: `epoch` (see `_lease` for the rule it serves) and
+`released` (flows let go, to be released with the next renewal).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+import trio
+
+from ferry import Closed, Failed
+from ferry.projected import Store
+
+from .._model import _checks
+from .._model import _machine as m
+from .._model._types import State
+from .._model._values import ACTIVE, Flow, Mailbox, Transition
+from .._store import _store
+from . import _observe, _retry
+from ._apart import write_apart
+from ._clock import Clock
+from ._live import LOGGED, Live, Tally, about, log_ended, named, on_row
+from ._versions import Versions
+
+T = TypeVar("T")
+
+_log = logging.getLogger("ferry.flow")
+
+_PARKED = State.PARKED
+_ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
+
+
+def _rolled_back(exc: BaseException) -> bool:
+    """Did the database roll the transaction back on its own (SQLSTATE class 40: a deadlock, a
+    serialization failure)? Then nothing of it was written, and running it again is safe."""
+    return str(getattr(exc, "sqlstate", None) or "").startswith("40")
+
+
+class _Flight:
+    """A batch the write ferry runs (`Writes.batch`): its ops and, once `done` is set, their
+    results, or what the batch raised."""
+
+    __slots__ = ("done", "error", "ops", "results")
+
+    def __init__(self, ops: Sequence[_store.Op]) -> None:
+        self.ops = ops
+        self.done = trio.Event()
+        self.results: list[_store.Result] | None = None
+        self.error: BaseException | None = None
+
+
+class Writes:
+    """The write path of one engine and its map of live flows.
+
+    Invariants: `live` holds exactly the flows this engine runs or will run (`runs_here` of
+    their latest known row), each copy the latest committed row this engine knows; `live` is
+    never rebound (other parts keep a reference). `released` maps a flow this engine let go to
+    the revision it let go at; an id leaves when the renewal that releases it is through, or when
+    a write gives the flow back to this engine. `epoch` only grows."""
+
+    def __init__(
+        self,
+        store: Store,
+        clock: Clock,
+        tally: Tally,
+        versions: Versions,
+        *,
+        owner: str,
+        serve: bool,
+        fleet: bool,
+        group_commit: bool,
+        guard: float | None,
+        seen: Callable[[Flow], None],
+        refused: Callable[[Flow, str, BaseException], None],
+        live: dict[str, Live],
+        runnable: Callable[[Live], None],
+        arm: Callable[[float, str, int], None],
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._tally = tally
+        self._versions = versions
+        self._owner = owner
+        self._serve = serve  # False: an operator's engine, which never leases or runs a flow
+        self._fleet = fleet  # leases are respected (PostgreSQL); else one engine per store
+        self._group_commit = group_commit
+        # How long the database lets one of this engine's transactions sit idle with its locks
+        # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
+        # longer than this.
+        self.guard = guard
+        self._seen = seen  # every committed row of a flow, for those who wait for it
+        self._refused = refused  # a flow whose every write is refused, for those who wait for it
+        self._runnable = runnable  # a flow became live: give it a runner
+        self._arm = arm  # a flow parked with a deadline
+        self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
+        self.live = live  # empty at first (`_waiters.Held`: it tells the waits what comes and goes)
+        self.released: dict[str, int] = {}
+        self.epoch = 0
+        # The ops of API calls (`request`) on their way through the ferry, by id: None while
+        # they wait for a batch, then the batch that took them (`_Flight`).
+        self._requested: dict[int, _Flight | None] = {}
+
+    def open(self, write_ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None) -> None:
+        """Write through `write_ferry` from now on (group commit; None: one transaction each)."""
+        self._ferry = write_ferry
+
+    def close(self) -> None:
+        """The ferry is closed: a write through it raises `ferry.Closed` from now on."""
+        self._ferry = None
+
+    # ------------------------------------------------------------------------------- writes
+
+    async def write(self, op: _store.Op) -> _store.Result:
+        """One op, durable when this returns; through the ferry (group commit) or alone.
+
+        Raises `ferry.Failed` if the transaction failed or the database refused this op's row
+        alone (ADR 0063; nothing of it was written either way), and the exception of a
+        transition that raised (a bug, raised to whoever asked for it alone).
+        """
+        return _unless_rejected(await self.write_answered(op))
+
+    async def write_answered(self, op: _store.Op) -> _store.Result:
+        """`write`, but a row the database refused is answered (`_store.Rejected`), not
+        raised: a runner fails its flow with it."""
+        if self._group_commit:
+            if self._ferry is None:
+                raise Closed("the flow engine is closed")
+            result = await self._ferry(op)
+        else:
+            try:
+                (result,) = await self.batch([op])
+            except Exception as exc:
+                raise Failed(f"the flow store raised {exc!r}") from exc
+        return _answered(result)
+
+    async def request(self, op: _store.Op) -> _store.Result:
+        """An API call's write: a cancel point first, then the write, so that a call that raises
+        `Cancelled` did not happen, and one that wrote returns its result (or raises as
+        `write`).
+
+        Through the ferry no cancel scope is needed (a shielded one per call cost about 4% of
+        a flow's CPU): a caller cancelled while its op waits for a batch is dropped from the
+        ferry, nothing of it written, and `Cancelled` is raised; one cancelled while its op is
+        in a batch (`batch` notes which, before the batch can be cancelled or end) waits,
+        shielded, for that batch and returns its answer. Without the ferry the write runs in
+        the caller's task, shielded."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if not self._group_commit:
+            with trio.CancelScope(shield=True):
+                result = await self.write(op)
+            return result
+        requested = self._requested
+        key = id(op)
+        requested[key] = None
+        try:
+            return await self.write(op)
+        except trio.Cancelled:
+            flight = requested[key]
+            if flight is None:
+                raise  # it never left the ferry's queue: it did not happen
+        finally:
+            del requested[key]
+        with trio.CancelScope(shield=True):
+            await flight.done.wait()
+        return self._landed(op, flight)
+
+    def _landed(self, op: _store.Op, flight: _Flight) -> _store.Result:
+        """The answer `write` would have given `op`, written by `flight`, to a caller that was
+        cancelled while the batch ran (`request`)."""
+        if flight.results is None:
+            error = flight.error
+            if isinstance(error, Exception):
+                raise Failed(f"the flow store raised {error!r}") from error
+            raise Failed(
+                "the batch of this write was cancelled while it ran (the engine is closing, or"
+                " the store did not answer in time): it may or may not have been written;"
+                " read the flow to know"
+            ) from error
+        index = next(i for i, o in enumerate(flight.ops) if o is op)
+        return _unless_rejected(_answered(flight.results[index]))
+
+    def with_holder(self, apply: _store.Apply, *, outside: bool) -> _store.Apply:
+        """`apply`, with who holds the flow after its write (`_machine.assign_holder`): a flow left
+        active is this engine's (an operator's engine leaves it to whichever engine takes it
+        over); an `outside` request (wake, cancel, resume, timeout) on a flow another engine
+        of the fleet runs leaves it with that engine."""
+        if not outside or not self._fleet:
+            hold = self.hold
+
+            def held_here(flow: Flow, box: Mailbox) -> Transition:
+                return hold(apply(flow, box), flow)
+
+            return held_here
+        owner = self._owner if self._serve else None
+        elsewhere = self._versions.elsewhere
+
+        def held(flow: Flow, box: Mailbox) -> Transition:
+            holder = None if elsewhere(flow) else owner
+            return m.assign_holder(apply(flow, box), flow, holder, keep_runner=True)
+
+        return held
+
+    def hold(self, t: Transition, before: Flow) -> Transition:
+        """`t`, a transition of `before`, with who holds the flow after it, by the rule of
+        `with_holder` for a request that is not `outside` (or any request off a fleet): the
+        runner's writes apply it to their transition directly (no closure per write)."""
+        elsewhere = self._fleet and self._versions.elsewhere(before)  # only a fleet's versions
+        holder = self._owner if self._serve and not elsewhere else None
+        return m.assign_holder(t, before, holder, keep_runner=False)
+
+    def runs_here(self, flow: Flow) -> bool:
+        """Is this an active flow this engine should run? (On one SQLite file: every active
+        flow; in a fleet: those leased to it and not released; an operator's engine runs
+        none.)"""
+        return (
+            self._serve
+            and flow.state in ACTIVE
+            and (not self._fleet or (flow.owner == self._owner and flow.lease_until is None))
+            and not (self._fleet and self._versions.elsewhere(flow))  # only a fleet's versions
+        )
+
+    async def batch(self, ops: list[_store.Op], *, whole: bool = False) -> list[_store.Result]:
+        """The ferry's batch call: every op in one transaction, then their effects in memory.
+        With `whole` (a `publish`), all or nothing: `_store.Undone` if one op was not applied.
+
+        A transaction the database rolled back on its own (a deadlock or a serialization
+        failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times.
+        Without `whole`, a row the database refuses is answered `Rejected` to its op alone and
+        the others are written without it (`_apart.write_apart`, ADR 0063).
+
+        Shielded: a batch the ferry took is written to its end even when the engine is closing
+        (its block cancelled), so that every caller in it learns what became of its write (a
+        `start` returns its flow's id) instead of "it may or may not have been written"; the
+        close waits for that one transaction (docs/adr/0108)."""
+        requested = self._requested
+        if requested:  # API calls wait for answers: note which of them this batch took
+            flight = _Flight(ops)
+            for op in ops:
+                if id(op) in requested:
+                    requested[id(op)] = flight
+            try:
+                with trio.CancelScope(shield=True):
+                    results = await self._batch(ops, whole)
+                flight.results = results
+            except BaseException as exc:
+                flight.error = exc
+                raise
+            finally:
+                flight.done.set()
+            return results
+        with trio.CancelScope(shield=True):
+            results = await self._batch(ops, whole)
+        return results
+
+    async def _batch(self, ops: list[_store.Op], whole: bool) -> list[_store.Result]:
+        if whole:
+            return await self._transact(ops, _store.write_all)
+        return await write_apart(partial(self._transact, write=_store.write_batch), ops)
+
+    async def _transact(
+        self, ops: Sequence[_store.Op], write: Callable[..., list[_store.Result]]
+    ) -> list[_store.Result]:
+        """`ops` in one transaction (retried if the database rolled it back on its own), then
+        their effects in memory, in commit order."""
+        epoch = self.epoch
+
+        async def attempt() -> list[_store.Result]:
+            nonlocal epoch
+            epoch = self.epoch
+            return await self._store.transact(partial(write, ops=ops, guard=self.guard))
+
+        results = await _retry.retrying(
+            attempt,
+            what=lambda: f"writing a batch of {len(ops)} flow writes (rolled back by the database)",
+            schedule=_retry.ROLLBACK,
+            when=_rolled_back,
+        )
+        self._tally.stats["write_batches"] += 1
+        for op, result in zip(ops, results, strict=True):
+            self._applied(op, result, epoch)
+        return results
+
+    def _applied(self, op: _store.Op, result: _store.Result, epoch: int) -> None:
+        """Bring memory up to date with one committed result (trio thread, commit order) of a
+        batch begun in `epoch`."""
+        if isinstance(result, _store.Changed):
+            t = result.transition
+            if t.delivery is not None:
+                self._tally.wakes[t.delivery] += 1
+            if t.written:
+                own = isinstance(op, _store.Change) and op.flow is not None
+                if t.flow.state in LOGGED and t.flow.state is not result.before.state:
+                    log_ended(result.before, t.flow)
+                self.track(result.before.state, t.flow, own, epoch=epoch)
+        elif isinstance(result, _store.Created):
+            self.track(None, result.transition.flow, True, epoch=epoch)
+        elif isinstance(result, _store.Conflict):
+            self._tally.stats["conflicts"] += 1
+
+    def track(
+        self, before: State | None, flow: Flow, own: bool, *, epoch: int, write: bool = True
+    ) -> None:
+        """A committed row of `flow` (by this engine's write, or read back; the write or read
+        began in `epoch`): follow it. Only this engine's writes count in its
+        `completed`/`failed`/`blocked` statistics."""
+        tally = self._tally
+        stats = tally.stats
+        if write:
+            stats["writes"] += 1
+        fid = flow.flow_id
+        state = flow.state
+        live = self.live.get(fid)
+        if live is not None and flow.revision <= live.flow.revision:
+            return  # already known (a read that raced this engine's own write)
+        if state is not before:
+            if before is _PARKED and tally.parked > 0:
+                # In a fleet, a flow another engine parked since this one's last count.
+                tally.parked -= 1
+            if state is _PARKED:
+                tally.parked += 1
+            elif write and state in _ENDS:
+                stats[_ENDS[state]] += 1
+                if tally.observers:
+                    _observe.ended(tally.observers, flow)
+        self._seen(flow)
+        if live is not None:
+            live.flow = flow
+            live.epoch = epoch
+            if not own and live.scope is not None:
+                live.scope.cancel()  # someone else moved the flow: its running step is void
+        if self.runs_here(flow):
+            if live is None:
+                # Given back to this engine by a write: a release still pending from when it
+                # let the flow go is void (the renewal would release it while it runs here).
+                self.released.pop(fid, None)
+                live = self.live[fid] = Live(flow, epoch)
+                self._runnable(live)
+            return
+        if live is not None:
+            del self.live[fid]
+            if state in ACTIVE or not write:  # it moved on without this engine: let go of it
+                stats["lost"] += 1
+                if live.scope is not None:
+                    live.scope.cancel()
+        if (
+            state is _PARKED
+            and flow.park_deadline is not None
+            and self._serve
+            and (not self._fleet or (flow.plan, flow.version) in self._versions.shapes)
+        ):  # a fleet engine fires no timer of a version it lacks: one that has it does
+            self._arm(flow.park_deadline, fid, flow.revision)
+
+    def let_go(self, live: Live, *, release: bool = False) -> None:
+        """Stop the flow's step or compensation (its changes are discarded) and forget it:
+        whoever takes it over runs it. With `release` (this engine's lease is lapsing: the
+        store may still name it), the next renewal releases the flow in the store."""
+        fid = live.flow.flow_id
+        if self.live.get(fid) is live:
+            del self.live[fid]
+            self._tally.stats["lost"] += 1
+            if release:
+                self.released[fid] = live.flow.revision
+        if live.scope is not None:
+            live.scope.cancel()
+
+    def left_as_it_is(self, flow: Flow, problem: str, error: BaseException) -> None:
+        """The database refuses every write of `flow` (this row), even the one that fails it
+        (docs/adr/0117): a WARNING names it, the engine lets it go if it held it (no runner;
+        a step's changes are discarded) and its waits answer at once with `problem`. The
+        other flows go on; the next open (or, in a fleet, check round or scan) tries it again
+        (docs/adr/0104)."""
+        _log.warning(
+            "%s is left as it is, not run by this engine: %s",
+            named(flow),
+            problem,
+            extra=about(flow),
+        )
+        self._refused(flow, problem, error)
+        fid = flow.flow_id
+        live = self.live.get(fid)
+        if live is not None:
+            del self.live[fid]
+            if live.scope is not None:
+                live.scope.cancel()
+
+    async def load_row(self, flow_id: str) -> Flow | None:
+        """The flow's row, for the engine's own use: the store's error is raised as it is (the
+        engine retries unavailability, and any other error ends its block)."""
+        return await self._store.transact(partial(_store.load, flow_id=flow_id))
+
+    # ------------------------------------------------------------- writes of the engine's own
+
+    def stale(self, flow_id: str, revision: int) -> bool:
+        """Was the flow parked at `revision` moved on since, as far as this engine knows?"""
+        live = self.live.get(flow_id)
+        return live is not None and live.flow.revision > revision
+
+    async def time_out(
+        self, flow_id: str, revision: int, deadline: float
+    ) -> tuple[Flow, Flow] | None:
+        """A park deadline came: time the flow out (its own problem if the database refuses
+        that write: it blocks, ADR 0063; if it refuses that too, the flow is left as it is,
+        ADR 0117). The store's unavailability is retried. The row before and the row written,
+        or None if the flow had moved on or was left as it is (for its trace:
+        `_tracing.timed`)."""
+        now = max(self._clock.now(), deadline)
+        shapes = self._versions.shapes
+
+        def apply(f: Flow, _b: Mailbox) -> Transition:
+            return m.timeout(f, shapes.get((f.plan, f.version)), now, expected=revision)
+
+        # The machine ignores it unless the flow is still parked at `revision`: across a fleet,
+        # every engine that armed this deadline fires it, and exactly one of them takes it.
+        op = _store.Change(flow_id, self.with_holder(apply, outside=True))
+        what = f"timing out flow {flow_id!r} (parked at revision {revision})"
+        extra = {"flow_id": flow_id}
+        result = await _retry.retrying(partial(self.write_answered, op), what=what, extra=extra)
+        if isinstance(result, _store.Rejected):  # the flow's own problem: it blocks (ADR 0063)
+            reason = f"the database refused its timeout: {_checks.describe(result.error)}"
+            block = self.with_holder(on_row(m.block, reason, now), outside=True)
+            op = _store.Change(flow_id, block, expected=revision)
+            result = await _retry.retrying(partial(self.write_answered, op), what=what, extra=extra)
+            if isinstance(result, _store.Rejected):  # that too: left as it is (ADR 0117)
+                stored = await _retry.retrying(
+                    partial(self.load_row, flow_id), what=what, extra=extra
+                )
+                if stored is not None and stored.revision == revision:
+                    problem = f"{reason}; and refused that too: {_checks.describe(result.error)}"
+                    self.left_as_it_is(stored, problem, result.error)
+                return None
+        if isinstance(result, _store.Changed) and result.transition.written:
+            return result.before, result.transition.flow
+        return None
+
+
+def _answered(result: _store.Result) -> _store.Result:
+    """An op's result as `write_answered` gives it: a transition that raised is raised, a
+    store that failed is `ferry.Failed`."""
+    if isinstance(result, _store.Refused):
+        raise result.error
+    if isinstance(result, _store.Unwritten):
+        raise Failed(f"the flow store raised {result.error!r}") from result.error
+    return result
+
+
+def _unless_rejected(result: _store.Result) -> _store.Result:
+    """`result`, or `ferry.Failed` if the database refused the op's row (as `write` raises)."""
+    if isinstance(result, _store.Rejected):
+        raise Failed(
+            f"the database refused the write of flow {result.flow_id!r}:"
+            f" {_checks.describe(result.error)}; nothing of it was written"
+        ) from result.error
+    return result
+
+
+async def gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Run the calls concurrently (so that their writes share transactions); results in order."""
+    results: list[Any] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        results[i] = await calls[i]()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(calls)):
+            nursery.start_soon(one, i)
+    return results

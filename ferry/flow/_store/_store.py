@@ -1,0 +1,680 @@
+"""The flow store: the schema, the reads, the engines' leases, and (re-exported from `_batch`)
+the batched compare-and-set write.
+
+Everything here is synchronous and runs inside one store transaction on a worker thread (a
+`ferry.projected.Tx` of the same `SqliteStore`/`PostgresStore` that `ProjectedWrite` uses): no
+trio, no clock. Every statement is built once per dialect in `_sql`, which also holds, in one
+`Dialect` record each, everything SQLite and PostgreSQL say differently. Decisions are not taken
+here: a write runs a pure transition of `_machine` on the row it holds, and records what the
+transition says (docs/adr/0021).
+
+Tables:
+
+- ``flow_flows``: one row per flow (`_machine.Flow`'s fields, plus ``start_data``). ``revision``
+  is the compare-and-set token of every write; ``owner`` (the engine that runs an active flow)
+  and ``lease_until`` (when it let it go) are for a fleet. ``trace`` is the W3C trace context
+  the flow's spans join (`_tracing`). Partial indexes: the active flows (``RUNNING``/
+  ``COMPENSATING``, `_machine.ACTIVE`, for recovery), the parked flows by deadline (for timers)
+  and the finished flows by their last write (for retention, `_retention`, and the dashboard);
+  the operators' filters and their order (`_query`).
+- ``flow_history(flow_id, revision, n, at, kind, step, attempt, detail)``: every durable
+  transition, primary key ``(flow_id, revision, n)``.
+- ``flow_mailbox(seq, flow_id, message_id, payload, status, at)``: one row per accepted message,
+  unique ``(flow_id, message_id)`` (the `DUPLICATE` check); ``status`` is ``QUEUED`` (kept for
+  the next park) or ``TAKEN``; a partial index on the queued ones, in arrival (``seq``) order.
+- ``flow_engines(owner, lease_until, started_at, ...)``: a fleet's engines and their leases (one
+  row per engine, its heartbeat); an active flow is held while the engine its ``owner`` names
+  holds its lease (`_sql.orphan`, docs/adr/0040). A partial index on the active flows' owner.
+- ``flow_plans(plan, version, shape, registered_at)``: the shape of every plan version an engine
+  registered, for processes without the plans (an operator's engine, docs/adr/0044).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from ferry.projected import Tx, canonical_json
+
+from .._model._types import Event, State
+from .._model._values import Flow, Mailbox, Message, Shape
+from . import _sql
+from ._batch import (
+    Apply as Apply,
+)
+from ._batch import (
+    Change as Change,
+)
+from ._batch import (
+    Changed as Changed,
+)
+from ._batch import (
+    Conflict as Conflict,
+)
+from ._batch import (
+    Create as Create,
+)
+from ._batch import (
+    Created as Created,
+)
+from ._batch import (
+    Existing as Existing,
+)
+from ._batch import (
+    Missing as Missing,
+)
+from ._batch import (
+    Op as Op,
+)
+from ._batch import (
+    Refused as Refused,
+)
+from ._batch import (
+    Rejected as Rejected,
+)
+from ._batch import (
+    Result as Result,
+)
+from ._batch import (
+    Undone as Undone,
+)
+from ._batch import (
+    Unwritten as Unwritten,
+)
+from ._batch import (
+    guard_locks as guard_locks,
+)
+from ._batch import (
+    op_flow_id as op_flow_id,
+)
+from ._batch import (
+    write_all as write_all,
+)
+from ._batch import (
+    write_batch as write_batch,
+)
+from ._sql import (
+    ENGINES,
+    FLOWS,
+    HISTORY,
+    IN_ACTIVE,
+    IN_FINISHED,
+    MAILBOX,
+    PLANS,
+    STATES,
+    to_flow,
+)
+
+#: A limit that is none (``LIMIT ?`` takes a number in both dialects).
+_NO_LIMIT = 2**62
+
+# ------------------------------------------------------------------------------------- schema
+
+
+def ddl(dialect: str) -> list[str]:
+    """The schema's statements, each idempotent."""
+    d = _sql.DIALECTS[dialect]
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {FLOWS} (
+            flow_id TEXT PRIMARY KEY,
+            plan TEXT NOT NULL,
+            version BIGINT NOT NULL,
+            state TEXT NOT NULL,
+            step_index BIGINT NOT NULL,
+            step TEXT,
+            attempt BIGINT NOT NULL,
+            data TEXT NOT NULL,
+            revision BIGINT NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL,
+            error TEXT,
+            park_deadline DOUBLE PRECISION,
+            on_timeout TEXT,
+            wake TEXT,
+            timed_out INTEGER NOT NULL,
+            stack TEXT NOT NULL,
+            blocked TEXT,
+            blocked_from TEXT,
+            owner TEXT,
+            lease_until DOUBLE PRECISION,
+            start_data TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            trace TEXT)""",
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_active ON {FLOWS} (state) WHERE state {IN_ACTIVE}",
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_deadline ON {FLOWS} (park_deadline)"
+        " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_owner ON {FLOWS} (owner) WHERE state {IN_ACTIVE}",
+        # The operators' filters and their order, newest first (`_query`, docs/adr/0080).
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_created ON {FLOWS} (created_at, flow_id)",
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_state_created ON {FLOWS} (state, created_at, flow_id)",
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_plan_created ON {FLOWS}"
+        " (plan, version, created_at, flow_id)",
+        # Finished flows by when they ended (a finished flow is never written again): retention
+        # (`_retention`) and the dashboard's counts of finished flows.
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_ended ON {FLOWS} (updated_at, state)"
+        f" WHERE state {IN_FINISHED}",
+        *d.indexes,
+        f"""CREATE TABLE IF NOT EXISTS {ENGINES} (
+            owner TEXT PRIMARY KEY,
+            lease_until DOUBLE PRECISION NOT NULL,
+            started_at DOUBLE PRECISION NOT NULL,
+            incarnation TEXT,
+            host TEXT,
+            pid BIGINT,
+            plans TEXT)""",
+        f"""CREATE TABLE IF NOT EXISTS {PLANS} (
+            plan TEXT NOT NULL,
+            version BIGINT NOT NULL,
+            shape TEXT NOT NULL,
+            registered_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (plan, version))""",
+        f"""CREATE TABLE IF NOT EXISTS {HISTORY} (
+            flow_id TEXT NOT NULL,
+            revision BIGINT NOT NULL,
+            n INTEGER NOT NULL,
+            at DOUBLE PRECISION NOT NULL,
+            kind TEXT NOT NULL,
+            step TEXT,
+            attempt BIGINT,
+            detail TEXT,
+            PRIMARY KEY (flow_id, revision, n))""",
+        f"""CREATE TABLE IF NOT EXISTS {MAILBOX} (
+            {d.seq_column},
+            flow_id TEXT NOT NULL,
+            message_id TEXT NOT NULL,
+            payload TEXT NOT NULL,
+            status TEXT NOT NULL,
+            at DOUBLE PRECISION NOT NULL,
+            UNIQUE (flow_id, message_id))""",
+        f"CREATE INDEX IF NOT EXISTS {MAILBOX}_queued ON {MAILBOX} (flow_id, seq)"
+        " WHERE status = 'QUEUED'",
+    ]
+
+
+_OBJECT = re.compile(r"IF NOT EXISTS (\w+)")
+_SCHEMA_LOCK_KEY = zlib.crc32(FLOWS.encode())
+
+# Columns added after stores existed: an engine that opens an older store adds them with
+# ``ALTER TABLE`` (they are in `ddl`'s ``CREATE TABLE`` for a new one). The flows' trace
+# context; an engine's incarnation, where it runs, the plan versions it has.
+_ADDED_COLUMNS = (
+    (FLOWS, "trace", "TEXT"),
+    (ENGINES, "incarnation", "TEXT"),
+    (ENGINES, "host", "TEXT"),
+    (ENGINES, "pid", "BIGINT"),
+    (ENGINES, "plans", "TEXT"),
+)
+
+
+def create_schema(tx: Tx) -> None:
+    """Create the flow tables, indexes and added columns if missing (safe to run concurrently).
+
+    Objects that exist are found in the catalog and not touched: on PostgreSQL a ``CREATE
+    INDEX IF NOT EXISTS`` would still take a share lock on its table, and an engine that opens
+    while others write would deadlock with them; an ``ALTER TABLE`` takes its table's strongest
+    lock even when there is nothing to do. Missing ones are made under the dialect's schema lock
+    (PostgreSQL: an advisory lock, concurrent ``CREATE ... IF NOT EXISTS`` can race), looked up
+    again under it. An index added to an existing store is built by the first engine that opens
+    it (on PostgreSQL, writes to the table wait while it is built)."""
+    d = _sql.DIALECTS[tx.dialect]
+    statements = ddl(tx.dialect)
+
+    def missing() -> list[str]:
+        todo = []
+        for statement in statements:
+            m = _OBJECT.search(statement)
+            assert m is not None
+            if not tx.execute(d.table_exists, (m.group(1),))[0][0]:
+                todo.append(statement)
+        return todo
+
+    def lacking() -> list[tuple[str, str, str]]:
+        have: dict[str, set[str]] = {}
+        for table, _name, _kind in _ADDED_COLUMNS:
+            if table not in have:
+                have[table] = {r[0] for r in tx.execute(d.columns_of, (table,))}
+        return [(t, name, kind) for t, name, kind in _ADDED_COLUMNS if name not in have[t]]
+
+    if d.schema_lock is None:
+        for statement in statements:
+            tx.execute(statement)
+    elif missing() or lacking():
+        tx.execute(d.schema_lock, (_SCHEMA_LOCK_KEY,))
+        for statement in missing():
+            tx.execute(statement)
+    for table, name, kind in lacking():
+        tx.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+
+
+def has_tables(tx: Tx) -> bool:
+    """Does the store hold the flow tables (has an engine ever opened it)?"""
+    d = _sql.DIALECTS[tx.dialect]
+    return bool(tx.execute(d.table_exists, (FLOWS,))[0][0])
+
+
+# -------------------------------------------------------------------------------------- reads
+
+
+def _statements(tx: Tx) -> _sql.Statements:
+    return _sql.statements(tx.dialect)
+
+
+def load(tx: Tx, flow_id: str) -> Flow | None:
+    """The flow's row, or None."""
+    rows = tx.execute(_statements(tx).select, (flow_id,))
+    return to_flow(rows[0]) if rows else None
+
+
+def load_history(tx: Tx, flow_id: str) -> list[Event] | None:
+    """Every event of the flow, in order (revision, then position); None for an unknown flow."""
+    rows = tx.execute(_statements(tx).select_history, (flow_id,))
+    if not rows and load(tx, flow_id) is None:
+        return None
+    return [
+        Event(
+            revision=r[0],
+            at=r[1],
+            kind=r[2],
+            step=r[3],
+            attempt=r[4],
+            detail=None if r[5] is None else json.loads(r[5]),
+        )
+        for r in rows
+    ]
+
+
+def load_mailbox(tx: Tx, flow_id: str) -> Mailbox:
+    """The flow's whole mailbox: queued messages in arrival order, every id seen."""
+    rows = tx.execute(_statements(tx).select_mailbox, (flow_id,))
+    queued = tuple(Message(r[0], r[1]) for r in rows if r[2] == "QUEUED")
+    return Mailbox(queued, frozenset(r[0] for r in rows))
+
+
+def load_active(tx: Tx, *, limit: int | None = None, owner: str | None = None) -> list[Flow]:
+    """Flows that are active (`_machine.ACTIVE`: recovery's work list), oldest write first;
+    with `owner`, only those leased to that owner."""
+    q = _statements(tx)
+    n = _NO_LIMIT if limit is None else int(limit)
+    if owner is None:
+        rows = tx.execute(q.select_active, (n,))
+    else:
+        rows = tx.execute(q.select_active_owned, (owner, n))
+    return [to_flow(r) for r in rows]
+
+
+_CHUNK = 500
+
+
+def load_many(tx: Tx, flow_ids: Sequence[str]) -> list[Flow]:
+    """The rows of those of `flow_ids` that exist (in no particular order)."""
+    d = _sql.DIALECTS[tx.dialect]
+    flows: list[Flow] = []
+    for i in range(0, len(flow_ids), _CHUNK):
+        chunk = flow_ids[i : i + _CHUNK]
+        rows = tx.execute(_select_many(d, len(chunk)), d.list_params(chunk))
+        flows.extend(to_flow(r) for r in rows)
+    return flows
+
+
+@functools.lru_cache(maxsize=16)
+def _select_many(d: _sql.Dialect, n: int) -> str:
+    return f"SELECT {_sql.COLUMNS} FROM {FLOWS} WHERE {d.in_list('flow_id', n)}"
+
+
+@functools.lru_cache(maxsize=64)
+def _of_plans(base: str, d: _sql.Dialect, plans: int | None, tail: str) -> str:
+    """`base`, narrowed to `plans` (plan, version)s if not None, then `tail`."""
+    return base + ("" if plans is None else " AND " + d.in_plans("f", plans)) + tail
+
+
+def load_deadlines(
+    tx: Tx, *, before: float | None = None, plans: Sequence[tuple[str, int]] | None = None
+) -> list[tuple[float, str, int]]:
+    """``(deadline, flow_id, revision)`` of every parked flow with a deadline (at or before
+    `before`, if given; of the given (plan, version)s, if `plans` is given), earliest first.
+    Uses the deadline index."""
+    if plans is not None and not plans:
+        return []
+    d = _sql.DIALECTS[tx.dialect]
+    n = None if plans is None else len(plans)
+    sql = _of_plans(_statements(tx).select_deadlines, d, n, " ORDER BY park_deadline")
+    params = [math.inf if before is None else before]
+    if plans is not None:
+        params += d.plans_params(plans)
+    return [(r[0], r[1], r[2]) for r in tx.execute(sql, params)]
+
+
+def load_orphans(
+    tx: Tx, now: float, *, limit: int = 1000, plans: Sequence[tuple[str, int]] | None = None
+) -> list[Flow]:
+    """At most `limit` active flows that no engine holds at `now` (`_sql.orphan`), of the given
+    (plan, version)s if `plans` is given, least recently written first. Cost: a pass over the
+    active flows (the partial index), each checked against the small engines table."""
+    if plans is not None and not plans:
+        return []
+    d = _sql.DIALECTS[tx.dialect]
+    n = None if plans is None else len(plans)
+    sql = _of_plans(
+        _statements(tx).select_orphans, d, n, " ORDER BY f.updated_at, f.flow_id LIMIT ?"
+    )
+    params: list[Any] = [now, now]
+    if plans is not None:
+        params += d.plans_params(plans)
+    return [to_flow(r) for r in tx.execute(sql, [*params, int(limit)])]
+
+
+def count_parked(tx: Tx) -> int:
+    """How many flows are parked (a fleet engine's `parked`, read at every scan)."""
+    return int(tx.execute(_statements(tx).count_parked)[0][0])
+
+
+def count_states(tx: Tx) -> dict[State, int]:
+    """How many flows are in each state."""
+    return {STATES[r[0]]: r[1] for r in tx.execute(_statements(tx).count_states)}
+
+
+# ------------------------------------------------------------------------ reads for operators
+
+
+def count_plans(tx: Tx) -> list[tuple[str, int, State, int]]:
+    """``(plan, version, state, flows)`` for every plan version and state that has flows."""
+    return [(r[0], r[1], STATES[r[2]], r[3]) for r in tx.execute(_statements(tx).count_plans)]
+
+
+def oldest_parked(tx: Tx, *, limit: int = 10) -> list[Flow]:
+    """The parked flows that have waited longest (since their last write), at most `limit`."""
+    return [to_flow(r) for r in tx.execute(_statements(tx).oldest_parked, (int(limit),))]
+
+
+def blocked_reasons(tx: Tx, *, limit: int = 20) -> list[tuple[str, int, str]]:
+    """``(reason, flows, one of them)`` of blocked flows, the most common reason first."""
+    return [(r[0], r[1], r[2]) for r in tx.execute(_statements(tx).blocked_reasons, (int(limit),))]
+
+
+def leased(tx: Tx) -> bool:
+    """Are the store's active flows held by leases (a fleet, PostgreSQL)? On SQLite one engine
+    at a time holds the whole file (its engine lock) and runs every active flow: no lease rows,
+    so no flow there is ever an orphan (`count_orphans`, `holder`)."""
+    return _sql.DIALECTS[tx.dialect].leases
+
+
+def count_orphans(tx: Tx, now: float) -> int:
+    """How many active flows no engine holds at `now` (`_sql.orphan`): engines of a fleet take
+    them over at their next scan. 0 on a store without leases (`leased`)."""
+    if not leased(tx):
+        return 0
+    return int(tx.execute(_statements(tx).count_orphans, (now, now))[0][0])
+
+
+def holder(tx: Tx, flow_id: str, now: float) -> tuple[float, bool] | None:
+    """Who holds the active flow `flow_id` at `now`, by the rule `count_orphans` counts with
+    (`_sql.orphan`): ``(until, orphaned)`` where `until` is when its hold ends (the earlier of
+    the flow's own ``lease_until`` and its owner's engine lease; -inf if it has neither). None if
+    the flow is not active or has no owner, or on a store without leases (`leased`)."""
+    if not leased(tx):
+        return None
+    rows = tx.execute(_statements(tx).holder, (now, now, flow_id))
+    if not rows:
+        return None
+    own, engine, orphaned = rows[0]
+    until = min(math.inf if own is None else own, -math.inf if engine is None else engine)
+    return until, bool(orphaned)
+
+
+# ------------------------------------------------------------------------------------- plans
+
+
+def _shape_json(shape: Shape) -> str:
+    return canonical_json(
+        {
+            "steps": list(shape.steps),
+            "compensable": list(shape.compensable),
+            "attempts": list(shape.attempts),
+        }
+    )
+
+
+def register_plans(tx: Tx, shapes: Sequence[Shape], now: float) -> None:
+    """Record what each plan version looks like (its `Shape`), so that a process without the
+    plans (an operator's tool) can still ask the machine for transitions. A registration of a
+    known (name, version) replaces it: the last engine opened wins; engines still check their
+    own plan before they run anything (versions fail closed)."""
+    sql = _statements(tx).register_plan
+    for shape in shapes:
+        tx.execute(sql, (shape.name, shape.version, _shape_json(shape), now))
+
+
+def load_plans(tx: Tx) -> list[tuple[Shape, float]]:
+    """Every registered plan version, with when it was last registered, by name and version."""
+    plans = []
+    for name, version, text, at in tx.execute(_statements(tx).select_plans):
+        d = json.loads(text)
+        shape = Shape(
+            name, version, tuple(d["steps"]), tuple(d["compensable"]), tuple(d["attempts"])
+        )
+        plans.append((shape, at))
+    return plans
+
+
+def live_plans(tx: Tx, now: float) -> list[Shape]:
+    """The shapes of the plan versions that an engine whose lease runs at `now` has (a rolling
+    deploy: an engine without a version leaves its flows to one with it). Two small reads: the
+    live engines' lists, then the registered shapes."""
+    have: set[tuple[str, int]] = set()
+    for (text,) in tx.execute(_statements(tx).live_plans, (now,)):
+        have.update((name, version) for name, version in json.loads(text))
+    return [shape for shape, _at in load_plans(tx) if (shape.name, shape.version) in have]
+
+
+# ---------------------------------------------------------------------------- engine leases
+
+
+def heartbeat(tx: Tx, owner: str, until: float, now: float) -> None:
+    """Record that engine `owner` holds its flows until `until` (its engine lease; an `until`
+    in the past lets them all go at once), whatever incarnation holds the name (for tests and
+    tools; an engine claims its name with `claim` and renews with `renew`/`renew_lease`). One
+    row per engine, nothing else is written."""
+    tx.execute(_statements(tx).heartbeat, (owner, until, now))
+
+
+class Superseded(Exception):
+    """Another incarnation holds this engine's owner name now: the lease is no longer this
+    engine's to renew (`renew`, `renew_lease`). Raised inside the transaction, which then
+    writes nothing."""
+
+
+class RowMissing(Exception):
+    """No row of the engines table names this engine's owner at all (`renew`): the database
+    lost it (a crash with ``synchronous_commit = off``, a restore from a backup) or another
+    engine pruned it after the lease lapsed (`prune_engines`). Nobody else holds the name; the
+    lease lapsed as far as any other engine knows. Raised inside the transaction, which then
+    writes nothing: the engine renews again with `Registration`, which writes the row again."""
+
+
+@attrs.frozen
+class Registration:
+    """What an engine's lease row says besides its lease (`claim`), to write it again when it
+    is missing (`renew`): where the incarnation runs, when it opened, its plan versions."""
+
+    host: str
+    pid: int
+    started_at: float
+    plans: Sequence[tuple[str, int]]
+
+
+@attrs.frozen
+class Holder:
+    """The incarnation that holds an owner name (`claim`): when its lease runs out, where it
+    runs (a host identity and a process id), when it opened."""
+
+    owner: str
+    incarnation: str | None
+    lease_until: float
+    host: str | None
+    pid: int | None
+    started_at: float
+
+
+def claim(
+    tx: Tx,
+    owner: str,
+    incarnation: str,
+    until: float,
+    now: float,
+    *,
+    host: str,
+    pid: int,
+    plans: Sequence[tuple[str, int]],
+    gone: Callable[[str | None, int | None], bool],
+) -> Holder | None:
+    """Open a new incarnation of engine `owner`: its lease row now names `incarnation`, runs
+    until `until`, and lists the plan versions it has. Refused (the holder is returned, nothing
+    is written) while another incarnation's lease runs at `now`, unless ``gone(host, pid)``
+    proves that one's process gone. The row is held first (``FOR UPDATE`` on PostgreSQL), so
+    that a claim and the old incarnation's renewal cannot both win; of two first claims of a new
+    name, one inserts and the other is refused (``ON CONFLICT DO NOTHING``). Two statements."""
+    q = _statements(tx)
+    rows = tx.execute(q.claim_select + q.d.for_update, (owner,))
+    text = canonical_json(sorted([name, version] for name, version in plans))
+    if rows:
+        holder = Holder(*rows[0])
+        if (
+            holder.incarnation != incarnation
+            and holder.lease_until >= now
+            and not gone(holder.host, holder.pid)
+        ):
+            return holder
+        tx.execute(q.claim_update, (until, now, incarnation, host, pid, text, owner))
+        return None
+    if tx.execute(q.claim_insert, (owner, until, now, incarnation, host, pid, text)):
+        return None
+    return Holder(*tx.execute(q.claim_select, (owner,))[0])
+
+
+def renew_lease(
+    tx: Tx, owner: str, incarnation: str, until: float, *, margin: float
+) -> float | None:
+    """The heartbeat thread's renewal (`_heartbeat`): extend the lease of incarnation
+    `incarnation` to `until`, only while it still runs for more than `margin` seconds by the
+    database's clock (a renewal after the lease may have lapsed is the engine's own, which
+    re-reads its flows: `renew`). The lease now, or None if refused because it may have lapsed
+    or because the name has no row at all (the engine's own renewal writes it again: `renew`);
+    raises `Superseded` if another incarnation holds the name. PostgreSQL only; one statement
+    (two when refused)."""
+    q = _statements(tx)
+    rows = tx.execute(q.renew_lease, (until, owner, incarnation, margin))
+    if rows:
+        return float(rows[0][0])
+    if _held_by_another(tx, owner, incarnation):
+        raise Superseded(owner)
+    return None
+
+
+def _held_by_another(tx: Tx, owner: str, incarnation: str) -> bool:
+    """Does a row name `owner` with an incarnation other than `incarnation`? (No row at all is
+    not another incarnation: `RowMissing`.)"""
+    rows = tx.execute(_statements(tx).incarnation_of, (owner,))
+    return bool(rows) and rows[0][0] != incarnation
+
+
+def end_lease(tx: Tx, owner: str, incarnation: str, now: float) -> None:
+    """At close: incarnation `incarnation` of `owner` ends its lease at `now`, so that other
+    engines take its flows at their next scan and a restart under the name claims it at once.
+    Nothing if another incarnation holds the name by now."""
+    tx.execute(_statements(tx).end_lease, (now, owner, incarnation, now))
+
+
+def renew(
+    tx: Tx,
+    owner: str,
+    until: float,
+    now: float,
+    *,
+    let_go: Sequence[tuple[str, int]] = (),
+    reread: Sequence[str] | None = None,
+    incarnation: str | None = None,
+    restore: Registration | None = None,
+) -> list[Flow]:
+    """An engine's renewal, in this one transaction: its lease is renewed (with `incarnation`,
+    only while that incarnation holds the name, else `Superseded` is raised and nothing is
+    written; without it, as `heartbeat`), the flows in `let_go` (``(flow_id, revision it let
+    go at)``) are released (`release`), and the rows of the flows in `reread` are read
+    (`load_many`) and returned (``[]`` without it).
+
+    A name with no row at all is not superseded: `RowMissing` is raised (nothing written), or,
+    given `restore`, the row of `incarnation` is written again (``ON CONFLICT DO NOTHING``: if
+    another incarnation's claim got there first, that one holds the name, `Superseded`). The
+    lease lapsed meanwhile as far as the others know, so a caller that restores re-reads what
+    it runs (`reread`).
+
+    The lease row comes first: a takeover locks it (`_batch`), so on PostgreSQL a takeover
+    either committed before this renewal took the row, and the rows read here show it, or it
+    waits for this renewal to commit and is refused (docs/adr/0048). An engine whose lease may
+    have lapsed re-reads what it runs in this transaction before it trusts it again (ADR 0047).
+    Cost: one statement for the lease, one per 500 flows released or read."""
+    q = _statements(tx)
+    if incarnation is None:
+        heartbeat(tx, owner, until, now)
+    elif not tx.execute(q.renew, (until, owner, incarnation)):
+        if _held_by_another(tx, owner, incarnation):
+            raise Superseded(owner)
+        if restore is None:
+            raise RowMissing(owner)
+        text = canonical_json(sorted([name, version] for name, version in restore.plans))
+        row = (owner, until, restore.started_at, incarnation, restore.host, restore.pid, text)
+        if not tx.execute(q.claim_insert, row):
+            raise Superseded(owner)
+    if let_go:
+        release(tx, owner, let_go, now)
+    return [] if reread is None else load_many(tx, reread)
+
+
+@functools.lru_cache(maxsize=16)
+def _release_sql(d: _sql.Dialect, n: int) -> str:
+    if d.arrays:
+        return (
+            f"UPDATE {FLOWS} f SET lease_until = ? FROM unnest(?::text[], ?::bigint[])"
+            " AS l(flow_id, revision) WHERE f.flow_id = l.flow_id"
+            f" AND f.revision = l.revision AND f.owner = ? AND f.state {IN_ACTIVE}"
+            " RETURNING f.flow_id"
+        )
+    pairs = ", ".join(["(?, ?)"] * n)
+    return (
+        f"UPDATE {FLOWS} SET lease_until = ? WHERE (flow_id, revision) IN (VALUES {pairs})"
+        f" AND owner = ? AND state {IN_ACTIVE} RETURNING flow_id"
+    )
+
+
+def release(tx: Tx, owner: str, flows: Sequence[tuple[str, int]], at: float) -> int:
+    """`owner` lets go those of `flows` (``(flow_id, revision)``) it still holds at that very
+    revision (no new revision): any engine may take them over from `at` on. A flow written
+    since (taken over, or given back to this engine by a wake, a timer or a cancel) is left as
+    it is. How many were released."""
+    d = _sql.DIALECTS[tx.dialect]
+    released = 0
+    ordered = sorted(flows)
+    for i in range(0, len(ordered), _CHUNK):
+        chunk = ordered[i : i + _CHUNK]
+        if d.arrays:
+            pairs: list[Any] = [[fid for fid, _r in chunk], [r for _f, r in chunk]]
+        else:
+            pairs = [v for pair in chunk for v in pair]
+        released += len(tx.execute(_release_sql(d, len(chunk)), (at, *pairs, owner)))
+    return released
+
+
+def prune_engines(tx: Tx, before: float) -> int:
+    """Forget engines whose lease lapsed before `before` and that hold no active flow; how
+    many."""
+    return len(tx.execute(_statements(tx).prune_engines, (before,)))
+
+
+def load_engines(tx: Tx) -> list[tuple[str, float, float, int]]:
+    """``(owner, lease_until, started_at, active flows it holds)`` of every known engine."""
+    return [(r[0], r[1], r[2], r[3]) for r in tx.execute(_statements(tx).select_engines)]
