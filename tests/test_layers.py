@@ -17,8 +17,9 @@ function or under ``TYPE_CHECKING`` too), like `test_public_names`. Bottom first
   examples) only the face is used.
 
 No folder imports one above it. What breaks a rule today is listed in `EXCEPTIONS`, each with
-why it is there: the list must shrink to nothing (issue: the layers, parts 4-6), and an entry
-that no longer breaks a rule fails the test too, so that the list stays true.
+why it is there: the list must shrink to nothing (the mode chosen once, the store's split, a
+public observer hook), and an entry that no longer breaks a rule fails the test too, so that
+the list stays true.
 """
 
 from __future__ import annotations

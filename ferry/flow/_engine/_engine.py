@@ -1,29 +1,9 @@
 """The public flow engine: `Engine`, the API and its choreography; it checks input and delegates
 to the parts that do the work.
 
-Where each job lives (calls go one way, down this list; a part reaches another only through the
-methods it was given at construction, and no part imports this module):
-
-- `Engine` (here): the calls (`start`, `wake`, `on`, `publish`, `wait`, `get`, `cancel`,
-  `resume`, `history`, `statistics`): each checks who calls it and delegates.
-- `_open`: `open_engine`, its option checks, and the engine's lifetime (the write ferry, the
-  tasks, what is left at close), through `_parts.Parts`, which builds and wires the parts below.
-- `_requests`: the outside requests' input checks and ops, and the plan version each is
-  computed with.
-- `_recovery`: what an opening engine resumes, and what a closing one lets go.
-- `_fleet`: the fleet's periodic work: renewing and checking what it holds, scanning for
-  orphans and deadlines.
-- `_lease`: the engine's own lease, and what it may trust on it (the rule of trust after a
-  lapse, stated there once).
-- `_runner`: runner slots and the tasks that run steps and compensations.
-- `_timer_loop`: the park deadlines and the task that fires them (the heap itself: `_timers`).
-- `_waiters`: `wait`, and what wakes it (the engine's own writes, PostgreSQL notifications
-  through `_listener`, a read per lease at most).
-- `_writes`: every durable change of a flow, through the ferry, and the map of live flows that
-  follows the commits.
-- `_versions`, `_clock`, `_live`: plan versions, the wall clock, and the records every part
-  shares. Under them all: the pure machine (`_machine`), which decides, and the store
-  (`_store`), which records (docs/adr/0020).
+Where each job lives: the map of the package's folders, docs/flow.md ("The folders"). Calls go
+one way, down the folders; a part reaches another only through the methods it was given at
+construction (`_parts.Parts` wires them), and no part imports this module.
 """
 
 from __future__ import annotations
