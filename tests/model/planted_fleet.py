@@ -103,3 +103,11 @@ class BlocksForAVersionAnotherEngineHas(FleetProtocol):
     version and would run it."""
 
     fleet_versions = False
+
+
+class TakeoverByTheHostClock(FleetProtocol):
+    """(11) The engine before ADR 0110: lease times are compared with the host's clock, in the
+    scan and in the takeover's check (``lapsed_at``), so an engine whose clock is ahead by more
+    than a lease sees every live lease as lapsed and takes over the flows their engines run."""
+
+    leases_by_database_clock = False

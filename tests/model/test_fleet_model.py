@@ -20,6 +20,7 @@ from tests.model.planted_fleet import (
     RenewalTrustsWithoutRereading,
     RetakenFlowReleased,
     RunnerIgnoresItsLease,
+    TakeoverByTheHostClock,
     TakeoverKeepsTheAttempt,
     TakeoverWithoutOrphanCheck,
     TakeoverWithoutRevisionCheck,
@@ -27,7 +28,7 @@ from tests.model.planted_fleet import (
 from tests.model.test_flow_model import StoreMirror, _agree
 
 EITHER, CANCEL, FROZEN, OUTAGE = FLEET_DEFAULT
-SAME_NAME, VERSIONS = FLEET_EDGES
+SAME_NAME, VERSIONS, SKEW = FLEET_EDGES
 
 # What each default bound must reach, so that no property is vacuous.
 REACHED = {
@@ -42,6 +43,7 @@ EXTRA = {
     OUTAGE.name: {"let go", "release", "takeover answer lost", "adopt", "let go, then ours again"},
     SAME_NAME.name: {"claim refused", "claim takes the name", "freeze", "takeover"},
     VERSIONS.name: {"wake RESUMED", "wake QUEUED", "cancel True", "takeover", "timer fires"},
+    SKEW.name: {"restart RUNNING", "timer fires"},
 }
 WAKELESS = {"end COMPLETED", "completed", "woken"}  # without a wake, the park times out
 REACHED_BY = {
@@ -72,7 +74,9 @@ def test_fleet_model_check(config: FlowConfig) -> None:
 def test_fleet_model_check_of_incarnations_and_versions(config: FlowConfig) -> None:
     """Issue 16: a second opening under engine 0's name (refused while engine 0 is up with its
     lease; allowed once it crashed or its lease lapsed, which supersedes it), and an engine
-    without the flow's version (it leaves the flow to engine 0 while that one is live)."""
+    without the flow's version (it leaves the flow to engine 0 while that one is live); and an
+    engine whose host clock is ahead by more than a lease (it takes over only what a crash
+    left: leases go by the database's clock, ADR 0110)."""
     _run(config, FleetProtocol())
 
 
@@ -82,6 +86,18 @@ def test_catches_a_second_incarnation_that_is_not_refused() -> None:
     assert found.message.endswith("two at once")
     assert any("engine 1 opens as e0" in step for step in found.trace)
     assert not any("freezes" in step or "crash" in step for step in found.trace)
+
+
+def test_catches_a_takeover_by_a_host_clock_that_is_ahead() -> None:
+    """The engine before ADR 0110 (leases compared with the host's clock): engine 1, whose
+    clock is ahead by more than a lease, takes over the flow engine 0 runs under a live lease,
+    with no crash, freeze or lapse at all. With the one clock (the database's) the same bound
+    passes (`test_fleet_model_check_of_incarnations_and_versions`)."""
+    found = FleetChecker(SKEW, TakeoverByTheHostClock()).find()
+    print(f"\n{found}")
+    assert found.message == "engine 1 took over a flow engine 0 holds"
+    assert found.trace[0].endswith("nobody's by its own clock, which is ahead")
+    assert len(found.trace) == 2
 
 
 def test_catches_an_engine_that_blocks_a_version_another_engine_has() -> None:
@@ -217,6 +233,7 @@ def test_fleet_protocol_flags_are_the_engine_s() -> None:
     assert p.outside_respects_owner and p.renewal_releases and p.release_checks_owner
     assert p.release_checks_revision  # `_store.release` (ADR 0047)
     assert p.renewal_rereads and p.retaken_not_released  # the findings, fixed (ADR 0047)
+    assert p.leases_by_database_clock  # one clock for leases (ADR 0110)
 
 
 # ---- fidelity: takeovers and releases as the real store makes them ------------------------------
