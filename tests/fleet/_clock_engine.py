@@ -2,9 +2,11 @@
 
 ``python -m tests.fleet._clock_engine DSN --owner NAME --lease S --gate PATH [--skew S]
 [--step S] [--start N]`` opens a flow engine on PostgreSQL through the tests' wall-clock switch
-(tests/switches.py): its host clock reads ``time.time() + skew``, and from the first SIGUSR1 on
-``time.time() + skew + step`` (an NTP step after it opened). It starts `--start` flows, says
-``ready`` and serves until SIGTERM; then it prints ``stats {...}`` (its statistics, JSON).
+(tests/switches.py) with a host clock that reads the real time plus `skew`, and from the first
+SIGUSR1 on plus `skew + step` (an NTP step after it opened). The process's ``time.time`` is
+that clock too, replaced before the package is imported, as a host's clock would be for every
+part of it (its lease thread included). It starts `--start` flows, says ``ready`` and serves
+until SIGTERM; then it prints ``stats {...}`` (its statistics, JSON).
 
 The plan ``clocked`` has one step, ``s1``: its body records ``begin`` and ``end`` in the side
 table ``clock_runs`` (flow, owner, attempt, phase, the database's ``clock_timestamp()``: one
@@ -21,17 +23,13 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import attrs
-import trio
-
-from ferry import flow
-from ferry.projected import PostgresStore
-from tests import switches
+if TYPE_CHECKING:
+    from ferry import flow
 
 SIDE = (
     "CREATE TABLE IF NOT EXISTS clock_runs"
@@ -40,9 +38,11 @@ SIDE = (
 
 
 class HostClock:
-    """``time.time()`` plus a skew, plus a step once SIGUSR1 came."""
+    """The real time (`real`, the original ``time.time``) plus a skew, plus a step once SIGUSR1
+    came."""
 
-    def __init__(self, skew: float, step: float) -> None:
+    def __init__(self, real: Callable[[], float], skew: float, step: float) -> None:
+        self.real = real
         self.skew = skew
         self.step = step
         self.stepped = False
@@ -51,10 +51,14 @@ class HostClock:
         self.stepped = True
 
     def __call__(self) -> float:
-        return time.time() + self.skew + (self.step if self.stepped else 0.0)
+        return self.real() + self.skew + (self.step if self.stepped else 0.0)
 
 
 def make_plan(side: Any, owner: str, gate: Path) -> flow.Plan:
+    import trio
+
+    from ferry import flow
+
     plan = flow.Plan("clocked")
 
     def record(ctx: flow.Context, phase: str) -> None:
@@ -75,7 +79,12 @@ def make_plan(side: Any, owner: str, gate: Path) -> flow.Plan:
 
 
 async def serve(args: argparse.Namespace, clock: HostClock) -> None:
+    import attrs
     import psycopg
+    import trio
+
+    from ferry.projected import PostgresStore
+    from tests import switches
 
     side = psycopg.connect(args.dsn, autocommit=True, application_name="clock-side")
     side.execute(SIDE)
@@ -108,9 +117,12 @@ def main(argv: Sequence[str]) -> None:
     p.add_argument("--step", type=float, default=0.0)
     p.add_argument("--start", type=int, default=0)
     args = p.parse_args(argv)
-    clock = HostClock(args.skew, args.step)
+    clock = HostClock(time.time, args.skew, args.step)
+    time.time = clock  # before the package is imported (and binds it anywhere)
     signal.signal(signal.SIGUSR1, clock.on_signal)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    import trio
+
     trio.run(serve, args, clock)
 
 

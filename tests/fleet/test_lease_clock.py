@@ -11,7 +11,10 @@ no body, and every flow completed.
 
 Before the one clock, b compared a's leases (written by a's clock) with its own: with a clock
 10 s ahead, a's 2 s lease looked lapsed, b took all ten flows over at open and ran ``s1`` beside
-a (ten overlapping bodies of ten, every run).
+a (ten overlapping bodies of ten, in 4 of 4 runs). The stepped test failed then on the durable
+times (the engine read the wall clock once, at open); its steps after open happened to take
+nothing over (an engine's clock did not follow them, and its lease thread's renewal never
+shortens a lease).
 """
 
 from __future__ import annotations
