@@ -3,10 +3,11 @@ the batched compare-and-set write.
 
 Everything here is synchronous and runs inside one store transaction on a worker thread (a
 `ferry.projected.Tx` of the same `SqliteStore`/`PostgresStore` that `ProjectedWrite` uses): no
-trio, no clock. Every statement is built once per dialect in `_sql`, which also holds, in one
-`Dialect` record each, everything SQLite and PostgreSQL say differently. Decisions are not taken
-here: a write runs a pure transition of `_machine` on the row it holds, and records what the
-transition says (docs/adr/0021).
+trio, and no host's clock: times come in as arguments, and the one clock read here is the
+database's, for leases (`lease_clock`, docs/adr/0110). Every statement is built once per
+dialect in `_sql`, which also holds, in one `Dialect` record each, everything SQLite and
+PostgreSQL say differently. Decisions are not taken here: a write runs a pure transition of
+`_machine` on the row it holds, and records what the transition says (docs/adr/0021).
 
 Tables:
 
