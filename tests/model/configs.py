@@ -269,19 +269,6 @@ FLEET_EDGES = [
     ),
 ]
 
-# One clock for leases (ADR 0110): engine 1's host clock is ahead by more than a lease.
-FLEET_CLOCK = [
-    FlowConfig(
-        "fleet: engine 1's clock is ahead by more than a lease, 1 crash, the timeout",
-        LEAN,
-        wakes=(),
-        cancel=False,
-        resumes=0,
-        engines=2,
-        skew=True,
-    ),
-]
-
 FLEET_SLOW = [
     FlowConfig(
         "fleet: ORDER's retry and raising compensation, 1 wake, a cancel, 1 crash",
@@ -308,5 +295,18 @@ FLEET_SLOW = [
         engines=2,
         freezes=1,
         outages=1,
+    ),
+]
+
+# One clock for leases (ADR 0110): engine 1's host clock is ahead by more than a lease.
+FLEET_CLOCK = [
+    FlowConfig(
+        "fleet: engine 1's clock is ahead by more than a lease, 1 crash, the timeout",
+        LEAN,
+        wakes=(),
+        cancel=False,
+        resumes=0,
+        engines=2,
+        skew=True,
     ),
 ]

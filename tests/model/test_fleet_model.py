@@ -7,7 +7,7 @@ import attrs
 import pytest
 
 from ferry.flow import _store as store
-from tests.model.configs import FLEET_CLOCK, FLEET_DEFAULT, FLEET_EDGES, FLEET_SLOW
+from tests.model.configs import FLEET_DEFAULT, FLEET_EDGES, FLEET_SLOW
 from tests.model.fleet import NAMES, FleetChecker, FleetProtocol
 from tests.model.flow import FlowConfig, S, Write
 from tests.model.planted_fleet import (
@@ -20,7 +20,6 @@ from tests.model.planted_fleet import (
     RenewalTrustsWithoutRereading,
     RetakenFlowReleased,
     RunnerIgnoresItsLease,
-    TakeoverByTheHostClock,
     TakeoverKeepsTheAttempt,
     TakeoverWithoutOrphanCheck,
     TakeoverWithoutRevisionCheck,
@@ -29,7 +28,6 @@ from tests.model.test_flow_model import StoreMirror, _agree
 
 EITHER, CANCEL, FROZEN, OUTAGE = FLEET_DEFAULT
 SAME_NAME, VERSIONS = FLEET_EDGES
-(SKEW,) = FLEET_CLOCK
 
 # What each default bound must reach, so that no property is vacuous.
 REACHED = {
@@ -44,12 +42,10 @@ EXTRA = {
     OUTAGE.name: {"let go", "release", "takeover answer lost", "adopt", "let go, then ours again"},
     SAME_NAME.name: {"claim refused", "claim takes the name", "freeze", "takeover"},
     VERSIONS.name: {"wake RESUMED", "wake QUEUED", "cancel True", "takeover", "timer fires"},
-    SKEW.name: {"restart RUNNING", "timer fires"},
 }
 WAKELESS = {"end COMPLETED", "completed", "woken"}  # without a wake, the park times out
 REACHED_BY = {
-    c.name: REACHED - (WAKELESS if not c.wakes else set())
-    for c in FLEET_DEFAULT + FLEET_EDGES + FLEET_CLOCK
+    c.name: REACHED - (WAKELESS if not c.wakes else set()) for c in FLEET_DEFAULT + FLEET_EDGES
 }
 REACHED_BY[SAME_NAME.name] -= {"takeover refused"}  # one runner at a time under one name
 
@@ -86,23 +82,6 @@ def test_catches_a_second_incarnation_that_is_not_refused() -> None:
     assert found.message.endswith("two at once")
     assert any("engine 1 opens as e0" in step for step in found.trace)
     assert not any("freezes" in step or "crash" in step for step in found.trace)
-
-
-def test_fleet_model_check_with_a_host_clock_ahead() -> None:
-    """Engine 1's host clock is ahead by more than a lease: it takes over only what engine 0's
-    crash left, since leases go by the database's clock (ADR 0110)."""
-    _run(SKEW, FleetProtocol())
-
-
-def test_catches_a_takeover_by_a_host_clock_that_is_ahead() -> None:
-    """The engine before ADR 0110 (leases compared with the host's clock): engine 1, whose
-    clock is ahead by more than a lease, takes over the flow engine 0 runs under a live lease,
-    with no crash, freeze or lapse at all (the bound of the test above)."""
-    found = FleetChecker(SKEW, TakeoverByTheHostClock()).find()
-    print(f"\n{found}")
-    assert found.message == "engine 1 took over a flow engine 0 holds"
-    assert found.trace[0].endswith("nobody's by its own clock, which is ahead")
-    assert len(found.trace) == 2
 
 
 def test_catches_an_engine_that_blocks_a_version_another_engine_has() -> None:
@@ -238,7 +217,6 @@ def test_fleet_protocol_flags_are_the_engine_s() -> None:
     assert p.outside_respects_owner and p.renewal_releases and p.release_checks_owner
     assert p.release_checks_revision  # `_store.release` (ADR 0047)
     assert p.renewal_rereads and p.retaken_not_released  # the findings, fixed (ADR 0047)
-    assert p.leases_by_database_clock  # one clock for leases (ADR 0110)
 
 
 # ---- fidelity: takeovers and releases as the real store makes them ------------------------------
