@@ -1,5 +1,6 @@
 """Engines opened with the switches only tests and benchmarks use (group commit off, the fleet's
-leases forced on or off, fencing off, another scan interval or wall clock), which are not in
+leases forced on or off, fencing off, another scan interval or wall clock: a host clock that
+is skewed or stepped, which on PostgreSQL reaches durable times but not leases), which are not in
 `flow.open_engine`'s signature. Every other option is `open_engine`'s own, with its defaults.
 
 Fencing off is a planted bug, made here and nowhere in the package: while such an engine is

@@ -34,8 +34,8 @@ The oracle (`check`, pure):
   that moved an active flow at that key from one owner to another: the SIGKILL's and the
   SIGSTOP's orphans, and any lease that lapsed on its own);
 - no engine wrote a flow that another engine held under a lease that had not lapsed (by the
-  writer's clock); and the frozen owner advanced nothing after it woke from the revisions it
-  held when it was frozen;
+  database's clock at the write, the one clock of leases: docs/adr/0110); and the frozen owner
+  advanced nothing after it woke from the revisions it held when it was frozen;
 - every failed flow's compensations ran in the reverse order of its completed steps, each once,
   and a completed flow compensated nothing.
 """
@@ -410,19 +410,19 @@ CREATE TABLE audit (
     old_revision BIGINT, new_revision BIGINT,
     old_owner TEXT, new_owner TEXT,
     old_state TEXT, new_state TEXT,
-    old_lease DOUBLE PRECISION, new_updated DOUBLE PRECISION,
+    old_lease DOUBLE PRECISION, written_at DOUBLE PRECISION,
     old_step_index BIGINT, old_step TEXT,
     old_attempt BIGINT, new_attempt BIGINT);
 CREATE FUNCTION audit_flow() RETURNS trigger AS $$
 BEGIN
     INSERT INTO audit (flow_id, app, old_revision, new_revision, old_owner, new_owner,
-                       old_state, new_state, old_lease, new_updated, old_step_index, old_step,
+                       old_state, new_state, old_lease, written_at, old_step_index, old_step,
                        old_attempt, new_attempt)
     VALUES (OLD.flow_id, current_setting('application_name'), OLD.revision, NEW.revision,
             OLD.owner, NEW.owner, OLD.state, NEW.state,
             coalesce(OLD.lease_until,
                      (SELECT e.lease_until FROM flow_engines e WHERE e.owner = OLD.owner)),
-            NEW.updated_at,
+            EXTRACT(EPOCH FROM now()),
             OLD.step_index, OLD.step, OLD.attempt, NEW.attempt);
     RETURN NEW;
 END $$ LANGUAGE plpgsql;
@@ -533,7 +533,8 @@ class AuditRow:
     old_state: str
     new_state: str
     old_lease: float | None
-    new_updated: float
+    #: the database's clock when the write was made (the clock leases go by: docs/adr/0110)
+    written_at: float
     old_step_index: int
     old_step: str | None
     old_attempt: int
@@ -560,7 +561,7 @@ class AuditRow:
             and self.new_state == self.old_state
             and self.old_owner is not None
             and self.new_attempt > self.old_attempt
-            and (self.old_lease is None or self.old_lease < self.new_updated)
+            and (self.old_lease is None or self.old_lease < self.written_at)
         )
 
     @property
@@ -648,11 +649,11 @@ def check(specs: Sequence[Spec], seen: Observed, freeze: Freeze | None) -> list[
             a.old_state in ("RUNNING", "COMPENSATING")
             and a.old_owner not in (None, a.app)
             and a.old_lease is not None
-            and a.old_lease >= a.new_updated
+            and a.old_lease >= a.written_at
         ):
             problems.append(
                 f"{a.flow_id}: {a.app} wrote revision {a.new_revision} over {a.old_owner}'s"
-                f" lease (until {a.old_lease:.3f}, written at {a.new_updated:.3f})"
+                f" lease (until {a.old_lease:.3f}, written at {a.written_at:.3f})"
             )
     if freeze is not None:
         for a in seen.audit:

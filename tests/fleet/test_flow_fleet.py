@@ -234,7 +234,7 @@ def _audit(i: int, **changes: Any) -> AuditRow:
         old_state="RUNNING",
         new_state="RUNNING",
         old_lease=100.0,
-        new_updated=50.0,
+        written_at=50.0,
         old_step_index=0,
         old_step="reserve",
         old_attempt=1,

@@ -87,8 +87,9 @@ InlineSqliteStore = PlantedStore
 
 
 def kind(fn: Callable[..., Any]) -> str:
-    """The name of the store function a transaction runs (``write_batch``, ``renew``, ...)."""
-    return getattr(getattr(fn, "func", fn), "__name__", repr(fn))
+    """The name of the store function a transaction runs (``write_batch``, ``renew``, ...; an
+    engine's lease transaction on the lease clock, ``renew_on_clock``, is a ``renew``)."""
+    return getattr(getattr(fn, "func", fn), "__name__", repr(fn)).removesuffix("_on_clock")
 
 
 class _Waiting:

@@ -320,3 +320,16 @@ FLEET_SLOW = [
         outages=1,
     ),
 ]
+
+# One clock for leases (ADR 0110): engine 1's host clock is ahead by more than a lease.
+FLEET_CLOCK = [
+    FlowConfig(
+        "fleet: engine 1's clock is ahead by more than a lease, 1 crash, the timeout",
+        LEAN,
+        wakes=(),
+        cancel=False,
+        resumes=0,
+        engines=2,
+        skew=True,
+    ),
+]

@@ -34,7 +34,11 @@ Actors and their steps (on top of `flow.py`'s)
   - adopts a flow held under its name that it does not run (`Fleet.check_held`: a takeover
     whose answer was lost), writing attempt + 1 as a compare-and-set.
 - the leases and time: an engine stops trusting its lease before the lease lapses in the store
-  (`_LEASE_MARGIN`: the model assumes no clock skew beyond it). A frozen engine's lease lapses in
+  (`_LEASE_MARGIN`: its view of its lease is elapsed time since a renewal began, which the
+  database granted from a later moment: ADR 0110). With `skew`, engine 1's host clock is ahead
+  of engine 0's by more than a lease: leases go by the database's clock, so nothing changes (a
+  planted bug that compares leases with the host's clock lets engine 1 see engine 0's live
+  lease as lapsed, in its scan and in its takeover's check). A frozen engine's lease lapses in
   one step (its trust with it), a crashed engine's too. An engine whose renewals fail while it
   runs on (an *outage*) gives up at the margin: it stops trusting its lease and lets the flow go
   in one step; its lease may lapse after that, and a renewal may get through later. Each engine
@@ -134,6 +138,10 @@ class FleetProtocol(FlowProtocol):
     #: an engine opens under an owner name only if no other incarnation that is up holds it
     #: with a live lease, and the name is then its alone (`_store.claim`, ADR 0071)
     claim_checks_incarnation = True
+    #: lease times are written and compared on the database's clock, in the transaction
+    #: (`_store.lease_clock`, ADR 0110): an engine whose host clock is ahead (`FlowConfig.skew`)
+    #: sees no live lease as lapsed, in its scan or in its takeover's check
+    leases_by_database_clock = True
     #: an engine without the flow's plan version leaves it to a live engine that has it: an
     #: outside request is computed with the fleet's shape and leaves the flow nobody's, it fires
     #: no timer and takes nothing over of that version, and its runner lets such a flow go
@@ -172,6 +180,8 @@ class FleetChecker(FlowChecker):
         self.names = (NAMES[0], *NAMES[:1], *NAMES[2:n]) if config.same_name else NAMES[:n]
         #: the engines without the flow's plan version (a rolling deploy)
         self.lacks = frozenset({1}) if config.versions else frozenset()
+        #: the engines whose host clock is ahead of the others' by more than a lease
+        self.skewed = frozenset({1}) if config.skew else frozenset()
         self._ctx: S | None = None  # the state whose successors are being computed
 
     def initial(self) -> S:
@@ -225,8 +235,17 @@ class FleetChecker(FlowChecker):
             if name == row.owner and m.holders[e] and m.leases[e]
         ]
 
-    def _nobodys(self, m: S) -> bool:
-        return m.row.state in ACTIVE and self._holder(m) is None
+    def _nobodys(self, m: S, by: int | None = None) -> bool:
+        """Is the flow nobody's, as engine `by` sees it (its scan, its takeover's check)? By
+        the one clock of the leases (the database's, ADR 0110) that is what the store says;
+        by a host clock ahead by more than a lease (`FlowConfig.skew`, a planted bug), every
+        other engine's lease has lapsed."""
+        if m.row.state not in ACTIVE:
+            return False
+        holder = self._holder(m)
+        if holder is None:
+            return True
+        return by in self.skewed and holder != by and not self.protocol.leases_by_database_clock
 
     def _who(self, m: S) -> str:
         row = m.row
@@ -267,7 +286,7 @@ class FleetChecker(FlowChecker):
         def held(f: Flow, b: Mailbox) -> Transition:
             return p.assign_holder(apply(f, b), f, name, keep_runner)
 
-        return Write(held, w.copy, w.message_id, w.first_queued, w.orphan, w.cas)
+        return Write(held, w.copy, w.message_id, w.first_queued, w.orphan, w.cas, w.by)
 
     def _record(self, m: S, t: Transition, step: str) -> S:
         """As `flow.py`'s; and an engine never blocks a flow for a version it lacks while
@@ -350,8 +369,10 @@ class FleetChecker(FlowChecker):
             steps.append(self._let_go(m, e, "still cannot renew"))
         lacks = e in self.lacks and p.fleet_versions  # it takes nothing of that version
         if engine.runner is None and engine.trust and row.state in ACTIVE and not lacks:
-            if self._nobodys(m):
+            if self._nobodys(m, e):
                 label = f"engine {e}'s scan reads {_where(row)} ({self._who(m)}): nobody's"
+                if not self._nobodys(m):
+                    label += " by its own clock, which is ahead"
                 steps.append((label, self._set_engine(m, e, runner=(TAKE, row))))
             elif row.owner == name and row.lease_until is None and not engine.released:
                 # `Fleet.check_held`: held under its name, but not run (a lost answer, a restart)
@@ -431,6 +452,7 @@ class FleetChecker(FlowChecker):
             copy,
             orphan=p.takeover_checks_orphan,
             cas=p.takeover_cas,
+            by=e,
         )
         holder = self._holder(m)
         t = self._write(m, write)

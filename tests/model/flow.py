@@ -160,6 +160,7 @@ class FlowConfig:
     outages: int = 0  # the fleet: an engine that runs the flow may fail to renew in time
     same_name: bool = False  # the fleet: engine 1 is a second incarnation of engine 0's name
     versions: bool = False  # the fleet: engine 1 lacks the flow's plan version (a deploy)
+    skew: bool = False  # the fleet: engine 1's host clock is ahead by more than a lease
 
     @property
     def shape(self) -> Shape:
@@ -189,6 +190,9 @@ class Write:
     orphan: bool = False
     #: compare-and-set the copy's revision (None: as the protocol's `runner_cas` says)
     cas: bool | None = None
+    #: the engine that sends it (the fleet's takeover: whose host clock a planted orphan check
+    #: reads, `FlowConfig.skew`)
+    by: int | None = None
 
 
 class FlowProtocol:
@@ -433,15 +437,16 @@ class FlowChecker(Search):
         cas = self.protocol.runner_cas if w.cas is None else w.cas
         if cas and m.row.revision != w.copy.revision:
             return None
-        if w.orphan and not self._nobodys(m):
+        if w.orphan and not self._nobodys(m, w.by):
             return None
         t = w.apply(w.copy, view)
         if not cas and t.written and self.protocol.blind_write_bumps_stored_revision:
             t = _rebased(t, m.row.revision)  # ``SET revision = revision + 1``, no compare
         return t
 
-    def _nobodys(self, m: S) -> bool:
-        """Does no engine hold the flow (the fleet's takeover condition)? Never, with one."""
+    def _nobodys(self, m: S, by: int | None = None) -> bool:
+        """Does no engine hold the flow (the fleet's takeover condition, as engine `by` sees
+        it)? Never, with one."""
         return False
 
     def _record(self, m: S, t: Transition, step: str) -> S:
@@ -645,7 +650,7 @@ class FlowChecker(Search):
         def held(f: Flow, b: Mailbox) -> Transition:
             return p.assign_holder(apply(f, b), f, OWNER, False)
 
-        return Write(held, w.copy, w.message_id, w.first_queued, w.orphan, w.cas)
+        return Write(held, w.copy, w.message_id, w.first_queued, w.orphan, w.cas, w.by)
 
     def _block(self, copy: Flow, now: float) -> Write:
         """An engine that lacks the plan version blocks the flow (a compare-and-set on `copy`)."""

@@ -42,6 +42,14 @@ class TakeoverWithoutOrphanCheck(FleetProtocol):
     takeover_checks_orphan = False
 
 
+class TakeoverByTheHostClock(FleetProtocol):
+    """(12) The engine before ADR 0110: lease times are compared with the host's clock, in the
+    scan and in the takeover's check (``lapsed_at``), so an engine whose clock is ahead by more
+    than a lease sees every live lease as lapsed and takes over the flows their engines run."""
+
+    leases_by_database_clock = False
+
+
 class RunnerIgnoresItsLease(FleetProtocol):
     """(3) A runner starts a body without looking at its lease: an engine whose renewals fail
     runs on after another engine took its flow over."""

@@ -156,8 +156,9 @@ class _Switches:
     """What only tests and benchmarks change (tests/switches.py opens engines with them):
     `group_commit=False` commits every write in its own transaction; `fleet` forces the fleet's
     leases on (or off) whatever the store; `scan_interval` overrides ``lease / 3``;
-    `wall_clock` is the clock of leases and deadlines. (Fencing off, a planted bug, is
-    tests/switches.py's own.)"""
+    `wall_clock` is the host's wall clock: of durable times and deadlines, and of leases on
+    SQLite only (on PostgreSQL the database's clock decides leases, docs/adr/0110). (Fencing
+    off, a planted bug, is tests/switches.py's own.)"""
 
     group_commit: bool = True
     wall_clock: Callable[[], float] = time.time

@@ -84,8 +84,10 @@ class Fleet:
         room = min(self._max_running - len(writes.live), _SCAN_LIMIT)
         if room > 0 and shapes and not self._lease.lapsing():
             keys = list(shapes)
-            orphans = await store.transact(
-                partial(_store.load_orphans, now=now, limit=room, plans=keys)
+            # Nobody's by the lease clock (the database's, docs/adr/0110), and each takeover
+            # requires that the flow is still nobody's at that time (`lapsed_at`).
+            at, orphans = await store.transact(
+                partial(_store.orphans_on_clock, now=now, limit=room, plans=keys)
             )
             ops: list[_store.Op] = []
             rows: list[Flow] = []
@@ -93,11 +95,11 @@ class Fleet:
                 if flow.flow_id in writes.live:
                     continue  # let go a moment ago and not yet forgotten
                 apply = on_row(m.take_over, self._owner, now)
-                op = _store.Change(flow.flow_id, apply, flow=flow, lapsed_at=now)
+                op = _store.Change(flow.flow_id, apply, flow=flow, lapsed_at=at)
                 ops.append(op)
                 rows.append(flow)
             results = await gather([partial(writes.write_answered, op) for op in ops])
-            answer = partial(answer_refused, writes, self._clock, self._versions, lapsed_at=now)
+            answer = partial(answer_refused, writes, self._clock, self._versions, lapsed_at=at)
             refused = [
                 partial(answer, f, r)
                 for f, r in zip(rows, results, strict=True)
@@ -136,8 +138,12 @@ class Fleet:
                 await self.scan()
                 scans += 1
                 if scans % _PRUNE_EVERY == 0:  # engines long gone that hold nothing
-                    before = self._clock.now() - _PRUNE_AFTER * self._lease.lease
-                    await self._store.transact(partial(_store.prune_engines, before=before))
+                    prune = partial(
+                        _store.prune_engines_on_clock,
+                        now=self._clock.now(),
+                        after=_PRUNE_AFTER * self._lease.lease,
+                    )
+                    await self._store.transact(prune)
             except Exception as exc:
                 if not transient(exc):
                     raise

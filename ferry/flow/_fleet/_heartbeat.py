@@ -85,8 +85,10 @@ class _ConnTx:
 class Keeper:
     """Renews one engine incarnation's lease from a thread, on a connection of its own.
 
-    `held_until` (wall-clock seconds) is how long the lease is known to run: raised by the
-    thread's renewals and by the engine's own (`extend`). `superseded` is set once another
+    `held_until` is how long the lease is known to run, on `clock` (the engine's view of its
+    lease: trio's clock, read from this thread, docs/adr/0110): raised by the thread's renewals
+    (the time a renewal began plus the lease: the database granted no less) and by the engine's
+    own (`extend`). `superseded` is set once another
     incarnation holds the name. `renewals` and `failures` count the thread's work.
     """
 
@@ -99,14 +101,14 @@ class Keeper:
         lease: float,
         margin: float,
         held_until: float,
-        wall_clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._dsn = dsn
         self._owner = owner
         self._incarnation = incarnation
         self._lease = lease
         self._margin = margin
-        self._clock = wall_clock
+        self._clock = clock
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._conn: Any = None
@@ -211,7 +213,7 @@ class Keeper:
                         _store.renew_lease,
                         owner=self._owner,
                         incarnation=self._incarnation,
-                        until=until,
+                        lease=self._lease,
                         margin=self._margin,
                     )
                 )
@@ -244,7 +246,7 @@ class Keeper:
                     self._stop.wait(delay)
                 continue
             if renewed is not None:
-                self.extend(renewed)
+                self.extend(until)
                 self.renewals += 1
             return
 

@@ -25,6 +25,14 @@ on it (`Lease.confirm`). Until the lease is trusted again nothing runs: every bo
 deadline at the lease's margin, moved on with each renewal (`Lease.retrust`, docs/adr/0073), and
 an engine whose lease is within the margin of lapsing (`Lease.lapsing`) lets its flows go
 (`Lease.lose_all`), to be released in the store with its next renewal.
+
+One clock for leases (docs/adr/0110): in a fleet the database's clock decides whose lease runs
+(every lease transaction reads it first, `_store.lease_clock`, and writes and compares the
+lease times on it); no host's clock does. The engine's own view of how long its lease runs is
+local elapsed time on trio's clock: a renewal that began at trio time ``t`` and went through
+holds the lease until ``t + lease`` (the database granted ``lease`` seconds from a moment after
+``t``), so no step of the host's wall clock can make it trust its lease longer than the
+database does.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import logging
 import math
 import os
 import socket
+import time
 import uuid
 from functools import cache, partial
 
@@ -134,10 +143,10 @@ def process_gone(host: str | None, pid: int | None) -> bool:
 class Lease:
     """This engine's own lease in a fleet, and what it may trust on it (the module docstring).
 
-    `until` is how long the lease runs by this engine's own renewals (wall clock; -inf before
-    the first and after a lapse was seen); the heartbeat thread (`_heartbeat.Keeper`, PostgreSQL)
-    may know of a later one (`runs_until`). Off a fleet there is no lease: `trust_deadline` is
-    inf and nothing else is called."""
+    `until` is how long the lease runs by this engine's own renewals (trio's clock, the module
+    docstring; -inf before the first and after a lapse was seen); the heartbeat thread
+    (`_heartbeat.Keeper`, PostgreSQL) may know of a later one (`runs_until`). Off a fleet there
+    is no lease: `trust_deadline` is inf and nothing else is called."""
 
     def __init__(
         self,
@@ -160,8 +169,8 @@ class Lease:
         # This opening of the owner name (docs/adr/0071): a fleet engine's lease row names it,
         # and only this incarnation renews it.
         self.incarnation = uuid.uuid4().hex
-        # How long before a lease lapses this engine lets the flow go (for clock skew between
-        # hosts).
+        # How long before its lease lapses (by its own view) this engine lets the flow go: for
+        # the rates of its clock and the database's, which may differ a little.
         self.margin = lease * _LEASE_MARGIN
         self.until = -math.inf
         # The thread that renews the lease without the trio loop (PostgreSQL), and the
@@ -176,40 +185,46 @@ class Lease:
 
     # --------------------------------------------------------------------- opening, closing
 
-    async def claim(self, now: float, until: float, plans: list[tuple[str, int]]) -> None:
+    async def claim(self, now: float, plans: list[tuple[str, int]]) -> None:
         """Open this incarnation of the owner name (docs/adr/0071): `StoreLocked` while another
-        incarnation holds it with a live lease (and is not proven gone). On PostgreSQL, start
-        the thread that renews the lease from then on (`_heartbeat.Keeper`)."""
+        incarnation holds it with a live lease (and is not proven gone), by the lease clock. On
+        PostgreSQL, start the thread that renews the lease from then on (`_heartbeat.Keeper`).
+        `now` is the engine's clock (the lease clock on SQLite)."""
+        began = trio.current_time()
         claim = partial(
-            _store.claim,
+            _store.claim_on_clock,
             owner=self._owner,
             incarnation=self.incarnation,
-            until=until,
+            lease=self.lease,
             now=now,
             host=host_identity(),
             pid=os.getpid(),
             plans=plans,
             gone=process_gone,
         )
-        holder = await self._store.transact(claim)
+        holder, at = await self._store.transact(claim)
         if holder is not None:
             where = "this process" if holder.pid == os.getpid() else f"process {holder.pid}"
             if holder.host != host_identity():
                 where += " on another host" if holder.host is not None else ""
             raise StoreLocked(
                 f"another flow engine runs as owner {self._owner!r} ({where}; its lease runs"
-                f" {holder.lease_until - now:.1f} s more): one live engine per owner name. Give"
+                f" {holder.lease_until - at:.1f} s more): one live engine per owner name. Give"
                 " this engine another owner name, or stop that one (a restart under the same"
                 " name takes over once that engine closed, died on this host, or let its lease"
                 " lapse)"
             )
+        until = began + self.lease
         self.until = until
         self._trusted_until = until
         self._registration = _store.Registration(
-            host=host_identity(), pid=os.getpid(), started_at=now, plans=tuple(plans)
+            host=host_identity(), pid=os.getpid(), started_at=at, plans=tuple(plans)
         )
         dsn = _heartbeat.keeper_for(self._store)
         if dsn is not None:
+            # The thread reads trio's clock as perf_counter plus trio's offset: trio's own clock
+            # is just that (a MockClock moved by hand is not: docs/adr/0110).
+            offset = trio.current_time() - time.perf_counter()
             keeper = _heartbeat.Keeper(
                 dsn,
                 owner=self._owner,
@@ -217,6 +232,7 @@ class Lease:
                 lease=self.lease,
                 margin=self.margin,
                 held_until=until,
+                clock=lambda: time.perf_counter() + offset,
             )
             self._keeper = keeper
             self._instrument = _heartbeat.Trust(self._on_loop_wake)
@@ -246,7 +262,9 @@ class Lease:
         a database error leaves them to lapse."""
         await self.stop_keeper()
         now = self._clock.now()
-        end = partial(_store.end_lease, owner=self._owner, incarnation=self.incarnation, now=now)
+        end = partial(
+            _store.end_lease_on_clock, owner=self._owner, incarnation=self.incarnation, now=now
+        )
         try:
             await self._store.transact(end)
         except Exception as exc:
@@ -263,7 +281,7 @@ class Lease:
     # ------------------------------------------------------------------------------- trust
 
     def runs_until(self) -> float:
-        """How long this engine's lease is known to run (wall clock): its own renewals and its
+        """How long this engine's lease is known to run (trio's clock): its own renewals and its
         heartbeat thread's, whichever is later; -inf once another incarnation holds the name."""
         keeper = self._keeper
         if self._superseded or (keeper is not None and keeper.superseded):
@@ -274,13 +292,13 @@ class Lease:
 
     def lapsing(self) -> bool:
         """Is this engine's lease about to lapse (within the margin)?"""
-        return self._clock.now() >= self.runs_until() - self.margin
+        return trio.current_time() >= self.runs_until() - self.margin
 
     def trust_deadline(self) -> float:
         """The trio time until which a body may run on this engine's lease (inf off a fleet)."""
         if not self._fleet:
             return math.inf
-        return self._clock.trio_time(self.runs_until() - self.margin)
+        return self.runs_until() - self.margin
 
     def _retrust(self) -> None:
         """Move the deadlines of the bodies this engine runs to what its lease allows now. No
@@ -307,7 +325,7 @@ class Lease:
         lives = list(self._writes.live.values())
         for live in lives:
             self._writes.let_go(live, release=True)
-        self.until = min(self.until, self._clock.now())
+        self.until = min(self.until, trio.current_time())
         if lives:
             _log.warning(
                 "flow engine %r lost its lease (%s): it let %d running flow(s) go, their steps"
@@ -376,11 +394,11 @@ class Lease:
         writing the row again, and counts as one after a lapse (its flows re-read, those taken
         meanwhile let go), with a WARNING. Only a row of another incarnation is `Superseded`."""
         writes = self._writes
-        clock = self._clock
-        now = clock.now()
-        until = now + self.lease
+        began = trio.current_time()
+        now = self._clock.now()
+        until = began + self.lease  # what this renewal holds, if it goes through
         lapsed = self.lapsing()
-        deadline = clock.trio_time(max(self.until - self.margin, now + self.lease / 3))
+        deadline = max(self.until - self.margin, began + self.lease / 3)
         released = dict(writes.released)
         if self._superseded:
             return
@@ -389,9 +407,9 @@ class Lease:
             try:
                 while True:
                     renew = partial(
-                        _store.renew,
+                        _store.renew_on_clock,
                         owner=self._owner,
-                        until=until,
+                        lease=self.lease,
                         now=now,
                         let_go=sorted(released.items()),
                         reread=sorted(writes.live) if lapsed else None,

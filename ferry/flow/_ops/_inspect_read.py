@@ -274,7 +274,8 @@ async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
             return None, None, None, None, False
         events = _store.load_history(tx, args.flow_id) or []
         box = _store.load_mailbox(tx, args.flow_id)
-        return f, events, box, _store.holder(tx, args.flow_id, now), _store.leased(tx)
+        hold = _store.holder(tx, args.flow_id, _store.lease_clock(tx, now))  # docs/adr/0110
+        return f, events, box, hold, _store.leased(tx)
 
     f, events, box, hold, leased = await read_store(store, args.where, read)
     if f is None:
@@ -364,12 +365,14 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
     now = time.time()
 
     def read(tx: Any) -> dict[str, Any]:
+        at = _store.lease_clock(tx, now)  # leases go by the database's clock: docs/adr/0110
         return {
+            "clock": at,
             "plans": _store.count_plans(tx),
             "parked": _store.oldest_parked(tx, limit=args.oldest),
             "blocked": _store.blocked_reasons(tx),
             "engines": _store.load_engines(tx),
-            "orphans": _store.count_orphans(tx, now),
+            "orphans": _store.count_orphans(tx, at),
             "registered": _store.load_plans(tx),
         }
 
@@ -397,7 +400,13 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
         ],
         "blocked": [{"reason": why, "flows": n, "example": fid} for why, n, fid in r["blocked"]],
         "engines": [
-            {"owner": o, "lease_until": until, "alive": until >= now, "started_at": at, "flows": n}
+            {
+                "owner": o,
+                "lease_until": until,
+                "alive": until >= r["clock"],
+                "started_at": at,
+                "flows": n,
+            }
             for o, until, at, n in r["engines"]
         ],
         "registered_plans": [
@@ -436,7 +445,7 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
         legend.append("E.G.")
     if r["engines"]:
         rows = [
-            [o, "alive" if until >= now else "gone", _when(until), n]
+            [o, "alive" if until >= r["clock"] else "gone", _when(until), n]
             for o, until, _at, n in r["engines"]
         ]
         parts.append("\nengines\n" + table(("ENGINE", "LEASE", "UNTIL", "FLOWS"), rows))

@@ -71,12 +71,13 @@ async def recover(
     tally.parked = (await store.transact(_store.count_states)).get(State.PARKED, 0)
     if fleet is not None:
         now = clock.now()
-        await lease.claim(now, now + lease.lease, sorted(shapes))
+        await lease.claim(now, sorted(shapes))
         held = await store.transact(partial(_store.load_active, owner=owner))
         mine = [f for f in held if (f.plan, f.version) in shapes]
         others = [(f.flow_id, f.revision) for f in held if (f.plan, f.version) not in shapes]
         if others:  # a version this engine lacks: leave those to an engine that has it
-            await store.transact(partial(_store.release, owner=owner, flows=others, at=now))
+            release = partial(_store.release_on_clock, owner=owner, flows=others, now=now)
+            await store.transact(release)
         tally.stats["recovered"] = await rerun(writes, clock, versions, mine)
         try:
             await fleet.scan()

@@ -122,7 +122,7 @@ class Requests:
             return await call(shape_of)
         except _Unseen:
             pass
-        read = partial(_store.live_plans, now=self._clock.now())
+        read = partial(_store.live_plans_on_clock, now=self._clock.now())
         fresh = await self.read(read, "reading the fleet's plans")
         shapes = {**self._versions.learn(fresh), **self._shapes}
         return await call(lambda f: shapes.get((f.plan, f.version)))

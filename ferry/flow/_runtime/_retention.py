@@ -243,7 +243,7 @@ class Retention:
     ) -> None:
         self._store = store
         self._retain = retain
-        self._now = now  # the engine's wall clock (it follows trio's clock)
+        self._now = now  # the engine's wall clock (a MockClock's under one: `_clock`)
         self._guard = guard
         self.every = min(max(retain / 4, EVERY_MIN), EVERY_MAX)
         self.purged = 0

@@ -49,6 +49,6 @@ class Versions:
         return self.fleet_known
 
     async def refresh(self, store: Store, now: float) -> dict[tuple[str, int], Shape]:
-        """Read the versions live engines have (`_store.live_plans`) and `learn` them. Raises
-        the store's error."""
-        return self.learn(await store.transact(partial(_store.live_plans, now=now)))
+        """Read the versions live engines have (`_store.live_plans_on_clock`: live by the lease
+        clock; `now` is the engine's clock) and `learn` them. Raises the store's error."""
+        return self.learn(await store.transact(partial(_store.live_plans_on_clock, now=now)))

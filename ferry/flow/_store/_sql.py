@@ -15,8 +15,8 @@ dialects is in `Dialect` and nowhere else:
   schema changes (PostgreSQL's ``CREATE ... IF NOT EXISTS`` can race);
 - the flow id index in byte order (PostgreSQL's collation may not order bytewise);
 - leases: only a PostgreSQL store is shared by a fleet (on SQLite one engine holds the file), so
-  only there does a takeover lock the lease row it reads (ADR 0048) and only there can a flow be
-  an orphan;
+  only there does a takeover lock the lease row it reads (ADR 0048), only there can a flow be
+  an orphan, and only there does the database's clock decide leases (`Dialect.clock`, ADR 0110);
 - the batch: PostgreSQL writes a batch in a fixed number of statements whatever its size, with
   arrays (`_batch`, docs/adr/0094); SQLite, in process, reads and writes the ops of the flows
   that have one op in a batch in multi-row statements (`insert_rows`, `select_rows`,
@@ -350,6 +350,11 @@ class Dialect:
     #: Writes a batch with arrays in a fixed number of statements (`_batch`), else a row at a
     #: time.
     arrays: bool
+    #: SQL: the time by the clock that decides leases, in seconds since the epoch, read in the
+    #: transaction (`_store.lease_clock`, docs/adr/0110): the database's own (the transaction's
+    #: start). None: the store has no clock of its own (SQLite, where the one engine's lease, or
+    #: the leases of a test's engines in one process, go by the engine's clock).
+    clock: str | None
 
     def in_list(self, column: str, n: int) -> str:
         """SQL: `column` is one of a list of `n` values, given as `list_params` makes them."""
@@ -385,6 +390,7 @@ SQLITE: Final = Dialect(
     columns_of="SELECT name FROM pragma_table_info(?)",
     schema_lock=None,
     arrays=False,
+    clock=None,
 )
 POSTGRES: Final = Dialect(
     name="postgres",
@@ -396,6 +402,7 @@ POSTGRES: Final = Dialect(
     columns_of="SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(?)",
     schema_lock="SELECT pg_advisory_xact_lock(?)",
     arrays=True,
+    clock="SELECT EXTRACT(EPOCH FROM now())::float8",
 )
 DIALECTS: Final = {d.name: d for d in (SQLITE, POSTGRES)}
 
@@ -573,7 +580,8 @@ class Statements:
             " RETURNING owner",
             renew=f"UPDATE {ENGINES} SET lease_until = ? WHERE owner = ? AND incarnation = ?"
             " RETURNING owner",
-            renew_lease=f"UPDATE {ENGINES} SET lease_until = GREATEST(lease_until, ?)"
+            renew_lease=f"UPDATE {ENGINES} SET lease_until = GREATEST(lease_until,"
+            " EXTRACT(EPOCH FROM clock_timestamp())::float8 + ?)"
             " WHERE owner = ? AND incarnation = ?"
             " AND lease_until - ? > EXTRACT(EPOCH FROM clock_timestamp())"
             " RETURNING lease_until",

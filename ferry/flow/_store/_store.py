@@ -3,10 +3,11 @@ the batched compare-and-set write.
 
 Everything here is synchronous and runs inside one store transaction on a worker thread (a
 `ferry.projected.Tx` of the same `SqliteStore`/`PostgresStore` that `ProjectedWrite` uses): no
-trio, no clock. Every statement is built once per dialect in `_sql`, which also holds, in one
-`Dialect` record each, everything SQLite and PostgreSQL say differently. Decisions are not taken
-here: a write runs a pure transition of `_machine` on the row it holds, and records what the
-transition says (docs/adr/0021).
+trio, and no host's clock: times come in as arguments, and the one clock read here is the
+database's, for leases (`lease_clock`, docs/adr/0110). Every statement is built once per
+dialect in `_sql`, which also holds, in one `Dialect` record each, everything SQLite and
+PostgreSQL say differently. Decisions are not taken here: a write runs a pure transition of
+`_machine` on the row it holds, and records what the transition says (docs/adr/0021).
 
 Tables:
 
@@ -475,6 +476,64 @@ def live_plans(tx: Tx, now: float) -> list[Shape]:
 # ---------------------------------------------------------------------------- engine leases
 
 
+def lease_clock(tx: Tx, now: float) -> float:
+    """The time by the clock that decides leases, read in this transaction (docs/adr/0110): on
+    a store a fleet shares (PostgreSQL) the database's (``now()``: the transaction's start, the
+    same for every statement of it), whatever `now` says; on a store without a clock of its own
+    (SQLite), `now`, the engine's. One statement on PostgreSQL, none on SQLite.
+
+    The functions below take their times as arguments (a test or a tool gives its own); an
+    engine's lease transactions read this clock first and give its time (the `..._on_clock`
+    functions), so that no host's clock decides who holds a flow."""
+    sql = _sql.DIALECTS[tx.dialect].clock
+    return now if sql is None else float(tx.execute(sql)[0][0])
+
+
+def claim_on_clock(
+    tx: Tx, *, lease: float, now: float, **options: Any
+) -> tuple[Holder | None, float]:
+    """`claim` of a lease of `lease` seconds on the lease clock (`lease_clock`), and the time
+    it read on it (the holder's lease is compared with that time, and the new one runs from
+    it)."""
+    at = lease_clock(tx, now)
+    return claim(tx, until=at + lease, now=at, **options), at
+
+
+def renew_on_clock(tx: Tx, *, lease: float, now: float, **options: Any) -> list[Flow]:
+    """`renew` for `lease` seconds on the lease clock (`lease_clock`): the lease runs `lease`
+    seconds from the time read, and the flows it lets go are released at that time."""
+    at = lease_clock(tx, now)
+    return renew(tx, until=at + lease, now=at, **options)
+
+
+def end_lease_on_clock(tx: Tx, *, now: float, **options: Any) -> None:
+    """`end_lease` at the lease clock's time (`lease_clock`)."""
+    end_lease(tx, now=lease_clock(tx, now), **options)
+
+
+def release_on_clock(tx: Tx, *, now: float, **options: Any) -> int:
+    """`release` at the lease clock's time (`lease_clock`)."""
+    return release(tx, at=lease_clock(tx, now), **options)
+
+
+def orphans_on_clock(tx: Tx, *, now: float, **options: Any) -> tuple[float, list[Flow]]:
+    """`load_orphans` at the lease clock's time (`lease_clock`), and that time (a takeover of
+    one of them requires that the flow is still nobody's at that time: `Change.lapsed_at`)."""
+    at = lease_clock(tx, now)
+    return at, load_orphans(tx, at, **options)
+
+
+def live_plans_on_clock(tx: Tx, *, now: float) -> list[Shape]:
+    """`live_plans` of the engines whose lease runs at the lease clock's time (`lease_clock`)."""
+    return live_plans(tx, lease_clock(tx, now))
+
+
+def prune_engines_on_clock(tx: Tx, *, now: float, after: float) -> int:
+    """`prune_engines` of the engines whose lease lapsed `after` seconds before the lease
+    clock's time (`lease_clock`)."""
+    return prune_engines(tx, lease_clock(tx, now) - after)
+
+
 def heartbeat(tx: Tx, owner: str, until: float, now: float) -> None:
     """Record that engine `owner` holds its flows until `until` (its engine lease; an `until`
     in the past lets them all go at once), whatever incarnation holds the name (for tests and
@@ -558,17 +617,17 @@ def claim(
 
 
 def renew_lease(
-    tx: Tx, owner: str, incarnation: str, until: float, *, margin: float
+    tx: Tx, owner: str, incarnation: str, lease: float, *, margin: float
 ) -> float | None:
     """The heartbeat thread's renewal (`_heartbeat`): extend the lease of incarnation
-    `incarnation` to `until`, only while it still runs for more than `margin` seconds by the
-    database's clock (a renewal after the lease may have lapsed is the engine's own, which
-    re-reads its flows: `renew`). The lease now, or None if refused because it may have lapsed
-    or because the name has no row at all (the engine's own renewal writes it again: `renew`);
-    raises `Superseded` if another incarnation holds the name. PostgreSQL only; one statement
-    (two when refused)."""
+    `incarnation` to `lease` seconds from now by the database's clock, only while it still runs
+    for more than `margin` seconds by that clock (a renewal after the lease may have lapsed is
+    the engine's own, which re-reads its flows: `renew`). The lease's end now (the database's
+    clock), or None if refused because it may have lapsed or because the name has no row at
+    all (the engine's own renewal writes it again: `renew`); raises `Superseded` if another
+    incarnation holds the name. PostgreSQL only; one statement (two when refused)."""
     q = _statements(tx)
-    rows = tx.execute(q.renew_lease, (until, owner, incarnation, margin))
+    rows = tx.execute(q.renew_lease, (lease, owner, incarnation, margin))
     if rows:
         return float(rows[0][0])
     if _held_by_another(tx, owner, incarnation):

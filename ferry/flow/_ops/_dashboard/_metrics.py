@@ -44,7 +44,7 @@ class _Counts(Collector):
             flows.add_metric([name], n)
         for plan, version, state, n in count_unfinished_plans(self.tx):
             plans.add_metric([plan, str(version), state], n)
-        now = time.time()
+        now = _store.lease_clock(self.tx, time.time())  # the database's: docs/adr/0110
         known = _store.load_engines(self.tx)
         alive = sum(1 for e in known if e[1] >= now)
         engines.add_metric(["true"], alive)

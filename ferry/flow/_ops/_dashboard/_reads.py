@@ -307,7 +307,8 @@ def page_flow(tx: Tx, flow_id: str) -> FlowPage | None:
                 f"SELECT lease_until FROM {_sql.ENGINES} WHERE owner = ?", (f.owner,)
             )
             until = lease[0][0] if lease else None
-        held = (f.owner, until, until is None or until < time.time())
+        now = _store.lease_clock(tx, time.time())  # the database's: docs/adr/0110
+        held = (f.owner, until, until is None or until < now)
     snap = _values.snapshot(f)
     return FlowPage(
         flow=f,
