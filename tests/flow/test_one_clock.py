@@ -27,8 +27,8 @@ import trio
 import trio.testing
 
 from ferry import flow
-from ferry.flow import _store
-from ferry.flow._clock import Clock
+from ferry.flow._runtime._clock import Clock
+from ferry.flow._store import _store
 from ferry.projected import PostgresStore, SqliteStore
 from tests import pg, switches
 
