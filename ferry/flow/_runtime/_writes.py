@@ -50,6 +50,7 @@ T = TypeVar("T")
 _log = logging.getLogger("ferry.flow")
 
 _PARKED = State.PARKED
+_BLOCKED = State.BLOCKED
 _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
 
 
@@ -339,9 +340,13 @@ class Writes:
             if before is _PARKED and tally.parked > 0:
                 # In a fleet, a flow another engine parked since this one's last count.
                 tally.parked -= 1
+            elif before is _BLOCKED and tally.blocked > 0:
+                tally.blocked -= 1  # resumed or abandoned: it leaves the gauge (docs/adr/0128)
             if state is _PARKED:
                 tally.parked += 1
-            elif write and state in _ENDS:
+            elif state is _BLOCKED:
+                tally.blocked += 1
+            if write and state in _ENDS:
                 stats[_ENDS[state]] += 1
                 if tally.observers:
                     _observe.ended(tally.observers, flow)
