@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -19,6 +19,9 @@ from .._model._types import Delivery, State
 from .._model._values import Flow, Transition
 from .._store import _store
 from ._observe import Observer
+
+if TYPE_CHECKING:
+    from ._tracing import Tracing
 
 _log = logging.getLogger("ferry.flow")
 
@@ -67,7 +70,7 @@ class Tally:
     read again at every scan: docs/adr/0128). Plain integers: read from any thread by
     `Engine._statistics`."""
 
-    __slots__ = ("blocked", "observers", "parked", "stats", "wakes")
+    __slots__ = ("blocked", "observers", "parked", "stats", "tracing", "wakes")
 
     def __init__(self) -> None:
         self.stats = dict.fromkeys(COUNTERS, 0)
@@ -75,6 +78,8 @@ class Tally:
         self.parked = 0
         self.blocked = 0
         self.observers: tuple[Observer, ...] = ()  # empty: nothing is observed
+        # The engine's traces (None: off); a flow this engine ends gets its end span there.
+        self.tracing: Tracing | None = None
 
 
 def named(flow: Flow) -> str:

@@ -54,6 +54,18 @@ _BLOCKED = State.BLOCKED
 _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
 
 
+def _end_of(t: Transition) -> str:
+    """How the flow of `t`, a transition that ended it, ended (``workflow.end`` of its end
+    span): ``abandoned`` or ``cancelled`` if that transition was an operator's, else its
+    state."""
+    kinds = {e.kind for e in t.events}
+    if "abandoned" in kinds:
+        return "abandoned"
+    if "cancelled" in kinds:
+        return "cancelled"
+    return _ENDS[t.flow.state]
+
+
 def _rolled_back(exc: BaseException) -> bool:
     """Did the database roll the transaction back on its own (SQLSTATE class 40: a deadlock, a
     serialization failure)? Then nothing of it was written, and running it again is safe."""
@@ -315,6 +327,13 @@ class Writes:
                 own = isinstance(op, _store.Change) and op.flow is not None
                 if t.flow.state in LOGGED and t.flow.state is not result.before.state:
                     log_ended(result.before, t.flow)
+                tracing = self._tally.tracing
+                if (
+                    tracing is not None
+                    and t.flow.state in _ENDS
+                    and t.flow.state is not result.before.state
+                ):
+                    tracing.flow_ended(t.flow, result.before.step, _end_of(t))
                 self.track(result.before.state, t.flow, own, epoch=epoch)
         elif isinstance(result, _store.Created):
             self.track(None, result.transition.flow, True, epoch=epoch)
