@@ -6,8 +6,12 @@ One call registers a collector::
 
     collector = metrics.register(engine, ferries={"lookups": lookups})
 
-Serving the registry is the application's: ``prometheus_client.start_http_server(9100)``, its
-ASGI app, or the endpoint the service already has. See docs/operating.md for every metric.
+Serving the registry is the application's: ``prometheus_client.start_http_server(9100,
+addr="127.0.0.1")`` (loopback: without ``addr`` it listens on every interface), its ASGI app, or
+the endpoint the service already has. See docs/operating.md for every metric and the names
+(docs/adr/0128): ``ferry_flow_*`` are this collector's, what its engines hold or did;
+``ferry_flow_store_*`` the dashboard's store-wide counts; a ``state`` label is a `flow.State`
+name in lower case.
 
 Design
 ------

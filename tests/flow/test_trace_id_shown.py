@@ -19,7 +19,7 @@ from ferry.flow._ops._dashboard._reads import Reader
 
 from .test_dashboard import TOKEN, client_of, flow_url, text_of
 from .test_inspect import run, run_json
-from .test_tracing import traced
+from .test_tracing import attrs_of, traced
 
 XSS_TRACE = '00-<script>alert(1)</script>-"><img src=x>-01'
 
@@ -46,7 +46,7 @@ def started(db: str) -> str:
     conn.close()
     spans: tuple[ReadableSpan, ...] = exporter.get_finished_spans()
     start = next(
-        s for s in spans if s.name == "start order" and s.attributes["workflow.id"] == "traced"
+        s for s in spans if s.name == "start order" and attrs_of(s)["workflow.id"] == "traced"
     )
     assert start.context is not None
     return f"{start.context.trace_id:032x}"
