@@ -86,6 +86,7 @@ def tree(spans: Sequence[ReadableSpan], flow_id: str) -> list[dict[str, Any]]:
                     "attempt": a.get("workflow.task.attempt"),
                     "outcome": a.get("workflow.task.outcome"),
                     "delivery": a.get("workflow.wake.delivery"),
+                    "end": a.get("workflow.end"),
                     "error": s.status.description,
                 }
             )
@@ -119,6 +120,8 @@ def render(shown: dict[str, Any]) -> list[str]:
         what = "" if r["attempt"] is None else f"attempt {r['attempt']}  {r['outcome']:<9}"
         if r.get("delivery"):
             what = r["delivery"]
+        if r.get("end"):
+            what = r["end"]
         line = f"  {name:<{width}}  {what:<20}  {r['ms']:>8.3f} ms"
         if r["error"]:
             line += f"  {r['error']}"

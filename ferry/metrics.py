@@ -6,8 +6,12 @@ One call registers a collector::
 
     collector = metrics.register(engine, ferries={"lookups": lookups})
 
-Serving the registry is the application's: ``prometheus_client.start_http_server(9100)``, its
-ASGI app, or the endpoint the service already has. See docs/operating.md for every metric.
+Serving the registry is the application's: ``prometheus_client.start_http_server(9100,
+addr="127.0.0.1")`` (loopback: without ``addr`` it listens on every interface), its ASGI app, or
+the endpoint the service already has. See docs/operating.md for every metric and the names
+(docs/adr/0128): ``ferry_flow_*`` are this collector's, what its engines hold or did;
+``ferry_flow_store_*`` the dashboard's store-wide counts; a ``state`` label is a `flow.State`
+name in lower case.
 
 Design
 ------
@@ -199,6 +203,8 @@ class Metrics(Collector):
         return FlowStatistics(
             running=0,
             parked=0,
+            compensating=0,
+            blocked_now=0,
             wakes=dict(self._retired_wakes),
             **{field: self._retired[field] for field in _COUNTED},
         )
@@ -302,12 +308,17 @@ def _engine_metrics(stats: list[FlowStatistics]) -> Iterator[Metric]:
 
     gauge = GaugeMetricFamily(
         "ferry_flow_flows",
-        "Flows the engines hold now: running (steps or compensations, or in line for a slot)"
-        " and parked (as the engines know them).",
+        "Flows of the engines now, by state (a flow.State, lower case): running and"
+        " compensating (the engines run them, or they wait for a slot); parked and blocked (in"
+        " the store as each engine knows it: in a fleet every engine counts the store's, so"
+        " take the max over engines, not the sum).",
         labels=["state"],
     )
-    gauge.add_metric(["running"], total("running"))
+    compensating = total("compensating")
+    gauge.add_metric(["running"], total("running") - compensating)
+    gauge.add_metric(["compensating"], compensating)
     gauge.add_metric(["parked"], total("parked"))
+    gauge.add_metric(["blocked"], total("blocked_now"))
     yield gauge
     ended = CounterMetricFamily(
         "ferry_flow_ended",
@@ -334,7 +345,9 @@ def _engine_metrics(stats: list[FlowStatistics]) -> Iterator[Metric]:
 
 #: The counters of `FlowStatistics` (all but its gauges and its wakes by delivery).
 _COUNTED: tuple[str, ...] = tuple(
-    name for name in attrs.fields_dict(FlowStatistics) if name not in ("running", "parked", "wakes")
+    name
+    for name in attrs.fields_dict(FlowStatistics)
+    if name not in ("running", "compensating", "parked", "blocked_now", "wakes")
 )
 
 _ENGINE_COUNTERS = (

@@ -274,11 +274,12 @@ async def test_metrics_scrape(web: httpx.AsyncClient) -> None:
     lines = dict(
         line.rsplit(" ", 1) for line in r.text.splitlines() if line and not line.startswith("#")
     )
-    assert float(lines['ferry_flow_flows{state="BLOCKED"}']) == 2
-    assert float(lines['ferry_flow_flows{state="COMPLETED"}']) == 1
-    assert float(lines['ferry_flow_plan_flows{plan="refund",state="RUNNING",version="2"}']) == 1
-    assert float(lines['ferry_flow_plan_flows{plan="order",state="BLOCKED",version="1"}']) == 2
-    assert not any("COMPLETED" in k for k in lines if k.startswith("ferry_flow_plan_flows"))
+    assert float(lines['ferry_flow_store_flows{state="blocked"}']) == 2
+    assert float(lines['ferry_flow_store_flows{state="completed"}']) == 1
+    plan_flows = "ferry_flow_store_plan_flows"
+    assert float(lines[f'{plan_flows}{{plan="refund",state="running",version="2"}}']) == 1
+    assert float(lines[f'{plan_flows}{{plan="order",state="blocked",version="1"}}']) == 2
+    assert not any("completed" in k for k in lines if k.startswith(plan_flows))
 
 
 # ------------------------------------------------------------------------------ the command

@@ -359,7 +359,7 @@ async def test_parked_is_not_negative_on_postgres_either(pg_server: pg.PgServer)
         for i in range(20):
             await a.start(parking, flow_id=f"p{i}")
         with trio.fail_after(30):
-            while (await sa.transact(_store.count_parked)) < 20:  # noqa: ASYNC110
+            while (await sa.transact(_store.count_waiting))[0] < 20:  # noqa: ASYNC110
                 await trio.sleep(0.01)
         for i in range(20):
             assert await b.wake(f"p{i}", "go") is flow.Delivery.RESUMED

@@ -26,8 +26,10 @@ def test_trace_prints_one_flow_as_a_tree_of_spans(tmp_path: Path) -> None:
         (1, "step order.charge"),
         (1, "step order.ship"),
         (1, "step order.ship"),
+        (1, "end order"),
     ]
-    assert [(s["attempt"], s["outcome"]) for s in spans[1:]] == [
+    assert spans[-1]["end"] == "completed"
+    assert [(s["attempt"], s["outcome"]) for s in spans[1:-1]] == [
         (1, "continue"),
         (1, "park"),
         (1, "raised"),

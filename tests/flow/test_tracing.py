@@ -100,6 +100,7 @@ async def test_one_flow_is_one_trace_across_a_park_and_a_reopen(
         "step order.confirm",
         "wake order",
         "step order.ship",
+        "end order",  # the flow's end (test_trace_of_a_flows_end)
     ]
     trace_id = request.get_span_context().trace_id
     assert {s.context.trace_id for s in spans} == {trace_id}
@@ -111,7 +112,8 @@ async def test_one_flow_is_one_trace_across_a_park_and_a_reopen(
         "workflow.version": 3,
     }
     assert spans[6].parent is not None and spans[6].parent.span_id == start.context.span_id
-    steps = spans[2:6] + spans[7:]
+    steps = spans[2:6] + spans[7:8]
+    assert spans[8].parent is not None and spans[8].parent.span_id == start.context.span_id
     assert all(s.parent is not None and s.parent.span_id == start.context.span_id for s in steps)
     expected = [
         ("reserve", 1, "continue"),
@@ -152,7 +154,8 @@ async def test_a_failed_flow_traces_its_compensation_and_a_start_without_a_span_
     start = spans[0]
     assert start.name == "start order" and start.parent is None
     assert {s.context.trace_id for s in spans} == {start.context.trace_id}
-    ship, release = spans[-2:]
+    ship, release, end = spans[-3:]
+    assert end.name == "end order" and attrs_of(end)["workflow.end"] == "failed"
     assert ship.name == "step order.ship"
     assert attrs_of(ship)["workflow.task.outcome"] == "fail"
     assert ship.status.status_code is StatusCode.ERROR
@@ -206,7 +209,7 @@ async def test_a_wake_a_published_wake_and_a_park_timeout_are_spans_of_the_flows
             assert (await e.wait(fid, timeout=7200)).data == {"woken_by": why}
         assert await e.publish("paid", event) == [flow.Delivery.DUPLICATE]  # no caller span
     spans = exporter.get_finished_spans()
-    moved = [s for s in spans if not s.name.startswith(("POST", "consume", "start", "step"))]
+    moved = [s for s in spans if not s.name.startswith(("POST", "consume", "start", "step", "end"))]
     assert sorted(s.name for s in moved) == [
         "timeout waits",
         "wake waits",
@@ -302,7 +305,7 @@ def test_opentelemetry_is_not_imported_unless_the_application_uses_it(tmp_path: 
     assert done.stdout.splitlines() == [
         "after import []",
         "after a flow []",
-        "spans [('start p', 'c'), ('step p.only', 'c')]",
+        "spans [('start p', 'c'), ('step p.only', 'c'), ('end p', 'c')]",
     ]
 
 
@@ -323,7 +326,7 @@ async def test_on_postgres_another_engine_of_the_fleet_continues_the_trace(
             assert await b.wake("o-3", "yes") is flow.Delivery.RESUMED
             assert (await b.wait("o-3", timeout=30)).state is flow.State.COMPLETED
     spans = sorted(exporter.get_finished_spans(), key=lambda s: s.start_time or 0)
-    assert [s.name for s in spans][-1] == "step order.ship"
+    assert [s.name for s in spans][-2:] == ["step order.ship", "end order"]
     start = spans[0]
     assert start.context is not None
     assert {s.context.trace_id for s in spans if s.context is not None} == {start.context.trace_id}

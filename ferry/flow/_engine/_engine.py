@@ -22,7 +22,7 @@ from ferry.projected import Store
 from .._model import _checks, _values
 from .._model._errors import UnknownFlow
 from .._model._plan import Plan
-from .._model._types import Delivery, Event, FlowStatistics, Json, Snapshot, Start, Wake
+from .._model._types import Delivery, Event, FlowStatistics, Json, Snapshot, Start, State, Wake
 from .._model._values import Flow
 from .._runtime import _tracing, _waiters
 from .._runtime._live import Live
@@ -282,7 +282,8 @@ class Engine:
         return events
 
     def statistics(self) -> FlowStatistics:
-        """Gauges and counters of this engine (see `FlowStatistics`). No checkpoint; O(1).
+        """Gauges and counters of this engine (see `FlowStatistics`). No checkpoint; O(flows
+        this engine runs) (its `compensating` are counted).
 
         Readable after the engine closed; while it is open, only from its own run's tasks
         (`RuntimeError` otherwise)."""
@@ -292,10 +293,14 @@ class Engine:
 
     def _statistics(self) -> FlowStatistics:
         """`statistics()` from any thread (`ferry.metrics` reads it while serving a scrape):
-        it copies a few integers and two dicts whose keys never change."""
+        it copies a few integers and two dicts whose keys never change, and counts the
+        compensating flows among a copy of the live ones (one C call copies them)."""
+        live = list(self._live.values())
         return FlowStatistics(
-            running=len(self._live),
+            running=len(live),
+            compensating=sum(1 for x in live if x.flow.state is State.COMPENSATING),
             parked=self._tally.parked,
+            blocked_now=self._tally.blocked,
             wakes=dict(self._tally.wakes),
             purged=0 if self._parts.retention is None else self._parts.retention.purged,
             **self._tally.stats,

@@ -126,8 +126,10 @@ class Fleet:
         for deadline, fid, revision in due:
             self._arm(deadline, fid, revision)
         await self._versions.refresh(store, now)
-        # Parked flows are nobody's: in a fleet `parked` is the store's count, read here.
-        self._tally.parked = await store.transact(_store.count_parked)
+        # Parked and blocked flows are nobody's: in a fleet `parked` and `blocked` are the
+        # store's counts, read here (a resume or abandon by another engine or an operator
+        # leaves the gauge within one scan: docs/adr/0128).
+        self._tally.parked, self._tally.blocked = await store.transact(_store.count_waiting)
 
     async def scan_loop(self) -> None:
         """`scan` every `interval`, and now and then forget engines long gone."""

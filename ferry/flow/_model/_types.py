@@ -302,9 +302,11 @@ IGNORE: Final = _Ignore()
 class FlowStatistics:
     """What an engine holds now and has done since it opened (`Engine.statistics`).
 
-    Gauges: `running` flows this engine runs or has queued to run (steps or compensations);
-    `parked` flows parked in the store as this engine knows it (counted at open, then kept up to
-    date by this engine's own writes).
+    Gauges: `running` flows this engine runs or has queued to run (steps or compensations), of
+    which `compensating` run their compensations; `parked` and `blocked_now`: the flows parked
+    and blocked in the store as this engine knows it (counted at open, then kept up to date by
+    the rows this engine writes and reads; in a fleet read again at every scan, so a flow that
+    another engine or an operator resumed or abandoned stops counting within one scan).
 
     Counters since open: flows this engine `completed`, `failed` and `blocked`; `steps_run`
     (step attempts started), `step_retries` (attempts after an exception), `compensations_run`
@@ -339,3 +341,5 @@ class FlowStatistics:
     lost: int = 0
     renewals: int = 0
     purged: int = 0
+    compensating: int = 0
+    blocked_now: int = 0

@@ -22,6 +22,7 @@ every value reachable by a correct run keeps are checked by `_invariants`.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Final
 
@@ -205,6 +206,21 @@ def mismatch(flow: Flow, shape: Shape | None) -> str | None:
                 " which the flow's compensation stack needs"
             )
     return None
+
+
+_TRACEPARENT: Final = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def trace_id(traceparent: str | None) -> str | None:
+    """The trace id (32 lower-case hex digits) in a flow's stored W3C ``traceparent``
+    (`Flow.trace`), for an operator to look the trace up; None when none is stored or the text
+    is not a valid one (version ``ff``, an all-zero id, anything else: never shown)."""
+    if traceparent is None:
+        return None
+    m = _TRACEPARENT.fullmatch(traceparent)
+    if m is None or m[1] == "ff" or m[2] == "0" * 32:
+        return None
+    return m[2]
 
 
 def snapshot(flow: Flow) -> Snapshot:

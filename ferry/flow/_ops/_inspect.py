@@ -61,6 +61,7 @@ from ._inspect_read import (
     open_store,
     shown,
 )
+from ._trace_url import check as _trace_url_check
 
 
 class _Parser(argparse.ArgumentParser):
@@ -270,7 +271,22 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--read-only", action="store_true", help="show no buttons and refuse every action"
     )
+    serve.add_argument(
+        "--trace-url",
+        type=_trace_url,
+        default=None,
+        metavar="TEMPLATE",
+        help="link each flow's page to its trace: an http(s) address holding {trace_id}, e.g."
+        " 'https://jaeger.example/trace/{trace_id}'",
+    )
     return p
+
+
+def _trace_url(text: str) -> str:
+    try:
+        return _trace_url_check(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _port(text: str) -> int:
@@ -299,6 +315,7 @@ async def do_serve(args: argparse.Namespace, store: SqliteStore | PostgresStore)
             host=args.host,
             port=args.port,
             read_only=args.read_only,
+            trace_url=args.trace_url,
         )
     except CannotListen as exc:
         raise Problem(str(exc)) from None

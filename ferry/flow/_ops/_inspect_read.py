@@ -208,6 +208,7 @@ def flow_json(f: Flow) -> dict[str, Json]:
         "error": snap.error,
         "park_deadline": f.park_deadline,
         "owner": f.owner,
+        "trace_id": _values.trace_id(f.trace),
         "data": snap.data,
     }
 
@@ -317,6 +318,9 @@ async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
         lines.append(
             f"deadline  {_deadline(f.park_deadline, now)}; then {safe(f.on_timeout)} (on timeout)"
         )
+    trace = _values.trace_id(f.trace)
+    if trace is not None:
+        lines.append(f"trace     {trace}")
     if held is not None:
         status = "lapsed: any engine may take it over" if held["lapsed"] else "held"
         lines.append(f"engine    {safe(f.owner)}, until {_when(held['until'])} ({status})")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -19,6 +19,9 @@ from .._model._types import Delivery, State
 from .._model._values import Flow, Transition
 from .._store import _store
 from ._observe import Observer
+
+if TYPE_CHECKING:
+    from ._tracing import Tracing
 
 _log = logging.getLogger("ferry.flow")
 
@@ -62,16 +65,21 @@ class Tally:
     """The engine's counters (`FlowStatistics`) and its observers (`ferry.metrics`).
 
     `stats` holds the counters named in `COUNTERS`; `wakes` counts deliveries by kind; `parked`
-    is the number of parked flows (on one SQLite file this engine's count, in a fleet the store's,
-    read at every scan). Plain integers: read from any thread by `Engine._statistics`."""
+    and `blocked` are the numbers of parked and blocked flows in the store as this engine knows
+    them (counted at open, then kept by the rows it writes and reads; in a fleet the store's,
+    read again at every scan: docs/adr/0128). Plain integers: read from any thread by
+    `Engine._statistics`."""
 
-    __slots__ = ("observers", "parked", "stats", "wakes")
+    __slots__ = ("blocked", "observers", "parked", "stats", "tracing", "wakes")
 
     def __init__(self) -> None:
         self.stats = dict.fromkeys(COUNTERS, 0)
         self.wakes = dict.fromkeys(Delivery, 0)
         self.parked = 0
+        self.blocked = 0
         self.observers: tuple[Observer, ...] = ()  # empty: nothing is observed
+        # The engine's traces (None: off); a flow this engine ends gets its end span there.
+        self.tracing: Tracing | None = None
 
 
 def named(flow: Flow) -> str:

@@ -68,7 +68,9 @@ async def recover(
         await store.transact(partial(_store.register_plans, shapes=registered, now=clock.now()))
     if not serve:
         return
-    tally.parked = (await store.transact(_store.count_states)).get(State.PARKED, 0)
+    counts = await store.transact(_store.count_states)
+    tally.parked = counts.get(State.PARKED, 0)
+    tally.blocked = counts.get(State.BLOCKED, 0)
     if fleet is not None:
         now = clock.now()
         await lease.claim(now, sorted(shapes))

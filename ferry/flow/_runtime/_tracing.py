@@ -20,11 +20,20 @@ write, with ``workflow.task.name`` the step the flow was at and, for a wake,
 ``workflow.wake.delivery`` (``RESUMED``, ``QUEUED``, ``DUPLICATE``, ``STALE``) and a link to the
 caller's current span (the caller's trace is its own). A wake to no such flow has no trace.
 
+A flow's end is in its trace (docs/adr/0128): when this engine writes a flow `COMPLETED`,
+`FAILED` or `BLOCKED`, a span ``end {plan}`` (of no length, at the write), a child of the start
+span, with ``workflow.state`` (``completed``, ``failed``, ``blocked``), ``workflow.end``
+(``completed``, ``failed``, ``blocked``, ``cancelled``: a cancel that ended it at once,
+``abandoned``: an operator gave up on it; a flow cancelled while it had steps to compensate ends
+``failed`` once they ran, with the cancel's reason as its error), ``workflow.task.name`` (the
+step it was at) and, for a failed or blocked flow, ``workflow.error`` (the stored error or why it
+is blocked) and the status ``ERROR`` with that text.
+
 A tracer or span processor that raises changes nothing (docs/adr/0113): every call into
 OpenTelemetry is at one guarded place (`tracing_for`, `Tracing.start`, `Tracing.run` and its
-`_ended`, `Tracing.moved`), what it raises is logged (`_observe.failed`, rate limited) and the
-start, step, wake or timeout goes on as it would without traces; a span that could not be begun
-is left out, the body still runs once.
+`_ended`, `Tracing.moved`, `Tracing.flow_ended`), what it raises is logged (`_observe.failed`,
+rate limited) and the start, step, wake, timeout or end goes on as it would without traces; a
+span that could not be begun is left out, the body still runs once.
 
 Cost: `tracing_for` decides once, when an engine opens. Traces are off (None: the engine tests
 one attribute per step, per start, per wake and per publish, nothing else; the timer has no hook
@@ -262,6 +271,37 @@ class Tracing:
             start_time=began,
         )
         span.end()
+
+    def flow_ended(self, flow: Flow, step: str | None, end: str) -> None:
+        """The span ``end {plan}`` of `flow`, the row this engine wrote `COMPLETED`, `FAILED` or
+        `BLOCKED` (`end`: how it ended, see the module doc; `step`: the step it was at). Never
+        raises (what OpenTelemetry raises is `failed`)."""
+        try:
+            attributes: dict[str, str | int] = {
+                "workflow.name": flow.plan,
+                "workflow.id": flow.flow_id,
+                "workflow.version": flow.version,
+                "workflow.state": flow.state.name.lower(),
+                "workflow.end": end,
+            }
+            if step is not None:
+                attributes["workflow.task.name"] = step
+            error = flow.blocked if flow.blocked is not None else flow.error
+            if end != "completed" and error is not None:
+                attributes["workflow.error"] = error
+            now = time.time_ns()
+            span = self._tracer.start_span(
+                f"end {flow.plan}",
+                context=self._parent(flow.trace),
+                attributes=attributes,
+                start_time=now,
+            )
+            if end != "completed":
+                status, code = self._status
+                span.set_status(status(code.ERROR, error or end))
+            span.end(end_time=now)
+        except Exception as exc:
+            failed(TRACING, f"making the end span of flow {flow.flow_id!r}", exc)
 
     async def run(
         self,

@@ -50,7 +50,20 @@ T = TypeVar("T")
 _log = logging.getLogger("ferry.flow")
 
 _PARKED = State.PARKED
+_BLOCKED = State.BLOCKED
 _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
+
+
+def _end_of(t: Transition) -> str:
+    """How the flow of `t`, a transition that ended it, ended (``workflow.end`` of its end
+    span): ``abandoned`` or ``cancelled`` if that transition was an operator's, else its
+    state."""
+    kinds = {e.kind for e in t.events}
+    if "abandoned" in kinds:
+        return "abandoned"
+    if "cancelled" in kinds:
+        return "cancelled"
+    return _ENDS[t.flow.state]
 
 
 def _rolled_back(exc: BaseException) -> bool:
@@ -314,6 +327,13 @@ class Writes:
                 own = isinstance(op, _store.Change) and op.flow is not None
                 if t.flow.state in LOGGED and t.flow.state is not result.before.state:
                     log_ended(result.before, t.flow)
+                tracing = self._tally.tracing
+                if (
+                    tracing is not None
+                    and t.flow.state in _ENDS
+                    and t.flow.state is not result.before.state
+                ):
+                    tracing.flow_ended(t.flow, result.before.step, _end_of(t))
                 self.track(result.before.state, t.flow, own, epoch=epoch)
         elif isinstance(result, _store.Created):
             self.track(None, result.transition.flow, True, epoch=epoch)
@@ -339,9 +359,13 @@ class Writes:
             if before is _PARKED and tally.parked > 0:
                 # In a fleet, a flow another engine parked since this one's last count.
                 tally.parked -= 1
+            elif before is _BLOCKED and tally.blocked > 0:
+                tally.blocked -= 1  # resumed or abandoned: it leaves the gauge (docs/adr/0128)
             if state is _PARKED:
                 tally.parked += 1
-            elif write and state in _ENDS:
+            elif state is _BLOCKED:
+                tally.blocked += 1
+            if write and state in _ENDS:
                 stats[_ENDS[state]] += 1
                 if tally.observers:
                     _observe.ended(tally.observers, flow)

@@ -450,7 +450,7 @@ class Statements:
     select_active_owned: str
     select_deadlines: str
     select_orphans: str
-    count_parked: str
+    count_waiting: str
     count_states: str
     count_plans: str
     oldest_parked: str
@@ -545,7 +545,8 @@ class Statements:
             " WHERE state = 'PARKED' AND park_deadline IS NOT NULL AND park_deadline <= ?",
             select_orphans=f"SELECT {', '.join(f'f.{c}' for c in FIELDS)} FROM {FLOWS} f"
             f" WHERE f.{active} AND {orphan('f')}",
-            count_parked=f"SELECT COUNT(*) FROM {FLOWS} WHERE state = 'PARKED'",
+            count_waiting=f"SELECT state, COUNT(*) FROM {FLOWS}"
+            " WHERE state IN ('PARKED', 'BLOCKED') GROUP BY state",
             count_states=f"SELECT state, COUNT(*) FROM {FLOWS} GROUP BY state",
             count_plans=f"SELECT plan, version, state, COUNT(*) FROM {FLOWS}"
             " GROUP BY plan, version, state ORDER BY plan, version, state",

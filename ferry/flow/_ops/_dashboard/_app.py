@@ -54,10 +54,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ferry.projected import Store
 
 from ..._engine._open import open_engine
+from ..._model import _values
 from ..._model._checks import shown_number
 from ..._model._errors import FlowError, StoreLocked
 from ..._model._types import Delivery, State
 from ..._store import _query
+from .. import _trace_url
 from ._reads import (
     MINUTES,
     UNFINISHED,
@@ -273,7 +275,10 @@ class Dashboard:
         clock: Callable[[], float] = time.time,
         page_size: int = PAGE,
         max_body: int = MAX_BODY,
+        trace_url: str | None = None,
     ) -> None:
+        if trace_url is not None:
+            _trace_url.check(trace_url)  # TypeError/ValueError naming what is wrong
         if not read_only and len(token) < 16:
             raise ValueError("the dashboard's token must be at least 16 characters")
         if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 1024:
@@ -297,6 +302,7 @@ class Dashboard:
         self.clock = clock
         self.page_size = page_size
         self.max_body = max_body
+        self.trace_url = trace_url  # the link from a flow's page to its trace (None: no link)
         self.env = _environment()
         self._acting = trio.Lock()  # one operator engine at a time (SQLite: one engine lock)
 
@@ -393,7 +399,12 @@ class Dashboard:
             return self.unavailable("Flow", why)
         if p is None:
             return self.render("missing.html", 404, flow_id=fid)
-        return self.render("flow.html", status, p=p, notice=notice, problem=problem)
+        trace_id = _values.trace_id(p.flow.trace)
+        trace = None
+        if trace_id is not None:
+            url = None if self.trace_url is None else _trace_url.link(self.trace_url, trace_id)
+            trace = (trace_id, url)
+        return self.render("flow.html", status, p=p, notice=notice, problem=problem, trace=trace)
 
     async def metrics(self, request: Request) -> Response:
         try:

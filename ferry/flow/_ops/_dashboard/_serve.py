@@ -41,19 +41,31 @@ async def open_dashboard(
     is_dsn: bool,
     read_only: bool = False,
     token: str | None = None,
+    trace_url: str | None = None,
 ) -> AsyncIterator[Dashboard]:
     """The dashboard of the store `spec` (an SQLite path, or a PostgreSQL DSN if `is_dsn`), for
-    the duration of the ``async with``; a new random token unless one is given."""
+    the duration of the ``async with``; a new random token unless one is given; `trace_url`: the
+    template of a link from a flow's page to its trace (`_trace_url`)."""
     token = secrets.token_urlsafe(24) if token is None else token
     if not is_dsn:
         yield Dashboard(
-            reader=Reader(path=spec), store=spec, where=where, token=token, read_only=read_only
+            reader=Reader(path=spec),
+            store=spec,
+            where=where,
+            token=token,
+            read_only=read_only,
+            trace_url=trace_url,
         )
         return
     store = PostgresStore(spec, connections=2, connect_timeout=3.0)
     try:
         yield Dashboard(
-            reader=Reader(store=store), store=store, where=where, token=token, read_only=read_only
+            reader=Reader(store=store),
+            store=store,
+            where=where,
+            token=token,
+            read_only=read_only,
+            trace_url=trace_url,
         )
     finally:
         with trio.CancelScope(shield=True):
@@ -102,13 +114,22 @@ async def serve(
 
 
 async def run_command(
-    spec: str, *, where: str, is_dsn: bool, host: str, port: int, read_only: bool
+    spec: str,
+    *,
+    where: str,
+    is_dsn: bool,
+    host: str,
+    port: int,
+    read_only: bool,
+    trace_url: str | None = None,
 ) -> None:
     """``python -m ferry.flow STORE serve``: print where and the token, then serve until
     SIGINT (Ctrl-C) or SIGTERM."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with (
-            open_dashboard(spec, where=where, is_dsn=is_dsn, read_only=read_only) as dashboard,
+            open_dashboard(
+                spec, where=where, is_dsn=is_dsn, read_only=read_only, trace_url=trace_url
+            ) as dashboard,
             trio.open_nursery() as nursery,
         ):
             await _check_address(host, port)
