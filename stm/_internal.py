@@ -17,6 +17,6 @@ module.
 from __future__ import annotations
 
 from ._txn import update as update_single_tvar
-from ._util import fixup_module_metadata
+from ._util import NoPublicConstructor, fixup_module_metadata
 
-__all__ = ["fixup_module_metadata", "update_single_tvar"]
+__all__ = ["NoPublicConstructor", "fixup_module_metadata", "update_single_tvar"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import FunctionType
+from typing import NoReturn, TypeVar
 
 
 def fixup_module_metadata(module_name: str, namespace: Mapping[str, object]) -> None:
@@ -54,3 +55,20 @@ def fixup_module_metadata(module_name: str, namespace: Mapping[str, object]) -> 
     for name, obj in list(namespace.items()):
         if not name.startswith("_"):
             fix(obj, name)
+
+
+_C = TypeVar("_C")
+
+
+class NoPublicConstructor(type):
+    """The metaclass of a class that users get from a factory and never construct (as trio's
+    own): calling the class raises `TypeError`; its own module makes one with ``Cls._create``."""
+
+    def __call__(cls, *args: object, **kwargs: object) -> NoReturn:
+        raise TypeError(
+            f"{cls.__module__}.{cls.__qualname__} has no public constructor: it is made by a"
+            " factory function (see its docstring)"
+        )
+
+    def _create(cls: type[_C], *args: object, **kwargs: object) -> _C:
+        return super().__call__(*args, **kwargs)  # type: ignore[misc, no-any-return]

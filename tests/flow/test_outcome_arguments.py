@@ -1,5 +1,6 @@
 """A bad argument to `park()` or `fail()` in a step is a mistake in the step's code: the flow fails
-at once, without the retries meant for a flaky step; `park()` takes a `timedelta` too."""
+at once, without the retries meant for a flaky step; `park()` takes a `timedelta` too. `Engine`
+is made by `open_engine` only."""
 
 from __future__ import annotations
 
@@ -84,3 +85,8 @@ async def test_park_takes_a_timedelta(
 def test_park_names_the_bad_timeout() -> None:
     with pytest.raises(TypeError, match=r"datetime.timedelta or None, got 'soon'"):
         flow.park(timeout="soon")  # type: ignore[arg-type]
+
+
+def test_the_engine_has_no_public_constructor() -> None:
+    with pytest.raises(TypeError, match=r"ferry.flow.Engine has no public constructor"):
+        flow.Engine()  # type: ignore[call-arg]

@@ -18,6 +18,7 @@ import stm
 from ferry import Closed
 from ferry._errors import wrong_run
 from ferry.projected import Store
+from stm._internal import NoPublicConstructor
 
 from .._model import _checks, _values
 from .._model._errors import UnknownFlow
@@ -46,7 +47,7 @@ def _wrong_run(method: str) -> RuntimeError:
 
 
 @final
-class Engine:
+class Engine(metaclass=NoPublicConstructor):
     """Runs the flows of one store. Made by `open_engine`; no public constructor.
 
     Every async method is a checkpoint and raises `ferry.Closed` once the engine is closed.

@@ -267,7 +267,7 @@ async def _opened(
             if failed is None:
                 raise
             raise failed from exc
-        engine = Engine(
+        engine = Engine._create(
             db,
             registry,
             owner=owner if owner is not None else uuid.uuid4().hex,
