@@ -49,6 +49,7 @@ FAILED = {
     "path-decoy": "no such file C:tmp",
     "xss": "<script>alert(1)</script> " + "long " * 40,
 }
+_NO_ERROR = "(no error recorded)"
 #: A compensation that raised with a lone surrogate in its message: stored as the engine
 #: stores every error, escaped (`_checks.describe`).
 SURROGATE = _checks.describe(RuntimeError("account \udc80 closed"))
@@ -200,6 +201,29 @@ def test_stats_counts_the_flows_past_the_distinct_texts_it_reads(sqlite_file: st
     assert groups.flows == BLOCKED + 1 + len(FAILED)
 
 
+@pytest.mark.parametrize(
+    ("error", "normalised"),
+    [
+        ("refund to account 12345 failed", "refund to account <n> failed"),
+        ("took 1.25 s, 3 tries", "took <n> s, <n> tries"),
+        ("object at 0x7f3a2b1c90", "object at <hex>"),
+        ("commit deadbeef1234 missing", "commit <hex> missing"),
+        ("request 550e8400-e29b-41d4-a716-446655440000 lost", "request <uuid> lost"),
+        ("no user 'alice'", "no user '<s>'"),
+        ('KeyError("order-17")', 'KeyError("<s>")'),
+        ("RuntimeError('card 4242 declined')", "RuntimeError('card <n> declined')"),
+        ("step 'charge' raised ValueError('x-1')", "step 'charge' raised ValueError('<s>')"),
+        ("flow ab-cd has no parent", "flow <flow> has no parent"),
+        (None, _NO_ERROR),
+        ("", _NO_ERROR),
+    ],
+)
+def test_normalise_folds_what_varies_between_flows(error: str | None, normalised: str) -> None:
+    from ferry.flow._store import _triage
+
+    assert _triage.normalise(error, "ab-cd") == normalised
+
+
 def test_list_shows_the_error_cut_and_json_the_whole(
     store: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -345,6 +369,8 @@ async def test_dashboard_list_has_the_error_column_and_field(web: httpx.AsyncCli
     assert title is not None and title.group(1).count("long") == 40  # the whole on hover
     shown = cell.split(">", 1)[1].removesuffix("</td>")
     assert shown.endswith("…") and shown.count("long") < 40
+    r = await web.get("/flows", params={"id_prefix": "surrogate"})
+    assert "RuntimeError(&#39;account \\udc80 closed&#39;)</td>" in r.text  # as stored, escaped
     r = await web.get("/flows?error=%ED%B2%80")  # a lone surrogate's bytes: not UTF-8
     assert r.status_code == 200 and listed(r.text) == []
 
