@@ -18,6 +18,7 @@ import re
 import sqlite3
 import urllib.parse
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ _NO_ERROR = "(no error recorded)"
 SURROGATE = _checks.describe(RuntimeError("account \udc80 closed"))
 
 
-def fill(tx: Any) -> None:
+def fill(tx: Any, blocked_flows: int = BLOCKED) -> None:
     _store.create_schema(tx)
     _store.register_plans(tx, [ORDER], T0)
 
@@ -72,7 +73,7 @@ def fill(tx: Any) -> None:
             out.append(r.transition.flow)
         return out
 
-    blocked = {f"acct-{i:05d}": T0 + 10 + i for i in range(BLOCKED)}
+    blocked = {f"acct-{i:05d}": T0 + 10 + i for i in range(blocked_flows)}
     blocked["surrogate"] = T0 + 5
     made = flows(
         _store.write_batch(
@@ -284,7 +285,7 @@ def test_a_bulk_action_takes_the_error_filter(
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("BEGIN")
-    fill(_InlineTx(conn))
+    fill(_InlineTx(conn), 100)  # enough here: accounts 100000 to 100099
     conn.execute("COMMIT")
     conn.close()
     done = run_json(
@@ -311,7 +312,7 @@ def test_a_bulk_action_on_postgres_takes_the_error_filter(
 
     async def filled() -> None:
         async with PostgresStore(dsn, connections=1) as store:
-            await store.transact(fill)
+            await store.transact(partial(fill, blocked_flows=100))
 
     trio.run(filled)
     done = run_json(
