@@ -124,7 +124,16 @@ def test_list(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, db, "list")
     assert code == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["FLOW", "PLAN", "STATE", "STEP", "REV", "UPDATED", "OWNER"]
+    assert lines[0].split() == [
+        "FLOW",
+        "PLAN",
+        "STATE",
+        "STEP",
+        "REV",
+        "UPDATED",
+        "OWNER",
+        "ERROR",
+    ]
     assert lines[2].split()[:4] == ["running", "order@1", "RUNNING", "0:reserve"]  # newest
     assert len(lines) == 2 + 8
     parked = run_json(capsys, db, "list", "--state", "parked")["flows"]
@@ -198,6 +207,8 @@ def test_stats(db: str, capsys: pytest.CaptureFixture[str]) -> None:
         "PLAN",
         "SINCE",
         "DEADLINE",
+        "ERROR",
+        "FIRST",
         "E.G.",
         "LEASE",
         "FLOWS",
@@ -213,13 +224,27 @@ def test_stats(db: str, capsys: pytest.CaptureFixture[str]) -> None:
     }
     assert s["plans"]["refund@2"]["RUNNING"] == 1 and s["orphans"] == 0
     assert [p["flow_id"] for p in s["oldest_parked"]] == ["parked-old"]
-    assert s["blocked"] == [
+    assert s["errors"]["groups"] == [
         {
-            "reason": "compensation of step 'reserve' failed: refund down",
+            "state": "BLOCKED",
+            "error": "compensation of step 'reserve' failed: refund down",
             "flows": 2,
-            "example": "blocked",
-        }
+            "first_seen": T0 + 2,
+            "last_seen": T0 + 2,
+            "examples": ["blocked", "blocked-2"],
+            "match": "compensation of step 'reserve' failed: refund down",
+        },
+        {
+            "state": "FAILED",
+            "error": "no stock",
+            "flows": 1,
+            "first_seen": T0,
+            "last_seen": T0,
+            "examples": ["failed"],
+            "match": "no stock",
+        },
     ]
+    assert s["errors"]["groups_left_out"] == 0 == s["errors"]["flows_not_grouped"]
     assert s["engines"][0]["owner"] == "svc" and s["engines"][0]["alive"]
     assert [(p["plan"], p["version"]) for p in s["registered_plans"]] == [
         ("order", 1),

@@ -1,9 +1,10 @@
 """The inspector's filters and its actions on many flows at once.
 
-``list``, ``cancel``, ``resume`` and ``wake`` take the same filters (`add_filters`): state, plan,
-version, step, when a flow was last written or started (ISO 8601 or a duration before now) and
-an id prefix. They become one `_query.FlowFilter`, so that the inspector and the dashboard find
-the same flows in the same order (newest started first; id order with an id prefix).
+``list``, ``cancel``, ``resume``, ``abandon`` and ``wake`` take the same filters
+(`add_filters`): state, plan, version, step, when a flow was last written or started (ISO 8601
+or a duration before now), an id prefix and a text in the error. They become one
+`_query.FlowFilter`, so that the inspector and the dashboard find the same flows in the same
+order (newest started first; id order with an id prefix).
 
 An action on a filter (`act`) counts the matches first, says how many and asks (``--yes``
 skips the question), then acts on each match through the operator's engine, each flow in its
@@ -46,6 +47,7 @@ FILTERS = (
     ("--started-since", "created_after"),
     ("--started-until", "created_before"),
     ("--id-prefix", "id_prefix"),
+    ("--error", "error"),
 )
 _WHEN = (
     "ISO 8601 (2026-12-01T12:00, UTC unless it names a zone) or a duration before now"
@@ -112,6 +114,13 @@ def add_filters(parser: argparse.ArgumentParser, what: str) -> None:
     g.add_argument("--started-since", metavar="WHEN", type=_when, help="started at or after WHEN")
     g.add_argument("--started-until", metavar="WHEN", type=_when, help="started before WHEN")
     g.add_argument("--id-prefix", metavar="PREFIX", type=_name, help="whose id starts so")
+    g.add_argument(
+        "--error",
+        metavar="TEXT",
+        type=_name,
+        help="whose error (a blocked flow's reason) holds TEXT, in any case; %%, _ and \\ match"
+        " themselves",
+    )
 
 
 def has_filters(args: argparse.Namespace) -> bool:

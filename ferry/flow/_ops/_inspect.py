@@ -184,10 +184,18 @@ def parser() -> argparse.ArgumentParser:
     show.add_argument("flow_id", metavar="FLOW_ID", type=_bulk.utf8)
     stats = command(
         "stats",
-        "Counts by state and plan, the oldest parked flows, why flows are blocked, the engines.",
+        "Counts by state and plan, the oldest parked flows, failed and blocked flows grouped by"
+        " their error, the engines.",
     )
     stats.add_argument(
         "--oldest", type=_count, default=10, help="how many parked flows to list (default 10)"
+    )
+    stats.add_argument(
+        "--limit",
+        metavar="N",
+        type=_count,
+        default=20,
+        help="how many groups of failed and blocked flows by error to show (default 20)",
     )
     bulk = (
         "Give FLOW_ID for one flow, or filters for every flow they match: the count is shown and"

@@ -29,7 +29,7 @@ from .._model import _times, _values
 from .._model._errors import FlowError
 from .._model._types import Json, State
 from .._model._values import ACTIVE, Flow
-from .._store import _store
+from .._store import _store, _triage
 from .._store._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
 from . import _bulk
 
@@ -213,22 +213,30 @@ def flow_json(f: Flow) -> dict[str, Json]:
     }
 
 
+#: How much of a flow's error `list` shows (``--json`` and `show` give the whole).
+ERROR_WIDTH = 60
+
+
 def _flow_rows(flows: Sequence[Flow]) -> list[list[object]]:
-    return [
-        [
-            f.flow_id,
-            f"{f.plan}@{f.version}",
-            f.state.name,
-            _step(f),
-            f.revision,
-            _when(f.updated_at),
-            f.owner,
-        ]
-        for f in flows
-    ]
+    rows: list[list[object]] = []
+    for f in flows:
+        error = _triage.error_of(f)
+        rows.append(
+            [
+                f.flow_id,
+                f"{f.plan}@{f.version}",
+                f.state.name,
+                _step(f),
+                f.revision,
+                _when(f.updated_at),
+                f.owner,
+                None if error is None else _cut(safe(error), ERROR_WIDTH),
+            ]
+        )
+    return rows
 
 
-_FLOW_HEADERS = ("FLOW", "PLAN", "STATE", "STEP", "REV", "UPDATED", "OWNER")
+_FLOW_HEADERS = ("FLOW", "PLAN", "STATE", "STEP", "REV", "UPDATED", "OWNER", "ERROR")
 
 
 def output(args: argparse.Namespace, text: str, data: object) -> None:
@@ -356,7 +364,11 @@ STATS_LEGEND = {
     "PLAN": "a plan's name@version",
     "SINCE": "when the flow parked (its last write)",
     "DEADLINE": "when its park times out (-: never; it waits for a wake)",
-    "E.G.": "one flow blocked for that reason: `show` it, fix the cause, then `resume` it",
+    "ERROR": "failed and blocked flows grouped by their error, with numbers, hex ids, uuids,"
+    " quoted values and the flow's own id folded (<n>, <hex>, <uuid>, '<s>', <flow>)",
+    "E.G.": "a few flows of the group: `show` one, fix the cause, then `resume` a blocked one"
+    " (list --state STATE --error TEXT lists them all)",
+    "FIRST": "(errors) the earliest last write of the group's flows; LAST: the latest",
     "LEASE": (
         "alive while the engine renews its lease (UNTIL); gone: it closed or died (the fleet"
         " forgets it about 100 leases later, once it holds no flow)"
@@ -374,7 +386,7 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
             "clock": at,
             "plans": _store.count_plans(tx),
             "parked": _store.oldest_parked(tx, limit=args.oldest),
-            "blocked": _store.blocked_reasons(tx),
+            "errors": _triage.failure_groups(tx, limit=args.limit),
             "engines": _store.load_engines(tx),
             "orphans": _store.count_orphans(tx, at),
             "registered": _store.load_plans(tx),
@@ -402,7 +414,7 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
             }
             for f in r["parked"]
         ],
-        "blocked": [{"reason": why, "flows": n, "example": fid} for why, n, fid in r["blocked"]],
+        "errors": _errors_json(r["errors"], args.limit),
         "engines": [
             {
                 "owner": o,
@@ -443,10 +455,25 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
             "\noldest parked\n" + table(("FLOW", "PLAN", "STEP", "SINCE", "DEADLINE"), rows)
         )
         legend += ["SINCE", "DEADLINE"]
-    if r["blocked"]:
-        rows = [[n, fid, _cut(why, 80)] for why, n, fid in r["blocked"]]
-        parts.append("\nblocked, by reason\n" + table(("FLOWS", "E.G.", "REASON"), rows))
-        legend.append("E.G.")
+    groups: _triage.Groups = r["errors"]
+    if groups.groups:
+        rows = [
+            [
+                g.flows,
+                g.state,
+                _when(g.first),
+                _when(g.last),
+                ", ".join(g.examples),
+                _cut(g.error, 100),
+            ]
+            for g in groups.groups
+        ]
+        parts.append(
+            "\nfailed and blocked, by error\n"
+            + table(("FLOWS", "STATE", "FIRST", "LAST", "E.G.", "ERROR"), rows)
+        )
+        parts += _left_out(groups)
+        legend += ["ERROR", "FIRST", "E.G."]
     if r["engines"]:
         rows = [
             [o, "alive" if until >= r["clock"] else "gone", _when(until), n]
@@ -457,6 +484,45 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
     width = max(len(k) for k in legend)
     parts.append("\nlegend\n" + "\n".join(f"  {k:<{width}}  {STATS_LEGEND[k]}" for k in legend))
     output(args, "\n".join(parts), data)
+
+
+def _errors_json(groups: _triage.Groups, limit: int) -> dict[str, Json]:
+    return {
+        "groups": [
+            {
+                "state": g.state,
+                "error": g.error,
+                "flows": g.flows,
+                "first_seen": g.first,
+                "last_seen": g.last,
+                "examples": list(g.examples),
+                "match": g.match,
+            }
+            for g in groups.groups
+        ],
+        "limit": limit,
+        "total_groups": groups.total_groups,
+        "groups_left_out": groups.groups_left_out,
+        "flows_left_out": groups.flows_left_out,
+        "flows_not_grouped": groups.flows_not_grouped,
+    }
+
+
+def _left_out(groups: _triage.Groups) -> list[str]:
+    """The lines that say what the table of errors does not show."""
+    lines = []
+    if groups.groups_left_out:
+        lines.append(
+            f"({groups.groups_left_out} more group(s) of {groups.flows_left_out} flow(s) left"
+            f" out: --limit N shows more)"
+        )
+    if groups.flows_not_grouped:
+        lines.append(
+            f"({groups.flows_not_grouped} flow(s) not grouped: their errors are past the"
+            f" {_triage.SCAN} most common distinct texts read; list --state FAILED --error TEXT"
+            " finds them)"
+        )
+    return lines
 
 
 def _first_line(error: BaseException) -> str:

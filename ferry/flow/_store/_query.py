@@ -48,6 +48,7 @@ from .._model._values import Flow
 from . import _sql
 from ._sql import FIELDS as _FIELDS
 from ._sql import to_flow as _to_flow
+from ._triage import ERROR_TEXT
 
 #: The most flows one page may hold.
 MAX_LIMIT = 1000
@@ -69,6 +70,9 @@ def _check_text(name: str) -> Any:
             raise ValueError(f"{name} must not be empty (leave it out to match every flow)")
         if "\x00" in value:
             raise ValueError(f"{name} must not contain a NUL character, got {value!r}")
+        problem = _checks.text_problem(value)
+        if problem is not None:  # a lone surrogate: no stored text holds it
+            raise ValueError(f"{name} cannot match any stored text: {problem}")
 
     return check
 
@@ -106,6 +110,10 @@ class FlowFilter:
     - `updated_after`/`updated_before`: the time of its last write; `created_after`/
       `created_before`: when it was started.
     - `id_prefix`: its id starts with this (then the flows come in id order).
+    - `error`: its error (`Snapshot.error`: a BLOCKED flow's reason, any other flow's error)
+      holds this text, in any case (PostgreSQL folds every letter's case, SQLite's ``LIKE``
+      only ASCII's); ``%``, ``_`` and ``\\`` in it are matched as themselves. No index
+      serves it: it narrows the rows the other conditions leave (docs/adr/0127).
 
     Raises `TypeError` for a value of the wrong type and `ValueError` for an impossible one
     (an empty name, a version < 1, a time that is not finite, a range that ends before it
@@ -121,6 +129,7 @@ class FlowFilter:
     created_after: float | None = attrs.field(default=None, validator=_check_time)
     created_before: float | None = attrs.field(default=None, validator=_check_time)
     id_prefix: str | None = attrs.field(default=None, validator=_check_text("id_prefix"))
+    error: str | None = attrs.field(default=None, validator=_check_text("error"))
 
     def __attrs_post_init__(self) -> None:
         for what in ("updated", "created"):
@@ -154,6 +163,7 @@ class FlowFilter:
         created_after: str | None = None,
         created_before: str | None = None,
         id_prefix: str | None = None,
+        error: str | None = None,
     ) -> FlowFilter:
         """A filter from words (a form, a command line); empty or None words are left out.
 
@@ -198,6 +208,7 @@ class FlowFilter:
             version=ver,
             step=word(step),
             id_prefix=id_prefix or None,  # kept as given: an id may begin with a space
+            error=word(error),
             **times,
         )
 
@@ -232,7 +243,17 @@ class FlowFilter:
             if upper is not None:
                 conds.append(f"{fid} < ?")
                 params.append(upper)
+        if self.error is not None:
+            like = "ILIKE" if dialect == "postgres" else "LIKE"
+            conds.append(f"({ERROR_TEXT}) {like} ? ESCAPE '\\'")
+            params.append(f"%{like_literal(self.error)}%")
         return conds, params
+
+
+def like_literal(text: str) -> str:
+    """`text` as a ``LIKE ... ESCAPE '\\'`` pattern that matches it literally (its ``%``,
+    ``_`` and ``\\`` escaped)."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
 def parse_time(text: str, now: float, name: str = "time") -> float:

@@ -454,7 +454,6 @@ class Statements:
     count_states: str
     count_plans: str
     oldest_parked: str
-    blocked_reasons: str
     count_orphans: str
     holder: str
     select_engines: str
@@ -552,8 +551,6 @@ class Statements:
             " GROUP BY plan, version, state ORDER BY plan, version, state",
             oldest_parked=f"SELECT {COLUMNS} FROM {FLOWS} WHERE state = 'PARKED'"
             " ORDER BY updated_at, flow_id LIMIT ?",
-            blocked_reasons=f"SELECT blocked, COUNT(*), MIN(flow_id) FROM {FLOWS}"
-            " WHERE state = 'BLOCKED' GROUP BY blocked ORDER BY COUNT(*) DESC, blocked LIMIT ?",
             count_orphans=f"SELECT COUNT(*) FROM {FLOWS} f WHERE f.{active} AND {orphan('f')}",
             holder=f"SELECT f.lease_until, e.lease_until, {orphan('f')} FROM {FLOWS} f"
             f" LEFT JOIN {ENGINES} e ON e.owner = f.owner WHERE f.flow_id = ?"

@@ -395,11 +395,6 @@ def oldest_parked(tx: Tx, *, limit: int = 10) -> list[Flow]:
     return [to_flow(r) for r in tx.execute(_statements(tx).oldest_parked, (int(limit),))]
 
 
-def blocked_reasons(tx: Tx, *, limit: int = 20) -> list[tuple[str, int, str]]:
-    """``(reason, flows, one of them)`` of blocked flows, the most common reason first."""
-    return [(r[0], r[1], r[2]) for r in tx.execute(_statements(tx).blocked_reasons, (int(limit),))]
-
-
 def leased(tx: Tx) -> bool:
     """Are the store's active flows held by leases (a fleet, PostgreSQL)? On SQLite one engine
     at a time holds the whole file (its engine lock) and runs every active flow: no lease rows,

@@ -58,7 +58,7 @@ from ..._model import _values
 from ..._model._checks import shown_number
 from ..._model._errors import FlowError, StoreLocked
 from ..._model._types import Delivery, State
-from ..._store import _query
+from ..._store import _query, _triage
 from .. import _trace_url
 from ._reads import (
     MINUTES,
@@ -110,6 +110,20 @@ def _ago(t: float | None, now: float) -> str:
     return f"in {text}" if d > 0 else f"{text} ago"
 
 
+#: How much of an error the flows list and the overview show (the whole on hover, and on the
+#: flow's page).
+ERROR_WIDTH = 80
+#: How many groups of failed and blocked flows the overview shows.
+ERROR_GROUPS = 10
+
+
+def _cut(text: str | None, width: int = ERROR_WIDTH) -> str:
+    if text is None:
+        return ""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def chart(series: Series, width: int = 600, height: int = 140) -> dict[str, Any]:
     """The overview's chart as numbers for the template's inline SVG: a polyline per series
     (started, completed, failed per minute over the last hour) and the scale."""
@@ -150,6 +164,8 @@ def _environment() -> jinja2.Environment:
     env.globals["zip"] = zip
     env.globals["states"] = [s.name for s in State]
     env.globals["unfinished"] = UNFINISHED
+    env.filters["error_of"] = _triage.error_of
+    env.filters["cut"] = _cut
     return env
 
 
@@ -334,13 +350,20 @@ class Dashboard:
         now = self.clock()
         began = time.monotonic()
         try:
-            o = await self.reader.read(lambda tx: page_overview(tx, now=now))
+            o, errors = await self.reader.read(
+                lambda tx: (
+                    page_overview(tx, now=now),
+                    _triage.failure_groups(tx, limit=ERROR_GROUPS),
+                )
+            )
         except Unavailable as why:
             return self.unavailable("Overview", why)
         # A store so big that the counts take long is asked less often (at most a tenth of the
         # time spent counting).
         refresh = max(REFRESH, math.ceil(10 * (time.monotonic() - began)))
-        return self.render("overview.html", refresh=refresh, o=o, chart=chart(o.series))
+        return self.render(
+            "overview.html", refresh=refresh, o=o, chart=chart(o.series), errors=errors
+        )
 
     async def flows(self, request: Request) -> Response:
         q = request.query_params
@@ -555,6 +578,7 @@ _FILTER_FIELDS = (
     "created_after",
     "created_before",
     "id_prefix",
+    "error",
 )
 
 _DONE = {
