@@ -28,7 +28,6 @@ The safety rules (docs/adr/0081), each enforced in one place:
 
 from __future__ import annotations
 
-import datetime
 import hmac
 import json
 import logging
@@ -58,6 +57,7 @@ from ..._model._checks import shown_number
 from ..._model._errors import FlowError, StoreLocked
 from ..._model._types import Delivery, State
 from ..._store import _query
+from . import _shown
 from ._reads import (
     MINUTES,
     UNFINISHED,
@@ -83,12 +83,6 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 #: The most bytes a request's body may have (a dashboard form holds an id, the token and at
 #: most a wake's payload and message id): 413 beyond it, before it is read (docs/adr/0115).
 MAX_BODY = 64 * 1024
-
-
-def _when(t: float | None) -> str:
-    if t is None:
-        return "-"
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def _ago(t: float | None, now: float) -> str:
@@ -141,11 +135,14 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters["when"] = _when
+    env.filters["when"] = _shown.iso
+    env.filters["num"] = _shown.count
+    env.filters["duration"] = _shown.duration
     env.filters["compact"] = lambda v: json.dumps(v, ensure_ascii=False, sort_keys=True)
     env.filters["quote"] = lambda s: urllib.parse.quote(str(s), safe="")
     env.globals["ago"] = _ago
     env.globals["zip"] = zip
+    env.globals["timeline"] = _shown.timeline
     env.globals["states"] = [s.name for s in State]
     env.globals["unfinished"] = UNFINISHED
     return env
@@ -444,7 +441,7 @@ class Dashboard:
         if not fid:
             return PlainTextResponse("which flow? the form has no id\n", 400)
         try:
-            call = _call(action, fid, form)
+            call = _call(action, fid, form, _who(request))
         except ValueError as exc:
             return await self.flow_page(fid, problem=str(exc), status=400)
         try:
@@ -552,12 +549,21 @@ _DONE = {
     "wake-DUPLICATE": "not woken again: this message id was delivered before",
     "cancel": "cancelled: it compensates its completed steps",
     "resume": "resumed",
+    "abandon": "abandoned: it ended FAILED without running the compensations left",
 }
 _NOT_DONE = {
     "wake": "the flow has ended (or is unknown)",
     "cancel": "only a running or parked flow can be cancelled",
     "resume": "only a BLOCKED flow whose plan version is known can be resumed",
+    "abandon": "only a BLOCKED flow can be abandoned",
 }
+
+
+def _who(request: Request) -> str:
+    """Who made the request, as the audit log and an abandon record it: the dashboard and the
+    client's address (the dashboard has no user accounts; the token is shared)."""
+    client = request.client
+    return f"dashboard ({client.host if client else 'unknown address'})"
 
 
 async def _form(request: Request) -> dict[str, str]:
@@ -569,8 +575,9 @@ async def _form(request: Request) -> dict[str, str]:
     return dict(pairs)
 
 
-def _call(action: str, fid: str, form: dict[str, str]) -> Callable[[Any], Awaitable[Any]]:
-    """What the operator's engine is asked to do; `ValueError` for a bad action or field."""
+def _call(action: str, fid: str, form: dict[str, str], who: str) -> Callable[[Any], Awaitable[Any]]:
+    """What the operator's engine is asked to do (`who` is recorded by an abandon);
+    `ValueError` for a bad action or field."""
     if action == "wake":
         text = form.get("payload", "").strip() or "null"
         try:
@@ -584,7 +591,15 @@ def _call(action: str, fid: str, form: dict[str, str]) -> Callable[[Any], Awaita
         return lambda e: e.cancel(fid, reason)
     if action == "resume":
         return lambda e: e.resume(fid)
-    raise ValueError(f"no action {action!r}: wake, cancel or resume")
+    if action == "abandon":
+        why = form.get("reason", "").strip()
+        if not why:
+            raise ValueError(
+                "abandon needs a reason (what was done by hand instead of the compensations"
+                " it skips): nothing was done"
+            )
+        return lambda e: e.abandon(fid, reason=why, by=who)
+    raise ValueError(f"no action {action!r}: wake, cancel, resume or abandon")
 
 
 def _no_constant(name: str) -> None:
