@@ -34,7 +34,8 @@ import logging
 import math
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from functools import partial
 from importlib import resources
 from typing import Any
 
@@ -57,8 +58,10 @@ from ..._model._checks import shown_number
 from ..._model._errors import FlowError, StoreLocked
 from ..._model._types import Delivery, State
 from ..._store import _query
+from .. import _bulk
 from . import _shown
 from ._reads import (
+    COUNT_CAP,
     MINUTES,
     UNFINISHED,
     Reader,
@@ -295,6 +298,8 @@ class Dashboard:
         self.page_size = page_size
         self.max_body = max_body
         self.env = _environment()
+        self.count_cap = COUNT_CAP  # the most matches the list counts ("10,000+" past it)
+        self.bulk_max = BULK_MAX  # the most flows one action on a filter acts on
         self._acting = trio.Lock()  # one operator engine at a time (SQLite: one engine lock)
 
     @property
@@ -337,13 +342,16 @@ class Dashboard:
         q = request.query_params
         fields = {k: q.get(k, "") for k in _FILTER_FIELDS}
         after = q.get("after") or None
+        before = q.get("before") or None
         try:
             flt = _query.FlowFilter.from_text(now=self.clock(), **fields)
         except (ValueError, TypeError) as exc:
             return self.render("flows.html", 400, fields=fields, page=None, problem=str(exc))
         try:
             page = await self.reader.read(
-                lambda tx: page_flows(tx, flt, after=after, limit=self.page_size)
+                lambda tx: page_flows(
+                    tx, flt, after=after, before=before, limit=self.page_size, cap=self.count_cap
+                )
             )
         except ValueError as exc:  # a cursor that is not ours
             return self.render("flows.html", 400, fields=fields, page=None, problem=str(exc))
@@ -355,15 +363,24 @@ class Dashboard:
             if page.next is None
             else "?" + urllib.parse.urlencode({**keep, "after": page.next})
         )
-        first = "?" + urllib.parse.urlencode(keep) if after else None
+        prev = (
+            None
+            if page.prev is None
+            else "?" + urllib.parse.urlencode({**keep, "before": page.prev})
+        )
+        # (no "first page" link on the first page, reached back through "previous")
+        back = (after or before) and (page.prev is not None or not page.flows)
+        first = "?" + urllib.parse.urlencode(keep) if back else None
         return self.render(
             "flows.html",
             fields=fields,
             page=page,
             problem=None,
             next=nxt,
+            prev=prev,
             first=first,
             by_id=flt.by_id,
+            query=urllib.parse.urlencode(keep),
         )
 
     async def flow(self, request: Request) -> Response:
@@ -421,9 +438,12 @@ class Dashboard:
 
     def _refused(self, action: str, fid: str | None, why: str) -> Response:
         """403: the POST was refused before anything was looked up (the flow may not exist)."""
-        _log.warning(
-            "dashboard: %s of flow %r refused: %s", action, fid, why, extra={"flow_id": fid}
-        )
+        if action.startswith("bulk"):
+            _log.warning("dashboard: %s refused: %s", action, why)
+        else:
+            _log.warning(
+                "dashboard: %s of flow %r refused: %s", action, fid, why, extra={"flow_id": fid}
+            )
         return self.render("refused.html", 403, flow_id=fid or "", problem=why)
 
     async def act(self, request: Request) -> Response:
@@ -448,13 +468,7 @@ class Dashboard:
             async with self._acting:
                 outcome = await self._with_engine(call)
         except StoreLocked:
-            return await self.flow_page(
-                fid,
-                status=409,
-                problem="a flow engine is serving this SQLite file right now: on SQLite one"
-                " engine holds the file, so make the call through that engine's API"
-                " (Engine.wake/cancel/resume) or stop it first",
-            )
+            return await self.flow_page(fid, status=409, problem=_LOCKED)
         except _Unopened as why:  # gone, a directory, not a store: the page says unavailable
             _log.warning(
                 "dashboard: %s of flow %r refused: the store cannot be opened (%s)",
@@ -498,6 +512,139 @@ class Dashboard:
             )
         return RedirectResponse(f"/flow?id={urllib.parse.quote(fid, safe='')}&done={key}", 303)
 
+    # ------------------------------------------------------------------- actions on a filter
+
+    def _bulk_filter(
+        self, values: Mapping[str, str]
+    ) -> tuple[dict[str, str], _query.FlowFilter | None, str | None]:
+        """The filter's fields, the filter (None if they are wrong) and what is wrong."""
+        fields = {k: values.get(k, "") for k in _FILTER_FIELDS}
+        try:
+            return fields, _query.FlowFilter.from_text(now=self.clock(), **fields), None
+        except (ValueError, TypeError) as exc:
+            return fields, None, str(exc)
+
+    async def bulk_confirm(self, request: Request) -> Response:
+        """GET ``/flows/bulk?action=...&<filters>``: how many flows the action would be tried
+        on, and the form (reason, token) that does it. Nothing is done here."""
+        action = request.query_params.get("action", "")
+        fields, flt, problem = self._bulk_filter(request.query_params)
+        if action not in _BULK:
+            problem = f"no action {action!r} on many flows: cancel, resume or abandon"
+        if flt is None or problem is not None:
+            return self.render("bulk.html", 400, action=action, fields=fields, problem=problem)
+        try:
+            matches = await self.reader.read(lambda tx: _query.count_upto(tx, flt, self.bulk_max))
+        except Unavailable as why:
+            return self.unavailable("Act on many flows", why)
+        return self.render(
+            "bulk.html",
+            action=action,
+            fields=fields,
+            problem=None,
+            matches=matches,
+            cap=self.bulk_max,
+            applies=_BULK[action],
+            query=urllib.parse.urlencode({k: v for k, v in fields.items() if v}),
+            results=None,
+        )
+
+    async def bulk(self, request: Request) -> Response:
+        """POST ``/flows/bulk``: the action on each flow the filter matches (at most
+        `BULK_MAX`, newest first), each in its own call, with the operator's engine; the page
+        says what became of them (a flow that moved on meanwhile is not acted on)."""
+        if self.read_only:  # before the body is read
+            return self._refused("bulk", None, "this dashboard is read-only: actions are refused")
+        try:
+            form = await _form(request)
+        except BodyTooLarge as exc:
+            return PlainTextResponse(exc.detail, exc.status_code)
+        action = form.get("action", "")
+        refused = self._allowed(form)
+        if refused is not None:
+            return self._refused(f"bulk {action}", None, refused)
+        fields, flt, problem = self._bulk_filter(form)
+        reason = form.get("reason", "").strip()
+        if action not in _BULK:
+            problem = f"no action {action!r} on many flows: cancel, resume or abandon"
+        elif action == "abandon" and not reason:
+            problem = "abandon needs a reason (what was done by hand instead): nothing was done"
+        if flt is None or problem is not None:
+            return self.render("bulk.html", 400, action=action, fields=fields, problem=problem)
+        who = _who(request)
+        one: Callable[[Any, str], Awaitable[_bulk.Done]]
+        if action == "cancel":
+            one = partial(_bulk.cancel_one, reason=reason or "cancelled by an operator (dashboard)")
+        elif action == "resume":
+            one = _bulk.resume_one
+        else:
+            one = partial(_bulk.abandon_one, reason=reason, by=who)
+        try:
+            ids = await self.reader.read(
+                lambda tx: [f.flow_id for f in _bulk.matching(tx, flt, limit=self.bulk_max)[0]]
+            )
+        except Unavailable as why:
+            return self.unavailable("Act on many flows", why)
+        results: list[tuple[str, bool, str]] = []
+
+        async def each(engine: Any) -> None:
+            for fid in ids:
+                acted, what, _state = await one(engine, fid)
+                results.append((fid, acted, what))
+
+        problem = None
+        status = 200
+        try:
+            async with self._acting:
+                await self._with_engine(each)
+        except StoreLocked:
+            status, problem = 409, _LOCKED
+        except _Unopened as why:
+            status, problem = 503, f"the store is unavailable, nothing was done: {why.reason}"
+        except Exception as exc:  # the store: said on the page with what was done, and logged
+            _log.warning(
+                "dashboard: bulk %s failed after %d flows", action, len(results), exc_info=True
+            )
+            status = 503
+            problem = (
+                f"the store failed after {len(results)} flow(s), the rest untouched:"
+                f" {type(exc).__name__}: {' '.join(str(exc).split())}"
+            )
+        acted = sum(1 for r in results if r[1])
+        if results:
+            _log.info(
+                "dashboard: bulk %s by %s: acted on %d of %d flows (%s)",
+                action,
+                who,
+                acted,
+                len(results),
+                _describe(fields),
+                extra={
+                    "action": f"bulk {action}",
+                    "by": who,
+                    "acted": acted,
+                    "tried": len(results),
+                    "filter": _describe(fields),
+                },
+            )
+        tally: dict[str, int] = {}
+        for _fid, _done, what in results:
+            tally[what] = tally.get(what, 0) + 1
+        return self.render(
+            "bulk.html",
+            status,
+            action=action,
+            fields=fields,
+            problem=problem,
+            matches=len(ids),
+            cap=self.bulk_max,
+            applies=_BULK[action],
+            query=urllib.parse.urlencode({k: v for k, v in fields.items() if v}),
+            results=results,
+            acted=acted,
+            tally=sorted(tally.items(), key=lambda kv: -kv[1]),
+        )
+
     async def _with_engine(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
         """``call(engine)`` with an operator's engine, which never creates the store's file;
         `_Unopened` if the engine could not be opened (other than `StoreLocked`)."""
@@ -522,6 +669,8 @@ class Dashboard:
             Route("/flows", self.flows),
             Route("/flow", self.flow),
             Route("/flow/{action:str}", self.act, methods=["POST"]),
+            Route("/flows/bulk", self.bulk_confirm, methods=["GET"]),
+            Route("/flows/bulk", self.bulk, methods=["POST"]),
             Route("/metrics", self.metrics),
             Mount("/static", app=StaticFiles(directory=str(static)), name="static"),
         ]
@@ -542,6 +691,28 @@ _FILTER_FIELDS = (
     "created_before",
     "id_prefix",
 )
+
+_LOCKED = (
+    "a flow engine is serving this SQLite file right now: on SQLite one"
+    " engine holds the file, so make the call through that engine's API"
+    " (Engine.wake/cancel/resume) or stop it first"
+)
+
+#: The most flows one action on a filter acts on (newest first; the page says so).
+BULK_MAX = 10_000
+
+#: The actions on a filter, and the flows each applies to.
+_BULK = {
+    "cancel": "running or parked flows (they compensate their completed steps)",
+    "resume": "BLOCKED flows (they run again from where they were blocked)",
+    "abandon": "BLOCKED flows (they end FAILED without running the compensations left)",
+}
+
+
+def _describe(fields: Mapping[str, str]) -> str:
+    """The filter as the form gave it: ``state=BLOCKED plan=order`` (``every flow``)."""
+    return " ".join(f"{k}={v}" for k, v in fields.items() if v) or "every flow"
+
 
 _DONE = {
     "wake-RESUMED": "woken: it was parked and runs its next step",

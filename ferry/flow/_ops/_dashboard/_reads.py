@@ -321,6 +321,47 @@ def page_flow(tx: Tx, flow_id: str) -> FlowPage | None:
     )
 
 
-def page_flows(tx: Tx, flt: _query.FlowFilter, *, after: str | None, limit: int) -> _query.Page:
-    """One page of the flows list (`_query.query_page`)."""
-    return _query.query_page(tx, flt, limit=limit, after=after)
+#: The most matches the flows list counts: past it, it says "10,000+" (a count is a pass over
+#: the matching index entries; bounded, it costs what a page or two does).
+COUNT_CAP = 10_000
+
+
+@attrs.frozen
+class FlowsPage:
+    """One page of the flows list: the flows with their start times, the cursors of the pages
+    after and before it (None: none), and how many flows match, counted up to ``cap + 1``."""
+
+    flows: tuple[Flow, ...]
+    created: tuple[float, ...]
+    next: str | None
+    prev: str | None
+    matches: int
+    cap: int
+
+    @property
+    def more(self) -> bool:
+        """Do more than `cap` flows match (then the page says "cap+")?"""
+        return self.matches > self.cap
+
+
+def page_flows(
+    tx: Tx,
+    flt: _query.FlowFilter,
+    *,
+    after: str | None,
+    limit: int,
+    before: str | None = None,
+    cap: int = COUNT_CAP,
+) -> FlowsPage:
+    """One page of the flows list (`_query.query_page`, or `_query.query_page_before` for the
+    page `before` a cursor) and the bounded count of the matches."""
+    prev: str | None
+    if before is not None:
+        page, prev = _query.query_page_before(tx, flt, limit=limit, before=before)
+    else:
+        page = _query.query_page(tx, flt, limit=limit, after=after)
+        prev = None
+        if after is not None and page.flows:  # the flow of `after` comes before this page
+            prev = _query.cursor_of(page.flows[0], page.created[0], flt.by_id)
+    matches = _query.count_upto(tx, flt, cap)
+    return FlowsPage(page.flows, page.created, page.next, prev, matches, cap)
