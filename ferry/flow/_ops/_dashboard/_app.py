@@ -1,22 +1,27 @@
 """The dashboard's ASGI app (Starlette, Jinja2 with autoescape): pages and actions.
 
-Pages (GET): ``/`` the overview, ``/flows`` the list (filters and keyset pages), ``/flow?id=``
-one flow, ``/metrics`` (with prometheus_client), ``/static/...``. Actions (POST):
-``/flow/wake``, ``/flow/cancel``, ``/flow/resume``, each with the form fields ``id`` and
-``token``. Nothing here runs a step: reads go through a `Reader` (read-only transactions), and
-actions through an operator's engine (``open_engine(store, [], serve=False)``), opened for the
-action and closed after it, as the inspector's are (docs/adr/0044).
+Pages (GET): ``/`` the overview, ``/flows`` the list (filters, a bounded count of the matches,
+keyset pages both ways), ``/flow?id=`` one flow, ``/flows/bulk?action=`` the confirmation of an
+action on a filter, ``/metrics`` (with prometheus_client), ``/static/...``. Actions (POST):
+``/flow/wake``, ``/flow/cancel``, ``/flow/resume``, ``/flow/abandon`` (form fields ``id`` and the
+credentials), ``/flows/bulk`` (an action on every flow a filter matches, at most `BULK_MAX`),
+``/session/end``. Nothing here runs a step: reads go through a `Reader` (read-only
+transactions), and actions through an operator's engine (``open_engine(store, [],
+serve=False)``), opened for the action and closed after it, as the inspector's are
+(docs/adr/0044).
 
-The safety rules (docs/adr/0081), each enforced in one place:
+The safety rules (docs/adr/0081, 0115, 0129), each enforced in one place:
 
 - Every request body is bounded before it is read (`_Bounded`, docs/adr/0115): a
   ``Content-Length`` over `MAX_BODY` (64 KiB by default) is answered 413 before a byte of the
   body is read, and a body without one (chunked) is cut off with a 413 as soon as it grows past
   the limit, so an unauthenticated client cannot make the server hold more than that.
-- Every action is a POST whose form carries the token (`_allowed`, a constant-time compare); a
-  wrong or missing token is refused (403) before anything is looked up, read or written, whether
-  or not the flow exists. The token is in the form, never in a cookie or a URL: another site
-  cannot make a browser send it.
+- Every action is a POST allowed by `_allowed`: refused if its ``Origin`` is another site's;
+  then the token in the form (a constant-time compare), which starts a session (the token is
+  asked once per browser: an ``HttpOnly``, ``SameSite=Strict`` cookie, docs/adr/0129), or a
+  live session's cookie with its CSRF token in the form. Anything else is refused (403) before
+  anything is looked up, read or written, whether or not the flow exists. Each action carried
+  out is logged at INFO with who (the client's address) and what, in ``extra=``.
 - Read-only mode refuses every POST (403) before its body is read, and the templates show no
   forms.
 - Every value reaches the page through Jinja2's autoescape; the one piece of markup made in
@@ -59,7 +64,7 @@ from ..._model._errors import FlowError, StoreLocked
 from ..._model._types import Delivery, State
 from ..._store import _query
 from .. import _bulk
-from . import _shown
+from . import _session, _shown
 from ._reads import (
     COUNT_CAP,
     MINUTES,
@@ -298,6 +303,7 @@ class Dashboard:
         self.page_size = page_size
         self.max_body = max_body
         self.env = _environment()
+        self.sessions = _session.Sessions()
         self.count_cap = COUNT_CAP  # the most matches the list counts ("10,000+" past it)
         self.bulk_max = BULK_MAX  # the most flows one action on a filter acts on
         self._acting = trio.Lock()  # one operator engine at a time (SQLite: one engine lock)
@@ -312,9 +318,12 @@ class Dashboard:
     def render(
         self, name: str, status: int = 200, *, refresh: int | None = None, **values: Any
     ) -> HTMLResponse:
+        here = _session.current.get()
+        session = None if here is None or here.ended else here.session
         html = self.env.get_template(name).render(
             where=self.where,
             read_only=self.read_only,
+            csrf=None if session is None else session.csrf,
             refresh=refresh,
             now=self.clock(),
             **values,
@@ -426,15 +435,50 @@ class Dashboard:
 
     # ------------------------------------------------------------------------------ actions
 
-    def _allowed(self, form: dict[str, str]) -> str | None:
-        """Why this POST is refused, or None. Nothing is looked up, read or written before
-        this passes."""
+    def _allowed(self, request: Request, form: dict[str, str]) -> str | None:
+        """Why this POST is refused, or None (docs/adr/0129). Nothing is looked up, read or
+        written before this passes. A form from another site is refused; then the token in the
+        form (which starts a session: the token is asked once per browser), or the session's
+        cookie with its CSRF token in the form, lets it through."""
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers.raw}
+        far = _session.cross_site(headers, request.url.scheme)
+        if far is not None:
+            return far
+        here = _session.current.get()
         given = form.get("token", "")
-        if not given:
-            return "no token: paste the token the serve command printed at start"
-        if not hmac.compare_digest(given.encode(), self._token.encode()):
-            return "wrong token: paste the token the serve command printed at start"
-        return None
+        if given:
+            if not hmac.compare_digest(given.encode(), self._token.encode()):
+                return "wrong token: paste the token the serve command printed at start"
+            if here is not None and here.session is None:
+                here.session, here.started = self.sessions.start(_who(request)), True
+            return None
+        session = None if here is None else here.session
+        csrf = form.get("csrf", "")
+        if _session.csrf_ok(session, csrf):
+            return None
+        if csrf and session is None:
+            return (
+                "your session has ended (the dashboard restarted, or it lasted"
+                f" {_session.TTL / 3600:g} h): paste the token the serve command printed again"
+            )
+        if csrf:
+            return "this form does not belong to your session: reload the page and try again"
+        return "no token: paste the token the serve command printed at start"
+
+    async def end_session(self, request: Request) -> Response:
+        """POST ``/session/end``: forget this browser's session (the token is asked again)."""
+        form = await _form(request)
+        refused = self._allowed(request, {"csrf": form.get("csrf", "")})
+        here = _session.current.get()
+        if refused is None and here is not None and here.session is not None:
+            self.sessions.end(here.session.sid)
+            here.ended = True
+            _log.info(
+                "dashboard: the session of %s ended",
+                _who(request),
+                extra={"action": "end session", "by": _who(request)},
+            )
+        return RedirectResponse("/", 303)
 
     def _refused(self, action: str, fid: str | None, why: str) -> Response:
         """403: the POST was refused before anything was looked up (the flow may not exist)."""
@@ -454,7 +498,7 @@ class Dashboard:
             form = await _form(request)
         except BodyTooLarge as exc:
             return PlainTextResponse(exc.detail, exc.status_code)
-        refused = self._allowed(form)
+        refused = self._allowed(request, form)
         if refused is not None:
             return self._refused(action, form.get("id"), refused)
         fid = form.get("id", "")
@@ -499,12 +543,14 @@ class Dashboard:
                 f" {' '.join(str(exc).split())}",
             )
         key = _outcome_key(action, outcome)
+        who = _who(request)
         _log.info(
-            "dashboard: %s of flow %r by an operator: %s",
+            "dashboard: %s of flow %r by %s: %s",
             action,
             fid,
+            who,
             key or "did not apply",
-            extra={"flow_id": fid},
+            extra={"flow_id": fid, "action": action, "by": who, "outcome": key or "did not apply"},
         )
         if key is None:
             return await self.flow_page(
@@ -560,7 +606,7 @@ class Dashboard:
         except BodyTooLarge as exc:
             return PlainTextResponse(exc.detail, exc.status_code)
         action = form.get("action", "")
-        refused = self._allowed(form)
+        refused = self._allowed(request, form)
         if refused is not None:
             return self._refused(f"bulk {action}", None, refused)
         fields, flt, problem = self._bulk_filter(form)
@@ -672,12 +718,14 @@ class Dashboard:
             Route("/flows/bulk", self.bulk_confirm, methods=["GET"]),
             Route("/flows/bulk", self.bulk, methods=["POST"]),
             Route("/metrics", self.metrics),
+            Route("/session/end", self.end_session, methods=["POST"]),
             Mount("/static", app=StaticFiles(directory=str(static)), name="static"),
         ]
         middleware = []
         if hosts is not None:
             middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=hosts))
-        return _Headers(_Bounded(Starlette(routes=routes, middleware=middleware), self.max_body))
+        app = Starlette(routes=routes, middleware=middleware)
+        return _Headers(_Bounded(_session.Middleware(app, self.sessions), self.max_body))
 
 
 _FILTER_FIELDS = (
