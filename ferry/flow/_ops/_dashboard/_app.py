@@ -33,6 +33,7 @@ The safety rules (docs/adr/0081, 0115, 0129), each enforced in one place:
 
 from __future__ import annotations
 
+import datetime
 import hmac
 import json
 import logging
@@ -67,7 +68,7 @@ from .. import _bulk
 from . import _session, _shown
 from ._reads import (
     COUNT_CAP,
-    MINUTES,
+    SPANS,
     UNFINISHED,
     Reader,
     Series,
@@ -110,23 +111,60 @@ def _ago(t: float | None, now: float) -> str:
     return f"in {text}" if d > 0 else f"{text} ago"
 
 
-def chart(series: Series, width: int = 600, height: int = 140) -> dict[str, Any]:
+def _nice(top: int) -> int:
+    """The least of 1, 2, 5, 10, 20, 50, ... at or above `top`."""
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale >= top:
+                return m * scale
+        scale *= 10
+
+
+#: Where the x axis has a tick: seconds between ticks, and how a tick's time is written.
+_TICKS = {"1h": (600, "%H:%M"), "24h": (4 * 3600, "%H:%M"), "7d": (86400, "%m-%d")}
+
+
+def chart(series: Series, width: int = 640, height: int = 180) -> dict[str, Any]:
     """The overview's chart as numbers for the template's inline SVG: a polyline per series
-    (started, completed, failed per minute over the last hour) and the scale."""
-    top = max(1, *series.started, *series.completed, *series.failed)
-    pad = 4
-    step = (width - 2 * pad) / (MINUTES - 1)
+    (started, completed and failed per bucket over the span), the y axis (flows per bucket,
+    from 0 to a round number) and the x axis (UTC times at round ticks)."""
+    n = len(series.started)
+    top = _nice(max(1, *series.started, *series.completed, *series.failed))
+    left, right, above, below = 44, 10, 10, 24
+    inner_w, inner_h = width - left - right, height - above - below
+    step = inner_w / max(1, n - 1)
+
+    def x_of(i: float) -> float:
+        return left + i * step
+
+    def y_of(v: float) -> float:
+        return above + inner_h - v * inner_h / top
 
     def points(values: tuple[int, ...]) -> str:
-        return " ".join(
-            f"{pad + i * step:.1f},{height - pad - v * (height - 2 * pad) / top:.1f}"
-            for i, v in enumerate(values)
-        )
+        return " ".join(f"{x_of(i):.1f},{y_of(v):.1f}" for i, v in enumerate(values))
 
+    y_ticks = [(f"{y_of(v):.1f}", _shown.count(v)) for v in sorted({0, top // 2, top})]
+    every, fmt = _TICKS.get(series.span, (600, "%H:%M"))
+    end = series.start + (n - 1) * series.step
+    x_ticks = []
+    t = math.ceil(series.start / every) * every
+    while t <= end:
+        label = datetime.datetime.fromtimestamp(t, datetime.UTC).strftime(fmt)
+        x_ticks.append((f"{x_of((t - series.start) / series.step):.1f}", label))
+        t += every
     return {
         "width": width,
         "height": height,
         "top": top,
+        "left": left,
+        "right": width - right,
+        "above": above,
+        "bottom": above + inner_h,
+        "y_ticks": y_ticks,
+        "x_ticks": x_ticks,
+        "per": _shown.duration(series.step),
+        "span": series.span,
         "lines": [
             ("started", points(series.started), sum(series.started)),
             ("completed", points(series.completed), sum(series.completed)),
@@ -173,7 +211,9 @@ class _Headers:
                 headers += [
                     (b"content-security-policy", _CSP.encode()),
                     (b"x-content-type-options", b"nosniff"),
-                    (b"referrer-policy", b"no-referrer"),
+                    # (same-origin: never to another site; with no-referrer, Chrome sends
+                    # "Origin: null" with the dashboard's own forms, which _allowed refuses)
+                    (b"referrer-policy", b"same-origin"),
                     (b"x-frame-options", b"DENY"),
                     (b"cache-control", b"no-store"),
                 ]
@@ -338,14 +378,20 @@ class Dashboard:
     async def overview(self, request: Request) -> Response:
         now = self.clock()
         began = time.monotonic()
+        span = request.query_params.get("span") or "1h"
+        plan = request.query_params.get("plan") or None
+        if span not in SPANS:
+            span = "1h"  # (a bookmark of another version: the default rather than an error)
         try:
-            o = await self.reader.read(lambda tx: page_overview(tx, now=now))
+            o = await self.reader.read(lambda tx: page_overview(tx, now=now, span=span, plan=plan))
         except Unavailable as why:
             return self.unavailable("Overview", why)
         # A store so big that the counts take long is asked less often (at most a tenth of the
         # time spent counting).
         refresh = max(REFRESH, math.ceil(10 * (time.monotonic() - began)))
-        return self.render("overview.html", refresh=refresh, o=o, chart=chart(o.series))
+        return self.render(
+            "overview.html", refresh=refresh, o=o, chart=chart(o.series), spans=list(SPANS)
+        )
 
     async def flows(self, request: Request) -> Response:
         q = request.query_params
