@@ -2,12 +2,17 @@
 ``chromium-driver``, which ``make test`` installs) driven by selenium, against a live PostgreSQL
 fleet engine with flows in every state.
 
-One test, in the order an operator would go: the overview's counts; the flows list filtered by
-BLOCKED; a blocked flow's history; resume without the token, with a wrong one, and on a
-read-only dashboard (each changes nothing); resume with the token, after which the serving
-engine takes the flow over and the page shows it COMPLETED; a flow whose id and data hold markup
-shown as text, with no script run. A screenshot of each page is written under the test's tmp
-dir (docs/img/dashboard-flow.png is the flow page's).
+One test, in the order an operator would go: the overview's counts and chart (the last hour,
+then 24 h); the flows list, its count, filtered by BLOCKED, and the confirmation page of an
+abandon on that filter; a blocked flow's history; resume without the token, with a wrong one,
+and on a read-only dashboard (each changes nothing); resume with the token, which starts a
+session (an HttpOnly, SameSite=Strict cookie no script can read), after which the serving
+engine takes the flow over and the page shows it COMPLETED; an abandon of the other blocked
+flow through the session (no token asked); a page of no flow; a flow whose id and data hold
+markup shown as text, with no script run. Every page is photographed under the test's tmp dir
+at 1280 px, and at 1400 px and 420 px in the light and the dark scheme, each checked to fit its
+width with ids not cut one letter per line (``DASHBOARD_SHOTS=DIR`` copies them to DIR; the
+ones in docs/img/ were copied from there).
 
 The browser is blocking: it runs in a worker thread (`trio.to_thread`) while the engines and the
 dashboards serve on the test's trio loop; it reads the store through `trio.from_thread`.

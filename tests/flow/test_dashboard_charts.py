@@ -89,3 +89,12 @@ def test_the_stylesheet_has_a_dark_scheme_and_a_narrow_layout() -> None:
     assert "@media (prefers-color-scheme: dark)" in css
     assert "@media (max-width: 700px)" in css
     assert "word-break: break-all" not in css  # ids wrap where they can, not at every letter
+
+
+def test_the_docs_show_the_schemes_and_widths() -> None:
+    """docs/dashboard.md shows pages from the browser test light and dark, wide and narrow."""
+    page = (ROOT / "docs" / "dashboard.md").read_text()
+    for name in ("overview", "flow-dark", "flows-narrow", "overview-narrow-dark"):
+        assert f"img/dashboard-{name}.png" in page, name
+        png = ROOT / "docs" / "img" / f"dashboard-{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
