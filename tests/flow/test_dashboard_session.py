@@ -147,3 +147,20 @@ async def test_a_form_from_another_site_is_refused_even_with_the_token(
     assert row(db, "blocked") == before
     r = await web.post("/flow/resume", data=form, headers={"origin": "http://127.0.0.1"})
     assert r.status_code == 303  # its own origin
+
+
+async def test_an_action_on_a_filter_with_the_session(
+    web: httpx.AsyncClient,
+    db: str,  # noqa: F811
+) -> None:
+    r = await web.get("/flows/bulk", params={"action": "resume", "state": "blocked"})
+    assert 'id="bulk-token"' in r.text  # no session yet: the token is asked
+    await web.post("/flow/resume", data={"id": "done", "token": TOKEN})
+    r = await web.get("/flows/bulk", params={"action": "resume", "state": "blocked"})
+    assert 'id="bulk-token"' not in r.text
+    form = {"action": "resume", "state": "blocked", "csrf": csrf_of(r.text)}
+    r = await web.post("/flows/bulk", data=form)
+    assert r.status_code == 200 and text_of(r.text, "bulk-done") == "Acted on 2 of 2 flows."
+    assert [row(db, fid)[0].state for fid in ("blocked", "blocked-2")] == [
+        flow.State.COMPENSATING
+    ] * 2
