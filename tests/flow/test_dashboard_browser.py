@@ -2,12 +2,17 @@
 ``chromium-driver``, which ``make test`` installs) driven by selenium, against a live PostgreSQL
 fleet engine with flows in every state.
 
-One test, in the order an operator would go: the overview's counts; the flows list filtered by
-BLOCKED; a blocked flow's history; resume without the token, with a wrong one, and on a
-read-only dashboard (each changes nothing); resume with the token, after which the serving
-engine takes the flow over and the page shows it COMPLETED; a flow whose id and data hold markup
-shown as text, with no script run. A screenshot of each page is written under the test's tmp
-dir (docs/img/dashboard-flow.png is the flow page's).
+One test, in the order an operator would go: the overview's counts and chart (the last hour,
+then 24 h); the flows list, its count, filtered by BLOCKED, and the confirmation page of an
+abandon on that filter; a blocked flow's history; resume without the token, with a wrong one,
+and on a read-only dashboard (each changes nothing); resume with the token, which starts a
+session (an HttpOnly, SameSite=Strict cookie no script can read), after which the serving
+engine takes the flow over and the page shows it COMPLETED; an abandon of the other blocked
+flow through the session (no token asked); a page of no flow; a flow whose id and data hold
+markup shown as text, with no script run. Every page is photographed under the test's tmp dir
+at 1280 px, and at 1400 px and 420 px in the light and the dark scheme, each checked to fit its
+width with ids not cut one letter per line (``DASHBOARD_SHOTS=DIR`` copies them to DIR; the
+ones in docs/img/ were copied from there).
 
 The browser is blocking: it runs in a worker thread (`trio.to_thread`) while the engines and the
 dashboards serve on the test's trio loop; it reads the store through `trio.from_thread`.
@@ -15,6 +20,7 @@ dashboards serve on the test's trio loop; it reads the store through `trio.from_
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -179,8 +185,25 @@ async def test_the_dashboard_in_a_browser(pg_server: pg.PgServer, tmp_path: Path
                         partial(browse, url, ro_url, profile, shots, state_of)
                     )
                 nursery.cancel_scope.cancel()
-    for name in ("overview", "flows-blocked", "flow-blocked", "flow-completed", "flow-markup"):
+    pages = (
+        "overview",
+        "overview-24h",
+        "flows",
+        "flows-blocked",
+        "bulk-confirm",
+        "flow-blocked",
+        "flow-completed",
+        "flow-abandoned",
+        "missing",
+        "flow-markup",
+    )
+    for name in pages:
         assert (shots / f"{name}.png").stat().st_size > 10_000, name
+        for width in (1400, 420):
+            for scheme in ("light", "dark"):
+                assert (shots / f"{name}-{width}-{scheme}.png").stat().st_size > 5_000, name
+    if os.environ.get("DASHBOARD_SHOTS"):  # where to keep them (to look at, or for the docs)
+        shutil.copytree(shots, os.environ["DASHBOARD_SHOTS"], dirs_exist_ok=True)
 
 
 def browse(
@@ -223,7 +246,33 @@ def browse(
             return str(driver.find_element(By.CSS_SELECTOR, css).text)
 
         def shot(name: str) -> None:
+            """The page at 1400 px and 420 px wide, light and dark (``name-1400-dark.png``
+            ...), and ``name.png`` as it is (1280 px, light)."""
             driver.save_screenshot(str(shots / f"{name}.png"))
+            for width in (1400, 420):
+                driver.execute_cdp_cmd(
+                    "Emulation.setDeviceMetricsOverride",
+                    {"width": width, "height": 1100, "deviceScaleFactor": 1, "mobile": False},
+                )
+                for scheme in ("light", "dark"):
+                    driver.execute_cdp_cmd(
+                        "Emulation.setEmulatedMedia",
+                        {"features": [{"name": "prefers-color-scheme", "value": scheme}]},
+                    )
+                    driver.save_screenshot(str(shots / f"{name}-{width}-{scheme}.png"))
+                    layout(width, scheme)
+            driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+            driver.execute_cdp_cmd("Emulation.setEmulatedMedia", {"features": []})
+
+        def layout(width: int, scheme: str) -> None:
+            """The page fits its width (a wide table scrolls inside itself), no id is cut one
+            letter per line, and the colours are the scheme's."""
+            wide = driver.execute_script("return document.documentElement.scrollWidth")
+            assert wide <= width, (driver.current_url, width, wide)
+            for cell in driver.find_elements(By.CSS_SELECTOR, "td.id, #flow-id")[:5]:
+                assert cell.size["width"] >= 60, (driver.current_url, width, cell.size)
+            bg = driver.execute_script("return getComputedStyle(document.body).backgroundColor")
+            assert bg == ("rgb(20, 23, 30)" if scheme == "dark" else "rgb(246, 247, 250)"), bg
 
         def follow(element: Any, expect: str) -> None:
             """Click `element` (a link or a submit button) and wait for the next page, which
@@ -246,7 +295,11 @@ def browse(
             "BLOCKED": 2,
         }
         assert driver.find_elements(By.CSS_SELECTOR, "svg.chart polyline")
+        assert driver.find_elements(By.CSS_SELECTOR, "svg.chart text.tick.x")
         shot("overview")
+        follow(driver.find_element(By.ID, "span-24h"), "#span-24h")
+        assert text("strong#span-24h") == "24h"
+        shot("overview-24h")
 
         # The flows list, filtered by BLOCKED: exactly the blocked flows.
         follow(driver.find_element(By.LINK_TEXT, "Flows"), "#filters")
@@ -254,7 +307,16 @@ def browse(
         follow(driver.find_element(By.ID, "f-go"), "#flows")
         ids = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#flows td.id")]
         assert sorted(ids) == ["blocked-1", "blocked-2"]
+        assert text("#matches") == "2 flows match"
         shot("flows-blocked")
+        driver.get(url + "/flows")
+        shot("flows")
+        # An action on the filter asks first, with the count (not done here).
+        driver.get(url + "/flows?state=BLOCKED")
+        follow(driver.find_element(By.ID, "bulk-abandon"), "#bulk-count")
+        assert text("#bulk-count") == "2 flows match."
+        shot("bulk-confirm")
+        follow(driver.find_element(By.LINK_TEXT, "Flows"), "#filters")
 
         # A blocked flow: its history, and why it is blocked.
         follow(driver.find_element(By.LINK_TEXT, "blocked-1"), "#history")
@@ -304,11 +366,31 @@ def browse(
             d.refresh()
             return text("#state") == "COMPLETED"
 
+        # The token was asked once: the cookie cannot be read by a script, is sent to this
+        # site only, and the forms now carry the session's CSRF token instead.
+        (cookie,) = driver.get_cookies()
+        assert cookie["name"] == "ferry_flow_session", cookie
+        assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict", cookie
+        assert driver.execute_script("return document.cookie") == ""
+
         WebDriverWait(driver, WAIT, poll_frequency=0.2).until(completed)
         kinds = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#history .kind")]
         assert kinds[-4:] == ["resumed", "woken", "step", "completed"], kinds
         assert '"card": "visa"' in text("#data")
         shot("flow-completed")
+
+        # Abandon the other blocked flow, with the session: no token asked, a reason is.
+        driver.get(url + "/flow?id=blocked-2")
+        assert not driver.find_elements(By.ID, "abandon-token")
+        assert driver.find_elements(By.ID, "signed-in")
+        driver.find_element(By.ID, "abandon-reason").send_keys("paid back by hand")
+        follow(driver.find_element(By.ID, "abandon"), "#notice")
+        assert text("#notice").startswith("abandoned") and text("#state") == "FAILED"
+        kinds = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "#history .kind")]
+        assert kinds[-2:] == ["abandoned", "failed"], kinds
+        shot("flow-abandoned")
+        driver.get(url + "/flow?id=nothing-has-this-id")
+        shot("missing")
 
         # Markup in an id and in data is text; no script runs.
         driver.get(url + "/flows?id_prefix=%3C")

@@ -406,3 +406,55 @@ def count(tx: Tx, flt: FlowFilter) -> int:
     if conds:
         sql += " WHERE " + " AND ".join(conds)
     return int(tx.execute(sql, params)[0][0])
+
+
+def count_upto(tx: Tx, flt: FlowFilter, cap: int) -> int:
+    """How many flows match `flt`, counted up to ``cap + 1`` (a result over `cap` means "more
+    than `cap`"). Cost: at most ``cap + 1`` matching index entries, whatever the store's size."""
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        raise ValueError(f"cap must be a whole number >= 0, got {_checks.shown_number(cap)}")
+    conds, params = flt.where(tx.dialect)
+    inner = f"SELECT 1 FROM {_sql.FLOWS}"
+    if conds:
+        inner += " WHERE " + " AND ".join(conds)
+    sql = f"SELECT COUNT(*) FROM ({inner} LIMIT {int(cap) + 1}) AS upto"
+    return int(tx.execute(sql, params)[0][0])
+
+
+def cursor_of(f: Flow, created_at: float, by_id: bool) -> str:
+    """The cursor of the place of flow `f` (started at `created_at`) in the listing: the page
+    ``after`` it begins with the flow after it, the page ``before`` it ends with the one before."""
+    return _cursor(f, created_at, by_id)
+
+
+def query_page_before(
+    tx: Tx, flt: FlowFilter, *, limit: int = 50, before: str
+) -> tuple[Page, str | None]:
+    """The `limit` flows matching `flt` just before the flow of the cursor `before`, in the
+    listing's order (the previous page), and the cursor of the page before that one (None: this
+    is the first page). The page's `next` is the cursor after its last flow. Cost: as
+    `query_page` (the same index range, read the other way). Raises `ValueError` for a bad
+    cursor or limit."""
+    limit = _check_limit(limit)
+    conds, params = flt.where(tx.dialect)
+    fid = _id_column(dialect=tx.dialect)
+    key = _decode(before, flt.by_id)
+    if flt.by_id:
+        conds.append(f"{fid} < ?")
+        params.append(key[1])
+        order = f"{fid} DESC"
+    else:
+        conds.append("(created_at, flow_id) > (?, ?)")
+        params += [float(key[1]), key[2]]
+        order = "created_at ASC, flow_id ASC"
+    sql = f"SELECT {', '.join(_FIELDS)}, created_at FROM {_sql.FLOWS}"
+    sql += " WHERE " + " AND ".join(conds)
+    sql += f" ORDER BY {order} LIMIT {limit + 1}"
+    rows = tx.execute(sql, params)
+    more = len(rows) > limit
+    rows = list(reversed(rows[:limit]))
+    flows = tuple(_to_flow(r) for r in rows)
+    created = tuple(r[len(_FIELDS)] for r in rows)
+    nxt = _cursor(flows[-1], created[-1], flt.by_id) if flows else None
+    prev = _cursor(flows[0], created[0], flt.by_id) if more and flows else None
+    return Page(flows, nxt, created), prev

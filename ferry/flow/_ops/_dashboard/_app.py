@@ -1,22 +1,27 @@
 """The dashboard's ASGI app (Starlette, Jinja2 with autoescape): pages and actions.
 
-Pages (GET): ``/`` the overview, ``/flows`` the list (filters and keyset pages), ``/flow?id=``
-one flow, ``/metrics`` (with prometheus_client), ``/static/...``. Actions (POST):
-``/flow/wake``, ``/flow/cancel``, ``/flow/resume``, each with the form fields ``id`` and
-``token``. Nothing here runs a step: reads go through a `Reader` (read-only transactions), and
-actions through an operator's engine (``open_engine(store, [], serve=False)``), opened for the
-action and closed after it, as the inspector's are (docs/adr/0044).
+Pages (GET): ``/`` the overview, ``/flows`` the list (filters, a bounded count of the matches,
+keyset pages both ways), ``/flow?id=`` one flow, ``/flows/bulk?action=`` the confirmation of an
+action on a filter, ``/metrics`` (with prometheus_client), ``/static/...``. Actions (POST):
+``/flow/wake``, ``/flow/cancel``, ``/flow/resume``, ``/flow/abandon`` (form fields ``id`` and the
+credentials), ``/flows/bulk`` (an action on every flow a filter matches, at most `BULK_MAX`),
+``/session/end``. Nothing here runs a step: reads go through a `Reader` (read-only
+transactions), and actions through an operator's engine (``open_engine(store, [],
+serve=False)``), opened for the action and closed after it, as the inspector's are
+(docs/adr/0044).
 
-The safety rules (docs/adr/0081), each enforced in one place:
+The safety rules (docs/adr/0081, 0115, 0129), each enforced in one place:
 
 - Every request body is bounded before it is read (`_Bounded`, docs/adr/0115): a
   ``Content-Length`` over `MAX_BODY` (64 KiB by default) is answered 413 before a byte of the
   body is read, and a body without one (chunked) is cut off with a 413 as soon as it grows past
   the limit, so an unauthenticated client cannot make the server hold more than that.
-- Every action is a POST whose form carries the token (`_allowed`, a constant-time compare); a
-  wrong or missing token is refused (403) before anything is looked up, read or written, whether
-  or not the flow exists. The token is in the form, never in a cookie or a URL: another site
-  cannot make a browser send it.
+- Every action is a POST allowed by `_allowed`: refused if its ``Origin`` is another site's;
+  then the token in the form (a constant-time compare), which starts a session (the token is
+  asked once per browser: an ``HttpOnly``, ``SameSite=Strict`` cookie, docs/adr/0129), or a
+  live session's cookie with its CSRF token in the form. Anything else is refused (403) before
+  anything is looked up, read or written, whether or not the flow exists. Each action carried
+  out is logged at INFO with who (the client's address) and what, in ``extra=``.
 - Read-only mode refuses every POST (403) before its body is read, and the templates show no
   forms.
 - Every value reaches the page through Jinja2's autoescape; the one piece of markup made in
@@ -35,7 +40,8 @@ import logging
 import math
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from functools import partial
 from importlib import resources
 from typing import Any
 
@@ -59,9 +65,11 @@ from ..._model._checks import shown_number
 from ..._model._errors import FlowError, StoreLocked
 from ..._model._types import Delivery, State
 from ..._store import _query, _triage
-from .. import _trace_url
+from .. import _bulk, _trace_url
+from . import _session, _shown
 from ._reads import (
-    MINUTES,
+    COUNT_CAP,
+    SPANS,
     UNFINISHED,
     Reader,
     Series,
@@ -85,12 +93,6 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 #: The most bytes a request's body may have (a dashboard form holds an id, the token and at
 #: most a wake's payload and message id): 413 beyond it, before it is read (docs/adr/0115).
 MAX_BODY = 64 * 1024
-
-
-def _when(t: float | None) -> str:
-    if t is None:
-        return "-"
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
 
 
 def _ago(t: float | None, now: float) -> str:
@@ -124,23 +126,60 @@ def _cut(text: str | None, width: int = ERROR_WIDTH) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def chart(series: Series, width: int = 600, height: int = 140) -> dict[str, Any]:
+def _nice(top: int) -> int:
+    """The least of 1, 2, 5, 10, 20, 50, ... at or above `top`."""
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale >= top:
+                return m * scale
+        scale *= 10
+
+
+#: Where the x axis has a tick: seconds between ticks, and how a tick's time is written.
+_TICKS = {"1h": (600, "%H:%M"), "24h": (4 * 3600, "%H:%M"), "7d": (86400, "%m-%d")}
+
+
+def chart(series: Series, width: int = 640, height: int = 180) -> dict[str, Any]:
     """The overview's chart as numbers for the template's inline SVG: a polyline per series
-    (started, completed, failed per minute over the last hour) and the scale."""
-    top = max(1, *series.started, *series.completed, *series.failed)
-    pad = 4
-    step = (width - 2 * pad) / (MINUTES - 1)
+    (started, completed and failed per bucket over the span), the y axis (flows per bucket,
+    from 0 to a round number) and the x axis (UTC times at round ticks)."""
+    n = len(series.started)
+    top = _nice(max(1, *series.started, *series.completed, *series.failed))
+    left, right, above, below = 44, 10, 10, 24
+    inner_w, inner_h = width - left - right, height - above - below
+    step = inner_w / max(1, n - 1)
+
+    def x_of(i: float) -> float:
+        return left + i * step
+
+    def y_of(v: float) -> float:
+        return above + inner_h - v * inner_h / top
 
     def points(values: tuple[int, ...]) -> str:
-        return " ".join(
-            f"{pad + i * step:.1f},{height - pad - v * (height - 2 * pad) / top:.1f}"
-            for i, v in enumerate(values)
-        )
+        return " ".join(f"{x_of(i):.1f},{y_of(v):.1f}" for i, v in enumerate(values))
 
+    y_ticks = [(f"{y_of(v):.1f}", _shown.count(v)) for v in sorted({0, top // 2, top})]
+    every, fmt = _TICKS.get(series.span, (600, "%H:%M"))
+    end = series.start + (n - 1) * series.step
+    x_ticks = []
+    t = math.ceil(series.start / every) * every
+    while t <= end:
+        label = datetime.datetime.fromtimestamp(t, datetime.UTC).strftime(fmt)
+        x_ticks.append((f"{x_of((t - series.start) / series.step):.1f}", label))
+        t += every
     return {
         "width": width,
         "height": height,
         "top": top,
+        "left": left,
+        "right": width - right,
+        "above": above,
+        "bottom": above + inner_h,
+        "y_ticks": y_ticks,
+        "x_ticks": x_ticks,
+        "per": _shown.duration(series.step),
+        "span": series.span,
         "lines": [
             ("started", points(series.started), sum(series.started)),
             ("completed", points(series.completed), sum(series.completed)),
@@ -157,11 +196,14 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
     )
-    env.filters["when"] = _when
+    env.filters["when"] = _shown.iso
+    env.filters["num"] = _shown.count
+    env.filters["duration"] = _shown.duration
     env.filters["compact"] = lambda v: json.dumps(v, ensure_ascii=False, sort_keys=True)
     env.filters["quote"] = lambda s: urllib.parse.quote(str(s), safe="")
     env.globals["ago"] = _ago
     env.globals["zip"] = zip
+    env.globals["timeline"] = _shown.timeline
     env.globals["states"] = [s.name for s in State]
     env.globals["unfinished"] = UNFINISHED
     env.filters["error_of"] = _triage.error_of
@@ -186,7 +228,9 @@ class _Headers:
                 headers += [
                     (b"content-security-policy", _CSP.encode()),
                     (b"x-content-type-options", b"nosniff"),
-                    (b"referrer-policy", b"no-referrer"),
+                    # (same-origin: never to another site; with no-referrer, Chrome sends
+                    # "Origin: null" with the dashboard's own forms, which _allowed refuses)
+                    (b"referrer-policy", b"same-origin"),
                     (b"x-frame-options", b"DENY"),
                     (b"cache-control", b"no-store"),
                 ]
@@ -320,6 +364,9 @@ class Dashboard:
         self.max_body = max_body
         self.trace_url = trace_url  # the link from a flow's page to its trace (None: no link)
         self.env = _environment()
+        self.sessions = _session.Sessions()
+        self.count_cap = COUNT_CAP  # the most matches the list counts ("10,000+" past it)
+        self.bulk_max = BULK_MAX  # the most flows one action on a filter acts on
         self._acting = trio.Lock()  # one operator engine at a time (SQLite: one engine lock)
 
     @property
@@ -332,9 +379,12 @@ class Dashboard:
     def render(
         self, name: str, status: int = 200, *, refresh: int | None = None, **values: Any
     ) -> HTMLResponse:
+        here = _session.current.get()
+        session = None if here is None or here.ended else here.session
         html = self.env.get_template(name).render(
             where=self.where,
             read_only=self.read_only,
+            csrf=None if session is None else session.csrf,
             refresh=refresh,
             now=self.clock(),
             **values,
@@ -349,10 +399,14 @@ class Dashboard:
     async def overview(self, request: Request) -> Response:
         now = self.clock()
         began = time.monotonic()
+        span = request.query_params.get("span") or "1h"
+        plan = request.query_params.get("plan") or None
+        if span not in SPANS:
+            span = "1h"  # (a bookmark of another version: the default rather than an error)
         try:
             o, errors = await self.reader.read(
                 lambda tx: (
-                    page_overview(tx, now=now),
+                    page_overview(tx, now=now, span=span, plan=plan),
                     _triage.failure_groups(tx, limit=ERROR_GROUPS),
                 )
             )
@@ -362,20 +416,28 @@ class Dashboard:
         # time spent counting).
         refresh = max(REFRESH, math.ceil(10 * (time.monotonic() - began)))
         return self.render(
-            "overview.html", refresh=refresh, o=o, chart=chart(o.series), errors=errors
+            "overview.html",
+            refresh=refresh,
+            o=o,
+            chart=chart(o.series),
+            spans=list(SPANS),
+            errors=errors,
         )
 
     async def flows(self, request: Request) -> Response:
         q = request.query_params
         fields = {k: q.get(k, "") for k in _FILTER_FIELDS}
         after = q.get("after") or None
+        before = q.get("before") or None
         try:
             flt = _query.FlowFilter.from_text(now=self.clock(), **fields)
         except (ValueError, TypeError) as exc:
             return self.render("flows.html", 400, fields=fields, page=None, problem=str(exc))
         try:
             page = await self.reader.read(
-                lambda tx: page_flows(tx, flt, after=after, limit=self.page_size)
+                lambda tx: page_flows(
+                    tx, flt, after=after, before=before, limit=self.page_size, cap=self.count_cap
+                )
             )
         except ValueError as exc:  # a cursor that is not ours
             return self.render("flows.html", 400, fields=fields, page=None, problem=str(exc))
@@ -387,15 +449,24 @@ class Dashboard:
             if page.next is None
             else "?" + urllib.parse.urlencode({**keep, "after": page.next})
         )
-        first = "?" + urllib.parse.urlencode(keep) if after else None
+        prev = (
+            None
+            if page.prev is None
+            else "?" + urllib.parse.urlencode({**keep, "before": page.prev})
+        )
+        # (no "first page" link on the first page, reached back through "previous")
+        back = (after or before) and (page.prev is not None or not page.flows)
+        first = "?" + urllib.parse.urlencode(keep) if back else None
         return self.render(
             "flows.html",
             fields=fields,
             page=page,
             problem=None,
             next=nxt,
+            prev=prev,
             first=first,
             by_id=flt.by_id,
+            query=urllib.parse.urlencode(keep),
         )
 
     async def flow(self, request: Request) -> Response:
@@ -446,21 +517,59 @@ class Dashboard:
 
     # ------------------------------------------------------------------------------ actions
 
-    def _allowed(self, form: dict[str, str]) -> str | None:
-        """Why this POST is refused, or None. Nothing is looked up, read or written before
-        this passes."""
+    def _allowed(self, request: Request, form: dict[str, str]) -> str | None:
+        """Why this POST is refused, or None (docs/adr/0129). Nothing is looked up, read or
+        written before this passes. A form from another site is refused; then the token in the
+        form (which starts a session: the token is asked once per browser), or the session's
+        cookie with its CSRF token in the form, lets it through."""
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers.raw}
+        far = _session.cross_site(headers, request.url.scheme)
+        if far is not None:
+            return far
+        here = _session.current.get()
         given = form.get("token", "")
-        if not given:
-            return "no token: paste the token the serve command printed at start"
-        if not hmac.compare_digest(given.encode(), self._token.encode()):
-            return "wrong token: paste the token the serve command printed at start"
-        return None
+        if given:
+            if not hmac.compare_digest(given.encode(), self._token.encode()):
+                return "wrong token: paste the token the serve command printed at start"
+            if here is not None and here.session is None:
+                here.session, here.started = self.sessions.start(_who(request)), True
+            return None
+        session = None if here is None else here.session
+        csrf = form.get("csrf", "")
+        if _session.csrf_ok(session, csrf):
+            return None
+        if csrf and session is None:
+            return (
+                "your session has ended (the dashboard restarted, or it lasted"
+                f" {_session.TTL / 3600:g} h): paste the token the serve command printed again"
+            )
+        if csrf:
+            return "this form does not belong to your session: reload the page and try again"
+        return "no token: paste the token the serve command printed at start"
+
+    async def end_session(self, request: Request) -> Response:
+        """POST ``/session/end``: forget this browser's session (the token is asked again)."""
+        form = await _form(request)
+        refused = self._allowed(request, {"csrf": form.get("csrf", "")})
+        here = _session.current.get()
+        if refused is None and here is not None and here.session is not None:
+            self.sessions.end(here.session.sid)
+            here.ended = True
+            _log.info(
+                "dashboard: the session of %s ended",
+                _who(request),
+                extra={"action": "end session", "by": _who(request)},
+            )
+        return RedirectResponse("/", 303)
 
     def _refused(self, action: str, fid: str | None, why: str) -> Response:
         """403: the POST was refused before anything was looked up (the flow may not exist)."""
-        _log.warning(
-            "dashboard: %s of flow %r refused: %s", action, fid, why, extra={"flow_id": fid}
-        )
+        if action.startswith("bulk"):
+            _log.warning("dashboard: %s refused: %s", action, why)
+        else:
+            _log.warning(
+                "dashboard: %s of flow %r refused: %s", action, fid, why, extra={"flow_id": fid}
+            )
         return self.render("refused.html", 403, flow_id=fid or "", problem=why)
 
     async def act(self, request: Request) -> Response:
@@ -471,27 +580,21 @@ class Dashboard:
             form = await _form(request)
         except BodyTooLarge as exc:
             return PlainTextResponse(exc.detail, exc.status_code)
-        refused = self._allowed(form)
+        refused = self._allowed(request, form)
         if refused is not None:
             return self._refused(action, form.get("id"), refused)
         fid = form.get("id", "")
         if not fid:
             return PlainTextResponse("which flow? the form has no id\n", 400)
         try:
-            call = _call(action, fid, form)
+            call = _call(action, fid, form, _who(request))
         except ValueError as exc:
             return await self.flow_page(fid, problem=str(exc), status=400)
         try:
             async with self._acting:
                 outcome = await self._with_engine(call)
         except StoreLocked:
-            return await self.flow_page(
-                fid,
-                status=409,
-                problem="a flow engine is serving this SQLite file right now: on SQLite one"
-                " engine holds the file, so make the call through that engine's API"
-                " (Engine.wake/cancel/resume) or stop it first",
-            )
+            return await self.flow_page(fid, status=409, problem=_LOCKED)
         except _Unopened as why:  # gone, a directory, not a store: the page says unavailable
             _log.warning(
                 "dashboard: %s of flow %r refused: the store cannot be opened (%s)",
@@ -522,18 +625,153 @@ class Dashboard:
                 f" {' '.join(str(exc).split())}",
             )
         key = _outcome_key(action, outcome)
+        who = _who(request)
         _log.info(
-            "dashboard: %s of flow %r by an operator: %s",
+            "dashboard: %s of flow %r by %s: %s",
             action,
             fid,
+            who,
             key or "did not apply",
-            extra={"flow_id": fid},
+            extra={"flow_id": fid, "action": action, "by": who, "outcome": key or "did not apply"},
         )
         if key is None:
             return await self.flow_page(
                 fid, status=409, problem=f"{action} did not apply: {_NOT_DONE[action]}"
             )
         return RedirectResponse(f"/flow?id={urllib.parse.quote(fid, safe='')}&done={key}", 303)
+
+    # ------------------------------------------------------------------- actions on a filter
+
+    def _bulk_filter(
+        self, values: Mapping[str, str]
+    ) -> tuple[dict[str, str], _query.FlowFilter | None, str | None]:
+        """The filter's fields, the filter (None if they are wrong) and what is wrong."""
+        fields = {k: values.get(k, "") for k in _FILTER_FIELDS}
+        try:
+            return fields, _query.FlowFilter.from_text(now=self.clock(), **fields), None
+        except (ValueError, TypeError) as exc:
+            return fields, None, str(exc)
+
+    async def bulk_confirm(self, request: Request) -> Response:
+        """GET ``/flows/bulk?action=...&<filters>``: how many flows the action would be tried
+        on, and the form (reason, token) that does it. Nothing is done here."""
+        action = request.query_params.get("action", "")
+        fields, flt, problem = self._bulk_filter(request.query_params)
+        if action not in _BULK:
+            problem = f"no action {action!r} on many flows: cancel, resume or abandon"
+        if flt is None or problem is not None:
+            return self.render("bulk.html", 400, action=action, fields=fields, problem=problem)
+        try:
+            matches = await self.reader.read(lambda tx: _query.count_upto(tx, flt, self.bulk_max))
+        except Unavailable as why:
+            return self.unavailable("Act on many flows", why)
+        return self.render(
+            "bulk.html",
+            action=action,
+            fields=fields,
+            problem=None,
+            matches=matches,
+            cap=self.bulk_max,
+            applies=_BULK[action],
+            query=urllib.parse.urlencode({k: v for k, v in fields.items() if v}),
+            results=None,
+        )
+
+    async def bulk(self, request: Request) -> Response:
+        """POST ``/flows/bulk``: the action on each flow the filter matches (at most
+        `BULK_MAX`, newest first), each in its own call, with the operator's engine; the page
+        says what became of them (a flow that moved on meanwhile is not acted on)."""
+        if self.read_only:  # before the body is read
+            return self._refused("bulk", None, "this dashboard is read-only: actions are refused")
+        try:
+            form = await _form(request)
+        except BodyTooLarge as exc:
+            return PlainTextResponse(exc.detail, exc.status_code)
+        action = form.get("action", "")
+        refused = self._allowed(request, form)
+        if refused is not None:
+            return self._refused(f"bulk {action}", None, refused)
+        fields, flt, problem = self._bulk_filter(form)
+        reason = form.get("reason", "").strip()
+        if action not in _BULK:
+            problem = f"no action {action!r} on many flows: cancel, resume or abandon"
+        elif action == "abandon" and not reason:
+            problem = "abandon needs a reason (what was done by hand instead): nothing was done"
+        if flt is None or problem is not None:
+            return self.render("bulk.html", 400, action=action, fields=fields, problem=problem)
+        who = _who(request)
+        one: Callable[[Any, str], Awaitable[_bulk.Done]]
+        if action == "cancel":
+            one = partial(_bulk.cancel_one, reason=reason or "cancelled by an operator (dashboard)")
+        elif action == "resume":
+            one = _bulk.resume_one
+        else:
+            one = partial(_bulk.abandon_one, reason=reason, by=who)
+        try:
+            ids = await self.reader.read(
+                lambda tx: [f.flow_id for f in _bulk.matching(tx, flt, limit=self.bulk_max)[0]]
+            )
+        except Unavailable as why:
+            return self.unavailable("Act on many flows", why)
+        results: list[tuple[str, bool, str]] = []
+
+        async def each(engine: Any) -> None:
+            for fid in ids:
+                acted, what, _state = await one(engine, fid)
+                results.append((fid, acted, what))
+
+        problem = None
+        status = 200
+        try:
+            async with self._acting:
+                await self._with_engine(each)
+        except StoreLocked:
+            status, problem = 409, _LOCKED
+        except _Unopened as why:
+            status, problem = 503, f"the store is unavailable, nothing was done: {why.reason}"
+        except Exception as exc:  # the store: said on the page with what was done, and logged
+            _log.warning(
+                "dashboard: bulk %s failed after %d flows", action, len(results), exc_info=True
+            )
+            status = 503
+            problem = (
+                f"the store failed after {len(results)} flow(s), the rest untouched:"
+                f" {type(exc).__name__}: {' '.join(str(exc).split())}"
+            )
+        acted = sum(1 for r in results if r[1])
+        if results:
+            _log.info(
+                "dashboard: bulk %s by %s: acted on %d of %d flows (%s)",
+                action,
+                who,
+                acted,
+                len(results),
+                _describe(fields),
+                extra={
+                    "action": f"bulk {action}",
+                    "by": who,
+                    "acted": acted,
+                    "tried": len(results),
+                    "filter": _describe(fields),
+                },
+            )
+        tally: dict[str, int] = {}
+        for _fid, _done, what in results:
+            tally[what] = tally.get(what, 0) + 1
+        return self.render(
+            "bulk.html",
+            status,
+            action=action,
+            fields=fields,
+            problem=problem,
+            matches=len(ids),
+            cap=self.bulk_max,
+            applies=_BULK[action],
+            query=urllib.parse.urlencode({k: v for k, v in fields.items() if v}),
+            results=results,
+            acted=acted,
+            tally=sorted(tally.items(), key=lambda kv: -kv[1]),
+        )
 
     async def _with_engine(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
         """``call(engine)`` with an operator's engine, which never creates the store's file;
@@ -559,13 +797,17 @@ class Dashboard:
             Route("/flows", self.flows),
             Route("/flow", self.flow),
             Route("/flow/{action:str}", self.act, methods=["POST"]),
+            Route("/flows/bulk", self.bulk_confirm, methods=["GET"]),
+            Route("/flows/bulk", self.bulk, methods=["POST"]),
             Route("/metrics", self.metrics),
+            Route("/session/end", self.end_session, methods=["POST"]),
             Mount("/static", app=StaticFiles(directory=str(static)), name="static"),
         ]
         middleware = []
         if hosts is not None:
             middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=hosts))
-        return _Headers(_Bounded(Starlette(routes=routes, middleware=middleware), self.max_body))
+        app = Starlette(routes=routes, middleware=middleware)
+        return _Headers(_Bounded(_session.Middleware(app, self.sessions), self.max_body))
 
 
 _FILTER_FIELDS = (
@@ -581,18 +823,49 @@ _FILTER_FIELDS = (
     "error",
 )
 
+_LOCKED = (
+    "a flow engine is serving this SQLite file right now: on SQLite one"
+    " engine holds the file, so make the call through that engine's API"
+    " (Engine.wake/cancel/resume) or stop it first"
+)
+
+#: The most flows one action on a filter acts on (newest first; the page says so).
+BULK_MAX = 10_000
+
+#: The actions on a filter, and the flows each applies to.
+_BULK = {
+    "cancel": "running or parked flows (they compensate their completed steps)",
+    "resume": "BLOCKED flows (they run again from where they were blocked)",
+    "abandon": "BLOCKED flows (they end FAILED without running the compensations left)",
+}
+
+
+def _describe(fields: Mapping[str, str]) -> str:
+    """The filter as the form gave it: ``state=BLOCKED plan=order`` (``every flow``)."""
+    return " ".join(f"{k}={v}" for k, v in fields.items() if v) or "every flow"
+
+
 _DONE = {
     "wake-RESUMED": "woken: it was parked and runs its next step",
     "wake-QUEUED": "woken: the message is kept in its mailbox for its next park",
     "wake-DUPLICATE": "not woken again: this message id was delivered before",
     "cancel": "cancelled: it compensates its completed steps",
     "resume": "resumed",
+    "abandon": "abandoned: it ended FAILED without running the compensations left",
 }
 _NOT_DONE = {
     "wake": "the flow has ended (or is unknown)",
     "cancel": "only a running or parked flow can be cancelled",
     "resume": "only a BLOCKED flow whose plan version is known can be resumed",
+    "abandon": "only a BLOCKED flow can be abandoned",
 }
+
+
+def _who(request: Request) -> str:
+    """Who made the request, as the audit log and an abandon record it: the dashboard and the
+    client's address (the dashboard has no user accounts; the token is shared)."""
+    client = request.client
+    return f"dashboard ({client.host if client else 'unknown address'})"
 
 
 async def _form(request: Request) -> dict[str, str]:
@@ -604,8 +877,9 @@ async def _form(request: Request) -> dict[str, str]:
     return dict(pairs)
 
 
-def _call(action: str, fid: str, form: dict[str, str]) -> Callable[[Any], Awaitable[Any]]:
-    """What the operator's engine is asked to do; `ValueError` for a bad action or field."""
+def _call(action: str, fid: str, form: dict[str, str], who: str) -> Callable[[Any], Awaitable[Any]]:
+    """What the operator's engine is asked to do (`who` is recorded by an abandon);
+    `ValueError` for a bad action or field."""
     if action == "wake":
         text = form.get("payload", "").strip() or "null"
         try:
@@ -619,7 +893,15 @@ def _call(action: str, fid: str, form: dict[str, str]) -> Callable[[Any], Awaita
         return lambda e: e.cancel(fid, reason)
     if action == "resume":
         return lambda e: e.resume(fid)
-    raise ValueError(f"no action {action!r}: wake, cancel or resume")
+    if action == "abandon":
+        why = form.get("reason", "").strip()
+        if not why:
+            raise ValueError(
+                "abandon needs a reason (what was done by hand instead of the compensations"
+                " it skips): nothing was done"
+            )
+        return lambda e: e.abandon(fid, reason=why, by=who)
+    raise ValueError(f"no action {action!r}: wake, cancel, resume or abandon")
 
 
 def _no_constant(name: str) -> None:

@@ -133,12 +133,20 @@ def partial_pg(fn: Callable[[Tx], T], timeout: float) -> Callable[[Tx], T]:
 
 @attrs.frozen
 class Series:
-    """Flows started, completed and failed in each minute of the last hour (oldest first)."""
+    """Flows started, completed and failed in each bucket of `step` seconds over the chart's
+    span (oldest first; the last bucket holds now); `plan` the plan they are of (None: all)."""
 
-    start: float  # the first minute's start
+    start: float  # the first bucket's start
     started: tuple[int, ...]
     completed: tuple[int, ...]
     failed: tuple[int, ...]
+    step: float = 60.0
+    span: str = "1h"
+    plan: str | None = None
+
+
+#: The chart's spans: (buckets, seconds a bucket).
+SPANS = {"1h": (60, 60), "24h": (96, 900), "7d": (84, 7200)}
 
 
 @attrs.frozen
@@ -191,14 +199,16 @@ def count_by_state(tx: Tx) -> dict[str, int]:
     return counts
 
 
-def page_overview(tx: Tx, *, now: float, deadlines: int = 15) -> Overview:
+def page_overview(
+    tx: Tx, *, now: float, deadlines: int = 15, span: str = "1h", plan: str | None = None
+) -> Overview:
     """Counts by state, the unfinished flows by plan version, the parked flows by deadline, the
     engines, and the per-minute series. Cost: a pass over the state index (the counts), a row
     per unfinished flow, and index ranges for the rest (about a second at a million flows)."""
     states = count_by_state(tx)
     plans: dict[tuple[str, int], dict[str, int]] = {}
-    for plan, version, state, n in count_unfinished_plans(tx):
-        plans.setdefault((plan, version), dict.fromkeys(UNFINISHED, 0))[state] = n
+    for name, version, state, n in count_unfinished_plans(tx):
+        plans.setdefault((name, version), dict.fromkeys(UNFINISHED, 0))[state] = n
     cols = ", ".join(_sql.FIELDS)
     soon = [
         _sql.to_flow(r)
@@ -217,40 +227,45 @@ def page_overview(tx: Tx, *, now: float, deadlines: int = 15) -> Overview:
         deadlines=soon,
         parked_forever=states["PARKED"] - int(with_deadline),
         engines=_store.load_engines(tx),
-        series=_series(tx, now),
+        series=_series(tx, now, span, plan),
         now=now,
     )
 
 
-def _series(tx: Tx, now: float) -> Series:
-    start = (math.floor(now / 60) - (MINUTES - 1)) * 60.0
-    started = [0] * MINUTES
-    completed = [0] * MINUTES
-    failed = [0] * MINUTES
-    # The minute since `start` (t >= start): SQLite's CAST truncates, PostgreSQL's rounds.
+def _series(tx: Tx, now: float, span: str = "1h", plan: str | None = None) -> Series:
+    """The chart's buckets over `span` (a key of `SPANS`), of the flows of `plan` (None: all).
+    Cost: the index ranges of the flows started and ended in the span (a row read per flow
+    with a plan given)."""
+    buckets, step = SPANS[span]
+    start = (math.floor(now / step) - (buckets - 1)) * float(step)
+    started = [0] * buckets
+    completed = [0] * buckets
+    failed = [0] * buckets
+    # The bucket since `start` (t >= start): SQLite's CAST truncates, PostgreSQL's rounds.
     bucket = (
-        "CAST(FLOOR((t - ?) / 60) AS INTEGER)"
+        f"CAST(FLOOR((t - ?) / {int(step)}) AS INTEGER)"
         if tx.dialect == "postgres"
-        else "CAST((t - ?) / 60 AS INTEGER)"
+        else f"CAST((t - ?) / {int(step)} AS INTEGER)"
     )
+    only, more = ("", ()) if plan is None else (" AND plan = ?", (plan,))
     rows = tx.execute(
         f"SELECT {bucket.replace('t', 'created_at')}, COUNT(*) FROM {_sql.FLOWS}"
-        " WHERE created_at >= ? GROUP BY 1",
-        (start, start),
+        f" WHERE created_at >= ?{only} GROUP BY 1",
+        (start, start, *more),
     )
     for b, n in rows:
-        if 0 <= b < MINUTES:
+        if 0 <= b < buckets:
             started[b] = n
     rows = tx.execute(
         f"SELECT state, {bucket.replace('t', 'updated_at')}, COUNT(*) FROM {_sql.FLOWS}"
         f"{_indexed_by(tx, 'flow_flows_ended')}"
-        f" WHERE state {_sql.IN_FINISHED} AND updated_at >= ? GROUP BY 1, 2",
-        (start, start),
+        f" WHERE state {_sql.IN_FINISHED} AND updated_at >= ?{only} GROUP BY 1, 2",
+        (start, start, *more),
     )
     for state, b, n in rows:
-        if 0 <= b < MINUTES:
+        if 0 <= b < buckets:
             (completed if state == "COMPLETED" else failed)[b] = n
-    return Series(start, tuple(started), tuple(completed), tuple(failed))
+    return Series(start, tuple(started), tuple(completed), tuple(failed), float(step), span, plan)
 
 
 @attrs.frozen
@@ -322,6 +337,47 @@ def page_flow(tx: Tx, flow_id: str) -> FlowPage | None:
     )
 
 
-def page_flows(tx: Tx, flt: _query.FlowFilter, *, after: str | None, limit: int) -> _query.Page:
-    """One page of the flows list (`_query.query_page`)."""
-    return _query.query_page(tx, flt, limit=limit, after=after)
+#: The most matches the flows list counts: past it, it says "10,000+" (a count is a pass over
+#: the matching index entries; bounded, it costs what a page or two does).
+COUNT_CAP = 10_000
+
+
+@attrs.frozen
+class FlowsPage:
+    """One page of the flows list: the flows with their start times, the cursors of the pages
+    after and before it (None: none), and how many flows match, counted up to ``cap + 1``."""
+
+    flows: tuple[Flow, ...]
+    created: tuple[float, ...]
+    next: str | None
+    prev: str | None
+    matches: int
+    cap: int
+
+    @property
+    def more(self) -> bool:
+        """Do more than `cap` flows match (then the page says "cap+")?"""
+        return self.matches > self.cap
+
+
+def page_flows(
+    tx: Tx,
+    flt: _query.FlowFilter,
+    *,
+    after: str | None,
+    limit: int,
+    before: str | None = None,
+    cap: int = COUNT_CAP,
+) -> FlowsPage:
+    """One page of the flows list (`_query.query_page`, or `_query.query_page_before` for the
+    page `before` a cursor) and the bounded count of the matches."""
+    prev: str | None
+    if before is not None:
+        page, prev = _query.query_page_before(tx, flt, limit=limit, before=before)
+    else:
+        page = _query.query_page(tx, flt, limit=limit, after=after)
+        prev = None
+        if after is not None and page.flows:  # the flow of `after` comes before this page
+            prev = _query.cursor_of(page.flows[0], page.created[0], flt.by_id)
+    matches = _query.count_upto(tx, flt, cap)
+    return FlowsPage(page.flows, page.created, page.next, prev, matches, cap)

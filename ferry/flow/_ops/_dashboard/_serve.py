@@ -138,7 +138,10 @@ async def run_command(
             if read_only:
                 lines.append("read-only: it shows no actions and refuses every POST")
             else:
-                lines.append(f"token for actions (wake, cancel, resume): {dashboard.token}")
+                lines.append(
+                    "token for actions (wake, cancel, resume, abandon; asked once per"
+                    f" browser): {dashboard.token}"
+                )
             if loopback_hosts(host) is None:
                 lines.append(
                     f"bound to {host}: reachable from other machines; anyone who can reach it can"
