@@ -46,8 +46,8 @@ def build(path: str, n: int) -> float:
     conn.execute("BEGIN")
     tx = _InlineTx(conn)
     tx.execute(_store.ddl("sqlite")[0])  # the flows table; its indexes come after
-    cols = ", ".join((*_sql.FIELDS, "start_data", "created_at"))
-    marks = ", ".join("?" * (len(_sql.FIELDS) + 2))
+    cols = ", ".join((*_sql.FIELDS, "start_data"))
+    marks = ", ".join("?" * (len(_sql.FIELDS) + 1))
 
     def rows() -> Any:
         for i in range(n):
@@ -55,30 +55,31 @@ def build(path: str, n: int) -> float:
             at = T0 + i * 0.01
             plan, version = ("order", 1) if i % 3 else ("refund", 2)
             done = state in ("COMPLETED", "FAILED")
-            yield (
-                f"flow-{i:08d}",
-                plan,
-                version,
-                state,
-                0 if done else 1,
-                None if done else "charge",
-                1,
-                '{"sku":"A1","amount":30}',
-                3,
-                at + 5,
-                "declined" if state == "FAILED" else None,
-                at + 3600 if state == "PARKED" else None,
-                "compensate" if state == "PARKED" else None,
-                None,
-                0,
-                "",
-                "refund down" if state == "BLOCKED" else None,
-                "COMPENSATING" if state == "BLOCKED" else None,
-                None,
-                None,
-                '{"sku":"A1","amount":30}',
-                at,
-            )
+            row = {
+                "flow_id": f"flow-{i:08d}",
+                "plan": plan,
+                "version": version,
+                "created_at": at,
+                "state": state,
+                "step_index": 0 if done else 1,
+                "step": None if done else "charge",
+                "attempt": 1,
+                "data": '{"sku":"A1","amount":30}',
+                "revision": 3,
+                "updated_at": at + 5,
+                "error": "declined" if state == "FAILED" else None,
+                "park_deadline": at + 3600 if state == "PARKED" else None,
+                "on_timeout": "compensate" if state == "PARKED" else None,
+                "wake": None,
+                "timed_out": 0,
+                "stack": "",
+                "blocked": "refund down" if state == "BLOCKED" else None,
+                "blocked_from": "COMPENSATING" if state == "BLOCKED" else None,
+                "owner": None,
+                "lease_until": None,
+                "trace": None,
+            }
+            yield (*(row[f] for f in _sql.FIELDS), '{"sku":"A1","amount":30}')
 
     conn.executemany(f"INSERT INTO flow_flows ({cols}) VALUES ({marks})", rows())
     _store.create_schema(tx)
