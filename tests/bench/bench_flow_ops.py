@@ -7,8 +7,8 @@
   concurrent flows, group commit, traces off). Target: under 1% (within the noise of that row).
 - **traces on vs off**: the same 1,000 concurrent 3-step flows with an SDK TracerProvider (a
   `SimpleSpanProcessor` into the in-memory exporter: every span is built and handed over, no
-  network) against traces off, rounds alternated. Reported (4 spans per flow: a start and
-  three steps), with what one span costs in the SDK alone, for scale.
+  network) against traces off, rounds alternated. Reported (5 spans per flow: a start, three
+  steps and the end), with what one span costs in the SDK alone, for scale.
 - **purge beside a writer**: an engine deletes 100,000 finished flows (batches of 500) while a
   task starts and runs new flows as fast as it can: flows purged per second, and the writer's
   longest wait between two accepted starts during the purge against its median wait. Reported.
@@ -39,6 +39,7 @@ from tests.bench._harness import Row, paired
 from tests.bench.bench_flow import FLOWS, run_three_steps, three
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+SPANS = 5  # per traced 3-step flow: its start, three steps, its end
 PURGE = int(os.environ.get("BENCH_FLOW_PURGE", "100000"))
 
 
@@ -85,7 +86,7 @@ def _trace_rows(tmp: Path) -> list[Row]:
         exporter.clear()
         path = tmp / f"trace{next(counter)}.db"
         took: float = trio.run(_flows, path, provider if traced else None)
-        assert len(exporter.get_finished_spans()) == (4 * FLOWS if traced else 0)
+        assert len(exporter.get_finished_spans()) == (SPANS * FLOWS if traced else 0)
         return took
 
     on, off = paired(ROUNDS, lambda: one(True), lambda: one(False))
@@ -106,7 +107,7 @@ def _trace_rows(tmp: Path) -> list[Row]:
             off,
             float("inf"),
             note=f"{1 / on:,.0f} vs {1 / off:,.0f} flows/s; SDK provider, in-memory exporter,"
-            f" 4 spans per flow; the SDK alone: {sdk * 1e6:,.0f} us per span",
+            f" {SPANS} spans per flow; the SDK alone: {sdk * 1e6:,.0f} us per span",
         ),
     ]
 
