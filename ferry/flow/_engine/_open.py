@@ -29,6 +29,7 @@ from .._model._plan import Plan
 from .._runtime import _observe, _retention, _tracing
 from .._store import _store
 from .._store._sqlite_file import EngineLock, check_path
+from . import _served
 from ._engine import Engine
 
 _log = logging.getLogger("ferry.flow")
@@ -320,6 +321,8 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                         _log_opened(engine)
                         opened = True
                         parts.start_tasks()
+                        if engine._serve:  # the clients' requests, and an SQLite heartbeat
+                            nursery.start_soon(_served.serve, engine)
                         yield engine
                     except BaseException as exc:
                         body_error = exc  # re-raised below, not wrapped in an exception group
