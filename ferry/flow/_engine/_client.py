@@ -46,6 +46,7 @@ from .._model._types import Delivery, Event, Json, Snapshot, State
 from .._store import _inbox, _sql, _store
 from .._store._sqlite_file import check_path
 from . import _served
+from ._engine import Engine
 from ._open import open_engine
 
 _ERRORS: dict[str, type[Exception]] = {
@@ -66,12 +67,14 @@ _SETTLED = frozenset({State.COMPLETED, State.FAILED, State.BLOCKED})
 class Receipt:
     """What became of a client's last request (`Client.last`).
 
-    `request_id`: its id. `applied_by`: who applied it: the owner name of the engine that
-    serves the store, or ``"this client"`` (no engine served it: the client applied it itself);
-    None while `pending`. `pending`: stored, and left to the next engine that opens the store
-    (a `start` or `publish` while no engine serves it)."""
+    `request_id`: its id. `served`: True if the engine that serves the store applied it (its
+    owner name is `applied_by`); False if no engine served the store and a client applied it
+    itself (`applied_by` then says which: ``"client (pid N on HOST)"``), or while `pending`.
+    `pending`: stored, and left to the next engine that opens the store (a `start` or `publish`
+    while no engine serves it); `applied_by` is None then."""
 
     request_id: str
+    served: bool
     applied_by: str | None
     pending: bool
 
@@ -167,9 +170,39 @@ class Client:
     def __init__(self, store: Store, timeout: float) -> None:
         self._store = store
         self._timeout = timeout
-        self._me = f"this client (pid {os.getpid()} on {socket.gethostname()})"
+        self._me = f"client (pid {os.getpid()} on {socket.gethostname()})"
         #: What became of the last request (None before the first).
         self.last: Receipt | None = None
+        self._held: Engine | None = None  # `_holding`'s operator's engine
+
+    @contextlib.asynccontextmanager
+    async def _holding(self) -> AsyncIterator[None]:
+        """For many requests in a row (the inspector's bulk actions): if no engine serves the
+        store, hold one operator's engine for all of them, not one per request (SQLite: the
+        file's lock is held meanwhile, so no engine can open it; PostgreSQL: nothing is
+        held)."""
+        if self._held is not None or (
+            self._store.dialect == "postgres"
+            and await self._store.transact(partial(_live_engines, now=time.time()))
+        ):
+            yield
+            return
+        try:
+            opened = open_engine(self._store, [], serve=False)
+            engine = await opened.__aenter__()
+        except StoreLocked:
+            yield
+            return
+        self._held = engine
+        try:
+            yield
+        except BaseException as exc:
+            self._held = None
+            if not await opened.__aexit__(type(exc), exc, exc.__traceback__):
+                raise
+        else:
+            self._held = None
+            await opened.__aexit__(None, None, None)
 
     # ------------------------------------------------------------------------- the requests
 
@@ -319,7 +352,7 @@ class Client:
             while answer is None:
                 answer = await self._direct(kind, rid, body)
                 if answer == "pending":
-                    self.last = Receipt(rid, None, pending=True)
+                    self.last = Receipt(rid, served=False, applied_by=None, pending=True)
                     return None
                 if answer is not None:
                     break
@@ -339,7 +372,7 @@ class Client:
                 " for its answer)"
             )
         by = await self._store.transact(partial(_answered_by, request_id=rid))
-        self.last = Receipt(rid, by, pending=False)
+        self.last = Receipt(rid, served=not answer.get("client"), applied_by=by, pending=False)
         _raise(answer)
         return _served.decoded(answer["value"])
 
@@ -350,26 +383,34 @@ class Client:
             partial(_live_engines, now=time.time())
         ):
             return None
+        if self._held is not None:
+            return await self._apply(self._held, kind, rid, body)
         try:
             async with open_engine(self._store, [], serve=False) as engine:
-                answer = await self._store.transact(partial(_inbox.answer_of, request_id=rid))
-                if answer is not None:
-                    return answer
-                if kind in ("start", "publish"):
-                    return "pending"
-                answer = await _served.apply(engine, kind, body)
-                await self._store.transact(
-                    partial(
-                        _inbox.answer,
-                        request_id=rid,
-                        text=json.dumps(answer),
-                        by=self._me,
-                        now=time.time(),
-                    )
-                )
-                return answer
+                return await self._apply(engine, kind, rid, body)
         except StoreLocked:
             return None
+
+    async def _apply(self, engine: Engine, kind: str, rid: str, body: dict[str, Json]) -> Any:
+        """Apply the request with this client's operator's `engine` and write its answer."""
+        answer = await self._store.transact(partial(_inbox.answer_of, request_id=rid))
+        if answer is not None:
+            return answer
+        if kind in ("start", "publish"):
+            return "pending"
+        answer = await _served.apply(engine, kind, body)
+        assert isinstance(answer, dict)
+        answer["client"] = True  # applied by a client, no engine serving: `Receipt.served`
+        await self._store.transact(
+            partial(
+                _inbox.answer,
+                request_id=rid,
+                text=json.dumps(answer),
+                by=self._me,
+                now=time.time(),
+            )
+        )
+        return answer
 
 
 def math_inf(timeout: float | None) -> float:
