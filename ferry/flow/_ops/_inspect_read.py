@@ -29,7 +29,7 @@ from .._model import _times, _values
 from .._model._errors import FlowError
 from .._model._types import Json, State
 from .._model._values import ACTIVE, Flow
-from .._store import _store
+from .._store import _inbox, _store
 from .._store._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
 from . import _bulk
 
@@ -50,6 +50,10 @@ def is_dsn(spec: str) -> bool:
 
 
 _NO_FLOWS = "{where} holds no flows (no flow engine has opened it)"
+_NO_ENGINE = (
+    "no engine serves {where} now (no live heartbeat): nothing runs its flows; an action is"
+    " applied by the command itself, and what it makes runnable waits for the next engine"
+)
 
 
 def _check_dsn(spec: str, where: str) -> None:
@@ -353,8 +357,9 @@ STATS_LEGEND = {
     "DEADLINE": "when its park times out (-: never; it waits for a wake)",
     "E.G.": "one flow blocked for that reason: `show` it, fix the cause, then `resume` it",
     "LEASE": (
-        "alive while the engine renews its lease (UNTIL); gone: it closed or died (the fleet"
-        " forgets it about 100 leases later, once it holds no flow)"
+        "alive while the engine renews its lease or heartbeat (UNTIL); gone: it closed or"
+        " died (an SQLite engine removes its row at close; the fleet forgets it about 100"
+        " leases later, once it holds no flow)"
     ),
     "FLOWS": "(engines) the running or compensating flows the engine holds",
 }
@@ -369,6 +374,7 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
             "parked": _store.oldest_parked(tx, limit=args.oldest),
             "blocked": _store.blocked_reasons(tx),
             "engines": _store.load_engines(tx),
+            "beats": {b["owner"]: b for b in _inbox.heartbeats(tx)},
             "orphans": _store.count_orphans(tx, now),
             "registered": _store.load_plans(tx),
         }
@@ -397,9 +403,18 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
         ],
         "blocked": [{"reason": why, "flows": n, "example": fid} for why, n, fid in r["blocked"]],
         "engines": [
-            {"owner": o, "lease_until": until, "alive": until >= now, "started_at": at, "flows": n}
+            {
+                "owner": o,
+                "pid": r["beats"].get(o, {}).get("pid"),
+                "host": r["beats"].get(o, {}).get("host"),
+                "lease_until": until,
+                "alive": until >= now,
+                "started_at": at,
+                "flows": n,
+            }
             for o, until, at, n in r["engines"]
         ],
+        "serving": any(until >= now for _o, until, _at, _n in r["engines"]),
         "registered_plans": [
             {"plan": sh.name, "version": sh.version, "steps": list(sh.steps), "at": at}
             for sh, at in r["registered"]
@@ -435,12 +450,19 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
         parts.append("\nblocked, by reason\n" + table(("FLOWS", "E.G.", "REASON"), rows))
         legend.append("E.G.")
     if r["engines"]:
-        rows = [
-            [o, "alive" if until >= now else "gone", _when(until), n]
-            for o, until, _at, n in r["engines"]
-        ]
-        parts.append("\nengines\n" + table(("ENGINE", "LEASE", "UNTIL", "FLOWS"), rows))
+        rows = []
+        for o, until, at, n in r["engines"]:
+            beat = r["beats"].get(o, {})
+            where = "-" if beat.get("pid") is None else f"{beat['pid']}@{beat['host']}"
+            alive = "alive" if until >= now else "gone"
+            rows.append([o, where, _when(at), alive, _when(until), n])
+        parts.append(
+            "\nengines\n"
+            + table(("ENGINE", "PID@HOST", "STARTED", "LEASE", "UNTIL", "FLOWS"), rows)
+        )
         legend += ["LEASE", "FLOWS"]
+    if not data["serving"]:
+        parts.append(f"\n{_NO_ENGINE.format(where=args.where)}")
     width = max(len(k) for k in legend)
     parts.append("\nlegend\n" + "\n".join(f"  {k:<{width}}  {STATS_LEGEND[k]}" for k in legend))
     output(args, "\n".join(parts), data)
