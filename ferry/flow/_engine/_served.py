@@ -17,8 +17,9 @@ started, alive until three renewals on) and removes it at a clean close. A threa
 task: a trio timer would advance a test's `MockClock` by 10 ms steps forever, and the heartbeat
 must say whether the process is alive, not whether its loop is idle.
 
-On PostgreSQL the client's commit sends a notification (``ferry_flow_asked``), which `Listen`
-(a thread LISTENing on one connection of its own) hands on the same way; a fleet's engines each
+On PostgreSQL the client's commit sends a notification (on the store's channel of requests,
+``ferry_flow_asked_...``), which `_asked.Listen` (a thread LISTENing on one connection of its
+own) hands on the same way; a fleet's engines each
 hold a lease already (their heartbeat), and any of them may take a request: the answer is
 written only once (`_inbox.answer` takes a pending row only), and a request two engines both
 applied is applied like a retry (see ADR 0125 on what is idempotent).

@@ -1,5 +1,6 @@
 """A fleet engine's ear for the requests of clients (`flow.connect`, docs/adr/0125): LISTEN on
-``ferry_flow_asked`` from a thread, as `_listener` does for settled flows."""
+the store's channel of requests (`_inbox.ASKED_SQL`) from a thread, as `_listener` does for
+settled flows."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ _log = logging.getLogger("ferry.flow")
 
 
 class Listen:
-    """The PostgreSQL listen thread: LISTEN ``ferry_flow_asked`` on one connection of its own,
-    and a wake-up of the engine's task per notification (and once per reconnection, since what
-    came in between was not heard)."""
+    """The PostgreSQL listen thread: LISTEN on the store's channel of requests
+    (`_inbox.ASKED_SQL`) on one connection of its own, and a wake-up of the engine's task per
+    notification (and once per reconnection, since what came in between was not heard)."""
 
     def __init__(self, dsn: str, owner: str, tell: Callable[[], bool]) -> None:
         self._dsn = dsn
@@ -64,7 +65,10 @@ class Listen:
                 continue
             pause = 0.05
             try:
-                conn.execute(f"LISTEN {_inbox.ASKED}")
+                from psycopg import sql
+
+                row = conn.execute(f"SELECT {_inbox.ASKED_SQL}").fetchone()
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(row[0])))
                 if not self._tell():  # what came before the LISTEN
                     return
                 with selectors.DefaultSelector() as selector:

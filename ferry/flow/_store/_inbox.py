@@ -32,22 +32,32 @@ DDL: Final = (
     f"CREATE INDEX IF NOT EXISTS {REQUESTS}_pending ON {REQUESTS} (at) WHERE answer IS NULL",
 )
 
-#: The PostgreSQL channels: a request was stored (its id), a request was answered (its id).
-ASKED: Final = "ferry_flow_asked"
-ANSWERED: Final = "ferry_flow_answered"
+
+def _channel(what: str) -> str:
+    """A PostgreSQL channel of the store, as an SQL expression: one per schema, as
+    `_notify.CHANNEL_SQL` (stores in two schemas of one database do not hear each other)."""
+    return (
+        f"'ferry_flow_{what}_' || left(encode(sha256(convert_to(current_schema() || '.{what}',"
+        " 'UTF8')), 'hex'), 24)"
+    )
+
+
+#: The PostgreSQL channels: a request was stored, a request was answered (payload: its id).
+ASKED_SQL: Final = _channel("asked")
+ANSWERED_SQL: Final = _channel("answered")
 
 
 def put(tx: Tx, request_id: str, kind: str, body: str, now: float) -> tuple[str, str, Any]:
     """Store the request unless its id is stored already; ``(kind, body, answer)`` of the row
     with that id (the answer parsed, None while pending). On PostgreSQL a notification on
-    `ASKED` goes with the commit."""
+    `ASKED_SQL` goes with the commit."""
     tx.execute(
         f"INSERT INTO {REQUESTS} (request_id, kind, body, at) VALUES (?, ?, ?, ?)"
         " ON CONFLICT (request_id) DO NOTHING",
         (request_id, kind, body, now),
     )
     if tx.dialect == "postgres":
-        tx.execute("SELECT pg_notify(?, ?)", (ASKED, request_id))
+        tx.execute(f"SELECT pg_notify({ASKED_SQL}, ?)", (request_id,))
     row = tx.execute(
         f"SELECT kind, body, answer FROM {REQUESTS} WHERE request_id = ?", (request_id,)
     )[0]
@@ -72,14 +82,14 @@ def pending(tx: Tx, limit: int) -> list[tuple[str, str, str]]:
 
 def answer(tx: Tx, request_id: str, text: str, by: str, now: float) -> bool:
     """Write the answer of a pending request; False if it was answered already (by another
-    engine, or by a client that acted itself). On PostgreSQL a notification on `ANSWERED`."""
+    engine, or by a client that acted itself). On PostgreSQL a notification on `ANSWERED_SQL`."""
     rows = tx.execute(
         f"UPDATE {REQUESTS} SET answer = ?, answered_at = ?, answered_by = ?"
         " WHERE request_id = ? AND answer IS NULL RETURNING request_id",
         (text, now, by, request_id),
     )
     if rows and tx.dialect == "postgres":
-        tx.execute("SELECT pg_notify(?, ?)", (ANSWERED, request_id))
+        tx.execute(f"SELECT pg_notify({ANSWERED_SQL}, ?)", (request_id,))
     return bool(rows)
 
 
