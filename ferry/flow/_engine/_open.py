@@ -322,7 +322,7 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                         opened = True
                         parts.start_tasks()
                         if engine._serve:  # the clients' requests, and an SQLite heartbeat
-                            nursery.start_soon(_served.serve, engine)
+                            await nursery.start(_served.serve, engine)
                         yield engine
                     except BaseException as exc:
                         body_error = exc  # re-raised below, not wrapped in an exception group

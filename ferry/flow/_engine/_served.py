@@ -154,8 +154,11 @@ async def drain(engine: Engine, by: str) -> int:
                 )
 
 
-async def serve(engine: Engine) -> None:
-    """The task of a serving engine (see the module doc); until cancelled."""
+async def serve(
+    engine: Engine, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """The task of a serving engine (see the module doc); until cancelled. Started once an
+    SQLite engine's first heartbeat is written (or could not be: a WARNING said why)."""
     store = engine._store
     token = trio.lowlevel.current_trio_token()
     wakeup = trio.Event()
@@ -181,9 +184,12 @@ async def serve(engine: Engine) -> None:
         watch = Listen(str(getattr(store, "dsn", "")), engine._owner, tell)
     else:
         watch = None
-    if watch is not None:
-        watch.start()
     try:
+        if watch is not None:
+            watch.start()
+        if isinstance(watch, Watch):
+            await trio.to_thread.run_sync(watch.ready.wait)
+        task_status.started()
         while True:
             try:
                 await drain(engine, by)
@@ -303,6 +309,7 @@ class Watch:
             _log.exception("flow engine %r: its request watch stopped", self._owner)
             raise
         finally:
+            self.ready.set()  # never leave the engine's open waiting for a first beat
             if conn is not None:
                 conn.close()
 

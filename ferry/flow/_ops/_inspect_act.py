@@ -174,7 +174,11 @@ async def do_wake(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
     }
     if after is not None and after.state is State.BLOCKED:
         notes[Delivery.QUEUED] = "kept in its mailbox: the flow is BLOCKED (resume it)"
-    if after is not None and after.state is State.COMPLETED:
+    if after is not None and after.state is not State.RUNNING and args.served_by is not None:
+        notes[Delivery.RESUMED] = (
+            f"it was parked, and the serving engine ran it on: {after.state.name}"
+        )
+    elif after is not None and after.state is State.COMPLETED:
         notes[Delivery.RESUMED] = "it was parked at its last step, and the wake ended it: COMPLETED"
     output(
         args,
