@@ -44,7 +44,7 @@ from .._model._errors import FlowError, IdReused, StoreLocked, UnknownFlow, Unkn
 from .._model._plan import Plan
 from .._model._types import Delivery, Event, Json, Snapshot, State
 from .._store import _inbox, _sql, _store
-from .._store._sqlite_file import check_path
+from .._store._sqlite_file import Written, check_path
 from . import _served
 from ._engine import Engine
 from ._open import open_engine
@@ -56,7 +56,8 @@ _ERRORS: dict[str, type[Exception]] = {
     "TypeError": TypeError,
     "ValueError": ValueError,
 }
-_TICK = 0.005  # seconds between two reads of an SQLite file's data_version while waiting
+_TICK = 0.002  # seconds between two reads of data_version without inotify, or settling
+_LOOK_AGAIN = 1.0  # seconds: with inotify, a look at data_version at least this often
 _RETRY_DIRECT = 0.5  # seconds: while waiting, how often to look whether the engine is gone
 _PG_POLL = 0.05  # seconds: a wait on PostgreSQL reads again this often between notifications
 _SETTLED = frozenset({State.COMPLETED, State.FAILED, State.BLOCKED})
@@ -436,15 +437,19 @@ def _live_engines(tx: Any, now: float) -> bool:
 
 
 class _Changes:
-    """Waits for the store to change: on SQLite, for the file's ``data_version`` (read every
-    5 ms on one connection of its own: a counter in memory, no table read); on PostgreSQL, a
-    pause of 50 ms (a LISTEN for answers is left for later: ADR 0125)."""
+    """Waits for the store to change. On SQLite: until the file is written by any process
+    (`Written`, inotify: no timer; at most `_LOOK_AGAIN` apart, and every `_TICK` where
+    inotify is missing), and then until its ``data_version`` (read on one connection of its
+    own: a counter in memory, no table read) says another connection committed. On PostgreSQL,
+    a pause of `_PG_POLL` (a LISTEN for answers is left for later: ADR 0125)."""
 
     def __init__(self, store: Store) -> None:
         path = getattr(store, "path", None)
         self._conn: sqlite3.Connection | None = None
+        self._written: Written | None = None
         self._version: int | None = None
         if store.dialect == "sqlite" and isinstance(path, str):
+            self._written = Written(path)
             self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self._version = self._conn.execute("PRAGMA data_version").fetchone()[0]
 
@@ -452,15 +457,28 @@ class _Changes:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._written is not None:
+            fd = self._written.fileno()
+            if fd is not None:
+                trio.lowlevel.notify_closing(fd)
+            self._written.close()
         if self._conn is not None:
             self._conn.close()
 
     async def next(self) -> None:
-        if self._conn is None:
+        if self._conn is None or self._written is None:
             await trio.sleep(_PG_POLL)
             return
+        fd = self._written.fileno()
+        settling = 0.0
         while True:
-            await trio.sleep(_TICK)
+            if fd is None or time.monotonic() < settling:
+                await trio.sleep(_TICK)  # written, not committed yet (`_served.SETTLE`)
+            else:
+                with trio.move_on_after(_LOOK_AGAIN):
+                    await trio.lowlevel.wait_readable(fd)
+                self._written.drain()
+                settling = time.monotonic() + _served.SETTLE
             seen = self._conn.execute("PRAGMA data_version").fetchone()[0]
             if seen != self._version:
                 self._version = seen

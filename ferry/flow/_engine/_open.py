@@ -317,12 +317,14 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                 async with trio.open_nursery() as nursery:
                     parts.begin(write_ferry, nursery)
                     try:
+                        recovered = trio.Event()
+                        if engine._serve:  # the clients' requests, and an SQLite heartbeat
+                            await nursery.start(_served.serve, engine, recovered)
                         await parts.recover()
+                        recovered.set()
                         _log_opened(engine)
                         opened = True
                         parts.start_tasks()
-                        if engine._serve:  # the clients' requests, and an SQLite heartbeat
-                            await nursery.start(_served.serve, engine)
                         yield engine
                     except BaseException as exc:
                         body_error = exc  # re-raised below, not wrapped in an exception group

@@ -7,11 +7,14 @@ writes each answer into the request's row: first at open (what was left pending 
 engine served the store, or when the engine before died), then each time it is told a request
 came. It never reads the flows to find out.
 
-Who tells it, on SQLite: `Watch`, a plain thread with one connection of its own to the file,
-reads ``PRAGMA data_version`` every `TICK` (a counter in the connection's memory that changes
-when another connection commits: no read of a table, no lock, a few microseconds) and, when it
-changed, looks for a pending request (one indexed read of an empty partial index); only then
-does it wake the trio task (``TrioToken.run_sync_soon``). The same thread renews the engine's
+Who tells it, on SQLite: `Watch`, a plain thread with one connection of its own to the file.
+It sleeps until the file is written by any process (`_sqlite_file.Written`: Linux's inotify on
+the file's directory; a commit writes the ``-wal`` file), then reads ``PRAGMA data_version`` (a
+counter in the connection's memory that changes when another connection commits: no table
+read, no lock, a few microseconds) and, when it changed, looks for a pending request (one
+indexed read of an empty partial index); only then does it wake the trio task
+(``TrioToken.run_sync_soon``). Idle, it costs nothing but its heartbeat; where inotify is
+missing it reads ``data_version`` every `TICK` instead. The same thread renews the engine's
 heartbeat row in ``flow_engines`` every `RENEW` seconds of real time (owner, pid, host, when it
 started, alive until three renewals on) and removes it at a clean close. A thread, not a trio
 task: a trio timer would advance a test's `MockClock` by 10 ms steps forever, and the heartbeat
@@ -30,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import socket
 import sqlite3
 import threading
@@ -47,12 +51,18 @@ from .._model._errors import FlowError, UnknownPlan
 from .._model._plan import Plan
 from .._model._types import Delivery, Json
 from .._store import _inbox
+from .._store._sqlite_file import Written
 from ._engine import Engine
 
 _log = logging.getLogger("ferry.flow")
 
-TICK = 0.005  # seconds between two reads of SQLite's data_version, in the watch thread
-RENEW = 2.0  # seconds between two renewals of an SQLite engine's heartbeat
+TICK = 0.02  # seconds between two reads of data_version where inotify is missing (not Linux)
+# A commit writes the -wal file (the event) before it makes the commit visible (the wal-index, in
+# shared memory: no event): after an event, data_version is read again every SETTLE_TICK
+# seconds until it changed, for at most SETTLE seconds.
+SETTLE_TICK = 0.002
+SETTLE = 0.1
+RENEW = 5.0  # seconds between two renewals of an SQLite engine's heartbeat
 ALIVE_FOR = 3  # renewals: a heartbeat not renewed for this many is an engine gone
 _BATCH = 100  # requests read at once
 
@@ -155,10 +165,15 @@ async def drain(engine: Engine, by: str) -> int:
 
 
 async def serve(
-    engine: Engine, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    engine: Engine,
+    recovered: trio.Event,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """The task of a serving engine (see the module doc); until cancelled. Started once an
-    SQLite engine's first heartbeat is written (or could not be: a WARNING said why)."""
+    """The task of a serving engine (see the module doc); until cancelled. Started before the
+    engine's recovery, once an SQLite engine's first heartbeat is written (or could not be: a
+    WARNING said why; before any timer is armed, so a test's autojumping `MockClock` does not
+    jump while the thread writes it); applies requests once `recovered` is set."""
     store = engine._store
     token = trio.lowlevel.current_trio_token()
     wakeup = trio.Event()
@@ -190,6 +205,7 @@ async def serve(
         if isinstance(watch, Watch):
             await trio.to_thread.run_sync(watch.ready.wait)
         task_status.started()
+        await recovered.wait()
         while True:
             try:
                 await drain(engine, by)
@@ -223,6 +239,7 @@ class Watch:
         self._plans = plans
         self._tell = tell
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()  # `stop` ends the thread's select at once
         self._started = time.time()
         self._thread = threading.Thread(
             target=self._run, name=f"ferry.flow request watch of {owner!r}", daemon=True
@@ -235,7 +252,10 @@ class Watch:
     def stop(self) -> None:
         """Stop the thread, which removes the heartbeat row (blocking: from a worker thread)."""
         self._stop.set()
+        os.write(self._wake_w, b"x")
         self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
     def _beat(self, conn: sqlite3.Connection) -> None:
         tx = _ConnTx(conn)
@@ -258,12 +278,14 @@ class Watch:
 
     def _run(self) -> None:
         conn: sqlite3.Connection | None = None
+        written = Written(self._path)
+        fd = written.fileno()
         try:
             conn = sqlite3.connect(
                 self._path, timeout=10.0, isolation_level=None, check_same_thread=False
             )
             version = None
-            next_beat = 0.0
+            next_beat = settling = 0.0
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
@@ -293,7 +315,17 @@ class Watch:
                         waiting = True  # let the engine look, through its own store
                     if waiting and not self._tell():
                         return
-                self._stop.wait(TICK)
+                if fd is None:  # no inotify: a timer
+                    self._stop.wait(TICK)
+                    continue
+                now = time.monotonic()
+                pause = max(0.0, next_beat - now)
+                if now < settling:  # written, not committed yet: look again soon
+                    pause = min(pause, SETTLE_TICK)
+                ready, _, _ = select.select([fd, self._wake_r], [], [], pause)
+                if fd in ready:
+                    written.drain()
+                    settling = time.monotonic() + SETTLE
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 _inbox.end_beat(_ConnTx(conn), self._owner, self._incarnation)
@@ -310,6 +342,7 @@ class Watch:
             raise
         finally:
             self.ready.set()  # never leave the engine's open waiting for a first beat
+            written.close()
             if conn is not None:
                 conn.close()
 

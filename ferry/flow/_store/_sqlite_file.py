@@ -296,3 +296,69 @@ def _close_kept() -> None:
             fd = kept.pop() if kept else None
         if fd is not None:
             _close(fd, key)
+
+
+# ------------------------------------------------------------------ changes of the file, pushed
+
+_IN_MODIFY = 0x2
+_IN_CREATE = 0x100
+_IN_NONBLOCK = os.O_NONBLOCK
+_IN_CLOEXEC = os.O_CLOEXEC
+
+
+def _libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    if not hasattr(libc, "inotify_init1"):
+        return None
+    return libc
+
+
+class Written:
+    """A descriptor that becomes readable when any process writes the SQLite file at `path`
+    (in WAL mode every commit writes its ``-wal`` file; a checkpoint writes the file): Linux's
+    inotify on the file's directory, no timer, nothing read from the database. `fileno` is
+    None where inotify is missing (not Linux): the caller then reads ``PRAGMA data_version`` on
+    a timer instead.
+
+    An event says only "written": the caller looks (``data_version``, then its rows) to find
+    out what. `drain` empties the queue of events; `close` closes the descriptor."""
+
+    def __init__(self, path: str) -> None:
+        self._fd: int | None = None
+        libc = _libc() if sys.platform.startswith("linux") else None
+        if libc is None:
+            return
+        fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        if fd < 0:
+            return
+        # The directory: its files' writes, the ``-wal`` file's too when it is made anew (the
+        # last connection to close removes it); a write to another file there is a wasted look.
+        directory = os.path.dirname(os.path.realpath(path))
+        if libc.inotify_add_watch(fd, os.fsencode(directory), _IN_MODIFY | _IN_CREATE) < 0:
+            os.close(fd)
+            return
+        self._fd = fd
+
+    def fileno(self) -> int | None:
+        return self._fd
+
+    def drain(self) -> None:
+        """Read every event queued (never blocks)."""
+        if self._fd is None:
+            return
+        try:
+            while os.read(self._fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
