@@ -12,6 +12,7 @@ ends ``BLOCKED`` (a compensation that can never succeed).
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -65,8 +66,19 @@ def _paid(event: object) -> flow.Wake | None:
 async def _serve(store: object, owner: str) -> None:
     async with flow.open_engine(store, plans=[order, stuck], owner=owner) as engine:  # type: ignore[arg-type]
         engine.on("paid", _paid)
+        if isinstance(store, str):  # its heartbeat is written by a thread: once it is there
+            while not _beating(store, owner):  # noqa: ASYNC110 (another thread's write)
+                await trio.sleep(0.005)
         print("ready", flush=True)
         await trio.to_thread.run_sync(sys.stdin.read, abandon_on_cancel=True)
+
+
+def _beating(path: str, owner: str) -> bool:
+    conn = sqlite3.connect(path)
+    try:
+        return bool(conn.execute("SELECT 1 FROM flow_engines WHERE owner = ?", (owner,)).fetchall())
+    finally:
+        conn.close()
 
 
 async def main(spec: str, owner: str) -> None:

@@ -134,24 +134,23 @@ def decoded(value: Json) -> Any:
 
 
 async def drain(engine: Engine, by: str) -> int:
-    """Apply every pending request, oldest first, and write the answers; how many."""
-    store = engine._store
+    """Apply every pending request, oldest first, and write the answers; how many. A store
+    error is `Failed` (the request stays pending, or is applied again: ADR 0125)."""
     done = 0
     while True:
-        rows = await store.transact(partial(_inbox.pending, limit=_BATCH))
+        rows = await engine._read(partial(_inbox.pending, limit=_BATCH), "reading requests")
         if not rows:
             return done
         for request_id, kind, text in rows:
             answer = await apply(engine, kind, json.loads(text))
-            wrote = await store.transact(
-                partial(
-                    _inbox.answer,
-                    request_id=request_id,
-                    text=json.dumps(answer),
-                    by=by,
-                    now=time.time(),
-                )
+            write = partial(
+                _inbox.answer,
+                request_id=request_id,
+                text=json.dumps(answer),
+                by=by,
+                now=time.time(),
             )
+            wrote = await engine._read(write, f"answering request {request_id!r}")
             done += 1
             if wrote:
                 _log.info(
@@ -171,9 +170,8 @@ async def serve(
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """The task of a serving engine (see the module doc); until cancelled. Started before the
-    engine's recovery, once an SQLite engine's first heartbeat is written (or could not be: a
-    WARNING said why; before any timer is armed, so a test's autojumping `MockClock` does not
-    jump while the thread writes it); applies requests once `recovered` is set."""
+    engine's recovery (its thread writes the first heartbeat meanwhile: the engine's open does
+    not wait for it, a few milliseconds); applies requests once `recovered` is set."""
     store = engine._store
     token = trio.lowlevel.current_trio_token()
     wakeup = trio.Event()
@@ -194,7 +192,10 @@ async def serve(
     watch: Watch | Listen | None
     if store.dialect == "sqlite" and isinstance(path, str):
         plans = json.dumps(sorted([name, version] for name, version in engine._plans))
-        watch = Watch(path, engine._owner, incarnation, plans, tell)
+        # a fleet (a test's on SQLite) has its lease rows: no heartbeat of its own then
+        watch = Watch(
+            path, engine._owner, incarnation, plans, tell, beat=not engine._parts.fleet_mode
+        )
     elif store.dialect == "postgres":
         watch = Listen(str(getattr(store, "dsn", "")), engine._owner, tell)
     else:
@@ -202,8 +203,6 @@ async def serve(
     try:
         if watch is not None:
             watch.start()
-        if isinstance(watch, Watch):
-            await trio.to_thread.run_sync(watch.ready.wait)
         task_status.started()
         await recovered.wait()
         while True:
@@ -232,7 +231,10 @@ class Watch:
     """The SQLite watch thread: ``PRAGMA data_version`` every `TICK`, a wake-up when a request
     is pending, and the heartbeat (see the module doc)."""
 
-    def __init__(self, path: str, owner: str, incarnation: str, plans: str, tell: Any) -> None:
+    def __init__(
+        self, path: str, owner: str, incarnation: str, plans: str, tell: Any, *, beat: bool
+    ) -> None:
+        self._beats = beat  # write the heartbeat (not where fleet leases are the rows)
         self._path = path
         self._owner = owner
         self._incarnation = incarnation
@@ -290,7 +292,8 @@ class Watch:
                 now = time.monotonic()
                 if now >= next_beat:
                     try:
-                        self._beat(conn)
+                        if self._beats:
+                            self._beat(conn)
                     except sqlite3.Error as exc:
                         _log.warning(
                             "flow engine %r could not renew its heartbeat: %r",
@@ -327,9 +330,10 @@ class Watch:
                     written.drain()
                     settling = time.monotonic() + SETTLE
             try:
-                conn.execute("BEGIN IMMEDIATE")
-                _inbox.end_beat(_ConnTx(conn), self._owner, self._incarnation)
-                conn.execute("COMMIT")
+                if self._beats:
+                    conn.execute("BEGIN IMMEDIATE")
+                    _inbox.end_beat(_ConnTx(conn), self._owner, self._incarnation)
+                    conn.execute("COMMIT")
             except sqlite3.Error as exc:
                 _log.warning(
                     "flow engine %r could not remove its heartbeat at close: %r",
