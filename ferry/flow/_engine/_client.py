@@ -164,8 +164,9 @@ def _raise(answer: dict[str, Any]) -> None:
 
 @final
 class Client:
-    """A client of one flow store (made by `connect`). Every async method is a checkpoint; a
-    call that raises `trio.Cancelled` after its request was stored leaves it stored (a retry
+    """A client of one flow store, made by `connect` (no public constructor). `last`: the
+    `Receipt` of its last request (None before the first). Every async method is a checkpoint;
+    a call that raises `trio.Cancelled` after its request was stored leaves it stored (a retry
     with the same `request_id` finds it)."""
 
     def __init__(self, store: Store, timeout: float) -> None:
@@ -323,8 +324,9 @@ class Client:
 
     async def wait(self, flow_id: str, *, timeout: float | None = None) -> Snapshot:  # noqa: ASYNC109
         """Until the flow is `COMPLETED`, `FAILED` or `BLOCKED`; its snapshot then. Reads the
-        flow again each time the store changed (SQLite: its ``data_version``; PostgreSQL: every
-        50 ms). `UnknownFlow`; `trio.TooSlowError` after `timeout` seconds."""
+        flow again each time the store changed (SQLite: the file written and its
+        ``data_version`` changed; PostgreSQL: every 50 ms). `UnknownFlow`; `trio.TooSlowError`
+        after `timeout` seconds."""
         fid = _checks.flow_id(flow_id)
         with _Changes(self._store) as changes:
             with trio.fail_after(math_inf(timeout)):
