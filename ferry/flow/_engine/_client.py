@@ -39,11 +39,12 @@ import trio
 
 from ferry.projected import PostgresStore, SqliteStore, Store
 
+from .._fleet._asked import Heard
 from .._model import _checks, _values
 from .._model._errors import FlowError, IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from .._model._plan import Plan
 from .._model._types import Delivery, Event, Json, Snapshot, State
-from .._store import _inbox, _sql, _store
+from .._store import _inbox, _notify, _sql, _store
 from .._store._sqlite_file import Written, check_path
 from . import _served
 from ._engine import Engine
@@ -59,7 +60,6 @@ _ERRORS: dict[str, type[Exception]] = {
 _TICK = 0.002  # seconds between two reads of data_version without inotify, or settling
 _LOOK_AGAIN = 1.0  # seconds: with inotify, a look at data_version at least this often
 _RETRY_DIRECT = 0.5  # seconds: while waiting, how often to look whether the engine is gone
-_PG_POLL = 0.05  # seconds: a wait on PostgreSQL reads again this often between notifications
 _SETTLED = frozenset({State.COMPLETED, State.FAILED, State.BLOCKED})
 
 
@@ -325,10 +325,10 @@ class Client:
     async def wait(self, flow_id: str, *, timeout: float | None = None) -> Snapshot:  # noqa: ASYNC109
         """Until the flow is `COMPLETED`, `FAILED` or `BLOCKED`; its snapshot then. Reads the
         flow again each time the store changed (SQLite: the file written and its
-        ``data_version`` changed; PostgreSQL: every 50 ms). `UnknownFlow`; `trio.TooSlowError`
-        after `timeout` seconds."""
+        ``data_version`` changed; PostgreSQL: a notification that a flow settled), and at least
+        once a second. `UnknownFlow`; `trio.TooSlowError` after `timeout` seconds."""
         fid = _checks.flow_id(flow_id)
-        with _Changes(self._store) as changes:
+        async with _Changes(self._store, _notify.CHANNEL_SQL) as changes:
             with trio.fail_after(math_inf(timeout)):
                 while True:
                     snap = await self.get(fid)
@@ -351,33 +351,43 @@ class Client:
                 f"request_id {rid!r} was used for another request ({stored_kind} {stored_body}):"
                 " give each request its own id; nothing was stored"
             )
-        with _Changes(self._store) as changes, trio.move_on_after(self._timeout) as waited:
-            while answer is None:
-                answer = await self._direct(kind, rid, body)
-                if answer == "pending":
-                    self.last = Receipt(rid, served=False, applied_by=None, pending=True)
-                    return None
-                if answer is not None:
-                    break
-                with trio.move_on_after(_RETRY_DIRECT):
-                    while True:
-                        answer = await self._store.transact(
-                            partial(_inbox.answer_of, request_id=rid)
-                        )
-                        if answer is not None:
-                            break
-                        await changes.next()
-        if waited.cancelled_caught and answer is None:
+        if answer is None:
+            answer = await self._direct(kind, rid, body)
+        if answer is None:  # an engine serves the store: its answer
+            answer = await self._answer(kind, rid, body)
+        if answer == "pending":
+            self.last = Receipt(rid, served=False, applied_by=None, pending=True)
+            return None
+        by = await self._store.transact(partial(_answered_by, request_id=rid))
+        self.last = Receipt(rid, served=not answer.get("client"), applied_by=by, pending=False)
+        _raise(answer)
+        return _served.decoded(answer["value"])
+
+    async def _answer(self, kind: str, rid: str, body: dict[str, Json]) -> Any:
+        """Wait for the serving engine's answer (the store's changes, `_Changes`), looking every
+        `_RETRY_DIRECT` seconds whether it went away (then this client acts: `_direct`).
+        `trio.TooSlowError` after the client's timeout."""
+        answer: Any = None
+        async with _Changes(self._store) as changes:
+            with trio.move_on_after(self._timeout):
+                while answer is None:
+                    with trio.move_on_after(_RETRY_DIRECT):
+                        while True:
+                            read = partial(_inbox.answer_of, request_id=rid)
+                            answer = await self._store.transact(read)
+                            if answer is not None:
+                                break
+                            await changes.next()
+                    if answer is None:
+                        answer = await self._direct(kind, rid, body)
+        if answer is None:
             raise trio.TooSlowError(
                 f"the engine serving {_where(self._store)} has not answered {kind} request"
                 f" {rid!r} within {self._timeout:g} s; the request is stored and will be"
                 " applied once an engine takes it (call again with this request_id to wait"
                 " for its answer)"
             )
-        by = await self._store.transact(partial(_answered_by, request_id=rid))
-        self.last = Receipt(rid, served=not answer.get("client"), applied_by=by, pending=False)
-        _raise(answer)
-        return _served.decoded(answer["value"])
+        return answer
 
     async def _direct(self, kind: str, rid: str, body: dict[str, Json]) -> Any:
         """Apply the request here if no engine serves the store: its answer, ``"pending"``
@@ -440,25 +450,36 @@ def _live_engines(tx: Any, now: float) -> bool:
 
 class _Changes:
     """Waits for the store to change. On SQLite: until the file is written by any process
-    (`Written`, inotify: no timer; at most `_LOOK_AGAIN` apart, and every `_TICK` where
-    inotify is missing), and then until its ``data_version`` (read on one connection of its
-    own: a counter in memory, no table read) says another connection committed. On PostgreSQL,
-    a pause of `_PG_POLL` (a LISTEN for answers is left for later: ADR 0125)."""
+    (`Written`, inotify: no timer; every `_TICK` where inotify is missing), and then until its
+    ``data_version`` (read on one connection of its own: a counter in memory, no table read)
+    says another connection committed. On PostgreSQL: until a notification on `channel_sql`
+    (`_asked.Heard`). At most `_LOOK_AGAIN` apart either way (a look that finds nothing new
+    costs one read)."""
 
-    def __init__(self, store: Store) -> None:
-        path = getattr(store, "path", None)
+    def __init__(self, store: Store, channel_sql: str = _inbox.ANSWERED_SQL) -> None:
+        self._store = store
+        self._channel_sql = channel_sql
         self._conn: sqlite3.Connection | None = None
         self._written: Written | None = None
+        self._heard: Heard | None = None
         self._version: int | None = None
-        if store.dialect == "sqlite" and isinstance(path, str):
+
+    async def __aenter__(self) -> _Changes:
+        path = getattr(self._store, "path", None)
+        if self._store.dialect == "sqlite" and isinstance(path, str):
             self._written = Written(path)
             self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self._version = self._conn.execute("PRAGMA data_version").fetchone()[0]
-
-    def __enter__(self) -> _Changes:
+        elif self._store.dialect == "postgres":
+            self._heard = Heard(str(getattr(self._store, "dsn", "")), self._channel_sql)
+            await self._heard.open()
+        else:
+            await trio.lowlevel.checkpoint()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    async def __aexit__(self, *exc: object) -> None:
+        if self._heard is not None:
+            self._heard.close()
         if self._written is not None:
             fd = self._written.fileno()
             if fd is not None:
@@ -466,10 +487,15 @@ class _Changes:
             self._written.close()
         if self._conn is not None:
             self._conn.close()
+        await trio.lowlevel.checkpoint()
 
     async def next(self) -> None:
+        if self._heard is not None:
+            with trio.move_on_after(_LOOK_AGAIN):
+                await self._heard.next()
+            return
         if self._conn is None or self._written is None:
-            await trio.sleep(_PG_POLL)
+            await trio.sleep(_LOOK_AGAIN)
             return
         fd = self._written.fileno()
         settling = 0.0

@@ -9,6 +9,9 @@ import os
 import selectors
 import threading
 from collections.abc import Callable
+from typing import Any
+
+import trio
 
 from .._store import _inbox
 
@@ -90,3 +93,59 @@ class Listen:
                     conn.close()
                 except Exception as exc:
                     _log.debug("closing the request listener's connection: %r", exc)
+
+
+class Heard:
+    """A client's ear on PostgreSQL: one connection of its own (autocommit) LISTENing on the
+    store's channel given as an SQL expression (`_inbox.ANSWERED_SQL`: requests answered;
+    `_notify.CHANNEL_SQL`: flows settled), read on the trio loop (``wait_readable`` on its
+    socket: no timer, no thread but the connect's)."""
+
+    def __init__(self, dsn: str, channel_sql: str) -> None:
+        self._dsn = dsn
+        self._channel_sql = channel_sql
+        self._conn: Any = None
+
+    async def open(self) -> None:
+        self._conn = await trio.to_thread.run_sync(self._connect)
+
+    def _connect(self) -> Any:
+        from psycopg import sql
+
+        from ferry.projected._postgres import connect
+
+        conn = connect(
+            self._dsn,
+            autocommit=True,
+            connect_timeout=10,
+            application_name="ferry.flow client",
+        )
+        try:
+            (channel,) = conn.execute(f"SELECT {self._channel_sql}").fetchone()
+            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    async def next(self) -> None:
+        """Until a notification arrives (those that came already count)."""
+        conn = self._conn
+        assert conn is not None
+        while True:
+            if any(True for _ in conn.notifies(timeout=0)):
+                return
+            await trio.lowlevel.wait_readable(conn.fileno())
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            trio.lowlevel.notify_closing(conn.fileno())
+        except Exception as exc:  # a connection closed already has no descriptor
+            _log.debug("closing a client's listening connection: %r", exc)
+        try:
+            conn.close()
+        except Exception as exc:
+            _log.debug("closing a client's listening connection: %r", exc)
