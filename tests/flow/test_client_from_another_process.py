@@ -40,9 +40,14 @@ TOKEN = "t" * 32
 
 @pytest.fixture
 def db(tmp_path: Path) -> str:
-    """A store an engine made (and closed): no engine serves it."""
+    """A store an engine made (and closed, in this process): no engine serves it."""
     path = str(tmp_path / "app.db")
-    _served.stop(_served.start(path, "maker"))
+
+    async def make() -> None:
+        async with flow.open_engine(path, plans=[_served.order, _served.stuck]):
+            pass
+
+    trio.run(make)
     return path
 
 
@@ -135,13 +140,23 @@ def test_every_request_is_applied_by_the_engine_serving_the_file(
 def test_the_cli_acts_on_a_served_file_and_says_which_engine_applied_it(
     db: str, service: subprocess.Popen[str]
 ) -> None:
-    async def park() -> None:
+    async def park(fid: str = "o1") -> None:
         async with flow.connect(db) as client:
-            await client.start("order", flow_id="o1")
-            await _parked(client, "o1")
+            await client.start("order", flow_id=fid)
+            await _parked(client, fid)
+
+    async def park2() -> None:
+        await park("o2")
 
     trio.run(park)
-    done = cli(db, "wake", "o1", "--payload", '{"paid": 1}')
+    bulk = cli(db, "cancel", "--state", "PARKED", "--yes")  # the service runs: through it
+    assert bulk.returncode == 0, bulk.stderr
+    assert bulk.stdout.startswith(
+        f"accepted: the serving engine 'svc', pid {service.pid} on {socket.gethostname()}"
+        " applied it: cancel: 1 flow, 1 cancelled\n"
+    ), bulk.stdout
+    trio.run(park2)
+    done = cli(db, "wake", "o2", "--payload", '{"paid": 1}')
     assert done.returncode == 0, done.stderr
     engine = f"engine 'svc', pid {service.pid} on {socket.gethostname()}"
     assert done.stdout in (  # the engine may have run the next step already, or not yet
