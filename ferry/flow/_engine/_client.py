@@ -503,10 +503,12 @@ class _Changes:
             if fd is None or time.monotonic() < settling:
                 await trio.sleep(_TICK)  # written, not committed yet (`_served.SETTLE`)
             else:
-                with trio.move_on_after(_LOOK_AGAIN):
+                with trio.move_on_after(_LOOK_AGAIN) as looked:
                     await trio.lowlevel.wait_readable(fd)
-                self._written.drain()
-                settling = time.monotonic() + _served.SETTLE
+                if self._written.drain():
+                    settling = time.monotonic() + _served.SETTLE
+                elif not looked.cancelled_caught:
+                    continue  # another file of the directory was written
             seen = self._conn.execute("PRAGMA data_version").fetchone()[0]
             if seen != self._version:
                 self._version = seen

@@ -8,9 +8,9 @@ engine served the store, or when the engine before died), then each time it is t
 came. It never reads the flows to find out.
 
 Who tells it, on SQLite: `Watch`, a plain thread with one connection of its own to the file.
-It sleeps until the file is written by any process (`_sqlite_file.Written`: Linux's inotify on
-the file's directory; a commit writes the ``-wal`` file), then reads ``PRAGMA data_version`` (a
-counter in the connection's memory that changes when another connection commits: no table
+It sleeps until the file is written by any process (`_sqlite_file.Written`: Linux's inotify
+on the file and its ``-wal``; a commit writes the ``-wal``), then reads ``PRAGMA data_version``
+(a counter in the connection's memory that changes when another connection commits: no table
 read, no lock, a few microseconds) and, when it changed, looks for a pending request (one
 indexed read of an empty partial index); only then does it wake the trio task
 (``TrioToken.run_sync_soon``). Idle, it costs nothing but its heartbeat; where inotify is
@@ -326,8 +326,7 @@ class Watch:
                 if now < settling:  # written, not committed yet: look again soon
                     pause = min(pause, SETTLE_TICK)
                 ready, _, _ = select.select([fd, self._wake_r], [], [], pause)
-                if fd in ready:
-                    written.drain()
+                if fd in ready and written.drain():
                     settling = time.monotonic() + SETTLE
             try:
                 if self._beats:

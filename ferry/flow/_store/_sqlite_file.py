@@ -26,6 +26,7 @@ import fcntl
 import os
 import re
 import sqlite3
+import struct
 import sys
 import threading
 from collections.abc import Sequence
@@ -301,6 +302,7 @@ def _close_kept() -> None:
 # ------------------------------------------------------------------ changes of the file, pushed
 
 _IN_MODIFY = 0x2
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
 _IN_CREATE = 0x100
 _IN_NONBLOCK = os.O_NONBLOCK
 _IN_CLOEXEC = os.O_CLOEXEC
@@ -322,41 +324,63 @@ def _libc() -> Any:
 class Written:
     """A descriptor that becomes readable when any process writes the SQLite file at `path`
     (in WAL mode every commit writes its ``-wal`` file; a checkpoint writes the file): Linux's
-    inotify on the file's directory, no timer, nothing read from the database. `fileno` is
+    inotify on the file and its ``-wal``, no timer, nothing read from the database. `fileno` is
     None where inotify is missing (not Linux): the caller then reads ``PRAGMA data_version`` on
     a timer instead.
 
     An event says only "written": the caller looks (``data_version``, then its rows) to find
-    out what. `drain` empties the queue of events; `close` closes the descriptor."""
+    out what. `drain` empties the queue of events and says whether one was the store's;
+    `close` closes the descriptor."""
 
     def __init__(self, path: str) -> None:
         self._fd: int | None = None
+        real = os.path.realpath(path)
+        self._wal = os.fsencode(real + "-wal")
+        self._wal_name = os.path.basename(self._wal)
         libc = _libc() if sys.platform.startswith("linux") else None
+        self._libc: Any = libc
         if libc is None:
             return
         fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
         if fd < 0:
             return
-        # The directory: its files' writes, the ``-wal`` file's too when it is made anew (the
-        # last connection to close removes it); a write to another file there is a wasted look.
-        directory = os.path.dirname(os.path.realpath(path))
-        if libc.inotify_add_watch(fd, os.fsencode(directory), _IN_MODIFY | _IN_CREATE) < 0:
+        # The file and its -wal (writes), and the directory for the -wal's creation only (the
+        # last connection to close removes it; it is watched again once made): the other
+        # files of the directory wake nobody.
+        self._dir_wd = libc.inotify_add_watch(fd, os.fsencode(os.path.dirname(real)), _IN_CREATE)
+        if self._dir_wd < 0 or libc.inotify_add_watch(fd, os.fsencode(real), _IN_MODIFY) < 0:
             os.close(fd)
             return
+        libc.inotify_add_watch(fd, self._wal, _IN_MODIFY)  # missing until a connection makes it
         self._fd = fd
 
     def fileno(self) -> int | None:
         return self._fd
 
-    def drain(self) -> None:
-        """Read every event queued (never blocks)."""
+    def drain(self) -> bool:
+        """Read every event queued (never blocks); True if one was a write of the file or of
+        its ``-wal``, or the ``-wal``'s creation."""
         if self._fd is None:
-            return
+            return False
+        ours = False
         try:
-            while os.read(self._fd, 4096):
-                pass
+            while True:
+                data = os.read(self._fd, 65536)
+                if not data:
+                    break
+                at = 0
+                while at + _EVENT.size <= len(data):
+                    wd, _mask, _cookie, size = _EVENT.unpack_from(data, at)
+                    name = data[at + _EVENT.size : at + _EVENT.size + size].rstrip(b"\0")
+                    at += _EVENT.size + size
+                    if wd != self._dir_wd:
+                        ours = True  # the file or its -wal was written
+                    elif name == self._wal_name:  # the -wal made anew: watch it
+                        self._libc.inotify_add_watch(self._fd, self._wal, _IN_MODIFY)
+                        ours = True
         except BlockingIOError:
             pass
+        return ours
 
     def close(self) -> None:
         if self._fd is not None:
