@@ -404,3 +404,33 @@ def test_on_postgres_a_served_store_applies_the_clients_requests(pg_server: pg.P
         trio.run(served)
     finally:
         _served.stop(child)
+
+
+# ------------------------------------------------------------------ told, not polled (SQLite)
+
+
+def test_a_request_and_its_answer_are_noticed_by_the_file_changing_not_by_a_timer(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every timer that could stand in for the notice is an hour long here: the engine's
+    heartbeat (its watch thread's only timed wake-up), the client's look at the store once a
+    second and its look at whether the engine went away. The engine (in this process, which
+    changes nothing: the client reads the file) applies each request, and the client reads
+    each answer, within seconds all the same: the file's writes (inotify) and its
+    data_version told them. (Checked: with the -wal left unwatched it fails after 20 s.)"""
+    from ferry.flow._engine import _client
+    from ferry.flow._engine import _served as served
+
+    monkeypatch.setattr(served, "RENEW", 3600.0)
+    monkeypatch.setattr(_client, "_LOOK_AGAIN", 3600.0)
+    monkeypatch.setattr(_client, "_RETRY_DIRECT", 3600.0)
+
+    async def main() -> None:
+        async with flow.open_engine(db, plans=[_served.order, _served.stuck], owner="svc"):
+            async with flow.connect(db, timeout=3600) as client:
+                with trio.fail_after(20):
+                    for i in range(5):
+                        assert await client.cancel(f"nobody-{i}") is False
+                        assert client.last is not None and client.last.applied_by == "svc"
+
+    trio.run(main)
