@@ -120,6 +120,12 @@ def open_engine(
     engines (docs/operating.md). None (default): the application's global provider, if it set
     one; without one (or without OpenTelemetry) traces are off and cost nothing.
 
+    A serving engine also applies the requests of clients in other processes
+    (`flow.connect`, docs/adr/0125): those left pending at its open first, then each as it
+    comes (told by the SQLite file's writes, or a PostgreSQL notification); on SQLite it keeps
+    a heartbeat row in the store (owner, pid, host, renewed every 5 s, removed at close:
+    docs/adr/0126), which the inspector's ``stats`` and the dashboard show.
+
     `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
     plans (it reads the plan shapes engines recorded in the store), runs no step, leases
     nothing, arms no timer and does no recovery; its `wake`, `cancel` and `resume` are
