@@ -434,3 +434,40 @@ def test_a_request_and_its_answer_are_noticed_by_the_file_changing_not_by_a_time
                         assert client.last is not None and client.last.applied_by == "svc"
 
     trio.run(main)
+
+
+def test_a_stored_request_that_is_no_request_is_answered_with_its_error(db: str) -> None:
+    """Rows written by something other than a client (a body that is not JSON, not an object,
+    an unknown kind) are answered with what is wrong with them, and the engine serves on.
+    (Checked: a body that is not JSON ended the engine's block with a JSONDecodeError.)"""
+    conn = sqlite3.connect(db)
+    for rid, kind, body in (
+        ("junk-1", "wake", "not json"),
+        ("junk-2", "cancel", "[1, 2]"),
+        ("junk-3", "explode", "{}"),
+        ("junk-4", "resume", "{}"),
+    ):
+        conn.execute(
+            "INSERT INTO flow_requests (request_id, kind, body, at) VALUES (?, ?, ?, 0)",
+            (rid, kind, body),
+        )
+    conn.commit()
+
+    async def main() -> None:
+        async with flow.open_engine(db, plans=[_served.order], owner="svc"):
+            async with flow.connect(db) as client:
+                assert await client.cancel("nobody") is False  # it serves on
+                assert client.last is not None and client.last.applied_by == "svc"
+
+    trio.run(main)
+    answers = dict(
+        conn.execute("SELECT request_id, answer FROM flow_requests WHERE request_id LIKE 'junk%'")
+    )
+    conn.close()
+    errors = {rid: json.loads(text)["error"] for rid, text in answers.items()}
+    assert errors == {
+        "junk-1": "JSONDecodeError",
+        "junk-2": "ValueError",
+        "junk-3": "ValueError",
+        "junk-4": "KeyError",
+    }

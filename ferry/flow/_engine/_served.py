@@ -95,11 +95,16 @@ def _encoded(value: object) -> Json:
     raise AssertionError(f"no answer encodes {value!r}")
 
 
-async def apply(engine: Engine, kind: str, body: dict[str, Any]) -> Json:
-    """Apply one request through the engine's API; its answer (``{"value": ...}``, or
-    ``{"error": type, "message": ...}`` for what the engine refused). A store error (`Failed`)
-    and `Closed` are raised: the request stays pending."""
+async def apply(engine: Engine, kind: str, body: dict[str, Any] | str) -> Json:
+    """Apply one request (its body, or the body's JSON text as stored) through the engine's
+    API; its answer (``{"value": ...}``, or ``{"error": type, "message": ...}`` for what the
+    engine refused, a body that is no request included). A store error (`Failed`) and `Closed`
+    are raised: the request stays pending."""
     try:
+        if isinstance(body, str):
+            body = json.loads(body)
+            if not isinstance(body, dict):
+                raise ValueError(f"a request's body is a JSON object, got {body!r}")
         if kind == "start":
             plan = _plan(engine, body["plan"], body["version"])
             value: object = await engine.start(plan, flow_id=body["flow_id"], data=body["data"])
@@ -142,7 +147,7 @@ async def drain(engine: Engine, by: str) -> int:
         if not rows:
             return done
         for request_id, kind, text in rows:
-            answer = await apply(engine, kind, json.loads(text))
+            answer = await apply(engine, kind, text)
             write = partial(
                 _inbox.answer,
                 request_id=request_id,
@@ -208,6 +213,8 @@ async def serve(
         while True:
             try:
                 await drain(engine, by)
+            except Closed:  # the engine's block ends: what is pending is left to the next
+                return
             except Failed as exc:  # the store is unavailable: the next poke (or tick) retries
                 _log.warning(
                     "flow engine %r could not apply the clients' requests: %r; it tries again",
