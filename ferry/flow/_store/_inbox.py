@@ -93,6 +93,16 @@ def answer(tx: Tx, request_id: str, text: str, by: str, now: float) -> bool:
     return bool(rows)
 
 
+def prune(tx: Tx, before: float) -> int:
+    """Delete the requests answered before `before` (retention's, with the finished flows);
+    how many. A pending request is never deleted."""
+    rows = tx.execute(
+        f"DELETE FROM {REQUESTS} WHERE answer IS NOT NULL AND answered_at < ? RETURNING request_id",
+        (before,),
+    )
+    return len(rows)
+
+
 def has_requests(tx: Tx) -> bool:
     """Does the store hold the requests table (an engine of this version opened it)?"""
     if tx.dialect == "postgres":
