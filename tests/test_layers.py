@@ -39,7 +39,7 @@ FLOW = "ferry/flow"
 ORDER = ("_model", "_store", "_runtime", "_fleet", "_engine", "_ops")
 FACE = ("ferry/flow/__init__.py", "ferry/flow/__main__.py")
 #: The modules of the engine the operator's tools may use: the public API's own.
-API = ("ferry.flow._engine._engine", "ferry.flow._engine._open")
+API = ("ferry.flow._engine._engine", "ferry.flow._engine._open", "ferry.flow._engine._client")
 POSTGRES = ("psycopg", "ferry.projected._postgres")
 
 #: (file, what it imports) -> why it may, for now. Each entry is a debt of the layering.

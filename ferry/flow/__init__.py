@@ -36,13 +36,18 @@ transaction. A step that was running when the process died runs again: pass
 Several engine processes may share one PostgreSQL database (docs/flow-fleet.md): each holds a
 lease, takes over the flows of engines that died, and can never advance a flow another engine
 took over. ``python -m ferry.flow STORE`` lists, shows and counts flows, and wakes, cancels or
-resumes one as an operator.
+resumes one as an operator. ``flow.connect(store)`` is a client from any process: it asks the
+engine that serves the store to start, wake, cancel, resume, abandon or publish (docs/flow.md,
+"From another process").
 """
 
 from __future__ import annotations
 
 from stm._internal import fixup_module_metadata as _fixup_module_metadata
 
+from ._engine._client import Client as Client
+from ._engine._client import Receipt as Receipt
+from ._engine._client import connect as connect
 from ._engine._engine import Engine as Engine
 from ._engine._open import open_engine as open_engine
 from ._model._errors import FlowError as FlowError
@@ -73,6 +78,7 @@ __all__ = [
     "COMPLETE",
     "CONTINUE",
     "IGNORE",
+    "Client",
     "Context",
     "Delivery",
     "Engine",
@@ -84,6 +90,7 @@ __all__ = [
     "Outcome",
     "Park",
     "Plan",
+    "Receipt",
     "Snapshot",
     "Start",
     "State",
@@ -92,6 +99,7 @@ __all__ = [
     "UnknownFlow",
     "UnknownPlan",
     "Wake",
+    "connect",
     "fail",
     "open_engine",
     "park",

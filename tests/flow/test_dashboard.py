@@ -172,12 +172,13 @@ async def test_an_action_needs_the_token(web: httpx.AsyncClient, db: str) -> Non
         assert row(db, "blocked") == before  # nothing written
     r = await web.post("/flow/resume", data={"id": "blocked", "token": TOKEN})
     assert r.status_code == 303
-    assert r.headers["location"] == "/flow?id=blocked&done=resume"
+    assert r.headers["location"] == "/flow?id=blocked&done=resume&via=here"  # no engine serves it
     after, events = row(db, "blocked")
     # blocked while compensating: the compensation runs again (the next engine to open runs it)
     assert after.state is flow.State.COMPENSATING and events == before[1] + 1
     r = await web.get(r.headers["location"])
-    assert text_of(r.text, "notice") == "resumed" and text_of(r.text, "state") == "COMPENSATING"
+    assert text_of(r.text, "notice").startswith("resumed; no engine serves the store")
+    assert text_of(r.text, "state") == "COMPENSATING"
 
 
 async def test_actions_report_what_did_not_apply(web: httpx.AsyncClient, db: str) -> None:
@@ -187,7 +188,7 @@ async def test_actions_report_what_did_not_apply(web: httpx.AsyncClient, db: str
     assert r.status_code == 400 and "the payload is not JSON" in r.text
     assert row(db, "parked")[0].state is flow.State.PARKED
     r = await web.post("/flow/wake", data={"id": "parked", "token": TOKEN, "payload": '{"ok": 1}'})
-    assert r.status_code == 303 and r.headers["location"].endswith("done=wake-RESUMED")
+    assert r.status_code == 303 and r.headers["location"].endswith("done=wake-RESUMED&via=here")
     assert row(db, "parked")[0].state is flow.State.RUNNING
     r = await web.post("/flow/cancel", data={"id": "parked-old", "token": TOKEN})
     assert r.status_code == 303
@@ -208,13 +209,16 @@ async def test_read_only_shows_no_buttons_and_refuses_posts(db: str) -> None:
         assert row(db, "blocked") == before
 
 
-async def test_sqlite_engine_lock_is_explained(web: httpx.AsyncClient, db: str) -> None:
+async def test_a_file_held_by_what_answers_no_request_is_explained(db: str) -> None:
+    """An operator's engine holds the file (it serves no requests): pages work, and an action
+    is stored and answered 504 once its wait ran out, nothing applied."""
     before = row(db, "blocked")
-    async with flow.open_engine(db, [], serve=False):
+    dash = Dashboard(reader=Reader(path=db), store=db, where="x", token=TOKEN, answer_within=0.2)
+    async with await client_of(dash) as web, flow.open_engine(db, [], serve=False):
         for url in ("/", "/flows", flow_url("blocked")):  # the pages take no lock
             assert (await web.get(url)).status_code == 200, url
         r = await web.post("/flow/resume", data={"id": "blocked", "token": TOKEN})
-    assert r.status_code == 409 and "a flow engine is serving this SQLite file" in r.text
+    assert r.status_code == 504 and "the request is stored" in r.text
     assert row(db, "blocked") == before
 
 

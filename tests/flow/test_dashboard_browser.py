@@ -356,11 +356,15 @@ def browse(
         assert "read-only" in text("#problem")
         assert state_of("blocked-1") == before
 
-        # With the token: resumed; the serving engine takes it over and completes it.
+        # With the token: resumed by the serving engine (a request it applies), which runs it
+        # on and completes it; the banner says so.
         driver.get(page)
         driver.find_element(By.ID, "resume-token").send_keys(TOKEN)
         follow(driver.find_element(By.ID, "resume"), "#notice")
-        assert text("#notice") == "resumed"
+        assert text("#notice") == (
+            "resumed; accepted and applied by the engine serving the store, which runs what"
+            " follows now"
+        )
 
         def completed(d: Any) -> bool:
             d.refresh()

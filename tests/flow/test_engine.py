@@ -105,10 +105,10 @@ async def kinds(engine: flow.Engine, fid: str) -> list[str]:
 
 
 def runner_tasks(engine: flow.Engine) -> int:
-    """Tasks the engine runs besides its timer loop and its retention task."""
+    """Tasks the engine runs besides its timer loop, its retention task and its requests task."""
     nursery = engine._parts.nursery
     assert nursery is not None
-    loops = ("Timers.run", "Retention.run")
+    loops = ("Timers.run", "Retention.run", "_served.serve")
     return sum(1 for task in nursery.child_tasks if not task.name.endswith(loops))
 
 

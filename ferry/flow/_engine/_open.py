@@ -29,6 +29,7 @@ from .._model._plan import Plan
 from .._runtime import _observe, _retention, _tracing
 from .._store import _store
 from .._store._sqlite_file import EngineLock, check_path
+from . import _served
 from ._engine import Engine
 
 _log = logging.getLogger("ferry.flow")
@@ -118,6 +119,12 @@ def open_engine(
     of a step or compensation is a span, and one flow is one trace across parks, restarts and
     engines (docs/operating.md). None (default): the application's global provider, if it set
     one; without one (or without OpenTelemetry) traces are off and cost nothing.
+
+    A serving engine also applies the requests of clients in other processes
+    (`flow.connect`, docs/adr/0125): those left pending at its open first, then each as it
+    comes (told by the SQLite file's writes, or a PostgreSQL notification); on SQLite it keeps
+    a heartbeat row in the store (owner, pid, host, renewed every 5 s, removed at close:
+    docs/adr/0126), which the inspector's ``stats`` and the dashboard show.
 
     `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
     plans (it reads the plan shapes engines recorded in the store), runs no step, leases
@@ -317,7 +324,11 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                 async with trio.open_nursery() as nursery:
                     parts.begin(write_ferry, nursery)
                     try:
+                        recovered = trio.Event()
+                        if engine._serve:  # the clients' requests, and an SQLite heartbeat
+                            await nursery.start(_served.serve, engine, recovered)
                         await parts.recover()
+                        recovered.set()
                         _log_opened(engine)
                         opened = True
                         parts.start_tasks()

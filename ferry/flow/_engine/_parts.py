@@ -60,6 +60,7 @@ class Parts:
         self._owner = owner
         self._serve = serve
         self._fleet = fleet
+        self.fleet_mode = fleet  # leases and scans (PostgreSQL; SQLite in some tests)
         self._tracing = tracing
         self.clock = clock = Clock(wall_clock)
         self.versions = versions = Versions(plans)

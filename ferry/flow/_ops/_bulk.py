@@ -7,10 +7,12 @@ or a duration before now), an id prefix and a text in the error. They become one
 order (newest started first; id order with an id prefix).
 
 An action on a filter (`act`) counts the matches first, says how many and asks (``--yes``
-skips the question), then acts on each match through the operator's engine, each flow in its
-own call and so its own write: a flow that moved on meanwhile (a parked flow woken and
-completed before its cancel came) is reported as not acted on, and the others go on. Nothing
-is done before the answer; an interrupted run leaves every flow either acted on or untouched.
+skips the question), then acts on each match through a client (`flow.connect`): one request
+per flow, applied by the engine serving the store, or, with none serving, by the client itself
+through one operator's engine held for the whole action; each flow its own write: a flow that
+moved on meanwhile (a parked flow woken and completed before its cancel came) is reported as
+not acted on, and the others go on. Nothing is done before the answer; an interrupted run
+leaves every flow either acted on or untouched.
 """
 
 from __future__ import annotations
@@ -26,14 +28,13 @@ import trio
 
 from ferry.projected import Store
 
-from .._engine._engine import Engine
-from .._engine._open import open_engine
+from .._engine._client import Client, connect
 from .._model import _times
 from .._model._checks import shown_number
 from .._model._plan import MAX_VERSION
 from .._model._types import State
 from .._model._values import Flow
-from .._store import _query
+from .._store import _inbox, _query
 from .._store._query import FlowFilter
 
 #: The filter options: (flag, FlowFilter field).
@@ -205,21 +206,28 @@ async def confirm(question: str) -> bool:
 async def act(
     store: Store,
     ids: list[str],
-    one: Callable[[Engine, str], Awaitable[Done]],
+    one: Callable[[Client, str], Awaitable[Done]],
     results: list[dict[str, Any]] | None = None,
     progress: Callable[[list[dict[str, Any]]], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Run ``one(engine, flow_id)`` for each id with one operator's engine, each its own call;
-    a result per flow, in order, appended to `results` as each is done (so that a caller that
-    is interrupted knows how far it got). ``progress(results)`` is called after a flow at most
-    every `PROGRESS_EVERY` seconds, and after the last one if it was called before. Raises
-    `StoreLocked` if an engine serves the SQLite file."""
+    *,
+    timeout: float = 10.0,  # noqa: ASYNC109
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Run ``one(client, flow_id)`` for each id with one client, each its own request; a result
+    per flow, in order, appended to `results` as each is done (so that a caller that is
+    interrupted knows how far it got), and the heartbeat row of the serving engine that applied
+    them (None: the client did, no engine serving). ``progress(results)`` is called after a flow
+    at most every `PROGRESS_EVERY` seconds, and after the last one if it was called before.
+    `trio.TooSlowError` if the serving engine does not answer a request in time."""
     results = [] if results is None else results
     shown_at, shown = 0.0, 0
-    async with open_engine(store, [], serve=False) as engine:
+    by: str | None = None
+    async with connect(store, timeout=timeout) as client, client._holding():
         start = time.monotonic()
         for fid in ids:
-            acted, what, state = await one(engine, fid)
+            acted, what, state = await one(client, fid)
+            last = client.last
+            if last is not None and last.served:
+                by = last.applied_by
             results.append({"flow_id": fid, "acted": acted, "result": what, "state": state})
             now = time.monotonic()
             if progress is not None and now - max(shown_at, start) >= PROGRESS_EVERY:
@@ -227,15 +235,19 @@ async def act(
                 shown_at, shown = now, len(results)
     if progress is not None and 0 < shown < len(results):
         progress(results)  # the last line says that all were done
-    return results
+    beat = None
+    if by is not None:
+        rows = await store.transact(_inbox.heartbeats)
+        beat = next((b for b in rows if b["owner"] == by), {"owner": by, "pid": None})
+    return results, beat
 
 
-async def state_of(engine: Engine, fid: str) -> str | None:
+async def state_of(engine: Client, fid: str) -> str | None:
     snap = await engine.get(fid)
     return None if snap is None else snap.state.name
 
 
-async def cancel_one(engine: Engine, fid: str, *, reason: str) -> Done:
+async def cancel_one(engine: Client, fid: str, *, reason: str) -> Done:
     done = await engine.cancel(fid, reason)
     state = await state_of(engine, fid)
     if done:
@@ -243,7 +255,7 @@ async def cancel_one(engine: Engine, fid: str, *, reason: str) -> Done:
     return False, "not cancelled: not running or parked" if state else "gone", state
 
 
-async def resume_one(engine: Engine, fid: str) -> Done:
+async def resume_one(engine: Client, fid: str) -> Done:
     done = await engine.resume(fid)
     state = await state_of(engine, fid)
     if done:
@@ -253,7 +265,7 @@ async def resume_one(engine: Engine, fid: str) -> Done:
     return False, "not resumed: not BLOCKED" if state else "gone", state
 
 
-async def abandon_one(engine: Engine, fid: str, *, reason: str, by: str) -> Done:
+async def abandon_one(engine: Client, fid: str, *, reason: str, by: str) -> Done:
     done = await engine.abandon(fid, reason=reason, by=by)
     state = await state_of(engine, fid)
     if done:
@@ -261,14 +273,14 @@ async def abandon_one(engine: Engine, fid: str, *, reason: str, by: str) -> Done
     return False, "not abandoned: not BLOCKED" if state else "gone", state
 
 
-async def wake_one(engine: Engine, fid: str, *, payload: Any, message_id: str | None) -> Done:
+async def wake_one(engine: Client, fid: str, *, payload: Any, message_id: str | None) -> Done:
     delivery = await engine.wake(fid, payload, message_id=message_id)
     state = await state_of(engine, fid)
     acted = delivery.name in ("RESUMED", "QUEUED")
     return acted, delivery.name, state
 
 
-def one_for(args: argparse.Namespace) -> Callable[[Engine, str], Awaitable[Done]]:
+def one_for(args: argparse.Namespace) -> Callable[[Client, str], Awaitable[Done]]:
     """The action of the command on one flow."""
     if args.command == "cancel":
         return partial(cancel_one, reason=args.reason)

@@ -87,6 +87,18 @@ def _count(text: str) -> int:
     return n
 
 
+def _seconds(text: str) -> float:
+    try:
+        n = float(text)
+    except ValueError:
+        n = math.nan
+    if not 0 < n <= 86_400:
+        raise argparse.ArgumentTypeError(
+            f"{shown_number(text)} is not a number of seconds > 0 and <= 86400"
+        )
+    return n
+
+
 def _cursor(text: str) -> str:
     try:
         return _query.check_cursor(_bulk.utf8(text))
@@ -215,6 +227,14 @@ def parser() -> argparse.ArgumentParser:
         _bulk.add_filters(c, what)
         c.add_argument("--limit", metavar="N", type=_count, help="act on at most this many matches")
         c.add_argument("--yes", action="store_true", help="do not ask: act on every match")
+        c.add_argument(
+            "--timeout",
+            metavar="SECONDS",
+            type=_seconds,
+            default=10.0,
+            help="how long to wait for the answer of the engine serving the store (default 10;"
+            " the request stays stored after it and is applied when an engine takes it)",
+        )
         return c
 
     wake = one_or_many("wake", "Put a message in a flow's mailbox (Engine.wake).", "to wake")

@@ -1,10 +1,12 @@
 """The inspector's actions: ``wake``, ``cancel`` and ``resume`` of one flow or of every flow a
 filter matches (`_bulk`), and ``purge`` of finished flows.
 
-Each action goes through an operator's engine (``open_engine(store, [], serve=False)``): no
-plans, no steps, no lease; what it makes runnable is left to the engines that serve the store.
-On SQLite, while a service engine holds the file, an action is refused with the reason and what
-to do instead. A bulk action and a purge say what they match and ask first, unless ``--yes``.
+Each action goes through a client (`flow.connect`, docs/adr/0125): while an engine serves the
+store (on SQLite too, where it holds the file), the action is a request that engine applies at
+once, and the report names it (owner, pid, host) and says what it does now; with no engine
+serving, the client applies it itself through an operator's engine, and what it makes runnable
+is left to the next engine. A bulk action and a purge say what they match and ask first, unless
+``--yes``.
 """
 
 from __future__ import annotations
@@ -20,13 +22,12 @@ import trio
 
 from ferry.projected import PostgresStore, SqliteStore
 
-from .._engine._open import open_engine
+from .._engine._client import Receipt, connect
 from .._model import _times
-from .._model._errors import StoreLocked
 from .._model._types import Delivery, Json, State
 from .._model._values import ACTIVE, Flow
 from .._runtime import _retention
-from .._store import _query, _store
+from .._store import _inbox, _query, _store
 from . import _bulk
 from ._inspect_read import Problem, is_dsn, output, read_store
 
@@ -34,18 +35,49 @@ from ._inspect_read import Problem, is_dsn, output, read_store
 async def _act(
     args: argparse.Namespace, store: SqliteStore | PostgresStore, call: Callable[[Any], Any]
 ) -> tuple[Any, Flow | None]:
-    """Run ``call(engine)`` with an operator's engine; its result, and the flow's row after."""
+    """Run ``call(client)`` with a client of the store; its result, and the flow's row after.
+    Sets ``args.served_by`` (the serving engine's heartbeat row, or None: applied here)."""
     await read_store(store, args.where, lambda tx: None)  # a store without flows: say so
     try:
-        async with open_engine(store, [], serve=False) as engine:
-            result = await call(engine)
-            after = await store.transact(partial(_store.load, flow_id=args.flow_id))
-    except StoreLocked:
-        raise Problem(_locked(args)) from None
+        async with connect(store, timeout=args.timeout) as client:
+            result = await call(client)
+            receipt = client.last
+    except trio.TooSlowError as exc:
+        raise Problem(str(exc)) from None
+    after = await store.transact(partial(_store.load, flow_id=args.flow_id))
+    args.served_by = await _engine_of(store, receipt)
     return result, after
 
 
+async def _engine_of(store: SqliteStore | PostgresStore, receipt: Receipt | None) -> Any:
+    """The heartbeat row of the engine that applied the request (None: a client did)."""
+    if receipt is None or not receipt.served:
+        return None
+    beats = await store.transact(_inbox.heartbeats, read_only=True)
+    for beat in beats:
+        if beat["owner"] == receipt.applied_by:
+            return beat
+    return {"owner": receipt.applied_by, "pid": None, "host": None}
+
+
+def _engine_words(beat: dict[str, Any]) -> str:
+    where = "" if beat.get("pid") is None else f", pid {beat['pid']} on {beat['host']}"
+    return f"engine {beat['owner']!r}{where}"
+
+
+def _accepted(args: argparse.Namespace, what: str) -> str:
+    """``accepted: the serving engine 'svc' (pid 12 on host) applied it: RESUMED``, or what a
+    client applied itself."""
+    beat = getattr(args, "served_by", None)
+    if beat is None:
+        return what  # no engine serves the store: this command applied it (`_runs_next`)
+    return f"accepted: the serving {_engine_words(beat)} applied it: {what}"
+
+
 def _runs_next(args: argparse.Namespace) -> str:
+    beat = getattr(args, "served_by", None)
+    if beat is not None:
+        return f"the serving {_engine_words(beat)} runs it now"
     if is_dsn(args.store):
         return "the next scan of an engine serving the store runs it"
     return "the next engine to open the file runs it"
@@ -78,16 +110,21 @@ async def do_bulk(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
     args.started = time.monotonic()
     args.done, args.matched = [], len(ids)  # how far it got, if Ctrl-C stops it (`_inspect`)
     try:
-        results = await _bulk.act(
-            store, ids, _bulk.one_for(args), args.done, partial(_progress, args)
+        results, args.served_by = await _bulk.act(
+            store,
+            ids,
+            _bulk.one_for(args),
+            args.done,
+            partial(_progress, args),
+            timeout=args.timeout,
         )
-    except StoreLocked:
-        raise Problem(_locked(args)) from None
+    except trio.TooSlowError as exc:
+        raise Problem(str(exc)) from None
     counts = _bulk.tally(results)
     acted = sum(1 for r in results if r["acted"])
     data.update(acted=acted, outcomes=counts, results=results)
     flows = f"{len(ids)} flow" + ("s" if len(ids) != 1 else "")
-    lines = [f"{args.command}: {flows}, {acted} {_DONE[args.command]}"]
+    lines = [_accepted(args, f"{args.command}: {flows}, {acted} {_DONE[args.command]}")]
     lines += [f"  {n:>6}  {what}" for what, n in sorted(counts.items(), key=lambda c: -c[1])]
     if acted and any(r["state"] in ("RUNNING", "COMPENSATING") for r in results):
         lines.append(f"what runs now: {_runs_next(args)}")
@@ -119,14 +156,6 @@ def _progress(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     print(f"{so_far(args, results)}, {elapsed:.0f} s", file=sys.stderr, flush=True)
 
 
-def _locked(args: argparse.Namespace) -> str:
-    return (
-        f"a flow engine is serving {args.where} right now: on SQLite one engine holds the"
-        " file, so make the call through that engine's API (Engine.wake/cancel/resume/abandon)"
-        " or stop it first (list, show and stats work meanwhile)"
-    )
-
-
 async def do_wake(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     if args.flow_id is None:
         return await do_bulk(args, store)
@@ -145,11 +174,15 @@ async def do_wake(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
     }
     if after is not None and after.state is State.BLOCKED:
         notes[Delivery.QUEUED] = "kept in its mailbox: the flow is BLOCKED (resume it)"
-    if after is not None and after.state is State.COMPLETED:
+    if after is not None and after.state is not State.RUNNING and args.served_by is not None:
+        notes[Delivery.RESUMED] = (
+            f"it was parked, and the serving engine ran it on: {after.state.name}"
+        )
+    elif after is not None and after.state is State.COMPLETED:
         notes[Delivery.RESUMED] = "it was parked at its last step, and the wake ended it: COMPLETED"
     output(
         args,
-        f"{delivery.name}: {notes[delivery]}",
+        _accepted(args, f"{delivery.name}: {notes[delivery]}"),
         {
             "flow_id": args.flow_id,
             "delivery": delivery.name,
@@ -171,11 +204,15 @@ async def do_cancel(args: argparse.Namespace, store: SqliteStore | PostgresStore
         )
     if after.state is State.FAILED:
         text = "cancelled: it had nothing to compensate, and has FAILED"
-    elif after.owner is not None:
+    elif after.owner is not None and args.served_by is None:
         text = f"cancelled: engine {after.owner} stops its step and compensates"
     else:
         text = f"cancelled: it compensates; {_runs_next(args)}"
-    output(args, text, {"flow_id": args.flow_id, "cancelled": True, "state": after.state.name})
+    output(
+        args,
+        _accepted(args, text),
+        {"flow_id": args.flow_id, "cancelled": True, "state": after.state.name},
+    )
 
 
 async def do_resume(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
@@ -194,7 +231,7 @@ async def do_resume(args: argparse.Namespace, store: SqliteStore | PostgresStore
     where = _runs_next(args) if after.state in ACTIVE else f"it is {after.state.name} again"
     output(
         args,
-        f"resumed: {where}",
+        _accepted(args, f"resumed: {where}"),
         {"flow_id": args.flow_id, "resumed": True, "state": after.state.name},
     )
 
@@ -214,7 +251,7 @@ async def do_abandon(args: argparse.Namespace, store: SqliteStore | PostgresStor
         )
     output(
         args,
-        f"abandoned: it has FAILED, its compensations skipped ({after.error})",
+        _accepted(args, f"abandoned: it has FAILED, its compensations skipped ({after.error})"),
         {"flow_id": args.flow_id, "abandoned": True, "state": after.state.name},
     )
 

@@ -29,7 +29,7 @@ from .._model import _times, _values
 from .._model._errors import FlowError
 from .._model._types import Json, State
 from .._model._values import ACTIVE, Flow
-from .._store import _store, _triage
+from .._store import _inbox, _store, _triage
 from .._store._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
 from . import _bulk
 
@@ -50,6 +50,10 @@ def is_dsn(spec: str) -> bool:
 
 
 _NO_FLOWS = "{where} holds no flows (no flow engine has opened it)"
+_NO_ENGINE = (
+    "no engine serves {where} now (no live heartbeat): nothing runs its flows; an action is"
+    " applied by the command itself, and what it makes runnable waits for the next engine"
+)
 
 
 def _check_dsn(spec: str, where: str) -> None:
@@ -370,8 +374,9 @@ STATS_LEGEND = {
     " (list --state STATE --error TEXT lists them all)",
     "FIRST": "(errors) the earliest last write of the group's flows; LAST: the latest",
     "LEASE": (
-        "alive while the engine renews its lease (UNTIL); gone: it closed or died (the fleet"
-        " forgets it about 100 leases later, once it holds no flow)"
+        "alive while the engine renews its lease or heartbeat (UNTIL); gone: it closed or"
+        " died (an SQLite engine removes its row at close; the fleet forgets it about 100"
+        " leases later, once it holds no flow)"
     ),
     "FLOWS": "(engines) the running or compensating flows the engine holds",
 }
@@ -388,6 +393,7 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
             "parked": _store.oldest_parked(tx, limit=args.oldest),
             "errors": _triage.failure_groups(tx, limit=args.limit),
             "engines": _store.load_engines(tx),
+            "beats": {b["owner"]: b for b in _inbox.heartbeats(tx)},
             "orphans": _store.count_orphans(tx, at),
             "registered": _store.load_plans(tx),
         }
@@ -418,6 +424,8 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
         "engines": [
             {
                 "owner": o,
+                "pid": r["beats"].get(o, {}).get("pid"),
+                "host": r["beats"].get(o, {}).get("host"),
                 "lease_until": until,
                 "alive": until >= r["clock"],
                 "started_at": at,
@@ -425,6 +433,7 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
             }
             for o, until, at, n in r["engines"]
         ],
+        "serving": any(until >= r["clock"] for _o, until, _at, _n in r["engines"]),
         "registered_plans": [
             {"plan": sh.name, "version": sh.version, "steps": list(sh.steps), "at": at}
             for sh, at in r["registered"]
@@ -475,12 +484,19 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
         parts += _left_out(groups)
         legend += ["ERROR", "FIRST", "E.G."]
     if r["engines"]:
-        rows = [
-            [o, "alive" if until >= r["clock"] else "gone", _when(until), n]
-            for o, until, _at, n in r["engines"]
-        ]
-        parts.append("\nengines\n" + table(("ENGINE", "LEASE", "UNTIL", "FLOWS"), rows))
+        rows = []
+        for o, until, at, n in r["engines"]:
+            beat = r["beats"].get(o, {})
+            where = "-" if beat.get("pid") is None else f"{beat['pid']}@{beat['host']}"
+            alive = "alive" if until >= r["clock"] else "gone"
+            rows.append([o, where, _when(at), alive, _when(until), n])
+        parts.append(
+            "\nengines\n"
+            + table(("ENGINE", "PID@HOST", "STARTED", "LEASE", "UNTIL", "FLOWS"), rows)
+        )
         legend += ["LEASE", "FLOWS"]
+    if not data["serving"]:
+        parts.append(f"\n{_NO_ENGINE.format(where=args.where)}")
     width = max(len(k) for k in legend)
     parts.append("\nlegend\n" + "\n".join(f"  {k:<{width}}  {STATS_LEGEND[k]}" for k in legend))
     output(args, "\n".join(parts), data)

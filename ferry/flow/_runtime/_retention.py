@@ -4,7 +4,8 @@ A flow that ended (`COMPLETED` or `FAILED`) is never written again, so its last 
 (``updated_at``) is when it ended. An engine opened with ``retain=SECONDS`` deletes the flows
 that ended more than that long ago (`Retention`, a task of the engine); the inspector's
 ``purge --finished-before`` does the same by hand (`purge`). `BLOCKED` flows are kept: they wait
-for an operator.
+for an operator. Each round also deletes the clients' requests answered that long ago
+(`_inbox.prune`, docs/adr/0125; a pending one is kept).
 
 Design (docs/adr/0085):
 
@@ -40,7 +41,7 @@ import trio
 from ferry.projected import Store, Tx
 
 from .._model import _checks, _times
-from .._store import _sql, _store
+from .._store import _inbox, _sql, _store
 from . import _retry
 
 _log = logging.getLogger("ferry.flow")
@@ -259,6 +260,8 @@ class Retention:
             before = self._now() - self._retain
             try:
                 n = await purge(self._store, before, guard=self._guard, on_batch=self._count)
+                # clients' requests answered before `before` (docs/adr/0125): one statement
+                await self._store.transact(partial(_inbox.prune, before=before))
             except Exception as exc:
                 if backoff is None:
                     backoff = _retry.Backoff("purging finished flows (retention)")

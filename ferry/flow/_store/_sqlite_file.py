@@ -26,6 +26,7 @@ import fcntl
 import os
 import re
 import sqlite3
+import struct
 import sys
 import threading
 from collections.abc import Sequence
@@ -296,3 +297,92 @@ def _close_kept() -> None:
             fd = kept.pop() if kept else None
         if fd is not None:
             _close(fd, key)
+
+
+# ------------------------------------------------------------------ changes of the file, pushed
+
+_IN_MODIFY = 0x2
+_EVENT = struct.Struct("iIII")  # struct inotify_event: wd, mask, cookie, len (then the name)
+_IN_CREATE = 0x100
+_IN_NONBLOCK = os.O_NONBLOCK
+_IN_CLOEXEC = os.O_CLOEXEC
+
+
+def _libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    libc = ctypes.CDLL(name, use_errno=True)
+    if not hasattr(libc, "inotify_init1"):
+        return None
+    return libc
+
+
+class Written:
+    """A descriptor that becomes readable when any process writes the SQLite file at `path`
+    (in WAL mode every commit writes its ``-wal`` file; a checkpoint writes the file): Linux's
+    inotify on the file and its ``-wal``, no timer, nothing read from the database. `fileno` is
+    None where inotify is missing (not Linux): the caller then reads ``PRAGMA data_version`` on
+    a timer instead.
+
+    An event says only "written": the caller looks (``data_version``, then its rows) to find
+    out what. `drain` empties the queue of events and says whether one was the store's;
+    `close` closes the descriptor."""
+
+    def __init__(self, path: str) -> None:
+        self._fd: int | None = None
+        real = os.path.realpath(path)
+        self._wal = os.fsencode(real + "-wal")
+        self._wal_name = os.path.basename(self._wal)
+        libc = _libc() if sys.platform.startswith("linux") else None
+        self._libc: Any = libc
+        if libc is None:
+            return
+        fd = libc.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC)
+        if fd < 0:
+            return
+        # The file and its -wal (writes), and the directory for the -wal's creation only (the
+        # last connection to close removes it; it is watched again once made): the other
+        # files of the directory wake nobody.
+        self._dir_wd = libc.inotify_add_watch(fd, os.fsencode(os.path.dirname(real)), _IN_CREATE)
+        if self._dir_wd < 0 or libc.inotify_add_watch(fd, os.fsencode(real), _IN_MODIFY) < 0:
+            os.close(fd)
+            return
+        libc.inotify_add_watch(fd, self._wal, _IN_MODIFY)  # missing until a connection makes it
+        self._fd = fd
+
+    def fileno(self) -> int | None:
+        return self._fd
+
+    def drain(self) -> bool:
+        """Read every event queued (never blocks); True if one was a write of the file or of
+        its ``-wal``, or the ``-wal``'s creation."""
+        if self._fd is None:
+            return False
+        ours = False
+        try:
+            while True:
+                data = os.read(self._fd, 65536)
+                if not data:
+                    break
+                at = 0
+                while at + _EVENT.size <= len(data):
+                    wd, _mask, _cookie, size = _EVENT.unpack_from(data, at)
+                    name = data[at + _EVENT.size : at + _EVENT.size + size].rstrip(b"\0")
+                    at += _EVENT.size + size
+                    if wd != self._dir_wd:
+                        ours = True  # the file or its -wal was written
+                    elif name == self._wal_name:  # the -wal made anew: watch it
+                        self._libc.inotify_add_watch(self._fd, self._wal, _IN_MODIFY)
+                        ours = True
+        except BlockingIOError:
+            pass
+        return ours
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)

@@ -26,6 +26,9 @@ Tables:
 - ``flow_engines(owner, lease_until, started_at, ...)``: a fleet's engines and their leases (one
   row per engine, its heartbeat); an active flow is held while the engine its ``owner`` names
   holds its lease (`_sql.orphan`, docs/adr/0040). A partial index on the active flows' owner.
+- ``flow_requests(request_id, kind, body, at, answer, answered_at, answered_by)``: what a
+  client of another process asked the serving engine to do, and its answer (`_inbox`,
+  docs/adr/0125); a partial index on the ones not answered yet.
 - ``flow_plans(plan, version, shape, registered_at)``: the shape of every plan version an engine
   registered, for processes without the plans (an operator's engine, docs/adr/0044).
 """
@@ -46,7 +49,7 @@ from ferry.projected import Tx, canonical_json
 
 from .._model._types import Event, State
 from .._model._values import Flow, Mailbox, Message, Shape
-from . import _sql
+from . import _inbox, _sql
 from ._batch import (
     Apply as Apply,
 )
@@ -195,6 +198,7 @@ def ddl(dialect: str) -> list[str]:
             UNIQUE (flow_id, message_id))""",
         f"CREATE INDEX IF NOT EXISTS {MAILBOX}_queued ON {MAILBOX} (flow_id, seq)"
         " WHERE status = 'QUEUED'",
+        *_inbox.DDL,
     ]
 
 

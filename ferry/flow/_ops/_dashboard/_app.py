@@ -6,9 +6,9 @@ action on a filter, ``/metrics`` (with prometheus_client), ``/static/...``. Acti
 ``/flow/wake``, ``/flow/cancel``, ``/flow/resume``, ``/flow/abandon`` (form fields ``id`` and the
 credentials), ``/flows/bulk`` (an action on every flow a filter matches, at most `BULK_MAX`),
 ``/session/end``. Nothing here runs a step: reads go through a `Reader` (read-only
-transactions), and actions through an operator's engine (``open_engine(store, [],
-serve=False)``), opened for the action and closed after it, as the inspector's are
-(docs/adr/0044).
+transactions), and actions through a client (`flow.connect`: the engine serving the store
+applies them, or, with none serving, the client itself through an operator's engine), opened
+for the action and closed after it, as the inspector's are (docs/adr/0044, 0125).
 
 The safety rules (docs/adr/0081, 0115, 0129), each enforced in one place:
 
@@ -59,7 +59,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ferry.projected import Store
 
-from ..._engine._open import open_engine
+from ..._engine._client import connect
 from ..._model import _values
 from ..._model._checks import shown_number
 from ..._model._errors import FlowError, StoreLocked
@@ -320,9 +320,10 @@ def _content_length(scope: Scope) -> int | None:
 
 
 class Dashboard:
-    """The pages and actions of one store. `store` is what the actions' operator engine opens
-    (an SQLite path or an open `PostgresStore`); `reader` does the reads; `where` names the
-    store on the pages (a DSN's password masked)."""
+    """The pages and actions of one store. `store` is what the actions' client opens (an SQLite
+    path or an open `PostgresStore`); `reader` does the reads; `where` names the store on the
+    pages (a DSN's password masked); `answer_within`: seconds an action waits for the serving
+    engine's answer (504 after it: the request stays stored)."""
 
     def __init__(
         self,
@@ -336,6 +337,7 @@ class Dashboard:
         page_size: int = PAGE,
         max_body: int = MAX_BODY,
         trace_url: str | None = None,
+        answer_within: float = 10.0,
     ) -> None:
         if trace_url is not None:
             _trace_url.check(trace_url)  # TypeError/ValueError naming what is wrong
@@ -363,6 +365,7 @@ class Dashboard:
         self.page_size = page_size
         self.max_body = max_body
         self.trace_url = trace_url  # the link from a flow's page to its trace (None: no link)
+        self.answer_within = answer_within  # seconds an action waits for the engine's answer
         self.env = _environment()
         self.sessions = _session.Sessions()
         self.count_cap = COUNT_CAP  # the most matches the list counts ("10,000+" past it)
@@ -470,10 +473,10 @@ class Dashboard:
         )
 
     async def flow(self, request: Request) -> Response:
-        done = request.query_params.get("done")
-        return await self.flow_page(
-            request.query_params.get("id", ""), notice=_DONE.get(done or "")
-        )
+        done = _DONE.get(request.query_params.get("done") or "")
+        via = _VIA.get(request.query_params.get("via") or "")
+        notice = None if done is None else done if via is None else f"{done}; {via}"
+        return await self.flow_page(request.query_params.get("id", ""), notice=notice)
 
     async def flow_page(
         self,
@@ -592,9 +595,9 @@ class Dashboard:
             return await self.flow_page(fid, problem=str(exc), status=400)
         try:
             async with self._acting:
-                outcome = await self._with_engine(call)
-        except StoreLocked:
-            return await self.flow_page(fid, status=409, problem=_LOCKED)
+                outcome, served = await self._with_client(call)
+        except trio.TooSlowError as exc:
+            return await self.flow_page(fid, status=504, problem=" ".join(str(exc).split()))
         except _Unopened as why:  # gone, a directory, not a store: the page says unavailable
             _log.warning(
                 "dashboard: %s of flow %r refused: the store cannot be opened (%s)",
@@ -638,7 +641,10 @@ class Dashboard:
             return await self.flow_page(
                 fid, status=409, problem=f"{action} did not apply: {_NOT_DONE[action]}"
             )
-        return RedirectResponse(f"/flow?id={urllib.parse.quote(fid, safe='')}&done={key}", 303)
+        via = "engine" if served else "here"
+        return RedirectResponse(
+            f"/flow?id={urllib.parse.quote(fid, safe='')}&done={key}&via={via}", 303
+        )
 
     # ------------------------------------------------------------------- actions on a filter
 
@@ -715,16 +721,18 @@ class Dashboard:
             return self.unavailable("Act on many flows", why)
         results: list[tuple[str, bool, str]] = []
 
-        async def each(engine: Any) -> None:
+        async def each(client: Any) -> None:
             for fid in ids:
-                acted, what, _state = await one(engine, fid)
+                acted, what, _state = await one(client, fid)
                 results.append((fid, acted, what))
 
         problem = None
         status = 200
         try:
             async with self._acting:
-                await self._with_engine(each)
+                await self._with_client(each)
+        except trio.TooSlowError as exc:
+            status, problem = 504, " ".join(str(exc).split())
         except StoreLocked:
             status, problem = 409, _LOCKED
         except _Unopened as why:
@@ -773,16 +781,17 @@ class Dashboard:
             tally=sorted(tally.items(), key=lambda kv: -kv[1]),
         )
 
-    async def _with_engine(self, call: Callable[[Any], Awaitable[Any]]) -> Any:
-        """``call(engine)`` with an operator's engine, which never creates the store's file;
-        `_Unopened` if the engine could not be opened (other than `StoreLocked`)."""
+    async def _with_client(self, call: Callable[[Any], Awaitable[Any]]) -> tuple[Any, bool]:
+        """``call(client)`` with a client of the store (`flow.connect`, which never creates the
+        store's file): its result, and whether the engine serving the store applied it (False:
+        no engine serves it, the client applied it itself). `_Unopened` if the store could not
+        be opened."""
         opened = False
         try:
-            async with open_engine(self.store, [], serve=False) as engine:
+            async with connect(self.store, timeout=self.answer_within) as client:
                 opened = True
-                return await call(engine)
-        except StoreLocked:
-            raise
+                result = await call(client)
+                return result, client.last is not None and client.last.served
         except Exception as exc:
             if opened:
                 raise
@@ -824,9 +833,8 @@ _FILTER_FIELDS = (
 )
 
 _LOCKED = (
-    "a flow engine is serving this SQLite file right now: on SQLite one"
-    " engine holds the file, so make the call through that engine's API"
-    " (Engine.wake/cancel/resume) or stop it first"
+    "an engine was opening this SQLite file at that moment (on SQLite one engine holds the"
+    " file): nothing was done; try again once it serves it"
 )
 
 #: The most flows one action on a filter acts on (newest first; the page says so).
@@ -852,6 +860,12 @@ _DONE = {
     "cancel": "cancelled: it compensates its completed steps",
     "resume": "resumed",
     "abandon": "abandoned: it ended FAILED without running the compensations left",
+}
+#: What happens now, by who applied the action (the redirect's ``via``).
+_VIA = {
+    "engine": "accepted and applied by the engine serving the store, which runs what follows now",
+    "here": "no engine serves the store: the dashboard applied it, and what follows waits for"
+    " the next engine to open the store",
 }
 _NOT_DONE = {
     "wake": "the flow has ended (or is unknown)",

@@ -33,7 +33,7 @@ from ferry.projected import PostgresStore, Tx
 from ..._model import _values
 from ..._model._types import Event, State
 from ..._model._values import ACTIVE, Flow
-from ..._store import _query, _sql, _store
+from ..._store import _inbox, _query, _sql, _store
 from ..._store._sqlite_file import ReadOnlyTx
 
 T = TypeVar("T")
@@ -159,6 +159,12 @@ class Overview:
     engines: list[tuple[str, float, float, int]]
     series: Series
     now: float
+    beats: dict[str, str] = attrs.Factory(dict)  # owner -> "pid@host" (its heartbeat row)
+
+    @property
+    def serving(self) -> bool:
+        """Does an engine serve the store now (a lease or heartbeat that runs)?"""
+        return any(until >= self.now for _o, until, _at, _n in self.engines)
 
 
 MINUTES = 60
@@ -229,6 +235,11 @@ def page_overview(
         engines=_store.load_engines(tx),
         series=_series(tx, now, span, plan),
         now=now,
+        beats={
+            b["owner"]: f"{b['pid']}@{b['host']}"
+            for b in _inbox.heartbeats(tx)
+            if b["pid"] is not None
+        },
     )
 
 
