@@ -184,7 +184,7 @@ async def test_abandon_a_blocked_flow_from_its_page(
     r = await web.post(
         "/flow/abandon", data={"id": "shaky", "token": TOKEN, "reason": "refunded by hand"}
     )
-    assert r.status_code == 303 and r.headers["location"] == "/flow?id=shaky&done=abandon"
+    assert r.status_code == 303 and r.headers["location"] == "/flow?id=shaky&done=abandon&via=here"
     after, _events = row(db, "shaky")
     assert after.state is flow.State.FAILED
     r = await web.get(r.headers["location"])
