@@ -11,73 +11,32 @@ except where a hold must have passed.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import select
 import signal
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests import pg
 
-from ._flows import ROOT, _die_with_parent, query
+from ._flows import query
+from ._processes import EngineProcess, all_completed, spawning, until
+from ._processes import edge_runs as runs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process tests: Linux signals")
 
 
-class Engine:
+class Engine(EngineProcess):
     """One engine process of `_edge_engine`."""
 
     def __init__(self, workdir: Path, dsn: str, owner: str, *options: str) -> None:
-        self.owner = owner
-        self.logfile = workdir / f"{owner}.{time.monotonic_ns()}.log"
-        with open(self.logfile, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.fleet._edge_engine", dsn, "--owner", owner, *options],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-                preexec_fn=_die_with_parent,
-            )
-        self.stats: dict[str, Any] = {}
-
-    def line(self, timeout: float = 60.0) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        assert ready, f"{self.owner} said nothing for {timeout} s: {self.log()}"
-        return self.proc.stdout.readline()
-
-    def ready(self) -> None:
-        line = self.line()
-        assert line == "ready\n", f"{self.owner}: {line!r} {self.log()}"
-
-    def stop(self) -> dict[str, Any]:
-        """SIGCONT (if stopped), SIGTERM; its statistics."""
-        self.proc.send_signal(signal.SIGCONT)
-        self.proc.send_signal(signal.SIGTERM)
-        line = self.line()
-        assert line.startswith("stats "), f"{self.owner}: {line!r} {self.log()}"
-        self.stats = json.loads(line[6:])
-        self.proc.wait(timeout=30)
-        return self.stats
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)  # reaped: its process id is gone
-
-    def log(self) -> str:
-        return self.logfile.read_text(errors="replace")[-3000:]
+        args = [dsn, "--owner", owner, *options]
+        super().__init__(workdir, owner, "tests.fleet._edge_engine", args)
 
 
 @pytest.fixture
@@ -87,39 +46,8 @@ def dsn(pg_server: pg.PgServer) -> str:
 
 @pytest.fixture
 def engines(tmp_path: Path, dsn: str) -> Iterator[Callable[..., Engine]]:
-    started: list[Engine] = []
-
-    def spawn(owner: str, *options: str) -> Engine:
-        e = Engine(tmp_path, dsn, owner, *options)
-        started.append(e)
-        return e
-
-    yield spawn
-    for e in started:
-        if e.proc.poll() is None:
-            e.proc.kill()
-            e.proc.wait()
-        if e.proc.stdout is not None:
-            e.proc.stdout.close()
-
-
-def runs(dsn: str) -> list[tuple[str, str, int, str]]:
-    return sorted(tuple(r) for r in query(dsn, "SELECT * FROM edge_runs"))
-
-
-def until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
-        time.sleep(0.05)
-
-
-def states(dsn: str) -> dict[str, str]:
-    return dict(query(dsn, "SELECT flow_id, state FROM flow_flows"))
-
-
-def all_completed(dsn: str, n: int) -> Callable[[], bool]:
-    return lambda: list(states(dsn).values()).count("COMPLETED") == n
+    with spawning(partial(Engine, tmp_path, dsn)) as spawn:
+        yield spawn
 
 
 def test_a_second_process_under_a_live_owner_name_is_refused(

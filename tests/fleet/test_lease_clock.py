@@ -19,14 +19,10 @@ shortens a lease).
 
 from __future__ import annotations
 
-import json
-import os
-import select
 import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +30,8 @@ import pytest
 
 from tests import pg
 
-from ._flows import ROOT, _die_with_parent, query
+from ._flows import query
+from ._processes import EngineProcess, spawning, until
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process tests: Linux signals")
 
@@ -42,48 +39,13 @@ LEASE = "2"
 FLOWS = 10
 
 
-class Engine:
+class Engine(EngineProcess):
     """One engine process of `_clock_engine`."""
 
     def __init__(self, workdir: Path, dsn: str, owner: str, *options: str) -> None:
-        self.owner = owner
-        self.logfile = workdir / f"{owner}.log"
         gate = str(workdir / "gate")
-        with open(self.logfile, "w") as log:
-            self.proc = subprocess.Popen(
-                [
-                    *(sys.executable, "-m", "tests.fleet._clock_engine", dsn),
-                    *("--owner", owner, "--lease", LEASE, "--gate", gate, *options),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-                cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT)},
-                preexec_fn=_die_with_parent,
-            )
-
-    def line(self, timeout: float = 60.0) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        assert ready, f"{self.owner} said nothing for {timeout} s: {self.log()}"
-        return self.proc.stdout.readline()
-
-    def ready(self) -> None:
-        line = self.line()
-        assert line == "ready\n", f"{self.owner}: {line!r} {self.log()}"
-
-    def stop(self) -> dict[str, Any]:
-        self.proc.send_signal(signal.SIGTERM)
-        line = self.line()
-        assert line.startswith("stats "), f"{self.owner}: {line!r} {self.log()}"
-        self.proc.wait(timeout=30)
-        stats: dict[str, Any] = json.loads(line[6:])
-        return stats
-
-    def log(self) -> str:
-        return self.logfile.read_text(errors="replace")[-3000:]
+        args = [dsn, "--owner", owner, "--lease", LEASE, "--gate", gate, *options]
+        super().__init__(workdir, owner, "tests.fleet._clock_engine", args)
 
 
 @pytest.fixture
@@ -93,27 +55,8 @@ def dsn(pg_server: pg.PgServer) -> str:
 
 @pytest.fixture
 def engines(tmp_path: Path, dsn: str) -> Iterator[Callable[..., Engine]]:
-    started: list[Engine] = []
-
-    def spawn(owner: str, *options: str) -> Engine:
-        e = Engine(tmp_path, dsn, owner, *options)
-        started.append(e)
-        return e
-
-    yield spawn
-    for e in started:
-        if e.proc.poll() is None:
-            e.proc.kill()
-            e.proc.wait()
-        if e.proc.stdout is not None:
-            e.proc.stdout.close()
-
-
-def until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
-        time.sleep(0.05)
+    with spawning(partial(Engine, tmp_path, dsn)) as spawn:
+        yield spawn
 
 
 Runs = list[tuple[str, str, int, str, float]]
