@@ -136,21 +136,10 @@ def _where(store: Store) -> str:
     return repr(path) if isinstance(path, str) else "the PostgreSQL store"
 
 
-def _text(value: object, name: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {_checks.describe(value, 200)}")
-    if not value.strip():
-        raise ValueError(f"{name} must say something (it is recorded), got {value!r}")
-    problem = _checks.text_problem(value)
-    if problem is not None:
-        raise ValueError(f"{name} {value!r} cannot be stored: {problem}")
-    return value
-
-
 def _request_id(value: object) -> str:
     if value is None:
         return uuid.uuid4().hex
-    text = _text(value, "request_id")
+    text = _checks.said(value, "request_id")
     if len(text) > 200:
         raise ValueError(f"request_id must be at most 200 characters, got {len(text)}")
     return text
@@ -227,7 +216,7 @@ class Client:
                 raise ValueError(f"version={version} contradicts plan version {plan.version}")
             name, version = plan.name, plan.version
         elif isinstance(plan, str):
-            name = _text(plan, "plan")
+            name = _checks.said(plan, "plan")
         else:
             raise TypeError(f"plan must be a flow.Plan or a plan's name, got {plan!r}")
         if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
@@ -285,9 +274,9 @@ class Client:
     ) -> bool:
         """`Engine.abandon`, by the serving engine (or this client)."""
         _checks.flow_id(flow_id)
-        _text(reason, "reason")
+        _checks.said(reason, "reason")
         if by is not None:
-            _text(by, "by")
+            _checks.said(by, "by")
         body = {"flow_id": flow_id, "reason": reason, "by": by}
         return bool(await self._ask("abandon", body, request_id))
 

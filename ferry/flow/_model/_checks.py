@@ -155,6 +155,13 @@ def _short(value: object, limit: int = 200) -> str:
     return describe(value, limit)
 
 
+def _storable(text: str) -> str:
+    """`text` as it is if it can be stored, else with what UTF-8 cannot hold escaped."""
+    if text_problem(text) is None:
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+
+
 def describe(value: object, limit: int = 1000) -> str:
     """``repr(value)`` as text that can be stored (an error message, say): at most `limit`
     characters, what UTF-8 cannot hold escaped, and a `repr` that raises named as such."""
@@ -164,9 +171,7 @@ def describe(value: object, limit: int = 1000) -> str:
         text = f"<{type(value).__name__} whose repr raised {type(exc).__name__}>"
     if len(text) > limit:
         text = f"{text[:limit]}... ({len(text)} characters)"
-    if text_problem(text) is not None:
-        text = text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
-    return text
+    return _storable(text)
 
 
 #: A failure's traceback is kept up to this many characters: its first and (mostly) its last
@@ -174,10 +179,17 @@ def describe(value: object, limit: int = 1000) -> str:
 TRACEBACK_CHARS = 4000
 
 
-def _storable(text: str) -> str:
-    if text_problem(text) is None:
-        return text
-    return text.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+def said(value: object, name: str) -> str:
+    """`value`, a str that says something and can be stored (a reason, who did it: recorded in
+    a flow's history); `TypeError`/`ValueError` naming `name` otherwise."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {describe(value, 200)}")
+    if not value.strip():
+        raise ValueError(f"{name} must say something (it is recorded), got {value!r}")
+    problem = text_problem(value)
+    if problem is not None:
+        raise ValueError(f"{name} {value!r} cannot be stored: {problem}")
+    return value
 
 
 def traceback_text(error: BaseException, limit: int = TRACEBACK_CHARS) -> str:

@@ -265,16 +265,9 @@ class Requests:
     async def abandon(self, flow_id: str, reason: str, by: str | None) -> bool:
         """`Engine.abandon`."""
         fid = _checks.flow_id(flow_id)
-        for name, value in (("reason", reason), ("by", by)):
-            if value is None and name == "by":
-                continue
-            if not isinstance(value, str):
-                raise TypeError(f"{name} must be a str, got {value!r}")
-            if not value.strip():
-                raise ValueError(f"{name} must say something (it is recorded), got {value!r}")
-            problem = _checks.text_problem(value)
-            if problem is not None:
-                raise ValueError(f"{name} {value!r} cannot be stored: {problem}")
+        _checks.said(reason, "reason")
+        if by is not None:
+            _checks.said(by, "by")
         now = self._clock.now()
 
         async def call(shape_of: ShapeOf) -> _store.Result:
