@@ -17,13 +17,15 @@ Design
 ------
 A scrape reads the statistics an engine or ferry already keeps (`Engine.statistics`,
 `Ferry.statistics`) when it is collected: the counters and gauges cost nothing between scrapes.
-Step and flow durations are seen only as they happen, so the collector attaches itself to each
-engine as an observer (`ferry.flow._runtime._observe`): the engine calls it once per step attempt,
-once per flow that ends, and once when it closes. A closed engine is dropped then (docs/adr/0114):
+Step and flow durations are seen only as they happen, so the collector is a `flow.Observer` of
+each engine (the public hook, docs/adr/0138: `Engine.add_observer`, or given to
+``open_engine(..., observers=[collector])``, which adds the engine to it as it opens): the engine
+calls it once per step attempt (`flow.StepRun`), once per flow that ends (`flow.FlowEnd`), and
+once when it closes. A closed engine is dropped then (docs/adr/0114):
 its gauges leave the scrape, and its counters' last values stay in the sums (`_retired`), so a
 counter never goes down because an engine closed; the collector keeps no engine after its
-block ended, however many open and close. Without a collector the engine's observer tuple is
-empty, and its hot path pays one truth test. The histograms are kept here, under one lock,
+block ended, however many open and close. Without an observer the engine's hot path pays one
+truth test. The histograms are kept here, under one lock,
 because a scrape may come from another thread (``start_http_server`` serves from its own): the
 engine's trio thread writes them, the scrape copies them.
 
@@ -49,9 +51,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from ferry import FerryStatistics
-from ferry.flow import Delivery, Engine, Fail, FlowStatistics, Park
-from ferry.flow._model._values import Flow
+from ferry import Closed, FerryStatistics
+from ferry.flow import Delivery, Engine, Fail, FlowEnd, FlowStatistics, Observer, Park, StepRun
 
 __all__ = [
     "BATCH_SIZE_BUCKETS",
@@ -129,12 +130,14 @@ def _step_outcome(result: object, error: BaseException | None, void: bool) -> st
 
 
 @final
-class Metrics(Collector):
+class Metrics(Collector, Observer):
     """The collector `register` made: engines' and ferries' metrics, read at every scrape.
 
-    `add_engine` and `add_ferry` add more; `unregister` takes it out of its registry and detaches
-    it from its engines. Durations are observed from the moment an engine was added. An engine
-    is dropped when its block ends (its last counts kept in the totals, its gauges gone)."""
+    `add_engine` and `add_ferry` add more; an engine opened with
+    ``open_engine(..., observers=[collector])`` is added as it opens (its steps observed from
+    the first). `unregister` takes it out of its registry and detaches it from its engines.
+    Durations are observed from the moment an engine was added. An engine is dropped when its
+    block ends (its last counts kept in the totals, its gauges gone)."""
 
     def __init__(
         self,
@@ -158,36 +161,33 @@ class Metrics(Collector):
 
     # ------------------------------------------------------------------ what the engine calls
 
-    def ran(
-        self,
-        flow: Flow,
-        step: str,
-        compensating: bool,
-        result: object,
-        error: BaseException | None,
-        seconds: float,
-        void: bool,
-    ) -> None:
-        if compensating:
-            outcome = "void" if void else "ok" if error is None else "raised"
+    def step_ran(self, step: StepRun) -> None:
+        if step.compensating:
+            outcome = "void" if step.void else "ok" if step.error is None else "raised"
             counts, histogram = self._comp_outcomes, self._compensations
         else:
-            outcome = _step_outcome(result, error, void)
+            outcome = _step_outcome(step.result, step.error, step.void)
             counts, histogram = self._outcomes, self._steps
-        key = (flow.plan, outcome)
+        key = (step.plan, outcome)
         with self._lock:
             counts[key] = counts.get(key, 0) + 1
-            if not math.isnan(seconds):
-                histogram.observe((flow.plan, step), seconds)
+            if not math.isnan(step.seconds):
+                histogram.observe((step.plan, step.step), step.seconds)
 
-    def ended(self, flow: Flow) -> None:
-        seconds = max(0.0, flow.updated_at - flow.created_at)
+    def flow_ended(self, flow: FlowEnd) -> None:
+        seconds = max(0.0, flow.ended_at - flow.started_at)
         with self._lock:
             self._flows.observe((flow.plan, flow.state.name.lower()), seconds)
 
-    def closed(self, engine: Engine) -> None:
+    def engine_opened(self, engine: Engine) -> None:
+        """`engine` was opened with this collector among its observers: expose it."""
+        with self._lock:
+            if not any(e is engine for e in self._engines):
+                self._engines.append(engine)
+
+    def engine_closed(self, engine: Engine) -> None:
         """`engine`'s block ended: drop it, keeping its counters' final values."""
-        stats = engine._statistics()
+        stats = engine.statistics()  # final, and readable from any thread now
         with self._lock:
             if not any(e is engine for e in self._engines):
                 return
@@ -195,7 +195,7 @@ class Metrics(Collector):
             for field in _COUNTED:
                 self._retired[field] += getattr(stats, field)
             self._retired_wakes.update(stats.wakes)
-        engine._observers = tuple(o for o in engine._observers if o is not self)
+        engine.remove_observer(self)
 
     def _retired_statistics(self) -> FlowStatistics:
         """The closed engines' counters as one engine's statistics, holding no flow (under the
@@ -219,16 +219,18 @@ class Metrics(Collector):
             raise TypeError(
                 f"add_engine takes a flow.Engine (from flow.open_engine), got {engine!r}"
             )
-        if engine._closing:
-            raise ValueError(
-                f"{engine!r} is closed (its `async with open_engine(...)` block ended): add an"
-                " engine while it is open"
-            )
         with self._lock:
             if any(e is engine for e in self._engines):
                 raise ValueError(f"{engine!r} is already in this collector")
+        try:
+            engine.add_observer(self)
+        except Closed:
+            raise ValueError(
+                f"{engine!r} is closed (its `async with open_engine(...)` block ended): add an"
+                " engine while it is open"
+            ) from None
+        with self._lock:
             self._engines.append(engine)
-        engine._observers = (*engine._observers, self)
 
     def add_ferry(self, name: str, ferry: FerryLike) -> None:
         """Expose `ferry`'s statistics with the label ``ferry=name``."""
@@ -249,7 +251,7 @@ class Metrics(Collector):
             engines, self._engines = self._engines, []
             registry, self._registry = self._registry, None
         for engine in engines:
-            engine._observers = tuple(o for o in engine._observers if o is not self)
+            engine.remove_observer(self)
         if registry is not None:
             registry.unregister(self)
 

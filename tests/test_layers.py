@@ -17,9 +17,8 @@ function or under ``TYPE_CHECKING`` too), like `test_public_names`. Bottom first
   examples) only the face is used.
 
 No folder imports one above it. What breaks a rule today is listed in `EXCEPTIONS`, each with
-why it is there: the list must shrink to nothing (the mode chosen once, the store's split, a
-public observer hook), and an entry that no longer breaks a rule fails the test too, so that
-the list stays true.
+why it is there: the list must shrink to nothing (the mode chosen once, the store's split), and
+an entry that no longer breaks a rule fails the test too, so that the list stays true.
 """
 
 from __future__ import annotations
@@ -44,10 +43,6 @@ POSTGRES = ("psycopg", "ferry.projected._postgres")
 
 #: (file, what it imports) -> why it may, for now. Each entry is a debt of the layering.
 EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("ferry/flow/_runtime/_observe.py", "ferry.flow._engine._engine"): (
-        "the type of Observer.closed's engine (a TYPE_CHECKING import): the public observer hook "
-        "replaces it"
-    ),
     ("ferry/flow/_model/_checks.py", "ferry.projected"): (
         "canonical_json, a pure function, lives beside the transport"
     ),
@@ -80,9 +75,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ),
     ("ferry/flow/_ops/_inspect_act.py", "ferry.flow._runtime._retention"): (
         "purge --finished-before uses retention's purge: it belongs with the store's writes"
-    ),
-    ("ferry/metrics.py", "ferry.flow._model._values"): (
-        "the collector's observer is handed a Flow row: a public observer hook replaces it"
     ),
 }
 

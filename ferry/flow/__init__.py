@@ -38,7 +38,8 @@ lease, takes over the flows of engines that died, and can never advance a flow a
 took over. ``python -m ferry.flow STORE`` lists, shows and counts flows, and wakes, cancels or
 resumes one as an operator. ``flow.connect(store)`` is a client from any process: it asks the
 engine that serves the store to start, wake, cancel, resume, abandon or publish (docs/flow.md,
-"From another process").
+"From another process"). ``open_engine(..., observers=[...])`` tells `flow.Observer` objects of
+every step attempt and every flow's end (`StepRun`, `FlowEnd`): ``ferry.metrics`` is one.
 """
 
 from __future__ import annotations
@@ -49,12 +50,15 @@ from ._engine._client import Client as Client
 from ._engine._client import Receipt as Receipt
 from ._engine._client import connect as connect
 from ._engine._engine import Engine as Engine
+from ._engine._observer import Observer as Observer
 from ._engine._open import open_engine as open_engine
 from ._model._errors import FlowError as FlowError
 from ._model._errors import IdReused as IdReused
 from ._model._errors import StoreLocked as StoreLocked
 from ._model._errors import UnknownFlow as UnknownFlow
 from ._model._errors import UnknownPlan as UnknownPlan
+from ._model._observed import FlowEnd as FlowEnd
+from ._model._observed import StepRun as StepRun
 from ._model._plan import Plan as Plan
 from ._model._plan import StepDef as StepDef
 from ._model._types import COMPLETE as COMPLETE
@@ -84,9 +88,11 @@ __all__ = [
     "Engine",
     "Event",
     "Fail",
+    "FlowEnd",
     "FlowError",
     "FlowStatistics",
     "IdReused",
+    "Observer",
     "Outcome",
     "Park",
     "Plan",
@@ -95,6 +101,7 @@ __all__ = [
     "Start",
     "State",
     "StepDef",
+    "StepRun",
     "StoreLocked",
     "UnknownFlow",
     "UnknownPlan",

@@ -187,9 +187,10 @@ async def test_unregister_detaches_from_the_engine(tmp_path: Path) -> None:
 
     async with flow.open_engine(str(tmp_path / "flows.db"), plans=[plan]) as engine:
         collector = metrics.register(engine, registry=CollectorRegistry())
-        assert engine._observers == (collector,)
+        with pytest.raises(ValueError, match="already observes"):
+            engine.add_observer(collector)  # it is attached
         collector.unregister()
-        assert not engine._observers
+        assert not engine.remove_observer(collector)  # it was detached
 
 
 def test_importing_ferry_does_not_import_prometheus_client() -> None:

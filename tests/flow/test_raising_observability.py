@@ -18,7 +18,6 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
@@ -28,7 +27,6 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerPro
 from prometheus_client import CollectorRegistry
 
 from ferry import flow, metrics
-from ferry.flow._model._values import Flow
 from ferry.flow._runtime import _observe
 
 FLOWS = 20
@@ -62,23 +60,27 @@ class RaisingProcessor(SpanProcessor):
             raise Broken("on_end")
 
 
-class RaisingObserver:
-    """An observer (`ferry.flow._runtime._observe.Observer`) that raises at every call."""
+class RaisingObserver(flow.Observer):
+    """A `flow.Observer` that raises at every call."""
 
     def __init__(self) -> None:
         self.calls = 0
 
-    def ran(self, flow: Flow, *args: Any) -> None:
+    def step_ran(self, step: flow.StepRun) -> None:
         self.calls += 1
-        raise Broken("ran")
+        raise Broken("step_ran")
 
-    def ended(self, flow: Flow) -> None:
+    def flow_ended(self, end: flow.FlowEnd) -> None:
         self.calls += 1
-        raise Broken("ended")
+        raise Broken("flow_ended")
 
-    def closed(self, engine: flow.Engine) -> None:
+    def engine_opened(self, engine: flow.Engine) -> None:
         self.calls += 1
-        raise Broken("closed")
+        raise Broken("engine_opened")
+
+    def engine_closed(self, engine: flow.Engine) -> None:
+        self.calls += 1
+        raise Broken("engine_closed")
 
 
 def order_plan(runs: Counter[str]) -> flow.Plan:
@@ -196,7 +198,7 @@ def test_a_raising_observer_changes_nothing(
     observer = RaisingObserver()
 
     def attach(engine: flow.Engine) -> None:
-        engine._observers = (*engine._observers, observer)
+        engine.add_observer(observer)
 
     caplog.set_level(logging.WARNING)
     runs, ends, answers = trio.run(
@@ -218,15 +220,15 @@ def test_a_raising_observer_changes_nothing(
 def test_a_raising_metrics_collector_changes_nothing(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A collector whose bookkeeping raises (planted: its `ran` and `ended`). Fails without the
-    guards: the engine's block ended with the collector's exception."""
+    """A collector whose bookkeeping raises (planted: its `step_ran` and `flow_ended`). Fails
+    without the guards: the engine's block ended with the collector's exception."""
     clean_runs, clean_ends, clean_answers = what_it_would_be(tmp_path)
 
     def broken(self: metrics.Metrics, *args: object) -> None:
         raise Broken("the collector")
 
-    monkeypatch.setattr(metrics.Metrics, "ran", broken)
-    monkeypatch.setattr(metrics.Metrics, "ended", broken)
+    monkeypatch.setattr(metrics.Metrics, "step_ran", broken)
+    monkeypatch.setattr(metrics.Metrics, "flow_ended", broken)
     registry = CollectorRegistry()
 
     def attach(engine: flow.Engine) -> None:

@@ -27,9 +27,10 @@ from .._model._types import Delivery, Event, FlowStatistics, Json, Snapshot, Sta
 from .._model._values import Flow
 from .._runtime import _tracing, _waiters
 from .._runtime._live import Live
-from .._runtime._observe import Observer
+from .._runtime._observe import Bound
 from .._runtime._requests import check_mapper
 from .._store import _store
+from ._observer import Observer, bind_one
 from ._parts import Parts
 
 T = TypeVar("T")
@@ -40,8 +41,11 @@ _log = logging.getLogger("ferry.flow")
 _thread_id = threading.get_ident
 
 
+_SYNC = ("on", "statistics", "add_observer", "remove_observer")
+
+
 def _wrong_run(method: str) -> RuntimeError:
-    run = "run_sync" if method in ("on", "statistics") else "run"
+    run = "run_sync" if method in _SYNC else "run"
     hint = f"trio.from_thread.{run}(engine.{method}, ..., trio_token=token)"
     return wrong_run(f"flow.Engine.{method}", "an engine", hint)
 
@@ -73,6 +77,7 @@ class Engine(metaclass=NoPublicConstructor):
         wall_clock: Callable[[], float],
         retain: float | None = None,
         tracing: _tracing.Tracing | None = None,
+        observers: tuple[Bound, ...] = (),
     ) -> None:
         self._store = store
         self._plans = plans
@@ -106,19 +111,11 @@ class Engine(metaclass=NoPublicConstructor):
         self._requests = parts.requests
         self._shapes = parts.versions.shapes
         self._tally = parts.tally
+        self._tally.observers = observers  # `open_engine(observers=...)`, tracing first
         self._live = parts.writes.live  # the live flows (read only here)
         self._closing = False
         self._mappers: dict[str, list[Callable[[Json], object]]] = {}
         self._thread = _thread_id()  # of the run that opened it: only its tasks may call it
-
-    @property
-    def _observers(self) -> tuple[Observer, ...]:
-        """What `ferry.metrics` attached (empty: nothing is observed)."""
-        return self._tally.observers
-
-    @_observers.setter
-    def _observers(self, observers: tuple[Observer, ...]) -> None:
-        self._tally.observers = observers
 
     def _close(self) -> None:
         """The block ends: calls raise `ferry.Closed`, waiters wake, no flow gets a runner."""
@@ -281,6 +278,26 @@ class Engine(metaclass=NoPublicConstructor):
         if events is None:
             raise UnknownFlow(f"no flow has id {fid!r}")
         return events
+
+    def add_observer(self, observer: Observer) -> None:
+        """Tell `observer` (a `flow.Observer`) of what this engine does from now on, after the
+        observers it has. No checkpoint. Raises `TypeError` for something that is not an
+        observer, `ValueError` for one it has already, `ferry.Closed` once closed."""
+        self._check("add_observer")
+        bound = bind_one(observer, "the observer")
+        if any(b.observer is observer for b in self._tally.observers):
+            raise ValueError(f"{observer!r} already observes this engine")
+        self._tally.observers = (*self._tally.observers, bound)
+
+    def remove_observer(self, observer: Observer) -> bool:
+        """Stop telling `observer` anything; False if it was not observing this engine. No
+        checkpoint. Allowed after the engine closed (from any thread then)."""
+        if _thread_id() != self._thread and not self._closing:
+            raise _wrong_run("remove_observer")
+        kept = tuple(b for b in self._tally.observers if b.observer is not observer)
+        removed = len(kept) != len(self._tally.observers)
+        self._tally.observers = kept
+        return removed
 
     def statistics(self) -> FlowStatistics:
         """Gauges and counters of this engine (see `FlowStatistics`). No checkpoint; O(flows

@@ -29,8 +29,9 @@ from .._model._plan import Plan
 from .._runtime import _observe, _retention, _tracing
 from .._store import _store
 from .._store._sqlite_file import EngineLock, check_path
-from . import _served
+from . import _observer, _served
 from ._engine import Engine
+from ._observer import Observer
 
 _log = logging.getLogger("ferry.flow")
 
@@ -65,6 +66,7 @@ def open_engine(
     max_data_bytes: int = _checks.MAX_DATA_BYTES,
     retain: float | None = _retention.DEFAULT_RETAIN,
     tracer_provider: object | None = None,
+    observers: Iterable[Observer] = (),
 ) -> contextlib.AbstractAsyncContextManager[Engine]:
     """Open a flow engine on `store` for the duration of an ``async with``.
 
@@ -120,6 +122,10 @@ def open_engine(
     engines (docs/operating.md). None (default): the application's global provider, if it set
     one; without one (or without OpenTelemetry) traces are off and cost nothing.
 
+    `observers`: `flow.Observer` objects told of every step attempt, every flow this engine
+    ends, its open and its close, from the open on (`Engine.add_observer` adds one later);
+    `TypeError` naming the item that is not an observer (docs/operating.md, "Observers").
+
     A serving engine also applies the requests of clients in other processes
     (`flow.connect`, docs/adr/0125): those left pending at its open first, then each as it
     comes (told by the SQLite file's writes, or a PostgreSQL notification); on SQLite it keeps
@@ -153,6 +159,7 @@ def open_engine(
             max_data_bytes=max_data_bytes,
             retain=retain,
             tracer_provider=tracer_provider,
+            observers=observers,
             switches=_SWITCHES,
         )
     )
@@ -224,6 +231,7 @@ async def _opened(
     max_data_bytes: int,
     retain: float | None,
     tracer_provider: object | None,
+    observers: Iterable[Observer],
     switches: _Switches,
 ) -> AsyncIterator[Engine]:
     """The body of `open_engine` (its docstring says what it promises)."""
@@ -243,7 +251,10 @@ async def _opened(
     ):
         raise ValueError(f"max_data_bytes must be an int >= 2, got {max_data_bytes!r}")
     retain = _retention.check_retain(retain)
+    bound = _observer.bind(observers)
     tracing = _tracing.tracing_for(tracer_provider)
+    if tracing is not None:  # the end spans: the first observer
+        bound = (_observe.Bound(tracing, flow_ended=tracing.flow_ended), *bound)
     if serve and not registry:
         raise ValueError(
             "open_engine got no plans: an engine that serves a store runs only the plans it is"
@@ -288,6 +299,7 @@ async def _opened(
             wall_clock=switches.wall_clock,
             retain=retain,
             tracing=tracing,
+            observers=bound,
         )
         async with _lifetime(engine) as running:
             yield running
@@ -318,6 +330,7 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
         )
     else:
         ferry_cm = contextlib.nullcontext(None)
+    _observe.opened(parts.tally.observers, engine)
     try:
         async with ferry_cm as write_ferry:
             try:
@@ -356,8 +369,8 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                 await parts.end()
                 await engine._waiters.aclose()
         finally:
-            if engine._observers:  # its statistics are final now: a collector lets it go
-                _observe.closed(engine._observers, engine)
+            # its statistics are final now: a collector lets it go (those attached since too)
+            _observe.closed(parts.tally.observers, engine)
     if engine_error is not None:
         raise _merged(body_error, engine_error)
     if body_error is not None:

@@ -65,7 +65,6 @@ class Parts:
         self.clock = clock = Clock(wall_clock)
         self.versions = versions = Versions(plans)
         self.tally = tally = Tally()
-        tally.tracing = tracing  # the end span of each flow this engine ends
         self.timers = timers = Timers(clock, fleet=fleet)
         guard = max(_GUARD_MIN, lease * _GUARD) if fleet else None
         runner: Runner  # made below: the write path hands it the flows that become live

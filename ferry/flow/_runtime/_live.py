@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
 from .._model._types import Delivery, State
 from .._model._values import Flow, Transition
 from .._store import _store
-from ._observe import Observer
-
-if TYPE_CHECKING:
-    from ._tracing import Tracing
+from ._observe import Bound
 
 _log = logging.getLogger("ferry.flow")
 
@@ -62,7 +59,7 @@ class Live:
 
 
 class Tally:
-    """The engine's counters (`FlowStatistics`) and its observers (`ferry.metrics`).
+    """The engine's counters (`FlowStatistics`) and its observers (`flow.Observer`).
 
     `stats` holds the counters named in `COUNTERS`; `wakes` counts deliveries by kind; `parked`
     and `blocked` are the numbers of parked and blocked flows in the store as this engine knows
@@ -70,16 +67,15 @@ class Tally:
     read again at every scan: docs/adr/0128). Plain integers: read from any thread by
     `Engine._statistics`."""
 
-    __slots__ = ("blocked", "observers", "parked", "stats", "tracing", "wakes")
+    __slots__ = ("blocked", "observers", "parked", "stats", "wakes")
 
     def __init__(self) -> None:
         self.stats = dict.fromkeys(COUNTERS, 0)
         self.wakes = dict.fromkeys(Delivery, 0)
         self.parked = 0
         self.blocked = 0
-        self.observers: tuple[Observer, ...] = ()  # empty: nothing is observed
-        # The engine's traces (None: off); a flow this engine ends gets its end span there.
-        self.tracing: Tracing | None = None
+        # `flow.Observer`s and the engine's traces (their end spans); empty: nothing is observed
+        self.observers: tuple[Bound, ...] = ()
 
 
 def named(flow: Flow) -> str:

@@ -1,16 +1,18 @@
-"""What an engine tells an observer (the metrics collector of `ferry.metrics`), and what it does
+"""What an engine tells its observers (`flow.Observer`, docs/adr/0138), and what it does
 when observability code raises.
 
-An engine holds a tuple of observers, empty unless a collector attached one. The engine's two hot
-paths ask ``if self._observers:`` and do nothing more when it is empty: no clock is read, no
-object is made and nothing is imported. An observer is called on the engine's trio thread, in
-commit order, and must not block (it only counts).
+An engine holds a tuple of `Bound` observers (those given to `open_engine(observers=...)` or
+`Engine.add_observer`, and its tracing), empty when there is none. The engine's two hot paths
+ask ``if observers:`` and do nothing more when it is empty: no clock is read, no record is made
+and nothing is imported. An observer is called on the engine's trio thread, in commit order, and
+must not block (it only counts). Each is handed a public record (`StepRun`, `FlowEnd`) or the
+engine, never a row of the store.
 
 Observability is never part of the outcome (docs/adr/0113). An observer, a tracer or a span
 processor that raises changes nothing a flow or a caller sees: the engine calls each of them at
-one guarded place (`ran`, `ended` and `closed` here; the spans in `_tracing`), and what they
-raise (an `Exception`) goes to `failed`, which logs it on ``ferry.flow`` as a WARNING with the
-exception, at most once per `_EVERY` seconds for each kind of hook (`TRACING`,
+one guarded place (`ran`, `ended`, `opened` and `closed` here; the spans in `_tracing`), and what
+they raise (an `Exception`) goes to `failed`, which logs it on ``ferry.flow`` as a WARNING with
+the exception, at most once per `_EVERY` seconds for each kind of hook (`TRACING`,
 `OBSERVER`), saying how many failures it did not log in between. The engine then goes on as
 if the hook had done its work.
 """
@@ -21,12 +23,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import Any, Final
 
+from .._model._observed import FlowEnd, StepRun
 from .._model._values import Flow
-
-if TYPE_CHECKING:
-    from .._engine._engine import Engine
 
 _log = logging.getLogger("ferry.flow")
 
@@ -37,27 +37,35 @@ TRACING: Final = "OpenTelemetry (the tracer or a span processor)"
 OBSERVER: Final = "an observer (such as the ferry.metrics collector)"
 
 
-class Observer(Protocol):
-    def ran(
+#: The methods an observer may have (`flow.Observer`); each is optional.
+HOOKS: Final = ("step_ran", "flow_ended", "engine_opened", "engine_closed")
+
+_Hook = Callable[[Any], None]
+
+
+class Bound:
+    """One observer and the hooks it has (None: it has not that one, or it kept the no-op of
+    `flow.Observer`), looked up once, when it is attached."""
+
+    __slots__ = ("engine_closed", "engine_opened", "flow_ended", "observer", "step_ran")
+
+    def __init__(
         self,
-        flow: Flow,
-        step: str,
-        compensating: bool,
-        result: object,
-        error: BaseException | None,
-        seconds: float,
-        void: bool,
+        observer: object,
+        *,
+        step_ran: _Hook | None = None,
+        flow_ended: _Hook | None = None,
+        engine_opened: _Hook | None = None,
+        engine_closed: _Hook | None = None,
     ) -> None:
-        """One attempt of a step (or of its compensation) of `flow` returned `result` or raised
-        `error` after `seconds`; `void`: someone else moved the flow meanwhile (a cancel, a
-        takeover) and the attempt counts for nothing."""
+        self.observer = observer
+        self.step_ran = step_ran
+        self.flow_ended = flow_ended
+        self.engine_opened = engine_opened
+        self.engine_closed = engine_closed
 
-    def ended(self, flow: Flow) -> None:
-        """This engine wrote `flow` COMPLETED, FAILED or BLOCKED."""
-
-    def closed(self, engine: Engine) -> None:
-        """`engine`'s block has ended: it will not run, write or count anything again (its
-        statistics are final). Called once, after the engine let go of its flows."""
+    def __repr__(self) -> str:
+        return repr(self.observer)
 
 
 class _Complaints:
@@ -106,7 +114,7 @@ def failed(kind: str, what: str, exc: Exception) -> None:
 
 
 def ran(
-    observers: tuple[Observer, ...],
+    observers: tuple[Bound, ...],
     flow: Flow,
     step: str,
     compensating: bool,
@@ -115,27 +123,73 @@ def ran(
     seconds: float,
     void: bool,
 ) -> None:
-    """Tell each observer of one attempt (`Observer.ran`); what one raises is `failed`."""
-    for observer in observers:
+    """Tell each observer of one attempt (`Observer.step_ran`); what one raises is `failed`."""
+    record: StepRun | None = None
+    for bound in observers:
+        hook = bound.step_ran
+        if hook is None:
+            continue
+        if record is None:
+            record = StepRun(
+                flow_id=flow.flow_id,
+                plan=flow.plan,
+                version=flow.version,
+                step=step,
+                attempt=flow.attempt,
+                compensating=compensating,
+                result=result,
+                error=error,
+                seconds=seconds,
+                void=void,
+            )
         try:
-            observer.ran(flow, step, compensating, result, error, seconds, void)
+            hook(record)
         except Exception as exc:
-            failed(OBSERVER, f"told of an attempt of step {step!r} ({observer!r})", exc)
+            failed(OBSERVER, f"told of an attempt of step {step!r} ({bound!r})", exc)
 
 
-def ended(observers: tuple[Observer, ...], flow: Flow) -> None:
-    """Tell each observer that this engine ended `flow` (`Observer.ended`), guarded."""
-    for observer in observers:
+def ended(observers: tuple[Bound, ...], flow: Flow, step: str | None, how: str) -> None:
+    """Tell each observer that this engine ended `flow` (`Observer.flow_ended`), guarded:
+    `step` is the step it was at before, `how` how it ended (`FlowEnd.how`)."""
+    record: FlowEnd | None = None
+    for bound in observers:
+        hook = bound.flow_ended
+        if hook is None:
+            continue
+        if record is None:
+            record = FlowEnd(
+                flow_id=flow.flow_id,
+                plan=flow.plan,
+                version=flow.version,
+                state=flow.state,
+                how=how,
+                step=step,
+                error=flow.blocked if flow.blocked is not None else flow.error,
+                started_at=flow.created_at,
+                ended_at=flow.updated_at,
+                traceparent=flow.trace,
+            )
         try:
-            observer.ended(flow)
+            hook(record)
         except Exception as exc:
-            failed(OBSERVER, f"told that flow {flow.flow_id!r} ended ({observer!r})", exc)
+            failed(OBSERVER, f"told that flow {flow.flow_id!r} ended ({bound!r})", exc)
 
 
-def closed(observers: tuple[Observer, ...], engine: Engine) -> None:
-    """Tell each observer that `engine` closed (`Observer.closed`), guarded."""
-    for observer in observers:
-        try:
-            observer.closed(engine)
-        except Exception as exc:
-            failed(OBSERVER, f"told that the engine closed ({observer!r})", exc)
+def opened(observers: tuple[Bound, ...], engine: object) -> None:
+    """Tell each observer that `engine` opens (`Observer.engine_opened`), guarded."""
+    for bound in observers:
+        if bound.engine_opened is not None:
+            try:
+                bound.engine_opened(engine)
+            except Exception as exc:
+                failed(OBSERVER, f"told that the engine opened ({bound!r})", exc)
+
+
+def closed(observers: tuple[Bound, ...], engine: object) -> None:
+    """Tell each observer that `engine` closed (`Observer.engine_closed`), guarded."""
+    for bound in observers:
+        if bound.engine_closed is not None:
+            try:
+                bound.engine_closed(engine)
+            except Exception as exc:
+                failed(OBSERVER, f"told that the engine closed ({bound!r})", exc)

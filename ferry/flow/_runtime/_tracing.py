@@ -20,7 +20,8 @@ write, with ``workflow.task.name`` the step the flow was at and, for a wake,
 ``workflow.wake.delivery`` (``RESUMED``, ``QUEUED``, ``DUPLICATE``, ``STALE``) and a link to the
 caller's current span (the caller's trace is its own). A wake to no such flow has no trace.
 
-A flow's end is in its trace (docs/adr/0128): when this engine writes a flow `COMPLETED`,
+A flow's end is in its trace (docs/adr/0128; told by the engine's observer hook, docs/adr/0138,
+whose first observer `Tracing` is): when this engine writes a flow `COMPLETED`,
 `FAILED` or `BLOCKED`, a span ``end {plan}`` (of no length, at the write), a child of the start
 span, with ``workflow.state`` (``completed``, ``failed``, ``blocked``), ``workflow.end``
 (``completed``, ``failed``, ``blocked``, ``cancelled``: a cancel that ended it at once,
@@ -50,6 +51,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, Final
 
+from .._model._observed import FlowEnd
 from .._model._types import Context, Fail, Park, _Complete, _Continue
 from ._observe import TRACING, failed
 
@@ -272,11 +274,12 @@ class Tracing:
         )
         span.end()
 
-    def flow_ended(self, flow: Flow, step: str | None, end: str) -> None:
-        """The span ``end {plan}`` of `flow`, the row this engine wrote `COMPLETED`, `FAILED` or
-        `BLOCKED` (`end`: how it ended, see the module doc; `step`: the step it was at). Never
-        raises (what OpenTelemetry raises is `failed`)."""
+    def flow_ended(self, flow: FlowEnd) -> None:
+        """The span ``end {plan}`` of `flow`, which this engine wrote `COMPLETED`, `FAILED` or
+        `BLOCKED` (the engine's observer hook, `flow.Observer.flow_ended`: `FlowEnd.how` is how
+        it ended, see the module doc). Never raises (what OpenTelemetry raises is `failed`)."""
         try:
+            end = flow.how
             attributes: dict[str, str | int] = {
                 "workflow.name": flow.plan,
                 "workflow.id": flow.flow_id,
@@ -284,15 +287,15 @@ class Tracing:
                 "workflow.state": flow.state.name.lower(),
                 "workflow.end": end,
             }
-            if step is not None:
-                attributes["workflow.task.name"] = step
-            error = flow.blocked if flow.blocked is not None else flow.error
+            if flow.step is not None:
+                attributes["workflow.task.name"] = flow.step
+            error = flow.error
             if end != "completed" and error is not None:
                 attributes["workflow.error"] = error
             now = time.time_ns()
             span = self._tracer.start_span(
                 f"end {flow.plan}",
-                context=self._parent(flow.trace),
+                context=self._parent(flow.traceparent),
                 attributes=attributes,
                 start_time=now,
             )

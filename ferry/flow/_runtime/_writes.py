@@ -55,9 +55,9 @@ _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "b
 
 
 def _end_of(t: Transition) -> str:
-    """How the flow of `t`, a transition that ended it, ended (``workflow.end`` of its end
-    span): ``abandoned`` or ``cancelled`` if that transition was an operator's, else its
-    state."""
+    """How the flow of `t`, a transition that ended it, ended (`FlowEnd.how`, the
+    ``workflow.end`` of its end span): ``abandoned`` or ``cancelled`` if that transition was an
+    operator's, else its state."""
     kinds = {e.kind for e in t.events}
     if "abandoned" in kinds:
         return "abandoned"
@@ -327,13 +327,9 @@ class Writes:
                 own = isinstance(op, _store.Change) and op.flow is not None
                 if t.flow.state in LOGGED and t.flow.state is not result.before.state:
                     log_ended(result.before, t.flow)
-                tracing = self._tally.tracing
-                if (
-                    tracing is not None
-                    and t.flow.state in _ENDS
-                    and t.flow.state is not result.before.state
-                ):
-                    tracing.flow_ended(t.flow, result.before.step, _end_of(t))
+                observers = self._tally.observers
+                if observers and t.flow.state in _ENDS and t.flow.state is not result.before.state:
+                    _observe.ended(observers, t.flow, result.before.step, _end_of(t))
                 self.track(result.before.state, t.flow, own, epoch=epoch)
         elif isinstance(result, _store.Created):
             self.track(None, result.transition.flow, True, epoch=epoch)
@@ -367,8 +363,6 @@ class Writes:
                 tally.blocked += 1
             if write and state in _ENDS:
                 stats[_ENDS[state]] += 1
-                if tally.observers:
-                    _observe.ended(tally.observers, flow)
         self._seen(flow)
         if live is not None:
             live.flow = flow
