@@ -246,7 +246,8 @@ class Metrics(Collector, Observer):
             self._ferries[name] = ferry
 
     def unregister(self) -> None:
-        """Take the collector out of its registry and detach it from its engines."""
+        """Take the collector out of its registry and detach it from its engines
+        (`Engine.remove_observer`: from their trio run while they are open)."""
         with self._lock:
             engines, self._engines = self._engines, []
             registry, self._registry = self._registry, None

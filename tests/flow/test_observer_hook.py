@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 import ferry
 from ferry import flow, metrics
+from ferry.flow._runtime import _observe
 
 
 class Journal(flow.Observer):
@@ -263,3 +264,80 @@ async def test_the_metrics_collector_given_at_open_exposes_the_engine(tmp_path: 
     text = generate_latest(registry).decode()
     assert 'ferry_flow_ended_total{state="completed"} 1.0' in text  # kept after its close
     assert not engine.remove_observer(collector)  # it let go at the close
+
+
+async def test_a_blocked_flow_and_its_abandon_are_told_with_their_reasons(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    journal = Journal()
+    plan = flow.Plan("refund", version=1)
+
+    async def undo(ctx: flow.Context) -> None:
+        raise RuntimeError("account closed")
+
+    @plan.step(compensate=undo)
+    async def pay(ctx: flow.Context) -> None:
+        pass
+
+    @plan.step
+    async def ship(ctx: flow.Context) -> flow.Outcome:
+        return flow.fail("no carrier")
+
+    async with flow.open_engine(tmp_path / "b.db", plans=[plan], observers=[journal]) as engine:
+        await engine.start(plan, flow_id="r")
+        assert (await engine.wait("r", timeout=600)).state is flow.State.BLOCKED
+        assert await engine.abandon("r", reason="refunded by hand", by="ops")
+        await engine.wait("r", timeout=10)
+    blocked, abandoned = journal.ends()
+    assert (blocked.state, blocked.how, blocked.step) == (flow.State.BLOCKED, "blocked", "pay")
+    assert blocked.error is not None and "account closed" in blocked.error
+    assert (abandoned.state, abandoned.how) == (flow.State.FAILED, "abandoned")
+    assert abandoned.error is not None and "refunded by hand" in abandoned.error
+    undone = [s for s in journal.steps() if s.compensating]
+    assert undone and all(isinstance(s.error, RuntimeError) for s in undone)
+
+
+class Raising(flow.Observer):
+    """Every method raises."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def step_ran(self, step: flow.StepRun) -> None:
+        self.calls.append("step_ran")
+        raise RuntimeError("step_ran")
+
+    def flow_ended(self, end: flow.FlowEnd) -> None:
+        self.calls.append("flow_ended")
+        raise RuntimeError("flow_ended")
+
+    def engine_opened(self, engine: flow.Engine) -> None:
+        self.calls.append("engine_opened")
+        raise RuntimeError("engine_opened")
+
+    def engine_closed(self, engine: flow.Engine) -> None:
+        self.calls.append("engine_closed")
+        raise RuntimeError("engine_closed")
+
+
+async def test_an_observer_given_at_open_that_raises_changes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its open and close raise too, and the one after it is still told everything."""
+    # The warnings' rate limit is the process's: start with none logged yet.
+    monkeypatch.setattr(_observe, "_complaints", _observe._Complaints())
+    raising, journal = Raising(), Journal()
+    plan = flow.Plan("one", version=1)
+
+    @plan.step
+    async def only(ctx: flow.Context) -> None:
+        pass
+
+    path = tmp_path / "r.db"
+    async with flow.open_engine(path, plans=[plan], observers=[raising, journal]) as engine:
+        await engine.start(plan, flow_id="x")
+        assert (await engine.wait("x", timeout=10)).state is flow.State.COMPLETED
+    assert raising.calls == ["engine_opened", "step_ran", "flow_ended", "engine_closed"]
+    assert [kind for kind, _ in journal.told] == ["opened", "step", "end", "closed"]
+    warned = [r for r in caplog.records if r.name == "ferry.flow" and "observer" in r.getMessage()]
+    assert warned and all(r.levelname == "WARNING" for r in warned)
