@@ -11,8 +11,8 @@ and are not called for it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 from .._model._observed import FlowEnd, StepRun
 from .._runtime._observe import HOOKS, Bound
@@ -53,7 +53,7 @@ class Observer:
         `Engine.statistics` are final). Called once, after the engine let go of its flows."""
 
 
-def _hook(observer: object, name: str, where: str) -> object:
+def _hook(observer: object, name: str, where: str) -> Callable[[Any], None] | None:
     """`observer`'s method `name`, or None (it has none, or the no-op of `Observer`)."""
     if isinstance(observer, Observer) and getattr(type(observer), name) is getattr(Observer, name):
         return None
@@ -63,7 +63,7 @@ def _hook(observer: object, name: str, where: str) -> object:
             f"{where} is {observer!r}, whose {name} is {hook!r}: an observer's {name} must be a"
             " method (see flow.Observer)"
         )
-    return hook
+    return cast("Callable[[Any], None] | None", hook)
 
 
 def bind_one(observer: object, where: str) -> Bound:
@@ -79,7 +79,7 @@ def bind_one(observer: object, where: str) -> Bound:
             f"{where} is {observer!r} ({type(observer).__qualname__}), not an observer: an"
             f" observer is a flow.Observer, or has one or more of the methods {', '.join(HOOKS)}"
         )
-    return Bound(observer, **hooks)  # type: ignore[arg-type]
+    return Bound(observer, **hooks)
 
 
 def bind(observers: object) -> tuple[Bound, ...]:
