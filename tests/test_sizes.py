@@ -37,7 +37,6 @@ SIZE_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("ferry/flow/_store/_batch.py", "class _RowByRow"): "two batch writers, to be split",
     ("ferry/flow/_store/_sql.py", "def build"): "to be built by table",
     ("ferry/flow/_store/_store.py", "file"): "the store's split",
-    ("ferry/flow/_model/_machine.py", "file"): "to be split by concern",
     ("ferry/flow/_ops/_dashboard/_app.py", "file"): "to be split: pages, bulk actions, session",
     ("ferry/flow/_ops/_dashboard/_app.py", "class Dashboard"): "to be split with its file",
     ("ferry/flow/_ops/_dashboard/_app.py", "def bulk"): "to be split with its file",
