@@ -37,9 +37,6 @@ SIZE_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("ferry/flow/_store/_batch.py", "class _RowByRow"): "two batch writers, to be split",
     ("ferry/flow/_store/_sql.py", "def build"): "to be built by table",
     ("ferry/flow/_store/_store.py", "file"): "the store's split",
-    ("ferry/flow/_ops/_inspect.py", "def parser"): "to be built per subcommand",
-    ("ferry/flow/_ops/_inspect_read.py", "def do_show"): "to be split by section",
-    ("ferry/flow/_ops/_inspect_read.py", "def do_stats"): "to be split by section",
 }
 
 
