@@ -2,8 +2,8 @@
 
 PURE, like `_machine`, which re-exports these. An active flow is run by the engine named in
 `owner`, for as long as that engine's own lease runs (one row per engine, renewed by the engine:
-no flow row is written to renew it). `lease_until` is None while the owner holds the flow, and
-the time it let it go once it has (then any engine may take it over). `assign_holder` is the
+no flow row is written to renew it). `released_at` is None while the owner holds the flow,
+and the time it let it go once it has (then any engine may take it over). `assign_holder` is the
 one rule for who holds a flow after a write (the writer, nobody after an operator's write, or
 the engine that runs it kept); `take_over` is how an engine takes an active flow that its owner
 no longer holds (a compare-and-set on the revision and on the owner's lease having lapsed,
@@ -31,7 +31,7 @@ def take_over(flow: Flow, owner: str, now: float) -> Transition:
     it (as recovery after a crash); the same attempt if it had none (an operator made it
     runnable: nobody ran it yet). Raises `InvalidTransition` unless the flow is active."""
     require(flow.state in ACTIVE, flow, "take_over")
-    new = bump(flow, now, owner=owner, lease_until=None, attempt=_next_run(flow))
+    new = bump(flow, now, owner=owner, released_at=None, attempt=_next_run(flow))
     return Transition(new, EMPTY_MAILBOX, flow.revision)
 
 
@@ -57,14 +57,14 @@ def let_go(flow: Flow, now: float) -> Transition:
     waited for a runner, or for its retry's backoff): nobody holds it, so the engine that runs
     it next keeps its attempt number. Raises `InvalidTransition` unless the flow is active."""
     require(flow.state in ACTIVE, flow, "let_go")
-    new = bump(flow, now, owner=None, lease_until=None)
+    new = bump(flow, now, owner=None, released_at=None)
     return Transition(new, EMPTY_MAILBOX, flow.revision)
 
 
 def assign_holder(
     t: Transition, before: Flow | None, writer: str | None, *, keep_runner: bool
 ) -> Transition:
-    """Who holds the flow after a write: `t` with its row's `owner`/`lease_until` set.
+    """Who holds the flow after a write: `t` with its row's `owner`/`released_at` set.
 
     - A flow that the write leaves active is held by `writer` (the engine that made the write
       runs it; an operator's engine passes None and leaves it to whichever engine takes it
@@ -91,6 +91,6 @@ def assign_holder(
             holder = before.owner
     else:
         holder = None
-    if flow.owner == holder and flow.lease_until is None:
+    if flow.owner == holder and flow.released_at is None:
         return t
-    return attrs.evolve(t, flow=replace(flow, owner=holder, lease_until=None))
+    return attrs.evolve(t, flow=replace(flow, owner=holder, released_at=None))

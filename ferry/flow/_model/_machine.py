@@ -31,7 +31,7 @@ States and transitions (who asks for each)
     PARKED past its deadline --wake--> the timeout first (same write), then the wake meets what
                   it left: STALE (compensating, failed) or QUEUED (running on, blocked)
 
-Who holds an active flow (the fleet's `owner` and `lease_until`, `take_over`, `rerun`,
+Who holds an active flow (the fleet's `owner` and `released_at`, `take_over`, `rerun`,
 `let_go`, `assign_holder`) is in `_holders`; the row edits the transitions share (`bump`,
 `compensate`, the history events) in `_rows`. This module re-exports the holder transitions, so
 that `_machine` stays the one name for "what a flow may become".
@@ -129,7 +129,7 @@ def start(
         revision=1,
         updated_at=now,
         owner=owner,
-        lease_until=None,
+        released_at=None,
         created_at=now,
         trace=trace,
     )
