@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from ferry.flow._model import _invariants, _values
 from ferry.flow._model import _machine as m
-from ferry.flow._model._types import COMPLETE, CONTINUE, Delivery, Event, Outcome, State, fail, park
+from ferry.flow._model._checks import fail, park
+from ferry.flow._model._types import COMPLETE, CONTINUE, Delivery, Event, Outcome, State
 from ferry.flow._model._values import (
     EMPTY_MAILBOX,
     Flow,

@@ -13,7 +13,8 @@ import pytest
 import trio
 
 from ferry.flow._model import _machine as m
-from ferry.flow._model._types import CONTINUE, Delivery, State, park
+from ferry.flow._model._checks import park
+from ferry.flow._model._types import CONTINUE, Delivery, State
 from ferry.flow._model._values import (
     EMPTY_MAILBOX,
     Flow,
