@@ -52,6 +52,8 @@ from ._engine._client import connect as connect
 from ._engine._engine import Engine as Engine
 from ._engine._observer import Observer as Observer
 from ._engine._open import open_engine as open_engine
+from ._model._checks import fail as fail
+from ._model._checks import park as park
 from ._model._errors import FlowError as FlowError
 from ._model._errors import IdReused as IdReused
 from ._model._errors import StoreLocked as StoreLocked
@@ -75,8 +77,6 @@ from ._model._types import Snapshot as Snapshot
 from ._model._types import Start as Start
 from ._model._types import State as State
 from ._model._types import Wake as Wake
-from ._model._types import fail as fail
-from ._model._types import park as park
 
 __all__ = [
     "COMPLETE",

@@ -29,8 +29,9 @@ import trio
 from ferry import flow
 from ferry.flow._model import _machine as m
 from ferry.flow._model._values import Flow
-from ferry.flow._ops._dashboard._app import Dashboard, chart, loopback_hosts
+from ferry.flow._ops._dashboard._app import Dashboard, loopback_hosts
 from ferry.flow._ops._dashboard._reads import Reader, Unavailable, page_overview
+from ferry.flow._ops._dashboard._render import chart
 from ferry.flow._store import _store
 
 from ._helpers import _InlineTx

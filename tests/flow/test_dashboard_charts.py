@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from ferry.flow._ops._dashboard._app import Dashboard, chart
+from ferry.flow._ops._dashboard._app import Dashboard
 from ferry.flow._ops._dashboard._reads import Reader, Series
+from ferry.flow._ops._dashboard._render import chart
 
 from .test_dashboard import TOKEN, client_of, db  # noqa: F401 (db: a fixture)
 from .test_inspect import ROOT, T0

@@ -21,7 +21,8 @@ import pytest
 
 from ferry import flow
 from ferry.flow._model import _machine as m
-from ferry.flow._model._types import CONTINUE, park
+from ferry.flow._model._checks import park
+from ferry.flow._model._types import CONTINUE
 from ferry.flow._model._values import Flow, Mailbox, Transition
 from ferry.flow._ops._dashboard._app import Dashboard
 from ferry.flow._ops._dashboard._reads import Reader

@@ -28,7 +28,8 @@ import trio
 
 from ferry.flow._model import _checks
 from ferry.flow._model import _machine as m
-from ferry.flow._model._types import CONTINUE, fail
+from ferry.flow._model._checks import fail
+from ferry.flow._model._types import CONTINUE
 from ferry.flow._model._values import Flow, Mailbox, Transition
 from ferry.flow._ops._dashboard._app import Dashboard, loopback_hosts
 from ferry.flow._ops._dashboard._reads import Reader

@@ -24,7 +24,8 @@ import pytest
 import trio
 
 from ferry.flow._model import _machine as m
-from ferry.flow._model._types import CONTINUE, State, fail, park
+from ferry.flow._model._checks import fail, park
+from ferry.flow._model._types import CONTINUE, State
 from ferry.flow._model._values import Flow, Mailbox, Shape, Transition
 from ferry.flow._ops import _inspect, _inspect_read
 from ferry.flow._store import _store

@@ -127,7 +127,7 @@ async def test_a_running_flow_is_held_by_its_engine_whose_lease_is_renewed(
         await a.start(a._plans[("order", 1)], flow_id="f")
         await trio.testing.wait_all_tasks_blocked()
         f = await row(store, "f")
-        assert (f.state, f.step, f.owner, f.lease_until) == (
+        assert (f.state, f.step, f.owner, f.released_at) == (
             flow.State.RUNNING,
             "charge",
             "a",
@@ -143,7 +143,7 @@ async def test_a_running_flow_is_held_by_its_engine_whose_lease_is_renewed(
         gates["f/1"].set()
         assert (await a.wait("f", timeout=60)).state is flow.State.COMPLETED
         done = await row(store, "f")
-        assert done.owner is None and done.lease_until is None  # a finished flow is nobody's
+        assert done.owner is None and done.released_at is None  # a finished flow is nobody's
     until = await engine_lease(store, "a")
     assert until is not None and until <= wall()  # closing ended the engine's lease
 
@@ -510,7 +510,7 @@ async def test_flows_let_go_during_an_outage_are_released_with_the_next_renewal(
             store_a.gate.set()  # back for a first: it renews (and releases) before b scans
             store_a.gate = None
             await trio.sleep(LEASE / 3 + 1)
-            assert (await row(store_a, "f")).lease_until is not None  # released, a alive
+            assert (await row(store_a, "f")).released_at is not None  # released, a alive
             store_b.gate.set()
             store_b.gate = None
 

@@ -96,6 +96,6 @@ def test_the_oracle_catches_the_old_compensation_key(monkeypatch: pytest.MonkeyP
 def test_the_oracle_catches_a_park_check_that_lets_odd_timeouts_through(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_checks, "_park_problem", lambda park: None)
+    monkeypatch.setattr(_checks, "checked_outcome", lambda outcome: outcome)
     with pytest.raises(PropertyFailure, match="not where it would be alone"):
         props.test_a_malformed_outcome_fails_its_flow_alone("Park(-1)")

@@ -13,7 +13,8 @@ import pytest
 import trio
 
 from ferry.flow._model import _machine as m
-from ferry.flow._model._types import CONTINUE, Delivery, State, park
+from ferry.flow._model._checks import park
+from ferry.flow._model._types import CONTINUE, Delivery, State
 from ferry.flow._model._values import (
     EMPTY_MAILBOX,
     Flow,
@@ -113,7 +114,7 @@ async def test_every_field_round_trips(store: Store) -> None:
         blocked="why it is blocked",
         blocked_from=State.PARKED,
         owner="engine-7",
-        lease_until=T0 + 30.25,
+        released_at=T0 + 30.25,
     )
     t = Transition(full, EMPTY_MAILBOX, 1)
     changed((await write(store, s.Change("f1", lambda _f, _b: t, flow=f)))[0])
@@ -421,7 +422,7 @@ async def test_orphans_are_the_active_flows_that_no_live_engine_holds(store: Sto
     released = await store.transact(partial(s.release, owner="alive", flows=flows, at=T0))
     assert released == 1200
     rows = await store.transact(partial(s.load_many, flow_ids=[*ids[:3], "nope"]))
-    assert sorted((f.flow_id, f.lease_until) for f in rows) == [(i, T0) for i in ids[:3]]
+    assert sorted((f.flow_id, f.released_at) for f in rows) == [(i, T0) for i in ids[:3]]
 
 
 async def test_a_takeover_loses_to_a_renewal_and_to_a_write(store: Store) -> None:
@@ -442,7 +443,7 @@ async def test_a_takeover_loses_to_a_renewal_and_to_a_write(store: Store) -> Non
     await heartbeat(store, "a", T0 - 1)
     (won,) = await write(store, take("b"))
     f = changed(won).flow
-    assert (f.owner, f.lease_until, f.attempt, f.revision) == ("b", None, 2, 2)
+    assert (f.owner, f.released_at, f.attempt, f.revision) == ("b", None, 2, 2)
     (lost,) = await write(store, take("c"))  # the same read, now stale
     assert isinstance(lost, s.Conflict) and lost.owner == "b"
 
@@ -700,8 +701,8 @@ async def test_a_change_of_some_columns_writes_those_and_keeps_the_rest(store: S
         {"stack": ()},
         {"blocked": None, "blocked_from": None},
         {"owner": "e2"},
-        {"lease_until": T0 + 4.0},
-        {"lease_until": None},
+        {"released_at": T0 + 4.0},
+        {"released_at": None},
     ]
     for change in changes:
         new = attrs.evolve(row, revision=row.revision + 1, **change)
@@ -743,8 +744,9 @@ async def test_sqlite_sets_only_the_changed_columns(make_store: StoreFactory) ->
 
 
 async def test_a_write_after_a_release_holds_the_flow_again(store: Store) -> None:
-    """A release sets ``lease_until`` without a new revision, so the engine's copy is still
-    current: its next write (which holds the flow, ``lease_until`` None in its copy and in its
+    """A release sets ``lease_until`` (`Flow.released_at`) without a new revision, so the
+    engine's copy is still current: its next write (which holds the flow, ``released_at`` None
+    in its copy and in its
     transition) must write that column even though its transition did not change it."""
     f = await started(store)
 
@@ -753,12 +755,12 @@ async def test_a_write_after_a_release_holds_the_flow_again(store: Store) -> Non
         return m.assign_holder(t, flow, "e1", keep_runner=False)
 
     held = changed((await write(store, s.Change("f1", own, flow=f)))[0]).flow
-    assert held.owner == "e1" and held.lease_until is None
+    assert held.owner == "e1" and held.released_at is None
     let_go = partial(s.release, owner="e1", flows=[("f1", held.revision)], at=T0 + 5)
     assert await store.transact(let_go) == 1
-    assert await load(store, "f1") == attrs.evolve(held, lease_until=T0 + 5)
+    assert await load(store, "f1") == attrs.evolve(held, released_at=T0 + 5)
     again = changed((await write(store, s.Change("f1", own, flow=held)))[0]).flow
-    assert again.lease_until is None
+    assert again.released_at is None
     assert await load(store, "f1") == again
 
 

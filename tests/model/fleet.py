@@ -4,14 +4,14 @@
 same flow on PostgreSQL with two engines, as `ferry/flow/_engine/_engine.py` runs a fleet: each
 engine holds a lease of its own (a row it renews every ``lease / 3``); an active flow is held by the
 engine named in its `owner` for as long as that engine's lease runs, unless the engine let it go
-(`lease_until` set on the row); any engine may take over a flow that nobody holds. The store,
+(`released_at` set on the row); any engine may take over a flow that nobody holds. The store,
 the machine's transitions, the world and the clock are those of the one-engine model; what
 changes is who may run the flow, and when.
 
 Actors and their steps (on top of `flow.py`'s)
 -----------------------------------------------
 - the store also holds each engine's lease: held or lapsed (`S.leases`). A flow is *held* by
-  engine e when it is active, its `owner` is e, e did not let it go (`lease_until` None) and
+  engine e when it is active, its `owner` is e, e did not let it go (`released_at` None) and
   e's lease is held; else it is nobody's (`_store._orphan`). Every write an engine makes leaves
   the flow with that engine (`_machine.assign_holder`), except that an outside request (wake,
   cancel, resume, timeout) on an active flow with another owner leaves it with that owner.
@@ -227,7 +227,7 @@ class FleetChecker(FlowChecker):
         """Every engine that holds the flow in the store: more than one only if two
         incarnations of one name both hold it (the bug of ADR 0071)."""
         row = m.row
-        if row.state not in ACTIVE or row.owner is None or row.lease_until is not None:
+        if row.state not in ACTIVE or row.owner is None or row.released_at is not None:
             return []
         return [
             e
@@ -255,7 +255,7 @@ class FleetChecker(FlowChecker):
         if len(named) > 1:  # incarnations of one name: the one that holds it, if any
             named = [e for e in named if m.holders[e]] or named
         e = named[0]
-        if row.lease_until is not None:
+        if row.released_at is not None:
             return f"engine {e} let it go"
         return f"engine {e}" + ("" if m.leases[e] and m.holders[e] else ", whose lease lapsed")
 
@@ -374,7 +374,7 @@ class FleetChecker(FlowChecker):
                 if not self._nobodys(m):
                     label += " by its own clock, which is ahead"
                 steps.append((label, self._set_engine(m, e, runner=(TAKE, row))))
-            elif row.owner == name and row.lease_until is None and not engine.released:
+            elif row.owner == name and row.released_at is None and not engine.released:
                 # `Fleet.check_held`: held under its name, but not run (a lost answer, a restart)
                 now = m.now
                 write = Write(lambda f, _b: p.next_attempt(f, now), row)
@@ -421,7 +421,7 @@ class FleetChecker(FlowChecker):
         same = row.revision == engine.released or not p.release_checks_revision
         if engine.released and p.renewal_releases and row.state in ACTIVE and ours and same:
             # `_store.release`: no new revision; made a moment before any later scan's check
-            row = attrs.evolve(row, lease_until=m.now - 1.0)
+            row = attrs.evolve(row, released_at=m.now - 1.0)
             label += ", releasing the flow it let go"
             self.coverage.add("release")
         runner = engine.runner
@@ -622,7 +622,7 @@ class FleetChecker(FlowChecker):
             # (nobody's: left to the fleet by an engine without its version, a rolling deploy)
             assert row.owner is not None or self.lacks, f"{_where(row)} with no owner"
         else:
-            assert row.owner is None and row.lease_until is None, f"{_where(row)} has an owner"
+            assert row.owner is None and row.released_at is None, f"{_where(row)} has an owner"
         for e, engine in enumerate(m.engines):
             if engine.up and engine.trust:
                 assert m.leases[e], f"engine {e} trusts a lease that lapsed (the margin)"

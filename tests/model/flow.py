@@ -104,7 +104,8 @@ import attrs
 
 from ferry.flow._model import _invariants, _values
 from ferry.flow._model import _machine as fm
-from ferry.flow._model._types import COMPLETE, CONTINUE, Delivery, Outcome, State, fail, park
+from ferry.flow._model._checks import fail, park
+from ferry.flow._model._types import COMPLETE, CONTINUE, Delivery, Outcome, State
 from ferry.flow._model._values import Flow, Mailbox, Message, Received, Shape, Taken, Transition
 from tests.model.checker import Search, _step_violation
 

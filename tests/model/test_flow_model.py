@@ -10,7 +10,8 @@ import pytest
 
 from ferry.flow._model import _invariants, _values
 from ferry.flow._model import _machine as fm
-from ferry.flow._model._types import CONTINUE, State, park
+from ferry.flow._model._checks import park
+from ferry.flow._model._types import CONTINUE, State
 from ferry.flow._model._values import EMPTY_MAILBOX, Flow, Message, Received, Shape, Transition
 from ferry.flow._store import _store as store
 from tests.flow._helpers import _InlineTx

@@ -199,7 +199,7 @@ class Fleet:
                 ids.discard(fid)
                 recheck(live, row, epoch)
                 continue
-            if row.lease_until is not None or writes.released.get(fid) == row.revision:
+            if row.released_at is not None or writes.released.get(fid) == row.revision:
                 continue  # let go: any engine may take it (once the next renewal releases it)
             if self._strays.get(fid) == row.revision:
                 adopt.append(row)

@@ -15,6 +15,7 @@ UTF-8 can encode and that holds no NUL character (PostgreSQL's text type refuses
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import json
 import math
@@ -23,7 +24,7 @@ from typing import Any
 
 from ferry.projected import canonical_json
 
-from ._types import Fail, Json, Outcome, Park, _Complete, _Continue, fail, park
+from ._types import Fail, Json, MisusedOutcome, OnTimeout, Outcome, Park, _Complete, _Continue
 
 MAX_DEPTH = 64  # levels of nested lists and dicts a stored JSON value may have
 MAX_DATA_BYTES = 1 << 20  # the default of open_engine(max_data_bytes=): 1 MiB of JSON text
@@ -247,13 +248,14 @@ def message_id(value: object, what: str) -> None:
 def outcome(result: object) -> Outcome | str | None:
     """A step's return value as an outcome (None = continue), or a str saying what is wrong
     with it ("returned ..., which ..."): not an outcome, or a `Park`/`Fail` built by hand with
-    values `park()`/`fail()` would have refused."""
+    values `park()`/`fail()` would have refused (`checked_outcome`, the one check of both)."""
     if result is None or isinstance(result, _Continue | _Complete):
         return result
-    if isinstance(result, Park):
-        return _park_problem(result) or result
-    if isinstance(result, Fail):
-        return _fail_problem(result) or result
+    if isinstance(result, Park | Fail):
+        try:
+            return checked_outcome(result)
+        except MisusedOutcome as exc:
+            return f"returned {_short(result)}: {exc}"
     hint = ""
     if result is park or result is fail:
         hint = f": call it, return flow.{result.__name__}(...)"
@@ -266,37 +268,85 @@ def outcome(result: object) -> Outcome | str | None:
     )
 
 
-def _park_problem(p: Park) -> str | None:
-    timeout: object = p.timeout  # typed, but a Park built by hand may hold anything
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, int | float)
-        or not finite(timeout)
-        or timeout < 0
-    ):
-        return (
-            f"returned {_short(p)}: a park's timeout must be a finite number of seconds >= 0 or"
-            " None (use flow.park(timeout=...), which checks it)"
-        )
-    if p.on_timeout not in ("compensate", "continue"):
-        return (
-            f"returned {_short(p)}: a park's on_timeout must be 'compensate' or 'continue'"
-            " (use flow.park(...), which checks it)"
-        )
-    return None
+class _OutcomeTypeError(MisusedOutcome, TypeError):
+    pass
 
 
-def _fail_problem(f: Fail) -> str | None:
-    reason: object = f.reason  # typed str, but a Fail built by hand may hold anything
-    if not isinstance(reason, str):
-        return (
-            f"returned {_short(f)}: a fail's reason must be a str (use flow.fail(reason),"
-            " which checks it; str(error) for an exception)"
+class _OutcomeValueError(MisusedOutcome, ValueError):
+    pass
+
+
+# Shown as what they are to the user (in a flow's error, a traceback): a TypeError, a ValueError.
+for _cls, _as in ((_OutcomeTypeError, TypeError), (_OutcomeValueError, ValueError)):
+    _cls.__name__ = _cls.__qualname__ = _as.__name__
+    _cls.__module__ = "builtins"
+
+
+def checked_outcome(o: Park | Fail) -> Park | Fail:
+    """`o` if its values are ones a step may return (a park's timeout a finite number of
+    seconds >= 0 or None, as a float; its on_timeout "compensate" or "continue"; a fail's
+    reason a str that can be stored), else `TypeError`/`ValueError` (a `MisusedOutcome`).
+
+    The one check of a park's and a fail's values: `park()` and `fail()` raise it at the call,
+    and a `Park`/`Fail` built by hand is checked by it when the step returns it (`outcome`),
+    which fails its flow with the same words. O(1), but a reason's O(length) text check."""
+    if isinstance(o, Fail):
+        reason: object = o.reason  # typed str, but a Fail built by hand may hold anything
+        if not isinstance(reason, str):
+            raise _OutcomeTypeError(f"fail()'s reason must be a str, got {_short(reason)}")
+        problem = text_problem(reason)
+        if problem is not None:
+            raise _OutcomeValueError(f"fail()'s reason cannot be stored: {problem}")
+        return o
+    timeout: object = o.timeout  # typed, but a Park built by hand may hold anything
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+            raise _OutcomeTypeError(
+                "park(timeout=...) must be a number of seconds, a datetime.timedelta or None,"
+                f" got {_short(timeout)}"
+            )
+        if not (finite(timeout) and timeout >= 0):
+            raise _OutcomeValueError(
+                f"park(timeout=...) must be finite and >= 0, got {shown_number(timeout)}"
+            )
+    if o.on_timeout not in ("compensate", "continue"):
+        raise _OutcomeValueError(
+            f"park(on_timeout=...) must be 'compensate' or 'continue', got {o.on_timeout!r}"
         )
-    problem = text_problem(reason)
-    if problem is not None:
-        return f"returned a fail whose reason cannot be stored: {problem}"
-    return None
+    if timeout is None or type(timeout) is float:
+        return o
+    return Park(float(timeout), o.on_timeout)
+
+
+def park(
+    timeout: float | datetime.timedelta | None = None, on_timeout: OnTimeout = "compensate"
+) -> Park:
+    """Persist the flow and stop until `Engine.wake` (or a published event) resumes it.
+
+    `timeout`: seconds (finite, >= 0) or a `datetime.timedelta` (>= 0) after which the park times
+    out, or None for never. On a timeout the flow compensates (``on_timeout="compensate"``, the
+    default) or runs its next step with `Context.timed_out` set (``"continue"``). Raises
+    `TypeError`/`ValueError` at once for a bad argument; raised in a step, it fails the flow at
+    once (the step is not retried: the same code would make the same mistake). The step that
+    parks has completed: its compensation runs if the flow compensates.
+    """
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    result = checked_outcome(Park(timeout, on_timeout))
+    assert isinstance(result, Park)
+    return result
+
+
+def fail(reason: str = "failed") -> Fail:
+    """Stop and compensate the steps that completed, in reverse order; the flow ends `FAILED`.
+
+    `reason` (a str) becomes the flow's `error`. The failing step's own compensation does not run.
+    A reason that is not a str raises `TypeError`, one that cannot be stored (a lone surrogate,
+    a NUL) `ValueError`; raised in a step, it fails the flow at once.
+    """
+    result = checked_outcome(Fail(reason))
+    assert isinstance(result, Fail)
+    return result
 
 
 def idempotency_key(flow_id: str, step_index: int, step: str, *, compensation: bool) -> str:

@@ -31,14 +31,10 @@ States and transitions (who asks for each)
     PARKED past its deadline --wake--> the timeout first (same write), then the wake meets what
                   it left: STALE (compensating, failed) or QUEUED (running on, blocked)
 
-Leases (the fleet): an active flow is run by the engine named in `owner`, for as long
-as that engine's own lease runs (one row per engine, renewed by the engine: no flow row is
-written to renew it). `lease_until` is None while the owner holds the flow, and the time it let
-it go once it has (then any engine may take it over). `assign_holder` is the one rule for who
-holds a flow after a write (the writer, nobody after an operator's write, or the engine that runs it
-kept); `take_over` is how an engine takes an active flow that its owner no longer holds (a
-compare-and-set on the revision and on the owner's lease having lapsed, checked by the store;
-attempt + 1 if someone may have run the step). Non-active flows are nobody's.
+Who holds an active flow (the fleet's `owner` and `released_at`, `take_over`, `rerun`,
+`let_go`, `assign_holder`) is in `_holders`; the row edits the transitions share (`bump`,
+`compensate`, the history events) in `_rows`. This module re-exports the holder transitions, so
+that `_machine` stays the one name for "what a flow may become".
 
 `step_done`, `step_failed`, `next_attempt`, `compensated` and `compensation_failed` are asked by
 the one task that runs the flow and raise `InvalidTransition` in a state where they cannot
@@ -50,12 +46,20 @@ changes the mailbox, not the row.
 
 from __future__ import annotations
 
-import operator
-from typing import Any, Final
-
 import attrs
 
-from ._types import Delivery, Event, Fail, Json, Outcome, Park, State, _Complete, _Continue
+from ._holders import assign_holder, let_go, rerun, take_over
+from ._rows import COMPLETE_DETAIL, CONTINUE_DETAIL, DETAILS
+from ._rows import advance as _advance
+from ._rows import bump as _bump
+from ._rows import compensate as _compensate
+from ._rows import completed_events as _completed_events
+from ._rows import ended as _ended
+from ._rows import event as _event
+from ._rows import no_change as _no_change
+from ._rows import pushed as _pushed
+from ._rows import require as _require
+from ._types import Delivery, Fail, Json, Outcome, Park, _Complete, _Continue
 from ._values import (
     ACTIVE,
     BLOCKED,
@@ -98,141 +102,6 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------------------- helpers
-
-#: The details of the history events that are the same for every flow: one object each, shared
-#: by every event that has it (never changed), so that a store may encode each once.
-_CONTINUED: Final[dict[str, Json]] = {"outcome": "continue"}
-_COMPLETED: Final[dict[str, Json]] = {"outcome": "complete"}
-DETAILS: Final = (_CONTINUED, _COMPLETED)
-
-
-def _event(
-    flow: Flow, now: float, kind: str, step: str | None, attempt: int | None, detail: Json = None
-) -> Event:
-    return Event(
-        revision=flow.revision, at=now, kind=kind, step=step, attempt=attempt, detail=detail
-    )
-
-
-def _require(cond: bool, flow: Flow, what: str) -> None:
-    if not cond:
-        raise InvalidTransition(f"{what} is not possible for flow {flow.flow_id!r} in {flow.state}")
-
-
-def _no_change(flow: Flow, mailbox: Mailbox, delivery: Delivery | None = None) -> Transition:
-    return Transition(flow, mailbox, flow.revision, delivery=delivery, done=False)
-
-
-# `attrs.evolve` looks every field up by name on every call; a transition's copy of the row is
-# made here instead from the fields in their order, positionally (about half the cost). Flow's
-# fields are all plain `__init__` arguments of their own name, in this order.
-_FLOW_FIELDS: Final = tuple(a.name for a in attrs.fields(Flow))
-assert all(a.init and a.alias == a.name for a in attrs.fields(Flow))
-_flow_values: Final = operator.attrgetter(*_FLOW_FIELDS)
-_FLOW_INDEX: Final = {name: i for i, name in enumerate(_FLOW_FIELDS)}
-_REVISION: Final = _FLOW_INDEX["revision"]
-_UPDATED_AT: Final = _FLOW_INDEX["updated_at"]
-
-
-def _replace(flow: Flow, **changes: Any) -> Flow:
-    """`attrs.evolve(flow, **changes)` for `Flow`, cheaper; a name Flow lacks raises KeyError."""
-    values = list(_flow_values(flow))
-    for name, value in changes.items():
-        values[_FLOW_INDEX[name]] = value
-    return Flow(*values)
-
-
-def _bump(flow: Flow, now: float, **changes: Any) -> Flow:
-    """`flow` at its next revision, written at `now`, with `changes`."""
-    values = list(_flow_values(flow))
-    values[_REVISION] = flow.revision + 1
-    values[_UPDATED_AT] = now
-    for name, value in changes.items():
-        values[_FLOW_INDEX[name]] = value
-    return Flow(*values)
-
-
-def _ended(state: State) -> dict[str, Any]:
-    return {
-        "state": state,
-        "step": None,
-        "stack": (),
-        "wake": None,
-        "timed_out": False,
-        "park_deadline": None,
-        "on_timeout": None,
-        "blocked": None,
-        "blocked_from": None,
-    }
-
-
-def _advance(
-    flow: Flow, shape: Shape, stack: tuple[int, ...], wake: str | None, timed_out: bool
-) -> dict[str, Any]:
-    """The changes that move a flow past its current step (to the next one, or to completed)."""
-    i = flow.step_index + 1
-    if i >= len(shape.steps):
-        return {**_ended(COMPLETED), "step_index": flow.step_index}
-    return {
-        "state": RUNNING,
-        "step_index": i,
-        "step": shape.steps[i],
-        "attempt": 1,
-        "stack": stack,
-        "wake": wake,
-        "timed_out": timed_out,
-        "park_deadline": None,
-        "on_timeout": None,
-        "blocked": None,
-        "blocked_from": None,
-    }
-
-
-def _completed_events(new: Flow, now: float) -> tuple[Event, ...]:
-    return (_event(new, now, "completed", None, None),) if new.state is COMPLETED else ()
-
-
-def _compensate(
-    flow: Flow,
-    shape: Shape | None,
-    new: Flow,
-    error: str,
-    now: float,
-    events: list[Event],
-) -> Flow:
-    """`new` (already bumped) starts compensating its stack, or fails at once if it is empty.
-    Appends the `failed` event when it fails."""
-    if new.stack:
-        top = new.stack[-1]
-        # Without the plan (a cancel through an engine or operator that lacks its version) the
-        # top's name is unknown: it stays None until an engine with the plan runs it.
-        step = shape.steps[top] if shape is not None and top < len(shape.steps) else None
-        return _replace(
-            new,
-            state=COMPENSATING,
-            step_index=top,
-            step=step,
-            attempt=1,
-            error=error,
-            wake=None,
-            timed_out=False,
-            park_deadline=None,
-            on_timeout=None,
-            blocked=None,
-            blocked_from=None,
-        )
-    failed = _replace(new, error=error, **_ended(FAILED))
-    events.append(_event(failed, now, "failed", None, None, {"error": error}))
-    return failed
-
-
-def _pushed(flow: Flow, shape: Shape) -> tuple[int, ...]:
-    """The stack once the current step has completed."""
-    i = flow.step_index
-    return (*flow.stack, i) if shape.compensable[i] else flow.stack
-
-
 # -------------------------------------------------------------------- transitions of the runner
 
 
@@ -260,7 +129,7 @@ def start(
         revision=1,
         updated_at=now,
         owner=owner,
-        lease_until=None,
+        released_at=None,
         created_at=now,
         trace=trace,
     )
@@ -303,14 +172,14 @@ def step_done(
             flow, now, data=data, **_advance(flow, shape, _pushed(flow, shape), None, False)
         )
         events = (
-            _event(new, now, "step", step, attempt, _CONTINUED),
+            _event(new, now, "step", step, attempt, CONTINUE_DETAIL),
             *_completed_events(new, now),
         )
         return Transition(new, mailbox, flow.revision, events=events)
     if isinstance(outcome, _Complete):
         new = _bump(flow, now, data=data, step_index=flow.step_index, **_ended(COMPLETED))
         events = (
-            _event(new, now, "step", step, attempt, _COMPLETED),
+            _event(new, now, "step", step, attempt, COMPLETE_DETAIL),
             _event(new, now, "completed", None, None),
         )
         return Transition(new, mailbox, flow.revision, events=events)
@@ -588,81 +457,3 @@ def abandon(flow: Flow, shape: Shape | None, reason: str, by: str | None, now: f
         _event(new, now, "failed", None, None, {"error": error}),
     )
     return Transition(new, EMPTY_MAILBOX, flow.revision, events=events)
-
-
-# ------------------------------------------------------------------------- leases (the fleet)
-
-
-def take_over(flow: Flow, owner: str, now: float) -> Transition:
-    """`owner` takes over an active flow that no engine holds: a write (revision + 1, no event),
-    to be made as a compare-and-set on the revision the taker read *and* on the flow still
-    being nobody's (its owner's lease lapsed, or it let the flow go, or it never had one):
-    the store checks that, since an owner's renewal writes no flow row.
-
-    Its step or compensation runs again: attempt + 1 if the flow had an owner, who may have run
-    it (as recovery after a crash); the same attempt if it had none (an operator made it
-    runnable: nobody ran it yet). Raises `InvalidTransition` unless the flow is active."""
-    _require(flow.state in ACTIVE, flow, "take_over")
-    new = _bump(flow, now, owner=owner, lease_until=None, attempt=_next_run(flow))
-    return Transition(new, EMPTY_MAILBOX, flow.revision)
-
-
-def _next_run(flow: Flow) -> int:
-    """The attempt number of the next run of an active flow's step or compensation, taken up
-    by an engine that did not make the last write: one more if an engine held the flow (it may
-    have begun a run that recorded nothing), the same if nobody did (an operator's write, or an
-    engine that let the flow go before its run began: `let_go`)."""
-    return flow.attempt + 1 if flow.owner is not None else flow.attempt
-
-
-def rerun(flow: Flow, now: float) -> Transition:
-    """Recovery at open: the active flow runs again in the engine that opens, as attempt + 1 if
-    a run may have begun (`_next_run`), else as the same attempt (attempts count runs that
-    began). Raises `InvalidTransition` unless the flow is active."""
-    _require(flow.state in ACTIVE, flow, "rerun")
-    new = _bump(flow, now, attempt=_next_run(flow))
-    return Transition(new, EMPTY_MAILBOX, flow.revision)
-
-
-def let_go(flow: Flow, now: float) -> Transition:
-    """An engine that closes lets go of an active flow whose current run had not begun (it
-    waited for a runner, or for its retry's backoff): nobody holds it, so the engine that runs
-    it next keeps its attempt number. Raises `InvalidTransition` unless the flow is active."""
-    _require(flow.state in ACTIVE, flow, "let_go")
-    new = _bump(flow, now, owner=None, lease_until=None)
-    return Transition(new, EMPTY_MAILBOX, flow.revision)
-
-
-def assign_holder(
-    t: Transition, before: Flow | None, writer: str | None, *, keep_runner: bool
-) -> Transition:
-    """Who holds the flow after a write: `t` with its row's `owner`/`lease_until` set.
-
-    - A flow that the write leaves active is held by `writer` (the engine that made the write
-      runs it; an operator's engine passes None and leaves it to whichever engine takes it
-      over) -- except, with `keep_runner`, when `before` was active and held by another engine:
-      an outside request (a cancel) on a flow another engine runs leaves it with that engine,
-      whose step must stop before anything else runs (one step at a time, across a fleet too).
-      If that engine is gone, the flow is an orphan like its others, and is taken over as one.
-    - A flow that is not active is nobody's (owner and lease None): a parked flow holds nothing.
-
-    Unwritten transitions are returned as they are. No cost beyond one `attrs.evolve`.
-    """
-    if not t.written:
-        return t
-    flow = t.flow
-    holder = writer
-    if flow.state in ACTIVE:
-        if (
-            keep_runner
-            and before is not None
-            and before.state in ACTIVE
-            and before.owner is not None
-            and before.owner != writer
-        ):
-            holder = before.owner
-    else:
-        holder = None
-    if flow.owner == holder and flow.lease_until is None:
-        return t
-    return attrs.evolve(t, flow=_replace(flow, owner=holder, lease_until=None))

@@ -4,9 +4,7 @@ the choreography decisions and the statistics record. No trio, no I/O.
 
 from __future__ import annotations
 
-import datetime
 import enum
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeAlias, final
 
@@ -80,7 +78,7 @@ OnTimeout: TypeAlias = Literal["compensate", "continue"]
 @final
 @attrs.frozen
 class Park:
-    """Persist the flow and stop until a wake; made by `park()`."""
+    """Persist the flow and stop until a wake; made by `park()`, which checks its values."""
 
     timeout: float | None
     on_timeout: OnTimeout
@@ -89,7 +87,7 @@ class Park:
 @final
 @attrs.frozen
 class Fail:
-    """Stop and compensate the completed steps; made by `fail()`."""
+    """Stop and compensate the completed steps; made by `fail()`, which checks its reason."""
 
     reason: str
 
@@ -98,74 +96,11 @@ class Fail:
 Outcome: TypeAlias = _Continue | _Complete | Park | Fail
 
 
-def _finite(value: int | float) -> bool:
-    """`_checks.finite` (which imports this module): a huge int is not finite either."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
 class MisusedOutcome(Exception):
     """Marks an error raised by `park()` or `fail()` for a bad argument: a mistake in the step's
     code, which the same code makes again on every attempt. The runner fails the flow at once
-    instead of retrying the step (SPEC 5.3.2: a flow's mistake is answered at once)."""
-
-
-class _OutcomeTypeError(MisusedOutcome, TypeError):
-    pass
-
-
-class _OutcomeValueError(MisusedOutcome, ValueError):
-    pass
-
-
-# Shown as what they are to the user (in a flow's error, a traceback): a TypeError, a ValueError.
-for _cls, _shown in ((_OutcomeTypeError, TypeError), (_OutcomeValueError, ValueError)):
-    _cls.__name__ = _cls.__qualname__ = _shown.__name__
-    _cls.__module__ = "builtins"
-
-
-def park(
-    timeout: float | datetime.timedelta | None = None, on_timeout: OnTimeout = "compensate"
-) -> Park:
-    """Persist the flow and stop until `Engine.wake` (or a published event) resumes it.
-
-    `timeout`: seconds (finite, >= 0) or a `datetime.timedelta` (>= 0) after which the park times
-    out, or None for never. On a timeout the flow compensates (``on_timeout="compensate"``, the
-    default) or runs its next step with `Context.timed_out` set (``"continue"``). Raises
-    `TypeError`/`ValueError` at once for a bad argument; raised in a step, it fails the flow at
-    once (the step is not retried: the same code would make the same mistake). The step that
-    parks has completed: its compensation runs if the flow compensates.
-    """
-    if timeout is not None:
-        if isinstance(timeout, datetime.timedelta):
-            timeout = timeout.total_seconds()
-        elif isinstance(timeout, bool) or not isinstance(timeout, int | float):
-            raise _OutcomeTypeError(
-                "park(timeout=...) must be a number of seconds, a datetime.timedelta or None,"
-                f" got {timeout!r}"
-            )
-        if not (_finite(timeout) and timeout >= 0):
-            shown = repr(timeout) if len(repr(timeout)) <= 40 else f"{repr(timeout)[:40]}..."
-            raise _OutcomeValueError(f"park(timeout=...) must be finite and >= 0, got {shown}")
-        timeout = float(timeout)
-    if on_timeout not in ("compensate", "continue"):
-        raise _OutcomeValueError(
-            f"park(on_timeout=...) must be 'compensate' or 'continue', got {on_timeout!r}"
-        )
-    return Park(timeout, on_timeout)
-
-
-def fail(reason: str = "failed") -> Fail:
-    """Stop and compensate the steps that completed, in reverse order; the flow ends `FAILED`.
-
-    `reason` (a str) becomes the flow's `error`. The failing step's own compensation does not run.
-    A reason that is not a str raises `TypeError`; raised in a step, it fails the flow at once.
-    """
-    if not isinstance(reason, str):
-        raise _OutcomeTypeError(f"fail(reason) must be a str, got {reason!r}")
-    return Fail(reason)
+    instead of retrying the step (SPEC 5.3.2: a flow's mistake is answered at once). `park()`,
+    `fail()` and the check of a returned `Park`/`Fail` are in `_checks` (`checked_outcome`)."""
 
 
 # ------------------------------------------------------------------------------------- context

@@ -130,7 +130,9 @@ class Flow:
     blocked: str | None = None
     blocked_from: State | None = None
     owner: str | None = None
-    lease_until: float | None = None
+    # When the owner let the flow go (the database's clock, docs/adr/0110); None while it holds
+    # it. Stored in the flows table's ``lease_until`` column (docs/adr/0136).
+    released_at: float | None = None
     created_at: float = 0.0  # when it was started (wall-clock seconds); never changes
     # The W3C ``traceparent`` of the span that started the flow (None: traces were off then):
     # every step's span joins its trace. Set by `start`, never changed; the machine ignores it.

@@ -161,6 +161,7 @@ def _before(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line: STORE, then one subcommand, each built by its own function below."""
     p = _Parser(
         prog=PROG,
         description="Look at the flows of a ferry.flow store, and wake, cancel or resume one.",
@@ -179,9 +180,62 @@ def parser() -> argparse.ArgumentParser:
     def command(name: str, summary: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, parents=[common], help=summary, description=summary)
 
-    ls = command(
-        "list", "List flows, newest started first (in id order with --id-prefix), and filter them."
+    def acting(name: str, summary: str, what: str) -> argparse.ArgumentParser:
+        c = sub.add_parser(
+            name, parents=[common], help=summary, description=f"{summary} {_ONE_OR_MANY}"
+        )
+        _one_or_many(c, what)
+        return c
+
+    _list_arguments(
+        command(
+            "list",
+            "List flows, newest started first (in id order with --id-prefix), and filter them.",
+        )
     )
+    show = command("show", "One flow: its state, and its history as a table.")
+    show.add_argument("flow_id", metavar="FLOW_ID", type=_bulk.utf8)
+    _stats_arguments(
+        command(
+            "stats",
+            "Counts by state and plan, the oldest parked flows, failed and blocked flows grouped"
+            " by their error, the engines.",
+        )
+    )
+    _wake_arguments(acting("wake", "Put a message in a flow's mailbox (Engine.wake).", "to wake"))
+    cancel = acting(
+        "cancel", "Stop a running or parked flow; it compensates (Engine.cancel).", "to cancel"
+    )
+    cancel.add_argument(
+        "--reason", type=_bulk.utf8, default="cancelled by an operator", help="recorded as why"
+    )
+    acting("resume", "Re-drive a BLOCKED flow (Engine.resume).", "to resume")
+    _abandon_arguments(
+        acting(
+            "abandon",
+            "End a BLOCKED flow FAILED without running the compensations left on it, the failing"
+            " one among them (Engine.abandon): once their effect was handled by hand.",
+            "to abandon",
+        )
+    )
+    _purge_arguments(
+        command(
+            "purge",
+            "Delete finished (COMPLETED or FAILED) flows that ended before a time, with their"
+            " history and mailbox, as open_engine(retain=) does; after it asks (see --yes).",
+        )
+    )
+    what = (
+        "Serve the dashboard, a web page of the flows with wake, cancel and resume buttons"
+        " (needs: pip install 'stm-ferry[dashboard]')."
+    )
+    serve = sub.add_parser("serve", help=what, description=what)  # no --json: it prints no table
+    serve.set_defaults(json=False)
+    _serve_arguments(serve)
+    return p
+
+
+def _list_arguments(ls: argparse.ArgumentParser) -> None:
     _bulk.add_filters(ls, "to list")
     ls.add_argument(
         "--limit", metavar="N", type=_count, default=50, help="at most this many (default 50)"
@@ -192,13 +246,9 @@ def parser() -> argparse.ArgumentParser:
         type=_cursor,
         help="the page after this cursor (list prints it when more flows match than --limit)",
     )
-    show = command("show", "One flow: its state, and its history as a table.")
-    show.add_argument("flow_id", metavar="FLOW_ID", type=_bulk.utf8)
-    stats = command(
-        "stats",
-        "Counts by state and plan, the oldest parked flows, failed and blocked flows grouped by"
-        " their error, the engines.",
-    )
+
+
+def _stats_arguments(stats: argparse.ArgumentParser) -> None:
     stats.add_argument(
         "--oldest", type=_count, default=10, help="how many parked flows to list (default 10)"
     )
@@ -209,54 +259,48 @@ def parser() -> argparse.ArgumentParser:
         default=20,
         help="how many groups of failed and blocked flows by error to show (default 20)",
     )
-    bulk = (
-        "Give FLOW_ID for one flow, or filters for every flow they match: the count is shown and"
-        " confirmed (y/N on stdin; --yes skips the question), then each flow is acted on in its"
-        " own write."
+
+
+#: What the description of each action on one flow or many says after its summary.
+_ONE_OR_MANY = (
+    "Give FLOW_ID for one flow, or filters for every flow they match: the count is shown and"
+    " confirmed (y/N on stdin; --yes skips the question), then each flow is acted on in its"
+    " own write."
+)
+
+
+def _one_or_many(c: argparse.ArgumentParser, what: str) -> None:
+    """The arguments every action on one flow or on a filter's flows has."""
+    c.add_argument(
+        "flow_id",
+        metavar="FLOW_ID",
+        nargs="?",
+        type=_bulk.utf8,
+        help="one flow (or use filters)",
+    )
+    _bulk.add_filters(c, what)
+    c.add_argument("--limit", metavar="N", type=_count, help="act on at most this many matches")
+    c.add_argument("--yes", action="store_true", help="do not ask: act on every match")
+    c.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=_seconds,
+        default=10.0,
+        help="how long to wait for the answer of the engine serving the store (default 10;"
+        " the request stays stored after it and is applied when an engine takes it)",
     )
 
-    def one_or_many(name: str, summary: str, what: str) -> argparse.ArgumentParser:
-        c = sub.add_parser(name, parents=[common], help=summary, description=f"{summary} {bulk}")
-        c.add_argument(
-            "flow_id",
-            metavar="FLOW_ID",
-            nargs="?",
-            type=_bulk.utf8,
-            help="one flow (or use filters)",
-        )
-        _bulk.add_filters(c, what)
-        c.add_argument("--limit", metavar="N", type=_count, help="act on at most this many matches")
-        c.add_argument("--yes", action="store_true", help="do not ask: act on every match")
-        c.add_argument(
-            "--timeout",
-            metavar="SECONDS",
-            type=_seconds,
-            default=10.0,
-            help="how long to wait for the answer of the engine serving the store (default 10;"
-            " the request stays stored after it and is applied when an engine takes it)",
-        )
-        return c
 
-    wake = one_or_many("wake", "Put a message in a flow's mailbox (Engine.wake).", "to wake")
+def _wake_arguments(wake: argparse.ArgumentParser) -> None:
     wake.add_argument("--payload", type=_json_value, default=None, help="JSON (default null)")
     wake.add_argument(
         "--message-id",
         type=_nonempty,
         help="deduplicates: a repeat is reported DUPLICATE",
     )
-    cancel = one_or_many(
-        "cancel", "Stop a running or parked flow; it compensates (Engine.cancel).", "to cancel"
-    )
-    cancel.add_argument(
-        "--reason", type=_bulk.utf8, default="cancelled by an operator", help="recorded as why"
-    )
-    one_or_many("resume", "Re-drive a BLOCKED flow (Engine.resume).", "to resume")
-    abandon = one_or_many(
-        "abandon",
-        "End a BLOCKED flow FAILED without running the compensations left on it, the failing"
-        " one among them (Engine.abandon): once their effect was handled by hand.",
-        "to abandon",
-    )
+
+
+def _abandon_arguments(abandon: argparse.ArgumentParser) -> None:
     abandon.add_argument("--reason", type=_said, required=True, help="recorded as why (required)")
     abandon.add_argument(
         "--by",
@@ -264,11 +308,9 @@ def parser() -> argparse.ArgumentParser:
         default=_operator(),
         help="recorded as who (default: this user@host)",
     )
-    purge = command(
-        "purge",
-        "Delete finished (COMPLETED or FAILED) flows that ended before a time, with their"
-        " history and mailbox, as open_engine(retain=) does; after it asks (see --yes).",
-    )
+
+
+def _purge_arguments(purge: argparse.ArgumentParser) -> None:
     purge.add_argument(
         "--finished-before",
         metavar="TIME",
@@ -286,12 +328,9 @@ def parser() -> argparse.ArgumentParser:
         help="only the flows that ended in this state (keep failed flows longer, say)",
     )
     purge.add_argument("--yes", action="store_true", help="delete without asking")
-    what = (
-        "Serve the dashboard, a web page of the flows with wake, cancel and resume buttons"
-        " (needs: pip install 'stm-ferry[dashboard]')."
-    )
-    serve = sub.add_parser("serve", help=what, description=what)  # no --json: it prints no table
-    serve.set_defaults(json=False)
+
+
+def _serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine)"
     )
@@ -307,7 +346,6 @@ def parser() -> argparse.ArgumentParser:
         help="link each flow's page to its trace: an http(s) address holding {trace_id}, e.g."
         " 'https://jaeger.example/trace/{trace_id}'",
     )
-    return p
 
 
 def _trace_url(text: str) -> str:

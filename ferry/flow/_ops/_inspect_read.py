@@ -27,8 +27,8 @@ from .._fleet._reach import masked
 from .._fleet._reach import shown as shown
 from .._model import _times, _values
 from .._model._errors import FlowError
-from .._model._types import Json, State
-from .._model._values import ACTIVE, Flow
+from .._model._types import Event, Json, State
+from .._model._values import ACTIVE, Flow, Mailbox
 from .._store import _inbox, _store, _triage
 from .._store._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
 from . import _bulk
@@ -297,7 +297,15 @@ async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
     if hold is not None:
         until, orphaned = hold
         held = {"owner": f.owner, "until": until if until > -math.inf else None, "lapsed": orphaned}
-    data = {
+    text = "\n".join(_show_lines(f, events, box, held, leased, now))
+    output(args, text, _show_json(f, events, box, held))
+
+
+def _show_json(
+    f: Flow, events: Sequence[Event], box: Mailbox, held: dict[str, Any] | None
+) -> dict[str, Json]:
+    """What ``show --json`` prints: the flow, who holds it, its queued messages, its history."""
+    return {
         "flow": flow_json(f),
         "held": held,
         "queued": [
@@ -315,6 +323,17 @@ async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
             for e in events
         ],
     }
+
+
+def _show_lines(
+    f: Flow,
+    events: Sequence[Event],
+    box: Mailbox,
+    held: dict[str, Any] | None,
+    leased: bool,
+    now: float,
+) -> list[str]:
+    """What ``show`` prints: the flow's state, who runs it, its data, then its history."""
     snap = _values.snapshot(f)
     lines = [
         f"flow      {safe(f.flow_id)}",
@@ -357,8 +376,7 @@ async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
         ]
         for e in events
     ]
-    lines += ["", table(("REV", "AT", "KIND", "STEP", "ATTEMPT", "DETAIL"), rows)]
-    output(args, "\n".join(lines), data)
+    return [*lines, "", table(("REV", "AT", "KIND", "STEP", "ATTEMPT", "DETAIL"), rows)]
 
 
 #: What the terms of `stats` mean (the legend under its tables names those shown).
@@ -405,7 +423,24 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
         by_state[state.name] += n
         by_plan.setdefault(f"{plan}@{version}", dict.fromkeys((s.name for s in State), 0))
         by_plan[f"{plan}@{version}"][state.name] += n
-    data = {
+    data = _stats_json(r, by_state, by_plan, args.limit)
+    parts = _stats_tables(r, by_state, by_plan)
+    legend = ["orphans", *(["PLAN"] if by_plan else [])]
+    legend += ["SINCE", "DEADLINE"] if r["parked"] else []
+    legend += ["ERROR", "FIRST", "E.G."] if r["errors"].groups else []
+    legend += ["LEASE", "FLOWS"] if r["engines"] else []
+    if not data["serving"]:
+        parts.append(f"\n{_NO_ENGINE.format(where=args.where)}")
+    width = max(len(k) for k in legend)
+    parts.append("\nlegend\n" + "\n".join(f"  {k:<{width}}  {STATS_LEGEND[k]}" for k in legend))
+    output(args, "\n".join(parts), data)
+
+
+def _stats_json(
+    r: dict[str, Any], by_state: dict[str, int], by_plan: dict[str, dict[str, int]], limit: int
+) -> dict[str, Json]:
+    """What ``stats --json`` prints, from what `do_stats` read."""
+    return {
         "states": by_state,
         "plans": by_plan,
         "orphans": r["orphans"],
@@ -420,7 +455,7 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
             }
             for f in r["parked"]
         ],
-        "errors": _errors_json(r["errors"], args.limit),
+        "errors": _errors_json(r["errors"], limit),
         "engines": [
             {
                 "owner": o,
@@ -439,14 +474,19 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
             for sh, at in r["registered"]
         ],
     }
+
+
+def _stats_tables(
+    r: dict[str, Any], by_state: dict[str, int], by_plan: dict[str, dict[str, int]]
+) -> list[str]:
+    """The tables ``stats`` prints, from what `do_stats` read: states, plans, the oldest
+    parked flows, errors by group, engines (each table only when it has a row)."""
     states = [s.name for s in State]
     parts = [
         table(("STATE", "FLOWS"), [[s, by_state[s]] for s in states]),
         f"\nrunning flows no engine holds (orphans): {r['orphans']}",
     ]
-    legend = ["orphans"]
     if by_plan:
-        legend.append("PLAN")
         rows = [[p, *(counts[s] for s in states)] for p, counts in by_plan.items()]
         parts.append("\n" + table(("PLAN", *states), rows))
     if r["parked"]:
@@ -463,7 +503,6 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
         parts.append(
             "\noldest parked\n" + table(("FLOW", "PLAN", "STEP", "SINCE", "DEADLINE"), rows)
         )
-        legend += ["SINCE", "DEADLINE"]
     groups: _triage.Groups = r["errors"]
     if groups.groups:
         rows = [
@@ -482,7 +521,6 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
             + table(("FLOWS", "STATE", "FIRST", "LAST", "E.G.", "ERROR"), rows)
         )
         parts += _left_out(groups)
-        legend += ["ERROR", "FIRST", "E.G."]
     if r["engines"]:
         rows = []
         for o, until, at, n in r["engines"]:
@@ -494,12 +532,7 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
             "\nengines\n"
             + table(("ENGINE", "PID@HOST", "STARTED", "LEASE", "UNTIL", "FLOWS"), rows)
         )
-        legend += ["LEASE", "FLOWS"]
-    if not data["serving"]:
-        parts.append(f"\n{_NO_ENGINE.format(where=args.where)}")
-    width = max(len(k) for k in legend)
-    parts.append("\nlegend\n" + "\n".join(f"  {k:<{width}}  {STATS_LEGEND[k]}" for k in legend))
-    output(args, "\n".join(parts), data)
+    return parts
 
 
 def _errors_json(groups: _triage.Groups, limit: int) -> dict[str, Json]:

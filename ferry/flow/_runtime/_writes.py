@@ -251,7 +251,7 @@ class Writes:
         return (
             self._serve
             and flow.state in ACTIVE
-            and (not self._fleet or (flow.owner == self._owner and flow.lease_until is None))
+            and (not self._fleet or (flow.owner == self._owner and flow.released_at is None))
             and not (self._fleet and self._versions.elsewhere(flow))  # only a fleet's versions
         )
 

@@ -79,6 +79,9 @@ FIELDS: Final = (
     "lease_until",
     "trace",
 )
+#: The `Flow` field a column of `FIELDS` holds, where its name is not the column's: the column
+#: ``lease_until`` holds `Flow.released_at` (docs/adr/0136).
+ATTRIBUTE: Final = {"lease_until": "released_at"}
 #: `FIELDS` as a select list.
 COLUMNS: Final = ", ".join(FIELDS)
 #: What a write changes (never flow_id, plan, version, created_at, trace), in the order of
@@ -136,7 +139,7 @@ def to_flow(row: Sequence[Any]) -> Flow:
         blocked=row[17],
         blocked_from=None if blocked_from is None else STATES[blocked_from],
         owner=row[19],
-        lease_until=row[20],
+        released_at=row[20],  # the column keeps its name: docs/adr/0136
         trace=row[21],
     )
 
@@ -160,7 +163,7 @@ def mutable_values(f: Flow) -> tuple[Any, ...]:
         f.blocked,
         None if f.blocked_from is None else f.blocked_from.value,
         f.owner,
-        f.lease_until,
+        f.released_at,
     )
 
 
@@ -172,7 +175,7 @@ assert MUTABLE[-1] == "lease_until"  # `changed_write` appends it last
 
 #: A `Flow`'s values of `MUTABLE` as the row holds them (a `State`, a bool, a tuple: not yet
 #: converted as `mutable_values` converts them), read in one call.
-_unconverted: Final = operator.attrgetter(*MUTABLE)
+_unconverted: Final = operator.attrgetter(*(ATTRIBUTE.get(c, c) for c in MUTABLE))
 _ALL: Final = range(len(MUTABLE))
 
 

@@ -327,7 +327,7 @@ def page_flow(tx: Tx, flow_id: str) -> FlowPage | None:
     created = tx.execute(f"SELECT created_at FROM {_sql.FLOWS} WHERE flow_id = ?", (flow_id,))
     held = None
     if f.owner is not None and f.state in ACTIVE:
-        until = f.lease_until
+        until = f.released_at
         if until is None:
             lease = tx.execute(
                 f"SELECT lease_until FROM {_sql.ENGINES} WHERE owner = ?", (f.owner,)

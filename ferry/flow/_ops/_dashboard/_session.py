@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import hmac
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -25,7 +26,13 @@ from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import attrs
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ._guard import read_form, who_sent
+
+_log = logging.getLogger("ferry.flow")
 
 COOKIE = "ferry_flow_session"
 #: How long a session lasts (seconds) and how many are kept at most.
@@ -163,3 +170,52 @@ def cross_site(headers: dict[str, str], scheme: str) -> str | None:
     if origin != f"{scheme}://{host}":
         return f"the form was sent from another origin ({origin!r}, this is {scheme}://{host})"
     return None
+
+
+def allowed(
+    request: Request, form: dict[str, str], *, token: str, sessions: Sessions
+) -> str | None:
+    """Why this POST is refused, or None (docs/adr/0129). Nothing is looked up, read or
+    written before this passes. A form from another site is refused; then the token in the
+    form (which starts a session: the token is asked once per browser), or the session's
+    cookie with its CSRF token in the form, lets it through."""
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers.raw}
+    far = cross_site(headers, request.url.scheme)
+    if far is not None:
+        return far
+    here = current.get()
+    given = form.get("token", "")
+    if given:
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            return "wrong token: paste the token the serve command printed at start"
+        if here is not None and here.session is None:
+            here.session, here.started = sessions.start(who_sent(request)), True
+        return None
+    session = None if here is None else here.session
+    csrf = form.get("csrf", "")
+    if csrf_ok(session, csrf):
+        return None
+    if csrf and session is None:
+        return (
+            "your session has ended (the dashboard restarted, or it lasted"
+            f" {TTL / 3600:g} h): paste the token the serve command printed again"
+        )
+    if csrf:
+        return "this form does not belong to your session: reload the page and try again"
+    return "no token: paste the token the serve command printed at start"
+
+
+async def end(request: Request, *, token: str, sessions: Sessions) -> Response:
+    """POST ``/session/end``: forget this browser's session (the token is asked again)."""
+    form = await read_form(request)
+    refused = allowed(request, {"csrf": form.get("csrf", "")}, token=token, sessions=sessions)
+    here = current.get()
+    if refused is None and here is not None and here.session is not None:
+        sessions.end(here.session.sid)
+        here.ended = True
+        _log.info(
+            "dashboard: the session of %s ended",
+            who_sent(request),
+            extra={"action": "end session", "by": who_sent(request)},
+        )
+    return RedirectResponse("/", 303)
