@@ -247,8 +247,9 @@ def browse(
 
         def shot(name: str) -> None:
             """The page at 1400 px and 420 px wide, light and dark (``name-1400-dark.png``
-            ...), and ``name.png`` as it is (1280 px, light)."""
+            ...), and ``name.png`` as it is (1280 px, light), each checked by `layout`."""
             driver.save_screenshot(str(shots / f"{name}.png"))
+            layout(driver.execute_script("return window.innerWidth"), "light")
             for width in (1400, 420):
                 driver.execute_cdp_cmd(
                     "Emulation.setDeviceMetricsOverride",

@@ -85,6 +85,16 @@ def test_the_axis_goes_to_a_round_number() -> None:
     assert c["top"] == 2000 and [label for _y, label in c["y_ticks"]] == ["0", "1,000", "2,000"]
 
 
+def test_a_tick_label_at_the_edge_stays_inside_the_picture() -> None:
+    """A tick on the last bucket (the hour ending on a round ten minutes) is anchored at its
+    end, one in the middle at its middle: a centred label there was cut by the picture's edge."""
+    start = 1_764_000_000 - 1_764_000_000 % 600 + 60  # so that the last bucket is round
+    c = chart(Series(start, (0,) * 60, (0,) * 60, (0,) * 60))
+    last_x, _label, anchor = c["x_ticks"][-1]
+    assert float(last_x) > c["width"] - 20 and anchor == "end"
+    assert {a for _x, _l, a in c["x_ticks"][:-1]} == {"middle"}
+
+
 def test_the_stylesheet_has_a_dark_scheme_and_a_narrow_layout() -> None:
     css = (ROOT / "ferry" / "flow" / "_ops" / "_dashboard" / "static" / "style.css").read_text()
     assert "@media (prefers-color-scheme: dark)" in css

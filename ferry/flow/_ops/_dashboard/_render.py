@@ -92,7 +92,11 @@ def chart(series: Series, width: int = 640, height: int = 180) -> dict[str, Any]
     t = math.ceil(series.start / every) * every
     while t <= end:
         label = datetime.datetime.fromtimestamp(t, datetime.UTC).strftime(fmt)
-        x_ticks.append((f"{x_of((t - series.start) / series.step):.1f}", label))
+        x = x_of((t - series.start) / series.step)
+        # A label centred on a tick near an edge would be cut by the picture's edge: it ends
+        # (or starts) at its tick there instead.
+        anchor = "end" if x > width - 20 else "start" if x < 20 else "middle"
+        x_ticks.append((f"{x:.1f}", label, anchor))
         t += every
     return {
         "width": width,
