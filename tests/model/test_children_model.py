@@ -1,14 +1,30 @@
 """The children model check on its default bounds, and the planted bugs it must catch: a child
 started twice after a crash, a parent resumed before its last child ended, a completed child
-not compensated when its parent compensates, a child compensated twice (`planted_children.py`).
+not compensated when its parent compensates, a child compensated twice (`planted_children.py`);
+and the family's transitions one write at a time: the spawn, a wake for a waiting parent, a
+timeout with ``on_failure="continue"`` and what the next step reads of its children.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from ferry.flow._model import _family as fam
+from ferry.flow._model import _machine as fm
+from ferry.flow._model._children import ChildResult
+from ferry.flow._model._types import Delivery
+from ferry.flow._model._values import (
+    EMPTY_MAILBOX,
+    FAILED,
+    PARKED,
+    RUNNING,
+    Message,
+    Received,
+)
 from tests.model.checker import Counterexample
-from tests.model.children import ChildrenChecker, ChildrenConfig, ChildrenProtocol
+from tests.model.children import CHILD, ChildrenChecker, ChildrenConfig, ChildrenProtocol
 from tests.model.planted_children import (
     RecoveryStartsTheChildrenAgain,
     ResumesWhenNoneIsActive,
@@ -75,3 +91,75 @@ def test_catches_a_child_compensated_twice() -> None:
     # The family's own rule sees the forgotten end sooner, in the write that forgets it.
     found = _counterexample(ALL_AT_ONCE, UndoForgetsItsEnd())
     assert "undone, with a completed child not compensated" in found.message
+
+
+# ---- the family's pure transitions, one write each (what the model check composes) ----------
+
+
+def _spawn(n: int, max_running: int | None, on_failure: str = "compensate") -> tuple[Any, ...]:
+    shape = ChildrenConfig("unit", on_failure=on_failure).shape
+    parent = fm.start(shape, "order", "{}", 0.0).flow
+    move = fam.spawned(
+        parent,
+        shape,
+        [(f"box-{i}", CHILD, f'{{"box":{i}}}') for i in range(n)],
+        max_running=max_running,
+        timeout=60.0,
+        on_failure="continue" if on_failure == "continue" else "compensate",
+        data='{"boxes":3}',
+        now=10.0,
+    )
+    return shape, move
+
+
+def test_a_spawn_is_one_write_of_the_outcome_and_the_first_children() -> None:
+    _, move = _spawn(3, max_running=2)
+    assert move.parent is not None and move.parent.written
+    parent = move.parent.flow
+    assert (parent.state, parent.step_index, parent.park_deadline) == (PARKED, 0, 70.0)
+    assert parent.on_timeout == "compensate" and parent.data == '{"boxes":3}'
+    assert move.parent.events[0].detail == {
+        "outcome": "spawn",
+        "children": 3,
+        "max_running": 2,
+        "timeout": 60.0,
+        "on_failure": "compensate",
+    }
+    assert [t.flow.flow_id for t in move.children] == ["order/0/box-0", "order/0/box-1"]
+    assert all(t.expected == 0 and t.flow.state is RUNNING for t in move.children)
+    assert [k.status for k in move.kids] == [fam.ACTIVE, fam.ACTIVE, fam.KEPT]
+    assert move.kids[2].data == '{"box":2}'  # a kept child keeps the data it was given
+    assert (move.brood.active, move.brood.next_kept, move.brood.ended) == (2, 2, 0)
+    fam.check_family(parent, move.brood, move.kids, (*(t.flow for t in move.children), None))
+
+
+def test_a_wake_for_a_parent_waiting_for_its_children_is_queued_for_its_next_park() -> None:
+    _, move = _spawn(2, max_running=None)
+    assert move.parent is not None
+    parent = move.parent.flow
+    assert fam.waits(parent, move.brood) and not fam.runnable(parent, move.brood)
+    t = fam.wake_waiting(parent, EMPTY_MAILBOX, Message("m1", '"go"'), 11.0)
+    assert t.delivery is Delivery.QUEUED and not t.written and t.flow is parent
+    assert t.messages == (Received(Message("m1", '"go"'), taken=False, at=11.0),)
+    again = fam.wake_waiting(parent, t.mailbox, Message("m1", '"go"'), 12.0)
+    assert again.delivery is Delivery.DUPLICATE and not again.done and not again.messages
+
+
+def test_a_timeout_with_continue_shows_the_kept_children_as_not_started() -> None:
+    shape, move = _spawn(3, max_running=1, on_failure="continue")
+    assert move.parent is not None
+    parent, brood, kids = move.parent.flow, move.brood, move.kids
+    children = (move.children[0].flow, None, None)
+    early = fam.timed_out(brood, kids, children, parent, shape, lambda p, v: CHILD, 69.0)
+    assert early.parent is not None and not early.parent.done  # not yet at the deadline
+    m = fam.timed_out(brood, kids, children, parent, shape, lambda p, v: CHILD, 70.0)
+    assert m.brood.phase == fam.OVER and m.parent is not None  # box-0 had nothing to undo
+    assert [e.kind for e in m.parent.events] == ["timed_out", "children_ended"]
+    assert m.parent.flow.state is RUNNING and m.parent.flow.step == "invoice"
+    assert m.parent.flow.revision == parent.revision + 1  # one write, one revision
+    kids = tuple({**{k.index: k for k in kids}, **{k.index: k for k in m.kids}}.values())
+    seen = fam.results(m.brood, kids)
+    assert list(seen) == ["box-0", "box-1", "box-2"]  # spawn order
+    assert seen["box-0"].state is FAILED and seen["box-0"].error == "timeout"
+    assert seen["box-2"] == ChildResult("order/0/box-2", FAILED, {"box": 2}, seen["box-2"].error)
+    assert "not started" in (seen["box-2"].error or "")

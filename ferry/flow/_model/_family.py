@@ -56,7 +56,7 @@ import attrs
 
 from . import _machine as fm
 from ._children import ChildResult, OnFailure, child_id
-from ._types import Event, Json, Park
+from ._types import Delivery, Event, Json, Park
 from ._values import (
     COMPENSATING,
     COMPLETED,
@@ -67,6 +67,9 @@ from ._values import (
     TERMINAL,
     Flow,
     InvariantError,
+    Mailbox,
+    Message,
+    Received,
     Shape,
     Transition,
 )
@@ -92,6 +95,8 @@ __all__ = [
     "runnable",
     "spawned",
     "timed_out",
+    "waits",
+    "wake_waiting",
 ]
 
 # A child's status in its `Kid` row: kept (no flow row yet), active, or how it ended.
@@ -272,6 +277,31 @@ def spawned(
         kids.append(Kid(i, key, fid, child_shape.name, child_shape.version, status, child_data))
     brood = Brood(parent.flow_id, s, n, max_running, on_failure, active=first, next_kept=first)
     return Move(t, brood, tuple(kids), tuple(starts))
+
+
+def wake_waiting(flow: Flow, mailbox: Mailbox, message: Message, now: float) -> Transition:
+    """A wake for a parent whose spawn waits for its children (`waits`): `QUEUED` for its next
+    park (the row does not change), or `DUPLICATE` if its id was seen. The store asks this
+    instead of `_machine.wake`, which would resume a parked flow with it."""
+    if message.message_id in mailbox.seen:
+        return Transition(flow, mailbox, flow.revision, delivery=Delivery.DUPLICATE, done=False)
+    return Transition(
+        flow,
+        Mailbox((*mailbox.queued, message), mailbox.seen | {message.message_id}),
+        flow.revision,
+        messages=(Received(message, taken=False, at=now),),
+        delivery=Delivery.QUEUED,
+    )
+
+
+def waits(parent: Flow, brood: Brood | None) -> bool:
+    """Does the parent wait for the children of `brood` (parked at the spawning step)?"""
+    return (
+        brood is not None
+        and brood.phase in (WAITING, STOPPING)
+        and parent.state is PARKED
+        and parent.step_index == brood.step_index
+    )
 
 
 def runnable(parent: Flow, brood: Brood | None) -> bool:
