@@ -377,7 +377,7 @@ class ChildrenChecker(Search):
             elif row is None or row.revision != t.expected:
                 raise _step_violation(label, f"{self._name(x)}: a write on a stale row")
             else:
-                g = self._fold(g, x, row, t, label, kids)
+                g = self._fold(g, x, row, t, label, kids, children)
             if x == 0:
                 if parent.state is PARKED and t.flow.state is not PARKED:
                     g = g._replace(went_on=g.went_on + 1)
@@ -394,9 +394,22 @@ class ChildrenChecker(Search):
         )
 
     def _fold(
-        self, g: Ghost, x: int, row: Flow, t: Transition, label: str, kids: list[Kid]
+        self,
+        g: Ghost,
+        x: int,
+        row: Flow,
+        t: Transition,
+        label: str,
+        kids: list[Kid],
+        children: list[Flow | None],
     ) -> Ghost:
         for ev in t.events:
+            if ev.kind == "step" and x == 0 and row.step_index == 1:
+                for k, child in zip(kids, children, strict=True):
+                    if child is not None and child.state not in TERMINAL:
+                        raise _step_violation(
+                            label, f"the parent ran its next step while child {k.key} is active"
+                        )
             if ev.kind == "step":
                 key = (x, row.step_index)
                 if key in g.outcomes:
@@ -442,6 +455,9 @@ class ChildrenChecker(Search):
         for key, row in zip(KEYS, m.children, strict=True):
             assert row is None or row.state in TERMINAL, f"child {key} left {row.state}"
         g = m.ghost
+        if m.brood is not None and m.brood.reason is None:
+            kept = [k.key for k in m.kids if k.status == fam.KEPT]
+            assert not kept, f"children {kept} never started, and nothing stopped the spawn"
         if m.parent.state is COMPLETED:
             assert not g.undone, f"a completed parent compensated its children {g.undone}"
             return

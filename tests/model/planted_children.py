@@ -70,3 +70,20 @@ class UndoForgetsItsEnd(ChildrenProtocol):
             return moved
         kept = tuple(k for k in moved.kids if k.index != index)
         return attrs.evolve(moved, kids=kept)
+
+
+class ResumesOneEndEarly(ChildrenProtocol):
+    """(2b) The last end is counted against ``total - 1``: the parent runs its next step while
+    its last child is still running."""
+
+    def child_ended(self, m: C, shape: Shape, index: int, before: Flow, after: Transition) -> Move:
+        moved = super().child_ended(m, shape, index, before, after)
+        b = moved.brood
+        if moved.parent is not None or b.phase != fam.WAITING or b.ended != b.total - 1:
+            return moved
+        kids = list(m.kids)
+        for k in moved.kids:
+            kids[k.index] = k
+        children = (*m.children[:index], after.flow, *m.children[index + 1 :])
+        on = fam.go_on(attrs.evolve(b, active=0), kids, children, m.parent, shape, shape_of, NOW)
+        return Move(on.parent, attrs.evolve(on.brood, active=b.active), moved.kids, moved.children)

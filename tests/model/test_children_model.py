@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 
 from ferry.flow._model import _family as fam
@@ -27,6 +28,7 @@ from tests.model.checker import Counterexample
 from tests.model.children import CHILD, ChildrenChecker, ChildrenConfig, ChildrenProtocol
 from tests.model.planted_children import (
     RecoveryStartsTheChildrenAgain,
+    ResumesOneEndEarly,
     ResumesWhenNoneIsActive,
     UndoForgetsItsEnd,
     UndoHangsOffTheSpawnsCompensation,
@@ -78,6 +80,20 @@ def test_catches_a_parent_resumed_before_its_last_child_ended() -> None:
     found = _counterexample(ONE_AT_A_TIME, ResumesWhenNoneIsActive())
     assert "the parent went on" in found.message
     assert "kept" in found.message
+    # Without the family's own rule, the history shows it: the next step ran, a child was left.
+    found = ChildrenChecker(ONE_AT_A_TIME, ResumesWhenNoneIsActive(), check_family=False).find()
+    assert "never started, and nothing stopped the spawn" in found.message
+
+
+def test_catches_a_parent_resumed_while_its_last_child_runs() -> None:
+    found = _counterexample(ALL_AT_ONCE, ResumesOneEndEarly())
+    assert "the parent went on in phase over with children active" in found.message
+    quiet = attrs.evolve(ALL_AT_ONCE, cancel=False, child_cancel=False)
+    found = ChildrenChecker(quiet, ResumesOneEndEarly(), check_family=False).find()
+    assert "the parent ran its next step while child" in found.message
+    # A cancel of the last child finds the parent gone on: the family's own assertion.
+    found = ChildrenChecker(ALL_AT_ONCE, ResumesOneEndEarly(), check_family=False).find()
+    assert "does not wait for its spawn" in found.message
 
 
 def test_catches_a_completed_child_not_compensated_when_its_parent_compensates() -> None:

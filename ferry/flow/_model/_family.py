@@ -359,7 +359,9 @@ def child_ended(
     b = attrs.evolve(brood, active=brood.active - 1, ended=ended)
     if b.phase == WAITING and end.state is FAILED and b.on_failure == "compensate":
         reason = f"child {kid.key!r} failed: {end.error}"
-        b, stopped, moved = _stop(b, kids, children, "compensate", reason, shape_of, now)
+        b, stopped, moved = _stop(
+            b, _merged(kids, changed), children, "compensate", reason, shape_of, now
+        )
         changed += stopped
     elif b.phase == WAITING and b.next_kept < b.total:
         nxt = _kid_at(kids, b.next_kept)
@@ -458,7 +460,10 @@ def go_on(
     at the spawning step, runs its next step (or is completed after its last), reading the
     results in ``ctx.children``, or compensates (a child failed, a cancel, a timeout with
     ``on_failure="compensate"``; its completed children first, `compensating`)."""
-    assert parent.state is PARKED and parent.step_index == brood.step_index, parent
+    assert parent.state is PARKED and parent.step_index == brood.step_index, (
+        f"the parent {parent.flow_id!r} is {parent.state} at step {parent.step_index}: it does"
+        f" not wait for its spawn at step {brood.step_index}"
+    )
     assert brood.active == 0 and brood.phase in (WAITING, STOPPING), brood
     failed = sum(1 for k in kids if k.status == "failed")
     detail: dict[str, Json] = {"ended": brood.ended, "failed": failed}
@@ -575,7 +580,11 @@ def compensating(
     are not yet compensated, the parent waits at the spawning step (`UNDOING`) and the child
     that ended last starts compensating; the spawning step's own compensation runs after the
     last of them. Any other `t` is returned as it is. Cost: O(1) (the next child to compensate
-    is the completed one with the highest `Kid.ended` not yet undone: an index in the store)."""
+    is the completed one with the highest `Kid.ended` not yet undone: an index in the store).
+
+    A parent with several spawns: the store asks this for its spawns from the highest step
+    index down, each on the transition the one above left (the `Move.parent` of the write that
+    ended the last undo of a spawn leaves the parent below it, for the next spawn to hold)."""
     new = t.flow
     s = brood.step_index
     if brood.phase != OVER or new.state not in (COMPENSATING, FAILED):
