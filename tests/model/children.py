@@ -69,7 +69,7 @@ from ferry.flow._model._values import (
 from tests.model.checker import Search, _step_violation
 
 NOW = 0.0  # no clock: the timer is an actor that may fire whenever a deadline is armed
-KEYS = ("a", "b")
+KEYS = ("a", "b", "c")  # the children, by key: the first `ChildrenConfig.children` of them
 CHILD = Shape("box", 1, ("pack", "label"), (True, True), (1, 1))
 
 
@@ -87,11 +87,19 @@ class ChildrenConfig:
     on_failure: str = "compensate"
     timeout: bool = True  # the spawn has a timeout (the timer may fire)
     spawn_compensates: bool = True  # the spawning step has a compensation of its own
+    children: int = 2
     invoice: tuple[str, ...] = ("continue", "fail")
     pack: tuple[str, ...] = ("continue", "fail")
     crashes: int = 1
     cancel: bool = True
     child_cancel: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        assert 1 <= self.children <= len(KEYS)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return KEYS[: self.children]
 
     @property
     def shape(self) -> Shape:
@@ -105,7 +113,7 @@ class ChildrenProtocol:
         return fam.spawned(
             parent,
             shape,
-            [(k, CHILD, "{}") for k in KEYS],
+            [(k, CHILD, "{}") for k in cfg.keys],
             max_running=cfg.max_running,
             timeout=0.0 if cfg.timeout else None,
             on_failure="continue" if cfg.on_failure == "continue" else "compensate",
@@ -142,7 +150,7 @@ class ChildrenProtocol:
 class Ghost(NamedTuple):
     """What the properties need of the history, folded write by write."""
 
-    starts: tuple[int, ...] = (0, 0)  # rows written for each child by a start
+    starts: tuple[int, ...] = ()  # rows written for each child by a start
     outcomes: tuple[tuple[int, int], ...] = ()  # (flow, step) outcomes recorded: 0 the parent
     compensated: tuple[tuple[int, int], ...] = ()  # (flow, step) compensations, in order
     ends: tuple[int, ...] = ()  # children that ended COMPLETED, in the order of their ends
@@ -191,12 +199,12 @@ class ChildrenChecker(Search):
             parent,
             None,
             (),
-            (None, None),
-            (None, None, None),
+            (None,) * self.config.children,
+            (None,) * (self.config.children + 1),
             self.config.crashes,
             self.config.cancel,
             self.config.child_cancel,
-            Ghost(),
+            Ghost(starts=(0,) * self.config.children),
         )
 
     def canon(self, m: C) -> Any:
@@ -232,7 +240,7 @@ class ChildrenChecker(Search):
     # ---- the actors' steps ---------------------------------------------------------------
 
     def successors(self, m: C) -> Iterator[tuple[str, C]]:
-        for x in range(3):
+        for x in range(len(m.pending)):
             if m.pending[x] is None and self._runnable(m, x):
                 row = self._row(m, x)
                 assert row is not None
@@ -243,7 +251,7 @@ class ChildrenChecker(Search):
                 yield self._write(m, x)
         if m.crashes and any(p is not None for p in m.pending):
             self.coverage.add("crash")
-            crashed = m._replace(pending=(None, None, None), crashes=m.crashes - 1)
+            crashed = m._replace(pending=(None,) * len(m.pending), crashes=m.crashes - 1)
             label = "the engine crashes and opens again"
             move = self.protocol.recover(crashed)
             yield label, crashed if move is None else self._apply(crashed, move, label)
@@ -452,7 +460,7 @@ class ChildrenChecker(Search):
     def _check_terminal(self, m: C) -> None:
         self.coverage.add(f"end {m.parent.state.name}")
         assert m.parent.state in TERMINAL, f"the parent never ended: {m.parent.state}"
-        for key, row in zip(KEYS, m.children, strict=True):
+        for key, row in zip(self.config.keys, m.children, strict=True):
             assert row is None or row.state in TERMINAL, f"child {key} left {row.state}"
         g = m.ghost
         if m.brood is not None and m.brood.reason is None:

@@ -47,6 +47,25 @@ ONE_AT_A_TIME_COMPENSATE = ChildrenConfig(
     "one at a time, compensate", max_running=1, crashes=1, child_cancel=True
 )
 DEFAULT = (ALL_AT_ONCE, ONE_AT_A_TIME, ONE_AT_A_TIME_COMPENSATE)
+# Three children: a kept child behind two running ones, and one at a time with crashes (each
+# about 15 s on one core; three at once is 750,000 states, minutes).
+LARGER = (
+    ChildrenConfig(
+        "three, two at a time, a spawning step without a compensation",
+        children=3,
+        max_running=2,
+        spawn_compensates=False,
+        child_cancel=True,
+    ),
+    ChildrenConfig(
+        "three, one at a time, continue",
+        children=3,
+        max_running=1,
+        on_failure="continue",
+        crashes=2,
+        child_cancel=True,
+    ),
+)
 
 # What every default bound must reach, so that no property holds for want of a case.
 REACHED = {
@@ -62,6 +81,16 @@ def test_children_model_check(config: ChildrenConfig) -> None:
     report = checker.run()
     print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
     assert report.states > 1_000  # the bounds really branch
+    missing = REACHED - checker.coverage
+    assert not missing, f"the bound never reaches {sorted(missing)}"
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("config", LARGER, ids=lambda c: c.name)
+def test_children_model_check_larger_bounds(config: ChildrenConfig) -> None:
+    checker = ChildrenChecker(config)
+    report = checker.run()
+    print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
     missing = REACHED - checker.coverage
     assert not missing, f"the bound never reaches {sorted(missing)}"
 
