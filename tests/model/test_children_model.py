@@ -2,8 +2,8 @@
 started twice after a crash, a parent resumed before its last child ended, a completed child
 not compensated when its parent compensates, a child compensated twice (`planted_children.py`);
 and the family's transitions one write at a time: the spawn, a wake for a waiting parent, a
-timeout with ``on_failure="continue"`` and what the next step reads of its children.
-"""
+timeout with ``on_failure="continue"`` and what the next step reads of its children, a cancel
+that cascades to a grandchild level by level."""
 
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ from ferry.flow._model import _machine as fm
 from ferry.flow._model._children import ChildResult
 from ferry.flow._model._types import Delivery
 from ferry.flow._model._values import (
+    COMPENSATING,
     EMPTY_MAILBOX,
     FAILED,
     PARKED,
     RUNNING,
     Message,
     Received,
+    Shape,
 )
 from tests.model.checker import Counterexample
 from tests.model.children import CHILD, ChildrenChecker, ChildrenConfig, ChildrenProtocol
@@ -208,3 +210,64 @@ def test_a_timeout_with_continue_shows_the_kept_children_as_not_started() -> Non
     assert seen["box-0"].state is FAILED and seen["box-0"].error == "timeout"
     assert seen["box-2"] == ChildResult("order/0/box-2", FAILED, {"box": 2}, seen["box-2"].error)
     assert "not started" in (seen["box-2"].error or "")
+
+
+REGION = Shape("region", 1, ("split", "report"), (True, False), (1, 1))
+
+
+def _shapes(plan: str, version: int) -> Shape:
+    return {"box": CHILD, "region": REGION}[plan]
+
+
+def test_a_cancel_cascades_to_a_grandchild_level_by_level() -> None:
+    """A child that waits for children of its own is not cancelled (and so compensated) while
+    they run: it is left to its own cancel, which the spawn above asks for until it is done."""
+    shape = ChildrenConfig("unit").shape
+    top = fm.start(shape, "order", "{}", 0.0).flow
+    m1 = fam.spawned(
+        top,
+        shape,
+        [("r1", REGION, "{}")],
+        max_running=None,
+        timeout=None,
+        on_failure="compensate",
+        data="{}",
+        now=1.0,
+    )
+    assert m1.parent is not None
+    parent, region = m1.parent.flow, m1.children[0].flow
+    m2 = fam.spawned(
+        region,
+        REGION,
+        [("b1", CHILD, "{}")],
+        max_running=None,
+        timeout=None,
+        on_failure="compensate",
+        data="{}",
+        now=2.0,
+    )
+    assert m2.parent is not None
+    region, box = m2.parent.flow, m2.children[0].flow
+    assert box.flow_id == "order/0/r1/0/b1"
+
+    m3 = fam.cancel_waiting(
+        m1.brood, m1.kids, (region,), parent, shape, "cancelled", _shapes, 3.0, nested={0}
+    )
+    assert m3.parent is not None and m3.parent.flow.state is PARKED  # it waits for its child
+    assert m3.children == () and m3.brood.phase == fam.STOPPING  # the child is left for later
+    assert fam.cascade_due(m3.brood, region, m2.brood)
+    parent = m3.parent.flow
+
+    m4 = fam.cancel_waiting(m2.brood, m2.kids, (box,), region, REGION, "cancelled", _shapes, 4.0)
+    assert [t.flow.state for t in m4.children] == [FAILED]  # the grandchild: nothing to undo
+    assert m4.parent is not None
+    region = m4.parent.flow
+    assert (region.state, region.step) == (COMPENSATING, "split")  # its own compensation next
+    assert m4.brood.phase == fam.UNDONE and fam.runnable(region, m4.brood)
+    assert not fam.cascade_due(m3.brood, region, m4.brood)  # done: not asked again
+
+    done = fm.compensated(region, REGION, region.data, 5.0)
+    assert done.flow.state is FAILED
+    m5 = fam.child_ended(m3.brood, m1.kids, (region,), parent, shape, 0, region, done, _shapes, 5.0)
+    assert m5.parent is not None and m5.parent.flow.state is COMPENSATING  # the top compensates
+    assert m5.brood.phase == fam.UNDONE and [k.status for k in m5.kids] == ["failed"]

@@ -49,7 +49,7 @@ states the rules of a family at every moment.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final
 
 import attrs
@@ -86,6 +86,7 @@ __all__ = [
     "Kid",
     "Move",
     "cancel_waiting",
+    "cascade_due",
     "check_family",
     "child_ended",
     "child_stack",
@@ -312,6 +313,18 @@ def runnable(parent: Flow, brood: Brood | None) -> bool:
     return brood is None or brood.phase not in (WAITING, STOPPING, UNDOING)
 
 
+def cascade_due(stopping: Brood, child: Flow, own: Brood | None) -> bool:
+    """Must `child`, an active child of the spawn `stopping`, still be cancelled by its own
+    `cancel_waiting` write? True while the spawn stops and the child waits for children of its
+    own (`own`) that nothing has stopped to compensate yet: what the engine asks right after
+    the write that stopped the spawn, and recovery and the fleet's scan after a crash between
+    the two."""
+    if stopping.phase != STOPPING or not waits(child, own):
+        return False
+    assert own is not None
+    return not (own.phase == STOPPING and own.then == "compensate")
+
+
 # ------------------------------------------------------------------------ a child's end
 
 
@@ -326,6 +339,8 @@ def child_ended(
     after: Transition,
     shape_of: ShapeOf,
     now: float,
+    *,
+    nested: Collection[int] = (),
 ) -> Move:
     """Child `index` ended (`after`, its last transition from its row `before`, ends it
     `COMPLETED` or `FAILED`): what the same write records for its family.
@@ -360,7 +375,7 @@ def child_ended(
     if b.phase == WAITING and end.state is FAILED and b.on_failure == "compensate":
         reason = f"child {kid.key!r} failed: {end.error}"
         b, stopped, moved = _stop(
-            b, _merged(kids, changed), children, "compensate", reason, shape_of, now
+            b, _merged(kids, changed), children, "compensate", reason, shape_of, now, nested
         )
         changed += stopped
     elif b.phase == WAITING and b.next_kept < b.total:
@@ -415,18 +430,20 @@ def _stop(
     reason: str,
     shape_of: ShapeOf,
     now: float,
+    nested: Collection[int] = (),
 ) -> tuple[Brood, list[Kid], list[Transition]]:
     """The spawn stops: every active child is cancelled with `reason`; no kept one starts.
     A cancelled child compensates and ends as a failed child (`child_ended`), or, with nothing
-    to compensate, ends in this write (recorded here). The store cancels a child that waits for
-    children of its own with `cancel_waiting` (the cascade); a blocked or compensating child is
-    left to end as it will."""
+    to compensate, ends in this write (recorded here). The children in `nested` (by index)
+    wait for children of their own: each is cancelled by its own `cancel_waiting`, in a later
+    write (`cascade_due` finds them), so that a tree of any depth is cancelled level by level
+    in bounded writes. A blocked or compensating child is left to end as it will."""
     b = attrs.evolve(brood, phase=STOPPING, then=then, reason=reason)
     changed: list[Kid] = []
     cancels: list[Transition] = []
     for kid in kids:
         row = children[kid.index]
-        if kid.status != ACTIVE or row is None:
+        if kid.status != ACTIVE or row is None or kid.index in nested:
             continue
         t = fm.cancel(row, shape_of(kid.plan, kid.version), reason, now)
         if not t.done:
@@ -519,6 +536,7 @@ def timed_out(
     now: float,
     *,
     expected: int | None = None,
+    nested: Collection[int] = (),
 ) -> Move:
     """The spawn's timeout has come (the parent's park deadline, armed for revision
     `expected`): the spawn stops with reason ``"timeout"`` and then acts as `on_failure` says.
@@ -531,7 +549,9 @@ def timed_out(
         or (expected is not None and parent.revision != expected)
     ):
         return Move(Transition(parent, EMPTY_MAILBOX, parent.revision, done=False), brood)
-    b, stopped, cancels = _stop(brood, kids, children, brood.on_failure, "timeout", shape_of, now)
+    b, stopped, cancels = _stop(
+        brood, kids, children, brood.on_failure, "timeout", shape_of, now, nested
+    )
     detail = {"deadline": parent.park_deadline, "on_failure": brood.on_failure}
     event = _event(parent, now, "timed_out", parent.step, detail)
     return _maybe_on(b, kids, children, parent, shape, shape_of, now, stopped, cancels, event)
@@ -546,18 +566,20 @@ def cancel_waiting(
     reason: str,
     shape_of: ShapeOf,
     now: float,
+    *,
+    nested: Collection[int] = (),
 ) -> Move:
     """`cancel` of a parent that waits for its children: it cancels every active child (each
-    compensates; a child that is a parent cascades the same way, in the write that cancels it
-    or, for a large tree, in later writes that the durable STOPPING phase asks for), starts no
-    kept one, and compensates once the last has ended. A spawn already stopped by a timeout
+    compensates; a child in `nested`, one that waits for children of its own, is cancelled
+    the same way in a later write of its own: `cascade_due`), starts no kept one, and
+    compensates once the last has ended. A spawn already stopped by a timeout
     with ``"continue"`` now compensates. ``done=False`` if the parent is not waiting or was
     cancelled already."""
     if parent.state is not PARKED or brood.phase not in (WAITING, STOPPING):
         return Move(Transition(parent, EMPTY_MAILBOX, parent.revision, done=False), brood)
     if brood.phase == STOPPING and brood.then == "compensate":
         return Move(Transition(parent, EMPTY_MAILBOX, parent.revision, done=False), brood)
-    b, stopped, cancels = _stop(brood, kids, children, "compensate", reason, shape_of, now)
+    b, stopped, cancels = _stop(brood, kids, children, "compensate", reason, shape_of, now, nested)
     event = _event(parent, now, "cancelled", parent.step, {"reason": reason})
     return _maybe_on(b, kids, children, parent, shape, shape_of, now, stopped, cancels, event)
 
