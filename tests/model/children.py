@@ -131,11 +131,8 @@ class ChildrenProtocol:
         assert m.brood is not None
         return fam.compensating(t, m.brood, m.kids, m.children, shape, shape_of, NOW)
 
-    def cancel_waiting(self, m: C, shape: Shape) -> Move:
-        assert m.brood is not None
-        return fam.cancel_waiting(
-            m.brood, m.kids, m.children, m.parent, shape, "cancelled", shape_of, NOW
-        )
+    def cancel(self, m: C, shape: Shape) -> Move | Transition:
+        return fam.cancel(m.parent, m.brood, m.kids, m.children, shape, "cancelled", shape_of, NOW)
 
     def timed_out(self, m: C, shape: Shape) -> Move:
         assert m.brood is not None
@@ -320,18 +317,19 @@ class ChildrenChecker(Search):
 
     def _cancel_parent(self, m: C) -> tuple[str, C]:
         m = m._replace(cancel=False)
-        if m.brood is not None and m.parent.state is PARKED:
-            move = self.protocol.cancel_waiting(m, self.shape)
-            assert move.parent is not None
-            self.coverage.add(f"cancel waiting {move.parent.done}")
-            if not move.parent.done:
+        moved = self.protocol.cancel(m, self.shape)
+        if isinstance(moved, Transition):  # no spawn yet: the machine's cancel alone
+            self.coverage.add(f"cancel {moved.done}")
+            if not moved.done:
                 return "cancel the parent: nothing to do", m
-            return "cancel the parent waiting for its children", self._apply(m, move, "cancel")
-        t = fm.cancel(m.parent, self.shape, "cancelled", NOW)
-        self.coverage.add(f"cancel {t.done}")
-        if not t.done:
+            return "cancel the parent", self._apply(m, None, "cancel", plain=moved)
+        assert moved.parent is not None
+        waiting = fam.waits(m.parent, m.brood)
+        self.coverage.add(f"cancel {'waiting ' if waiting else ''}{moved.parent.done}")
+        if not moved.parent.done:
             return "cancel the parent: nothing to do", m
-        return "cancel the parent", self._after(m, 0, m.parent, t, "cancel")
+        label = "cancel the parent" + (" waiting for its children" if waiting else "")
+        return label, self._apply(m, moved, "cancel")
 
     def _cancel_child(self, m: C) -> tuple[str, C] | None:
         row = m.children[0]

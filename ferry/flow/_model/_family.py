@@ -85,6 +85,7 @@ __all__ = [
     "Brood",
     "Kid",
     "Move",
+    "cancel",
     "cancel_waiting",
     "cascade_due",
     "check_family",
@@ -582,6 +583,32 @@ def cancel_waiting(
     b, stopped, cancels = _stop(brood, kids, children, "compensate", reason, shape_of, now, nested)
     event = _event(parent, now, "cancelled", parent.step, {"reason": reason})
     return _maybe_on(b, kids, children, parent, shape, shape_of, now, stopped, cancels, event)
+
+
+def cancel(
+    parent: Flow,
+    brood: Brood | None,
+    kids: Sequence[Kid],
+    children: Sequence[Flow | None],
+    shape: Shape,
+    reason: str,
+    shape_of: ShapeOf,
+    now: float,
+    *,
+    nested: Collection[int] = (),
+) -> Move | Transition:
+    """`engine.cancel` (and a whole flow's deadline, with reason ``"deadline"``) of a flow that
+    may have a spawn (`brood`, its latest): `cancel_waiting` if it waits for its children; else
+    the machine's `cancel`, held by `compensating` if it compensates past the spawn. A flow with
+    no spawn gets the machine's `Transition` as it is."""
+    if brood is not None and waits(parent, brood):
+        return cancel_waiting(
+            brood, kids, children, parent, shape, reason, shape_of, now, nested=nested
+        )
+    t = fm.cancel(parent, shape, reason, now)
+    if brood is None or not t.done:
+        return t
+    return compensating(t, brood, kids, children, shape, shape_of, now)
 
 
 # ------------------------------------------------ the parent's compensation undoes its children
