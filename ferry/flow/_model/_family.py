@@ -44,6 +44,11 @@ nothing (`runnable`): the store reads the spawn row with the parent's (one key l
 stack may then lack the spawning step (a spawning step without a compensation of its own):
 `_invariants.check_invariants` holds for the parent at every other moment, and `check_family`
 states the rules of a family at every moment.
+
+From outside: `cancel` (the one cancel of a flow that may have a spawn, also for a whole flow's
+deadline), `cascade_due` (a child that waits for children of its own, left by a stop for its
+own cancel), `wake_waiting` (a wake for a waiting parent is queued for its next park), and
+`results` (``ctx.children``). A child that BLOCKS has not ended: its parent waits.
 """
 
 from __future__ import annotations
