@@ -86,6 +86,7 @@ def test_a_bad_child_argument_is_refused_at_the_call(
         Child(plan, **kwargs)
     assert says in str(raised.value)
     assert isinstance(raised.value, MisusedOutcome)  # raised in a step: fails the flow at once
+    assert type(raised.value).__name__ == error.__name__  # shown as what it is to the user
 
 
 def test_a_child_data_nested_a_million_levels_is_refused_quickly() -> None:

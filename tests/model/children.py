@@ -53,7 +53,7 @@ from ferry.flow._model import _family as fam
 from ferry.flow._model import _invariants
 from ferry.flow._model import _machine as fm
 from ferry.flow._model._family import Brood, Kid, Move
-from ferry.flow._model._types import fail
+from ferry.flow._model._types import Fail
 from ferry.flow._model._values import (
     COMPENSATING,
     COMPLETED,
@@ -298,7 +298,7 @@ class ChildrenChecker(Search):
         elif x == 0 and result == "spawn":
             return label, self._apply(m, self.protocol.spawned(row, shape, self.config), label)
         elif result == "fail":
-            t = fm.step_done(row, EMPTY_MAILBOX, shape, fail(f"{row.step} failed"), row.data, NOW)
+            t = fm.step_done(row, EMPTY_MAILBOX, shape, Fail(f"{row.step} failed"), row.data, NOW)
         else:
             t = fm.step_done(row, EMPTY_MAILBOX, shape, None, row.data, NOW)
         return label, self._after(m, x, row, t, label)

@@ -42,7 +42,7 @@ import attrs
 
 from ._checks import describe, finite, json_object_text, shown_number, text_problem
 from ._plan import Plan
-from ._types import Json, State, _OutcomeTypeError, _OutcomeValueError
+from ._types import Json, MisusedOutcome, State
 
 __all__ = [
     "MAX_CHILDREN",
@@ -62,7 +62,21 @@ MAX_CHILDREN: Final = 10_000  # children of one spawn
 MAX_KEY_CHARS: Final = 200  # characters of a child's key
 
 OnFailure: TypeAlias = Literal["compensate", "continue"]
-_ON_FAILURE: Final = ("compensate", "continue")
+
+
+class _OutcomeTypeError(MisusedOutcome, TypeError):
+    pass
+
+
+class _OutcomeValueError(MisusedOutcome, ValueError):
+    pass
+
+
+# Shown as what they are to the user (in a flow's error, a traceback): a TypeError, a ValueError.
+# (The same pair as park()'s and fail()'s; kept here while those move between modules.)
+for _cls, _shown in ((_OutcomeTypeError, TypeError), (_OutcomeValueError, ValueError)):
+    _cls.__name__ = _cls.__qualname__ = _shown.__name__
+    _cls.__module__ = "builtins"
 
 
 def key_problem(key: str) -> str | None:
