@@ -25,7 +25,7 @@ import trio.testing
 
 from ferry import flow
 from ferry.flow._runtime import _retention
-from ferry.flow._store import _store
+from ferry.flow._store import _schema
 from ferry.projected import PostgresStore, SqliteStore
 from tests import pg
 
@@ -207,7 +207,7 @@ def _series(dialect: str, n: int) -> str:
 def seed(tx: Any, prefix: str, n: int, state: str, at: float) -> None:
     """`n` flows ``{prefix}{i}`` of plan "order" in `state`, last written at `at`, each with
     three history rows and one mailbox row, written straight into the tables."""
-    _store.create_schema(tx)
+    _schema.create_schema(tx)
     step = "NULL" if state in ("COMPLETED", "FAILED") else "'confirm'"
     blocked = "'a reason'" if state == "BLOCKED" else "NULL"
     blocked_from = "'PARKED'" if state == "BLOCKED" else "NULL"
@@ -274,7 +274,7 @@ async def test_both_stores_purge_old_finished_flows_and_nothing_else(make_store:
 
 def old_schema(tx: Any) -> None:
     """The flow tables as stores made before retention and traces have them."""
-    for statement in _store.ddl(tx.dialect):
+    for statement in _schema.ddl(tx.dialect):
         if "_flows_ended" not in statement:
             tx.execute(statement.replace(",\n            trace TEXT)", ")"))
 

@@ -44,7 +44,7 @@ from .._model import _checks, _values
 from .._model._errors import FlowError, IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from .._model._plan import Plan
 from .._model._types import Delivery, Event, Json, Snapshot, State
-from .._store import _inbox, _notify, _sql, _store
+from .._store import _inbox, _notify, _schema, _sql, _store
 from .._store._sqlite_file import Written, check_path
 from . import _served
 from ._engine import Engine
@@ -117,7 +117,7 @@ async def _connected(
     else:
         db = store
     try:
-        if not await db.transact(_store.has_tables):
+        if not await db.transact(_schema.has_tables):
             raise ValueError(
                 f"{_where(db)} holds no flow tables: no flow engine has opened it (open an"
                 " engine on it first)"

@@ -27,7 +27,7 @@ from .._fleet import _lease, _reach
 from .._model import _checks
 from .._model._plan import Plan
 from .._runtime import _observe, _retention, _tracing
-from .._store import _store
+from .._store import _schema
 from .._store._sqlite_file import EngineLock, check_path
 from . import _served
 from ._engine import Engine
@@ -268,7 +268,7 @@ async def _opened(
     try:
         _reach.check_clock(db)
         try:
-            await db.transact(_store.create_schema)
+            await db.transact(_schema.create_schema)
         except Exception as exc:
             failed = _reach.unreachable(db, exc)
             if failed is None:

@@ -26,8 +26,8 @@ import trio
 import trio.testing
 
 from ferry import Failed
+from ferry._text import masked
 from ferry.projected import Store
-from ferry.projected._postgres import masked as masked
 
 
 def shown(spec: str) -> str:

@@ -21,15 +21,15 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from ferry._text import masked
 from ferry.projected import PostgresStore, SqliteStore
 
-from .._fleet._reach import masked
 from .._fleet._reach import shown as shown
 from .._model import _times, _values
 from .._model._errors import FlowError
 from .._model._types import Json, State
 from .._model._values import ACTIVE, Flow
-from .._store import _inbox, _store, _triage
+from .._store import _inbox, _schema, _store, _triage
 from .._store._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
 from . import _bulk
 
@@ -97,7 +97,7 @@ def _check_sqlite(spec: str, where: str) -> None:
     # A rollback-journal database: look at it read-only first.
     conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(spec))}?mode=ro", uri=True)
     try:
-        found = _store.has_tables(ReadOnlyTx(conn))
+        found = _schema.has_tables(ReadOnlyTx(conn))
     finally:
         conn.close()
     if not found:
@@ -122,7 +122,7 @@ async def read_store(
     writes nor delays them), after checking that the store has flow tables."""
 
     def both(tx: Any) -> Any:
-        if not _store.has_tables(tx):
+        if not _schema.has_tables(tx):
             raise Problem(_NO_FLOWS.format(where=where))
         return fn(tx)
 

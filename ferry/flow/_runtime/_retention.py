@@ -41,7 +41,7 @@ import trio
 from ferry.projected import Store, Tx
 
 from .._model import _checks, _times
-from .._store import _inbox, _sql, _store
+from .._store import _batch, _inbox, _sql
 from . import _retry
 
 _log = logging.getLogger("ferry.flow")
@@ -134,7 +134,7 @@ def purge_batch(
 
     Safe against concurrent purges and writes (see the module doc). Cost: one index range scan
     for the batch, and one ``DELETE`` per table keyed by flow id."""
-    _store.guard_locks(tx, guard)
+    _batch.guard_locks(tx, guard)
     flows = _sql.FLOWS
     terms, params = only.sql()
     pick = (

@@ -2,7 +2,7 @@
 
 A `wait` in one engine for a flow that another engine runs learns that the flow settled from a
 PostgreSQL notification instead of reading the row again and again: the transaction of a batch
-(`_store.write_batch`) that leaves flows `COMPLETED`, `FAILED` or `BLOCKED` also sends
+(`_batch.write_batch`) that leaves flows `COMPLETED`, `FAILED` or `BLOCKED` also sends
 ``pg_notify`` on the store's channel, naming those flows and their new revisions (`announce`).
 PostgreSQL delivers it to every listening connection when, and only if, the transaction
 commits. `_listener` listens, and `_waiters` reads the rows its waits need (docs/adr/0096).

@@ -18,7 +18,7 @@ and the next page is the flows after it in the order, found by a range over the 
 100th page costs what the first does. A cursor is an opaque string (URL-safe); one made for
 another order, or not made here, is refused with a `ValueError`.
 
-Indexes (in `_store.ddl`, so an engine that opens an existing store adds them):
+Indexes (in `_schema.ddl`, so an engine that opens an existing store adds them):
 ``(created_at, flow_id)`` for the unfiltered list and the creation time range,
 ``(state, created_at, flow_id)`` and ``(plan, version, created_at, flow_id)`` for the state and
 plan filters; the primary key (on PostgreSQL an index on ``flow_id COLLATE "C"``, since the

@@ -34,7 +34,7 @@ from typing import Any
 
 import attrs
 
-from ferry.projected._postgres import masked
+from ferry._text import masked
 
 from .._model._errors import StoreLocked
 

@@ -33,7 +33,7 @@ from ferry.projected import PostgresStore, Tx
 from ..._model import _values
 from ..._model._types import Event, State
 from ..._model._values import ACTIVE, Flow
-from ..._store import _inbox, _query, _sql, _store
+from ..._store import _inbox, _query, _schema, _sql, _store
 from ..._store._sqlite_file import ReadOnlyTx
 
 T = TypeVar("T")
@@ -71,7 +71,7 @@ class Reader:
         (`ValueError` for a bad cursor)."""
 
         def checked(tx: Tx) -> T:
-            if not _store.has_tables(tx):
+            if not _schema.has_tables(tx):
                 raise Unavailable("no flow engine has opened this store yet (no flow tables)")
             return fn(tx)
 
