@@ -73,12 +73,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("ferry/flow/_ops/_inspect_read.py", "ferry.flow._fleet._reach"): (
         "the inspector's first contact with a PostgreSQL store uses the engine's words for it"
     ),
-    ("ferry/flow/_ops/_inspect.py", "ferry.flow._runtime._retention"): (
-        "purge --finished-before uses retention's purge: it belongs with the store's writes"
-    ),
-    ("ferry/flow/_ops/_inspect_act.py", "ferry.flow._runtime._retention"): (
-        "purge --finished-before uses retention's purge: it belongs with the store's writes"
-    ),
     ("ferry/metrics.py", "ferry.flow._model._values"): (
         "the collector's observer is handed a Flow row: a public observer hook replaces it"
     ),

@@ -25,7 +25,7 @@ import trio.testing
 
 from ferry import flow
 from ferry.flow._runtime import _retention
-from ferry.flow._store import _schema
+from ferry.flow._store import _purge, _schema
 from ferry.projected import PostgresStore, SqliteStore
 from tests import pg
 
@@ -429,7 +429,7 @@ async def test_a_purge_is_small_transactions_and_a_writer_goes_on(
         batches, gaps, started = await purge_beside_a_writer(store, n, caplog)
     finally:
         await store.aclose()
-    assert sum(batches) == n and max(batches) <= _retention.BATCH
+    assert sum(batches) == n and max(batches) <= _purge.BATCH
     assert started >= len(batches) // 2, (started, len(batches))
     print(
         f"{kind}: {len(batches)} batches, {started} starts meanwhile, longest gap {max(gaps):.3f} s"
@@ -448,7 +448,7 @@ async def test_a_purge_of_100k_flows_never_stalls_a_writer_for_long(
         batches, gaps, started = await purge_beside_a_writer(store, 100_000, caplog)
     finally:
         await store.aclose()
-    assert sum(batches) == 100_000 and max(batches) <= _retention.BATCH
+    assert sum(batches) == 100_000 and max(batches) <= _purge.BATCH
     assert started >= len(batches) // 2
     assert max(gaps) < 2.0, max(gaps)
     print(

@@ -44,7 +44,7 @@ from .._model import _checks, _values
 from .._model._errors import FlowError, IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from .._model._plan import Plan
 from .._model._types import Delivery, Event, Json, Snapshot, State
-from .._store import _inbox, _notify, _schema, _sql, _store
+from .._store import _dialect, _inbox, _notify, _schema, _sql, _store
 from .._store._sqlite_file import Written, check_path
 from . import _served
 from ._engine import Engine
@@ -173,7 +173,7 @@ class Client:
         file's lock is held meanwhile, so no engine can open it; PostgreSQL: nothing is
         held)."""
         if self._held is not None or (
-            self._store.dialect == "postgres"
+            _dialect.of(self._store).leases
             and await self._store.transact(partial(_live_engines, now=time.time()))
         ):
             yield
@@ -381,7 +381,7 @@ class Client:
     async def _direct(self, kind: str, rid: str, body: dict[str, Json]) -> Any:
         """Apply the request here if no engine serves the store: its answer, ``"pending"``
         (a start or publish, left to the next engine), or None (an engine serves it)."""
-        if self._store.dialect == "postgres" and await self._store.transact(
+        if _dialect.of(self._store).leases and await self._store.transact(
             partial(_live_engines, now=time.time())
         ):
             return None
@@ -455,11 +455,11 @@ class _Changes:
 
     async def __aenter__(self) -> _Changes:
         path = getattr(self._store, "path", None)
-        if self._store.dialect == "sqlite" and isinstance(path, str):
+        if not _dialect.of(self._store).server and isinstance(path, str):
             self._written = Written(path)
             self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self._version = self._conn.execute("PRAGMA data_version").fetchone()[0]
-        elif self._store.dialect == "postgres":
+        elif _dialect.of(self._store).notifies:
             self._heard = Heard(str(getattr(self._store, "dsn", "")), self._channel_sql)
             await self._heard.open()
         else:

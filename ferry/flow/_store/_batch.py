@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from ferry.projected import Tx
 
-from . import _notify, _sql
+from . import _dialect, _notify, _sql
 from ._arrays import Arrays
 from ._op import Changed, Created, Existing, Op, Refused, Result, op_flow_id
 from ._row_by_row import RowByRow
@@ -34,7 +34,7 @@ def guard_locks(tx: Tx, seconds: float | None) -> None:
     must not hold row locks that stall every other engine of a fleet for as long as it sleeps.
     Its locks go at once; its writes roll back; it finds its connection closed when it wakes.
     One statement; nothing on SQLite (one engine per file) or with None."""
-    if seconds is not None and _sql.DIALECTS[tx.dialect].leases:
+    if seconds is not None and _dialect.of(tx).leases:
         ms = max(1, int(seconds * 1000))
         tx.execute(f"SET LOCAL idle_in_transaction_session_timeout = {ms}")
 

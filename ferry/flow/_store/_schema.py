@@ -31,7 +31,7 @@ import zlib
 
 from ferry.projected import Tx
 
-from . import _inbox, _sql
+from . import _dialect, _inbox
 from ._sql import ENGINES, FLOWS, HISTORY, IN_ACTIVE, IN_FINISHED, MAILBOX, PLANS
 
 # ------------------------------------------------------------------------------------- schema
@@ -39,7 +39,11 @@ from ._sql import ENGINES, FLOWS, HISTORY, IN_ACTIVE, IN_FINISHED, MAILBOX, PLAN
 
 def ddl(dialect: str) -> list[str]:
     """The schema's statements, each idempotent."""
-    d = _sql.DIALECTS[dialect]
+    d = _dialect.DIALECTS[dialect]
+    # The flow ids in byte order where the collation may not be (`_query`'s id prefixes).
+    bytewise = [f"CREATE INDEX IF NOT EXISTS {FLOWS}_id_c ON {FLOWS} (flow_id{d.bytewise})"]
+    if not d.bytewise:
+        bytewise = []
     return [
         f"""CREATE TABLE IF NOT EXISTS {FLOWS} (
             flow_id TEXT PRIMARY KEY,
@@ -78,7 +82,7 @@ def ddl(dialect: str) -> list[str]:
         # (`_retention`) and the dashboard's counts of finished flows.
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_ended ON {FLOWS} (updated_at, state)"
         f" WHERE state {IN_FINISHED}",
-        *d.indexes,
+        *bytewise,
         f"""CREATE TABLE IF NOT EXISTS {ENGINES} (
             owner TEXT PRIMARY KEY,
             lease_until DOUBLE PRECISION NOT NULL,
@@ -142,7 +146,7 @@ def create_schema(tx: Tx) -> None:
     (PostgreSQL: an advisory lock, concurrent ``CREATE ... IF NOT EXISTS`` can race), looked up
     again under it. An index added to an existing store is built by the first engine that opens
     it (on PostgreSQL, writes to the table wait while it is built)."""
-    d = _sql.DIALECTS[tx.dialect]
+    d = _dialect.of(tx)
     statements = ddl(tx.dialect)
 
     def missing() -> list[str]:
@@ -174,5 +178,5 @@ def create_schema(tx: Tx) -> None:
 
 def has_tables(tx: Tx) -> bool:
     """Does the store hold the flow tables (has an engine ever opened it)?"""
-    d = _sql.DIALECTS[tx.dialect]
+    d = _dialect.of(tx)
     return bool(tx.execute(d.table_exists, (FLOWS,))[0][0])

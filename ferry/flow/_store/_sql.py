@@ -1,26 +1,10 @@
 """The flow store's SQL facts, each written once: table and column names, the row codec, the
-active states, the orphan rule, and everything that differs between SQLite and PostgreSQL.
+active states, the orphan rule, and the statements of each dialect.
 
 Every statement of the store (`_store`, `_batch`) is built here once per dialect, at import, and
 looked up by `Tx.dialect` (`statements`): no statement is formatted per call. Placeholders are
 ``?`` in both dialects (the PostgreSQL store rewrites them). What differs between the two
-dialects is in `Dialect` and nowhere else:
-
-- the mailbox's arrival-order column (an identity column, or SQLite's rowid alias);
-- holding a row to the end of the transaction (``FOR UPDATE``; SQLite's ``BEGIN IMMEDIATE``
-  already holds the whole database for one writer);
-- a list of values as one parameter (``= ANY(?)`` with an array; SQLite: ``IN (?, ...)``, one
-  placeholder per value, in chunks);
-- the catalog (does a table exist, which columns does it have) and an advisory lock around
-  schema changes (PostgreSQL's ``CREATE ... IF NOT EXISTS`` can race);
-- the flow id index in byte order (PostgreSQL's collation may not order bytewise);
-- leases: only a PostgreSQL store is shared by a fleet (on SQLite one engine holds the file), so
-  only there does a takeover lock the lease row it reads (ADR 0048), only there can a flow be
-  an orphan, and only there does the database's clock decide leases (`Dialect.clock`, ADR 0110);
-- the batch: PostgreSQL writes a batch in a fixed number of statements whatever its size, with
-  arrays (`_batch`, docs/adr/0094); SQLite, in process, reads and writes the ops of the flows
-  that have one op in a batch in multi-row statements (`insert_rows`, `select_rows`,
-  `seen_rows`, `first_queued_rows`, `update_rows`, `receive_rows`), the rest a row at a time.
+dialects is in `_dialect.Dialect` and nowhere else.
 
 No trio, no clock.
 """
@@ -38,6 +22,7 @@ import attrs
 
 from .._model._types import State
 from .._model._values import ACTIVE, Flow, parse_stack, stack_text
+from ._dialect import DIALECTS, Dialect
 
 #: The tables (docs in `_store`).
 FLOWS: Final = "flow_flows"
@@ -323,88 +308,6 @@ def orphan(row: str, at: str = "?") -> str:
         f"({row}.owner IS NULL OR {row}.lease_until < {at} OR NOT EXISTS (SELECT 1 FROM"
         f" {ENGINES} e WHERE e.owner = {row}.owner AND e.lease_until >= {at}))"
     )
-
-
-# ------------------------------------------------------------------------------ the dialects
-
-
-@attrs.frozen
-class Dialect:
-    """Everything the flow store says differently on SQLite and on PostgreSQL."""
-
-    name: str
-    #: The mailbox's arrival-order column.
-    seq_column: str
-    #: Appended to a ``SELECT`` that holds its rows until the transaction ends.
-    for_update: str
-    #: Is a fleet of engines sharing the store, holding active flows by leases?
-    leases: bool
-    #: Indexes only this dialect has.
-    indexes: tuple[str, ...]
-    #: ``(table name) -> rows``: is the table there (one row, one boolean)?
-    table_exists: str
-    #: ``(table name) -> rows``: the names of its columns.
-    columns_of: str
-    #: A transaction-long lock around schema changes, or None.
-    schema_lock: str | None
-    #: Writes a batch with arrays in a fixed number of statements (`_batch`), else a row at a
-    #: time.
-    arrays: bool
-    #: SQL: the time by the clock that decides leases, in seconds since the epoch, read in the
-    #: transaction (`_store.lease_clock`, docs/adr/0110): the database's own (the transaction's
-    #: start). None: the store has no clock of its own (SQLite, where the one engine's lease, or
-    #: the leases of a test's engines in one process, go by the engine's clock).
-    clock: str | None
-
-    def in_list(self, column: str, n: int) -> str:
-        """SQL: `column` is one of a list of `n` values, given as `list_params` makes them."""
-        if self.arrays:
-            return f"{column} = ANY(?)"
-        return f"{column} IN ({', '.join('?' * n)})"
-
-    def list_params(self, values: Sequence[Any]) -> list[Any]:
-        """The parameters of `in_list` for `values`."""
-        return [list(values)] if self.arrays else list(values)
-
-    def in_plans(self, row: str, n: int) -> str:
-        """SQL: the flow `row` is of one of `n` (plan, version)s, given as `plans_params`
-        makes them."""
-        if self.arrays:
-            return f"({row}.plan, {row}.version) IN (SELECT * FROM unnest(?::text[], ?::bigint[]))"
-        return f"({row}.plan, {row}.version) IN (VALUES {', '.join(['(?, ?)'] * n)})"
-
-    def plans_params(self, plans: Sequence[tuple[str, int]]) -> list[Any]:
-        """The parameters of `in_plans` for `plans`."""
-        if self.arrays:
-            return [[name for name, _v in plans], [version for _n, version in plans]]
-        return [v for pair in plans for v in pair]
-
-
-SQLITE: Final = Dialect(
-    name="sqlite",
-    seq_column="seq INTEGER PRIMARY KEY",
-    for_update="",
-    leases=False,
-    indexes=(),
-    table_exists="SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?)",
-    columns_of="SELECT name FROM pragma_table_info(?)",
-    schema_lock=None,
-    arrays=False,
-    clock=None,
-)
-POSTGRES: Final = Dialect(
-    name="postgres",
-    seq_column="seq BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY",
-    for_update=" FOR UPDATE",
-    leases=True,
-    indexes=(f'CREATE INDEX IF NOT EXISTS {FLOWS}_id_c ON {FLOWS} (flow_id COLLATE "C")',),
-    table_exists="SELECT to_regclass(?) IS NOT NULL",
-    columns_of="SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(?)",
-    schema_lock="SELECT pg_advisory_xact_lock(?)",
-    arrays=True,
-    clock="SELECT EXTRACT(EPOCH FROM now())::float8",
-)
-DIALECTS: Final = {d.name: d for d in (SQLITE, POSTGRES)}
 
 
 # ------------------------------------------------------------------------------- statements

@@ -26,7 +26,7 @@ from ferry.projected import Tx
 
 from .._model._types import Event, State
 from .._model._values import Flow, Mailbox, Message, Shape
-from . import _sql
+from . import _dialect, _sql
 from ._sql import FLOWS, IN_ACTIVE, STATES, to_flow
 
 #: A limit that is none (``LIMIT ?`` takes a number in both dialects).
@@ -87,7 +87,7 @@ _CHUNK = 500
 
 def load_many(tx: Tx, flow_ids: Sequence[str]) -> list[Flow]:
     """The rows of those of `flow_ids` that exist (in no particular order)."""
-    d = _sql.DIALECTS[tx.dialect]
+    d = _dialect.of(tx)
     flows: list[Flow] = []
     for i in range(0, len(flow_ids), _CHUNK):
         chunk = flow_ids[i : i + _CHUNK]
@@ -97,12 +97,12 @@ def load_many(tx: Tx, flow_ids: Sequence[str]) -> list[Flow]:
 
 
 @functools.lru_cache(maxsize=16)
-def _select_many(d: _sql.Dialect, n: int) -> str:
+def _select_many(d: _dialect.Dialect, n: int) -> str:
     return f"SELECT {_sql.COLUMNS} FROM {FLOWS} WHERE {d.in_list('flow_id', n)}"
 
 
 @functools.lru_cache(maxsize=64)
-def _of_plans(base: str, d: _sql.Dialect, plans: int | None, tail: str) -> str:
+def _of_plans(base: str, d: _dialect.Dialect, plans: int | None, tail: str) -> str:
     """`base`, narrowed to `plans` (plan, version)s if not None, then `tail`."""
     return base + ("" if plans is None else " AND " + d.in_plans("f", plans)) + tail
 
@@ -115,7 +115,7 @@ def load_deadlines(
     Uses the deadline index."""
     if plans is not None and not plans:
         return []
-    d = _sql.DIALECTS[tx.dialect]
+    d = _dialect.of(tx)
     n = None if plans is None else len(plans)
     sql = _of_plans(_statements(tx).select_deadlines, d, n, " ORDER BY park_deadline")
     params = [math.inf if before is None else before]
@@ -132,7 +132,7 @@ def load_orphans(
     active flows (the partial index), each checked against the small engines table."""
     if plans is not None and not plans:
         return []
-    d = _sql.DIALECTS[tx.dialect]
+    d = _dialect.of(tx)
     n = None if plans is None else len(plans)
     sql = _of_plans(
         _statements(tx).select_orphans, d, n, " ORDER BY f.updated_at, f.flow_id LIMIT ?"
@@ -172,7 +172,7 @@ def leased(tx: Tx) -> bool:
     """Are the store's active flows held by leases (a fleet, PostgreSQL)? On SQLite one engine
     at a time holds the whole file (its engine lock) and runs every active flow: no lease rows,
     so no flow there is ever an orphan (`count_orphans`, `holder`)."""
-    return _sql.DIALECTS[tx.dialect].leases
+    return _dialect.of(tx).leases
 
 
 def count_orphans(tx: Tx, now: float) -> int:
@@ -255,7 +255,7 @@ def lease_clock(tx: Tx, now: float) -> float:
     The functions below take their times as arguments (a test or a tool gives its own); an
     engine's lease transactions read this clock first and give its time (the `..._on_clock`
     functions), so that no host's clock decides who holds a flow."""
-    sql = _sql.DIALECTS[tx.dialect].clock
+    sql = _dialect.of(tx).clock
     return now if sql is None else float(tx.execute(sql)[0][0])
 
 
@@ -465,7 +465,7 @@ def renew(
 
 
 @functools.lru_cache(maxsize=16)
-def _release_sql(d: _sql.Dialect, n: int) -> str:
+def _release_sql(d: _dialect.Dialect, n: int) -> str:
     if d.arrays:
         return (
             f"UPDATE {FLOWS} f SET lease_until = ? FROM unnest(?::text[], ?::bigint[])"
@@ -485,7 +485,7 @@ def release(tx: Tx, owner: str, flows: Sequence[tuple[str, int]], at: float) -> 
     revision (no new revision): any engine may take them over from `at` on. A flow written
     since (taken over, or given back to this engine by a wake, a timer or a cancel) is left as
     it is. How many were released."""
-    d = _sql.DIALECTS[tx.dialect]
+    d = _dialect.of(tx)
     released = 0
     ordered = sorted(flows)
     for i in range(0, len(ordered), _CHUNK):
