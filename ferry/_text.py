@@ -1,5 +1,5 @@
 """Pure text forms that every layer may use (the standard library only, no I/O): the one text
-of a JSON value (`canonical_json`) and a DSN's text without its password (`masked`).
+of a JSON value (`canonical_json`) and a DSN's text without its password (`masked`, `shown`).
 
 They sit below both the transport (`ferry.projected`) and the flow package's model and store,
 which use them without importing the transport (tests/test_layers.py, docs/adr/0135).
@@ -46,3 +46,8 @@ def masked(text: str) -> str:
     """`text` (a DSN, or an error that quotes one) with every password in it replaced by
     ``***``: what an error message or a log line may show of a DSN."""
     return PASSWORD.sub(_mask, text)
+
+
+def shown(spec: str) -> str:
+    """A store's path or DSN as a message prints it: quoted, a DSN's password masked."""
+    return repr(masked(spec))

@@ -42,8 +42,8 @@ FACE = ("ferry/flow/__init__.py", "ferry/flow/__main__.py")
 #: The modules of the engine the operator's tools may use: the public API's own.
 API = ("ferry.flow._engine._engine", "ferry.flow._engine._open", "ferry.flow._engine._client")
 POSTGRES = ("psycopg", "ferry.projected._postgres")
-#: ferry's pure text forms (canonical JSON, a DSN masked; the standard library only), below the
-#: transport and every layer: the model and the store may use them.
+#: ferry's pure text forms (canonical JSON, a DSN masked or shown; the standard library only),
+#: below the transport and every layer: the model and the store may use them.
 PURE = ("ferry._text",)
 
 #: (file, what it imports) -> why it may, for now. Each entry is a debt of the layering.
@@ -66,12 +66,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ),
     ("ferry/flow/_runtime/_waiters.py", "ferry.flow._fleet._listener"): (
         "a fleet's waiters start the LISTEN thread: the mode object starts it"
-    ),
-    ("ferry/flow/_ops/_inspect_read.py", "psycopg.conninfo"): (
-        "the inspector tells a DSN from a path with psycopg.conninfo"
-    ),
-    ("ferry/flow/_ops/_inspect_read.py", "ferry.flow._fleet._reach"): (
-        "the inspector's first contact with a PostgreSQL store uses the engine's words for it"
     ),
     ("ferry/metrics.py", "ferry.flow._model._values"): (
         "the collector's observer is handed a Flow row: a public observer hook replaces it"

@@ -26,16 +26,10 @@ import trio
 import trio.testing
 
 from ferry import Failed
-from ferry._text import masked
+from ferry._text import masked, shown
 from ferry.projected import Store
 
 from .._store import _dialect
-
-
-def shown(spec: str) -> str:
-    """`spec` as the inspector and `open_engine` print it (quoted), with a DSN's password
-    masked."""
-    return repr(masked(spec))
 
 
 def unreachable(store: Store, error: BaseException) -> Failed | None:

@@ -42,6 +42,7 @@ from typing import NoReturn
 
 import trio
 
+from ferry._text import shown
 from ferry.projected import PostgresStore, SqliteStore
 
 from .._model import _times
@@ -59,7 +60,6 @@ from ._inspect_read import (
     is_dsn,
     one_line,
     open_store,
-    shown,
 )
 from ._trace_url import check as _trace_url_check
 
