@@ -44,6 +44,7 @@ from .._model import _checks, _values
 from .._model._errors import FlowError, IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from .._model._plan import Plan
 from .._model._types import Delivery, Event, Json, Snapshot, State
+from .._runtime import _read
 from .._store import _dialect, _inbox, _notify, _schema, _sql, _store
 from .._store._sqlite_file import Written, check_path
 from . import _served
@@ -298,15 +299,18 @@ class Client:
 
     async def get(self, flow_id: str) -> Snapshot | None:
         """The flow's durable state, read from the store (no engine needed); None if there is
-        no such flow."""
+        no such flow. `ferry.Failed` if the store failed (its cause the driver's error)."""
         fid = _checks.flow_id(flow_id)
-        flow = await self._store.transact(partial(_store.load, flow_id=fid))
+        load = partial(_store.load, flow_id=fid)
+        flow = await _read.read(self._store, load, f"reading flow {fid!r}")
         return None if flow is None else _values.snapshot(flow)
 
     async def history(self, flow_id: str) -> list[Event]:
-        """Every durable transition of the flow, in order (no engine needed). `UnknownFlow`."""
+        """Every durable transition of the flow, in order (no engine needed). `UnknownFlow`;
+        `ferry.Failed` if the store failed (its cause the driver's error)."""
         fid = _checks.flow_id(flow_id)
-        events = await self._store.transact(partial(_store.load_history, flow_id=fid))
+        load = partial(_store.load_history, flow_id=fid)
+        events = await _read.read(self._store, load, f"reading the history of {fid!r}")
         if events is None:
             raise UnknownFlow(f"no flow has id {fid!r}")
         return events

@@ -30,7 +30,7 @@ from .._model._plan import Plan
 from .._model._types import IGNORE, Delivery, Json, Start, Wake
 from .._model._values import Flow, Mailbox, Message, Shape, Transition
 from .._store import _batch, _op, _store
-from . import _tracing
+from . import _read, _tracing
 from ._clock import Clock
 from ._live import Tally
 from ._versions import Versions
@@ -79,12 +79,9 @@ class Requests:
         self._tracing = tracing  # OpenTelemetry spans of starts (None: traces off)
 
     async def read(self, fn: Callable[[Any], T], what: str) -> T:
-        """A read of an API call: a store error is raised as `ferry.Failed` (its cause the
-        driver's error), never as the driver's exception. A checkpoint."""
-        try:
-            return await self._store.transact(fn)
-        except Exception as exc:
-            raise Failed(f"the flow store failed while {what}: {exc!r}") from exc
+        """A read of an API call (`_read.read`: a store error is `ferry.Failed`). A
+        checkpoint."""
+        return await _read.read(self._store, fn, what)
 
     # -------------------------------------------------------------------------- plan versions
 

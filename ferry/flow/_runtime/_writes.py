@@ -39,7 +39,7 @@ from .._model import _machine as m
 from .._model._types import State
 from .._model._values import ACTIVE, Flow, Mailbox, Transition
 from .._store import _batch, _op, _store
-from . import _observe, _retry
+from . import _observe, _read, _retry
 from ._apart import write_apart
 from ._clock import Clock
 from ._live import LOGGED, Live, Tally, about, log_ended, named, on_row
@@ -431,9 +431,9 @@ class Writes:
                 live.scope.cancel()
 
     async def load_row(self, flow_id: str) -> Flow | None:
-        """The flow's row, for the engine's own use: the store's error is raised as it is (the
-        engine retries unavailability, and any other error ends its block)."""
-        return await self._store.transact(partial(_store.load, flow_id=flow_id))
+        """The flow's row, for the engine's own use (`_read.own`: the store's error as it is;
+        the engine retries unavailability, and any other error ends its block)."""
+        return await _read.own(self._store, partial(_store.load, flow_id=flow_id))
 
     # ------------------------------------------------------------- writes of the engine's own
 
