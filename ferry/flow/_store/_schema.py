@@ -37,13 +37,17 @@ from ._sql import ENGINES, FLOWS, HISTORY, IN_ACTIVE, IN_FINISHED, MAILBOX, PLAN
 # ------------------------------------------------------------------------------------- schema
 
 
+def _in_byte_order(d: _dialect.Dialect) -> list[str]:
+    """The index of the flow ids in byte order, where the collation may not be one (`_query`'s
+    id prefixes)."""
+    if not d.bytewise:
+        return []
+    return [f"CREATE INDEX IF NOT EXISTS {FLOWS}_id_c ON {FLOWS} (flow_id{d.bytewise})"]
+
+
 def ddl(dialect: str) -> list[str]:
     """The schema's statements, each idempotent."""
     d = _dialect.DIALECTS[dialect]
-    # The flow ids in byte order where the collation may not be (`_query`'s id prefixes).
-    bytewise = [f"CREATE INDEX IF NOT EXISTS {FLOWS}_id_c ON {FLOWS} (flow_id{d.bytewise})"]
-    if not d.bytewise:
-        bytewise = []
     return [
         f"""CREATE TABLE IF NOT EXISTS {FLOWS} (
             flow_id TEXT PRIMARY KEY,
@@ -82,7 +86,7 @@ def ddl(dialect: str) -> list[str]:
         # (`_retention`) and the dashboard's counts of finished flows.
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_ended ON {FLOWS} (updated_at, state)"
         f" WHERE state {IN_FINISHED}",
-        *bytewise,
+        *_in_byte_order(d),
         f"""CREATE TABLE IF NOT EXISTS {ENGINES} (
             owner TEXT PRIMARY KEY,
             lease_until DOUBLE PRECISION NOT NULL,
