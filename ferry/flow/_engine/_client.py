@@ -175,7 +175,9 @@ class Client:
         held)."""
         if self._held is not None or (
             _dialect.of(self._store).leases
-            and await self._store.transact(partial(_live_engines, now=time.time()))
+            and await _read.read(
+                self._store, partial(_live_engines, now=time.time()), "reading the engines' leases"
+            )
         ):
             yield
             return
@@ -351,7 +353,9 @@ class Client:
         if answer == "pending":
             self.last = Receipt(rid, served=False, applied_by=None, pending=True)
             return None
-        by = await self._store.transact(partial(_answered_by, request_id=rid))
+        by = await _read.read(
+            self._store, partial(_answered_by, request_id=rid), f"reading request {rid!r}"
+        )
         self.last = Receipt(rid, served=not answer.get("client"), applied_by=by, pending=False)
         _raise(answer)
         return _served.decoded(answer["value"])
@@ -367,7 +371,7 @@ class Client:
                     with trio.move_on_after(_RETRY_DIRECT):
                         while True:
                             read = partial(_inbox.answer_of, request_id=rid)
-                            answer = await self._store.transact(read)
+                            answer = await _read.read(self._store, read, f"reading request {rid!r}")
                             if answer is not None:
                                 break
                             await changes.next()
@@ -385,8 +389,8 @@ class Client:
     async def _direct(self, kind: str, rid: str, body: dict[str, Json]) -> Any:
         """Apply the request here if no engine serves the store: its answer, ``"pending"``
         (a start or publish, left to the next engine), or None (an engine serves it)."""
-        if _dialect.of(self._store).leases and await self._store.transact(
-            partial(_live_engines, now=time.time())
+        if _dialect.of(self._store).leases and await _read.read(
+            self._store, partial(_live_engines, now=time.time()), "reading the engines' leases"
         ):
             return None
         if self._held is not None:
@@ -399,7 +403,8 @@ class Client:
 
     async def _apply(self, engine: Engine, kind: str, rid: str, body: dict[str, Json]) -> Any:
         """Apply the request with this client's operator's `engine` and write its answer."""
-        answer = await self._store.transact(partial(_inbox.answer_of, request_id=rid))
+        read = partial(_inbox.answer_of, request_id=rid)
+        answer = await _read.read(self._store, read, f"reading request {rid!r}")
         if answer is not None:
             return answer
         if kind in ("start", "publish"):
