@@ -2,8 +2,9 @@
 in one transaction on the store's thread) and the one error contract every caller meets
 (docs/adr/0134). A read for a caller outside the engine goes through `read`: the engine's API
 (`Requests.read`, and through it the waits) and the client (`flow.connect`'s `get`,
-`history`, and its requests' reads: their answers, the engines' leases). A read the engine makes for itself, inside a loop that retries (`Writes.load_row`,
-which the runner and the lease re-read rows with), goes through `own`.
+`history`, and its requests' reads: their answers, the engines' leases). A read the engine
+makes for itself, inside a loop that retries (`Writes.load_row`, which the runner and the
+lease re-read rows with), goes through `own`.
 
 What `read` raises:
 
