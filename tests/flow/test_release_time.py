@@ -14,6 +14,7 @@ from functools import partial
 from ferry.flow._model import _machine as m
 from ferry.flow._model._types import CONTINUE
 from ferry.flow._model._values import Flow, Mailbox, Shape, Transition
+from ferry.flow._store import _batch, _op, _schema
 from ferry.flow._store import _store as s
 from ferry.projected import Store, Tx
 from tests.stores.conftest import StoreFactory
@@ -49,15 +50,15 @@ async def test_a_release_time_is_written_to_and_read_from_the_lease_until_column
     make_store: StoreFactory,
 ) -> None:
     store = make_store()
-    await store.transact(s.create_schema)
+    await store.transact(_schema.create_schema)
     (made,) = await store.transact(
-        partial(s.write_batch, ops=[s.Create(m.start(SHAPE, "f", "{}", T0))])
+        partial(_batch.write_batch, ops=[_op.Create(m.start(SHAPE, "f", "{}", T0))])
     )
-    assert isinstance(made, s.Created)
+    assert isinstance(made, _op.Created)
     (r,) = await store.transact(
-        partial(s.write_batch, ops=[s.Change("f", _held_step, flow=made.transition.flow)])
+        partial(_batch.write_batch, ops=[_op.Change("f", _held_step, flow=made.transition.flow)])
     )
-    assert isinstance(r, s.Changed)
+    assert isinstance(r, _op.Changed)
     held = r.transition.flow
     assert (held.owner, held.released_at) == ("e1", None)
     assert await store.transact(partial(_column, flow_id="f")) is None
@@ -68,9 +69,9 @@ async def test_a_release_time_is_written_to_and_read_from_the_lease_until_column
     assert loaded is not None and loaded.released_at == T0 + 5
     # a write that holds it again clears the column (the machine sets released_at None)
     (again,) = await store.transact(
-        partial(s.write_batch, ops=[s.Change("f", _held_step, flow=loaded)])
+        partial(_batch.write_batch, ops=[_op.Change("f", _held_step, flow=loaded)])
     )
-    assert isinstance(again, s.Changed) and again.transition.flow.released_at is None
+    assert isinstance(again, _op.Changed) and again.transition.flow.released_at is None
     assert await store.transact(partial(_column, flow_id="f")) is None
 
 
@@ -90,7 +91,7 @@ async def test_a_store_made_before_the_rename_opens_and_reads_its_release_times(
         )
 
     await store.transact(made_before)
-    await store.transact(s.create_schema)  # what an engine does at open
+    await store.transact(_schema.create_schema)  # what an engine does at open
     old = await _load(store, "old")
     assert old is not None
     assert (old.owner, old.released_at, old.revision) == ("gone", T0 + 7, 2)
@@ -99,8 +100,10 @@ async def test_a_store_made_before_the_rename_opens_and_reads_its_release_times(
     def take(flow: Flow, _box: Mailbox) -> Transition:
         return m.take_over(flow, "e2", T0 + 8)
 
-    (r,) = await store.transact(partial(s.write_batch, ops=[s.Change("old", take, flow=old)]))
-    assert isinstance(r, s.Changed)
+    (r,) = await store.transact(
+        partial(_batch.write_batch, ops=[_op.Change("old", take, flow=old)])
+    )
+    assert isinstance(r, _op.Changed)
     assert (r.transition.flow.owner, r.transition.flow.released_at) == ("e2", None)
     assert await store.transact(partial(_column, flow_id="old")) is None
     assert await _load(store, "old") == r.transition.flow

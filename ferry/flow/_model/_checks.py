@@ -22,7 +22,7 @@ import math
 import traceback
 from typing import Any
 
-from ferry.projected import canonical_json
+from ferry._text import canonical_json
 
 from ._types import Fail, Json, MisusedOutcome, OnTimeout, Outcome, Park, _Complete, _Continue
 

@@ -17,7 +17,7 @@ import trio
 
 from .._model._types import Delivery, State
 from .._model._values import Flow, Transition
-from .._store import _store
+from .._store import _op
 from ._observe import Bound
 
 _log = logging.getLogger("ferry.flow")
@@ -122,6 +122,6 @@ def log_ended(before: Flow, after: Flow) -> None:
     )
 
 
-def on_row(fn: Callable[..., Transition], *args: Any) -> _store.Apply:
+def on_row(fn: Callable[..., Transition], *args: Any) -> _op.Apply:
     """``apply(flow, mailbox)`` for a transition that does not read the mailbox."""
     return lambda flow, _mailbox: fn(flow, *args)

@@ -29,8 +29,8 @@ from .._model._errors import IdReused, UnknownPlan
 from .._model._plan import Plan
 from .._model._types import IGNORE, Delivery, Json, Start, Wake
 from .._model._values import Flow, Mailbox, Message, Shape, Transition
-from .._store import _store
-from . import _tracing
+from .._store import _batch, _op, _store
+from . import _read, _tracing
 from ._clock import Clock
 from ._live import Tally
 from ._versions import Versions
@@ -79,12 +79,9 @@ class Requests:
         self._tracing = tracing  # OpenTelemetry spans of starts (None: traces off)
 
     async def read(self, fn: Callable[[Any], T], what: str) -> T:
-        """A read of an API call: a store error is raised as `ferry.Failed` (its cause the
-        driver's error), never as the driver's exception. A checkpoint."""
-        try:
-            return await self._store.transact(fn)
-        except Exception as exc:
-            raise Failed(f"the flow store failed while {what}: {exc!r}") from exc
+        """A read of an API call (`_read.read`: a store error is `ferry.Failed`). A
+        checkpoint."""
+        return await _read.read(self._store, fn, what)
 
     # -------------------------------------------------------------------------- plan versions
 
@@ -165,17 +162,15 @@ class Requests:
         data = {} if data is None else data
         return shape, fid, _checks.json_object_text(data, what, max_bytes=self._max_data)
 
-    def _start_op(
-        self, shape: Shape, fid: str, text: str, trace: str | None = None
-    ) -> _store.Create:
+    def _start_op(self, shape: Shape, fid: str, text: str, trace: str | None = None) -> _op.Create:
         """The op of a start whose input was checked (`_start_input`)."""
         owner = self._owner if self._serve else None
-        return _store.Create(m.start(shape, fid, text, self._clock.now(), owner=owner, trace=trace))
+        return _op.Create(m.start(shape, fid, text, self._clock.now(), owner=owner, trace=trace))
 
     @staticmethod
-    def _started(op: _store.Create, result: _store.Result) -> str:
+    def _started(op: _op.Create, result: _op.Result) -> str:
         fid = op.transition.flow.flow_id
-        if isinstance(result, _store.Existing) and not result.same:
+        if isinstance(result, _op.Existing) and not result.same:
             raise IdReused(
                 f"flow id {fid!r} is already used by a flow of plan {result.flow.plan!r} with"
                 " other start data; nothing was stored (pick another id, or send the same data)"
@@ -186,7 +181,7 @@ class Requests:
         """`Engine.wake`."""
         text = self._wake_input(flow_id, payload, message_id, "")
 
-        async def call(shape_of: ShapeOf) -> _store.Result:
+        async def call(shape_of: ShapeOf) -> _op.Result:
             return await self._writes.request(self._wake_op(flow_id, text, message_id, shape_of))
 
         tracing = self._tracing
@@ -206,7 +201,7 @@ class Requests:
 
     def _wake_op(
         self, flow_id: str, text: str, message_id: str | None, shape_of: ShapeOf
-    ) -> _store.Change:
+    ) -> _op.Change:
         """The op of a wake whose input was checked (`_wake_input`: `text` is its payload);
         `shape_of` as in `versioned`."""
         message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
@@ -216,10 +211,10 @@ class Requests:
             return m.wake(f, box, message, shape_of(f), now)
 
         leased = self._writes.with_holder(apply, outside=True)
-        return _store.Change(flow_id, leased, message_id=message_id)
+        return _op.Change(flow_id, leased, message_id=message_id)
 
-    def _delivered(self, result: _store.Result) -> Delivery:
-        if isinstance(result, _store.Changed):
+    def _delivered(self, result: _op.Result) -> Delivery:
+        if isinstance(result, _op.Changed):
             assert result.transition.delivery is not None
             return result.transition.delivery
         self._tally.wakes[Delivery.UNKNOWN] += 1
@@ -235,32 +230,30 @@ class Requests:
             raise ValueError(f"reason {reason!r} cannot be stored: {problem}")
         now = self._clock.now()
 
-        async def call(shape_of: ShapeOf) -> _store.Result:
+        async def call(shape_of: ShapeOf) -> _op.Result:
             def apply(f: Flow, _b: Mailbox) -> Transition:
                 return m.cancel(f, shape_of(f), reason, now)
 
             leased = self._writes.with_holder(apply, outside=True)
-            return await self._writes.request(_store.Change(fid, leased))
+            return await self._writes.request(_op.Change(fid, leased))
 
         result = await self.versioned(call)
-        return isinstance(result, _store.Changed) and result.transition.done
+        return isinstance(result, _op.Changed) and result.transition.done
 
     async def resume(self, flow_id: str) -> bool:
         """`Engine.resume`."""
         fid = _checks.flow_id(flow_id)
         now = self._clock.now()
 
-        async def call(shape_of: ShapeOf) -> _store.Result:
+        async def call(shape_of: ShapeOf) -> _op.Result:
             def apply(f: Flow, box: Mailbox) -> Transition:
                 return m.resume(f, box, shape_of(f), now)
 
-            op = _store.Change(
-                fid, self._writes.with_holder(apply, outside=True), first_queued=True
-            )
+            op = _op.Change(fid, self._writes.with_holder(apply, outside=True), first_queued=True)
             return await self._writes.request(op)
 
         result = await self.versioned(call)
-        return isinstance(result, _store.Changed) and result.transition.done
+        return isinstance(result, _op.Changed) and result.transition.done
 
     async def abandon(self, flow_id: str, reason: str, by: str | None) -> bool:
         """`Engine.abandon`."""
@@ -270,15 +263,15 @@ class Requests:
             _checks.said(by, "by")
         now = self._clock.now()
 
-        async def call(shape_of: ShapeOf) -> _store.Result:
+        async def call(shape_of: ShapeOf) -> _op.Result:
             def apply(f: Flow, _b: Mailbox) -> Transition:
                 return m.abandon(f, shape_of(f), reason, by, now)
 
             leased = self._writes.with_holder(apply, outside=True)
-            return await self._writes.request(_store.Change(fid, leased))
+            return await self._writes.request(_op.Change(fid, leased))
 
         result = await self.versioned(call)
-        return isinstance(result, _store.Changed) and result.transition.done
+        return isinstance(result, _op.Changed) and result.transition.done
 
     # ---------------------------------------------------------------------------- publishing
 
@@ -306,7 +299,7 @@ class Requests:
     async def publish(self, decisions: list[Wake | Start | None]) -> list[Delivery | str | None]:
         """Apply checked `decisions` (`decision`) all or nothing; `Engine.publish`."""
         # Checked and built before anything is written: a start's op (its flow), a wake's text.
-        built: list[_store.Create | str | None] = []
+        built: list[_op.Create | str | None] = []
         for d in decisions:
             if isinstance(d, Wake):
                 built.append(self._wake_input(d.flow_id, d.payload, d.message_id, "Wake."))
@@ -317,17 +310,17 @@ class Requests:
             else:
                 built.append(None)
 
-        async def apply_all(shape_of: ShapeOf) -> list[_store.Result]:
-            ops: list[_store.Op] = []
+        async def apply_all(shape_of: ShapeOf) -> list[_op.Result]:
+            ops: list[_op.Op] = []
             for d, b in zip(decisions, built, strict=True):
                 if isinstance(d, Wake):
                     assert isinstance(b, str)
                     ops.append(self._wake_op(d.flow_id, b, d.message_id, shape_of))
-                elif isinstance(b, _store.Create):
+                elif isinstance(b, _op.Create):
                     ops.append(b)
             try:
                 return await self._writes.batch(ops, whole=True)
-            except _store.Undone as undone:
+            except _batch.Undone as undone:
                 self._undone(ops, undone.results)  # raises (`_Unseen`: `versioned` reads again)
             except Exception as exc:
                 raise Failed(f"the flow store raised {exc!r}; nothing was applied") from exc
@@ -345,7 +338,7 @@ class Requests:
         for b in built:
             if b is None:
                 results.append(None)
-            elif isinstance(b, _store.Create):
+            elif isinstance(b, _op.Create):
                 results.append(self._started(b, next(answers)))
             else:
                 answer = next(answers)
@@ -354,19 +347,19 @@ class Requests:
                 results.append(self._delivered(answer))
         return results
 
-    def _undone(self, ops: list[_store.Op], results: list[_store.Result]) -> NoReturn:
+    def _undone(self, ops: list[_op.Op], results: list[_op.Result]) -> NoReturn:
         """Raise why an all-or-nothing batch (a `publish`) was rolled back."""
         for op, result in zip(ops, results, strict=True):
-            if isinstance(result, _store.Refused):
+            if isinstance(result, _op.Refused):
                 raise result.error
-            if isinstance(op, _store.Create):
+            if isinstance(op, _op.Create):
                 self._started(op, result)  # raises IdReused
         raise AssertionError(f"a publish was rolled back for no reason: {results!r}")
 
 
-def _traced_wake(tracing: _tracing.Tracing, result: _store.Result, began: int) -> None:
+def _traced_wake(tracing: _tracing.Tracing, result: _op.Result, began: int) -> None:
     """The ``wake`` span of a wake that found its flow, in that flow's trace (ADR 0104)."""
-    if isinstance(result, _store.Changed) and result.transition.delivery is not None:
+    if isinstance(result, _op.Changed) and result.transition.delivery is not None:
         flow = result.transition.flow
         tracing.moved("wake", flow, result.before.step, began, result.transition.delivery.name)
 

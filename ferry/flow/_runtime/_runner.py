@@ -36,7 +36,7 @@ from .._model import _machine as m
 from .._model._plan import StepDef
 from .._model._types import Context, MisusedOutcome, Park, State
 from .._model._values import Flow, Mailbox, Shape, Transition
-from .._store import _store
+from .._store import _op
 from . import _observe, _retry, _tracing
 from ._clock import Clock
 from ._live import Live, Tally, about, named
@@ -453,7 +453,7 @@ class Runner:
     async def _advance(
         self,
         live: Live,
-        apply: _store.Apply,
+        apply: _op.Apply,
         *,
         first_queued: bool = False,
         fallback: str | None = None,
@@ -469,7 +469,7 @@ class Runner:
         """
         writes = self._writes
         flow = live.flow
-        op = _store.Change(flow.flow_id, apply, flow=flow, first_queued=first_queued)
+        op = _op.Change(flow.flow_id, apply, flow=flow, first_queued=first_queued)
         try:  # the first try without `_retry.retrying`'s objects: the common case
             result = await writes.write_answered(op)
         except Exception as exc:
@@ -481,9 +481,9 @@ class Runner:
                 extra=partial(about, flow),  # made only for a retry's WARNING, as its `what`
                 failed=exc,
             )
-        if isinstance(result, _store.Changed):
+        if isinstance(result, _op.Changed):
             return True
-        if isinstance(result, _store.Rejected):
+        if isinstance(result, _op.Rejected):
             if fallback is not None:  # even the write that fails the flow was refused
                 problem = f"{fallback}; and refused that too: {_checks.describe(result.error)}"
                 writes.left_as_it_is(flow, problem, result.error)
@@ -510,7 +510,7 @@ class Runner:
             writes.track(flow.state, stored, True, epoch=epoch, write=False)
         return False
 
-    async def _fail_refused(self, live: Live, rejected: _store.Rejected) -> None:
+    async def _fail_refused(self, live: Live, rejected: _op.Rejected) -> None:
         """The database refused a write of the flow this runner drives (its row alone, ADR
         0063): fail the flow with that error (a running step compensates; a compensation
         blocks), so that it is this flow's problem alone."""

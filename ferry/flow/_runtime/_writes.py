@@ -5,7 +5,7 @@ Every durable change of every flow, whoever asks for it (the runner of the flow,
 a cancel, a resume, recovery, a takeover), is one store op: a pure transition run on the flow's
 row inside the transaction that records it, compare-and-set on the row's revision (docs/adr/0020).
 The ops go through one plain ferry whose batch call (`Writes.batch`) runs a whole batch in one
-`store.transact` (`_store.write_batch`): concurrent flows share transactions (group commit), and
+`store.transact` (`_batch.write_batch`): concurrent flows share transactions (group commit), and
 an op whose compare-and-set fails is answered alone with `Conflict` while the others commit
 (docs/adr/0022). A row the database refuses is answered `Rejected` to its op alone (ADR 0063).
 
@@ -38,8 +38,8 @@ from .._model import _checks
 from .._model import _machine as m
 from .._model._types import State
 from .._model._values import ACTIVE, Flow, Mailbox, Transition
-from .._store import _store
-from . import _observe, _retry
+from .._store import _batch, _op, _store
+from . import _observe, _read, _retry
 from ._apart import write_apart
 from ._clock import Clock
 from ._live import LOGGED, Live, Tally, about, log_ended, named, on_row
@@ -78,10 +78,10 @@ class _Flight:
 
     __slots__ = ("done", "error", "ops", "results")
 
-    def __init__(self, ops: Sequence[_store.Op]) -> None:
+    def __init__(self, ops: Sequence[_op.Op]) -> None:
         self.ops = ops
         self.done = trio.Event()
-        self.results: list[_store.Result] | None = None
+        self.results: list[_op.Result] | None = None
         self.error: BaseException | None = None
 
 
@@ -121,14 +121,14 @@ class Writes:
         self._fleet = fleet  # leases are respected (PostgreSQL); else one engine per store
         self._group_commit = group_commit
         # How long the database lets one of this engine's transactions sit idle with its locks
-        # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
+        # (`_batch.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
         # longer than this.
         self.guard = guard
         self._seen = seen  # every committed row of a flow, for those who wait for it
         self._refused = refused  # a flow whose every write is refused, for those who wait for it
         self._runnable = runnable  # a flow became live: give it a runner
         self._arm = arm  # a flow parked with a deadline
-        self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
+        self._ferry: Callable[[_op.Op], Awaitable[_op.Result]] | None = None
         self.live = live  # empty at first (`_waiters.Held`: it tells the waits what comes and goes)
         self.released: dict[str, int] = {}
         self.epoch = 0
@@ -136,7 +136,7 @@ class Writes:
         # they wait for a batch, then the batch that took them (`_Flight`).
         self._requested: dict[int, _Flight | None] = {}
 
-    def open(self, write_ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None) -> None:
+    def open(self, write_ferry: Callable[[_op.Op], Awaitable[_op.Result]] | None) -> None:
         """Write through `write_ferry` from now on (group commit; None: one transaction each)."""
         self._ferry = write_ferry
 
@@ -146,7 +146,7 @@ class Writes:
 
     # ------------------------------------------------------------------------------- writes
 
-    async def write(self, op: _store.Op) -> _store.Result:
+    async def write(self, op: _op.Op) -> _op.Result:
         """One op, durable when this returns; through the ferry (group commit) or alone.
 
         Raises `ferry.Failed` if the transaction failed or the database refused this op's row
@@ -155,8 +155,8 @@ class Writes:
         """
         return _unless_rejected(await self.write_answered(op))
 
-    async def write_answered(self, op: _store.Op) -> _store.Result:
-        """`write`, but a row the database refused is answered (`_store.Rejected`), not
+    async def write_answered(self, op: _op.Op) -> _op.Result:
+        """`write`, but a row the database refused is answered (`_op.Rejected`), not
         raised: a runner fails its flow with it."""
         if self._group_commit:
             if self._ferry is None:
@@ -169,7 +169,7 @@ class Writes:
                 raise Failed(f"the flow store raised {exc!r}") from exc
         return _answered(result)
 
-    async def request(self, op: _store.Op) -> _store.Result:
+    async def request(self, op: _op.Op) -> _op.Result:
         """An API call's write: a cancel point first, then the write, so that a call that raises
         `Cancelled` did not happen, and one that wrote returns its result (or raises as
         `write`).
@@ -200,7 +200,7 @@ class Writes:
             await flight.done.wait()
         return self._landed(op, flight)
 
-    def _landed(self, op: _store.Op, flight: _Flight) -> _store.Result:
+    def _landed(self, op: _op.Op, flight: _Flight) -> _op.Result:
         """The answer `write` would have given `op`, written by `flight`, to a caller that was
         cancelled while the batch ran (`request`)."""
         if flight.results is None:
@@ -215,7 +215,7 @@ class Writes:
         index = next(i for i, o in enumerate(flight.ops) if o is op)
         return _unless_rejected(_answered(flight.results[index]))
 
-    def with_holder(self, apply: _store.Apply, *, outside: bool) -> _store.Apply:
+    def with_holder(self, apply: _op.Apply, *, outside: bool) -> _op.Apply:
         """`apply`, with who holds the flow after its write (`_machine.assign_holder`): a flow left
         active is this engine's (an operator's engine leaves it to whichever engine takes it
         over); an `outside` request (wake, cancel, resume, timeout) on a flow another engine
@@ -255,9 +255,9 @@ class Writes:
             and not (self._fleet and self._versions.elsewhere(flow))  # only a fleet's versions
         )
 
-    async def batch(self, ops: list[_store.Op], *, whole: bool = False) -> list[_store.Result]:
+    async def batch(self, ops: list[_op.Op], *, whole: bool = False) -> list[_op.Result]:
         """The ferry's batch call: every op in one transaction, then their effects in memory.
-        With `whole` (a `publish`), all or nothing: `_store.Undone` if one op was not applied.
+        With `whole` (a `publish`), all or nothing: `_batch.Undone` if one op was not applied.
 
         A transaction the database rolled back on its own (a deadlock or a serialization
         failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times.
@@ -288,19 +288,19 @@ class Writes:
             results = await self._batch(ops, whole)
         return results
 
-    async def _batch(self, ops: list[_store.Op], whole: bool) -> list[_store.Result]:
+    async def _batch(self, ops: list[_op.Op], whole: bool) -> list[_op.Result]:
         if whole:
-            return await self._transact(ops, _store.write_all)
-        return await write_apart(partial(self._transact, write=_store.write_batch), ops)
+            return await self._transact(ops, _batch.write_all)
+        return await write_apart(partial(self._transact, write=_batch.write_batch), ops)
 
     async def _transact(
-        self, ops: Sequence[_store.Op], write: Callable[..., list[_store.Result]]
-    ) -> list[_store.Result]:
+        self, ops: Sequence[_op.Op], write: Callable[..., list[_op.Result]]
+    ) -> list[_op.Result]:
         """`ops` in one transaction (retried if the database rolled it back on its own), then
         their effects in memory, in commit order."""
         epoch = self.epoch
 
-        async def attempt() -> list[_store.Result]:
+        async def attempt() -> list[_op.Result]:
             nonlocal epoch
             epoch = self.epoch
             return await self._store.transact(partial(write, ops=ops, guard=self.guard))
@@ -316,24 +316,24 @@ class Writes:
             self._applied(op, result, epoch)
         return results
 
-    def _applied(self, op: _store.Op, result: _store.Result, epoch: int) -> None:
+    def _applied(self, op: _op.Op, result: _op.Result, epoch: int) -> None:
         """Bring memory up to date with one committed result (trio thread, commit order) of a
         batch begun in `epoch`."""
-        if isinstance(result, _store.Changed):
+        if isinstance(result, _op.Changed):
             t = result.transition
             if t.delivery is not None:
                 self._tally.wakes[t.delivery] += 1
             if t.written:
-                own = isinstance(op, _store.Change) and op.flow is not None
+                own = isinstance(op, _op.Change) and op.flow is not None
                 if t.flow.state in LOGGED and t.flow.state is not result.before.state:
                     log_ended(result.before, t.flow)
                 observers = self._tally.observers
                 if observers and t.flow.state in _ENDS and t.flow.state is not result.before.state:
                     _observe.ended(observers, t.flow, result.before.step, _end_of(t))
                 self.track(result.before.state, t.flow, own, epoch=epoch)
-        elif isinstance(result, _store.Created):
+        elif isinstance(result, _op.Created):
             self.track(None, result.transition.flow, True, epoch=epoch)
-        elif isinstance(result, _store.Conflict):
+        elif isinstance(result, _op.Conflict):
             self._tally.stats["conflicts"] += 1
 
     def track(
@@ -425,9 +425,9 @@ class Writes:
                 live.scope.cancel()
 
     async def load_row(self, flow_id: str) -> Flow | None:
-        """The flow's row, for the engine's own use: the store's error is raised as it is (the
-        engine retries unavailability, and any other error ends its block)."""
-        return await self._store.transact(partial(_store.load, flow_id=flow_id))
+        """The flow's row, for the engine's own use (`_read.own`: the store's error as it is;
+        the engine retries unavailability, and any other error ends its block)."""
+        return await _read.own(self._store, partial(_store.load, flow_id=flow_id))
 
     # ------------------------------------------------------------- writes of the engine's own
 
@@ -452,16 +452,16 @@ class Writes:
 
         # The machine ignores it unless the flow is still parked at `revision`: across a fleet,
         # every engine that armed this deadline fires it, and exactly one of them takes it.
-        op = _store.Change(flow_id, self.with_holder(apply, outside=True))
+        op = _op.Change(flow_id, self.with_holder(apply, outside=True))
         what = f"timing out flow {flow_id!r} (parked at revision {revision})"
         extra = {"flow_id": flow_id}
         result = await _retry.retrying(partial(self.write_answered, op), what=what, extra=extra)
-        if isinstance(result, _store.Rejected):  # the flow's own problem: it blocks (ADR 0063)
+        if isinstance(result, _op.Rejected):  # the flow's own problem: it blocks (ADR 0063)
             reason = f"the database refused its timeout: {_checks.describe(result.error)}"
             block = self.with_holder(on_row(m.block, reason, now), outside=True)
-            op = _store.Change(flow_id, block, expected=revision)
+            op = _op.Change(flow_id, block, expected=revision)
             result = await _retry.retrying(partial(self.write_answered, op), what=what, extra=extra)
-            if isinstance(result, _store.Rejected):  # that too: left as it is (ADR 0117)
+            if isinstance(result, _op.Rejected):  # that too: left as it is (ADR 0117)
                 stored = await _retry.retrying(
                     partial(self.load_row, flow_id), what=what, extra=extra
                 )
@@ -469,24 +469,24 @@ class Writes:
                     problem = f"{reason}; and refused that too: {_checks.describe(result.error)}"
                     self.left_as_it_is(stored, problem, result.error)
                 return None
-        if isinstance(result, _store.Changed) and result.transition.written:
+        if isinstance(result, _op.Changed) and result.transition.written:
             return result.before, result.transition.flow
         return None
 
 
-def _answered(result: _store.Result) -> _store.Result:
+def _answered(result: _op.Result) -> _op.Result:
     """An op's result as `write_answered` gives it: a transition that raised is raised, a
     store that failed is `ferry.Failed`."""
-    if isinstance(result, _store.Refused):
+    if isinstance(result, _op.Refused):
         raise result.error
-    if isinstance(result, _store.Unwritten):
+    if isinstance(result, _op.Unwritten):
         raise Failed(f"the flow store raised {result.error!r}") from result.error
     return result
 
 
-def _unless_rejected(result: _store.Result) -> _store.Result:
+def _unless_rejected(result: _op.Result) -> _op.Result:
     """`result`, or `ferry.Failed` if the database refused the op's row (as `write` raises)."""
-    if isinstance(result, _store.Rejected):
+    if isinstance(result, _op.Rejected):
         raise Failed(
             f"the database refused the write of flow {result.flow_id!r}:"
             f" {_checks.describe(result.error)}; nothing of it was written"
