@@ -33,10 +33,6 @@ SIZE_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("ferry/flow/_runtime/_runner.py", "def _attempt"): "to be split by concern",
     ("ferry/flow/_runtime/_waiters.py", "class Waiters"): "the mode object starts the fleet's",
     ("ferry/flow/_runtime/_writes.py", "class Writes"): "ops as records; track split by concern",
-    ("ferry/flow/_store/_batch.py", "file"): "two batch writers, to be split",
-    ("ferry/flow/_store/_batch.py", "class _RowByRow"): "two batch writers, to be split",
-    ("ferry/flow/_store/_sql.py", "def build"): "to be built by table",
-    ("ferry/flow/_store/_store.py", "file"): "the store's split",
 }
 
 
