@@ -1,0 +1,311 @@
+"""Schedules, the pure part (SPEC 5.9, docs/adr/0143, 0144): the checks of a definition, tick
+ids, the catch-up rule after downtime and the overlap decision. No trio, no clock, no store.
+
+The cron grammar is not here: the library that parses it (cronsim) is no import the model may
+make (docs/adr/0120), so a compiled expression reaches these functions as a `Rule`, made by
+`ferry/flow/_store/_cron.py`, the one module that imports the library (and home of the public
+`Schedule`). Everything here takes times as wall-clock seconds since the epoch, as arguments:
+the caller says what "now" is.
+
+The rules, in one place:
+
+- A tick is a whole second ``T``; its flow's id is ``f"{name}@{T}"`` with ``T`` in UTC as
+  ``YYYY-MM-DDTHH:MM:SSZ`` (`tick_id`), its data the schedule's data with ``scheduled_at``
+  set to the same text (`tick_data`): a second start of one tick is the same start, which the
+  engine's idempotent `start` answers without running anything again.
+- **Catch-up** (`catch_up`): when the engine comes to a schedule whose stored next tick is
+  due, it starts at most one tick: the oldest one missed by at most ``max(catchup, ON_TIME)``
+  seconds. Every other tick up to now is skipped and counted, and the next tick becomes the
+  first one after now. A wall clock that jumps 78 minutes, a laptop asleep a week, an engine
+  closed a year: one start per schedule, never a burst, and the schedule is back on its times
+  at once (a paced replay would keep it late for good).
+- **Overlap** (`admit`): ``"skip"`` skips a tick while the schedule's previous flow is active,
+  ``"allow"`` always starts, ``"queue"`` keeps one tick waiting for the previous flow's end (a
+  tick that finds one waiting is skipped: the waiting one is older).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import zoneinfo
+from collections.abc import Iterator
+from datetime import UTC, tzinfo
+from typing import Protocol, final
+
+import attrs
+
+from ._checks import describe, finite, json_object_text, text_problem
+from ._times import iso
+from ._types import Json
+
+#: The overlap policies, as `Schedule(overlap=...)` takes them.
+OVERLAPS = ("skip", "allow", "queue")
+
+#: A tick that the engine comes to at most this many seconds late is on time, whatever
+#: `catchup` says (a busy loop, a slow commit, 10,000 schedules due on one minute): only a tick
+#: later than ``max(catchup, ON_TIME)`` is missed.
+ON_TIME = 60.0
+
+#: The longest schedule name: it is a prefix of every flow id the schedule starts.
+MAX_NAME = 200
+
+#: At most this many missed ticks are counted one by one after a downtime; past that the
+#: count stops (`CatchUp.counted_all` is False) and the rest are passed over unseen, so that
+#: an every-minute schedule after a year closed costs a bounded catch-up (each tick is one
+#: call of the cron library, 7 to 75 microseconds).
+MAX_COUNTED = 1_000
+
+#: At most this many ticks are started by one backfill (`backfill_ticks`).
+MAX_BACKFILL = 10_000
+
+#: The data key that carries a tick's time: the schedule's own data may not hold it.
+SCHEDULED_AT = "scheduled_at"
+
+
+class Rule(Protocol):
+    """A compiled cron expression in its schedule's time zone (made outside the model)."""
+
+    def after(self, t: float) -> float | None:
+        """The first tick strictly after `t` (wall-clock seconds), a whole second; None if the
+        expression has no tick after `t` (within the library's horizon of 50 years)."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks of a definition: TypeError / ValueError naming the field, at the call.
+
+
+def check_name(value: object) -> str:
+    """A schedule's name: a non-empty str of printable characters that can be stored, with no
+    ``@`` (its flows' ids are ``name@T``: a name with ``@`` would make one schedule's ids a
+    prefix match of another's), no space at either end, at most `MAX_NAME` characters."""
+    if not isinstance(value, str):
+        raise TypeError(f"a schedule's name must be a str, got {describe(value, 200)}")
+    if not value:
+        raise ValueError("a schedule's name must not be empty")
+    problem = text_problem(value)
+    if problem is not None:
+        raise ValueError(f"a schedule's name {value!r} cannot be stored: {problem}")
+    if not value.isprintable():
+        bad = next(ch for ch in value if not ch.isprintable())
+        raise ValueError(
+            f"a schedule's name must be printable, got {value!r} (it holds {bad!r} at index"
+            f" {value.index(bad)}): it is shown by the inspector and is part of flow ids"
+        )
+    if value != value.strip():
+        raise ValueError(f"a schedule's name must not begin or end with a space, got {value!r}")
+    if "@" in value:
+        raise ValueError(
+            f"a schedule's name must not hold '@', got {value!r}: its flows are named"
+            " NAME@TIME (for example nightly@2026-12-02T02:00:00Z)"
+        )
+    if len(value) > MAX_NAME:
+        raise ValueError(
+            f"a schedule's name must be at most {MAX_NAME} characters, got {len(value)}"
+        )
+    return value
+
+
+def _no_database() -> bool:
+    try:
+        return not zoneinfo.available_timezones()
+    except Exception:  # an unreadable tzdata package: say so below rather than here
+        return True
+
+
+def check_timezone(value: object) -> tzinfo:
+    """The zone named `value`, an IANA name such as ``"Europe/Warsaw"`` (``"UTC"`` needs no
+    time zone database). A name the database does not have, or a file name that is no zone
+    (``"localtime"``: the host's own zone would make a fleet's engines disagree), is a
+    `ValueError` naming the field."""
+    if not isinstance(value, str):
+        raise TypeError(f"timezone must be a str (an IANA name), got {describe(value, 200)}")
+    if value == "UTC":
+        return UTC
+    if value in ("localtime", "posixrules", "Factory"):
+        raise ValueError(
+            f"timezone {value!r} is no zone: name one, such as 'Europe/Warsaw' or 'UTC' (the"
+            " host's own zone would make the engines of a fleet disagree)"
+        )
+    try:
+        return zoneinfo.ZoneInfo(value)
+    except (ValueError, zoneinfo.ZoneInfoNotFoundError, OSError):
+        pass
+    hint = (
+        ": this Python finds no time zone database (install the tzdata package, or the"
+        " system's tzdata)"
+        if _no_database()
+        else ": give an IANA name such as 'Europe/Warsaw', 'America/New_York' or 'UTC'"
+    )
+    raise ValueError(f"timezone {value!r} is not a known time zone{hint}") from None
+
+
+def check_overlap(value: object) -> str:
+    """One of `OVERLAPS`."""
+    if not isinstance(value, str):
+        raise TypeError(f"overlap must be a str, one of {OVERLAPS}, got {describe(value, 200)}")
+    if value not in OVERLAPS:
+        raise ValueError(f"overlap must be 'skip' (the default), 'allow' or 'queue', got {value!r}")
+    return value
+
+
+def check_catchup(value: object) -> float:
+    """Seconds, a finite number >= 0 (int or float, not bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"catchup must be a number of seconds, got {describe(value, 200)}")
+    if not finite(value) or value < 0:
+        raise ValueError(
+            f"catchup must be a finite number of seconds >= 0 (how late a missed tick may"
+            f" still start), got {describe(value, 40)}"
+        )
+    return float(value)
+
+
+def check_data(value: object) -> str:
+    """The canonical JSON text of a schedule's data: None (no data) or a JSON object that does
+    not hold ``scheduled_at`` (each tick sets it)."""
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise TypeError(
+            f"a schedule's data must be None or a JSON object (a dict), got {describe(value, 200)}"
+        )
+    text = json_object_text(value, "a schedule's data")
+    if SCHEDULED_AT in value:
+        raise ValueError(
+            f"a schedule's data must not hold {SCHEDULED_AT!r}: each tick sets it to the"
+            " tick's time"
+        )
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Ticks
+
+
+def tick_text(t: float) -> str:
+    """The tick `t` as its flows write it: UTC to the second, ``2026-12-02T02:00:00Z``."""
+    return iso(math.floor(t))
+
+
+def tick_id(name: str, t: float) -> str:
+    """The flow id of the tick `t` of the schedule `name`: ``name@2026-12-02T02:00:00Z``."""
+    return f"{name}@{tick_text(t)}"
+
+
+def tick_data(data_text: str, t: float) -> dict[str, Json]:
+    """The data a tick's flow starts with: the schedule's data (its canonical JSON text) with
+    ``scheduled_at`` the tick's time, the same text as in its id."""
+    data: dict[str, Json] = json.loads(data_text)
+    data[SCHEDULED_AT] = tick_text(t)
+    return data
+
+
+def ticks(rule: Rule, after: float) -> Iterator[float]:
+    """The ticks of `rule` after `after`, in order (ends where the rule has no more)."""
+    t: float | None = rule.after(after)
+    while t is not None:
+        yield t
+        t = rule.after(t)
+
+
+def backfill_ticks(
+    rule: Rule, start: float, end: float, *, limit: int = MAX_BACKFILL
+) -> list[float]:
+    """Every tick T with ``start <= T <= end``, oldest first; a `ValueError` if there are more
+    than `limit` (a backfill of a year of minutes is a mistake to say, not to run)."""
+    for what, value in (("start", start), ("end", end)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not finite(value):
+            raise ValueError(f"backfill's {what} must be a finite time, got {describe(value, 40)}")
+    if start > end:
+        raise ValueError(f"backfill's start {iso(start)} is after its end {iso(end)}")
+    found: list[float] = []
+    for t in ticks(rule, math.ceil(start) - 1):
+        if t > end:
+            break
+        if len(found) == limit:
+            raise ValueError(
+                f"backfill from {iso(start)} to {iso(end)} covers more than {limit} ticks:"
+                " give a shorter span"
+            )
+        found.append(t)
+    return found
+
+
+@final
+@attrs.frozen(kw_only=True)
+class CatchUp:
+    """What to do with a schedule whose stored next tick `due` has come (`catch_up`).
+
+    `start`: the one tick to start now, or None (every tick up to now was missed); `skipped`:
+    how many ticks up to now are passed over (to add to the schedule's skipped count);
+    `counted_all`: False when more than `MAX_COUNTED` were missed and the count stopped there;
+    `next`: the schedule's next tick from now on, the first one after now (None: the rule has
+    no more ticks)."""
+
+    start: float | None
+    skipped: int
+    counted_all: bool
+    next: float | None
+
+
+def first_from(rule: Rule, t: float) -> float | None:
+    """The first tick at or after `t` (ticks are whole seconds)."""
+    return rule.after(math.ceil(t) - 1)
+
+
+def catch_up(rule: Rule, due: float, now: float, catchup: float) -> CatchUp:
+    """The catch-up rule (the module's docstring): of the ticks from `due` to `now`, start the
+    oldest one at most ``max(catchup, ON_TIME)`` seconds old, skip the others, and go on from
+    the first tick after `now`. A `due` still in the future changes nothing.
+
+    Cost: one `rule.after` per tick from `due` to `now`, at most `MAX_COUNTED` of them: past
+    that the rest are passed over in one jump each (to the window's first tick, then past
+    `now`), uncounted."""
+    if due > now:
+        return CatchUp(start=None, skipped=0, counted_all=True, next=due)
+    window_start = now - max(catchup, ON_TIME)
+    start: float | None = None
+    skipped = 0
+    counted_all = True
+    t: float | None = due
+    while t is not None and t <= now:
+        if start is None and t >= window_start:
+            start = t
+            t = rule.after(t)
+            continue
+        skipped += 1
+        following = rule.after(t)
+        if skipped >= MAX_COUNTED and following is not None and following <= now:
+            jump = first_from(rule, window_start) if start is None else rule.after(now)
+            if jump != following:
+                counted_all = False
+                following = jump
+        t = following
+    return CatchUp(start=start, skipped=skipped, counted_all=counted_all, next=t)
+
+
+# ---------------------------------------------------------------------------------------------
+# Overlap
+
+
+@final
+class Admit(enum.Enum):
+    """What a tick (or a trigger) does, by the schedule's overlap rule (`admit`)."""
+
+    START = "start"  # start its flow now
+    SKIP = "skip"  # start nothing; count it as skipped
+    QUEUE = "queue"  # keep it as the schedule's one waiting tick; start it when the flow ends
+
+
+def admit(overlap: str, *, active: bool, waiting: bool) -> Admit:
+    """The overlap decision for a tick of a schedule whose previous flow is `active` (not
+    ended) and that has a tick `waiting` (``"queue"`` only) or not. A backfill asks nothing:
+    it starts every tick it covers."""
+    if not active or overlap == "allow":
+        return Admit.START
+    if overlap == "queue" and not waiting:
+        return Admit.QUEUE
+    return Admit.SKIP
