@@ -15,6 +15,7 @@ import itertools
 import math
 from zoneinfo import ZoneInfo
 
+import cronsim
 import pytest
 
 from ferry.flow._model import _schedule
@@ -102,6 +103,59 @@ def test_from_inside_the_repeated_hour_the_next_tick_is_never_before_the_time_as
     assert CronRule("30 2 * * *", WARSAW).after(utc(2026, 10, 25, 1, 15)) == utc(
         2026, 10, 26, 1, 30
     )
+
+
+def _matches(expr: str, wall: datetime.datetime) -> bool:
+    """Does the naive wall-clock minute `wall` match `expr`? (The library on naive times: the
+    calendar alone, no time zone.)"""
+    return cronsim.CronSim(expr, wall - datetime.timedelta(seconds=1)).__next__() == wall
+
+
+def _oracle(expr: str, lo: float, hi: float) -> list[float]:
+    """Every tick in [lo, hi) by Debian's rule, walked a minute at a time with zoneinfo: a
+    fixed time of day once a day (a missing one at the end of its gap, a repeated one at its
+    first pass), anything else at each real minute whose local time matches."""
+    fields = expr.split()
+    fixed = not fields[0].startswith("*") and not fields[1].startswith("*")
+    minute = datetime.timedelta(minutes=1)
+    found: set[float] = set()
+    if not fixed:
+        t = lo
+        while t < hi:
+            wall = datetime.datetime.fromtimestamp(t, WARSAW).replace(tzinfo=None)
+            if _matches(expr, wall):
+                found.add(t)
+            t += 60
+        return sorted(found)
+    wall = datetime.datetime.fromtimestamp(lo, WARSAW).replace(tzinfo=None, minute=0)
+    end = datetime.datetime.fromtimestamp(hi, WARSAW).replace(tzinfo=None)
+    while wall < end:
+        if _matches(expr, wall):
+            real = wall
+            while (
+                real.replace(tzinfo=WARSAW).astimezone(UTC).astimezone(WARSAW).replace(tzinfo=None)
+                != real
+            ):  # a local time that does not exist: the first one after the gap
+                real += minute
+            t = real.replace(tzinfo=WARSAW, fold=0).timestamp()
+            if lo <= t < hi:
+                found.add(t)
+        wall += minute
+    return sorted(found)
+
+
+@pytest.mark.parametrize(
+    "expr", ["30 2 * * *", "0,30 2 * * *", "15 1-3 * * *", "*/20 * * * *", "30 * * * *"]
+)
+def test_the_next_tick_is_the_one_a_minute_by_minute_walk_finds(expr: str) -> None:
+    """Against an oracle that knows nothing of the library's handling of time zones: from every
+    10 minutes of both change nights, the next tick is the oracle's."""
+    rule = CronRule(expr, WARSAW)
+    for night in (utc(2026, 3, 28, 22), utc(2026, 10, 24, 21)):
+        ticks = _oracle(expr, night - 3600, night + 30 * 3600)
+        for k in range(6 * 8):
+            t = night + 600 * k
+            assert rule.after(t) == next(x for x in ticks if x > t), (expr, local(t))
 
 
 @pytest.mark.parametrize("day", [(2026, 3, 28, 20), (2026, 10, 24, 20)])
