@@ -309,3 +309,137 @@ def admit(overlap: str, *, active: bool, waiting: bool) -> Admit:
     if overlap == "queue" and not waiting:
         return Admit.QUEUE
     return Admit.SKIP
+
+
+# ---------------------------------------------------------------------------------------------
+# The row and its transitions: what the store's one write per firing records (docs/adr/0144).
+
+
+@final
+@attrs.frozen(kw_only=True)
+class Row:
+    """A schedule's stored row (``flow_schedules``), as the transitions see it.
+
+    `revision`: the compare-and-set token, +1 at every write; `next_tick`: the stored next tick
+    (None: the rule has no more); `last_tick`, `last_flow`: the last tick started, regular or
+    triggered, and its flow's id; `waiting_tick`: ``overlap="queue"``'s one tick waiting for
+    `last_flow` to end; `missed`: ticks passed over after downtime; `skipped`: ticks passed over
+    by the overlap rule."""
+
+    name: str
+    revision: int = 1
+    next_tick: float | None
+    last_tick: float | None = None
+    last_flow: str | None = None
+    waiting_tick: float | None = None
+    paused: bool = False
+    missed: int = 0
+    skipped: int = 0
+
+
+@final
+@attrs.frozen(kw_only=True)
+class Fired:
+    """What one transition says: the `row` to write (None: nothing to write, the row is as it
+    was), and the tick whose flow to start in the same write (`start`, None for none), with its
+    flow id (`flow_id`). `counted_all`: False when a firing after a long downtime stopped
+    counting the missed ticks at `MAX_COUNTED` (the row's `missed` is then a floor: say so)."""
+
+    row: Row | None
+    start: float | None = None
+    counted_all: bool = True
+
+    @property
+    def flow_id(self) -> str | None:
+        if self.start is None or self.row is None:
+            return None
+        return tick_id(self.row.name, self.start)
+
+
+def declared(name: str, rule: Rule, now: float, stored: Row | None, *, changed: bool) -> Row | None:
+    """The row after `open_engine(schedules=[...])` declares `name`: a new row whose next tick
+    is the first after now; for a stored one, None if its definition is the same (nothing to
+    write), else the same row (paused as it was) with its next tick from now."""
+    if stored is None:
+        return Row(name=name, next_tick=rule.after(now))
+    if not changed:
+        return None
+    return attrs.evolve(stored, revision=stored.revision + 1, next_tick=rule.after(now))
+
+
+def _settled(row: Row, last_active: bool) -> tuple[Row, float | None, bool]:
+    """A waiting tick whose flow before it has ended starts first: (row, started, active)."""
+    if row.waiting_tick is None or last_active:
+        return row, None, last_active
+    t = row.waiting_tick
+    row = attrs.evolve(row, waiting_tick=None, last_tick=t, last_flow=tick_id(row.name, t))
+    return row, t, True
+
+
+def _admitted(
+    row: Row, t: float, overlap: str, active: bool, started: float | None
+) -> tuple[Row, float | None]:
+    """Tick `t` by the overlap rule, after `_settled` (`started`: the waiting tick it started).
+    One start per write: a tick admitted just after a waiting one started (``"allow"`` now,
+    ``"queue"`` when it was stored) waits behind it."""
+    decision = admit(overlap, active=active, waiting=row.waiting_tick is not None)
+    if decision is Admit.START and started is None:
+        return attrs.evolve(row, last_tick=t, last_flow=tick_id(row.name, t)), t
+    if decision is not Admit.SKIP:
+        return attrs.evolve(row, waiting_tick=t), started
+    return attrs.evolve(row, skipped=row.skipped + 1), started
+
+
+def fire(
+    row: Row, rule: Rule, now: float, *, overlap: str, catchup: float, last_active: bool
+) -> Fired:
+    """The firing of a schedule whose stored next tick has come (the store holds its row; the
+    revision it was read at is the write's compare-and-set). `last_active`: is `last_flow`
+    still active. Nothing to write if it is paused or not due. Else: a waiting tick whose flow
+    before it ended starts first; then `catch_up` picks the one tick this firing may start,
+    `admit` starts, queues or skips it, the missed ones are counted, and the next tick is the
+    first after now. At most one flow starts per firing: never a burst."""
+    if row.paused or row.next_tick is None or row.next_tick > now:
+        return Fired(row=None)
+    caught = catch_up(rule, row.next_tick, now, catchup)
+    new, started, active = _settled(row, last_active)
+    if caught.start is not None:
+        new, started = _admitted(new, caught.start, overlap, active, started)
+    new = attrs.evolve(
+        new, revision=row.revision + 1, next_tick=caught.next, missed=new.missed + caught.skipped
+    )
+    return Fired(row=new, start=started, counted_all=caught.counted_all)
+
+
+def trigger(row: Row, now: float, *, overlap: str, last_active: bool) -> Fired:
+    """`engine.trigger(name)`: a tick at the current whole second, paused or not, under the
+    overlap rule; the next tick stays. A trigger within the same second as the last tick
+    started names the same flow: nothing new to start (the id makes it so in the store)."""
+    t = float(math.floor(now))
+    new, started, active = _settled(row, last_active)
+    if started is None and new.last_tick == t:
+        return Fired(row=None)
+    new, started = _admitted(new, t, overlap, active, started)
+    return Fired(row=attrs.evolve(new, revision=row.revision + 1), start=started)
+
+
+def ended(row: Row) -> Fired:
+    """`last_flow` has ended: the waiting tick, if any, starts now (and nothing else)."""
+    new, started, _active = _settled(row, False)
+    if started is None:
+        return Fired(row=None)
+    return Fired(row=attrs.evolve(new, revision=row.revision + 1), start=started)
+
+
+def pause(row: Row) -> Row | None:
+    """`engine.pause(name)`: None if it is paused already."""
+    return None if row.paused else attrs.evolve(row, revision=row.revision + 1, paused=True)
+
+
+def unpause(row: Row, rule: Rule, now: float) -> Row | None:
+    """`engine.unpause(name)`: its next tick from now on, the first after now: the ticks of the
+    pause are neither started nor counted as missed (a pause is not downtime). None if it is
+    not paused."""
+    if not row.paused:
+        return None
+    return attrs.evolve(row, revision=row.revision + 1, paused=False, next_tick=rule.after(now))
