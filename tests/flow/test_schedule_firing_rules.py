@@ -249,3 +249,24 @@ def test_a_planted_bug_is_found(
                 print_blob=False,
             ),
         )
+
+
+def test_a_declaration_sets_the_next_tick_from_now_and_keeps_a_pause() -> None:
+    now = T0 + 30.5
+    new = _schedule.declared("nightly", RULE, now, None, changed=False)
+    assert new == Row(name="nightly", next_tick=T0 + 60)
+    stored = attrs.evolve(new, revision=7, paused=True, next_tick=T0 - 600, missed=3)
+    assert _schedule.declared("nightly", RULE, now, stored, changed=False) is None
+    again = _schedule.declared("nightly", RULE, now, stored, changed=True)
+    assert again == attrs.evolve(stored, revision=8, next_tick=T0 + 60)  # no old tick caught up
+
+
+def test_a_firing_of_a_schedule_that_has_no_more_ticks_or_is_paused_writes_nothing() -> None:
+    row = Row(name="nightly", next_tick=None)
+    fired = _schedule.fire(row, RULE, T0, overlap="skip", catchup=0, last_active=False)
+    assert fired == Fired(row=None)
+    paused = Row(name="nightly", next_tick=T0, paused=True)
+    fired = _schedule.fire(paused, RULE, T0 + 1, overlap="skip", catchup=0, last_active=False)
+    assert fired == Fired(row=None)
+    triggered = _schedule.trigger(paused, T0 + 1.5, overlap="skip", last_active=False)
+    assert triggered.flow_id == "nightly@2026-12-02T00:00:01Z"  # a trigger runs while paused

@@ -22,6 +22,9 @@ The rules, in one place:
 - **Overlap** (`admit`): ``"skip"`` skips a tick while the schedule's previous flow is active,
   ``"allow"`` always starts, ``"queue"`` keeps one tick waiting for the previous flow's end (a
   tick that finds one waiting is skipped: the waiting one is older).
+- **The row** (`Row`) and its transitions (`declared`, `fire`, `trigger`, `ended`, `pause`,
+  `unpause`): what the store's one write per firing records, a `Fired` (the row to write and
+  the one tick whose flow starts in the same write), docs/adr/0144.
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ def check_timezone(value: object) -> tzinfo:
         if _no_database()
         else ": give an IANA name such as 'Europe/Warsaw', 'America/New_York' or 'UTC'"
     )
-    raise ValueError(f"timezone {value!r} is not a known time zone{hint}") from None
+    raise ValueError(f"timezone {describe(value, 100)} is not a known time zone{hint}") from None
 
 
 def check_overlap(value: object) -> str:
