@@ -23,6 +23,7 @@ Daylight saving time, as Debian's cron does it (cronsim follows it, docs/adr/014
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from typing import final
 
@@ -33,8 +34,8 @@ from .._model._checks import describe
 from .._model._plan import Plan
 from .._model._types import Json
 
-#: cronsim's search horizon: an expression with no tick in 50 years has none.
-_REFERENCE = datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC)
+#: An expression with no tick in the 50 years (cronsim's search horizon) from here has none.
+_REFERENCE = datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC).timestamp()
 
 
 def _check_cron(value: object) -> str:
@@ -49,6 +50,32 @@ def _check_cron(value: object) -> str:
     return " ".join(fields)
 
 
+#: How many (expression, zone, time) answers `CronRule.after` remembers.
+_REMEMBERED = 4096
+
+
+def _library_next(
+    expression: str, zone: datetime.tzinfo, after: datetime.datetime
+) -> datetime.datetime | None:
+    try:
+        return next(cronsim.CronSim(expression, after.astimezone(zone)))
+    except StopIteration:
+        return None
+
+
+@functools.lru_cache(maxsize=_REMEMBERED)
+def _after(expression: str, zone: datetime.tzinfo, t: float) -> float | None:
+    when = datetime.datetime.fromtimestamp(t, datetime.UTC)
+    while True:
+        found = _library_next(expression, zone, when)
+        if found is None:
+            return None
+        tick = found.timestamp()
+        if tick > t:
+            return tick
+        when = found.astimezone(datetime.UTC)
+
+
 @final
 class CronRule:
     """A cron expression of five fields, compiled, in a time zone: `after` is the first tick
@@ -61,7 +88,7 @@ class CronRule:
         self.expression = _check_cron(expression)
         self.zone = zone
         try:
-            first = self._next(_REFERENCE)
+            first = _after(self.expression, zone, _REFERENCE)
         except cronsim.CronSimError as exc:
             raise ValueError(
                 f"cron {expression!r} is not a cron expression: {exc} (five fields: minute"
@@ -71,27 +98,15 @@ class CronRule:
         if first is None:
             raise ValueError(f"cron {expression!r} never ticks (no such day in 50 years)")
 
-    def _next(self, after: datetime.datetime) -> datetime.datetime | None:
-        try:
-            return next(cronsim.CronSim(self.expression, after.astimezone(self.zone)))
-        except StopIteration:
-            return None
-
     def after(self, t: float) -> float | None:
         """The first tick strictly after `t`, a whole second (None: none in 50 years).
 
         The library is asked from `t`'s local time; in the hour that a change back to winter
         time repeats, its answer for a fixed time of day can be the first pass of that hour,
-        before `t`: such an answer is stepped over, so that the ticks strictly increase."""
-        when = datetime.datetime.fromtimestamp(t, datetime.UTC)
-        while True:
-            found = self._next(when)
-            if found is None:
-                return None
-            tick = found.timestamp()
-            if tick > t:
-                return tick
-            when = found.astimezone(datetime.UTC)
+        before `t`: such an answer is stepped over, so that the ticks strictly increase.
+        Remembered for the last `_REMEMBERED` questions: the schedules due on one minute mostly
+        share a few expressions and zones, so 10,000 of them ask the library a few times."""
+        return _after(self.expression, self.zone, t)
 
     def __repr__(self) -> str:
         return f"CronRule({self.expression!r}, {self.zone!s})"
