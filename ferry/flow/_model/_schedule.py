@@ -15,8 +15,8 @@ The rules, in one place:
   engine's idempotent `start` answers without running anything again.
 - **Catch-up** (`catch_up`): when the engine comes to a schedule whose stored next tick is
   due, it starts at most one tick: the oldest one missed by at most ``max(catchup, ON_TIME)``
-  seconds. Every other tick up to now is skipped and counted, and the next tick becomes the
-  first one after now. A wall clock that jumps 78 minutes, a laptop asleep a week, an engine
+  seconds (a tick at most `ON_TIME` late is on time, whatever ``catchup`` says). Every other
+  tick up to now is counted as missed, and the next tick becomes the first one after now. A wall clock that jumps 78 minutes, a laptop asleep a week, an engine
   closed a year: one start per schedule, never a burst, and the schedule is back on its times
   at once (a paced replay would keep it late for good).
 - **Overlap** (`admit`): ``"skip"`` skips a tick while the schedule's previous flow is active,
