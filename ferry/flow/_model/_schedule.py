@@ -16,9 +16,10 @@ The rules, in one place:
 - **Catch-up** (`catch_up`): when the engine comes to a schedule whose stored next tick is
   due, it starts at most one tick: the oldest one missed by at most ``max(catchup, ON_TIME)``
   seconds (a tick at most `ON_TIME` late is on time, whatever ``catchup`` says). Every other
-  tick up to now is counted as missed, and the next tick becomes the first one after now. A wall clock that jumps 78 minutes, a laptop asleep a week, an engine
-  closed a year: one start per schedule, never a burst, and the schedule is back on its times
-  at once (a paced replay would keep it late for good).
+  tick up to now is counted as missed, and the next tick becomes the first one after now. A
+  wall clock that jumps 78 minutes, a laptop asleep a week, an engine closed a year: one start
+  per schedule, never a burst, and the schedule is back on its times at once (a paced replay
+  would keep it late for good).
 - **Overlap** (`admit`): ``"skip"`` skips a tick while the schedule's previous flow is active,
   ``"allow"`` always starts, ``"queue"`` keeps one tick waiting for the previous flow's end (a
   tick that finds one waiting is skipped: the waiting one is older).
