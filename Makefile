@@ -8,8 +8,8 @@ APT    := DEBIAN_FRONTEND=noninteractive apt-get
 
 .PHONY: test lint pytest demo bench clean postgres-binaries browser
 
-# Two stamps: `make demo` installs only the runtime (trio, attrs, pyrsistent, immutables: what the
-# examples it runs import), `make test` and the other targets the dev tools on top of it.
+# Two stamps: `make demo` installs only the runtime (trio, attrs, pyrsistent, immutables, cronsim:
+# what the examples it runs import), `make test` and the other targets the dev tools on top of it.
 DEMO_STAMP := $(VENV)/.installed-runtime
 
 define make_venv
