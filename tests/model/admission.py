@@ -398,3 +398,14 @@ ADMISSION_DEFAULT = [
         parks=False,
     ),
 ]
+
+#: Larger bounds (`-m long`, about 30 s): four flows of two keys, two crashes, a priority.
+ADMISSION_SLOW = [
+    AdmissionConfig(
+        "2 engines, concurrency 2, per_key 1, keys a a b b, a priority, two crashes",
+        Limits(concurrency=2, key=_key, per_key=1),
+        keys=("a", "a", "b", "b"),
+        priorities=(0, 0, -1, 0),
+        crashes=2,
+    ),
+]

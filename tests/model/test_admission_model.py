@@ -16,7 +16,12 @@ from ferry.flow._model import _admission as adm
 from ferry.flow._model._admission import Usage, Waiting
 from ferry.flow._model._limits import Limits, Rate
 from ferry.flow._model._types import State
-from tests.model.admission import ADMISSION_DEFAULT, AdmissionChecker, AdmissionConfig
+from tests.model.admission import (
+    ADMISSION_DEFAULT,
+    ADMISSION_SLOW,
+    AdmissionChecker,
+    AdmissionConfig,
+)
 from tests.model.checker import Counterexample
 from tests.model.planted_admission import (
     AdmissionFromACopy,
@@ -53,6 +58,13 @@ def test_admission_model_check(config: AdmissionConfig) -> None:
     assert report.states > 1000  # the bounds really branch
     missing = (REACHED | EXTRA[config.name]) - checker.coverage
     assert not missing, f"the bound never reaches {sorted(missing)}"
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("config", ADMISSION_SLOW, ids=lambda c: c.name)
+def test_admission_model_check_larger_bounds(config: AdmissionConfig) -> None:
+    report = AdmissionChecker(config).run()
+    print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
 
 
 # ---- the three planted bugs ----------------------------------------------------------------
