@@ -33,15 +33,15 @@ transaction, and the flows it admits are held by its engine.
 
 Properties
 ----------
-In every state: the limits hold, counted from the flows' own states (never more active flows
-than ``concurrency``, nor of one key than ``per_key``); the budget counts exactly the active
-flows, in all and per key (no slot leaked, none doubled); the queue holds exactly the queued
-flows; no queued flow may be admitted while nothing will admit it (a slot free, its time come)
-unless no engine is up (its restart admits) or an admission is under way (the planted
-two-part admission).  On every
-admission: the rate (at most ``count`` admissions in any ``per`` seconds, from a ghost list of
-admission times kept apart from the budget's). In every terminal state: every flow ended or is
-blocked with no resume left; nothing is queued.
+In every state: the limits hold, counted from the flows' own states (`ACTIVE`, SPEC 5.8's
+definition written out, not the rule's `holds_slot`): never more active flows than
+``concurrency``, nor of one key than ``per_key``; the budget counts exactly the active flows, in
+all and per key (no slot leaked, none doubled); the queue holds exactly the queued flows; no
+queued flow may be admitted while nothing will admit it (a slot free, its time come) unless no
+engine is up (its restart admits) or an admission is under way (the planted two-part
+admission). On every admission: the rate (at most ``count`` admissions in any ``per`` seconds,
+from a ghost list of admission times kept apart from the budget's). In every terminal state:
+every flow ended or is blocked with no resume left; nothing is queued.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ RUNNING, PARKED, COMPENSATING = State.RUNNING, State.PARKED, State.COMPENSATING
 COMPLETED, FAILED, BLOCKED = State.COMPLETED, State.FAILED, State.BLOCKED
 NEW = "new"
 ENDED = (COMPLETED, FAILED)
+#: Active as SPEC 5.8 says it, written out here (not `_admission.holds_slot`, which it checks).
+ACTIVE = (RUNNING, PARKED, COMPENSATING)
 #: The flows an engine may take over from its holder: active ones being run.
 RUN_STATES = (RUNNING, COMPENSATING)
 
@@ -260,7 +262,7 @@ class AdmissionChecker(Search):
                         f"E{e} cancels queued {i}",
                         self._left(self._write(m, e, i, FAILED, None), 2),
                     )
-                if cancels and adm.holds_slot(state) and state != COMPENSATING:
+                if cancels and state in (RUNNING, PARKED):
                     to = holder if state == RUNNING else e
                     nxt = self._write(m, e, i, COMPENSATING, to)
                     yield f"E{e} cancels {state.name} {i}", self._left(nxt, 2)
@@ -322,7 +324,7 @@ class AdmissionChecker(Search):
         limits = cfg.limits
         active: dict[str, int] = {}
         for i, (state, _) in enumerate(m.flows):
-            if adm.holds_slot(state):
+            if state in ACTIVE:
                 active[cfg.keys[i]] = active.get(cfg.keys[i], 0) + 1
         total = sum(active.values())
         if limits.concurrency is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ferry.flow._model import _admission as adm
 from ferry.flow._model._admission import Usage
 from ferry.flow._model._limits import Limits
 from ferry.flow._model._types import State
@@ -39,3 +40,21 @@ class CompensationEndAdmitsNothing(AdmissionProtocol):
         if before is State.COMPENSATING and after is State.FAILED:
             return False
         return super().admits_after(before, after)
+
+
+class ParkGivesItsSlotBack(AdmissionProtocol):
+    """(4) The rule's idea of a slot is wrong: a parked flow gives its slot back (per-key limits
+    would no longer serialise whole flows), and the wake takes one again."""
+
+    def apply(
+        self, limits: Limits, usage: Usage, key: str | None, before: Any, after: Any, now: float
+    ) -> Usage:
+        def held(state: Any) -> bool:
+            return state in (State.RUNNING, State.COMPENSATING)
+
+        change = int(held(after)) - int(held(before))
+        if change > 0:
+            return adm.take(limits, usage, key, now)
+        if change < 0:
+            return adm.release(usage, key)
+        return usage

@@ -27,6 +27,7 @@ from tests.model.planted_admission import (
     AdmissionFromACopy,
     BlockKeepsItsSlot,
     CompensationEndAdmitsNothing,
+    ParkGivesItsSlotBack,
 )
 
 PER_KEY, ORDERED, RATED = ADMISSION_DEFAULT
@@ -67,7 +68,7 @@ def test_admission_model_check_larger_bounds(config: AdmissionConfig) -> None:
     print(f"\n{report.states} states, {report.transitions} steps, {report.seconds:.2f}s")
 
 
-# ---- the three planted bugs ----------------------------------------------------------------
+# ---- the planted bugs ------------------------------------------------------------------------
 
 
 def test_catches_a_slot_not_given_back_on_one_path() -> None:
@@ -117,6 +118,15 @@ def test_the_stuck_queue_is_also_caught_at_the_end_alone() -> None:
 
     with pytest.raises(Counterexample, match="flow 1 left QUEUED"):
         EndOnly(attrs.evolve(PER_KEY, crashes=0), CompensationEndAdmitsNothing()).run()
+
+
+def test_catches_a_parked_flow_that_gives_its_slot_back() -> None:
+    # The model counts active flows by SPEC 5.8's own list, not by the rule it checks.
+    found = AdmissionChecker(PER_KEY, ParkGivesItsSlotBack()).find()
+    assert found.message == (
+        "the budget counts 0 active {}, the flows are 1 {'a': 1}: a slot leaked or doubled"
+    )
+    assert found.trace == ["E0 starts 0", "E0 parks 0"]
 
 
 # ---- the rule's order, fairness and window ------------------------------------------------------
