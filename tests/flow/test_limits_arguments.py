@@ -214,3 +214,25 @@ def test_a_key_function_returning_an_awaitable_is_refused_and_not_left_unawaited
     with pytest.raises(TypeError, match="returned an awaitable"):
         lim.flow_key(Limits(key=key, per_key=1), "p", {})
     assert made[0].cr_frame is None  # closed: no "never awaited" warning
+
+
+# ---- one plan version, one set of limits ------------------------------------------------------
+
+
+def test_a_plan_version_registered_with_other_limits_is_refused_naming_both() -> None:
+    ours = Limits(concurrency=50, key=_key, per_key=1)
+    registered = lim.stored(Limits(concurrency=50, key=lambda d: "other", per_key=1))
+    lim.same_as_registered("email", 1, ours, registered, "engine 'a'")  # code is not compared
+    lim.same_as_registered("email", 1, None, None, "engine 'a'")
+    with pytest.raises(ValueError) as e:
+        lim.same_as_registered("email", 2, ours, lim.stored(Limits(concurrency=10)), "engine 'b'")
+    message = str(e.value)
+    assert message.startswith("plan 'email' version 2 is registered by engine 'b' with limits")
+    assert "'concurrency': 10" in message and "'concurrency': 50" in message
+    with pytest.raises(ValueError, match="registered by engine 'b' with limits None"):
+        lim.same_as_registered("email", 2, ours, None, "engine 'b'")
+    with pytest.raises(ValueError, match="and this engine has None"):
+        lim.same_as_registered("email", 2, None, registered, "engine 'b'")
+    rated = lim.stored(Limits(rate=Rate(10, per=1)))
+    with pytest.raises(ValueError, match=r"'rate': \[10, 2\.0\]"):
+        lim.same_as_registered("email", 2, Limits(rate=Rate(10, per=2)), rated, "engine 'b'")

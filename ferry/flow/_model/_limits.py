@@ -21,6 +21,9 @@ admission rule they feed is `_admission`.
   `ValueError` naming the plan (the exception chained), one that returns a non-str a `TypeError`;
   a key must be storable text (`_checks.text_problem`) of at most `MAX_KEY_BYTES` in UTF-8 (it is
   part of an index entry: PostgreSQL refuses a B-tree entry over about 2.7 kB).
+- `same_as_registered`: engines of one store that register one (plan, version) with different
+  limits (`stored`: the key function as whether there is one; code is not compared): the later
+  one's `ValueError` names both.
 
 A bool is never a number here (``True`` is an ``int`` to Python, a mistake to a reader), nor is a
 whole number too large for a float a time (`_checks.finite`). Cost: O(1) per check, plus the key
@@ -243,4 +246,25 @@ def start_options(
     data, priority=, delay=, at=)``: nothing is stored if one is bad."""
     return StartOptions(
         start_priority(priority), not_before(delay, at, now), flow_key(limits, plan, data)
+    )
+
+
+def stored(limits: Limits | None) -> dict[str, Json] | None:
+    """What a store keeps of a plan version's limits (`Limits.stored`), None for none."""
+    return None if limits is None else limits.stored()
+
+
+def same_as_registered(
+    plan: str, version: int, ours: Limits | None, theirs: Json, where: str
+) -> None:
+    """Refuse, naming both, a (plan, version) whose limits differ from those it was registered
+    with (`theirs`, as `stored` gave them, by `where`: an engine's name): engines of one fleet
+    must enforce one budget. A `ValueError`; nothing if they agree."""
+    mine = stored(ours)
+    if mine == theirs:
+        return
+    raise ValueError(
+        f"plan {plan!r} version {version} is registered by {where} with limits {theirs}, and"
+        f" this engine has {mine}: the engines of one store must give one plan version the same"
+        " limits (change the version to change its limits)"
     )
