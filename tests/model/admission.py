@@ -26,8 +26,12 @@ transaction, and the flows it admits are held by its engine.
   a blocked one (``resumes`` in all): it is queued again and admitted if it may;
 - takeover: an engine takes an active flow whose holder is down, or (``lapses`` in all) whose
   holder is up but lost its lease;
-- crash (``crashes`` in all) and restart: the flows stay as the store has them; the restart
-  admits (a flow whose time passed while no engine ran starts at open);
+- a wake for a queued flow (``queued_wakes`` in all) is a transaction that locks the flow's row
+  and admits nothing: while it is open an admission skips the row (``SKIP LOCKED``); its commit
+  sends the plan's notification, on which an engine that is up admits;
+- crash (``crashes`` in all) and restart: the flows stay as the store has them, the crashed
+  engine's open transactions roll back (sending nothing); the fleet's scan after its lapse
+  admits, and so does the restart (a flow whose time passed while no engine ran starts at open);
 - time: the timer of an engine that is up fires at the plan's `next_wake` (the durable times:
   ``not_before``, the rate window's oldest admission) and admits; the clock jumps to that time.
 
@@ -37,11 +41,12 @@ In every state: the limits hold, counted from the flows' own states (`ACTIVE`, S
 definition written out, not the rule's `holds_slot`): never more active flows than
 ``concurrency``, nor of one key than ``per_key``; the budget counts exactly the active flows, in
 all and per key (no slot leaked, none doubled); the queue holds exactly the queued flows; no
-queued flow may be admitted while nothing will admit it (a slot free, its time come) unless no
-engine is up (its restart admits) or an admission is under way (the planted two-part
-admission). On every admission: the rate (at most ``count`` admissions in any ``per`` seconds,
-from a ghost list of admission times kept apart from the budget's). In every terminal state:
-every flow ended or is blocked with no resume left; nothing is queued.
+queued flow whose row is not locked may be admitted while nothing will admit it (a slot free,
+its time come) unless no engine is up (its restart admits), a notification or a lapse is yet to
+be followed by an admission, or an admission is under way (the planted two-part admission). On
+every admission: the rate (at most ``count`` admissions in any ``per`` seconds, from a ghost
+list of admission times kept apart from the budget's). In every terminal state: every flow ended
+or is blocked with no resume left; nothing is queued.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ class AdmissionConfig:
     blocks: int = 1
     resumes: int = 1
     parks: bool = True
+    queued_wakes: int = 0  # transactions that lock a queued flow's row and admit nothing
 
     def priority(self, i: int) -> int:
         return 0 if self.priorities is None else self.priorities[i]
@@ -101,6 +107,12 @@ class AdmissionProtocol:
     #: admission in two transactions (look at the budget and the queue, skipping rows another
     #: engine's admission holds, then claim), the budget written from the look's copy
     admission_from_a_copy = False
+    #: a transaction that locked a queued flow's row (which an admission may have skipped)
+    #: sends the plan's notification at its commit
+    notifies_after_a_lock = True
+    #: the fleet's scan after an engine's lapse admits (a transaction of it rolled back, and a
+    #: row it had locked may have been skipped)
+    scans_after_a_lapse = True
 
     def apply(
         self, limits: Limits, usage: Usage, key: str | None, before: Any, after: Any, now: float
@@ -133,9 +145,11 @@ class M(NamedTuple):
     up: tuple[bool, ...]
     # per engine: None, ("look",) an admission to run, ("claim", copy, chosen): its second half
     pending: tuple[tuple[Any, ...] | None, ...]
-    left: tuple[int, int, int, int, int]  # crashes, lapses, cancels, blocks, resumes
+    left: tuple[int, ...]  # crashes, lapses, cancels, blocks, resumes, queued wakes
     parked: tuple[bool, ...]  # per flow: parked once already
     takes: tuple[float, ...]  # ghost: the admission times within the rate window
+    locked: tuple[int | None, ...]  # per flow: the engine whose open transaction locks its row
+    woken: bool  # a notification or a lapse not yet followed by an admission
 
 
 class AdmissionChecker(Search):
@@ -158,9 +172,11 @@ class AdmissionChecker(Search):
             seq=0,
             up=(True,) * e,
             pending=(None,) * e,
-            left=(cfg.crashes, cfg.lapses, cfg.cancels, cfg.blocks, cfg.resumes),
+            left=(cfg.crashes, cfg.lapses, cfg.cancels, cfg.blocks, cfg.resumes, cfg.queued_wakes),
             parked=(False,) * n,
             takes=(),
+            locked=(None,) * n,
+            woken=False,
         )
 
     def canon(self, m: M) -> Any:
@@ -203,8 +219,8 @@ class AdmissionChecker(Search):
             pending = list(m.pending)
             pending[e] = ("look",)
             return m._replace(pending=tuple(pending))
-        taken, usage = self.protocol.admit(self.config.limits, m.usage, m.queue, m.now)
-        return self._admitted(m._replace(usage=usage), e, taken)
+        taken, usage = self.protocol.admit(self.config.limits, m.usage, _visible(m), m.now)
+        return self._admitted(m._replace(usage=usage, woken=False), e, taken)
 
     def _admitted(self, m: M, e: int, taken: tuple[Waiting, ...]) -> M:
         gone = {w.flow_id for w in taken}
@@ -235,14 +251,15 @@ class AdmissionChecker(Search):
     def _steps(self, m: M) -> Iterator[tuple[str, M]]:
         cfg = self.config
         up = [e for e in range(cfg.engines) if m.up[e]]
-        crashes, lapses, cancels, blocks, resumes = m.left
+        crashes, lapses, cancels, blocks, resumes, wakes = m.left
         started = next((i for i, f in enumerate(m.flows) if f[0] == NEW), None)
-        held = _held(m)
+        held = _held(m) | {str(i) for i, by in enumerate(m.locked) if by is not None}
         for e in up:
             yield from self._pending(m, e)
             if started is not None:
                 yield f"E{e} starts {started}", self._write(m, e, started, QUEUED, None)
         for i, (state, holder) in enumerate(m.flows):
+            yield from self._locks(m, i, up, bool(wakes) and str(i) not in held)
             if holder is not None and m.up[holder] and state == RUNNING:
                 yield f"E{holder} completes {i}", self._write(m, holder, i, COMPLETED, None)
                 if cfg.parks and not m.parked[i]:
@@ -266,7 +283,7 @@ class AdmissionChecker(Search):
                     to = holder if state == RUNNING else e
                     nxt = self._write(m, e, i, COMPENSATING, to)
                     yield f"E{e} cancels {state.name} {i}", self._left(nxt, 2)
-                if resumes and state == BLOCKED:
+                if resumes and state == BLOCKED and str(i) not in held:
                     yield f"E{e} resumes {i}", self._left(self._write(m, e, i, QUEUED, None), 4)
                 if state in RUN_STATES and holder is not None and holder != e:
                     if not m.up[holder]:
@@ -275,19 +292,37 @@ class AdmissionChecker(Search):
                         self.coverage.add("lease lapsed")
                         nxt = self._left(self._set(m, i, state, e), 1)
                         yield f"E{e} takes {i} over (E{holder}'s lease lapsed)", nxt
+        if m.woken and up:
+            yield f"E{up[0]} admits on the plan's wake", self._admission(m, up[0])
         yield from self._engines_and_time(m, up, crashes)
+
+    def _locks(self, m: M, i: int, up: list[int], may_lock: bool) -> Iterator[tuple[str, M]]:
+        """A wake for a queued flow: its transaction locks the row, then commits (notifying)."""
+        by = m.locked[i]
+        if by is not None:
+            nxt = m._replace(locked=_put(m.locked, i, None))
+            if self.protocol.notifies_after_a_lock:
+                nxt = nxt._replace(woken=True)
+            yield f"E{by} commits its wake of queued {i}", nxt
+        elif may_lock and m.flows[i][0] == QUEUED:
+            for e in up:
+                nxt = self._left(m._replace(locked=_put(m.locked, i, e)), 5)
+                yield f"E{e} locks queued {i} (a wake for it)", nxt
 
     def _left(self, m: M, which: int) -> M:
         left = list(m.left)
         left[which] -= 1
-        return m._replace(left=tuple(left))  # type: ignore[arg-type]
+        return m._replace(left=tuple(left))
 
     def _engines_and_time(self, m: M, up: list[int], crashes: int) -> Iterator[tuple[str, M]]:
         cfg = self.config
         for e in range(cfg.engines):
             if m.up[e] and crashes:
                 pending = _put(m.pending, e, None)
-                nxt = m._replace(up=_put(m.up, e, False), pending=pending)
+                locked = tuple(None if by == e else by for by in m.locked)  # rolled back
+                nxt = m._replace(up=_put(m.up, e, False), pending=pending, locked=locked)
+                if self.protocol.scans_after_a_lapse:
+                    nxt = nxt._replace(woken=True)
                 yield f"E{e} crashes", self._left(nxt, 0)
             if not m.up[e]:
                 nxt = m._replace(up=_put(m.up, e, True))
@@ -305,7 +340,7 @@ class AdmissionChecker(Search):
         clear = _put(m.pending, e, None)
         if job[0] == "look":
             held = _held(m)
-            visible = tuple(w for w in m.queue if w.flow_id not in held)
+            visible = tuple(w for w in _visible(m) if w.flow_id not in held)
             taken, _ = self.protocol.admit(cfg.limits, m.usage, visible, m.now)
             pending = _put(clear, e, ("claim", m.usage, taken))
             yield f"E{e} looks: admits {[w.flow_id for w in taken]}", m._replace(pending=pending)
@@ -347,11 +382,11 @@ class AdmissionChecker(Search):
         assert {w.flow_id for w in m.queue} == queued and len(m.queue) == len(queued), (
             f"the queue holds {[w.flow_id for w in m.queue]}, the queued flows are {queued}"
         )
-        if any(m.pending) or not any(m.up):
+        if any(m.pending) or not any(m.up) or m.woken:
             return
         # Every transaction that frees a slot admits in it, and time moves only with the
         # timer that admits: a flow that may go now and is still queued is stuck.
-        free, _ = adm.admit(limits, m.usage, m.queue, m.now)
+        free, _ = adm.admit(limits, m.usage, _visible(m), m.now)
         assert not free, (
             f"queued flow {free[0].flow_id} may be admitted at {m.now} (a slot is free) and"
             " nothing will admit it"
@@ -369,6 +404,11 @@ class AdmissionChecker(Search):
 def _put(values: tuple[Any, ...], i: int, value: Any) -> tuple[Any, ...]:
     """`values` with its `i`-th item replaced by `value`."""
     return (*values[:i], value, *values[i + 1 :])
+
+
+def _visible(m: M) -> tuple[Waiting, ...]:
+    """The queue as an admission sees it: the rows another transaction locks are skipped."""
+    return tuple(w for w in m.queue if m.locked[int(w.flow_id)] is None)
 
 
 def _held(m: M) -> set[str]:
@@ -390,6 +430,15 @@ ADMISSION_DEFAULT = [
         not_before=(None, None, 5.0),
         lapses=0,
         parks=False,
+    ),
+    AdmissionConfig(
+        "2 engines, per_key 1, keys a a b, a queued flow's row locked by a wake, crash",
+        Limits(key=_key, per_key=1),
+        lapses=0,
+        cancels=0,
+        blocks=0,
+        resumes=0,
+        queued_wakes=1,
     ),
     AdmissionConfig(
         "2 engines, rate 1 per 10 s, per_key 1, a delayed start",

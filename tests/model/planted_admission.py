@@ -58,3 +58,17 @@ class ParkGivesItsSlotBack(AdmissionProtocol):
         if change < 0:
             return adm.release(usage, key)
         return usage
+
+
+class LockedRowNotifiesNothing(AdmissionProtocol):
+    """(5) A transaction that locked a queued flow's row (a wake for it) commits without the
+    plan's notification: an admission that skipped the row meanwhile was the only one."""
+
+    notifies_after_a_lock = False
+
+
+class NoScanAfterALapse(AdmissionProtocol):
+    """(6) An engine's lapse wakes no admission: its transaction that locked a queued flow's row
+    rolled back, sending nothing, and the admission that skipped the row was the only one."""
+
+    scans_after_a_lapse = False
