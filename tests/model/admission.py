@@ -450,7 +450,7 @@ ADMISSION_DEFAULT = [
     ),
 ]
 
-#: Larger bounds (`-m long`, about 30 s): four flows of two keys, two crashes, a priority.
+#: Larger bounds (`-m long`, about 50 s): four flows of two keys, two crashes, a priority.
 ADMISSION_SLOW = [
     AdmissionConfig(
         "2 engines, concurrency 2, per_key 1, keys a a b b, a priority, two crashes",
