@@ -22,7 +22,8 @@ at a time per plan computes it, on the counts the last one left):
   that arrives later is served at the next turn, never after the backlog), then first come first
   served (`Waiting.seq`, the order of the queue's inserts).
 - `admit`: the flows that may leave the queue now, in order, as many as the limits allow, and
-  the usage after them. `waits_for` says why a queued flow waits (which limit, or its time);
+  the usage after them; `first_by_heads` finds its first as the store's indexes do (the first
+  of the heads of the keys with room). `waits_for` says why a queued flow waits (which limit, or its time);
   `next_wake` the time at which time alone can free one (a flow's `not_before`, the window's
   oldest admission leaving it): the one timer an engine arms for the plan. A slot given back
   wakes nothing: the transaction that gives it back calls `admit` itself.
@@ -219,6 +220,37 @@ def admit(
         taken.append(first)
         left.remove(first)
     return tuple(taken), usage
+
+
+def heads(queue: Iterable[Waiting], now: float) -> dict[str | None, Waiting]:
+    """Each key's head: its first due queued flow in `order` (a key's queue index, ADR 0141)."""
+    first: dict[str | None, Waiting] = {}
+    for w in queue:
+        if w.not_before is not None and w.not_before > now:
+            continue
+        head = first.get(w.key)
+        if head is None or order(w) < order(head):
+            first[w.key] = w
+    return first
+
+
+def first_by_heads(
+    limits: Limits, usage: Usage, queue: Sequence[Waiting], now: float
+) -> Waiting | None:
+    """The next flow to admit as the store finds it (ADR 0141): nothing if the plan's budget
+    is full (concurrency, rate); else the first, in `order`, of the heads of the keys with room
+    under `per_key` (the "open" keys' index). The same flow as `admit`'s first."""
+    usage = prune(limits, usage, now)
+    if limits.concurrency is not None and usage.active >= limits.concurrency:
+        return None
+    if limits.rate is not None and len(usage.window) >= limits.rate.count:
+        return None
+    open_heads = [
+        w
+        for key, w in heads(queue, now).items()
+        if limits.per_key is None or usage.of(key) < limits.per_key
+    ]
+    return min(open_heads, key=order, default=None)
 
 
 def next_wake(limits: Limits, usage: Usage, queue: Sequence[Waiting], now: float) -> float | None:
