@@ -22,11 +22,11 @@ at a time per plan computes it, on the counts the last one left):
   that arrives later is served at the next turn, never after the backlog), then first come first
   served (`Waiting.seq`, the order of the queue's inserts).
 - `admit`: the flows that may leave the queue now, in order, as many as the limits allow, and
-  the usage after them; `first_by_heads` finds its first as the store's indexes do (the first
-  of the heads of the keys with room). `waits_for` says why a queued flow waits (which limit, or its time);
-  `next_wake` the time at which time alone can free one (a flow's `not_before`, the window's
-  oldest admission leaving it): the one timer an engine arms for the plan. A slot given back
-  wakes nothing: the transaction that gives it back calls `admit` itself.
+  the usage after them; `first_by_heads` finds its first as the store's indexes do (the first of
+  the heads of the keys with room). `waits_for` says why a queued flow waits (which limit, or
+  its time); `next_wake` the time at which time alone can free one (a flow's `not_before`, the
+  window's oldest admission leaving it): the one timer an engine arms for the plan. A slot given
+  back wakes nothing: the transaction that gives it back calls `admit` itself.
 
 Cost: this is the rule, written for clarity: `admit` looks at every queued flow it is given
 (O(n) per admission). The store gives it the few the indexes of ADR 0141 name (the first ready
