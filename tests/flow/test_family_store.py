@@ -20,6 +20,7 @@ import pytest
 import trio
 
 from ferry.flow._model import _family as fam
+from ferry.flow._model import _family_spawn as spawn
 from ferry.flow._model import _machine as m
 from ferry.flow._model._children import OnFailure, parent_of
 from ferry.flow._model._types import CONTINUE
@@ -253,6 +254,79 @@ async def test_an_end_that_is_no_active_childs_is_refused(store: Store) -> None:
     assert done is not None and done.state is COMPLETED
     with pytest.raises(ValueError, match="'p/0/a' is not an active child"):
         await store.transact(partial(fs.record_end, child=done, stack=()))
+
+
+def write_flows(tx: Tx, move: fam.Move, before: dict[str, Flow]) -> None:
+    """A family write's flow rows (`Move.parent`, `Move.children`), each a compare-and-set on
+    the row `before` it, and its family rows (`write_rows`), the spawn row held first."""
+    fs.lock_spawns(tx, [(move.brood.parent, move.brood.step_index)])
+    ops: list[s.Op] = []
+    for t in [*([] if move.parent is None else [move.parent]), *move.children]:
+
+        def apply(_f: Flow, _b: Mailbox, t: Transition = t) -> Transition:
+            return t
+
+        ops.append(s.Change(t.flow.flow_id, apply, flow=before[t.flow.flow_id]))
+    _batch.write_all(tx, ops)
+    fs.write_rows(tx, move)
+
+
+async def stored(store: Store) -> tuple[Flow, fam.Brood, list[fam.Kid], list[Flow | None]]:
+    parent = await load(store, "p")
+    assert parent is not None
+    brood, kids = await family(store)
+    return parent, brood, kids, [await load(store, k.flow_id) for k in kids]
+
+
+async def test_a_stop_after_an_end_is_the_pure_models_on_the_stored_rows(store: Store) -> None:
+    """The runtime's recipe for the rare ends (ADR 0145): `record_end`, then the rest of
+    `_family.child_ended` on the rows read back (`stop`, then `maybe_on`): the same writes as
+    the model's, and the stored family keeps `check_family`'s rules."""
+    await spawned(store, ["c", "a", "b", "d"], max_running=3)
+    parent, brood, kids, rows = await stored(store)
+    child = rows[2]
+    assert child is not None
+    model = fam.child_ended(
+        brood, kids, rows, parent, PARENT, 2, child, ended(child, True), shape_of, T0 + 2
+    )
+    end = await store.transact(partial(end_child, child=child, fail=True))
+    assert end.stopped and end.brood.reason is not None
+    parent, _b, kids, rows = await stored(store)
+    b, changed, cancels = spawn.stop(
+        end.brood, kids, rows, "compensate", end.brood.reason, shape_of, T0 + 2
+    )
+    move = spawn.maybe_on(b, kids, rows, parent, PARENT, shape_of, T0 + 2, changed, cancels)
+    assert move.parent == model.parent and move.brood == model.brood
+    assert move.kids == tuple(k for k in model.kids if k.index != 2)
+    assert move.children == model.children and len(move.children) == 2  # "c" and "a" cancelled
+    before = {r.flow_id: r for r in [parent, *rows] if r is not None}
+    await store.transact(partial(write_flows, move=move, before=before))
+    parent, brood, kids, rows = await stored(store)
+    fam.check_family(parent, brood, kids, rows)
+    assert brood.phase == fam.UNDONE and parent.state is FAILED
+
+
+async def test_the_last_end_then_go_on_is_the_pure_models_on_the_stored_rows(
+    store: Store,
+) -> None:
+    await spawned(store, ["a", "b"])
+    for i in (0, 1):
+        parent, brood, kids, rows = await stored(store)
+        child = rows[i]
+        assert child is not None
+        model = fam.child_ended(
+            brood, kids, rows, parent, PARENT, i, child, ended(child, False), shape_of, T0 + 2
+        )
+        end = await store.transact(partial(end_child, child=child))
+    assert end.last and model.parent is not None
+    parent, _b, kids, rows = await stored(store)
+    move = fam.go_on(end.brood, kids, rows, parent, PARENT, shape_of, T0 + 2)
+    assert move.parent == model.parent and move.brood == model.brood
+    await store.transact(partial(write_flows, move=move, before={"p": parent}))
+    parent, brood, kids, rows = await stored(store)
+    fam.check_family(parent, brood, kids, rows)
+    assert brood.phase == fam.OVER and parent.step == "after"
+    assert set(fam.results(brood, kids)) == {"a", "b"}
 
 
 class Counting:
