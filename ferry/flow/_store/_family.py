@@ -313,7 +313,7 @@ def write_spawn(tx: Tx, before: Flow, move: Move, *, guard: float | None = None)
     is no longer at ``before.revision`` (a takeover), a child's id taken by another flow, each
     raises `NotSpawned` (or `_batch.Undone`) with nothing written once the transaction rolls
     back. The spawn's row is written first: the lock order of ADR 0139 (spawn rows, then flow
-    rows). Cost: O(children), a fixed number of statements on PostgreSQL."""
+    rows). Cost: O(children): the children's rows in one ``executemany``."""
     t = move.parent
     b = move.brood
     if t is None or t.flow.flow_id != before.flow_id or t.expected != before.revision:
