@@ -25,7 +25,7 @@ from ferry.flow._model import _machine as m
 from ferry.flow._model._children import OnFailure, parent_of
 from ferry.flow._model._types import CONTINUE
 from ferry.flow._model._values import COMPLETED, FAILED, PARKED, Flow, Mailbox, Shape, Transition
-from ferry.flow._store import _batch
+from ferry.flow._store import _batch, _op, _schema
 from ferry.flow._store import _family as fs
 from ferry.flow._store import _store as s
 from ferry.projected import Store, Tx
@@ -43,7 +43,7 @@ def shape_of(name: str, version: int) -> Shape:
 @pytest.fixture
 async def store(make_store: StoreFactory) -> Store:
     st = make_store()
-    await st.transact(s.create_schema)
+    await st.transact(_schema.create_schema)
     await st.transact(fs.create_tables)
     return st
 
@@ -54,9 +54,9 @@ async def load(store: Store, flow_id: str) -> Flow | None:
 
 async def start_parent(store: Store, flow_id: str = "p") -> Flow:
     (r,) = await store.transact(
-        partial(s.write_batch, ops=[s.Create(m.start(PARENT, flow_id, "{}", T0))])
+        partial(_batch.write_batch, ops=[_op.Create(m.start(PARENT, flow_id, "{}", T0))])
     )
-    assert isinstance(r, s.Created)
+    assert isinstance(r, _op.Created)
     return r.transition.flow
 
 
@@ -106,7 +106,7 @@ def end_child(tx: Tx, child: Flow, fail: bool = False) -> fs.End:
     def apply(_f: Flow, _b: Mailbox) -> Transition:
         return t
 
-    _batch.write_all(tx, [s.Change(child.flow_id, apply, flow=child)])
+    _batch.write_all(tx, [_op.Change(child.flow_id, apply, flow=child)])
     return fs.record_end(tx, t.flow, fam.child_stack(child, t.flow, CHILD))
 
 
@@ -168,7 +168,7 @@ async def test_a_second_spawn_of_the_step_or_a_stale_parent_writes_nothing(store
     def apply(_f: Flow, _b: Mailbox) -> Transition:
         return moved
 
-    await store.transact(partial(s.write_batch, ops=[s.Change("q", apply, flow=other)]))
+    await store.transact(partial(_batch.write_batch, ops=[_op.Change("q", apply, flow=other)]))
     with pytest.raises(fs.NotSpawned, match="is not at revision"):
         await store.transact(partial(fs.write_spawn, before=other, move=spawn_move(other, ["a"])))
     assert await store.transact(partial(fs.load_brood, parent="q", step_index=0)) is None
@@ -204,7 +204,7 @@ async def test_each_end_writes_what_the_pure_model_says(store: Store) -> None:
         assert end.last == (model.parent is not None) == (i == 2)
         if end.start is not None:  # the runtime's start of the next kept child, same write
             t = m.start(CHILD, end.start.flow_id, end.start.data, T0 + 2)
-            await store.transact(partial(_batch.write_all, ops=[s.Create(t)]))
+            await store.transact(partial(_batch.write_all, ops=[_op.Create(t)]))
     assert (await family(store))[0].ended == 3
 
 
@@ -260,13 +260,13 @@ def write_flows(tx: Tx, move: fam.Move, before: dict[str, Flow]) -> None:
     """A family write's flow rows (`Move.parent`, `Move.children`), each a compare-and-set on
     the row `before` it, and its family rows (`write_rows`), the spawn row held first."""
     fs.lock_spawns(tx, [(move.brood.parent, move.brood.step_index)])
-    ops: list[s.Op] = []
+    ops: list[_op.Op] = []
     for t in [*([] if move.parent is None else [move.parent]), *move.children]:
 
         def apply(_f: Flow, _b: Mailbox, t: Transition = t) -> Transition:
             return t
 
-        ops.append(s.Change(t.flow.flow_id, apply, flow=before[t.flow.flow_id]))
+        ops.append(_op.Change(t.flow.flow_id, apply, flow=before[t.flow.flow_id]))
     _batch.write_all(tx, ops)
     fs.write_rows(tx, move)
 
@@ -442,7 +442,7 @@ async def test_a_held_spawn_row_makes_another_writer_wait(make_store: StoreFacto
     a, b = make_store(), make_store()
     if a.dialect != "postgres":
         pytest.skip("SQLite has one writer: its transactions do not overlap")
-    await a.transact(s.create_schema)
+    await a.transact(_schema.create_schema)
     await a.transact(fs.create_tables)
     await spawned(a, ["a"])
     held, release = threading.Event(), threading.Event()

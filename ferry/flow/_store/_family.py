@@ -44,8 +44,10 @@ from .._model._children import OnFailure, parent_of
 from .._model._family import ACTIVE, KEPT, STOPPING, UNDOING, WAITING, Brood, Kid, Move
 from .._model._family_rows import ENDED
 from .._model._values import COMPLETED, FAILED, Flow, Mailbox, Transition
-from . import _sql
-from ._batch import Change, Changed, Create, Op, Result, write_all
+from . import _dialect, _sql
+from ._batch import write_all
+from ._dialect import Dialect
+from ._op import Change, Changed, Create, Op, Result
 
 __all__ = [
     "CHILDREN",
@@ -89,11 +91,10 @@ _KID: Final = "idx, child_key, flow_id, plan, version, status, data, error, ende
 # ------------------------------------------------------------------------------------- schema
 
 
-def ddl(dialect: str) -> list[str]:
+def ddl(dialect: Dialect) -> list[str]:
     """The statements that create the family's tables and indexes, each idempotent; the same
-    text on both dialects (`dialect` is checked, for the day they differ)."""
-    if dialect not in _sql.DIALECTS:
-        raise ValueError(f"ddl(dialect) must be one of {sorted(_sql.DIALECTS)}, got {dialect!r}")
+    text on both dialects (`dialect` is taken, for the day they differ)."""
+    del dialect
     return [
         f"""CREATE TABLE IF NOT EXISTS {SPAWNS} (
             parent TEXT NOT NULL,
@@ -134,7 +135,7 @@ def ddl(dialect: str) -> list[str]:
 def create_tables(tx: Tx) -> None:
     """Create the family's tables and indexes if missing. Called by its tests until
     `_store.create_schema` runs `ddl` with the rest of the schema (and its schema lock)."""
-    for statement in ddl(tx.dialect):
+    for statement in ddl(_dialect.of(tx)):
         tx.execute(statement)
 
 
@@ -209,7 +210,7 @@ def _kid_values(k: Kid) -> list[Any]:
 
 
 def _for_update(tx: Tx) -> str:
-    return _sql.DIALECTS[tx.dialect].for_update
+    return _dialect.of(tx).for_update
 
 
 # -------------------------------------------------------------------------------------- reads
