@@ -32,7 +32,6 @@ from .._model._ops import HolderRule, Move, Unseen
 from .._model._types import Json
 from .._model._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Transition
 from . import _notify, _sql
-from ._transition import transition
 from ._sql import (
     FIELDS,
     MUTABLE,
@@ -43,6 +42,7 @@ from ._sql import (
     to_flow,
     update_columns,
 )
+from ._transition import transition
 
 
 @attrs.frozen
