@@ -4,7 +4,8 @@ follows the commits.
 Every durable change of every flow, whoever asks for it (the runner of the flow, a wake, a timer,
 a cancel, a resume, recovery, a takeover), is one store op: a pure transition run on the flow's
 row inside the transaction that records it, compare-and-set on the row's revision (docs/adr/0020).
-The ops go through one plain ferry whose batch call (`Writes.batch`) runs a whole batch in one
+An op names its transition as a record (`_model._ops`: ``Wake(...)``, ``StepDone(...)``), which
+the store runs on its own thread (`_store._transition`, docs/adr/0130). The ops go through one plain ferry whose batch call (`Writes.batch`) runs a whole batch in one
 `store.transact` (`_store.write_batch`): concurrent flows share transactions (group commit), and
 an op whose compare-and-set fails is answered alone with `Conflict` while the others commit
 (docs/adr/0022). A row the database refuses is answered `Rejected` to its op alone (ADR 0063).
@@ -16,8 +17,9 @@ leaves the active states is dropped at once: a parked flow holds no task, only a
 deadline (`arm`). A write someone else made to a live flow (a cancel) replaces the runner's copy
 and cancels the step it runs; the runner's own next write then fails its compare-and-set.
 
-Who holds a flow after a write is one pure rule (`_machine.assign_holder`), applied to every op here
-(`with_holder`). The fleet's bookkeeping that rides on the live map is kept here too, as plain
+Who holds a flow after a write (the engine named on its row as the one that runs it: the one
+meaning of "hold") is one pure rule (`_machine.assign_holder`), given to every op as data
+(`Holders`, `_ops.HolderRule`) and applied by the store. The fleet's bookkeeping that rides on the live map is kept here too, as plain
 state the lease part reads and moves: `epoch` (see `_lease` for the rule it serves) and
 `released` (flows let go, to be released with the next renewal).
 """
