@@ -5,10 +5,11 @@ Every durable change of every flow, whoever asks for it (the runner of the flow,
 a cancel, a resume, recovery, a takeover), is one store op: a pure transition run on the flow's
 row inside the transaction that records it, compare-and-set on the row's revision (docs/adr/0020).
 An op names its transition as a record (`_model._ops`: ``Wake(...)``, ``StepDone(...)``), which
-the store runs on its own thread (`_store._transition`, docs/adr/0130). The ops go through one plain ferry whose batch call (`Writes.batch`) runs a whole batch in one
-`store.transact` (`_store.write_batch`): concurrent flows share transactions (group commit), and
-an op whose compare-and-set fails is answered alone with `Conflict` while the others commit
-(docs/adr/0022). A row the database refuses is answered `Rejected` to its op alone (ADR 0063).
+the store runs on its own thread (`_store._transition`, docs/adr/0130). The ops go through one
+plain ferry whose batch call (`Writes.batch`) runs a whole batch in one `store.transact`
+(`_store.write_batch`): concurrent flows share transactions (group commit), and an op whose
+compare-and-set fails is answered alone with `Conflict` while the others commit (docs/adr/0022).
+A row the database refuses is answered `Rejected` to its op alone (ADR 0063).
 
 What the engine holds in memory follows the commits, in commit order: the batch call applies each
 result (`applied`, `track`) before it answers anyone. A flow this engine should run
@@ -19,9 +20,10 @@ and cancels the step it runs; the runner's own next write then fails its compare
 
 Who holds a flow after a write (the engine named on its row as the one that runs it: the one
 meaning of "hold") is one pure rule (`_machine.assign_holder`), given to every op as data
-(`Holders`, `_ops.HolderRule`) and applied by the store. The fleet's bookkeeping that rides on the live map is kept here too, as plain
-state the lease part reads and moves: `epoch` (see `_lease` for the rule it serves) and
-`released` (flows let go, to be released with the next renewal).
+(`Holders`, `_ops.HolderRule`) and applied by the store. The fleet's bookkeeping that rides on
+the live map is kept here too, as plain state the lease part reads and moves: `epoch` (see
+`_lease` for the rule it serves) and `released` (flows let go, to be released with the next
+renewal).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from .._model._types import State
 from .._model._values import ACTIVE, Flow, Shape, Transition
 from .._store import _store
 from . import _observe, _retry
-from ._apart import write_apart
+from ._apart import split
 from ._clock import Clock
 from ._live import LOGGED, Live, Tally, about, log_ended, named
 from ._versions import Versions
@@ -101,20 +103,6 @@ class _Flight:
             ) from error
         index = next(i for i, o in enumerate(self.ops) if o is op)
         return _unless_rejected(_answered(self.results[index]))
-
-    async def run(self, batch: Awaitable[list[_store.Result]]) -> list[_store.Result]:
-        """Await `batch`, the batch of `ops`, shielded; its results, noted for the callers
-        cancelled meanwhile, and `done` set either way."""
-        try:
-            with trio.CancelScope(shield=True):
-                results = await batch
-            self.results = results
-        except BaseException as exc:
-            self.error = exc
-            raise
-        finally:
-            self.done.set()
-        return results
 
 
 class Holders:
@@ -296,7 +284,16 @@ class Writes:
             for op in ops:
                 if id(op) in requested:
                     requested[id(op)] = flight
-            return await flight.run(self._batch(ops, whole))
+            try:
+                with trio.CancelScope(shield=True):
+                    results = await self._batch(ops, whole)
+                flight.results = results
+            except BaseException as exc:
+                flight.error = exc
+                raise
+            finally:
+                flight.done.set()
+            return results
         with trio.CancelScope(shield=True):
             results = await self._batch(ops, whole)
         return results
@@ -304,7 +301,12 @@ class Writes:
     async def _batch(self, ops: list[_store.Op], whole: bool) -> list[_store.Result]:
         if whole:
             return await self._transact(ops, _store.write_all)
-        return await write_apart(partial(self._transact, write=_store.write_batch), ops)
+        try:  # `_apart.write_apart`, its first try inline: the common case
+            return await self._transact(ops, _store.write_batch)
+        except Exception as exc:
+            if _retry.unavailable(exc):
+                raise
+            return await split(partial(self._transact, write=_store.write_batch), ops, exc)
 
     async def _transact(
         self, ops: Sequence[_store.Op], write: Callable[..., list[_store.Result]]
@@ -347,8 +349,8 @@ class Writes:
         began in `epoch`): follow it. Only this engine's writes count in its
         `completed`/`failed`/`blocked` statistics (`_counted`). Then: those who wait for the
         flow hear of it; the live copy is replaced (and a step it runs is void if someone else
-        moved the flow); a flow this engine should run becomes live (`_taken`), one it should
-        not is let go (`_dropped`), and a parked flow's deadline is armed (`_armed`)."""
+        moved the flow); a flow this engine should run becomes live, one it should not is let
+        go (`_dropped`), and a parked flow's deadline is armed (`_armed`)."""
         if write:
             self._tally.stats["writes"] += 1
         live = self.live.get(flow.flow_id)
@@ -363,31 +365,17 @@ class Writes:
             if not own and live.scope is not None:
                 live.scope.cancel()  # someone else moved the flow: its running step is void
         if self.runs_here(flow):
-            if live is None:
-                self._taken(flow, epoch)
+            if live is None:  # given to this engine by a write: it becomes live, with a runner
+                # A release still pending from when this engine let the flow go is void (the
+                # renewal would release it while it runs here).
+                self.released.pop(flow.flow_id, None)
+                live = self.live[flow.flow_id] = Live(flow, epoch)
+                self._runnable(live)
         else:
             if live is not None:
-                self._dropped(live, flow, write)
+                _dropped(self.live, self._tally, live, flow, write)
             if flow.state is _PARKED and flow.park_deadline is not None:
                 self._armed(flow, flow.park_deadline)
-
-    def _taken(self, flow: Flow, epoch: int) -> None:
-        """A write gave `flow` to this engine: it becomes live and gets a runner. A release
-        still pending from when this engine let it go is void (the renewal would release it
-        while it runs here)."""
-        fid = flow.flow_id
-        self.released.pop(fid, None)
-        live = self.live[fid] = Live(flow, epoch)
-        self._runnable(live)
-
-    def _dropped(self, live: Live, flow: Flow, write: bool) -> None:
-        """`live` is no longer this engine's to run: forget it; if it moved on without this
-        engine (still active, or read back), its step is stopped."""
-        del self.live[flow.flow_id]
-        if flow.state in ACTIVE or not write:
-            self._tally.stats["lost"] += 1
-            if live.scope is not None:
-                live.scope.cancel()
 
     def _armed(self, flow: Flow, deadline: float) -> None:
         """Arm the deadline of a parked flow, if this engine fires it: a serving engine does;
@@ -503,6 +491,16 @@ async def _transact_again(
         failed=failed,
     )
     return epoch, results
+
+
+def _dropped(lives: dict[str, Live], tally: Tally, live: Live, flow: Flow, write: bool) -> None:
+    """`live` is no longer this engine's to run (`flow` is its row now): forget it; if it moved
+    on without this engine (still active, or read back), its step is stopped."""
+    del lives[flow.flow_id]
+    if flow.state in ACTIVE or not write:
+        tally.stats["lost"] += 1
+        if live.scope is not None:
+            live.scope.cancel()
 
 
 def _ended(tally: Tally, before: Flow, t: Transition) -> None:
