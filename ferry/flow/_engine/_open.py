@@ -27,7 +27,7 @@ from .._fleet import _lease, _reach
 from .._model import _checks
 from .._model._plan import Plan
 from .._runtime import _observe, _retention, _tracing
-from .._store import _store
+from .._store import _dialect, _schema
 from .._store._sqlite_file import EngineLock, check_path
 from . import _served
 from ._engine import Engine
@@ -268,7 +268,7 @@ async def _opened(
     try:
         _reach.check_clock(db)
         try:
-            await db.transact(_store.create_schema)
+            await db.transact(_schema.create_schema)
         except Exception as exc:
             failed = _reach.unreachable(db, exc)
             if failed is None:
@@ -281,7 +281,7 @@ async def _opened(
             max_running=max_running,
             lease=lease,
             serve=serve,
-            fleet=db.dialect == "postgres" if switches.fleet is None else switches.fleet,
+            fleet=_dialect.of(db).leases if switches.fleet is None else switches.fleet,
             max_data_bytes=max_data_bytes,
             group_commit=switches.group_commit,
             scan_interval=scan_interval,
@@ -311,9 +311,7 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
         ferry_cm = open_ferry(
             parts.writes.batch,
             max_batch_size=_BATCH_SIZE,
-            # PostgreSQL: three batches in flight leave one connection of a default store's
-            # four for lease renewals, scans and reads, which must not queue behind batches.
-            max_in_flight_batches=1 if engine._store.dialect == "sqlite" else 3,
+            max_in_flight_batches=_dialect.of(engine._store).batches_in_flight,
             max_queueing=1 << 40,
         )
     else:
