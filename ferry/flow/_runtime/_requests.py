@@ -81,12 +81,10 @@ class Requests:
 
     # -------------------------------------------------------------------------- plan versions
 
-    async def _known(self) -> _ops.Known:
-        """The plan versions whose transitions this engine may ask for: its own plans; for an
-        operator's engine also every version any engine registered in the store (read anew on
-        every call: an operator's calls are few, and a deploy may have added one)."""
-        if self._serve:
-            return self._own
+    async def _stored(self) -> _ops.Known:
+        """The plan versions whose transitions an operator's engine may ask for: its own plans
+        and every version any engine registered in the store (read anew on every call: an
+        operator's calls are few, and a deploy may have added one)."""
         stored = await self.read(_store.load_plans, "reading the registered plans")
         return _ops.Known({**{(sh.name, sh.version): sh for sh, _at in stored}, **self._shapes})
 
@@ -107,11 +105,11 @@ class Requests:
 
         In a fleet a version this engine lacks but a live engine has is not missing (a rolling
         deploy, `_versions`): its shape comes from the store and the flow is left to an engine
-        with the version (`Writes.holder`). The engine keeps those versions from its last scan;
+        with the version (`Writes.holders`). The engine keeps those versions from its last scan;
         for a version it does not know of yet, the op is answered `_ops.Unseen` (nothing is
         written) and the request runs again on a fresh read."""
         if not self._fleet or not self._serve:
-            return await call(await self._known())
+            return await call(self._own if self._serve else await self._stored())
         answer = await call(self._fleet_versions())
         if not _unseen(answer):
             return answer
