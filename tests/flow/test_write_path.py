@@ -241,6 +241,8 @@ async def _outcome_path(tmp_path: Path) -> Figures:
                 go.set()
                 await done.wait()
     finally:
+        recorder.on = False  # never left on past this test, whatever happened
+        sys.setprofile(None)
         await store.aclose()
     return recorder.figures()
 
