@@ -28,11 +28,7 @@ SIZE_EXCEPTIONS: dict[tuple[str, str], str] = {
     ("ferry/flow/_engine/_parts.py", "def __init__"): "the config record replaces its wiring",
     ("ferry/flow/_fleet/_lease.py", "class Lease"): "one owner per piece of state shrinks it",
     ("ferry/flow/_fleet/_lease.py", "def renew"): "one retry rule for loop rounds shrinks it",
-    ("ferry/flow/_runtime/_requests.py", "class Requests"): "ops as records replace its closures",
-    ("ferry/flow/_runtime/_runner.py", "class Runner"): "ops as records and the mode object",
-    ("ferry/flow/_runtime/_runner.py", "def _attempt"): "to be split by concern",
     ("ferry/flow/_runtime/_waiters.py", "class Waiters"): "the mode object starts the fleet's",
-    ("ferry/flow/_runtime/_writes.py", "class Writes"): "ops as records; track split by concern",
 }
 
 

@@ -22,10 +22,10 @@ import trio
 
 from ferry.projected import Store
 
-from .._model import _machine as m
+from .._model import _ops
 from .._model._values import Flow
 from .._runtime._clock import Clock
-from .._runtime._live import Live, Tally, on_row
+from .._runtime._live import Live, Tally
 from .._runtime._recovery import answer_refused, rerun
 from .._runtime._versions import Versions
 from .._runtime._writes import Writes, gather
@@ -94,8 +94,8 @@ class Fleet:
             for flow in orphans:
                 if flow.flow_id in writes.live:
                     continue  # let go a moment ago and not yet forgotten
-                apply = on_row(m.take_over, self._owner, now)
-                op = _op.Change(flow.flow_id, apply, flow=flow, lapsed_at=at)
+                take = _ops.TakeOver(self._owner, now)
+                op = _op.Change(flow.flow_id, take, flow=flow, lapsed_at=at)
                 ops.append(op)
                 rows.append(flow)
             results = await gather([partial(writes.write_answered, op) for op in ops])

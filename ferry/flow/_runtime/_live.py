@@ -10,14 +10,11 @@ a cancel, a takeover) changes the copy in commit order (`Writes.track`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import Any
 
 import trio
 
 from .._model._types import Delivery, State
-from .._model._values import Flow, Transition
-from .._store import _op
+from .._model._values import Flow
 from ._observe import Bound
 
 _log = logging.getLogger("ferry.flow")
@@ -120,8 +117,3 @@ def log_ended(before: Flow, after: Flow) -> None:
             "error": why,
         },
     )
-
-
-def on_row(fn: Callable[..., Transition], *args: Any) -> _op.Apply:
-    """``apply(flow, mailbox)`` for a transition that does not read the mailbox."""
-    return lambda flow, _mailbox: fn(flow, *args)

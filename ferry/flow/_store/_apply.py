@@ -1,8 +1,9 @@
 """What both batch writers (`_row_by_row`, SQLite's; `_arrays`, PostgreSQL's) do with an op
 alike, written once: whether the row the store holds fits the op (`stale`), the mailbox its
-transition reads (`mailbox`), running the transition (`run`), an existing flow's answer
-(`existing`), and the rows a transition writes (`message_rows`, `history_rows`,
-`add_history`). The writers differ only in how many statements they read and write these with.
+transition reads (`mailbox`), running the transition a write's record names (`run`, the one
+function that runs them), an existing flow's answer (`existing`), and the rows a transition
+writes (`message_rows`, `history_rows`, `add_history`). The writers differ only in how many
+statements they read and write these with.
 
 Everything here is synchronous and pure: no statement is run here.
 """
@@ -14,7 +15,10 @@ from typing import Any, Final
 
 from ferry._text import canonical_json
 
+from .._model import _machine as m
+from .._model import _ops
 from .._model._machine import DETAILS
+from .._model._ops import Unseen
 from .._model._types import Json
 from .._model._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Transition
 from ._op import Change, Conflict, Existing, Missing, Refused
@@ -49,11 +53,61 @@ def mailbox(op: Change, seen: Collection[tuple[str, str]], first: Mapping[str, M
     return Mailbox(queued, ids) if queued or ids else EMPTY_MAILBOX
 
 
-def run(op: Change, flow: Flow, box: Mailbox = EMPTY_MAILBOX) -> Transition | Refused:
-    """The op's transition on `flow` and `box`, or `Refused` if it raised (a bug in the
-    caller's transition, never a race: nothing was written yet, the held row is as it was)."""
+def run(op: Change, flow: Flow, box: Mailbox = EMPTY_MAILBOX) -> Transition | Refused | Unseen:
+    """The transition `op` asks for on `flow` (the row, or the writer's copy of it) with what it
+    read of the flow's mailbox (`box`), and who holds the flow after it (`op.holder`): the one
+    function that runs a write's record (`_model._ops`, docs/adr/0130). `Unseen` (nothing run)
+    for an outside request whose flow's plan version it did not know of; `Refused` if the
+    transition raised (a bug in the caller's transition, never a race: nothing was written yet,
+    the held row is as it was).
+
+    A record that is not one of `_ops` is a function ``apply(flow, mailbox)`` given by hand
+    (the store's own tests write arbitrary transitions so); the engine writes records only."""
+    move = op.apply
     try:
-        return op.apply(flow, box)
+        if isinstance(move, _ops.Request):
+            known = move.known
+            shape = known.shapes.get((flow.plan, flow.version))
+            if shape is None and not known.complete:
+                return _ops.Unseen(op.flow_id, flow.plan, flow.version)
+            if isinstance(move, _ops.Wake):
+                t = m.wake(flow, box, move.message, shape, move.now)
+            elif isinstance(move, _ops.TimeOut):
+                t = m.timeout(flow, shape, move.now, expected=move.revision)
+            elif isinstance(move, _ops.Cancel):
+                t = m.cancel(flow, shape, move.reason, move.now)
+            elif isinstance(move, _ops.Resume):
+                t = m.resume(flow, box, shape, move.now)
+            else:
+                assert isinstance(move, _ops.Abandon), move
+                t = m.abandon(flow, shape, move.reason, move.by, move.now)
+        elif isinstance(move, _ops.StepDone):
+            t = m.step_done(flow, box, move.shape, move.outcome, move.data, move.now)
+        elif isinstance(move, _ops.NextAttempt):
+            t = m.next_attempt(flow, move.now, move.failure)
+        elif isinstance(move, _ops.StepFailed):
+            t = m.step_failed(flow, move.shape, move.problem, move.now, move.traceback)
+        elif isinstance(move, _ops.Compensated):
+            t = m.compensated(flow, move.shape, move.data, move.now)
+        elif isinstance(move, _ops.CompensationFailed):
+            t = m.compensation_failed(flow, move.problem, move.now, move.shape, move.traceback)
+        elif isinstance(move, _ops.Block):
+            t = m.block(flow, move.reason, move.now)
+        elif isinstance(move, _ops.Rerun):
+            t = m.rerun(flow, move.now)
+        elif isinstance(move, _ops.TakeOver):
+            t = m.take_over(flow, move.owner, move.now)
+        elif isinstance(move, _ops.LetGo):
+            t = m.let_go(flow, move.now)
+        else:
+            t = move(flow, box)
+        holder = op.holder
+        if holder is None:
+            return t
+        writer = holder.writer
+        if holder.elsewhere and (flow.plan, flow.version) in holder.elsewhere:
+            writer = None
+        return m.assign_holder(t, flow, writer, keep_runner=holder.keep_runner)
     except Exception as exc:
         return Refused(op.flow_id, exc)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from ferry.projected import Tx
 
+from .._model._ops import Unseen
 from .._model._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Transition
 from ._apply import (
     HISTORY_WIDTH,
@@ -151,7 +152,7 @@ class Arrays:
         done: list[_Ran] = []
         for i, op, flow, at in ran:
             t = run(op, flow, boxes.get(op.flow_id, EMPTY_MAILBOX))
-            if isinstance(t, Refused):
+            if isinstance(t, Refused | Unseen):
                 results[i] = t
             elif t.written:
                 writes.append((i, t, flow, at))

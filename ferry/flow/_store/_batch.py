@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from ferry.projected import Tx
 
+from .._model._ops import Unseen
 from . import _dialect, _notify, _sql
 from ._arrays import Arrays
 from ._op import Changed, Created, Existing, Op, Refused, Result, op_flow_id
@@ -75,8 +76,11 @@ class Undone(Exception):
 
 def write_all(tx: Tx, ops: Sequence[Op], *, guard: float | None = None) -> list[Result]:
     """`write_batch`, all or nothing (one `publish`): raises `Undone` (so the transaction rolls
-    back) if any op is `Refused` or is a `Create` that found another flow under its id."""
+    back) if any op is `Refused` or `Unseen`, or is a `Create` that found another flow under its
+    id."""
     results = write_batch(tx, ops, guard=guard)
-    if any(isinstance(r, Refused) or (isinstance(r, Existing) and not r.same) for r in results):
+    if any(
+        isinstance(r, Refused | Unseen) or (isinstance(r, Existing) and not r.same) for r in results
+    ):
         raise Undone(results)
     return results

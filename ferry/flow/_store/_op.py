@@ -12,6 +12,7 @@ from typing import TypeAlias
 
 import attrs
 
+from .._model._ops import HolderRule, Move, Unseen
 from .._model._values import Flow, Mailbox, Transition
 
 
@@ -27,7 +28,8 @@ Apply: TypeAlias = Callable[[Flow, Mailbox], Transition]
 
 @attrs.frozen
 class Change:
-    """Change one flow by a pure transition, ``apply(flow, mailbox) -> Transition``.
+    """Change one flow by a pure transition: `apply` names it (a record of `_model._ops`, run by
+    `_apply.run`), `holder` says who holds the flow after it (None: as it says).
 
     - With `flow` (the caller's copy, e.g. the runner's): a compare-and-set on ``flow.revision``;
       the row is not read. Without it: the row is read and held (then `expected`, if given, must
@@ -44,12 +46,19 @@ class Change:
     """
 
     flow_id: str
-    apply: Apply
+    apply: Move | Apply
     flow: Flow | None = None
     expected: int | None = None
     message_id: str | None = None
     first_queued: bool = False
     lapsed_at: float | None = None
+    holder: HolderRule | None = None
+
+    def __repr__(self) -> str:
+        at = "" if self.flow is None else f", rev={self.flow.revision}"
+        if self.expected is not None:
+            at += f", expected={self.expected}"
+        return f"Change({self.flow_id!r}, {self.apply!r}{at})"
 
 
 Op: TypeAlias = Create | Change
@@ -126,7 +135,7 @@ class Unwritten:
 
 
 Result: TypeAlias = (
-    Created | Existing | Changed | Conflict | Missing | Refused | Rejected | Unwritten
+    Created | Existing | Changed | Conflict | Missing | Refused | Rejected | Unwritten | Unseen
 )
 
 

@@ -14,6 +14,7 @@ from typing import Any, Final, TypeAlias
 
 from ferry.projected import Tx
 
+from .._model._ops import Unseen
 from .._model._values import Flow, Message, Transition
 from . import _sql
 from ._apply import (
@@ -152,7 +153,7 @@ class RowByRow:
         flow = op.flow
         if flow is not None and not reads_mailbox(op):
             t = run(op, flow)
-            if isinstance(t, Refused):
+            if isinstance(t, Refused | Unseen):
                 return t
             if t.written:
                 if not self.cas(t, flow, op.lapsed_at):
@@ -176,7 +177,7 @@ class RowByRow:
         if op.first_queued and (queued := tx.execute(sql.first_queued, (fid,))):
             first[fid] = Message(queued[0][0], queued[0][1])
         t = run(op, flow, mailbox(op, seen, first))
-        if isinstance(t, Refused):
+        if isinstance(t, Refused | Unseen):
             return t
         if t.written:
             if not self.cas(t, flow):  # cannot happen while the row is held; never write blind
@@ -246,7 +247,7 @@ class RowByRow:
                 boxed.append((i, op))
             else:
                 t = run(op, op.flow)
-                if isinstance(t, Refused):
+                if isinstance(t, Refused | Unseen):
                     results[i] = t
                 else:
                     self.applied(i, t, op.flow, writes, results)
@@ -326,7 +327,7 @@ class RowByRow:
             assert row is not None  # `stale` answers Missing for no row
             flow = op.flow if op.flow is not None else to_flow(row)
             t = run(op, flow, mailbox(op, seen, first))
-            if isinstance(t, Refused):
+            if isinstance(t, Refused | Unseen):
                 results[i] = t
             else:
                 self.applied(i, t, flow, writes, results)
