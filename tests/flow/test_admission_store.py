@@ -678,3 +678,32 @@ def test_two_plans_taken_and_released_in_random_orders_never_deadlock(
         counted = db.transaction(partial(sa.recount, plan=plan))
         assert usage.active == sum(counted["active"].values())
         assert queued == sum(counted["queued"].values())
+
+
+def test_a_locked_queued_head_passes_its_key_over_and_never_waits(
+    pg_db: tuple[Db, Callable[[], Any]],
+) -> None:
+    """PostgreSQL: another connection holds the row of key a's queued head (a wake queuing a
+    message for it); an end then admits key b's head at once, not a's second flow (a key's own
+    order holds) and without waiting for the lock; after that connection commits, the next end
+    admits a's head. (Made to fail by taking the head FOR UPDATE without SKIP LOCKED: the end
+    waits, and its lock timeout fails it.)"""
+    db, connect = pg_db
+    limits = Limits(concurrency=1, key=_key)
+    plan = "p"
+    db.transaction(partial(sa.register, plan=plan, limits=limits))
+    for fid, key in (("x", "x"), ("a1", "a"), ("a2", "a"), ("b1", "b")):
+        o = StartOptions(0, None, key)
+        db.transaction(partial(start_one, plan=plan, limits=limits, fid=fid, o=o, now=T0))
+    assert db.transaction(partial(states, plan=plan))["x"] == "RUNNING"
+    with connect() as wake:
+        wake.execute(f"SELECT 1 FROM {FLOWS} WHERE flow_id = 'a1' FOR UPDATE")
+        with connect() as conn:
+            conn.execute("SET lock_timeout = '5s'")
+            tx = PgTx(conn)
+            got = finish(tx, plan=plan, limits=limits, fid="x", now=T0)
+            conn.commit()
+            assert [a.flow_id for a in got] == ["b1"]
+        wake.commit()
+    got = db.transaction(partial(finish, plan=plan, limits=limits, fid="b1", now=T0))
+    assert [a.flow_id for a in got] == ["a1"]
