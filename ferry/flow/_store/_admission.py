@@ -31,10 +31,12 @@ head, taken with ``SKIP LOCKED`` (a head locked by another transaction passes it
 this call). On SQLite the one writer holds the whole file and both clauses are empty.
 
 Cost per admitted flow: a probe of the open keys' index, a probe of the head (by its whole
-index entry), the flow's write and its history row, a probe for the key's next head and one
-for its last turn, the key row's and the budget's writes, and (with a rate) the admission time:
-each an index probe or a one-row write, whatever the queue's length (the tests count them at
-1,000 and 100,000 queued). Plans without limits never call here.
+index entry), the flow's write and its history row, a probe for the key's next head and the key
+row's write, and (with a rate) a probe for the window's last time and its insert; the budget's
+lock and write once per transaction. An end adds its claim, its key's counts and row; a start
+its key's last turn, its queue columns, its key's counts and row. Each is an index probe or a
+one-row write whatever the queue's length (the tests compare them, and their plans, at 1,000
+and 100,000 queued). Plans without limits never call here.
 
 No trio, no clock: `now` is the caller's (on a fleet, the lease clock, `Dialect.clock`).
 """
