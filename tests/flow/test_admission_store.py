@@ -342,6 +342,34 @@ def test_a_slot_is_given_back_once(db: Db) -> None:
     assert db.transaction(lambda tx: states(tx, plan)) == {"f1": "COMPLETED", "f2": "RUNNING"}
 
 
+def test_a_call_that_does_not_fit_is_refused_naming_it(db: Db) -> None:
+    """A plan with no budget row, a key given to a plan without a key function (and none to one
+    with), a flow not written ``QUEUED`` or queued twice: a `ValueError` naming it, nothing
+    written."""
+    limits = Limits(concurrency=1)
+    keyed = Limits(key=_key, per_key=1)
+    o = StartOptions(0, None, None)
+    with pytest.raises(ValueError, match="'nope' has no budget row"):
+        db.transaction(partial(start_one, plan="nope", limits=limits, fid="f0", o=o, now=T0))
+    db.transaction(partial(sa.register, plan="p", limits=limits))
+    db.transaction(partial(sa.register, plan="k", limits=keyed))
+    with pytest.raises(ValueError, match="key 'a' does not fit limits whose key function is not"):
+        db.transaction(
+            partial(
+                start_one, plan="p", limits=limits, fid="f1", o=StartOptions(0, None, "a"), now=T0
+            )
+        )
+    with pytest.raises(ValueError, match="key None does not fit limits whose key function is set"):
+        db.transaction(partial(start_one, plan="k", limits=keyed, fid="f1", o=o, now=T0))
+    db.transaction(partial(start_one, plan="p", limits=limits, fid="f1", o=o, now=T0))
+    with pytest.raises(ValueError, match="'f1' is not a flow of plan 'p' written QUEUED"):
+        db.transaction(lambda tx: sa.enqueue(tx, "p", limits, "f1", o, T0, "e1"))
+    assert db.transaction(partial(states, plan="p")) == {"f1": "RUNNING"}
+    assert db.transaction(partial(states, plan="k")) == {}
+    usage, queued = db.transaction(partial(sa.usage, plan="p"))
+    assert (usage.active, queued) == (1, 0)
+
+
 def test_what_a_queued_flow_waits_for_and_the_next_wake(db: Db) -> None:
     """`waits_for` names the limit (or the time) from the rows; `next_wake` is the first delayed
     start or, the window full, when its oldest admission leaves it."""
