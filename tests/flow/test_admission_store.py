@@ -28,7 +28,7 @@ from ferry.flow._model import _admission as adm
 from ferry.flow._model._limits import Limits, Rate, StartOptions
 from ferry.flow._store import _admission as sa
 from ferry.flow._store import _dialect, _schema
-from ferry.flow._store._sql import FLOWS
+from ferry.flow._store._sql import FLOWS, HISTORY
 from tests import pg
 
 T0 = 1_700_000_000.0
@@ -368,6 +368,70 @@ def test_a_call_that_does_not_fit_is_refused_naming_it(db: Db) -> None:
     assert db.transaction(partial(states, plan="k")) == {}
     usage, queued = db.transaction(partial(sa.usage, plan="p"))
     assert (usage.active, queued) == (1, 0)
+
+
+def test_a_blocked_flow_gives_its_slot_back_and_resumed_waits_its_turn(db: Db) -> None:
+    """A flow blocked in ``COMPENSATING`` gives its slot back (the next flow is admitted); its
+    resume queues it behind that one, keeping ``blocked_from``, and its admission writes it
+    back ``COMPENSATING``, held by the admitting engine, revision + 1, with an ``admitted``
+    history row."""
+    limits = Limits(concurrency=1)
+    plan = "p"
+    o = StartOptions(0, None, None)
+    db.transaction(partial(sa.register, plan=plan, limits=limits))
+    for fid in ("f1", "f2"):
+        db.transaction(partial(start_one, plan=plan, limits=limits, fid=fid, o=o, now=T0))
+
+    def block(tx: Tx) -> list[sa.Admitted]:
+        tx.execute(
+            f"UPDATE {FLOWS} SET state = 'BLOCKED', blocked_from = 'COMPENSATING',"
+            " revision = revision + 1 WHERE flow_id = 'f1'"
+        )
+        return sa.release(tx, plan, limits, "f1", T0 + 1, "e1")
+
+    assert [a.flow_id for a in db.transaction(block)] == ["f2"]
+
+    def resume(tx: Tx) -> list[sa.Admitted]:
+        tx.execute(f"UPDATE {FLOWS} SET state = 'QUEUED' WHERE flow_id = 'f1'")
+        return sa.enqueue(tx, plan, limits, "f1", o, T0 + 2, "e1")
+
+    assert db.transaction(resume) == []
+    got = db.transaction(partial(finish, plan=plan, limits=limits, fid="f2", now=T0 + 3))
+    assert got == [sa.Admitted("f1", None, "COMPENSATING", 3)]
+    row = db.transaction(
+        lambda tx: tx.execute(
+            f"SELECT state, blocked_from, owner, revision FROM {FLOWS} WHERE flow_id = 'f1'"
+        )
+    )
+    assert row == [("COMPENSATING", None, "e1", 3)]
+    kinds = db.transaction(
+        lambda tx: tx.execute(
+            f"SELECT revision, kind, at FROM {HISTORY} WHERE flow_id = 'f1' ORDER BY revision"
+        )
+    )
+    assert kinds == [(1, "admitted", T0), (3, "admitted", T0 + 3)]
+
+
+def test_a_clock_behind_never_widens_the_rate_window(db: Db) -> None:
+    """`Rate(2, per=10)`: an admission at 100 s, then one by an engine whose clock says 95 s
+    (recorded at 100 s, never before the window's last); at 105 s the window still holds both,
+    so a third waits for the rate until 110 s, when it goes. (Made to fail by recording the
+    engine's own time: the window then drops 95 s at 105 s and admits the third.)"""
+    limits = Limits(rate=Rate(2, per=10.0))
+    plan = "p"
+    o = StartOptions(0, None, None)
+    db.transaction(partial(sa.register, plan=plan, limits=limits))
+    for fid, now in (("f1", T0 + 100), ("f2", T0 + 95), ("f3", T0 + 105)):
+        db.transaction(partial(start_one, plan=plan, limits=limits, fid=fid, o=o, now=now))
+    usage, queued = db.transaction(partial(sa.usage, plan=plan))
+    assert usage.window == (T0 + 100, T0 + 100) and queued == 1
+    why = db.transaction(
+        partial(sa.waits_for, plan=plan, limits=limits, flow_id="f3", now=T0 + 105)
+    )
+    assert why == adm.RATE
+    assert db.transaction(partial(sa.next_wake, plan=plan, limits=limits, now=T0 + 105)) == T0 + 110
+    got = db.transaction(partial(sa.admit, plan=plan, limits=limits, now=T0 + 110, owner="e1"))
+    assert [a.flow_id for a in got] == ["f3"]
 
 
 def test_what_a_queued_flow_waits_for_and_the_next_wake(db: Db) -> None:
