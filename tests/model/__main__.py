@@ -1,11 +1,12 @@
-"""`python -m tests.model [slow] [flow | fleet]`: run the core, shell, flow and fleet model checks
-(with `flow`: only the flow's and the fleet's; with `fleet`: only the fleet's); states and time
-each."""
+"""`python -m tests.model [slow] [flow | fleet | admission]`: run the core, shell, flow, fleet and
+admission model checks (with `flow`: only the flow's and the fleet's; with `fleet`: only the
+fleet's; with `admission`: only flow control's admission, docs/adr/0142); states and time each."""
 
 from __future__ import annotations
 
 import sys
 
+from tests.model.admission import ADMISSION_DEFAULT, ADMISSION_SLOW, AdmissionChecker
 from tests.model.checker import Checker
 from tests.model.configs import (
     DEFAULT,
@@ -23,16 +24,22 @@ from tests.model.shell import ShellChecker
 
 
 def main(argv: list[str]) -> int:
-    configs = DEFAULT + (SLOW if "slow" in argv[1:] else [])
-    shell = SHELL_DEFAULT + (SHELL_SLOW if "slow" in argv[1:] else [])
-    flow = FLOW_DEFAULT + (FLOW_SLOW if "slow" in argv[1:] else [])
-    fleet = FLEET_DEFAULT + (FLEET_SLOW if "slow" in argv[1:] else [])
+    args = argv[1:]
+    slow = "slow" in args
+    configs = DEFAULT + (SLOW if slow else [])
+    shell = SHELL_DEFAULT + (SHELL_SLOW if slow else [])
+    flow = FLOW_DEFAULT + (FLOW_SLOW if slow else [])
+    fleet = FLEET_DEFAULT + (FLEET_SLOW if slow else [])
+    admission = ADMISSION_DEFAULT + (ADMISSION_SLOW if slow else [])
     reports = [Checker(c).run for c in configs] + [ShellChecker(c).run for c in shell]
-    if "flow" in argv[1:] or "fleet" in argv[1:]:
+    if "flow" in args or "fleet" in args or "admission" in args:
         reports = []
-    if "fleet" not in argv[1:]:
-        reports += [FlowChecker(c).run for c in flow]
-    reports += [FleetChecker(c).run for c in fleet]
+    if "admission" not in args:
+        if "fleet" not in args:
+            reports += [FlowChecker(c).run for c in flow]
+        reports += [FleetChecker(c).run for c in fleet]
+    if not ("flow" in args or "fleet" in args):
+        reports += [AdmissionChecker(c).run for c in admission]
     for run in reports:
         r = run()
         print(

@@ -87,6 +87,13 @@ class Dialect:
     notifies: bool
     #: Can free pages go back to the file system (SQLite's incremental auto-vacuum)?
     shrinks: bool
+    #: Prefixed to a statement to have its plan as rows of text (the last column of each).
+    explain: str
+    #: How that plan says it reads the whole of table `{}` (a line of the plan that holds it).
+    full_scan: str
+    #: How that plan says it sorts the rows it read (rather than reading them in an index's
+    #: order).
+    sorts: str
 
     def in_list(self, column: str, n: int) -> str:
         """SQL: `column` is one of a list of `n` values, given as `list_params` makes them."""
@@ -132,6 +139,9 @@ SQLITE: Final = Dialect(
     server=False,
     notifies=False,
     shrinks=True,
+    explain="EXPLAIN QUERY PLAN ",
+    full_scan="SCAN {}",
+    sorts="USE TEMP B-TREE",
 )
 POSTGRES: Final = Dialect(
     name="postgres",
@@ -153,6 +163,9 @@ POSTGRES: Final = Dialect(
     server=True,
     notifies=True,
     shrinks=False,
+    explain="EXPLAIN ",
+    full_scan="Seq Scan on {}",
+    sorts="Sort ",
 )
 DIALECTS: Final = {d.name: d for d in (SQLITE, POSTGRES)}
 
