@@ -371,9 +371,31 @@ def _record(
                 counted_all=fired.counted_all,
             )
         )
-    if updates:
-        tx.executemany(_UPDATE, updates)
+    _update_rows(tx, updates)
     return outcomes
+
+
+#: PostgreSQL: the rows' updates of one firing in one statement, as arrays (docs/adr/0094's way).
+_UPDATE_ARRAYS: Final = (
+    f"UPDATE {SCHEDULES} AS s SET revision = v.revision, next_tick = v.next_tick,"
+    " last_tick = v.last_tick, last_flow = v.last_flow, waiting_tick = v.waiting_tick,"
+    " paused = v.paused, missed = v.missed, skipped = v.skipped, updated_at = v.updated_at"
+    " FROM unnest(?::bigint[], ?::float8[], ?::float8[], ?::text[], ?::float8[], ?::int[],"
+    " ?::bigint[], ?::bigint[], ?::float8[], ?::text[], ?::bigint[]) AS v(revision, next_tick,"
+    " last_tick, last_flow, waiting_tick, paused, missed, skipped, updated_at, name, old)"
+    " WHERE s.name = v.name AND s.revision = v.old"
+)
+
+
+def _update_rows(tx: Tx, updates: Sequence[tuple[Any, ...]]) -> None:
+    """Write the rows `_update_params` made: one statement on PostgreSQL (arrays), an
+    `executemany` on SQLite (in process: no round trips)."""
+    if not updates:
+        return
+    if _dialect.of(tx).arrays:
+        tx.execute(_UPDATE_ARRAYS, [list(column) for column in zip(*updates, strict=True)])
+    else:
+        tx.executemany(_UPDATE, updates)
 
 
 def _last_active(tx: Tx, rows: Sequence[Stored]) -> dict[str, bool]:
