@@ -26,9 +26,9 @@ import pytest
 import trio
 
 from ferry import flow
-from ferry.flow._model import _schedule
+from ferry.flow._model import _machine, _schedule
 from ferry.flow._model._values import Shape
-from ferry.flow._store import _op, _schema, _sql
+from ferry.flow._store import _batch, _op, _schema, _sql
 from ferry.flow._store import _schedules as sch
 from ferry.flow._store import _store as s
 from ferry.flow._store._cron import Schedule
@@ -458,3 +458,24 @@ async def test_unschedule_removes_the_row_and_keeps_its_flows(store: Store) -> N
     assert await tx(store, sch.stored, "every") is None
     assert await flow_ids(store) == ["every@2026-12-02T00:00:00Z"]
     assert await tx(store, sch.declare, [minutely()], MINUTE0 + 5) == {"every": "new"}
+
+
+async def test_a_tick_whose_id_another_flow_holds_is_not_started_and_the_row_moves_on(
+    store: Store,
+) -> None:
+    """A flow started by hand under the tick's id with other data: the firing starts nothing
+    (the batch answers `Existing(same=False)`) and says so; an engine without the schedule's
+    plan neither claims nor fires it."""
+    await tx(store, sch.declare, [minutely()], MINUTE0 - 30)
+    taken = _op.Create(
+        _machine.start(SHAPE, "every@2026-12-02T00:00:00Z", '{"mine":true}', MINUTE0 - 5)
+    )
+    await tx(store, _batch.write_batch, [taken])
+    other = Shape("other", 1, ("a",), (False,), (1,))
+    assert await tx(store, sch.fire_due, MINUTE0 + 1, {("other", 1): other}) == []
+    claims = await tx(store, sch.claim, MINUTE0 + 1, [("report", 1)])
+    (lacking,) = await tx(store, sch.fire, claims, MINUTE0 + 1, {("other", 1): other})
+    assert not lacking.written
+    (out,) = await tx(store, sch.fire, claims, MINUTE0 + 1, SHAPES)
+    assert isinstance(out.result, _op.Existing) and not out.result.same and not out.created
+    assert (await row(store, "every")).next_tick == MINUTE0 + 60
