@@ -67,6 +67,7 @@ def text_problem(value: str) -> str | None:
 # The types JSON gives back as themselves: a value made only of these (dicts with str keys)
 # survives a round trip unchanged, so `json_text` need not parse its text again to know it.
 _PLAIN = frozenset({str, int, float, bool, type(None), dict, list})
+_SCALARS = frozenset({str, int, float, bool, type(None)})  # plain, and never nested
 _DEEP, _ODD = 1, 2
 
 
@@ -76,6 +77,7 @@ def _walk(value: Json) -> int:
     subclass of a JSON type, a type JSON cannot carry), else 0. No recursion: a value nested a
     million levels deep is answered as quickly. Cost: O(size), one look at each item."""
     plain = _PLAIN
+    scalars = _SCALARS
     odd = type(value) not in plain
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
@@ -94,6 +96,8 @@ def _walk(value: Json) -> int:
             return _DEEP
         for child in children:
             ck = type(child)
+            if ck in scalars:  # most children: no isinstance call
+                continue
             if ck is dict or ck is list or isinstance(child, dict | list | tuple):
                 stack.append((child, depth + 1))
             if ck not in plain:

@@ -46,8 +46,6 @@ changes the mailbox, not the row.
 
 from __future__ import annotations
 
-import attrs
-
 from ._holders import assign_holder, let_go, rerun, take_over
 from ._rows import COMPLETE_DETAIL, CONTINUE_DETAIL, DETAILS
 from ._rows import advance as _advance
@@ -199,7 +197,7 @@ def step_done(
                 _event(new, now, "woken", step, None, {"message_id": message.message_id}),
                 *_completed_events(new, now),
             )
-            rest = attrs.evolve(mailbox, queued=mailbox.queued[1:])
+            rest = Mailbox(mailbox.queued[1:], mailbox.seen)
             return Transition(new, rest, flow.revision, events=events, messages=(Taken(message),))
         new = _bump(
             flow,
@@ -321,7 +319,7 @@ def wake(
             )
             return Transition(
                 new,
-                attrs.evolve(mailbox, seen=seen),
+                Mailbox(mailbox.queued, seen),
                 flow.revision,
                 events=events,
                 messages=(Received(message, taken=True, at=now),),
@@ -423,7 +421,7 @@ def resume(flow: Flow, mailbox: Mailbox, shape: Shape | None, now: float) -> Tra
             _event(new, now, "woken", flow.step, None, {"message_id": message.message_id}),
             *_completed_events(new, now),
         )
-        rest = attrs.evolve(mailbox, queued=mailbox.queued[1:])
+        rest = Mailbox(mailbox.queued[1:], mailbox.seen)
         return Transition(new, rest, flow.revision, events=events, messages=(Taken(message),))
     if back is PARKED:
         new = _bump(flow, now, **cleared)

@@ -26,22 +26,27 @@ Heap: TypeAlias = "tuple[int, Entry, Heap, Heap] | None"
 EMPTY: Heap = None
 
 
-def _rank(h: Heap) -> int:
-    return 0 if h is None else h[0]
-
-
 def merge(a: Heap, b: Heap) -> Heap:
-    """The union of two heaps. O(log(len(a) + len(b)))."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    if b[1] < a[1]:
-        a, b = b, a
-    left, right = a[2], merge(a[3], b)
-    if _rank(left) < _rank(right):
-        left, right = right, left
-    return (_rank(right) + 1, a[1], left, right)
+    """The union of two heaps. O(log(len(a) + len(b))).
+
+    The leftist merge made a loop: down the two right spines, smaller entry first (the nodes
+    kept in `spine`), then the new nodes built bottom-up, each with the child of larger rank on
+    the left. The heap is the one the recursive definition makes, node for node, in one call
+    (no frame per level: a push on a heap of 1,000 parked flows cost about 30 calls)."""
+    spine: list[tuple[int, Entry, Heap, Heap]] = []
+    while a is not None and b is not None:
+        if b[1] < a[1]:
+            a, b = b, a
+        spine.append(a)
+        a = a[3]
+    h = b if a is None else a
+    for node in reversed(spine):
+        left = node[2]
+        ranked = 0 if left is None else left[0]
+        right = 0 if h is None else h[0]
+        # the child of larger rank goes left; the node's rank is its right child's plus one
+        h = (ranked + 1, node[1], h, left) if ranked < right else (right + 1, node[1], left, h)
+    return h
 
 
 def push(h: Heap, entry: Entry) -> Heap:

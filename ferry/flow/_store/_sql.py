@@ -32,6 +32,10 @@ ENGINES: Final = "flow_engines"
 PLANS: Final = "flow_plans"
 
 STATES: Final = {s.value: s for s in State}
+#: Each state's stored text, and None's: `State.value` is a Python-level descriptor in 3.11 (an
+#: `enum.property`), a call per read; a dict lookup is none.
+STATE_TEXT: Final[dict[State | None, str | None]] = {s: s.value for s in State}
+STATE_TEXT[None] = None
 
 #: The active states (`_machine.ACTIVE`) as an SQL list, in `State`'s order: the partial indexes
 #: and the queries that use them must say it the same way.
@@ -131,8 +135,9 @@ def to_flow(row: Sequence[Any]) -> Flow:
 
 def mutable_values(f: Flow) -> tuple[Any, ...]:
     """The values of `MUTABLE` for `f`."""
+    state_text = STATE_TEXT
     return (
-        f.state.value,
+        state_text[f.state],
         f.step_index,
         f.step,
         f.attempt,
@@ -146,7 +151,7 @@ def mutable_values(f: Flow) -> tuple[Any, ...]:
         int(f.timed_out),
         stack_text(f.stack),
         f.blocked,
-        None if f.blocked_from is None else f.blocked_from.value,
+        state_text[f.blocked_from],
         f.owner,
         f.released_at,
     )
@@ -164,16 +169,12 @@ _unconverted: Final = operator.attrgetter(*(ATTRIBUTE.get(c, c) for c in MUTABLE
 _ALL: Final = range(len(MUTABLE))
 
 
-def _value_or_none(state: State | None) -> str | None:
-    return None if state is None else state.value
-
-
 #: How `mutable_values` converts each column of `MUTABLE` (None: stored as it is).
 _CONVERTED: Final[dict[str, Callable[[Any], Any]]] = {
-    "state": operator.attrgetter("value"),
+    "state": STATE_TEXT.__getitem__,
     "timed_out": int,
     "stack": stack_text,
-    "blocked_from": _value_or_none,
+    "blocked_from": STATE_TEXT.__getitem__,
 }
 _STORED: Final = tuple(_CONVERTED.get(name) for name in MUTABLE)
 
