@@ -51,21 +51,6 @@ EXCEPTIONS: dict[tuple[str, str], str] = {
     ("ferry/flow/_model/_checks.py", "ferry.projected"): (
         "canonical_json, a pure function, lives beside the transport"
     ),
-    ("ferry/flow/_runtime/_runner.py", "ferry.flow._fleet._lease"): (
-        "the runner asks the lease whether a copy may be trusted (Lease.confirm): the mode "
-        "object, picked once, replaces it"
-    ),
-    ("ferry/flow/_runtime/_recovery.py", "ferry.flow._fleet._lease"): (
-        "recovery reads through the lease (Lease, transient): the mode object and one retry "
-        "rule replace it"
-    ),
-    ("ferry/flow/_runtime/_waiters.py", "ferry.flow._fleet._heartbeat"): (
-        "a fleet's waiters take the lease thread's connection (keeper_for): the mode object "
-        "hands it over"
-    ),
-    ("ferry/flow/_runtime/_waiters.py", "ferry.flow._fleet._listener"): (
-        "a fleet's waiters start the LISTEN thread: the mode object starts it"
-    ),
     ("ferry/flow/_store/_sqlite_file.py", "ferry.projected._postgres"): (
         "masked, a DSN's text without its password, lives beside the PostgreSQL transport"
     ),

@@ -27,10 +27,12 @@ from .._fleet import _lease, _reach
 from .._model import _checks
 from .._model._plan import Plan
 from .._runtime import _observe, _retention, _tracing
+from .._runtime._config import Config
 from .._store import _store
 from .._store._sqlite_file import EngineLock, check_path
 from . import _served
 from ._engine import Engine
+from ._parts import Parts
 
 _log = logging.getLogger("ferry.flow")
 
@@ -274,22 +276,22 @@ async def _opened(
             if failed is None:
                 raise
             raise failed from exc
-        engine = Engine._create(
-            db,
-            registry,
+        config = Config(
             owner=owner if owner is not None else uuid.uuid4().hex,
             max_running=max_running,
             lease=lease,
             serve=serve,
             fleet=db.dialect == "postgres" if switches.fleet is None else switches.fleet,
-            max_data_bytes=max_data_bytes,
+            max_data=max_data_bytes,
             group_commit=switches.group_commit,
-            scan_interval=scan_interval,
+            scan_interval=lease / 3 if scan_interval is None else scan_interval,
             wall_clock=switches.wall_clock,
             retain=retain,
             tracing=tracing,
         )
-        async with _lifetime(engine) as running:
+        parts = Parts(db, registry, config)
+        engine = Engine._create(db, registry, config, parts)
+        async with _lifetime(engine, parts, config, db) as running:
             yield running
     finally:
         if own_store:
@@ -300,20 +302,21 @@ async def _opened(
 
 
 @asynccontextmanager
-async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
+async def _lifetime(
+    engine: Engine, parts: Parts, config: Config, store: Store
+) -> AsyncIterator[Engine]:
     """Own the write ferry and the engine's tasks for the ``async with`` block."""
     body_error: BaseException | None = None
     engine_error: BaseException | None = None
     opened = False
-    parts = engine._parts
     ferry_cm: contextlib.AbstractAsyncContextManager[Any]
-    if engine._group_commit:
+    if config.group_commit:
         ferry_cm = open_ferry(
             parts.writes.batch,
             max_batch_size=_BATCH_SIZE,
             # PostgreSQL: three batches in flight leave one connection of a default store's
             # four for lease renewals, scans and reads, which must not queue behind batches.
-            max_in_flight_batches=1 if engine._store.dialect == "sqlite" else 3,
+            max_in_flight_batches=1 if store.dialect == "sqlite" else 3,
             max_queueing=1 << 40,
         )
     else:
@@ -325,11 +328,11 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                     parts.begin(write_ferry, nursery)
                     try:
                         recovered = trio.Event()
-                        if engine._serve:  # the clients' requests, and an SQLite heartbeat
+                        if config.serve:  # the clients' requests, and an SQLite heartbeat
                             await nursery.start(_served.serve, engine, recovered)
                         await parts.recover()
                         recovered.set()
-                        _log_opened(engine)
+                        _log_opened(parts, config, store)
                         opened = True
                         parts.start_tasks()
                         yield engine
@@ -345,46 +348,47 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                 engine_error = _one_error(group)
                 if engine_error is None:
                     raise _merged(body_error, group) from None
-            with trio.CancelScope(shield=True), trio.move_on_after(engine._lease / 3):
+            with trio.CancelScope(shield=True), trio.move_on_after(config.lease / 3):
                 # after a bug, touch no flow: they run again
                 await parts.leave(touch_flows=engine_error is None)
     finally:
         engine._close()
-        _log_closed(engine, engine_error or body_error, opened=opened)
+        _log_closed(parts, config, engine_error or body_error, opened=opened)
         try:
             with trio.CancelScope(shield=True):
                 await parts.end()
-                await engine._waiters.aclose()
         finally:
-            if engine._observers:  # its statistics are final now: a collector lets it go
-                _observe.closed(engine._observers, engine)
+            observers = parts.tally.observers
+            if observers:  # its statistics are final now: a collector lets it go
+                _observe.closed(observers, engine)
     if engine_error is not None:
         raise _merged(body_error, engine_error)
     if body_error is not None:
         raise body_error
 
 
-def _log_opened(engine: Engine) -> None:
+def _log_opened(parts: Parts, config: Config, store: Store) -> None:
     """INFO: the engine is open, and what it recovered."""
-    s = engine._statistics()
-    owner = engine._owner
+    s = parts.statistics()
+    owner = config.owner
+    shapes = parts.versions.shapes
     _log.info(
         "flow engine %r opened on %s (%s): %d flows recovered, %d parked, plans %s",
         owner,
-        _where(engine._store),
-        "serving" if engine._serve else "operator, runs nothing",
+        _where(store),
+        "serving" if config.serve else "operator, runs nothing",
         s.recovered,
         s.parked,
-        ", ".join(f"{name} v{version}" for name, version in sorted(engine._shapes)) or "none",
+        ", ".join(f"{name} v{version}" for name, version in sorted(shapes)) or "none",
         extra={"owner": owner, "recovered": s.recovered, "parked": s.parked},
     )
 
 
-def _log_closed(engine: Engine, error: BaseException | None, *, opened: bool) -> None:
+def _log_closed(parts: Parts, config: Config, error: BaseException | None, *, opened: bool) -> None:
     """INFO: the engine closed (what it left to the next engine), why it ended, or why it did
     not open (the whole error: it says what to do)."""
-    s = engine._statistics()
-    owner = engine._owner
+    s = parts.statistics()
+    owner = config.owner
     running = s.running
     if not opened and error is not None:
         _log.info(

@@ -33,6 +33,7 @@ from .._store import _store
 from . import _tracing
 from ._clock import Clock
 from ._live import Tally
+from ._mode import Mode
 from ._versions import Versions
 from ._writes import Writes
 
@@ -60,7 +61,7 @@ class Requests:
         *,
         owner: str,
         serve: bool,
-        fleet: bool,
+        mode: Mode,
         max_data: int,
         tracing: _tracing.Tracing | None,
     ) -> None:
@@ -74,7 +75,7 @@ class Requests:
         self._registered = {id(p): k for k, p in plans.items()}
         self._owner = owner
         self._serve = serve
-        self._fleet = fleet
+        self._shared = mode.shared  # a fleet: versions elsewhere (`versioned`)
         self._max_data = max_data  # of a flow's data (or a payload) as UTF-8 JSON text
         self._tracing = tracing  # OpenTelemetry spans of starts (None: traces off)
 
@@ -107,7 +108,7 @@ class Requests:
         with the version (`Writes.with_holder`). The engine keeps those versions from its last
         scan; a version it does not know of yet makes the transition raise `_Unseen` inside the
         transaction (nothing is written) and the request runs again on a fresh read."""
-        if not self._fleet or not self._serve:
+        if not self._shared or not self._serve:
             shapes = await self._known_shapes()
             return await call(lambda f: shapes.get((f.plan, f.version)))
         known = {**self._versions.fleet_known, **self._shapes}

@@ -17,9 +17,11 @@ deadline (`arm`). A write someone else made to a live flow (a cancel) replaces t
 and cancels the step it runs; the runner's own next write then fails its compare-and-set.
 
 Who holds a flow after a write is one pure rule (`_machine.assign_holder`), applied to every op here
-(`with_holder`). The fleet's bookkeeping that rides on the live map is kept here too, as plain
-state the lease part reads and moves: `epoch` (see `_lease` for the rule it serves) and
-`released` (flows let go, to be released with the next renewal).
+(`with_holder`). What differs between one file and a fleet is asked of the mode (`_mode.Mode`,
+picked once): whether the store names this engine as a flow's holder, which timers it fires, the
+trust epoch a write begins in, and the flows let go, to be released with the next renewal (the
+mode's own state: this module tells it, `release_later` and `given_back`). The live map has one
+owner, this module: the other parts drop a flow from it through `let_go` and `drop`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from . import _observe, _retry
 from ._apart import write_apart
 from ._clock import Clock
 from ._live import LOGGED, Live, Tally, about, log_ended, named, on_row
+from ._mode import Mode
 from ._versions import Versions
 
 T = TypeVar("T")
@@ -90,9 +93,8 @@ class Writes:
 
     Invariants: `live` holds exactly the flows this engine runs or will run (`runs_here` of
     their latest known row), each copy the latest committed row this engine knows; `live` is
-    never rebound (other parts keep a reference). `released` maps a flow this engine let go to
-    the revision it let go at; an id leaves when the renewal that releases it is through, or when
-    a write gives the flow back to this engine. `epoch` only grows."""
+    never rebound (other parts keep a reference; only this class adds to it or drops from it).
+    `epoch`, the mode's trust epoch, only grows."""
 
     def __init__(
         self,
@@ -103,7 +105,7 @@ class Writes:
         *,
         owner: str,
         serve: bool,
-        fleet: bool,
+        mode: Mode,
         group_commit: bool,
         guard: float | None,
         seen: Callable[[Flow], None],
@@ -118,7 +120,7 @@ class Writes:
         self._versions = versions
         self._owner = owner
         self._serve = serve  # False: an operator's engine, which never leases or runs a flow
-        self._fleet = fleet  # leases are respected (PostgreSQL); else one engine per store
+        self._mode = mode  # one file, or a fleet's leases (PostgreSQL): picked once
         self._group_commit = group_commit
         # How long the database lets one of this engine's transactions sit idle with its locks
         # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
@@ -130,8 +132,6 @@ class Writes:
         self._arm = arm  # a flow parked with a deadline
         self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
         self.live = live  # empty at first (`_waiters.Held`: it tells the waits what comes and goes)
-        self.released: dict[str, int] = {}
-        self.epoch = 0
         # The ops of API calls (`request`) on their way through the ferry, by id: None while
         # they wait for a batch, then the batch that took them (`_Flight`).
         self._requested: dict[int, _Flight | None] = {}
@@ -143,6 +143,11 @@ class Writes:
     def close(self) -> None:
         """The ferry is closed: a write through it raises `ferry.Closed` from now on."""
         self._ferry = None
+
+    @property
+    def epoch(self) -> int:
+        """The mode's trust epoch (`_mode.Mode.epoch`): a write or read begins in it."""
+        return self._mode.epoch
 
     # ------------------------------------------------------------------------------- writes
 
@@ -220,7 +225,7 @@ class Writes:
         active is this engine's (an operator's engine leaves it to whichever engine takes it
         over); an `outside` request (wake, cancel, resume, timeout) on a flow another engine
         of the fleet runs leaves it with that engine."""
-        if not outside or not self._fleet:
+        if not outside or not self._mode.shared:
             hold = self.hold
 
             def held_here(flow: Flow, box: Mailbox) -> Transition:
@@ -239,8 +244,9 @@ class Writes:
     def hold(self, t: Transition, before: Flow) -> Transition:
         """`t`, a transition of `before`, with who holds the flow after it, by the rule of
         `with_holder` for a request that is not `outside` (or any request off a fleet): the
-        runner's writes apply it to their transition directly (no closure per write)."""
-        elsewhere = self._fleet and self._versions.elsewhere(before)  # only a fleet's versions
+        runner's writes apply it to their transition directly (no closure per write). (Only a
+        fleet's scans learn of versions elsewhere: on one file none is.)"""
+        elsewhere = self._versions.elsewhere(before)
         holder = self._owner if self._serve and not elsewhere else None
         return m.assign_holder(t, before, holder, keep_runner=False)
 
@@ -248,12 +254,7 @@ class Writes:
         """Is this an active flow this engine should run? (On one SQLite file: every active
         flow; in a fleet: those leased to it and not released; an operator's engine runs
         none.)"""
-        return (
-            self._serve
-            and flow.state in ACTIVE
-            and (not self._fleet or (flow.owner == self._owner and flow.lease_until is None))
-            and not (self._fleet and self._versions.elsewhere(flow))  # only a fleet's versions
-        )
+        return self._serve and flow.state in ACTIVE and self._mode.holds(flow)
 
     async def batch(self, ops: list[_store.Op], *, whole: bool = False) -> list[_store.Result]:
         """The ferry's batch call: every op in one transaction, then their effects in memory.
@@ -379,7 +380,7 @@ class Writes:
             if live is None:
                 # Given back to this engine by a write: a release still pending from when it
                 # let the flow go is void (the renewal would release it while it runs here).
-                self.released.pop(fid, None)
+                self._mode.given_back(fid)
                 live = self.live[fid] = Live(flow, epoch)
                 self._runnable(live)
             return
@@ -393,7 +394,7 @@ class Writes:
             state is _PARKED
             and flow.park_deadline is not None
             and self._serve
-            and (not self._fleet or (flow.plan, flow.version) in self._versions.shapes)
+            and self._mode.fires(flow)
         ):  # a fleet engine fires no timer of a version it lacks: one that has it does
             self._arm(flow.park_deadline, fid, flow.revision)
 
@@ -406,9 +407,16 @@ class Writes:
             del self.live[fid]
             self._tally.stats["lost"] += 1
             if release:
-                self.released[fid] = live.flow.revision
+                self._mode.release_later(fid, live.flow.revision)
         if live.scope is not None:
             live.scope.cancel()
+
+    def drop(self, live: Live) -> None:
+        """The flow's row is gone (deleted while this engine held it): forget it. No
+        checkpoint."""
+        fid = live.flow.flow_id
+        if self.live.get(fid) is live:
+            del self.live[fid]
 
     def left_as_it_is(self, flow: Flow, problem: str, error: BaseException) -> None:
         """The database refuses every write of `flow` (this row), even the one that fails it
