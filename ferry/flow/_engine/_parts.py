@@ -103,11 +103,7 @@ class Parts:
         self.nursery: trio.Nursery | None = None
 
     def _writes(self, store: Store, config: Config) -> Writes:
-        """The write path; it hands the runner the flows that become live."""
-
-        def runnable(live: Live) -> None:
-            self.runner.enqueue(live)
-
+        """The write path; it hands the runner the flows that become live (`_runnable`)."""
         waiters = self.waiters
         return Writes(
             store,
@@ -122,7 +118,7 @@ class Parts:
             seen=waiters.saw,
             refused=waiters.refused,
             live=waiters.held,
-            runnable=runnable,
+            runnable=self._runnable,
             arm=self.timers.arm,
         )
 
@@ -141,6 +137,11 @@ class Parts:
             purged=0 if self.retention is None else self.retention.purged,
             **tally.stats,
         )
+
+    def _runnable(self, live: Live) -> None:
+        """A flow became live: the runner runs it (a method, not a closure: the runner is
+        built after the write path it reads)."""
+        self.runner.enqueue(live)
 
     async def _read(self, fn: Callable[[Any], T], what: str) -> T:
         """The waits' reads: an API call's (`Requests.read`)."""

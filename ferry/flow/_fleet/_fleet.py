@@ -22,12 +22,12 @@ import trio
 
 from ferry.projected import Store
 
-from .._model import _machine as m
+from .._model import _ops
 from .._model._values import Flow
 from .._runtime import _retry
 from .._runtime._clock import Clock
 from .._runtime._config import Config
-from .._runtime._live import Live, Tally, about, named, on_row
+from .._runtime._live import Live, Tally, about, named
 from .._runtime._recovery import answer_refused, rerun
 from .._runtime._versions import Versions
 from .._runtime._writes import Writes, gather
@@ -98,8 +98,8 @@ class Rounds:
             for flow in orphans:
                 if flow.flow_id in writes.live:
                     continue  # let go a moment ago and not yet forgotten
-                apply = on_row(m.take_over, self._owner, now)
-                op = _store.Change(flow.flow_id, apply, flow=flow, lapsed_at=at)
+                take = _ops.TakeOver(self._owner, now)
+                op = _store.Change(flow.flow_id, take, flow=flow, lapsed_at=at)
                 ops.append(op)
                 rows.append(flow)
             results = await gather([partial(writes.write_answered, op) for op in ops])

@@ -10,14 +10,12 @@ a cancel, a takeover) changes the copy in commit order (`Writes.track`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import trio
 
 from .._model._types import Delivery, State
-from .._model._values import Flow, Transition
-from .._store import _store
+from .._model._values import Flow
 from ._observe import Observer
 
 if TYPE_CHECKING:
@@ -124,8 +122,3 @@ def log_ended(before: Flow, after: Flow) -> None:
             "error": why,
         },
     )
-
-
-def on_row(fn: Callable[..., Transition], *args: Any) -> _store.Apply:
-    """``apply(flow, mailbox)`` for a transition that does not read the mailbox."""
-    return lambda flow, _mailbox: fn(flow, *args)

@@ -18,15 +18,14 @@ from functools import partial
 
 from ferry.projected import Store
 
-from .._model import _checks, _values
-from .._model import _machine as m
+from .._model import _checks, _ops, _values
 from .._model._types import State
 from .._model._values import ACTIVE, Flow
 from .._store import _store
 from . import _retry
 from ._apart import write_apart
 from ._clock import Clock
-from ._live import Tally, about, named, on_row
+from ._live import Tally, about, named
 from ._mode import Mode
 from ._versions import Versions
 from ._writes import Writes, gather
@@ -76,9 +75,9 @@ async def rerun(writes: Writes, clock: Clock, versions: Versions, active: list[F
     ops: list[_store.Op] = []
     for flow in active:
         reason = _values.mismatch(flow, shapes.get((flow.plan, flow.version)))
-        apply = on_row(m.rerun, now) if reason is None else on_row(m.block, reason, now)
-        leased = writes.with_holder(apply, outside=False)
-        ops.append(_store.Change(flow.flow_id, leased, flow=flow))
+        move = _ops.Rerun(now) if reason is None else _ops.Block(reason, now)
+        holder = writes.holder(outside=False)
+        ops.append(_store.Change(flow.flow_id, move, flow=flow, holder=holder))
     results = await gather([partial(writes.write_answered, op) for op in ops])
     refused = [
         (flow, r) for flow, r in zip(active, results, strict=True) if isinstance(r, _store.Rejected)
@@ -112,12 +111,12 @@ async def answer_refused(
     )
     shape = versions.shapes.get((flow.plan, flow.version))
     now = clock.now()
-    answer: _store.Apply | None = None
+    answer: _ops.Move | None = None
     if _values.mismatch(flow, shape) is None:
         if flow.state is State.RUNNING:
-            answer = on_row(m.step_failed, shape, problem, now)
+            answer = _ops.StepFailed(shape, problem, now)
         elif flow.state is State.COMPENSATING:
-            answer = on_row(m.compensation_failed, problem, now, shape)
+            answer = _ops.CompensationFailed(problem, now, shape)
     if answer is not None:
         _log.warning(
             "%s: %s; %s instead",
@@ -126,8 +125,8 @@ async def answer_refused(
             "its step fails" if flow.state is State.RUNNING else "it blocks",
             extra=about(flow),
         )
-        leased = writes.with_holder(answer, outside=False)
-        op = _store.Change(flow.flow_id, leased, flow=flow, lapsed_at=lapsed_at)
+        holder = writes.holder(outside=False)
+        op = _store.Change(flow.flow_id, answer, flow=flow, lapsed_at=lapsed_at, holder=holder)
         result = await writes.write_answered(op)
         if not isinstance(result, _store.Rejected):
             return
@@ -156,7 +155,7 @@ async def let_go_unbegun(store: Store, clock: Clock, writes: Writes) -> None:
         if live.began != live.flow.revision and live.flow.state in ACTIVE
     ]
     ops: list[_store.Op] = [
-        _store.Change(flow.flow_id, on_row(m.let_go, now), flow=flow) for flow in unbegun
+        _store.Change(flow.flow_id, _ops.LetGo(now), flow=flow) for flow in unbegun
     ]
     if not ops:
         return

@@ -23,12 +23,12 @@ import trio
 from ferry import Failed
 from ferry.projected import Store
 
-from .._model import _checks
+from .._model import _checks, _ops
 from .._model import _machine as m
 from .._model._errors import IdReused, UnknownPlan
 from .._model._plan import Plan
 from .._model._types import IGNORE, Delivery, Json, Start, Wake
-from .._model._values import Flow, Mailbox, Message, Shape, Transition
+from .._model._values import Message, Shape
 from .._store import _store
 from . import _tracing
 from ._clock import Clock
@@ -38,13 +38,6 @@ from ._versions import Versions
 from ._writes import Writes
 
 T = TypeVar("T")
-
-ShapeOf = Callable[[Flow], Shape | None]
-
-
-class _Unseen(Exception):
-    """Raised by a transition for a plan version the engine has not seen in the fleet yet
-    (`Requests.versioned`): nothing is written, and the request runs again on a fresh read."""
 
 
 class Requests:
@@ -78,6 +71,9 @@ class Requests:
         self._shared = mode.shared  # a fleet: versions elsewhere (`versioned`)
         self._max_data = max_data  # of a flow's data (or a payload) as UTF-8 JSON text
         self._tracing = tracing  # OpenTelemetry spans of starts (None: traces off)
+        self._own = _ops.Known(self._shapes)  # an engine off a fleet knows its own versions
+        # A fleet engine's versions (`versioned`), and the fleet's versions they were made of.
+        self._fleet_known: tuple[object, _ops.Known] = (None, self._own)
 
     async def read(self, fn: Callable[[Any], T], what: str) -> T:
         """A read of an API call: a store error is raised as `ferry.Failed` (its cause the
@@ -89,44 +85,44 @@ class Requests:
 
     # -------------------------------------------------------------------------- plan versions
 
-    async def _known_shapes(self) -> dict[tuple[str, int], Shape]:
+    async def _known(self) -> _ops.Known:
         """The plan versions whose transitions this engine may ask for: its own plans; for an
         operator's engine also every version any engine registered in the store (read anew on
         every call: an operator's calls are few, and a deploy may have added one)."""
         if self._serve:
-            return self._shapes
+            return self._own
         stored = await self.read(_store.load_plans, "reading the registered plans")
-        return {**{(sh.name, sh.version): sh for sh, _at in stored}, **self._shapes}
+        return _ops.Known({**{(sh.name, sh.version): sh for sh, _at in stored}, **self._shapes})
 
-    async def versioned(self, call: Callable[[ShapeOf], Awaitable[T]]) -> T:
-        """``await call(shape_of)`` for an outside request (wake, cancel, resume, publish),
-        where ``shape_of(flow)`` is the shape of the flow's plan version to compute its
-        transition with, or None (the machine then blocks the flow: versions fail closed).
+    def _fleet_versions(self) -> _ops.Known:
+        """A fleet engine's versions: its own and those it knows live engines have, the
+        others not seen yet (`versioned`)."""
+        fleet_known = self._versions.fleet_known
+        made, known = self._fleet_known
+        if made is not fleet_known:
+            known = _ops.Known({**fleet_known, **self._shapes}, complete=False)
+            self._fleet_known = (fleet_known, known)
+        return known
+
+    async def versioned(self, call: Callable[[_ops.Known], Awaitable[T]]) -> T:
+        """``await call(known)`` for an outside request (wake, cancel, resume, publish), where
+        `known` holds the plan versions to compute its transition with (`_ops.Known`; a
+        version not in it: the machine blocks the flow, versions fail closed).
 
         In a fleet a version this engine lacks but a live engine has is not missing (a rolling
         deploy, `_versions`): its shape comes from the store and the flow is left to an engine
-        with the version (`Writes.with_holder`). The engine keeps those versions from its last
-        scan; a version it does not know of yet makes the transition raise `_Unseen` inside the
-        transaction (nothing is written) and the request runs again on a fresh read."""
+        with the version (`Writes.holder`). The engine keeps those versions from its last scan;
+        for a version it does not know of yet, the op is answered `_ops.Unseen` (nothing is
+        written) and the request runs again on a fresh read."""
         if not self._shared or not self._serve:
-            shapes = await self._known_shapes()
-            return await call(lambda f: shapes.get((f.plan, f.version)))
-        known = {**self._versions.fleet_known, **self._shapes}
-
-        def shape_of(f: Flow) -> Shape | None:
-            shape = known.get((f.plan, f.version))
-            if shape is None:
-                raise _Unseen(f.plan, f.version)
-            return shape
-
-        try:
-            return await call(shape_of)
-        except _Unseen:
-            pass
+            return await call(await self._known())
+        answer = await call(self._fleet_versions())
+        if not _unseen(answer):
+            return answer
         read = partial(_store.live_plans_on_clock, now=self._clock.now())
         fresh = await self.read(read, "reading the fleet's plans")
         shapes = {**self._versions.learn(fresh), **self._shapes}
-        return await call(lambda f: shapes.get((f.plan, f.version)))
+        return await call(_ops.Known(shapes))
 
     def shape_of(self, plan: object) -> Shape:
         """The shape of `plan`, one of the engine's own (`TypeError`, `UnknownPlan`)."""
@@ -186,17 +182,17 @@ class Requests:
     async def wake(self, flow_id: str, payload: Json, message_id: str | None) -> Delivery:
         """`Engine.wake`."""
         text = self._wake_input(flow_id, payload, message_id, "")
-
-        async def call(shape_of: ShapeOf) -> _store.Result:
-            return await self._writes.request(self._wake_op(flow_id, text, message_id, shape_of))
-
         tracing = self._tracing
-        if tracing is None:
-            return self._delivered(await self.versioned(call))
-        began = tracing.now()
-        result = await self.versioned(call)
-        _traced_wake(tracing, result, began)
+        began = 0 if tracing is None else tracing.now()
+        result = await self.versioned(partial(self._wake, flow_id, text, message_id))
+        if tracing is not None:
+            _traced_wake(tracing, result, began)
         return self._delivered(result)
+
+    async def _wake(
+        self, flow_id: str, text: str, message_id: str | None, known: _ops.Known
+    ) -> _store.Result:
+        return await self._writes.request(self._wake_op(flow_id, text, message_id, known))
 
     def _wake_input(self, flow_id: str, payload: Json, message_id: str | None, what: str) -> str:
         """A wake's input checked (`TypeError`/`ValueError`); the payload's JSON text."""
@@ -206,18 +202,14 @@ class Requests:
         return text
 
     def _wake_op(
-        self, flow_id: str, text: str, message_id: str | None, shape_of: ShapeOf
+        self, flow_id: str, text: str, message_id: str | None, known: _ops.Known
     ) -> _store.Change:
-        """The op of a wake whose input was checked (`_wake_input`: `text` is its payload);
-        `shape_of` as in `versioned`."""
+        """The op of a wake whose input was checked (`_wake_input`: `text` is its payload),
+        computed with the versions `known` (`versioned`)."""
         message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
-        now = self._clock.now()
-
-        def apply(f: Flow, box: Mailbox) -> Transition:
-            return m.wake(f, box, message, shape_of(f), now)
-
-        leased = self._writes.with_holder(apply, outside=True)
-        return _store.Change(flow_id, leased, message_id=message_id)
+        wake = _ops.Wake(message, self._clock.now(), known=known)
+        holder = self._writes.holder(outside=True)
+        return _store.Change(flow_id, wake, message_id=message_id, holder=holder)
 
     def _delivered(self, result: _store.Result) -> Delivery:
         if isinstance(result, _store.Changed):
@@ -235,32 +227,16 @@ class Requests:
         if problem is not None:
             raise ValueError(f"reason {reason!r} cannot be stored: {problem}")
         now = self._clock.now()
-
-        async def call(shape_of: ShapeOf) -> _store.Result:
-            def apply(f: Flow, _b: Mailbox) -> Transition:
-                return m.cancel(f, shape_of(f), reason, now)
-
-            leased = self._writes.with_holder(apply, outside=True)
-            return await self._writes.request(_store.Change(fid, leased))
-
-        result = await self.versioned(call)
+        cancel = partial(_ops.Cancel, reason, now)
+        result = await self.versioned(partial(self._outside, fid, cancel))
         return isinstance(result, _store.Changed) and result.transition.done
 
     async def resume(self, flow_id: str) -> bool:
         """`Engine.resume`."""
         fid = _checks.flow_id(flow_id)
         now = self._clock.now()
-
-        async def call(shape_of: ShapeOf) -> _store.Result:
-            def apply(f: Flow, box: Mailbox) -> Transition:
-                return m.resume(f, box, shape_of(f), now)
-
-            op = _store.Change(
-                fid, self._writes.with_holder(apply, outside=True), first_queued=True
-            )
-            return await self._writes.request(op)
-
-        result = await self.versioned(call)
+        resume = partial(_ops.Resume, now)
+        result = await self.versioned(partial(self._outside, fid, resume, first_queued=True))
         return isinstance(result, _store.Changed) and result.transition.done
 
     async def abandon(self, flow_id: str, reason: str, by: str | None) -> bool:
@@ -270,16 +246,22 @@ class Requests:
         if by is not None:
             _checks.said(by, "by")
         now = self._clock.now()
-
-        async def call(shape_of: ShapeOf) -> _store.Result:
-            def apply(f: Flow, _b: Mailbox) -> Transition:
-                return m.abandon(f, shape_of(f), reason, by, now)
-
-            leased = self._writes.with_holder(apply, outside=True)
-            return await self._writes.request(_store.Change(fid, leased))
-
-        result = await self.versioned(call)
+        abandon = partial(_ops.Abandon, reason, by, now)
+        result = await self.versioned(partial(self._outside, fid, abandon))
         return isinstance(result, _store.Changed) and result.transition.done
+
+    async def _outside(
+        self,
+        flow_id: str,
+        move: Callable[..., _ops.Move],
+        known: _ops.Known,
+        *,
+        first_queued: bool = False,
+    ) -> _store.Result:
+        """Write an outside request's record, ``move(known=known)``, on the flow `flow_id`."""
+        holder = self._writes.holder(outside=True)
+        op = _store.Change(flow_id, move(known=known), first_queued=first_queued, holder=holder)
+        return await self._writes.request(op)
 
     # ---------------------------------------------------------------------------- publishing
 
@@ -318,21 +300,6 @@ class Requests:
             else:
                 built.append(None)
 
-        async def apply_all(shape_of: ShapeOf) -> list[_store.Result]:
-            ops: list[_store.Op] = []
-            for d, b in zip(decisions, built, strict=True):
-                if isinstance(d, Wake):
-                    assert isinstance(b, str)
-                    ops.append(self._wake_op(d.flow_id, b, d.message_id, shape_of))
-                elif isinstance(b, _store.Create):
-                    ops.append(b)
-            try:
-                return await self._writes.batch(ops, whole=True)
-            except _store.Undone as undone:
-                self._undone(ops, undone.results)  # raises (`_Unseen`: `versioned` reads again)
-            except Exception as exc:
-                raise Failed(f"the flow store raised {exc!r}; nothing was applied") from exc
-
         await trio.lowlevel.checkpoint_if_cancelled()
         if all(b is None for b in built):
             await trio.lowlevel.cancel_shielded_checkpoint()
@@ -340,7 +307,7 @@ class Requests:
         tracing = self._tracing
         began = 0 if tracing is None else tracing.now()
         with trio.CancelScope(shield=True):  # all of them, or (if Cancelled) none
-            done = await self.versioned(apply_all)
+            done = await self.versioned(partial(self._publish, decisions, built))
         answers = iter(done)
         results: list[Delivery | str | None] = []
         for b in built:
@@ -355,6 +322,31 @@ class Requests:
                 results.append(self._delivered(answer))
         return results
 
+    async def _publish(
+        self,
+        decisions: list[Wake | Start | None],
+        built: list[_store.Create | str | None],
+        known: _ops.Known,
+    ) -> list[_store.Result]:
+        """The ops of a `publish` in one all-or-nothing batch; their results (with an
+        `_ops.Unseen` among them if one op's version was not seen yet: nothing was written,
+        `versioned` runs it again)."""
+        ops: list[_store.Op] = []
+        for d, b in zip(decisions, built, strict=True):
+            if isinstance(d, Wake):
+                assert isinstance(b, str)
+                ops.append(self._wake_op(d.flow_id, b, d.message_id, known))
+            elif isinstance(b, _store.Create):
+                ops.append(b)
+        try:
+            return await self._writes.batch(ops, whole=True)
+        except _store.Undone as undone:
+            if _unseen(undone.results):
+                return undone.results
+            self._undone(ops, undone.results)
+        except Exception as exc:
+            raise Failed(f"the flow store raised {exc!r}; nothing was applied") from exc
+
     def _undone(self, ops: list[_store.Op], results: list[_store.Result]) -> NoReturn:
         """Raise why an all-or-nothing batch (a `publish`) was rolled back."""
         for op, result in zip(ops, results, strict=True):
@@ -363,6 +355,13 @@ class Requests:
             if isinstance(op, _store.Create):
                 self._started(op, result)  # raises IdReused
         raise AssertionError(f"a publish was rolled back for no reason: {results!r}")
+
+
+def _unseen(answer: object) -> bool:
+    """Is `answer` (a request's result, or a publish's) `_ops.Unseen`, or has one?"""
+    if isinstance(answer, list):
+        return any(isinstance(r, _ops.Unseen) for r in answer)
+    return isinstance(answer, _ops.Unseen)
 
 
 def _traced_wake(tracing: _tracing.Tracing, result: _store.Result, began: int) -> None:

@@ -30,11 +30,10 @@ from typing import Any
 
 import trio
 
-from .._model import _checks, _values
-from .._model import _machine as m
+from .._model import _checks, _ops, _values
 from .._model._plan import StepDef
 from .._model._types import Context, MisusedOutcome, Park, State
-from .._model._values import Flow, Mailbox, Shape, Transition
+from .._model._values import Flow, Shape
 from .._store import _store
 from . import _observe, _retry, _tracing
 from ._clock import Clock
@@ -73,31 +72,6 @@ def _not_only_cancelled(exc: BaseException) -> None:
             return
         raise rest
     raise exc
-
-
-class _Held:
-    """A runner's write, ``apply(flow, mailbox)``: the transition ``fn(flow, *args)`` (with
-    `box`: ``fn(flow, mailbox, *args)``) and who holds the flow after it (`Writes.hold`). One
-    object per write, in place of a closure for the transition and another for its holder."""
-
-    __slots__ = ("_args", "_box", "_fn", "_hold")
-
-    def __init__(
-        self,
-        hold: Callable[[Transition, Flow], Transition],
-        box: bool,
-        fn: Callable[..., Transition],
-        args: tuple[Any, ...],
-    ) -> None:
-        self._hold = hold
-        self._box = box
-        self._fn = fn
-        self._args = args
-
-    def __call__(self, flow: Flow, mailbox: Mailbox) -> Transition:
-        if self._box:
-            return self._hold(self._fn(flow, mailbox, *self._args), flow)
-        return self._hold(self._fn(flow, *self._args), flow)
 
 
 class Slots:
@@ -145,7 +119,6 @@ class Runner:
         tracing: _tracing.Tracing | None,
     ) -> None:
         self._writes = writes
-        self._hold = writes.hold  # who holds a flow after a runner's write
         self._mode = mode  # how this engine shares its store: trust, deadlines, hand-overs
         self._versions = versions
         self._clock = clock
@@ -201,22 +174,13 @@ class Runner:
                 return  # a version another live engine has: left to it, not blocked
             if reason is not None:
                 now = self._clock.now()
-                await self._advance(live, self._on_row(m.block, reason, now))
+                await self._advance(live, _ops.Block(reason, now))
             elif flow.state is _RUNNING:
                 assert shape is not None
                 await self._run_step(live, shape, steps[key][flow.step_index], scope)
             else:
                 assert shape is not None
                 await self._run_compensation(live, shape, steps[key][flow.step_index], scope)
-
-    def _on_row(self, fn: Callable[..., Transition], *args: Any) -> _Held:
-        """The runner's write of ``fn(flow, *args)``, a transition that does not read the
-        mailbox."""
-        return _Held(self._hold, False, fn, args)
-
-    def _on_row_and_mailbox(self, fn: Callable[..., Transition], *args: Any) -> _Held:
-        """The runner's write of ``fn(flow, mailbox, *args)``."""
-        return _Held(self._hold, True, fn, args)
 
     def _context(self, flow: Flow, name: str, compensating: bool) -> Context:
         key = _checks.idempotency_key(
@@ -364,9 +328,7 @@ class Runner:
             if counter == "steps_run":
                 stats["step_retries"] += 1
             failed = _checks.failure(error)
-            accepted = await self._advance(
-                live, self._on_row(m.next_attempt, self._clock.now(), failed)
-            )
+            accepted = await self._advance(live, _ops.NextAttempt(self._clock.now(), failed))
             # ours must be the last write applied: a cancel may have come right after it
             if not accepted or live.flow.revision != flow.revision + 1:
                 return None
@@ -409,12 +371,12 @@ class Runner:
         now = self._clock.now()
         if problem is not None:
             tb = None if error is None else _checks.traceback_text(error)
-            await self._advance(live, self._on_row(m.step_failed, shape, problem, now, tb))
+            await self._advance(live, _ops.StepFailed(shape, problem, now, tb))
         else:
             assert not isinstance(outcome, str)
             parks = isinstance(outcome, Park)
-            apply = self._on_row_and_mailbox(m.step_done, shape, outcome, data, now)
-            await self._advance(live, apply, first_queued=parks)
+            done = _ops.StepDone(shape, outcome, data, now)
+            await self._advance(live, done, first_queued=parks)
 
     async def _run_compensation(
         self, live: Live, shape: Shape, step: StepDef, scope: trio.CancelScope
@@ -428,7 +390,7 @@ class Runner:
         if error is None:
             data, message = self._data_text(ctx, "it")
             if message is None:
-                await self._advance(live, self._on_row(m.compensated, shape, data, now))
+                await self._advance(live, _ops.Compensated(shape, data, now))
                 return
         else:
             message = (
@@ -436,12 +398,12 @@ class Runner:
                 f" {step.attempts} tries)"
             )
         tb = None if error is None else _checks.traceback_text(error)
-        await self._advance(live, self._on_row(m.compensation_failed, message, now, shape, tb))
+        await self._advance(live, _ops.CompensationFailed(message, now, shape, tb))
 
     async def _advance(
         self,
         live: Live,
-        apply: _store.Apply,
+        move: _ops.Move,
         *,
         first_queued: bool = False,
         fallback: str | None = None,
@@ -457,7 +419,8 @@ class Runner:
         """
         writes = self._writes
         flow = live.flow
-        op = _store.Change(flow.flow_id, apply, flow=flow, first_queued=first_queued)
+        holder = writes.holder(outside=False)
+        op = _store.Change(flow.flow_id, move, flow=flow, first_queued=first_queued, holder=holder)
         try:  # the first try without `_retry.retrying`'s objects: the common case
             result = await writes.write_answered(op)
         except Exception as exc:
@@ -510,7 +473,7 @@ class Runner:
         shape = self._versions.shapes.get((flow.plan, flow.version))
         now = self._clock.now()
         if flow.state is _RUNNING:
-            apply = self._on_row(m.step_failed, shape, problem, now)
+            move: _ops.Move = _ops.StepFailed(shape, problem, now)
         else:
-            apply = self._on_row(m.compensation_failed, problem, now, shape)
-        await self._advance(live, apply, fallback=problem)
+            move = _ops.CompensationFailed(problem, now, shape)
+        await self._advance(live, move, fallback=problem)

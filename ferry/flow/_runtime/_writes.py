@@ -36,19 +36,21 @@ import trio
 from ferry import Closed, Failed
 from ferry.projected import Store
 
-from .._model import _checks
-from .._model import _machine as m
+from .._model import _checks, _ops
 from .._model._types import State
-from .._model._values import ACTIVE, Flow, Mailbox, Transition
+from .._model._values import ACTIVE, Flow, Shape, Transition
 from .._store import _store
 from . import _observe, _retry
 from ._apart import write_apart
 from ._clock import Clock
-from ._live import LOGGED, Live, Tally, about, log_ended, named, on_row
+from ._live import LOGGED, Live, Tally, about, log_ended, named
 from ._mode import Mode
 from ._versions import Versions
 
 T = TypeVar("T")
+
+_NOWHERE: dict[tuple[str, int], Shape] = {}
+_NO_RULES = (_ops.HolderRule(None), _ops.HolderRule(None))
 
 _log = logging.getLogger("ferry.flow")
 
@@ -135,6 +137,9 @@ class Writes:
         # The ops of API calls (`request`) on their way through the ferry, by id: None while
         # they wait for a batch, then the batch that took them (`_Flight`).
         self._requested: dict[int, _Flight | None] = {}
+        # `holder`'s two rules and the fleet's versions they were made with.
+        self._rules: tuple[object, _ops.HolderRule, _ops.HolderRule] = (None, *_NO_RULES)
+        self._own = _ops.Known(self._versions.shapes)  # a timeout's versions: its own
 
     def open(self, write_ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None) -> None:
         """Write through `write_ferry` from now on (group commit; None: one transaction each)."""
@@ -220,35 +225,23 @@ class Writes:
         index = next(i for i, o in enumerate(flight.ops) if o is op)
         return _unless_rejected(_answered(flight.results[index]))
 
-    def with_holder(self, apply: _store.Apply, *, outside: bool) -> _store.Apply:
-        """`apply`, with who holds the flow after its write (`_machine.assign_holder`): a flow left
-        active is this engine's (an operator's engine leaves it to whichever engine takes it
-        over); an `outside` request (wake, cancel, resume, timeout) on a flow another engine
-        of the fleet runs leaves it with that engine."""
-        if not outside or not self._mode.shared:
-            hold = self.hold
-
-            def held_here(flow: Flow, box: Mailbox) -> Transition:
-                return hold(apply(flow, box), flow)
-
-            return held_here
-        owner = self._owner if self._serve else None
-        elsewhere = self._versions.elsewhere
-
-        def held(flow: Flow, box: Mailbox) -> Transition:
-            holder = None if elsewhere(flow) else owner
-            return m.assign_holder(apply(flow, box), flow, holder, keep_runner=True)
-
-        return held
-
-    def hold(self, t: Transition, before: Flow) -> Transition:
-        """`t`, a transition of `before`, with who holds the flow after it, by the rule of
-        `with_holder` for a request that is not `outside` (or any request off a fleet): the
-        runner's writes apply it to their transition directly (no closure per write). (Only a
-        fleet's scans learn of versions elsewhere: on one file none is.)"""
-        elsewhere = self._versions.elsewhere(before)
-        holder = self._owner if self._serve and not elsewhere else None
-        return m.assign_holder(t, before, holder, keep_runner=False)
+    def holder(self, *, outside: bool) -> _ops.HolderRule:
+        """Who holds a flow after a write of this engine (`_ops.HolderRule`, applied by the
+        store): a flow left active is this engine's (an operator's engine leaves it to whichever
+        engine takes it over), except one of a version another engine of the fleet has and this
+        one lacks (left to nobody: that engine takes it over); an `outside` request (wake,
+        cancel, resume, timeout) on a flow another engine of the fleet holds leaves it with
+        that engine. One record per kind, made again only when the fleet's versions change."""
+        rules = self._rules
+        elsewhere = self._versions.fleet_known if self._mode.shared else _NOWHERE  # a fleet's
+        if rules[0] is not elsewhere:
+            writer = self._owner if self._serve else None
+            rules = self._rules = (
+                elsewhere,
+                _ops.HolderRule(writer, keep_runner=False, elsewhere=elsewhere),
+                _ops.HolderRule(writer, keep_runner=self._mode.shared, elsewhere=elsewhere),
+            )
+        return rules[2] if outside else rules[1]
 
     def runs_here(self, flow: Flow) -> bool:
         """Is this an active flow this engine should run? (On one SQLite file: every active
@@ -300,6 +293,27 @@ class Writes:
         """`ops` in one transaction (retried if the database rolled it back on its own), then
         their effects in memory, in commit order."""
         epoch = self.epoch
+        try:  # the first try without `_retry.retrying`'s objects: the common case
+            results = await self._store.transact(partial(write, ops=ops, guard=self.guard))
+        except Exception as exc:
+            if not _rolled_back(exc):
+                raise
+            epoch, results = await self._transact_again(ops, write, exc)
+        self._tally.stats["write_batches"] += 1
+        for op, result in zip(ops, results, strict=True):
+            self._applied(op, result, epoch)
+        return results
+
+    async def _transact_again(
+        self,
+        ops: Sequence[_store.Op],
+        write: Callable[..., list[_store.Result]],
+        failed: BaseException,
+    ) -> tuple[int, list[_store.Result]]:
+        """`_transact` after the database rolled its first try back on its own: retried (up to
+        3 times, `_retry.ROLLBACK`); the epoch the try that committed began in, and its
+        results."""
+        epoch = self.epoch
 
         async def attempt() -> list[_store.Result]:
             nonlocal epoch
@@ -311,11 +325,9 @@ class Writes:
             what=lambda: f"writing a batch of {len(ops)} flow writes (rolled back by the database)",
             schedule=_retry.ROLLBACK,
             when=_rolled_back,
+            failed=failed,
         )
-        self._tally.stats["write_batches"] += 1
-        for op, result in zip(ops, results, strict=True):
-            self._applied(op, result, epoch)
-        return results
+        return epoch, results
 
     def _applied(self, op: _store.Op, result: _store.Result, epoch: int) -> None:
         """Bring memory up to date with one committed result (trio thread, commit order) of a
@@ -459,21 +471,17 @@ class Writes:
         or None if the flow had moved on or was left as it is (for its trace:
         `_tracing.timed`)."""
         now = max(self._clock.now(), deadline)
-        shapes = self._versions.shapes
-
-        def apply(f: Flow, _b: Mailbox) -> Transition:
-            return m.timeout(f, shapes.get((f.plan, f.version)), now, expected=revision)
-
+        holder = self.holder(outside=True)
         # The machine ignores it unless the flow is still parked at `revision`: across a fleet,
         # every engine that armed this deadline fires it, and exactly one of them takes it.
-        op = _store.Change(flow_id, self.with_holder(apply, outside=True))
+        op = _store.Change(flow_id, _ops.TimeOut(revision, now, known=self._own), holder=holder)
         what = f"timing out flow {flow_id!r} (parked at revision {revision})"
         extra = {"flow_id": flow_id}
         result = await _retry.retrying(partial(self.write_answered, op), what=what, extra=extra)
         if isinstance(result, _store.Rejected):  # the flow's own problem: it blocks (ADR 0063)
             reason = f"the database refused its timeout: {_checks.describe(result.error)}"
-            block = self.with_holder(on_row(m.block, reason, now), outside=True)
-            op = _store.Change(flow_id, block, expected=revision)
+            block = _ops.Block(reason, now)
+            op = _store.Change(flow_id, block, expected=revision, holder=holder)
             result = await _retry.retrying(partial(self.write_answered, op), what=what, extra=extra)
             if isinstance(result, _store.Rejected):  # that too: left as it is (ADR 0117)
                 stored = await _retry.retrying(

@@ -28,9 +28,11 @@ import attrs
 from ferry.projected import Tx, canonical_json
 
 from .._model._machine import DETAILS
+from .._model._ops import HolderRule, Move, Unseen
 from .._model._types import Json
 from .._model._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Transition
 from . import _notify, _sql
+from ._apply import transition
 from ._sql import (
     FIELDS,
     MUTABLE,
@@ -55,7 +57,8 @@ Apply: TypeAlias = Callable[[Flow, Mailbox], Transition]
 
 @attrs.frozen
 class Change:
-    """Change one flow by a pure transition, ``apply(flow, mailbox) -> Transition``.
+    """Change one flow by a pure transition: `apply` names it (a record of `_model._ops`, run by
+    `_apply.transition`), `holder` says who holds the flow after it (None: as it says).
 
     - With `flow` (the caller's copy, e.g. the runner's): a compare-and-set on ``flow.revision``;
       the row is not read. Without it: the row is read and held (then `expected`, if given, must
@@ -72,12 +75,19 @@ class Change:
     """
 
     flow_id: str
-    apply: Apply
+    apply: Move | Apply
     flow: Flow | None = None
     expected: int | None = None
     message_id: str | None = None
     first_queued: bool = False
     lapsed_at: float | None = None
+    holder: HolderRule | None = None
+
+    def __repr__(self) -> str:
+        at = "" if self.flow is None else f", rev={self.flow.revision}"
+        if self.expected is not None:
+            at += f", expected={self.expected}"
+        return f"Change({self.flow_id!r}, {self.apply!r}{at})"
 
 
 Op: TypeAlias = Create | Change
@@ -154,7 +164,7 @@ class Unwritten:
 
 
 Result: TypeAlias = (
-    Created | Existing | Changed | Conflict | Missing | Refused | Rejected | Unwritten
+    Created | Existing | Changed | Conflict | Missing | Refused | Rejected | Unwritten | Unseen
 )
 
 
@@ -309,9 +319,11 @@ class _RowByRow:
         known = op.flow
         if known is not None and not _reads_mailbox(op):
             try:
-                t = op.apply(known, EMPTY_MAILBOX)
+                t = transition(op, known, EMPTY_MAILBOX)
             except Exception as exc:
                 return Refused(op.flow_id, exc)
+            if isinstance(t, Unseen):
+                return t
             if t.written:
                 if not self.cas(t, known, op.lapsed_at, known.owner):
                     return self.conflict(op.flow_id, t.expected)
@@ -338,9 +350,11 @@ class _RowByRow:
             if first:
                 queued = (Message(first[0][0], first[0][1]),)
         try:
-            t = op.apply(flow, Mailbox(queued, seen) if queued or seen else EMPTY_MAILBOX)
+            t = transition(op, flow, Mailbox(queued, seen) if queued or seen else EMPTY_MAILBOX)
         except Exception as exc:  # nothing was changed yet: the held row is as it was
             return Refused(op.flow_id, exc)
+        if isinstance(t, Unseen):
+            return t
         if t.written:
             if not self.cas(t, flow):  # cannot happen while the row is held; never write blind
                 return self.conflict(op.flow_id, t.expected)
@@ -412,9 +426,12 @@ class _RowByRow:
                 boxed.append((i, op))
             else:
                 try:
-                    t = op.apply(op.flow, EMPTY_MAILBOX)
+                    t = transition(op, op.flow, EMPTY_MAILBOX)
                 except Exception as exc:
                     results[i] = Refused(op.flow_id, exc)
+                    continue
+                if isinstance(t, Unseen):
+                    results[i] = t
                     continue
                 self.applied(i, t, op.flow, writes, results)
         if creates:
@@ -499,9 +516,12 @@ class _RowByRow:
             ids_seen = frozenset((m,)) if m is not None and (fid, m) in seen else frozenset()
             box = Mailbox(queued, ids_seen) if queued or ids_seen else EMPTY_MAILBOX
             try:
-                t = op.apply(flow, box)
+                t = transition(op, flow, box)
             except Exception as exc:  # nothing was changed yet
                 results[i] = Refused(fid, exc)
+                continue
+            if isinstance(t, Unseen):
+                results[i] = t
                 continue
             self.applied(i, t, flow, writes, results)
 
@@ -629,9 +649,12 @@ class _Arrays:
             row = self.rows.get(op.flow_id)
             if known is not None and not _reads_mailbox(op):
                 try:
-                    t = op.apply(known, EMPTY_MAILBOX)
+                    t = transition(op, known, EMPTY_MAILBOX)
                 except Exception as exc:
                     results[i] = Refused(op.flow_id, exc)
+                    continue
+                if isinstance(t, Unseen):
+                    results[i] = t
                     continue
                 if t.written:
                     writes.append((i, t, known, op.lapsed_at))
@@ -651,9 +674,12 @@ class _Arrays:
         boxes = self.mailboxes([op for _i, op, _f in boxed]) if boxed else {}
         for i, op, flow in boxed:
             try:
-                t = op.apply(flow, boxes.get(op.flow_id, EMPTY_MAILBOX))
+                t = transition(op, flow, boxes.get(op.flow_id, EMPTY_MAILBOX))
             except Exception as exc:  # nothing was changed yet: the held row is as it was
                 results[i] = Refused(op.flow_id, exc)
+                continue
+            if isinstance(t, Unseen):
+                results[i] = t
                 continue
             if t.written:
                 writes.append((i, t, flow, None))
@@ -826,8 +852,11 @@ class Undone(Exception):
 
 def write_all(tx: Tx, ops: Sequence[Op], *, guard: float | None = None) -> list[Result]:
     """`write_batch`, all or nothing (one `publish`): raises `Undone` (so the transaction rolls
-    back) if any op is `Refused` or is a `Create` that found another flow under its id."""
+    back) if any op is `Refused` or `Unseen`, or is a `Create` that found another flow under its
+    id."""
     results = write_batch(tx, ops, guard=guard)
-    if any(isinstance(r, Refused) or (isinstance(r, Existing) and not r.same) for r in results):
+    if any(
+        isinstance(r, Refused | Unseen) or (isinstance(r, Existing) and not r.same) for r in results
+    ):
         raise Undone(results)
     return results
