@@ -468,8 +468,8 @@ class FleetChecker(FlowChecker):
         self.coverage.add("takeover")
         yield label, self._after_write(self._record(m, t, label), e, t.flow)
         if m.world.ambiguous < self.config.ambiguous:
-            # The scan's transaction committed but its answer was lost (`Rounds.scan` gives up on the
-            # error): the flow is held under e's name and nobody runs it, until e adopts it.
+            # The scan's transaction committed but its answer was lost (`Rounds.scan` gives up on
+            # the error): the flow is held under e's name and nobody runs it, until e adopts it.
             self.coverage.add("takeover answer lost")
             lost = f"{label} (committed, answer lost: the scan gives up)"
             world = m.world._replace(ambiguous=m.world.ambiguous + 1)
