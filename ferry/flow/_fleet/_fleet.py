@@ -32,7 +32,7 @@ from .._runtime._recovery import answer_refused, rerun
 from .._runtime._versions import Versions
 from .._runtime._writes import Writes, gather
 from .._store import _store
-from ._lease import Lease
+from ._lease import Lease, recheck
 
 _log = logging.getLogger("ferry.flow")
 
@@ -184,7 +184,6 @@ class Rounds:
         longer holds; adopt (attempt + 1) one it holds but does not run, seen so twice in a row
         (a takeover whose answer was lost with its connection: it must not stay stranded)."""
         writes = self._writes
-        recheck = self._lease.recheck
         ids = set(writes.live)
         lease = self._lease
         epoch = lease.epoch
@@ -196,7 +195,7 @@ class Rounds:
             live = writes.live.get(fid)
             if live is not None:
                 ids.discard(fid)
-                recheck(live, row, epoch)
+                recheck(writes, live, row, epoch)
                 continue
             if row.lease_until is not None or lease.released.get(fid) == row.revision:
                 continue  # let go: any engine may take it (once the next renewal releases it)
@@ -211,7 +210,7 @@ class Rounds:
             for row in await self._store.transact(partial(_store.load_many, flow_ids=gone)):
                 live = writes.live.get(row.flow_id)
                 if live is not None:
-                    recheck(live, row, epoch)
+                    recheck(writes, live, row, epoch)
         if adopt and not self._lease.lapsing():
             self._tally.stats["claimed"] += await rerun(writes, self._clock, self._versions, adopt)
 

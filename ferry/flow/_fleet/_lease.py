@@ -19,7 +19,7 @@ came back past the margin) must not make the engine trust what it has in memory:
 may have taken those flows over meanwhile, and nothing forbids renewing a lapsed lease. So such a
 renewal starts a new *epoch* (`Writes.epoch`), and no copy of a flow made in an older epoch
 (`Live.epoch`) is trusted until it has been read again: the renewal itself re-reads the flows the
-engine runs (`Lease.recheck`: each followed, dropped or confirmed before the lease is trusted
+engine runs (`recheck`: each followed, dropped or confirmed before the lease is trusted
 again, with no checkpoint in between), and a runner re-reads any other copy before it runs a
 body on it (`_mode.Fleet.confirm`). Until the lease is trusted again nothing runs: every body runs
 under a deadline at the lease's margin, moved on with each renewal (`Lease.retrust`,
@@ -160,7 +160,7 @@ class Lease:
         self._clock = clock
         self._writes: Writes  # `bind`: the write path, built after the mode it asks
         self._tally = tally
-        self._owner = owner
+        self._owner = self.owner = owner
         self.lease = float(lease)
         # The trust epoch (only grows: the module docstring) and the flows this engine let go,
         # to be released with the next renewal (id -> the revision let go at; an id leaves when
@@ -210,16 +210,7 @@ class Lease:
         )
         holder, at = await self._store.transact(claim)
         if holder is not None:
-            where = "this process" if holder.pid == os.getpid() else f"process {holder.pid}"
-            if holder.host != host_identity():
-                where += " on another host" if holder.host is not None else ""
-            raise StoreLocked(
-                f"another flow engine runs as owner {self._owner!r} ({where}; its lease runs"
-                f" {holder.lease_until - at:.1f} s more): one live engine per owner name. Give"
-                " this engine another owner name, or stop that one (a restart under the same"
-                " name takes over once that engine closed, died on this host, or let its lease"
-                " lapse)"
-            )
+            raise _locked(self._owner, holder, at)
         until = began + self.lease
         self.until = until
         self._trusted_until = until
@@ -228,22 +219,10 @@ class Lease:
         )
         dsn = _heartbeat.keeper_for(self._store)
         if dsn is not None:
-            # The thread reads trio's clock as perf_counter plus trio's offset: trio's own clock
-            # is just that (a MockClock moved by hand is not: docs/adr/0110).
-            offset = trio.current_time() - time.perf_counter()
-            keeper = _heartbeat.Keeper(
-                dsn,
-                owner=self._owner,
-                incarnation=self.incarnation,
-                lease=self.lease,
-                margin=self.margin,
-                held_until=until,
-                clock=lambda: time.perf_counter() + offset,
-            )
-            self._keeper = keeper
+            self._keeper = _keeper(dsn, self, until)
             self._instrument = _heartbeat.Trust(self._on_loop_wake)
             trio.lowlevel.add_instrument(self._instrument)
-            keeper.start()
+            self._keeper.start()
         _log.info(
             "flow engine %r opened on the fleet (incarnation %s, lease %g s)",
             self._owner,
@@ -336,27 +315,6 @@ class Lease:
                 len(lives),
                 extra={"owner": self._owner, "lost": len(lives)},
             )
-
-    def recheck(self, live: Live, row: Flow | None, epoch: int) -> bool:
-        """A row of the live flow, read in `epoch`: True if it is the copy this engine runs and
-        the flow is still held by this engine (the copy is then trusted in `epoch`); else the
-        row is followed (`Writes.track`: a newer row, which may drop the flow) or the flow let
-        go (it is released, or gone), and False. An older row (a write of this engine that the
-        read did not see yet) changes nothing. No checkpoint."""
-        writes = self._writes
-        if row is None:
-            writes.let_go(live)
-            return False
-        if row.revision > live.flow.revision:
-            writes.track(live.flow.state, row, False, epoch=epoch, write=False)
-            return False
-        if row.revision < live.flow.revision:
-            return False
-        if writes.runs_here(row):
-            live.epoch = epoch
-            return True
-        writes.let_go(live)
-        return False
 
     # ------------------------------------------------------------------------------ renewal
 
@@ -456,7 +414,7 @@ class Lease:
             for row in rows:
                 live = writes.live.get(row.flow_id)
                 if live is not None:
-                    self.recheck(live, row, self.epoch)
+                    recheck(writes, live, row, self.epoch)
         self.until = until
         if self._keeper is not None:
             self._keeper.extend(until)
@@ -465,3 +423,53 @@ class Lease:
         for fid, revision in released.items():
             if self.released.get(fid) == revision:
                 del self.released[fid]
+
+
+def _locked(owner: str, holder: _store.Holder, at: float) -> StoreLocked:
+    """The error of a claim while `holder` holds the owner name (`Lease.claim`)."""
+    where = "this process" if holder.pid == os.getpid() else f"process {holder.pid}"
+    if holder.host != host_identity():
+        where += " on another host" if holder.host is not None else ""
+    return StoreLocked(
+        f"another flow engine runs as owner {owner!r} ({where}; its lease runs"
+        f" {holder.lease_until - at:.1f} s more): one live engine per owner name. Give this"
+        " engine another owner name, or stop that one (a restart under the same name takes"
+        " over once that engine closed, died on this host, or let its lease lapse)"
+    )
+
+
+def _keeper(dsn: str, lease: Lease, until: float) -> _heartbeat.Keeper:
+    """The thread that renews `lease` from `until` on (not started yet). It reads trio's clock
+    as perf_counter plus trio's offset: trio's own clock is just that (a MockClock moved by hand
+    is not: docs/adr/0110)."""
+    offset = trio.current_time() - time.perf_counter()
+    return _heartbeat.Keeper(
+        dsn,
+        owner=lease.owner,
+        incarnation=lease.incarnation,
+        lease=lease.lease,
+        margin=lease.margin,
+        held_until=until,
+        clock=lambda: time.perf_counter() + offset,
+    )
+
+
+def recheck(writes: Writes, live: Live, row: Flow | None, epoch: int) -> bool:
+    """A row of the live flow, read in `epoch`: True if it is the copy this engine runs and the
+    flow is still held by this engine (the copy is then trusted in `epoch`); else the row is
+    followed (`Writes.track`: a newer row, which may drop the flow) or the flow let go (it is
+    released, or gone), and False. An older row (a write of this engine that the read did not
+    see yet) changes nothing. No checkpoint."""
+    if row is None:
+        writes.let_go(live)
+        return False
+    if row.revision > live.flow.revision:
+        writes.track(live.flow.state, row, False, epoch=epoch, write=False)
+        return False
+    if row.revision < live.flow.revision:
+        return False
+    if writes.runs_here(row):
+        live.epoch = epoch
+        return True
+    writes.let_go(live)
+    return False

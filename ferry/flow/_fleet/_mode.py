@@ -26,7 +26,7 @@ from .._runtime._writes import Writes
 from .._store import _store
 from . import _heartbeat
 from ._fleet import Rounds
-from ._lease import Lease
+from ._lease import Lease, recheck
 from ._listener import Listener
 
 _log = logging.getLogger("ferry.flow")
@@ -143,7 +143,7 @@ class Fleet:
                 continue
             if writes.live.get(fid) is not live:
                 return False
-            if not lease.recheck(live, row, epoch):
+            if not recheck(writes, live, row, epoch):
                 return False
             if epoch == lease.epoch:
                 return True

@@ -231,15 +231,7 @@ class Waiters(Generic[H]):
         it is left as it is (docs/adr/0117), and every wait on it raises `ferry.Failed` naming
         `problem` (its cause `error`) at once, until a newer row of it is seen. No checkpoint."""
         fid = flow.flow_id
-
-        def answer() -> Exception:
-            exc = Failed(
-                f"flow {fid!r} cannot end: {problem}; it is left as it is ({flow.state.name} at"
-                f" step {flow.step!r}, revision {flow.revision}), not run by this engine"
-            )
-            exc.__cause__ = error
-            return exc
-
+        answer = partial(_cannot_end, flow, problem, error)
         self._refused[fid] = (flow, answer)
         watch = self._watches.get(fid)
         if watch is not None:
@@ -341,16 +333,7 @@ class Waiters(Generic[H]):
 
     async def wait(self, fid: str, timeout: float | None) -> Flow:  # noqa: ASYNC109
         """Until the flow is settled; its row then (see `Engine.wait`)."""
-        if timeout is not None and not (
-            isinstance(timeout, int | float)
-            and not isinstance(timeout, bool)
-            and timeout >= 0
-            and (timeout == math.inf or _checks.finite(timeout))
-        ):
-            raise ValueError(
-                f"timeout must be a number of seconds >= 0 (a float: at most about 1e308) or"
-                f" None, got {_checks.shown_number(timeout)}"
-            )
+        _check_timeout(timeout)
         watch = self._watches.get(fid)
         if watch is None:
             watch = self._watches[fid] = _Watch(fid in self.held)
@@ -468,12 +451,7 @@ class Waiters(Generic[H]):
             if watch is not None:
                 _put(watch, row, read=True)
         if len(rows) < len(fids):
-            found = {row.flow_id for row in rows}
-            for gone in fids - found:
-                watch = self._watches.get(gone)
-                # Unless a row of it came meanwhile (the id started again, here): it is gone.
-                if watch is not None and watch.known is before[gone]:
-                    stm.atomically_nowait(watch.answer.set, partial(_gone, gone))
+            _answer_gone(self._watches, fids - {row.flow_id for row in rows}, before)
         return True
 
     async def _load_until(self, fid: str, deadline: float) -> Flow | None:
@@ -519,6 +497,41 @@ def _put(watch: _Watch, flow: Flow, *, read: bool = False) -> None:
     shown = watch.flow.peek()
     if read or flow.state in SETTLED or (shown is not None and shown.state in SETTLED):
         stm.atomically_nowait(watch.flow.set, flow)
+
+
+def _check_timeout(timeout: object) -> None:
+    """`ValueError` unless `timeout` is a wait's: seconds >= 0, or None."""
+    if timeout is not None and not (
+        isinstance(timeout, int | float)
+        and not isinstance(timeout, bool)
+        and timeout >= 0
+        and (timeout == math.inf or _checks.finite(timeout))
+    ):
+        raise ValueError(
+            f"timeout must be a number of seconds >= 0 (a float: at most about 1e308) or"
+            f" None, got {_checks.shown_number(timeout)}"
+        )
+
+
+def _cannot_end(flow: Flow, problem: str, error: BaseException) -> Exception:
+    """What the waits on a flow whose every write is refused raise (`Waiters.refused`)."""
+    exc = Failed(
+        f"flow {flow.flow_id!r} cannot end: {problem}; it is left as it is ({flow.state.name}"
+        f" at step {flow.step!r}, revision {flow.revision}), not run by this engine"
+    )
+    exc.__cause__ = error
+    return exc
+
+
+def _answer_gone(
+    watches: dict[str, _Watch], gone: Iterable[str], before: dict[str, Flow | None]
+) -> None:
+    """A read found no row of these flows: their waits answer `_gone`, unless a row of one came
+    meanwhile (the id started again, here)."""
+    for fid in gone:
+        watch = watches.get(fid)
+        if watch is not None and watch.known is before[fid]:
+            stm.atomically_nowait(watch.answer.set, partial(_gone, fid))
 
 
 def _newer(flow: Flow, than: Flow) -> bool:
