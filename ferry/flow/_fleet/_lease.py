@@ -17,7 +17,7 @@ Trust after a lapse (docs/adr/0047), the one rule every other place points to: a
 may come after the lease lapsed (the engine stopped trusting it before the renewal, or the renewal
 came back past the margin) must not make the engine trust what it has in memory: another engine
 may have taken those flows over meanwhile, and nothing forbids renewing a lapsed lease. So such a
-renewal starts a new *epoch* (`Writes.epoch`), and no copy of a flow made in an older epoch
+renewal starts a new *epoch* (`Lease.epoch`), and no copy of a flow made in an older epoch
 (`Live.epoch`) is trusted until it has been read again: the renewal itself re-reads the flows the
 engine runs (`recheck`: each followed, dropped or confirmed before the lease is trusted
 again, with no checkpoint in between), and a runner re-reads any other copy before it runs a
@@ -144,8 +144,8 @@ class Lease:
 
     `until` is how long the lease runs by this engine's own renewals (trio's clock, the module
     docstring; -inf before the first and after a lapse was seen); the heartbeat thread
-    (`_heartbeat.Keeper`, PostgreSQL) may know of a later one (`runs_until`). Off a fleet there
-    is no lease: `trust_deadline` is inf and nothing else is called."""
+    (`_heartbeat.Keeper`, PostgreSQL) may know of a later one (`runs_until`). Only a fleet
+    engine has one (`_mode.Fleet`); `epoch` and `released` are its own (docs/adr/0133)."""
 
     def __init__(
         self,
