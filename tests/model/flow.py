@@ -35,7 +35,7 @@ Actors and their steps
     ``expected=`` the armed revision (`Writes.time_out`). If the flow runs on, the engine runs it.
   - who holds the flow: every write the engine makes names it in the row's `owner` while the
     flow stays active, and none once it is not (`_machine.assign_holder`, as
-    `Writes.with_holder`; the flow starts held by it).
+    `Writes.holders`, the store's `HolderRule`; the flow starts held by it).
   - crash: the engine loses its runner, its retry budget and its timer. Restart: recovery, in
     one step because `open_engine` finishes it before it lets any call in (`_recovery.recover`):
     a running or compensating flow gets `rerun` written and runs again, as attempt + 1 if the
@@ -643,8 +643,9 @@ class FlowChecker(Search):
                 yield label, self._after_write(self._record(m, t, label), e, t.flow)
 
     def _lease(self, w: Write, e: int, *, outside: bool = False) -> Write:
-        """`w` as engine e sends it, with who holds the flow after it (`Writes.with_holder`): the
-        one engine, while the flow stays active. The fleet overrides it."""
+        """`w` as engine e sends it, with who holds the flow after it (`Writes.holders`, the
+        store's `HolderRule`): the one engine, while the flow stays active. The fleet overrides
+        it."""
         p, apply = self.protocol, w.apply
 
         def held(f: Flow, b: Mailbox) -> Transition:

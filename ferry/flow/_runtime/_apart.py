@@ -25,18 +25,19 @@ Run = Callable[[Sequence[Op]], Awaitable[list[Result]]]
 
 async def write_apart(run: Run, ops: Sequence[Op]) -> list[Result]:
     """``await run(ops)`` (one transaction of the whole batch); if it raises anything but the
-    store's unavailability, the batch is written apart (`_split`). The store's unavailability
+    store's unavailability, the batch is written apart (`split`). The store's unavailability
     of the whole batch is raised (nothing of it was written)."""
     try:
         return await run(ops)
     except Exception as exc:
         if _retry.unavailable(exc):
             raise
-        return await _split(run, ops, exc)
+        return await split(run, ops, exc)
 
 
-async def _split(run: Run, ops: Sequence[Op], error: Exception) -> list[Result]:
-    """Results for `ops`, whose one transaction failed with `error` (not unavailability)."""
+async def split(run: Run, ops: Sequence[Op], error: Exception) -> list[Result]:
+    """Results for `ops`, whose one transaction failed with `error` (not unavailability):
+    written apart, in halves."""
     if len(ops) == 1:
         return [Rejected(op_flow_id(ops[0]), error)]
     mid = len(ops) // 2
@@ -48,5 +49,5 @@ async def _split(run: Run, ops: Sequence[Op], error: Exception) -> list[Result]:
             if _retry.unavailable(exc):
                 results += [Unwritten(op_flow_id(op), exc) for op in half]
             else:
-                results += await _split(run, half, exc)
+                results += await split(run, half, exc)
     return results

@@ -76,7 +76,7 @@ async def rerun(writes: Writes, clock: Clock, versions: Versions, active: list[F
     for flow in active:
         reason = _values.mismatch(flow, shapes.get((flow.plan, flow.version)))
         move = _ops.Rerun(now) if reason is None else _ops.Block(reason, now)
-        holder = writes.holder(outside=False)
+        holder = writes.holders.rule(outside=False)
         ops.append(_store.Change(flow.flow_id, move, flow=flow, holder=holder))
     results = await gather([partial(writes.write_answered, op) for op in ops])
     refused = [
@@ -125,7 +125,7 @@ async def answer_refused(
             "its step fails" if flow.state is State.RUNNING else "it blocks",
             extra=about(flow),
         )
-        holder = writes.holder(outside=False)
+        holder = writes.holders.rule(outside=False)
         op = _store.Change(flow.flow_id, answer, flow=flow, lapsed_at=lapsed_at, holder=holder)
         result = await writes.write_answered(op)
         if not isinstance(result, _store.Rejected):

@@ -150,7 +150,7 @@ class Requests:
         with _tracing.starting(self._tracing, shape.name, shape.version, fid) as trace:
             op = self._start_op(shape, fid, text, trace)
             result = await self._writes.request(op)
-        return self._started(op, result)
+        return _started(op, result)
 
     def _start_input(
         self, plan: Plan, flow_id: str | None, data: dict[str, Json] | None, what: str
@@ -168,16 +168,6 @@ class Requests:
         """The op of a start whose input was checked (`_start_input`)."""
         owner = self._owner if self._serve else None
         return _store.Create(m.start(shape, fid, text, self._clock.now(), owner=owner, trace=trace))
-
-    @staticmethod
-    def _started(op: _store.Create, result: _store.Result) -> str:
-        fid = op.transition.flow.flow_id
-        if isinstance(result, _store.Existing) and not result.same:
-            raise IdReused(
-                f"flow id {fid!r} is already used by a flow of plan {result.flow.plan!r} with"
-                " other start data; nothing was stored (pick another id, or send the same data)"
-            )
-        return fid
 
     async def wake(self, flow_id: str, payload: Json, message_id: str | None) -> Delivery:
         """`Engine.wake`."""
@@ -208,7 +198,7 @@ class Requests:
         computed with the versions `known` (`versioned`)."""
         message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
         wake = _ops.Wake(message, self._clock.now(), known=known)
-        holder = self._writes.holder(outside=True)
+        holder = self._writes.holders.rule(outside=True)
         return _store.Change(flow_id, wake, message_id=message_id, holder=holder)
 
     def _delivered(self, result: _store.Result) -> Delivery:
@@ -259,7 +249,7 @@ class Requests:
         first_queued: bool = False,
     ) -> _store.Result:
         """Write an outside request's record, ``move(known=known)``, on the flow `flow_id`."""
-        holder = self._writes.holder(outside=True)
+        holder = self._writes.holders.rule(outside=True)
         op = _store.Change(flow_id, move(known=known), first_queued=first_queued, holder=holder)
         return await self._writes.request(op)
 
@@ -314,7 +304,7 @@ class Requests:
             if b is None:
                 results.append(None)
             elif isinstance(b, _store.Create):
-                results.append(self._started(b, next(answers)))
+                results.append(_started(b, next(answers)))
             else:
                 answer = next(answers)
                 if tracing is not None:
@@ -343,18 +333,30 @@ class Requests:
         except _store.Undone as undone:
             if _unseen(undone.results):
                 return undone.results
-            self._undone(ops, undone.results)
+            _undone(ops, undone.results)
         except Exception as exc:
             raise Failed(f"the flow store raised {exc!r}; nothing was applied") from exc
 
-    def _undone(self, ops: list[_store.Op], results: list[_store.Result]) -> NoReturn:
-        """Raise why an all-or-nothing batch (a `publish`) was rolled back."""
-        for op, result in zip(ops, results, strict=True):
-            if isinstance(result, _store.Refused):
-                raise result.error
-            if isinstance(op, _store.Create):
-                self._started(op, result)  # raises IdReused
-        raise AssertionError(f"a publish was rolled back for no reason: {results!r}")
+
+def _started(op: _store.Create, result: _store.Result) -> str:
+    """The flow id of a start, unless its id is taken by another flow (`IdReused`)."""
+    fid = op.transition.flow.flow_id
+    if isinstance(result, _store.Existing) and not result.same:
+        raise IdReused(
+            f"flow id {fid!r} is already used by a flow of plan {result.flow.plan!r} with"
+            " other start data; nothing was stored (pick another id, or send the same data)"
+        )
+    return fid
+
+
+def _undone(ops: list[_store.Op], results: list[_store.Result]) -> NoReturn:
+    """Raise why an all-or-nothing batch (a `publish`) was rolled back."""
+    for op, result in zip(ops, results, strict=True):
+        if isinstance(result, _store.Refused):
+            raise result.error
+        if isinstance(op, _store.Create):
+            _started(op, result)  # raises IdReused
+    raise AssertionError(f"a publish was rolled back for no reason: {results!r}")
 
 
 def _unseen(answer: object) -> bool:

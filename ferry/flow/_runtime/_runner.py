@@ -74,6 +74,110 @@ def _not_only_cancelled(exc: BaseException) -> None:
     raise exc
 
 
+def context(flow: Flow, name: str, compensating: bool) -> Context:
+    """The `Context` a body of `flow`'s current step `name` (or its compensation) runs with."""
+    key = _checks.idempotency_key(flow.flow_id, flow.step_index, name, compensation=compensating)
+    return Context(
+        flow_id=flow.flow_id,
+        plan=flow.plan,
+        version=flow.version,
+        step=name,
+        step_index=flow.step_index,
+        attempt=flow.attempt,
+        data=json.loads(flow.data),
+        wake=None if flow.wake is None else json.loads(flow.wake),
+        timed_out=flow.timed_out,
+        error=flow.error if compensating else None,
+        idempotency_key=key,
+    )
+
+
+def _data_text(ctx: Context, max_data: int, what: str) -> tuple[str, str | None]:
+    """The JSON text of what a body left in ``ctx.data``, or the problem with it."""
+    try:
+        return _checks.json_object_text(ctx.data, "ctx.data", max_bytes=max_data), None
+    except TypeError as exc:
+        return "", f"{what} left data that is not JSON: {exc}"
+    except ValueError as exc:
+        return "", f"{what} left data that cannot be stored: {exc}"
+
+
+async def _read_again(writes: Writes, live: Live, flow: Flow) -> None:
+    """A runner's compare-and-set on `flow`, its copy, was lost and no newer copy came since:
+    read the row again (its unavailability retried) and follow it (`Writes.track`), or forget
+    a flow that is gone."""
+    epoch = writes.epoch
+
+    async def load() -> Flow | None:
+        nonlocal epoch
+        epoch = writes.epoch
+        return await writes.load_row(flow.flow_id)
+
+    stored = await _retry.retrying(
+        load, what=lambda: f"reading {named(flow)}", extra=partial(about, flow)
+    )
+    if writes.live.get(flow.flow_id) is not live or live.flow.revision > flow.revision:
+        return
+    if stored is None:
+        writes.drop(live)
+    else:
+        writes.track(flow.state, stored, True, epoch=epoch, write=False)
+
+
+def _step_problem(
+    step: StepDef, attempt: int, error: BaseException | None, failures: int, outcome: object
+) -> str:
+    """Why a step whose body raised `error` (on its `failures`-th try) or returned a
+    non-outcome (`outcome`, `_checks.outcome`'s problem text) fails."""
+    if isinstance(error, MisusedOutcome):
+        return (
+            f"step {step.name!r} raised {_checks.describe(error)} on attempt {attempt} (a bad"
+            " argument to park() or fail(): not retried)"
+        )
+    if error is not None:
+        return (
+            f"step {step.name!r} raised {_checks.describe(error)} on attempt {attempt}"
+            f" ({failures} of {step.attempts} tries)"
+        )
+    return f"step {step.name!r} {outcome}"
+
+
+def _log_attempt(flow: Flow, step: StepDef) -> None:
+    """DEBUG: an attempt of the flow's step or compensation begins."""
+    _log.debug(
+        "flow %r (plan %r): running %s %r, attempt %d",
+        flow.flow_id,
+        flow.plan,
+        "compensation of step" if flow.state is _COMPENSATING else "step",
+        step.name,
+        flow.attempt,
+        extra=about(flow),
+    )
+
+
+async def _backoff(
+    flow: Flow, step: StepDef, error: BaseException, failures: int, compensating: bool
+) -> None:
+    """WARNING, then the pause before the next attempt of a body that raised `error` on its
+    `failures`-th try (`step_backoff`)."""
+    delay = step_backoff(failures)
+    _log.warning(
+        "flow %r (plan %r): %s %r raised %s on attempt %d (%d of %d tries); it runs"
+        " again in %.1f s",
+        flow.flow_id,
+        flow.plan,
+        "compensation of step" if compensating else "step",
+        step.name,
+        _checks.describe(error, 200),
+        flow.attempt,
+        failures,
+        step.attempts,
+        delay,
+        extra={**about(flow), "step": step.name, "error_type": type(error).__name__},
+    )
+    await trio.sleep(delay)
+
+
 class Slots:
     """Runner slots: `running` runners (at most `max_running`) and the flows waiting for one,
     first come first served. Plain state (nothing waits on it)."""
@@ -182,24 +286,6 @@ class Runner:
                 assert shape is not None
                 await self._run_compensation(live, shape, steps[key][flow.step_index], scope)
 
-    def _context(self, flow: Flow, name: str, compensating: bool) -> Context:
-        key = _checks.idempotency_key(
-            flow.flow_id, flow.step_index, name, compensation=compensating
-        )
-        return Context(
-            flow_id=flow.flow_id,
-            plan=flow.plan,
-            version=flow.version,
-            step=name,
-            step_index=flow.step_index,
-            attempt=flow.attempt,
-            data=json.loads(flow.data),
-            wake=None if flow.wake is None else json.loads(flow.wake),
-            timed_out=flow.timed_out,
-            error=flow.error if compensating else None,
-            idempotency_key=key,
-        )
-
     async def _attempt(
         self,
         live: Live,
@@ -218,24 +304,11 @@ class Runner:
             return None  # moved on without this engine, or let go (a lapsing lease)
         flow = live.flow
         compensating = flow.state is _COMPENSATING
-        ctx = self._context(flow, step.name, compensating)
-        result: object = None
-        error: BaseException | None = None
+        ctx = context(flow, step.name, compensating)
         if _log.isEnabledFor(logging.DEBUG):
-            kind = "compensation of step" if flow.state is _COMPENSATING else "step"
-            _log.debug(
-                "flow %r (plan %r): running %s %r, attempt %d",
-                flow.flow_id,
-                flow.plan,
-                kind,
-                step.name,
-                flow.attempt,
-                extra=about(flow),
-            )
+            _log_attempt(flow, step)
         observers = self._tally.observers
         began = trio.current_time() if observers else 0.0
-        seconds = math.nan
-        tracing = self._tracing
         # The body may run only while the mode trusts it (a fleet's lease; inf on one file,
         # where the runner's scope keeps its deadline inf throughout).
         bounded = (deadline := mode.body_deadline()) != math.inf
@@ -243,37 +316,17 @@ class Runner:
             scope.deadline = deadline
         live.scope = scope
         live.began = flow.revision
+        result: object = None
+        error: BaseException | None = None
+        seconds = math.nan
         try:
-            try:
-                if tracing is None:
-                    result = await fn(ctx)
-                else:
-                    result = await tracing.run(fn, ctx, flow.trace, compensating)
-            except Exception as exc:
-                error = exc
+            result, error = await self._body(fn, ctx, flow, compensating)
             if observers:
                 seconds = trio.current_time() - began
-            if (
-                error is not None
-                and failures + 1 < step.attempts
-                and not isinstance(error, MisusedOutcome)
-            ):
-                delay = step_backoff(failures + 1)
-                _log.warning(
-                    "flow %r (plan %r): %s %r raised %s on attempt %d (%d of %d tries); it runs"
-                    " again in %.1f s",
-                    flow.flow_id,
-                    flow.plan,
-                    "compensation of step" if compensating else "step",
-                    step.name,
-                    _checks.describe(error, 200),
-                    flow.attempt,
-                    failures + 1,
-                    step.attempts,
-                    delay,
-                    extra={**about(flow), "step": step.name, "error_type": type(error).__name__},
-                )
-                await trio.sleep(delay)
+            retried = error is not None and failures + 1 < step.attempts
+            if retried and not isinstance(error, MisusedOutcome):
+                assert error is not None
+                await _backoff(flow, step, error, failures + 1, compensating)
         except BaseException as exc:
             if not scope.cancel_called:
                 raise  # not this attempt's cancel (the engine is closing, say)
@@ -297,6 +350,18 @@ class Runner:
         if void:
             return None
         return ctx, result, error
+
+    async def _body(
+        self, fn: Callable[[Context], Awaitable[Any]], ctx: Context, flow: Flow, compensating: bool
+    ) -> tuple[object, Exception | None]:
+        """Run the body: what it returned, or the exception it raised (a cancel goes up)."""
+        tracing = self._tracing
+        try:
+            if tracing is None:
+                return await fn(ctx), None
+            return await tracing.run(fn, ctx, flow.trace, compensating), None
+        except Exception as exc:
+            return None, exc
 
     async def _attempts(
         self,
@@ -335,15 +400,6 @@ class Runner:
             if self._writes.live.get(fid) is not live:
                 return None
 
-    def _data_text(self, ctx: Context, what: str) -> tuple[str, str | None]:
-        """The JSON text of what a body left in ``ctx.data``, or the problem with it."""
-        try:
-            return _checks.json_object_text(ctx.data, "ctx.data", max_bytes=self._max_data), None
-        except TypeError as exc:
-            return "", f"{what} left data that is not JSON: {exc}"
-        except ValueError as exc:
-            return "", f"{what} left data that cannot be stored: {exc}"
-
     async def _run_step(
         self, live: Live, shape: Shape, step: StepDef, scope: trio.CancelScope
     ) -> None:
@@ -352,31 +408,18 @@ class Runner:
             return
         ctx, result, error, failures = ran
         outcome = _checks.outcome(result)
-        problem: str | None = None
-        data = ""
-        if isinstance(error, MisusedOutcome):
-            problem = (
-                f"step {step.name!r} raised {_checks.describe(error)} on attempt"
-                f" {live.flow.attempt} (a bad argument to park() or fail(): not retried)"
-            )
-        elif error is not None:
-            problem = (
-                f"step {step.name!r} raised {_checks.describe(error)} on attempt"
-                f" {live.flow.attempt} ({failures} of {step.attempts} tries)"
-            )
-        elif isinstance(outcome, str):
-            problem = f"step {step.name!r} {outcome}"
-        else:
-            data, problem = self._data_text(ctx, f"step {step.name!r}")
+        attempt = live.flow.attempt
         now = self._clock.now()
-        if problem is not None:
-            tb = None if error is None else _checks.traceback_text(error)
-            await self._advance(live, _ops.StepFailed(shape, problem, now, tb))
+        if error is None and not isinstance(outcome, str):
+            data, problem = _data_text(ctx, self._max_data, f"step {step.name!r}")
+            if problem is None:
+                done = _ops.StepDone(shape, outcome, data, now)
+                await self._advance(live, done, first_queued=isinstance(outcome, Park))
+                return
         else:
-            assert not isinstance(outcome, str)
-            parks = isinstance(outcome, Park)
-            done = _ops.StepDone(shape, outcome, data, now)
-            await self._advance(live, done, first_queued=parks)
+            problem = _step_problem(step, attempt, error, failures, outcome)
+        tb = None if error is None else _checks.traceback_text(error)
+        await self._advance(live, _ops.StepFailed(shape, problem, now, tb))
 
     async def _run_compensation(
         self, live: Live, shape: Shape, step: StepDef, scope: trio.CancelScope
@@ -388,7 +431,7 @@ class Runner:
         ctx, _result, error, failures = ran
         now = self._clock.now()
         if error is None:
-            data, message = self._data_text(ctx, "it")
+            data, message = _data_text(ctx, self._max_data, "it")
             if message is None:
                 await self._advance(live, _ops.Compensated(shape, data, now))
                 return
@@ -419,7 +462,7 @@ class Runner:
         """
         writes = self._writes
         flow = live.flow
-        holder = writes.holder(outside=False)
+        holder = writes.holders.rule(outside=False)
         op = _store.Change(flow.flow_id, move, flow=flow, first_queued=first_queued, holder=holder)
         try:  # the first try without `_retry.retrying`'s objects: the common case
             result = await writes.write_answered(op)
@@ -441,39 +484,28 @@ class Runner:
                 return False
             await self._fail_refused(live, result)
             return False
-        if live.flow.revision > flow.revision:
-            return False
-        epoch = writes.epoch
-
-        async def load() -> Flow | None:
-            nonlocal epoch
-            epoch = writes.epoch
-            return await writes.load_row(flow.flow_id)
-
-        stored = await _retry.retrying(
-            load, what=lambda: f"reading {named(flow)}", extra=partial(about, flow)
-        )
-        if writes.live.get(flow.flow_id) is not live or live.flow.revision > flow.revision:
-            return False
-        if stored is None:
-            writes.drop(live)
-        else:
-            writes.track(flow.state, stored, True, epoch=epoch, write=False)
+        if live.flow.revision <= flow.revision:
+            await _read_again(writes, live, flow)
         return False
 
     async def _fail_refused(self, live: Live, rejected: _store.Rejected) -> None:
         """The database refused a write of the flow this runner drives (its row alone, ADR
-        0063): fail the flow with that error (a running step compensates; a compensation
-        blocks), so that it is this flow's problem alone."""
+        0063): fail the flow with that error (`_refusal`), its problem alone."""
         flow = live.flow
-        problem = (
-            f"the database refused the write of step {flow.step!r} (attempt {flow.attempt}):"
-            f" {_checks.describe(rejected.error)}"
-        )
         shape = self._versions.shapes.get((flow.plan, flow.version))
-        now = self._clock.now()
-        if flow.state is _RUNNING:
-            move: _ops.Move = _ops.StepFailed(shape, problem, now)
-        else:
-            move = _ops.CompensationFailed(problem, now, shape)
+        move, problem = _refusal(flow, shape, rejected, self._clock.now())
         await self._advance(live, move, fallback=problem)
+
+
+def _refusal(
+    flow: Flow, shape: Shape | None, rejected: _store.Rejected, now: float
+) -> tuple[_ops.Move, str]:
+    """The write that fails `flow` whose write the database refused (a running step
+    compensates; a compensation blocks), and why."""
+    problem = (
+        f"the database refused the write of step {flow.step!r} (attempt {flow.attempt}):"
+        f" {_checks.describe(rejected.error)}"
+    )
+    if flow.state is _RUNNING:
+        return _ops.StepFailed(shape, problem, now), problem
+    return _ops.CompensationFailed(problem, now, shape), problem

@@ -4,10 +4,12 @@ follows the commits.
 Every durable change of every flow, whoever asks for it (the runner of the flow, a wake, a timer,
 a cancel, a resume, recovery, a takeover), is one store op: a pure transition run on the flow's
 row inside the transaction that records it, compare-and-set on the row's revision (docs/adr/0020).
-The ops go through one plain ferry whose batch call (`Writes.batch`) runs a whole batch in one
-`store.transact` (`_store.write_batch`): concurrent flows share transactions (group commit), and
-an op whose compare-and-set fails is answered alone with `Conflict` while the others commit
-(docs/adr/0022). A row the database refuses is answered `Rejected` to its op alone (ADR 0063).
+An op names its transition as a record (`_model._ops`: ``Wake(...)``, ``StepDone(...)``), which
+the store runs on its own thread (`_store._transition`, docs/adr/0130). The ops go through one
+plain ferry whose batch call (`Writes.batch`) runs a whole batch in one `store.transact`
+(`_store.write_batch`): concurrent flows share transactions (group commit), and an op whose
+compare-and-set fails is answered alone with `Conflict` while the others commit (docs/adr/0022).
+A row the database refuses is answered `Rejected` to its op alone (ADR 0063).
 
 What the engine holds in memory follows the commits, in commit order: the batch call applies each
 result (`applied`, `track`) before it answers anyone. A flow this engine should run
@@ -16,12 +18,14 @@ leaves the active states is dropped at once: a parked flow holds no task, only a
 deadline (`arm`). A write someone else made to a live flow (a cancel) replaces the runner's copy
 and cancels the step it runs; the runner's own next write then fails its compare-and-set.
 
-Who holds a flow after a write is one pure rule (`_machine.assign_holder`), applied to every op here
-(`with_holder`). What differs between one file and a fleet is asked of the mode (`_mode.Mode`,
-picked once): whether the store names this engine as a flow's holder, which timers it fires, the
-trust epoch a write begins in, and the flows let go, to be released with the next renewal (the
-mode's own state: this module tells it, `release_later` and `given_back`). The live map has one
-owner, this module: the other parts drop a flow from it through `let_go` and `drop`.
+Who holds a flow after a write (the engine named on its row as the one that runs it: the one
+meaning of "hold") is one pure rule (`_machine.assign_holder`), given to every op as data
+(`Holders`, `_ops.HolderRule`) and applied by the store. What differs between one file and a
+fleet is asked of the mode (`_mode.Mode`, picked once): whether the store names this engine as
+a flow's holder, which timers it fires, the trust epoch a write begins in, and the flows let go,
+to be released with the next renewal (the mode's own state: this module tells it,
+`release_later` and `given_back`). The live map has one owner, this module: the other parts
+drop a flow from it through `let_go` and `drop`.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from .._model._types import State
 from .._model._values import ACTIVE, Flow, Shape, Transition
 from .._store import _store
 from . import _observe, _retry
-from ._apart import write_apart
+from ._apart import split
 from ._clock import Clock
 from ._live import LOGGED, Live, Tally, about, log_ended, named
 from ._mode import Mode
@@ -50,7 +54,6 @@ from ._versions import Versions
 T = TypeVar("T")
 
 _NOWHERE: dict[tuple[str, int], Shape] = {}
-_NO_RULES = (_ops.HolderRule(None), _ops.HolderRule(None))
 
 _log = logging.getLogger("ferry.flow")
 
@@ -88,6 +91,53 @@ class _Flight:
         self.done = trio.Event()
         self.results: list[_store.Result] | None = None
         self.error: BaseException | None = None
+
+    def landed(self, op: _store.Op) -> _store.Result:
+        """The answer `Writes.write` would have given `op`, written by this batch, to a caller
+        that was cancelled while the batch ran (`Writes.request`)."""
+        if self.results is None:
+            error = self.error
+            if isinstance(error, Exception):
+                raise Failed(f"the flow store raised {error!r}") from error
+            raise Failed(
+                "the batch of this write was cancelled while it ran (the engine is closing, or"
+                " the store did not answer in time): it may or may not have been written;"
+                " read the flow to know"
+            ) from error
+        index = next(i for i, o in enumerate(self.ops) if o is op)
+        return _unless_rejected(_answered(self.results[index]))
+
+
+class Holders:
+    """Who holds a flow after a write of this engine (`_ops.HolderRule`, applied by the store):
+    a flow left active is this engine's (an operator's engine leaves it to whichever engine
+    takes it over), except one of a version another engine of the fleet has and this one lacks
+    (left to nobody: that engine takes it over); an `outside` request (wake, cancel, resume,
+    timeout) on a flow another engine of the fleet holds leaves it with that engine. One
+    record per kind, made again only when the fleet's versions change (they are replaced as a
+    whole, `Versions.learn`)."""
+
+    __slots__ = ("_rules", "_shared", "_versions", "_writer")
+
+    def __init__(self, versions: Versions, *, owner: str, serve: bool, shared: bool) -> None:
+        self._versions = versions
+        self._writer = owner if serve else None
+        self._shared = shared  # other engines write the store (`_mode.Mode.shared`)
+        no_rule = _ops.HolderRule(None)
+        self._rules: tuple[object, _ops.HolderRule, _ops.HolderRule] = (None, no_rule, no_rule)
+
+    def rule(self, *, outside: bool) -> _ops.HolderRule:
+        """The rule for a write of this engine; `outside`: an outside request's."""
+        rules = self._rules
+        elsewhere = self._versions.fleet_known if self._shared else _NOWHERE  # a fleet's only
+        if rules[0] is not elsewhere:
+            writer = self._writer
+            rules = self._rules = (
+                elsewhere,
+                _ops.HolderRule(writer, keep_runner=False, elsewhere=elsewhere),
+                _ops.HolderRule(writer, keep_runner=self._shared, elsewhere=elsewhere),
+            )
+        return rules[2] if outside else rules[1]
 
 
 class Writes:
@@ -137,8 +187,7 @@ class Writes:
         # The ops of API calls (`request`) on their way through the ferry, by id: None while
         # they wait for a batch, then the batch that took them (`_Flight`).
         self._requested: dict[int, _Flight | None] = {}
-        # `holder`'s two rules and the fleet's versions they were made with.
-        self._rules: tuple[object, _ops.HolderRule, _ops.HolderRule] = (None, *_NO_RULES)
+        self.holders = Holders(versions, owner=owner, serve=serve, shared=mode.shared)
         self._own = _ops.Known(self._versions.shapes)  # a timeout's versions: its own
 
     def open(self, write_ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None) -> None:
@@ -199,7 +248,7 @@ class Writes:
         key = id(op)
         requested[key] = None
         try:
-            return await self.write(op)
+            return _unless_rejected(await self.write_answered(op))
         except trio.Cancelled:
             flight = requested[key]
             if flight is None:
@@ -208,40 +257,7 @@ class Writes:
             del requested[key]
         with trio.CancelScope(shield=True):
             await flight.done.wait()
-        return self._landed(op, flight)
-
-    def _landed(self, op: _store.Op, flight: _Flight) -> _store.Result:
-        """The answer `write` would have given `op`, written by `flight`, to a caller that was
-        cancelled while the batch ran (`request`)."""
-        if flight.results is None:
-            error = flight.error
-            if isinstance(error, Exception):
-                raise Failed(f"the flow store raised {error!r}") from error
-            raise Failed(
-                "the batch of this write was cancelled while it ran (the engine is closing, or"
-                " the store did not answer in time): it may or may not have been written;"
-                " read the flow to know"
-            ) from error
-        index = next(i for i, o in enumerate(flight.ops) if o is op)
-        return _unless_rejected(_answered(flight.results[index]))
-
-    def holder(self, *, outside: bool) -> _ops.HolderRule:
-        """Who holds a flow after a write of this engine (`_ops.HolderRule`, applied by the
-        store): a flow left active is this engine's (an operator's engine leaves it to whichever
-        engine takes it over), except one of a version another engine of the fleet has and this
-        one lacks (left to nobody: that engine takes it over); an `outside` request (wake,
-        cancel, resume, timeout) on a flow another engine of the fleet holds leaves it with
-        that engine. One record per kind, made again only when the fleet's versions change."""
-        rules = self._rules
-        elsewhere = self._versions.fleet_known if self._mode.shared else _NOWHERE  # a fleet's
-        if rules[0] is not elsewhere:
-            writer = self._owner if self._serve else None
-            rules = self._rules = (
-                elsewhere,
-                _ops.HolderRule(writer, keep_runner=False, elsewhere=elsewhere),
-                _ops.HolderRule(writer, keep_runner=self._mode.shared, elsewhere=elsewhere),
-            )
-        return rules[2] if outside else rules[1]
+        return flight.landed(op)
 
     def runs_here(self, flow: Flow) -> bool:
         """Is this an active flow this engine should run? (On one SQLite file: every active
@@ -285,7 +301,12 @@ class Writes:
     async def _batch(self, ops: list[_store.Op], whole: bool) -> list[_store.Result]:
         if whole:
             return await self._transact(ops, _store.write_all)
-        return await write_apart(partial(self._transact, write=_store.write_batch), ops)
+        try:  # `_apart.write_apart`, its first try inline: the common case
+            return await self._transact(ops, _store.write_batch)
+        except Exception as exc:
+            if _retry.unavailable(exc):
+                raise
+            return await split(partial(self._transact, write=_store.write_batch), ops, exc)
 
     async def _transact(
         self, ops: Sequence[_store.Op], write: Callable[..., list[_store.Result]]
@@ -298,36 +319,11 @@ class Writes:
         except Exception as exc:
             if not _rolled_back(exc):
                 raise
-            epoch, results = await self._transact_again(ops, write, exc)
+            epoch, results = await _transact_again(self, ops, write, exc)
         self._tally.stats["write_batches"] += 1
         for op, result in zip(ops, results, strict=True):
             self._applied(op, result, epoch)
         return results
-
-    async def _transact_again(
-        self,
-        ops: Sequence[_store.Op],
-        write: Callable[..., list[_store.Result]],
-        failed: BaseException,
-    ) -> tuple[int, list[_store.Result]]:
-        """`_transact` after the database rolled its first try back on its own: retried (up to
-        3 times, `_retry.ROLLBACK`); the epoch the try that committed began in, and its
-        results."""
-        epoch = self.epoch
-
-        async def attempt() -> list[_store.Result]:
-            nonlocal epoch
-            epoch = self.epoch
-            return await self._store.transact(partial(write, ops=ops, guard=self.guard))
-
-        results = await _retry.retrying(
-            attempt,
-            what=lambda: f"writing a batch of {len(ops)} flow writes (rolled back by the database)",
-            schedule=_retry.ROLLBACK,
-            when=_rolled_back,
-            failed=failed,
-        )
-        return epoch, results
 
     def _applied(self, op: _store.Op, result: _store.Result, epoch: int) -> None:
         """Bring memory up to date with one committed result (trio thread, commit order) of a
@@ -337,16 +333,9 @@ class Writes:
             if t.delivery is not None:
                 self._tally.wakes[t.delivery] += 1
             if t.written:
+                if t.flow.state is not result.before.state:
+                    _ended(self._tally, result.before, t)
                 own = isinstance(op, _store.Change) and op.flow is not None
-                if t.flow.state in LOGGED and t.flow.state is not result.before.state:
-                    log_ended(result.before, t.flow)
-                tracing = self._tally.tracing
-                if (
-                    tracing is not None
-                    and t.flow.state in _ENDS
-                    and t.flow.state is not result.before.state
-                ):
-                    tracing.flow_ended(t.flow, result.before.step, _end_of(t))
                 self.track(result.before.state, t.flow, own, epoch=epoch)
         elif isinstance(result, _store.Created):
             self.track(None, result.transition.flow, True, epoch=epoch)
@@ -358,30 +347,17 @@ class Writes:
     ) -> None:
         """A committed row of `flow` (by this engine's write, or read back; the write or read
         began in `epoch`): follow it. Only this engine's writes count in its
-        `completed`/`failed`/`blocked` statistics."""
-        tally = self._tally
-        stats = tally.stats
+        `completed`/`failed`/`blocked` statistics (`_counted`). Then: those who wait for the
+        flow hear of it; the live copy is replaced (and a step it runs is void if someone else
+        moved the flow); a flow this engine should run becomes live, one it should not is let
+        go (`_dropped`), and a parked flow's deadline is armed (`_armed`)."""
         if write:
-            stats["writes"] += 1
-        fid = flow.flow_id
-        state = flow.state
-        live = self.live.get(fid)
+            self._tally.stats["writes"] += 1
+        live = self.live.get(flow.flow_id)
         if live is not None and flow.revision <= live.flow.revision:
             return  # already known (a read that raced this engine's own write)
-        if state is not before:
-            if before is _PARKED and tally.parked > 0:
-                # In a fleet, a flow another engine parked since this one's last count.
-                tally.parked -= 1
-            elif before is _BLOCKED and tally.blocked > 0:
-                tally.blocked -= 1  # resumed or abandoned: it leaves the gauge (docs/adr/0128)
-            if state is _PARKED:
-                tally.parked += 1
-            elif state is _BLOCKED:
-                tally.blocked += 1
-            if write and state in _ENDS:
-                stats[_ENDS[state]] += 1
-                if tally.observers:
-                    _observe.ended(tally.observers, flow)
+        if flow.state is not before:
+            _counted(self._tally, before, flow, write)
         self._seen(flow)
         if live is not None:
             live.flow = flow
@@ -389,26 +365,23 @@ class Writes:
             if not own and live.scope is not None:
                 live.scope.cancel()  # someone else moved the flow: its running step is void
         if self.runs_here(flow):
-            if live is None:
-                # Given back to this engine by a write: a release still pending from when it
-                # let the flow go is void (the renewal would release it while it runs here).
-                self._mode.given_back(fid)
-                live = self.live[fid] = Live(flow, epoch)
+            if live is None:  # given to this engine by a write: it becomes live, with a runner
+                # A release still pending from when this engine let the flow go is void (the
+                # renewal would release it while it runs here).
+                self._mode.given_back(flow.flow_id)
+                live = self.live[flow.flow_id] = Live(flow, epoch)
                 self._runnable(live)
-            return
-        if live is not None:
-            del self.live[fid]
-            if state in ACTIVE or not write:  # it moved on without this engine: let go of it
-                stats["lost"] += 1
-                if live.scope is not None:
-                    live.scope.cancel()
-        if (
-            state is _PARKED
-            and flow.park_deadline is not None
-            and self._serve
-            and self._mode.fires(flow)
-        ):  # a fleet engine fires no timer of a version it lacks: one that has it does
-            self._arm(flow.park_deadline, fid, flow.revision)
+        else:
+            if live is not None:
+                _dropped(self.live, self._tally, live, flow, write)
+            if flow.state is _PARKED and flow.park_deadline is not None:
+                self._armed(flow, flow.park_deadline)
+
+    def _armed(self, flow: Flow, deadline: float) -> None:
+        """Arm the deadline of a parked flow, if this engine fires it: a serving engine does;
+        a fleet engine fires no timer of a version it lacks (one that has it does)."""
+        if self._serve and self._mode.fires(flow):
+            self._arm(deadline, flow.flow_id, flow.revision)
 
     def let_go(self, live: Live, *, release: bool = False) -> None:
         """Stop the flow's step or compensation (its changes are discarded) and forget it:
@@ -465,35 +438,107 @@ class Writes:
     async def time_out(
         self, flow_id: str, revision: int, deadline: float
     ) -> tuple[Flow, Flow] | None:
-        """A park deadline came: time the flow out (its own problem if the database refuses
-        that write: it blocks, ADR 0063; if it refuses that too, the flow is left as it is,
-        ADR 0117). The store's unavailability is retried. The row before and the row written,
-        or None if the flow had moved on or was left as it is (for its trace:
-        `_tracing.timed`)."""
-        now = max(self._clock.now(), deadline)
-        holder = self.holder(outside=True)
-        # The machine ignores it unless the flow is still parked at `revision`: across a fleet,
-        # every engine that armed this deadline fires it, and exactly one of them takes it.
-        op = _store.Change(flow_id, _ops.TimeOut(revision, now, known=self._own), holder=holder)
-        what = f"timing out flow {flow_id!r} (parked at revision {revision})"
-        extra = {"flow_id": flow_id}
-        result = await _retry.retrying(partial(self.write_answered, op), what=what, extra=extra)
-        if isinstance(result, _store.Rejected):  # the flow's own problem: it blocks (ADR 0063)
-            reason = f"the database refused its timeout: {_checks.describe(result.error)}"
-            block = _ops.Block(reason, now)
-            op = _store.Change(flow_id, block, expected=revision, holder=holder)
-            result = await _retry.retrying(partial(self.write_answered, op), what=what, extra=extra)
-            if isinstance(result, _store.Rejected):  # that too: left as it is (ADR 0117)
-                stored = await _retry.retrying(
-                    partial(self.load_row, flow_id), what=what, extra=extra
-                )
-                if stored is not None and stored.revision == revision:
-                    problem = f"{reason}; and refused that too: {_checks.describe(result.error)}"
-                    self.left_as_it_is(stored, problem, result.error)
-                return None
-        if isinstance(result, _store.Changed) and result.transition.written:
-            return result.before, result.transition.flow
-        return None
+        """A park deadline came: time the flow out (`time_out`)."""
+        return await time_out(self, flow_id, revision, deadline)
+
+
+async def time_out(
+    writes: Writes, flow_id: str, revision: int, deadline: float
+) -> tuple[Flow, Flow] | None:
+    """A park deadline came: time the flow out (its own problem if the database refuses that
+    write: it blocks, ADR 0063; if it refuses that too, the flow is left as it is, ADR 0117).
+    The store's unavailability is retried. The row before and the row written, or None if the
+    flow had moved on or was left as it is (for its trace: `_tracing.timed`)."""
+    now = max(writes._clock.now(), deadline)
+    holder = writes.holders.rule(outside=True)
+    # The machine ignores it unless the flow is still parked at `revision`: across a fleet,
+    # every engine that armed this deadline fires it, and exactly one of them takes it.
+    op = _store.Change(flow_id, _ops.TimeOut(revision, now, known=writes._own), holder=holder)
+    what = f"timing out flow {flow_id!r} (parked at revision {revision})"
+    extra = {"flow_id": flow_id}
+    result = await _retry.retrying(partial(writes.write_answered, op), what=what, extra=extra)
+    if isinstance(result, _store.Rejected):  # the flow's own problem: it blocks (ADR 0063)
+        reason = f"the database refused its timeout: {_checks.describe(result.error)}"
+        op = _store.Change(flow_id, _ops.Block(reason, now), expected=revision, holder=holder)
+        result = await _retry.retrying(partial(writes.write_answered, op), what=what, extra=extra)
+        if isinstance(result, _store.Rejected):  # that too: left as it is (ADR 0117)
+            stored = await _retry.retrying(
+                partial(writes.load_row, flow_id), what=what, extra=extra
+            )
+            if stored is not None and stored.revision == revision:
+                problem = f"{reason}; and refused that too: {_checks.describe(result.error)}"
+                writes.left_as_it_is(stored, problem, result.error)
+            return None
+    if isinstance(result, _store.Changed) and result.transition.written:
+        return result.before, result.transition.flow
+    return None
+
+
+async def _transact_again(
+    writes: Writes,
+    ops: Sequence[_store.Op],
+    write: Callable[..., list[_store.Result]],
+    failed: BaseException,
+) -> tuple[int, list[_store.Result]]:
+    """`Writes._transact` after the database rolled its first try back on its own: retried (up
+    to 3 times, `_retry.ROLLBACK`); the epoch the try that committed began in, and its
+    results."""
+    epoch = writes.epoch
+
+    async def attempt() -> list[_store.Result]:
+        nonlocal epoch
+        epoch = writes.epoch
+        return await writes._store.transact(partial(write, ops=ops, guard=writes.guard))
+
+    results = await _retry.retrying(
+        attempt,
+        what=lambda: f"writing a batch of {len(ops)} flow writes (rolled back by the database)",
+        schedule=_retry.ROLLBACK,
+        when=_rolled_back,
+        failed=failed,
+    )
+    return epoch, results
+
+
+def _dropped(lives: dict[str, Live], tally: Tally, live: Live, flow: Flow, write: bool) -> None:
+    """`live` is no longer this engine's to run (`flow` is its row now): forget it; if it moved
+    on without this engine (still active, or read back), its step is stopped."""
+    del lives[flow.flow_id]
+    if flow.state in ACTIVE or not write:
+        tally.stats["lost"] += 1
+        if live.scope is not None:
+            live.scope.cancel()
+
+
+def _ended(tally: Tally, before: Flow, t: Transition) -> None:
+    """This engine's write `t` moved the flow out of the state of `before`: INFO if it left it
+    failed or blocked (an operator may act), and the end span of a flow it ended."""
+    after = t.flow
+    if after.state in LOGGED:
+        log_ended(before, after)
+    tracing = tally.tracing
+    if tracing is not None and after.state in _ENDS:
+        tracing.flow_ended(after, before.step, _end_of(t))
+
+
+def _counted(tally: Tally, before: State | None, flow: Flow, write: bool) -> None:
+    """The gauges and statistics of a flow that went from state `before` to `flow`'s: parked
+    and blocked counts (in a fleet another engine may have parked it since this one's last
+    count; a blocked flow resumed or abandoned leaves the gauge, docs/adr/0128), and, for
+    this engine's own write that ended it, its end statistic and observers."""
+    state = flow.state
+    if before is _PARKED and tally.parked > 0:
+        tally.parked -= 1
+    elif before is _BLOCKED and tally.blocked > 0:
+        tally.blocked -= 1
+    if state is _PARKED:
+        tally.parked += 1
+    elif state is _BLOCKED:
+        tally.blocked += 1
+    if write and state in _ENDS:
+        tally.stats[_ENDS[state]] += 1
+        if tally.observers:
+            _observe.ended(tally.observers, flow)
 
 
 def _answered(result: _store.Result) -> _store.Result:

@@ -32,7 +32,6 @@ from .._model._ops import HolderRule, Move, Unseen
 from .._model._types import Json
 from .._model._values import EMPTY_MAILBOX, Flow, Mailbox, Message, Received, Transition
 from . import _notify, _sql
-from ._apply import transition
 from ._sql import (
     FIELDS,
     MUTABLE,
@@ -43,6 +42,7 @@ from ._sql import (
     to_flow,
     update_columns,
 )
+from ._transition import transition
 
 
 @attrs.frozen
@@ -58,7 +58,7 @@ Apply: TypeAlias = Callable[[Flow, Mailbox], Transition]
 @attrs.frozen
 class Change:
     """Change one flow by a pure transition: `apply` names it (a record of `_model._ops`, run by
-    `_apply.transition`), `holder` says who holds the flow after it (None: as it says).
+    `_transition.transition`), `holder` says who holds the flow after it (None: as it says).
 
     - With `flow` (the caller's copy, e.g. the runner's): a compare-and-set on ``flow.revision``;
       the row is not read. Without it: the row is read and held (then `expected`, if given, must
