@@ -71,29 +71,8 @@ class Parts:
         self.writes = writes = self._writes(store, config)
         if fleet is not None:
             fleet.bind(writes)
-        self.runner = Runner(
-            writes,
-            self.mode,
-            versions,
-            clock,
-            tally,
-            max_running=config.max_running,
-            max_data=config.max_data,
-            tracing=config.tracing,
-        )
-        self.requests = Requests(
-            store,
-            clock,
-            writes,
-            versions,
-            tally,
-            plans,
-            owner=config.owner,
-            serve=config.serve,
-            mode=self.mode,
-            max_data=config.max_data,
-            tracing=config.tracing,
-        )
+        self.runner = Runner(writes, self.mode, versions, clock, tally, config)
+        self.requests = Requests(store, clock, writes, versions, tally, plans, config, self.mode)
         # Deletes finished flows `retain` seconds after they ended (a task of a serving engine).
         self.retention = (
             _retention.Retention(store, config.retain, clock.now, self.mode.guard)
@@ -110,11 +89,8 @@ class Parts:
             self.clock,
             self.tally,
             self.versions,
-            owner=config.owner,
-            serve=config.serve,
-            mode=self.mode,
-            group_commit=config.group_commit,
-            guard=self.mode.guard,
+            config,
+            self.mode,
             seen=waiters.saw,
             refused=waiters.refused,
             live=waiters.held,

@@ -32,6 +32,7 @@ from .._model._values import Message, Shape
 from .._store import _store
 from . import _tracing
 from ._clock import Clock
+from ._config import Config
 from ._live import Tally
 from ._mode import Mode
 from ._versions import Versions
@@ -51,12 +52,8 @@ class Requests:
         versions: Versions,
         tally: Tally,
         plans: dict[tuple[str, int], Plan],
-        *,
-        owner: str,
-        serve: bool,
+        config: Config,
         mode: Mode,
-        max_data: int,
-        tracing: _tracing.Tracing | None,
     ) -> None:
         self._store = store
         self._clock = clock
@@ -66,11 +63,11 @@ class Requests:
         self._tally = tally
         self._plans = plans
         self._registered = {id(p): k for k, p in plans.items()}
-        self._owner = owner
-        self._serve = serve
+        self._owner = config.owner
+        self._serve = config.serve
         self._shared = mode.shared  # a fleet: versions elsewhere (`versioned`)
-        self._max_data = max_data  # of a flow's data (or a payload) as UTF-8 JSON text
-        self._tracing = tracing  # OpenTelemetry spans of starts (None: traces off)
+        self._max_data = config.max_data  # of a flow's data (or a payload) as UTF-8 JSON text
+        self._tracing = config.tracing  # OpenTelemetry spans of starts (None: traces off)
         self._own = _ops.Known(self._shapes)  # an engine off a fleet knows its own versions
         # A fleet engine's versions (`versioned`), and the fleet's versions they were made of.
         self._fleet_known: tuple[object, _ops.Known] = (None, self._own)

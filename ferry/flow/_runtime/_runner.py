@@ -35,8 +35,9 @@ from .._model._plan import StepDef
 from .._model._types import Context, MisusedOutcome, Park, State
 from .._model._values import Flow, Shape
 from .._store import _store
-from . import _observe, _retry, _tracing
+from . import _observe, _retry
 from ._clock import Clock
+from ._config import Config
 from ._live import Live, Tally, about, named
 from ._mode import Mode
 from ._versions import Versions
@@ -217,19 +218,16 @@ class Runner:
         versions: Versions,
         clock: Clock,
         tally: Tally,
-        *,
-        max_running: int,
-        max_data: int,
-        tracing: _tracing.Tracing | None,
+        config: Config,
     ) -> None:
         self._writes = writes
         self._mode = mode  # how this engine shares its store: trust, deadlines, hand-overs
         self._versions = versions
         self._clock = clock
         self._tally = tally
-        self._max_data = max_data  # of a flow's data as UTF-8 JSON text
-        self._tracing = tracing  # OpenTelemetry spans of every run (None: traces off)
-        self.slots = Slots(max_running)
+        self._max_data = config.max_data  # of a flow's data as UTF-8 JSON text
+        self._tracing = config.tracing  # OpenTelemetry spans of every run (None: traces off)
+        self.slots = Slots(config.max_running)
         self._nursery: trio.Nursery | None = None
 
     def open(self, nursery: trio.Nursery) -> None:

@@ -47,6 +47,7 @@ from .._store import _store
 from . import _observe, _retry
 from ._apart import split
 from ._clock import Clock
+from ._config import Config
 from ._live import LOGGED, Live, Tally, about, log_ended, named
 from ._mode import Mode
 from ._versions import Versions
@@ -154,12 +155,9 @@ class Writes:
         clock: Clock,
         tally: Tally,
         versions: Versions,
-        *,
-        owner: str,
-        serve: bool,
+        config: Config,
         mode: Mode,
-        group_commit: bool,
-        guard: float | None,
+        *,
         seen: Callable[[Flow], None],
         refused: Callable[[Flow, str, BaseException], None],
         live: dict[str, Live],
@@ -170,14 +168,14 @@ class Writes:
         self._clock = clock
         self._tally = tally
         self._versions = versions
-        self._owner = owner
-        self._serve = serve  # False: an operator's engine, which never leases or runs a flow
+        self._owner = owner = config.owner
+        self._serve = serve = config.serve  # False: an operator's engine, which runs no flow
         self._mode = mode  # one file, or a fleet's leases (PostgreSQL): picked once
-        self._group_commit = group_commit
+        self._group_commit = config.group_commit
         # How long the database lets one of this engine's transactions sit idle with its locks
         # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
         # longer than this.
-        self.guard = guard
+        self.guard = mode.guard
         self._seen = seen  # every committed row of a flow, for those who wait for it
         self._refused = refused  # a flow whose every write is refused, for those who wait for it
         self._runnable = runnable  # a flow became live: give it a runner
