@@ -33,6 +33,11 @@ doubling to 1 s, until the renewal's deadline (the caller's cancel scope); `ROLL
 the database rolled back on its own (a deadlock), 0.01 s times the retry, at most 3 retries.
 Each retry logs a WARNING on ``logging.getLogger("ferry.flow")`` naming what failed and the next
 delay. The rule (which errors, the log, the pause) is written once, in `Backoff`.
+
+A loop that tries again at its own next round (a fleet's scans and checks, the first scan at
+open, letting go and ending the lease at close) does not pause here: it asks `next_round`, the
+one rule for rounds (`for_now`: unavailable, or any `ferry.Failed` of a write the ferry could
+not get through, or a group of those, is a WARNING; anything else is raised; docs/adr/0132).
 """
 
 from __future__ import annotations
