@@ -4,7 +4,7 @@ is skewed or stepped, which on PostgreSQL reaches durable times but not leases),
 `flow.open_engine`'s signature. Every other option is `open_engine`'s own, with its defaults.
 
 Fencing off is a planted bug, made here and nowhere in the package: while such an engine is
-open, the store's batch writer (`_store.write_batch`) is replaced by `unfenced`, which rebases
+open, the store's batch writer (`_batch.write_batch`) is replaced by `unfenced`, which rebases
 every write from a caller's copy onto the revision the store holds and drops a takeover's
 "nobody holds it" condition. A stale copy's write then goes through (it overwrites whatever the
 row holds and takes the next revision), which is what the fleet's tests must catch.
@@ -22,10 +22,10 @@ import attrs
 
 from ferry import flow
 from ferry.flow._engine import _open
-from ferry.flow._store import _batch, _store
+from ferry.flow._store import _batch, _op, _store
 from ferry.projected import Tx
 
-WriteBatch = Callable[..., list[_store.Result]]
+WriteBatch = Callable[..., list[_op.Result]]
 
 
 def unfenced(write_batch: WriteBatch) -> WriteBatch:
@@ -33,12 +33,12 @@ def unfenced(write_batch: WriteBatch) -> WriteBatch:
     revision (read in the same transaction, before the batch), and a takeover no longer asks
     whether another engine holds the flow."""
 
-    def write(tx: Tx, ops: Sequence[_store.Op], **options: Any) -> list[_store.Result]:
-        ids = sorted({op.flow_id for op in ops if isinstance(op, _store.Change) and op.flow})
+    def write(tx: Tx, ops: Sequence[_op.Op], **options: Any) -> list[_op.Result]:
+        ids = sorted({op.flow_id for op in ops if isinstance(op, _op.Change) and op.flow})
         stored = {f.flow_id: f.revision for f in _store.load_many(tx, ids)}
-        rebased: list[_store.Op] = []
+        rebased: list[_op.Op] = []
         for op in ops:
-            if isinstance(op, _store.Change) and op.flow is not None and op.flow_id in stored:
+            if isinstance(op, _op.Change) and op.flow is not None and op.flow_id in stored:
                 copy = attrs.evolve(op.flow, revision=stored[op.flow_id])
                 op = attrs.evolve(op, flow=copy, lapsed_at=None)
             rebased.append(op)
@@ -53,12 +53,12 @@ async def _without_fencing(
 ) -> AsyncIterator[flow.Engine]:
     fenced = _batch.write_batch
     write = unfenced(fenced)
-    _batch.write_batch = _store.write_batch = write  # write_all calls _batch's
+    _batch.write_batch = write
     try:
         async with opening as engine:
             yield engine
     finally:
-        _batch.write_batch = _store.write_batch = fenced
+        _batch.write_batch = fenced
 
 
 def open_engine(

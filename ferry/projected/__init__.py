@@ -5,6 +5,7 @@ See docs/projected-write.md.
 
 from stm._internal import fixup_module_metadata as _fixup_module_metadata
 
+from .._text import canonical_json as canonical_json
 from ._errors import FenceConflict as FenceConflict
 from ._errors import ProjectionBlocked as ProjectionBlocked
 from ._journal import InboxRow as InboxRow
@@ -21,7 +22,8 @@ from ._types import Record as Record
 from ._types import Store as Store
 from ._types import SweepReport as SweepReport
 from ._types import Tx as Tx
-from ._types import canonical_json as canonical_json
 from ._write import ProjectedWrite as ProjectedWrite
 
+# Defined below the transport (ferry._text: the flow model and store use it too), public here.
+canonical_json.__module__ = __name__
 _fixup_module_metadata(__name__, globals())

@@ -30,8 +30,9 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from .._errors import IdReused
+from .._text import canonical_json
 from ._errors import FenceConflict
-from ._types import Decision, Json, Record, Tx, canonical_json
+from ._types import Decision, Json, Record, Tx
 
 Decide = Callable[[Json, Json], Decision]
 """``decide(state, content) -> Decision`` for inputs; ``receive(state, payload)`` for postings."""

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from collections.abc import Sequence
 from typing import Any, Final, TypeVar, final
 
 import trio
 
+from .._text import masked
 from ._pool import ConnectionPool, PooledStore, _Use
 from ._types import Tx
 
@@ -55,24 +55,6 @@ def connect(dsn: str, **options: Any) -> Any:
         k: v for k, v in KEEPALIVE.items() if k not in given and k not in options
     }
     return psycopg.connect(dsn, **defaults, **options)
-
-
-#: A DSN's password, in either form (``password=...`` or ``scheme://user:password@host``).
-PASSWORD: Final = re.compile(
-    r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)|(://[^:/@\s]*:)([^@\s]*)(@)"
-)
-
-
-def _mask(match: re.Match[str]) -> str:
-    if match.group(1) is not None:
-        return f"{match.group(1)}***"
-    return f"{match.group(3)}***{match.group(5)}"
-
-
-def masked(text: str) -> str:
-    """`text` (a DSN, or an error that quotes one) with every password in it replaced by
-    ``***``: what an error message or a log line may show of a DSN."""
-    return PASSWORD.sub(_mask, text)
 
 
 def check_dsn(dsn: object) -> None:

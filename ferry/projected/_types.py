@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeAlias, TypeVar, final
 
@@ -13,22 +12,6 @@ T = TypeVar("T")
 #: A value that survives `json.dumps`/`json.loads` unchanged in meaning: None, bool, int, float,
 #: str, lists and str-keyed dicts of those. Kept as `Any` so user types need no casts.
 Json: TypeAlias = Any
-
-
-# One encoder for every call: `json.dumps` with options builds a new `JSONEncoder` each time,
-# which costs more than encoding a small value. `encode` keeps no state between calls, so the
-# one instance serves every thread.
-_ENCODER = json.JSONEncoder(
-    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-)
-
-
-def canonical_json(value: Json) -> str:
-    """The one text form of a JSON value the journal stores and compares (sorted keys, no spaces).
-
-    Raises `TypeError`/`ValueError` for values JSON cannot carry (sets, NaN, ...). Cost: O(size).
-    """
-    return _ENCODER.encode(value)
 
 
 @final

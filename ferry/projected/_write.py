@@ -33,6 +33,7 @@ import attrs
 import trio
 
 from .._errors import Committed, IdReused
+from .._text import canonical_json
 from ._errors import FenceConflict, ProjectionBlocked
 from ._journal import (
     AppendOutcome,
@@ -55,7 +56,6 @@ from ._types import (
     Store,
     SweepReport,
     Tx,
-    canonical_json,
 )
 
 I = TypeVar("I")  # noqa: E741

@@ -27,7 +27,7 @@ import trio
 
 from ferry.flow._ops._dashboard._app import Dashboard
 from ferry.flow._ops._dashboard._reads import Reader
-from ferry.flow._store import _sql, _store
+from ferry.flow._store import _schema, _sql
 from tests.bench._harness import Row
 from tests.flow._helpers import _InlineTx
 
@@ -45,7 +45,7 @@ def build(path: str, n: int) -> float:
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("BEGIN")
     tx = _InlineTx(conn)
-    tx.execute(_store.ddl("sqlite")[0])  # the flows table; its indexes come after
+    tx.execute(_schema.ddl("sqlite")[0])  # the flows table; its indexes come after
     cols = ", ".join((*_sql.FIELDS, "start_data"))
     marks = ", ".join("?" * (len(_sql.FIELDS) + 1))
 
@@ -82,7 +82,7 @@ def build(path: str, n: int) -> float:
             yield (*(row[f] for f in _sql.FIELDS), '{"sku":"A1","amount":30}')
 
     conn.executemany(f"INSERT INTO flow_flows ({cols}) VALUES ({marks})", rows())
-    _store.create_schema(tx)
+    _schema.create_schema(tx)
     conn.execute("COMMIT")
     conn.execute("ANALYZE")
     conn.close()

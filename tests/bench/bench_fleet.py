@@ -40,7 +40,7 @@ from pathlib import Path
 import attrs
 import psycopg
 
-from ferry.flow._store import _store
+from ferry.flow._store import _schema
 from tests import pg
 from tests.bench import _usage
 from tests.bench._harness import Row
@@ -114,7 +114,7 @@ def _until(conn: psycopg.Connection, sql: str, params: Sequence[object], n: int)
 
 def _prepare(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
-        _store.create_schema(_Tx(conn))
+        _schema.create_schema(_Tx(conn))
 
 
 class _Tx:

@@ -63,7 +63,7 @@ import trio
 
 import ferry
 from ferry import flow
-from ferry.flow._store import _store
+from ferry.flow._store import _schema, _store
 from ferry.projected import PostgresStore
 from tests import switches
 
@@ -437,7 +437,7 @@ def prepare(dsn: str) -> None:
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         tx = _SyncTx(conn)
-        _store.create_schema(tx)
+        _schema.create_schema(tx)
         conn.execute(AUDIT)
 
 

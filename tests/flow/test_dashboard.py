@@ -31,7 +31,7 @@ from ferry.flow._model import _machine as m
 from ferry.flow._model._values import Flow
 from ferry.flow._ops._dashboard._app import Dashboard, chart, loopback_hosts
 from ferry.flow._ops._dashboard._reads import Reader, Unavailable, page_overview
-from ferry.flow._store import _store
+from ferry.flow._store import _batch, _op, _store
 
 from ._helpers import _InlineTx
 from .test_inspect import ORDER, ROOT, T0, populate
@@ -47,7 +47,7 @@ def fill(path: str) -> None:
     conn.execute("BEGIN")
     tx = _InlineTx(conn)
     populate(tx)
-    _store.write_batch(tx, [_store.Create(m.start(ORDER, XSS, XSS_DATA, T0 + 6))])
+    _batch.write_batch(tx, [_op.Create(m.start(ORDER, XSS, XSS_DATA, T0 + 6))])
     conn.execute("COMMIT")
     conn.close()
 

@@ -20,7 +20,7 @@ import pytest
 from ferry.flow._model import _machine as m
 from ferry.flow._ops._dashboard._app import Dashboard
 from ferry.flow._ops._dashboard._reads import Reader
-from ferry.flow._store import _query, _store
+from ferry.flow._store import _batch, _op, _query
 from ferry.projected import PostgresStore
 from tests import pg
 
@@ -59,8 +59,8 @@ async def test_the_list_counts_its_matches(web: httpx.AsyncClient) -> None:
 async def test_the_count_is_bounded(db: str) -> None:  # noqa: F811
     conn = sqlite3.connect(db, isolation_level=None)
     conn.execute("BEGIN")
-    creates = [_store.Create(m.start(ORDER, f"more-{i:05}", "{}", T0 + 7)) for i in range(2000)]
-    _store.write_batch(_InlineTx(conn), creates)
+    creates = [_op.Create(m.start(ORDER, f"more-{i:05}", "{}", T0 + 7)) for i in range(2000)]
+    _batch.write_batch(_InlineTx(conn), creates)
     conn.execute("COMMIT")
     conn.close()
     dash = Dashboard(reader=Reader(path=db), store=db, where="x", token=TOKEN, page_size=3)

@@ -26,7 +26,7 @@ from ferry.flow._model._values import Flow, Mailbox, Transition
 from ferry.flow._ops._dashboard._app import Dashboard
 from ferry.flow._ops._dashboard._reads import Reader
 from ferry.flow._ops._dashboard._shown import count, duration, iso
-from ferry.flow._store import _store
+from ferry.flow._store import _batch, _op
 
 from ._helpers import _InlineTx
 from .test_dashboard import TOKEN, client_of, flow_url, row, text_of
@@ -50,13 +50,13 @@ def fill(path: str) -> None:
     populate(tx)
 
     def change(f: Flow, fn: object) -> Flow:
-        (r,) = _store.write_batch(tx, [_store.Change(f.flow_id, fn, flow=f, first_queued=True)])  # type: ignore[arg-type]
-        assert isinstance(r, _store.Changed)
+        (r,) = _batch.write_batch(tx, [_op.Change(f.flow_id, fn, flow=f, first_queued=True)])  # type: ignore[arg-type]
+        assert isinstance(r, _op.Changed)
         return r.transition.flow
 
     def created(fid: str) -> Flow:
-        (r,) = _store.write_batch(tx, [_store.Create(m.start(ORDER, fid, "{}", T0, owner="svc"))])
-        assert isinstance(r, _store.Created)
+        (r,) = _batch.write_batch(tx, [_op.Create(m.start(ORDER, fid, "{}", T0, owner="svc"))])
+        assert isinstance(r, _op.Created)
         return r.transition.flow
 
     def done(at: float, outcome: object = CONTINUE) -> object:
@@ -138,8 +138,8 @@ async def test_counts_have_thousands_separators(db: str) -> None:
     conn = sqlite3.connect(db, isolation_level=None)
     conn.execute("BEGIN")
     tx = _InlineTx(conn)
-    _store.write_batch(
-        tx, [_store.Create(m.start(ORDER, f"bulk-{i:05}", "{}", T0)) for i in range(1234)]
+    _batch.write_batch(
+        tx, [_op.Create(m.start(ORDER, f"bulk-{i:05}", "{}", T0)) for i in range(1234)]
     )
     conn.execute("COMMIT")
     conn.close()

@@ -23,7 +23,7 @@ import trio.testing
 import ferry
 import stm
 from ferry import flow
-from ferry.flow._store import _store
+from ferry.flow._store import _batch, _op, _store
 from ferry.projected import PostgresStore, SqliteStore, Store
 from tests import pg, switches
 
@@ -1167,9 +1167,9 @@ async def test_a_write_behind_the_engines_back_makes_its_runner_follow_the_store
         from ferry.flow._model import _machine as m
 
         # another writer (say, an operator's tool) cancels the flow directly in the store
-        op = _store.Change(fid, lambda f, _b: m.cancel(f, shape, "by hand", 0.0))
+        op = _op.Change(fid, lambda f, _b: m.cancel(f, shape, "by hand", 0.0))
         async with SqliteStore(store) as tool:  # not an engine: it takes no engine lock
-            await tool.transact(partial(_store.write_batch, ops=[op]))
+            await tool.transact(partial(_batch.write_batch, ops=[op]))
         gate.set()  # the step finishes; its write loses the compare-and-set
         snap = await settle(engine, fid)
         assert snap.state is flow.State.FAILED and snap.error == "by hand"

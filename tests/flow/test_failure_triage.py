@@ -32,7 +32,7 @@ from ferry.flow._model._types import CONTINUE, fail
 from ferry.flow._model._values import Flow, Mailbox, Transition
 from ferry.flow._ops._dashboard._app import Dashboard, loopback_hosts
 from ferry.flow._ops._dashboard._reads import Reader
-from ferry.flow._store import _query, _store
+from ferry.flow._store import _batch, _op, _query, _schema, _store
 from ferry.projected import PostgresStore
 from tests import pg
 
@@ -57,41 +57,41 @@ SURROGATE = _checks.describe(RuntimeError("account \udc80 closed"))
 
 
 def fill(tx: Any, blocked_flows: int = BLOCKED) -> None:
-    _store.create_schema(tx)
+    _schema.create_schema(tx)
     _store.register_plans(tx, [ORDER], T0)
 
-    def step(f: Flow, outcome: Any, at: float) -> _store.Change:
+    def step(f: Flow, outcome: Any, at: float) -> _op.Change:
         def apply(flow: Flow, box: Mailbox) -> Transition:
             return m.step_done(flow, box, ORDER, outcome, flow.data, at)
 
-        return _store.Change(f.flow_id, apply, flow=f, first_queued=True)
+        return _op.Change(f.flow_id, apply, flow=f, first_queued=True)
 
-    def flows(results: list[_store.Result]) -> list[Flow]:
+    def flows(results: list[_op.Result]) -> list[Flow]:
         out = []
         for r in results:
-            assert isinstance(r, _store.Created | _store.Changed), r
+            assert isinstance(r, _op.Created | _op.Changed), r
             out.append(r.transition.flow)
         return out
 
     blocked = {f"acct-{i:05d}": T0 + 10 + i for i in range(blocked_flows)}
     blocked["surrogate"] = T0 + 5
     made = flows(
-        _store.write_batch(
-            tx, [_store.Create(m.start(ORDER, fid, "{}", at)) for fid, at in blocked.items()]
+        _batch.write_batch(
+            tx, [_op.Create(m.start(ORDER, fid, "{}", at)) for fid, at in blocked.items()]
         )
     )
-    made = flows(_store.write_batch(tx, [step(f, CONTINUE, blocked[f.flow_id]) for f in made]))
-    made = flows(_store.write_batch(tx, [step(f, fail("x"), blocked[f.flow_id]) for f in made]))
+    made = flows(_batch.write_batch(tx, [step(f, CONTINUE, blocked[f.flow_id]) for f in made]))
+    made = flows(_batch.write_batch(tx, [step(f, fail("x"), blocked[f.flow_id]) for f in made]))
 
     def error(fid: str) -> str:
         if fid == "surrogate":
             return SURROGATE
         return repr(RuntimeError(f"refund to account {100000 + int(fid[5:])} failed"))
 
-    _store.write_batch(
+    _batch.write_batch(
         tx,
         [
-            _store.Change(
+            _op.Change(
                 f.flow_id,
                 lambda fl, _b: m.compensation_failed(fl, error(fl.flow_id), blocked[fl.flow_id]),
             )
@@ -99,9 +99,9 @@ def fill(tx: Any, blocked_flows: int = BLOCKED) -> None:
         ],
     )
     made = flows(
-        _store.write_batch(tx, [_store.Create(m.start(ORDER, fid, "{}", T0 + 1)) for fid in FAILED])
+        _batch.write_batch(tx, [_op.Create(m.start(ORDER, fid, "{}", T0 + 1)) for fid in FAILED])
     )
-    _store.write_batch(tx, [step(f, fail(FAILED[f.flow_id]), T0 + 1) for f in made])
+    _batch.write_batch(tx, [step(f, fail(FAILED[f.flow_id]), T0 + 1) for f in made])
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from ferry.flow._model import _machine as m
 from ferry.flow._model._types import CONTINUE, State, fail, park
 from ferry.flow._model._values import Flow, Mailbox, Shape, Transition
 from ferry.flow._ops import _inspect, _inspect_read
-from ferry.flow._store import _store
+from ferry.flow._store import _batch, _op, _schema, _store
 from ferry.projected import PostgresStore
 from tests import pg
 
@@ -43,16 +43,16 @@ ROOT = Path(__file__).resolve().parents[2]
 def populate(tx: Any) -> None:
     """Flows in every state: running, parked (two, one older), completed, failed, blocked (twice,
     one reason), and a running flow of another plan held by a gone engine (an orphan)."""
-    _store.create_schema(tx)
+    _schema.create_schema(tx)
     _store.register_plans(tx, [ORDER, REFUND], T0)
     _store.heartbeat(tx, "svc", T0 + 10**9, T0)  # a service engine, alive
 
-    def write(*ops: _store.Op) -> list[_store.Result]:
-        return _store.write_batch(tx, ops)
+    def write(*ops: _op.Op) -> list[_op.Result]:
+        return _batch.write_batch(tx, ops)
 
     def started(fid: str, at: float, shape: Shape = ORDER, owner: str | None = "svc") -> Flow:
-        (r,) = write(_store.Create(m.start(shape, fid, '{"sku":"A1"}', at, owner=owner)))
-        assert isinstance(r, _store.Created)
+        (r,) = write(_op.Create(m.start(shape, fid, '{"sku":"A1"}', at, owner=owner)))
+        assert isinstance(r, _op.Created)
         return r.transition.flow
 
     def step(f: Flow, outcome: Any, at: float) -> Flow:
@@ -64,8 +64,8 @@ def populate(tx: Any) -> None:
                 keep_runner=False,
             )
 
-        (r,) = write(_store.Change(f.flow_id, apply, flow=f, first_queued=True))
-        assert isinstance(r, _store.Changed)
+        (r,) = write(_op.Change(f.flow_id, apply, flow=f, first_queued=True))
+        assert isinstance(r, _op.Changed)
         return r.transition.flow
 
     started("running", T0 + 5)
@@ -79,9 +79,9 @@ def populate(tx: Any) -> None:
         f = step(started(fid, T0 + 2), CONTINUE, T0 + 2)
         f = step(f, fail("declined"), T0 + 2)
         (r,) = write(
-            _store.Change(fid, lambda fl, _b: m.compensation_failed(fl, "refund down", T0 + 2))
+            _op.Change(fid, lambda fl, _b: m.compensation_failed(fl, "refund down", T0 + 2))
         )
-        assert isinstance(r, _store.Changed)
+        assert isinstance(r, _op.Changed)
     started("orphan", T0 + 4, REFUND, owner="gone")
 
 
@@ -530,7 +530,7 @@ def test_on_postgres_a_schema_without_flows_is_one_line_and_stays_empty(
 
     async def tables() -> bool:
         async with PostgresStore(dsn, connections=1) as store:
-            found: bool = await store.transact(_store.has_tables)
+            found: bool = await store.transact(_schema.has_tables)
         return found
 
     assert not trio.run(tables)  # nothing was created

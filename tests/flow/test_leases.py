@@ -27,7 +27,7 @@ import trio.testing
 from ferry import flow
 from ferry.flow._model import _machine as m
 from ferry.flow._model._values import Flow
-from ferry.flow._store import _store
+from ferry.flow._store import _batch, _op, _schema, _store
 from tests import switches
 
 from ._helpers import PlantedStore
@@ -211,7 +211,7 @@ async def test_an_orphan_is_claimed_by_exactly_one_engine(
             for i, s in enumerate(stores)
         ]
         dead = m.start(plan._close(), "f", "{}", wall() - 100, owner="dead")  # no engine row
-        await stores[0].transact(partial(_store.write_batch, ops=[_store.Create(dead)]))
+        await stores[0].transact(partial(_batch.write_batch, ops=[_op.Create(dead)]))
         await trio.sleep(LEASE)
         claims = [e.statistics().claimed for e in engines]
         snap = await engines[0].get("f")
@@ -319,10 +319,10 @@ async def test_a_scan_takes_no_more_than_the_engine_has_room_for(path, autojump_
     gates: dict[str, trio.Event] = {}
     plan = saga([], gates)
     store = PlantedStore(path)
-    await store.transact(_store.create_schema)
+    await store.transact(_schema.create_schema)
     shape = plan._close()
-    ops = [_store.Create(m.start(shape, f"f{i}", "{}", T0, owner="dead")) for i in range(5)]
-    await store.transact(partial(_store.write_batch, ops=ops))
+    ops = [_op.Create(m.start(shape, f"f{i}", "{}", T0, owner="dead")) for i in range(5)]
+    await store.transact(partial(_batch.write_batch, ops=ops))
     async with fleet_engine(PlantedStore(path), plan, owner="a", max_running=2) as a:
         await trio.testing.wait_all_tasks_blocked()
         assert a.statistics().claimed == 2 and a.statistics().running == 2
@@ -338,9 +338,9 @@ async def test_an_engine_leaves_orphans_of_a_version_it_lacks_to_one_that_has_it
     v2 = flow.Plan("order", version=2)
     v2.step(name="reserve")(_noop)
     store = PlantedStore(path)
-    await store.transact(_store.create_schema)
+    await store.transact(_schema.create_schema)
     dead = m.start(v1._close(), "f", "{}", T0, owner="dead")
-    await store.transact(partial(_store.write_batch, ops=[_store.Create(dead)]))
+    await store.transact(partial(_batch.write_batch, ops=[_op.Create(dead)]))
     async with fleet_engine(PlantedStore(path), v2, owner="new") as new:
         await trio.sleep(LEASE)
         assert new.statistics().claimed == 0 and log == []
@@ -532,7 +532,7 @@ async def test_a_flow_held_but_not_run_is_adopted(path, autojump_clock) -> None:
     store = PlantedStore(path)
     async with fleet_engine(store, plan, owner="a") as a:
         lost = m.start(plan._close(), "f", "{}", wall(), owner="a")  # "a" holds it, unknowingly
-        await store.transact(partial(_store.write_batch, ops=[_store.Create(lost)]))
+        await store.transact(partial(_batch.write_batch, ops=[_op.Create(lost)]))
         await trio.sleep(LEASE / 3 + 1)
         assert log == []  # one check: could be a write of its own not yet followed
         snap = await a.wait("f", timeout=600)

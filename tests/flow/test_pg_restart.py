@@ -24,7 +24,7 @@ from ferry import flow
 from ferry.flow._fleet import _fleet
 from ferry.flow._model import _machine as m
 from ferry.flow._model._values import Shape
-from ferry.flow._store import _store
+from ferry.flow._store import _batch, _op, _schema, _store
 from ferry.projected import PostgresStore
 from tests import pg
 
@@ -61,12 +61,12 @@ def plan(gate: trio.Event | None = None) -> flow.Plan:
 
 async def orphans(store: PostgresStore, shape: Shape) -> None:
     """`FLOWS` flows running their first step, held by an engine that is gone."""
-    await store.transact(_store.create_schema)
+    await store.transact(_schema.create_schema)
     now = time.time()
-    ops: list[_store.Op] = [
-        _store.Create(m.start(shape, f"o{i:04d}", "{}", now, owner="gone")) for i in range(FLOWS)
+    ops: list[_op.Op] = [
+        _op.Create(m.start(shape, f"o{i:04d}", "{}", now, owner="gone")) for i in range(FLOWS)
     ]
-    await store.transact(partial(_store.write_batch, ops=ops))
+    await store.transact(partial(_batch.write_batch, ops=ops))
 
 
 async def unfinished(dsn: str) -> int:

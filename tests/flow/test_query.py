@@ -12,8 +12,8 @@ import pytest
 from ferry.flow._model import _machine as m
 from ferry.flow._model._types import State
 from ferry.flow._model._values import Flow, Shape
+from ferry.flow._store import _batch, _op, _schema
 from ferry.flow._store import _query as q
-from ferry.flow._store import _store as s
 from ferry.projected import Store, Tx
 from tests.stores.conftest import StoreFactory
 
@@ -124,19 +124,19 @@ IDS = [
 async def _fill(store: Store) -> dict[str, tuple[Shape, float, State]]:
     """One flow per id, started one second apart (two pairs at the same second), of the shapes
     in turn, in states set by SQL; what each one is."""
-    await store.transact(s.create_schema)
+    await store.transact(_schema.create_schema)
     shapes = (ORDER, ORDER2, REFUND)
     states = list(State)
     made: dict[str, tuple[Shape, float, State]] = {}
-    ops: list[s.Op] = []
+    ops: list[_op.Op] = []
     for i, fid in enumerate(IDS):
         at = T0 + (i if i not in (3, 9) else i - 1)  # ties on created_at: broken by the id
         shape = shapes[i % 3]
-        ops.append(s.Create(m.start(shape, fid, "{}", at)))
+        ops.append(_op.Create(m.start(shape, fid, "{}", at)))
         made[fid] = (shape, at, states[i % len(states)])
 
     def write(tx: Tx) -> None:
-        s.write_batch(tx, ops)
+        _batch.write_batch(tx, ops)
         for fid, (_shape, at, state) in made.items():
             tx.execute(
                 "UPDATE flow_flows SET state = ?, updated_at = ? WHERE flow_id = ?",
@@ -265,7 +265,7 @@ async def test_an_existing_store_gains_the_indexes(make_store: StoreFactory) -> 
     names = ("flow_flows_created", "flow_flows_state_created", "flow_flows_plan_created")
 
     def old_schema(tx: Tx) -> None:
-        for st in s.ddl(tx.dialect):
+        for st in _schema.ddl(tx.dialect):
             if not any(n + " " in st for n in names) and "flow_flows_id_c" not in st:
                 tx.execute(st)
 
@@ -277,7 +277,7 @@ async def test_an_existing_store_gains_the_indexes(make_store: StoreFactory) -> 
 
     await store.transact(old_schema)
     assert await store.transact(present) == [False, False, False]
-    await store.transact(s.create_schema)
+    await store.transact(_schema.create_schema)
     assert await store.transact(present) == [True, True, True]
 
 
@@ -287,7 +287,7 @@ async def test_the_overview_series_by_minute(make_store: StoreFactory) -> None:
     from ferry.flow._ops._dashboard._reads import page_overview
 
     store = make_store()
-    await store.transact(s.create_schema)
+    await store.transact(_schema.create_schema)
     now = 1_800_000_030.0  # 30 s into a minute
     minute = 1_800_000_000.0
     made = {
@@ -299,8 +299,8 @@ async def test_the_overview_series_by_minute(make_store: StoreFactory) -> None:
     }
 
     def fill(tx: Tx) -> None:
-        s.write_batch(
-            tx, [s.Create(m.start(ORDER, fid, "{}", at)) for fid, (at, _) in made.items()]
+        _batch.write_batch(
+            tx, [_op.Create(m.start(ORDER, fid, "{}", at)) for fid, (at, _) in made.items()]
         )
         for fid, (at, state) in made.items():
             tx.execute(

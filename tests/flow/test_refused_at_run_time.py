@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from ferry import Failed, flow
-from ferry.flow._store import _store
+from ferry.flow._store import _batch, _op, _store
 from ferry.projected import PostgresStore
 
 OTHERS = [f"{c}" for c in "BCDEFGHIJKLMNOPQRSTUVWXYZ"]
@@ -73,8 +73,8 @@ def _batches(monkeypatch: pytest.MonkeyPatch, store: Any) -> list[set[str]]:
     transact = store.transact
 
     async def recording(fn: Any, **options: Any) -> Any:
-        if getattr(fn, "func", None) is _store.write_batch:
-            batches.append({_store.op_flow_id(op) for op in fn.keywords["ops"]})
+        if getattr(fn, "func", None) is _batch.write_batch:
+            batches.append({_op.op_flow_id(op) for op in fn.keywords["ops"]})
         return await transact(fn, **options)
 
     monkeypatch.setattr(store, "transact", recording)

@@ -25,7 +25,7 @@ import trio.testing
 
 from ferry import flow
 from ferry.flow._runtime import _retention
-from ferry.flow._store import _store
+from ferry.flow._store import _purge, _schema
 from ferry.projected import PostgresStore, SqliteStore
 from tests import pg
 
@@ -207,7 +207,7 @@ def _series(dialect: str, n: int) -> str:
 def seed(tx: Any, prefix: str, n: int, state: str, at: float) -> None:
     """`n` flows ``{prefix}{i}`` of plan "order" in `state`, last written at `at`, each with
     three history rows and one mailbox row, written straight into the tables."""
-    _store.create_schema(tx)
+    _schema.create_schema(tx)
     step = "NULL" if state in ("COMPLETED", "FAILED") else "'confirm'"
     blocked = "'a reason'" if state == "BLOCKED" else "NULL"
     blocked_from = "'PARKED'" if state == "BLOCKED" else "NULL"
@@ -274,7 +274,7 @@ async def test_both_stores_purge_old_finished_flows_and_nothing_else(make_store:
 
 def old_schema(tx: Any) -> None:
     """The flow tables as stores made before retention and traces have them."""
-    for statement in _store.ddl(tx.dialect):
+    for statement in _schema.ddl(tx.dialect):
         if "_flows_ended" not in statement:
             tx.execute(statement.replace(",\n            trace TEXT)", ")"))
 
@@ -429,7 +429,7 @@ async def test_a_purge_is_small_transactions_and_a_writer_goes_on(
         batches, gaps, started = await purge_beside_a_writer(store, n, caplog)
     finally:
         await store.aclose()
-    assert sum(batches) == n and max(batches) <= _retention.BATCH
+    assert sum(batches) == n and max(batches) <= _purge.BATCH
     assert started >= len(batches) // 2, (started, len(batches))
     print(
         f"{kind}: {len(batches)} batches, {started} starts meanwhile, longest gap {max(gaps):.3f} s"
@@ -448,7 +448,7 @@ async def test_a_purge_of_100k_flows_never_stalls_a_writer_for_long(
         batches, gaps, started = await purge_beside_a_writer(store, 100_000, caplog)
     finally:
         await store.aclose()
-    assert sum(batches) == 100_000 and max(batches) <= _retention.BATCH
+    assert sum(batches) == 100_000 and max(batches) <= _purge.BATCH
     assert started >= len(batches) // 2
     assert max(gaps) < 2.0, max(gaps)
     print(

@@ -23,7 +23,7 @@ from ferry.flow._model._values import (
     Taken,
     Transition,
 )
-from ferry.flow._store import _sql
+from ferry.flow._store import _batch, _op, _schema, _sql
 from ferry.flow._store import _store as s
 from ferry.projected import PostgresStore, Store, Tx
 from tests import pg, switches
@@ -34,11 +34,11 @@ T0 = 1_700_000_000.0
 
 
 async def setup(store: Store) -> None:
-    await store.transact(s.create_schema)
+    await store.transact(_schema.create_schema)
 
 
-async def write(store: Store, *ops: s.Op) -> list[s.Result]:
-    return await store.transact(partial(s.write_batch, ops=ops))
+async def write(store: Store, *ops: _op.Op) -> list[_op.Result]:
+    return await store.transact(partial(_batch.write_batch, ops=ops))
 
 
 async def load(store: Store, flow_id: str) -> Flow | None:
@@ -52,30 +52,30 @@ async def history_kinds(store: Store, flow_id: str) -> list[tuple[int, str]]:
 
 
 async def started(store: Store, flow_id: str = "f1", data: str = '{"a":1}') -> Flow:
-    (r,) = await write(store, s.Create(m.start(SHAPE, flow_id, data, T0)))
-    assert isinstance(r, s.Created)
+    (r,) = await write(store, _op.Create(m.start(SHAPE, flow_id, data, T0)))
+    assert isinstance(r, _op.Created)
     return r.transition.flow
 
 
-def step(flow: Flow, outcome: Any = CONTINUE, data: str | None = None) -> s.Change:
+def step(flow: Flow, outcome: Any = CONTINUE, data: str | None = None) -> _op.Change:
     """A runner's write: the transition computed from its copy, compare-and-set on it."""
 
     def apply(f: Flow, box: Mailbox) -> Transition:
         return m.step_done(f, box, SHAPE, outcome, f.data if data is None else data, T0 + 1)
 
     head = isinstance(outcome, type(park()))
-    return s.Change(flow.flow_id, apply, flow=flow, first_queued=head)
+    return _op.Change(flow.flow_id, apply, flow=flow, first_queued=head)
 
 
-def wake(flow_id: str, message_id: str, payload: str = "1") -> s.Change:
+def wake(flow_id: str, message_id: str, payload: str = "1") -> _op.Change:
     def apply(f: Flow, box: Mailbox) -> Transition:
         return m.wake(f, box, Message(message_id, payload), SHAPE, T0 + 2)
 
-    return s.Change(flow_id, apply, message_id=message_id)
+    return _op.Change(flow_id, apply, message_id=message_id)
 
 
-def changed(r: s.Result) -> Transition:
-    assert isinstance(r, s.Changed), r
+def changed(r: _op.Result) -> Transition:
+    assert isinstance(r, _op.Changed), r
     return r.transition
 
 
@@ -116,7 +116,7 @@ async def test_every_field_round_trips(store: Store) -> None:
         lease_until=T0 + 30.25,
     )
     t = Transition(full, EMPTY_MAILBOX, 1)
-    changed((await write(store, s.Change("f1", lambda _f, _b: t, flow=f)))[0])
+    changed((await write(store, _op.Change("f1", lambda _f, _b: t, flow=f)))[0])
     assert await load(store, "f1") == full
 
 
@@ -140,7 +140,7 @@ async def test_a_stale_revision_is_refused_and_writes_nothing(store: Store) -> N
     f = await started(store)
     f2 = changed((await write(store, step(f)))[0]).flow
     (r,) = await write(store, step(f, data='{"stale":1}'))
-    assert r == s.Conflict("f1", 1, 2, None)
+    assert r == _op.Conflict("f1", 1, 2, None)
     assert await load(store, "f1") == f2
     assert await history_kinds(store, "f1") == [(1, "started"), (2, "step")]
 
@@ -151,26 +151,26 @@ async def test_a_loaded_change_checks_expected(store: Store) -> None:
     def cancel(flow: Flow, _box: Mailbox) -> Transition:
         return m.cancel(flow, SHAPE, "x", T0)
 
-    (r,) = await write(store, s.Change("f1", cancel, expected=5))
-    assert r == s.Conflict("f1", 5, 1, None)
+    (r,) = await write(store, _op.Change("f1", cancel, expected=5))
+    assert r == _op.Conflict("f1", 5, 1, None)
     assert await load(store, "f1") == f
-    (r,) = await write(store, s.Change("nope", cancel))
-    assert r == s.Missing("nope")
+    (r,) = await write(store, _op.Change("nope", cancel))
+    assert r == _op.Missing("nope")
 
 
 async def test_start_is_idempotent_and_a_reused_id_is_reported(store: Store) -> None:
     f = await started(store, data='{"a":1}')
-    (same,) = await write(store, s.Create(m.start(SHAPE, "f1", '{"a":1}', T0 + 9)))
-    assert same == s.Existing(f, same=True)
-    (other,) = await write(store, s.Create(m.start(SHAPE, "f1", '{"a":2}', T0)))
-    assert isinstance(other, s.Existing) and not other.same
+    (same,) = await write(store, _op.Create(m.start(SHAPE, "f1", '{"a":1}', T0 + 9)))
+    assert same == _op.Existing(f, same=True)
+    (other,) = await write(store, _op.Create(m.start(SHAPE, "f1", '{"a":2}', T0)))
+    assert isinstance(other, _op.Existing) and not other.same
     other_plan = attrs.evolve(SHAPE, name="refund")
-    (plan,) = await write(store, s.Create(m.start(other_plan, "f1", '{"a":1}', T0)))
-    assert isinstance(plan, s.Existing) and not plan.same
+    (plan,) = await write(store, _op.Create(m.start(other_plan, "f1", '{"a":1}', T0)))
+    assert isinstance(plan, _op.Existing) and not plan.same
     # the start data is what is compared, not the data the flow has now
     changed((await write(store, step(f, data='{"a":99}')))[0])
-    (again,) = await write(store, s.Create(m.start(SHAPE, "f1", '{"a":1}', T0)))
-    assert isinstance(again, s.Existing) and again.same
+    (again,) = await write(store, _op.Create(m.start(SHAPE, "f1", '{"a":1}', T0)))
+    assert isinstance(again, _op.Existing) and again.same
     assert await history_kinds(store, "f1") == [(1, "started"), (2, "step")]
 
 
@@ -179,7 +179,7 @@ async def test_update_race_between_two_writers(make_store: StoreFactory) -> None
     await setup(a)
     for round_ in range(5):
         f = await started(a, f"race-{round_}")
-        results: dict[str, s.Result] = {}
+        results: dict[str, _op.Result] = {}
 
         async def go(name: str, st: Store, data: str, f: Flow = f, results: Any = results) -> None:
             (results[name],) = await write(st, step(f, data=data))
@@ -187,8 +187,8 @@ async def test_update_race_between_two_writers(make_store: StoreFactory) -> None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(go, "a", a, '{"by":"a"}')
             nursery.start_soon(go, "b", b, '{"by":"b"}')
-        wins = [n for n, r in results.items() if isinstance(r, s.Changed)]
-        losses = [r for r in results.values() if isinstance(r, s.Conflict)]
+        wins = [n for n, r in results.items() if isinstance(r, _op.Changed)]
+        losses = [r for r in results.values() if isinstance(r, _op.Conflict)]
         assert len(wins) == 1 and len(losses) == 1, results
         assert losses[0].revision == 2
         stored = await load(a, f.flow_id)
@@ -201,17 +201,17 @@ async def test_insert_race_between_two_writers(make_store: StoreFactory) -> None
     await setup(a)
     for round_ in range(5):
         fid = f"ins-{round_}"
-        results: dict[str, s.Result] = {}
+        results: dict[str, _op.Result] = {}
 
         async def go(name: str, st: Store, fid: str = fid, results: Any = results) -> None:
             t = m.start(SHAPE, fid, f'{{"by":"{name}"}}', T0)
-            (results[name],) = await write(st, s.Create(t))
+            (results[name],) = await write(st, _op.Create(t))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(go, "a", a)
             nursery.start_soon(go, "b", b)
-        created = [n for n, r in results.items() if isinstance(r, s.Created)]
-        existing = [r for r in results.values() if isinstance(r, s.Existing)]
+        created = [n for n, r in results.items() if isinstance(r, _op.Created)]
+        existing = [r for r in results.values() if isinstance(r, _op.Existing)]
         assert len(created) == 1 and len(existing) == 1, results
         assert not existing[0].same and existing[0].flow.data == f'{{"by":"{created[0]}"}}'
         assert await history_kinds(a, fid) == [(1, "started")]
@@ -250,7 +250,7 @@ async def test_mailbox_deduplicates_and_keeps_a_wake_that_comes_before_the_park(
     assert changed((await write(store, wake("f1", "evt-1")))[0]).delivery is Delivery.DUPLICATE
     assert changed((await write(store, wake("f1", "evt-3")))[0]).delivery is Delivery.STALE
     (unknown,) = await write(store, wake("nope", "evt-1"))
-    assert unknown == s.Missing("nope")
+    assert unknown == _op.Missing("nope")
 
 
 async def test_a_batch_with_one_conflicting_flow_commits_the_others(store: Store) -> None:
@@ -258,8 +258,8 @@ async def test_a_batch_with_one_conflicting_flow_commits_the_others(store: Store
     stale = flows[1]
     changed((await write(store, step(stale)))[0])
     results = await write(store, step(flows[0]), step(stale), step(flows[2]), wake("b0", "m"))
-    assert isinstance(results[0], s.Changed) and isinstance(results[2], s.Changed)
-    assert results[1] == s.Conflict("b1", 1, 2, None)
+    assert isinstance(results[0], _op.Changed) and isinstance(results[2], _op.Changed)
+    assert results[1] == _op.Conflict("b1", 1, 2, None)
     assert changed(results[3]).delivery is Delivery.QUEUED
     for fid in ("b0", "b2"):
         stored = await load(store, fid)
@@ -273,8 +273,8 @@ async def test_ops_on_one_flow_in_one_batch_apply_in_order(store: Store) -> None
     f = await started(store)
     t1 = m.step_done(f, EMPTY_MAILBOX, SHAPE, CONTINUE, f.data, T0)
     second = step(t1.flow)
-    results = await write(store, s.Change("f1", lambda _f, _b: t1, flow=f), second, step(f))
-    assert [type(r) for r in results] == [s.Changed, s.Changed, s.Conflict]
+    results = await write(store, _op.Change("f1", lambda _f, _b: t1, flow=f), second, step(f))
+    assert [type(r) for r in results] == [_op.Changed, _op.Changed, _op.Conflict]
     stored = await load(store, "f1")
     assert stored is not None and stored.revision == 3 and stored.step == "ship"
 
@@ -287,7 +287,7 @@ async def test_recovery_reads(store: Store) -> None:
     c = await started(store, "comp")
     c = changed((await write(store, step(c)))[0]).flow
     c = changed(
-        (await write(store, s.Change("comp", lambda f, _b: m.cancel(f, SHAPE, "x", T0))))[0]
+        (await write(store, _op.Change("comp", lambda f, _b: m.cancel(f, SHAPE, "x", T0))))[0]
     ).flow
     assert c.state is State.COMPENSATING
     active = await store.transact(s.load_active)
@@ -306,7 +306,7 @@ async def test_timeout_fires_only_at_the_armed_revision(store: Store) -> None:
     def fire(flow: Flow, _box: Mailbox) -> Transition:
         return m.timeout(flow, SHAPE, T0 + 100, expected=p.revision)
 
-    r = changed((await write(store, wake("f1", "m1"), s.Change("f1", fire)))[1])
+    r = changed((await write(store, wake("f1", "m1"), _op.Change("f1", fire)))[1])
     assert not r.done and not r.written  # the wake came first: the timer is stale
     stored = await load(store, "f1")
     assert stored is not None and stored.state is State.RUNNING
@@ -317,7 +317,7 @@ async def test_wake_and_park_race_never_loses_the_wake(make_store: StoreFactory)
     await setup(a)
     for round_ in range(6):
         f = await started(a, f"wp-{round_}")
-        out: dict[str, s.Result] = {}
+        out: dict[str, _op.Result] = {}
 
         async def do_park(f: Flow = f, out: Any = out) -> None:
             (out["park"],) = await write(a, step(f, park(None)))
@@ -349,13 +349,13 @@ async def test_a_transition_that_raises_is_refused_alone(store: Store) -> None:
 
     ops = [
         step(flows[2]),
-        s.Change("r1", broken),
+        _op.Change("r1", broken),
         step(flows[0]),
-        s.Change("r1", broken, flow=flows[1]),
+        _op.Change("r1", broken, flow=flows[1]),
     ]
     results = await write(store, *ops)
-    assert isinstance(results[0], s.Changed) and isinstance(results[2], s.Changed)
-    assert isinstance(results[1], s.Refused) and isinstance(results[3], s.Refused)
+    assert isinstance(results[0], _op.Changed) and isinstance(results[2], _op.Changed)
+    assert isinstance(results[1], _op.Refused) and isinstance(results[3], _op.Refused)
     assert str(results[1].error) == "a bug"
     assert changed(results[0]).flow.flow_id == "r2"  # results come back in the order of the ops
     stored = await load(store, "r1")
@@ -365,8 +365,8 @@ async def test_a_transition_that_raises_is_refused_alone(store: Store) -> None:
 # ---------------------------------------------------------------------------------- the fleet
 
 
-def owned_start(flow_id: str, owner: str | None) -> s.Create:
-    return s.Create(m.start(SHAPE, flow_id, "{}", T0, owner=owner))
+def owned_start(flow_id: str, owner: str | None) -> _op.Create:
+    return _op.Create(m.start(SHAPE, flow_id, "{}", T0, owner=owner))
 
 
 async def heartbeat(store: Store, owner: str, until: float) -> None:
@@ -390,7 +390,7 @@ async def test_orphans_are_the_active_flows_that_no_live_engine_holds(store: Sto
     assert await store.transact(partial(s.release, owner="alive", flows=[("let-go", 1)], at=T0))
     assert not await store.transact(partial(s.release, owner="x", flows=[("held", 1)], at=T0))
     other = m.start(attrs.evolve(SHAPE, version=2), "v2", "{}", T0, owner="dead")
-    await write(store, s.Create(other))
+    await write(store, _op.Create(other))
     p = await load(store, "held")
     assert p is not None
     changed((await write(store, step(p, park(60))))[0])  # parked: not active
@@ -430,30 +430,30 @@ async def test_a_takeover_loses_to_a_renewal_and_to_a_write(store: Store) -> Non
     seen = await load(store, "f")
     assert seen is not None
 
-    def take(by: str) -> s.Change:
+    def take(by: str) -> _op.Change:
         def apply(f: Flow, _b: Mailbox) -> Transition:
             return m.take_over(f, by, T0)
 
-        return s.Change("f", apply, flow=seen, lapsed_at=T0)
+        return _op.Change("f", apply, flow=seen, lapsed_at=T0)
 
     await heartbeat(store, "a", T0 + 30)  # a renewed its lease meanwhile
     (r,) = await write(store, take("b"))  # the revision is the same, the flow is not an orphan
-    assert r == s.Conflict("f", 1, 1, "a")
+    assert r == _op.Conflict("f", 1, 1, "a")
     await heartbeat(store, "a", T0 - 1)
     (won,) = await write(store, take("b"))
     f = changed(won).flow
     assert (f.owner, f.lease_until, f.attempt, f.revision) == ("b", None, 2, 2)
     (lost,) = await write(store, take("c"))  # the same read, now stale
-    assert isinstance(lost, s.Conflict) and lost.owner == "b"
+    assert isinstance(lost, _op.Conflict) and lost.owner == "b"
 
 
-def takeover(seen: Flow, by: str, now: float = T0) -> s.Change:
+def takeover(seen: Flow, by: str, now: float = T0) -> _op.Change:
     """`by`'s takeover of the flow its scan read as `seen` (compare-and-set, orphan check)."""
 
     def apply(f: Flow, _b: Mailbox) -> Transition:
         return m.take_over(f, by, now)
 
-    return s.Change(seen.flow_id, apply, flow=seen, lapsed_at=now)
+    return _op.Change(seen.flow_id, apply, flow=seen, lapsed_at=now)
 
 
 async def test_a_takeover_waits_for_a_renewal_in_flight_and_loses_to_it(
@@ -479,9 +479,9 @@ async def test_a_takeover_waits_for_a_renewal_in_flight_and_loses_to_it(
             commit.wait(30)  # the renewal stays open until b's takeover has tried
             return rows
 
-        def impatient_takeover(tx: Tx) -> list[s.Result]:
+        def impatient_takeover(tx: Tx) -> list[_op.Result]:
             tx.execute("SET LOCAL lock_timeout = 200")  # ms: fail rather than wait
-            return s.write_batch(tx, [takeover(seen, "b")])
+            return _batch.write_batch(tx, [takeover(seen, "b")])
 
         renewed: list[list[Flow]] = []
 
@@ -499,7 +499,7 @@ async def test_a_takeover_waits_for_a_renewal_in_flight_and_loses_to_it(
         assert getattr(waited.value, "sqlstate", None) == "55P03"  # lock_not_available
         assert [(f.owner, f.revision) for f in renewed[0]] == [("a", 1)]
         (lost,) = await write(b, takeover(seen, "b"))  # after the renewal committed
-        assert lost == s.Conflict("f", 1, 1, "a")
+        assert lost == _op.Conflict("f", 1, 1, "a")
 
 
 async def test_an_unfenced_write_overwrites_whatever_the_revision(store: Store) -> None:
@@ -507,8 +507,8 @@ async def test_an_unfenced_write_overwrites_whatever_the_revision(store: Store) 
     the newer state) and takes the next revision."""
     f = await started(store)
     changed((await write(store, step(f)))[0])
-    stale = s.Change("f1", step(f, data='{"stale":1}').apply, flow=f)
-    unfenced = switches.unfenced(s.write_batch)
+    stale = _op.Change("f1", step(f, data='{"stale":1}').apply, flow=f)
+    unfenced = switches.unfenced(_batch.write_batch)
     t = changed((await store.transact(partial(unfenced, ops=[stale])))[0])
     assert t.flow.revision == 3 and t.events[0].revision == 3
     now = await load(store, "f1")
@@ -562,12 +562,12 @@ class CountingTx:
 
 
 async def start_many(store: Store, n: int, prefix: str = "n") -> list[Flow]:
-    ops = [s.Create(m.start(SHAPE, f"{prefix}{i:04d}", "{}", T0)) for i in range(n)]
+    ops = [_op.Create(m.start(SHAPE, f"{prefix}{i:04d}", "{}", T0)) for i in range(n)]
     return [changed_or_created(r) for r in await write(store, *ops)]
 
 
-def changed_or_created(r: s.Result) -> Flow:
-    assert isinstance(r, s.Created | s.Changed), r
+def changed_or_created(r: _op.Result) -> Flow:
+    assert isinstance(r, _op.Created | _op.Changed), r
     return r.transition.flow
 
 
@@ -576,8 +576,8 @@ async def test_one_stale_flow_in_a_batch_of_1000_is_refused_alone(store: Store) 
     stale = flows[437]
     changed((await write(store, step(stale)))[0])  # another writer moved it on
     results = await write(store, *(step(f) for f in reversed(flows)))
-    refused = [(i, r) for i, r in enumerate(reversed(results)) if not isinstance(r, s.Changed)]
-    assert refused == [(437, s.Conflict(stale.flow_id, 1, 2, None))]
+    refused = [(i, r) for i, r in enumerate(reversed(results)) if not isinstance(r, _op.Changed)]
+    assert refused == [(437, _op.Conflict(stale.flow_id, 1, 2, None))]
     stored = await store.transact(partial(s.load_many, flow_ids=[f.flow_id for f in flows]))
     assert sorted(f.revision for f in stored) == [2] * 1000
     assert all(f.step == "charge" for f in stored)
@@ -597,12 +597,12 @@ async def test_a_batch_of_compare_and_sets_is_a_few_statements_on_postgres(
     flows = await start_many(store, 1000)
     counted: list[CountingTx] = []
 
-    def counting(tx: Tx) -> list[s.Result]:
+    def counting(tx: Tx) -> list[_op.Result]:
         counted.append(CountingTx(tx))
-        return s.write_batch(counted[-1], [step(f) for f in flows])
+        return _batch.write_batch(counted[-1], [step(f) for f in flows])
 
     results = await store.transact(counting)
-    assert all(isinstance(r, s.Changed) for r in results)
+    assert all(isinstance(r, _op.Changed) for r in results)
     kinds = [sql.split()[0] for sql in counted[0].statements]
     assert kinds == ["SELECT", "UPDATE", "INSERT"], counted[0].statements
 
@@ -622,8 +622,8 @@ async def test_racing_batches_over_the_same_rows_never_deadlock(
         return Transition(attrs.evolve(f, revision=f.revision + 1), EMPTY_MAILBOX, f.revision)
 
     async def go(st: Store, order: list[str]) -> None:
-        results = await write(st, *(s.Change(fid, bump) for fid in order))
-        assert all(isinstance(r, s.Changed) for r in results), results
+        results = await write(st, *(_op.Change(fid, bump) for fid in order))
+        assert all(isinstance(r, _op.Changed) for r in results), results
 
     rounds = 4
     for _ in range(rounds):
@@ -640,16 +640,16 @@ async def test_a_start_a_wake_and_a_park_of_one_flow_in_one_batch_apply_in_order
     """Each op of a flow sees what the ops of that flow before it in the batch wrote: a wake
     queued by the first is seen (a duplicate) by the second and taken by the park after."""
     t = m.start(SHAPE, "w1", "{}", T0)
-    first = changed_or_created((await write(store, s.Create(t)))[0])
+    first = changed_or_created((await write(store, _op.Create(t)))[0])
     results = await write(
         store,
-        s.Create(m.start(SHAPE, "w2", "{}", T0)),
+        _op.Create(m.start(SHAPE, "w2", "{}", T0)),
         wake("w1", "evt"),
         wake("w1", "evt", '"again"'),
         step(first, park(60)),
         wake("w2", "evt"),
     )
-    assert isinstance(results[0], s.Created)
+    assert isinstance(results[0], _op.Created)
     assert changed(results[1]).delivery is Delivery.QUEUED
     assert changed(results[2]).delivery is Delivery.DUPLICATE
     parked = changed(results[3]).flow
@@ -684,7 +684,7 @@ async def test_a_change_of_some_columns_writes_those_and_keeps_the_rest(store: S
     row = changed(
         (
             await write(
-                store, s.Change("f1", lambda _f, _b: Transition(full, EMPTY_MAILBOX, 1), flow=f)
+                store, _op.Change("f1", lambda _f, _b: Transition(full, EMPTY_MAILBOX, 1), flow=f)
             )
         )[0]
     ).flow
@@ -709,7 +709,7 @@ async def test_a_change_of_some_columns_writes_those_and_keeps_the_rest(store: S
         def apply(_f: Flow, _b: Mailbox, new: Flow = new, at: int = row.revision) -> Transition:
             return Transition(new, EMPTY_MAILBOX, at)
 
-        row = changed((await write(store, s.Change("f1", apply, flow=row)))[0]).flow
+        row = changed((await write(store, _op.Change("f1", apply, flow=row)))[0]).flow
         assert await load(store, "f1") == new, change
 
 
@@ -724,10 +724,10 @@ async def test_sqlite_sets_only_the_changed_columns(make_store: StoreFactory) ->
     f = await started(store)
     seen: list[str] = []
 
-    def traced(tx: Tx) -> list[s.Result]:
+    def traced(tx: Tx) -> list[_op.Result]:
         tx.connection.set_trace_callback(seen.append)
         try:
-            return s.write_batch(tx, [step(f)])
+            return _batch.write_batch(tx, [step(f)])
         finally:
             tx.connection.set_trace_callback(None)
 
@@ -752,12 +752,12 @@ async def test_a_write_after_a_release_holds_the_flow_again(store: Store) -> Non
         t = m.step_done(flow, box, SHAPE, CONTINUE, flow.data, T0 + 1)
         return m.assign_holder(t, flow, "e1", keep_runner=False)
 
-    held = changed((await write(store, s.Change("f1", own, flow=f)))[0]).flow
+    held = changed((await write(store, _op.Change("f1", own, flow=f)))[0]).flow
     assert held.owner == "e1" and held.lease_until is None
     let_go = partial(s.release, owner="e1", flows=[("f1", held.revision)], at=T0 + 5)
     assert await store.transact(let_go) == 1
     assert await load(store, "f1") == attrs.evolve(held, lease_until=T0 + 5)
-    again = changed((await write(store, s.Change("f1", own, flow=held)))[0]).flow
+    again = changed((await write(store, _op.Change("f1", own, flow=held)))[0]).flow
     assert again.lease_until is None
     assert await load(store, "f1") == again
 
@@ -775,25 +775,25 @@ async def test_sqlite_writes_a_batch_of_starts_and_steps_in_a_few_statements(
     old = await start_many(store, 3, prefix="x")
     seen: list[str] = []
 
-    def traced(ops: Sequence[s.Op], tx: Tx) -> list[s.Result]:
+    def traced(ops: Sequence[_op.Op], tx: Tx) -> list[_op.Result]:
         tx.connection.set_trace_callback(seen.append)
         try:
-            return s.write_batch(tx, ops)
+            return _batch.write_batch(tx, ops)
         finally:
             tx.connection.set_trace_callback(None)
 
-    creates = [s.Create(m.start(SHAPE, f"n{i:04d}", "{}", T0)) for i in range(1000)]
-    creates[10] = s.Create(m.start(SHAPE, "x0001", '{"other":1}', T0))
+    creates = [_op.Create(m.start(SHAPE, f"n{i:04d}", "{}", T0)) for i in range(1000)]
+    creates[10] = _op.Create(m.start(SHAPE, "x0001", '{"other":1}', T0))
     results = await store.transact(partial(traced, creates))
-    assert results[10] == s.Existing(old[1], same=False)
+    assert results[10] == _op.Existing(old[1], same=False)
     flows = [changed_or_created(r) for i, r in enumerate(results) if i != 10]
     inserts = [q for q in seen if q.startswith("INSERT INTO flow_flows")]
     assert len(inserts) == 6, [q[:60] for q in inserts]  # 1,000 = 512 + 256 + 128 + 64 + 32 + 8
     seen.clear()
     changed((await write(store, step(flows[700])))[0])  # another writer moved it on
     results = await store.transact(partial(traced, [step(f) for f in flows]))
-    assert [(i, r) for i, r in enumerate(results) if not isinstance(r, s.Changed)] == [
-        (700, s.Conflict(flows[700].flow_id, 1, 2, None))
+    assert [(i, r) for i, r in enumerate(results) if not isinstance(r, _op.Changed)] == [
+        (700, _op.Conflict(flows[700].flow_id, 1, 2, None))
     ]
     assert len([q for q in seen if q.startswith("UPDATE")]) == 8  # 999 = 512 + 256 + ... + 2 + 1
     stored = await store.transact(partial(s.load_many, flow_ids=[f.flow_id for f in flows]))
@@ -821,7 +821,7 @@ async def test_a_batch_of_parks_and_wakes_answers_each_op_alone(store: Store) ->
         wake("p3", "dup"),
         step(f[4], park(60)),  # from a stale copy
         wake("nope", "x"),
-        s.Change("p5", broken),
+        _op.Change("p5", broken),
         wake("p6", "later"),
     ]
     r = await write(store, *ops)
@@ -831,9 +831,9 @@ async def test_a_batch_of_parks_and_wakes_answers_each_op_alone(store: Store) ->
     assert changed(r[1]).flow.state is State.PARKED
     assert changed(r[2]).delivery is Delivery.RESUMED and changed(r[2]).flow.wake == '"on"'
     assert changed(r[3]).delivery is Delivery.DUPLICATE
-    assert r[4] == s.Conflict("p4", 1, 2, None)
-    assert r[5] == s.Missing("nope")
-    assert isinstance(r[6], s.Refused) and str(r[6].error) == "a bug"
+    assert r[4] == _op.Conflict("p4", 1, 2, None)
+    assert r[5] == _op.Missing("nope")
+    assert isinstance(r[6], _op.Refused) and str(r[6].error) == "a bug"
     assert changed(r[7]).delivery is Delivery.QUEUED and not changed(r[7]).written
     for i in (0, 1, 2):
         assert await load(store, f"p{i}") == changed(r[i]).flow
@@ -877,10 +877,10 @@ async def test_sqlite_writes_a_batch_of_wakes_in_a_few_statements(
     assert all(changed(r).flow.state is State.PARKED for r in parks)
     seen: list[str] = []
 
-    def traced(ops: Sequence[s.Op], tx: Tx) -> list[s.Result]:
+    def traced(ops: Sequence[_op.Op], tx: Tx) -> list[_op.Result]:
         tx.connection.set_trace_callback(seen.append)
         try:
-            return s.write_batch(tx, ops)
+            return _batch.write_batch(tx, ops)
         finally:
             tx.connection.set_trace_callback(None)
 
@@ -899,7 +899,7 @@ def test_sqlite_batch_reads_search_by_index(n: int) -> None:
     """The multi-row reads of a SQLite batch look each flow up in an index: none scans the
     flows or the mailbox (a batch would then cost as much as the tables are large)."""
     conn = sqlite3.connect(":memory:")
-    for statement in s.ddl("sqlite"):
+    for statement in _schema.ddl("sqlite"):
         conn.execute(statement)
     for sql in (_sql.select_rows(n), _sql.seen_rows(n), _sql.first_queued_rows(n)):
         plan = [r[3] for r in conn.execute("EXPLAIN QUERY PLAN " + sql, ["x"] * sql.count("?"))]

@@ -30,7 +30,7 @@ from ferry import Closed, flow
 from ferry.flow._fleet import _listener
 from ferry.flow._model import _machine as m
 from ferry.flow._model._values import Flow, Mailbox, Transition
-from ferry.flow._store import _notify, _store
+from ferry.flow._store import _batch, _notify, _op, _schema, _store
 from ferry.projected import PostgresStore
 from tests import pg, switches
 
@@ -245,7 +245,7 @@ async def test_a_batch_notifies_the_flows_it_settles_and_nothing_else(dsn: str) 
     plan.step(name="s")(_noop)
     shape = plan._close()
     async with PostgresStore(dsn, connections=1) as store:
-        await store.transact(_store.create_schema)
+        await store.transact(_schema.create_schema)
         with psycopg.connect(dsn, autocommit=True) as ear:
             (channel,) = ear.execute(f"SELECT {_notify.CHANNEL_SQL}").fetchone() or ("",)
             ear.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel)))
@@ -254,28 +254,26 @@ async def test_a_batch_notifies_the_flows_it_settles_and_nothing_else(dsn: str) 
                 return [n.payload for n in ear.notifies(timeout=0.2)]
 
             started = [m.start(shape, fid, "{}", 1.0) for fid in ("x", "y")]
-            await store.transact(
-                partial(_store.write_batch, ops=[_store.Create(t) for t in started])
-            )
+            await store.transact(partial(_batch.write_batch, ops=[_op.Create(t) for t in started]))
             assert heard() == []  # running: nobody's wait ends
 
             def complete(f: Flow, box: Mailbox) -> Transition:
                 return m.step_done(f, box, shape, None, "{}", 2.0)  # its one step: completed
 
-            ops = [_store.Change(t.flow.flow_id, complete, flow=t.flow) for t in started]
-            done = await store.transact(partial(_store.write_batch, ops=ops))
+            ops = [_op.Change(t.flow.flow_id, complete, flow=t.flow) for t in started]
+            done = await store.transact(partial(_batch.write_batch, ops=ops))
             revisions = [r.transition.flow.revision for r in done]  # type: ignore[union-attr]
             assert [json.loads(p) for p in heard()] == [[["x", revisions[0]], ["y", revisions[1]]]]
 
             # Rolled back (a publish that also starts a flow under a taken id): nothing.
             z = m.start(shape, "z", "{}", 3.0)
-            await store.transact(partial(_store.write_batch, ops=[_store.Create(z)]))
-            undone: list[_store.Op] = [
-                _store.Change("z", complete, flow=z.flow),
-                _store.Create(m.start(shape, "x", '{"another": "flow"}', 3.0)),
+            await store.transact(partial(_batch.write_batch, ops=[_op.Create(z)]))
+            undone: list[_op.Op] = [
+                _op.Change("z", complete, flow=z.flow),
+                _op.Create(m.start(shape, "x", '{"another": "flow"}', 3.0)),
             ]
-            with pytest.raises(_store.Undone):
-                await store.transact(partial(_store.write_all, ops=undone))
+            with pytest.raises(_batch.Undone):
+                await store.transact(partial(_batch.write_all, ops=undone))
             assert heard() == []
             assert (await store.transact(partial(_store.load, flow_id="z"))) == z.flow
 

@@ -241,6 +241,8 @@ async def _outcome_path(tmp_path: Path) -> Figures:
                 go.set()
                 await done.wait()
     finally:
+        recorder.on = False  # never left on past this test, whatever happened
+        sys.setprofile(None)
         await store.aclose()
     return recorder.figures()
 
@@ -258,21 +260,21 @@ ELSEWHERE = frozenset(
 
 async def test_a_wake_runs_no_closure_and_few_frames(tmp_path: Path) -> None:
     """Before: 23 frames deep (14 on the trio side, 9 on the store's thread) in 12 modules,
-    about 139 functions, 5 closures of the write path; after: 21 (13, 8) in 13, 134 to 141,
-    none."""
+    about 139 functions, 5 closures of the write path; after: 21 (13, 8) in 12 to 13, 134 to
+    147 functions (the store in files by job has a few more), none."""
     figures = await _wake_path(tmp_path)
     print("\n" + figures.line("one wake"))
     assert set(figures.closures) <= ELSEWHERE, figures
     assert figures.frames <= 21, figures
-    assert figures.functions <= 150, figures
+    assert figures.functions <= 160, figures
 
 
 async def test_a_step_outcome_runs_no_closure_and_few_frames(tmp_path: Path) -> None:
     """Before: 20 frames deep (12, 8) in 11 modules, 123 to 129 functions, 1 closure of the write
-    path (and a `_Held` object called on the store's thread); after: 19 (12, 7) in 11, 119 to
-    125, none."""
+    path (and a `_Held` object called on the store's thread); after: 19 (12, 7) in 11 to 12, 118
+    to 131, none."""
     figures = await _outcome_path(tmp_path)
     print("\n" + figures.line("one step outcome"))
     assert set(figures.closures) <= ELSEWHERE, figures
     assert figures.frames <= 19, figures
-    assert figures.functions <= 140, figures
+    assert figures.functions <= 145, figures

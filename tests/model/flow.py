@@ -10,7 +10,7 @@ Actors and their steps
 ----------------------
 - the store holds the durable row (`Flow`), the mailbox and (abstracted to what the properties
   need, see `Ghost`) the history. A write is atomic. It is either a compare-and-set on the
-  revision of the writer's copy (`_store.Change(flow=copy)`: the runner's writes, recovery's
+  revision of the writer's copy (`_op.Change(flow=copy)`: the runner's writes, recovery's
   `rerun`, a closing engine's `let_go`) or a transition applied to the held row (`Change`
   without `flow`: wake, cancel, resume, the timer's `timeout` with ``expected=`` the revision it
   was armed for). A transition sees the mailbox as the store shows it: ``message_id in seen``
@@ -178,7 +178,7 @@ Apply = Callable[[Flow, Mailbox], Transition]
 
 @attrs.frozen
 class Write:
-    """One write as an engine sends it to the store (`_store.Change`): `apply` runs on `copy`
+    """One write as an engine sends it to the store (`_op.Change`): `apply` runs on `copy`
     as a compare-and-set on its revision, or (`copy` None) on the held row; the transition sees
     the mailbox's `message_id` entry and, with `first_queued`, its first queued message."""
 
@@ -186,7 +186,7 @@ class Write:
     copy: Flow | None = None
     message_id: str | None = None
     first_queued: bool = False
-    #: the fleet's takeover (`_store.Change.lapsed_at`): the row must also be nobody's
+    #: the fleet's takeover (`_op.Change.lapsed_at`): the row must also be nobody's
     orphan: bool = False
     #: compare-and-set the copy's revision (None: as the protocol's `runner_cas` says)
     cas: bool | None = None
@@ -429,7 +429,7 @@ class FlowChecker(Search):
 
     def _write(self, m: S, w: Write) -> Transition | None:
         """What the store makes of `w` in state `m`: the transition, or None if the compare-and-set
-        is refused (`_store.Conflict`). Nothing is applied yet (`_record` does that)."""
+        is refused (`_op.Conflict`). Nothing is applied yet (`_record` does that)."""
         seen = m.mailbox.seen & {w.message_id} if w.message_id is not None else frozenset()
         view = Mailbox(m.mailbox.queued[:1] if w.first_queued else (), seen)
         if w.copy is None:

@@ -12,6 +12,7 @@ from ferry.flow._model import _invariants, _values
 from ferry.flow._model import _machine as fm
 from ferry.flow._model._types import CONTINUE, State, park
 from ferry.flow._model._values import EMPTY_MAILBOX, Flow, Message, Received, Shape, Transition
+from ferry.flow._store import _batch, _op, _schema
 from ferry.flow._store import _store as store
 from tests.flow._helpers import _InlineTx
 from tests.model.checker import Counterexample
@@ -245,7 +246,7 @@ def test_cancel_without_the_plan_version_keeps_the_flow_resumable(parked: bool) 
 
 
 class StoreMirror(FlowChecker):
-    """The model, with every write it makes also sent to the real store (`_store.write_batch`
+    """The model, with every write it makes also sent to the real store (`_batch.write_batch`
     on SQLite, from the model's state, then rolled back); both must agree on the result, the
     row, the mailbox and the history."""
 
@@ -253,7 +254,7 @@ class StoreMirror(FlowChecker):
         super().__init__(config)
         self.tx = _InlineTx(sqlite3.connect(":memory:", isolation_level=None))
         self.tx.execute("BEGIN")
-        store.create_schema(self.tx)
+        _schema.create_schema(self.tx)
         self.tx.execute("COMMIT")
         self.writes = 0
         self.drift = drift  # a model that forgets the mailbox's head (the check must see it)
@@ -265,7 +266,7 @@ class StoreMirror(FlowChecker):
         try:
             self._load(m)
             lapsed_at = m.now if w.orphan else None
-            op = store.Change(
+            op = _op.Change(
                 "f",
                 w.apply,
                 flow=w.copy,
@@ -273,15 +274,15 @@ class StoreMirror(FlowChecker):
                 first_queued=w.first_queued,
                 lapsed_at=lapsed_at,
             )
-            (result,) = store.write_batch(tx, [op])
+            (result,) = _batch.write_batch(tx, [op])
             if t is None:
                 assert w.copy is not None
-                refused = store.Conflict("f", w.copy.revision, m.row.revision, m.row.owner)
+                refused = _op.Conflict("f", w.copy.revision, m.row.revision, m.row.owner)
                 _agree("a refused write", result, refused)
                 _agree("the row", store.load(tx, "f"), m.row)
             else:
                 before = m.row if w.copy is None else w.copy
-                _agree("the transition", result, store.Changed(t, before))
+                _agree("the transition", result, _op.Changed(t, before))
                 _agree("the row", store.load(tx, "f"), t.flow if t.written else m.row)
                 _agree("the history", store.load_history(tx, "f"), list(t.events))
                 box = store.load_mailbox(tx, "f")
@@ -304,8 +305,8 @@ class StoreMirror(FlowChecker):
         for e, held in enumerate(m.leases):  # held: until well after now; lapsed: well before
             until = m.now + (100.0 if held else -100.0)
             store.heartbeat(self.tx, NAMES[e], until, m.now)
-        (created,) = store.write_batch(self.tx, [store.Create(Transition(m.row, EMPTY_MAILBOX, 0))])
-        assert isinstance(created, store.Created)
+        (created,) = _batch.write_batch(self.tx, [_op.Create(Transition(m.row, EMPTY_MAILBOX, 0))])
+        assert isinstance(created, _op.Created)
         payloads = {q.message_id: q.payload for q in m.mailbox.queued}
         received = tuple(
             Received(Message(mid, payloads.get(mid, "null")), taken=status == "taken")
@@ -315,7 +316,7 @@ class StoreMirror(FlowChecker):
         def mailbox(flow: Flow, box: Any) -> Transition:
             return Transition(flow, box, flow.revision, messages=received)
 
-        store.write_batch(self.tx, [store.Change("f", mailbox, flow=m.row)])
+        _batch.write_batch(self.tx, [_op.Change("f", mailbox, flow=m.row)])
 
 
 def _agree(what: str, real: object, model: object) -> None:

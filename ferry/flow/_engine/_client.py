@@ -44,7 +44,8 @@ from .._model import _checks, _values
 from .._model._errors import FlowError, IdReused, StoreLocked, UnknownFlow, UnknownPlan
 from .._model._plan import Plan
 from .._model._types import Delivery, Event, Json, Snapshot, State
-from .._store import _inbox, _notify, _sql, _store
+from .._runtime import _read
+from .._store import _dialect, _inbox, _notify, _schema, _sql, _store
 from .._store._sqlite_file import Written, check_path
 from . import _served
 from ._engine import Engine
@@ -117,7 +118,7 @@ async def _connected(
     else:
         db = store
     try:
-        if not await db.transact(_store.has_tables):
+        if not await db.transact(_schema.has_tables):
             raise ValueError(
                 f"{_where(db)} holds no flow tables: no flow engine has opened it (open an"
                 " engine on it first)"
@@ -173,8 +174,10 @@ class Client:
         file's lock is held meanwhile, so no engine can open it; PostgreSQL: nothing is
         held)."""
         if self._held is not None or (
-            self._store.dialect == "postgres"
-            and await self._store.transact(partial(_live_engines, now=time.time()))
+            _dialect.of(self._store).leases
+            and await _read.read(
+                self._store, partial(_live_engines, now=time.time()), "reading the engines' leases"
+            )
         ):
             yield
             return
@@ -298,15 +301,18 @@ class Client:
 
     async def get(self, flow_id: str) -> Snapshot | None:
         """The flow's durable state, read from the store (no engine needed); None if there is
-        no such flow."""
+        no such flow. `ferry.Failed` if the store failed (its cause the driver's error)."""
         fid = _checks.flow_id(flow_id)
-        flow = await self._store.transact(partial(_store.load, flow_id=fid))
+        load = partial(_store.load, flow_id=fid)
+        flow = await _read.read(self._store, load, f"reading flow {fid!r}")
         return None if flow is None else _values.snapshot(flow)
 
     async def history(self, flow_id: str) -> list[Event]:
-        """Every durable transition of the flow, in order (no engine needed). `UnknownFlow`."""
+        """Every durable transition of the flow, in order (no engine needed). `UnknownFlow`;
+        `ferry.Failed` if the store failed (its cause the driver's error)."""
         fid = _checks.flow_id(flow_id)
-        events = await self._store.transact(partial(_store.load_history, flow_id=fid))
+        load = partial(_store.load_history, flow_id=fid)
+        events = await _read.read(self._store, load, f"reading the history of {fid!r}")
         if events is None:
             raise UnknownFlow(f"no flow has id {fid!r}")
         return events
@@ -347,7 +353,9 @@ class Client:
         if answer == "pending":
             self.last = Receipt(rid, served=False, applied_by=None, pending=True)
             return None
-        by = await self._store.transact(partial(_answered_by, request_id=rid))
+        by = await _read.read(
+            self._store, partial(_answered_by, request_id=rid), f"reading request {rid!r}"
+        )
         self.last = Receipt(rid, served=not answer.get("client"), applied_by=by, pending=False)
         _raise(answer)
         return _served.decoded(answer["value"])
@@ -363,7 +371,7 @@ class Client:
                     with trio.move_on_after(_RETRY_DIRECT):
                         while True:
                             read = partial(_inbox.answer_of, request_id=rid)
-                            answer = await self._store.transact(read)
+                            answer = await _read.read(self._store, read, f"reading request {rid!r}")
                             if answer is not None:
                                 break
                             await changes.next()
@@ -381,8 +389,8 @@ class Client:
     async def _direct(self, kind: str, rid: str, body: dict[str, Json]) -> Any:
         """Apply the request here if no engine serves the store: its answer, ``"pending"``
         (a start or publish, left to the next engine), or None (an engine serves it)."""
-        if self._store.dialect == "postgres" and await self._store.transact(
-            partial(_live_engines, now=time.time())
+        if _dialect.of(self._store).leases and await _read.read(
+            self._store, partial(_live_engines, now=time.time()), "reading the engines' leases"
         ):
             return None
         if self._held is not None:
@@ -395,7 +403,8 @@ class Client:
 
     async def _apply(self, engine: Engine, kind: str, rid: str, body: dict[str, Json]) -> Any:
         """Apply the request with this client's operator's `engine` and write its answer."""
-        answer = await self._store.transact(partial(_inbox.answer_of, request_id=rid))
+        read = partial(_inbox.answer_of, request_id=rid)
+        answer = await _read.read(self._store, read, f"reading request {rid!r}")
         if answer is not None:
             return answer
         if kind in ("start", "publish"):
@@ -455,11 +464,11 @@ class _Changes:
 
     async def __aenter__(self) -> _Changes:
         path = getattr(self._store, "path", None)
-        if self._store.dialect == "sqlite" and isinstance(path, str):
+        if not _dialect.of(self._store).server and isinstance(path, str):
             self._written = Written(path)
             self._conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
             self._version = self._conn.execute("PRAGMA data_version").fetchone()[0]
-        elif self._store.dialect == "postgres":
+        elif _dialect.of(self._store).notifies:
             self._heard = Heard(str(getattr(self._store, "dsn", "")), self._channel_sql)
             await self._heard.open()
         else:

@@ -28,7 +28,7 @@ from .._model import _checks
 from .._model._plan import Plan
 from .._runtime import _observe, _retention, _tracing
 from .._runtime._config import Config
-from .._store import _store
+from .._store import _dialect, _schema
 from .._store._sqlite_file import EngineLock, check_path
 from . import _served
 from ._engine import Engine
@@ -223,14 +223,14 @@ async def _opened(
     try:
         _reach.check_clock(db)
         try:
-            await db.transact(_store.create_schema)
+            await db.transact(_schema.create_schema)
         except Exception as exc:
             failed = _reach.unreachable(db, exc)
             if failed is None:
                 raise
             raise failed from exc
         if switches.fleet is None:  # the mode, by the store: PostgreSQL's engines form a fleet
-            config = attrs.evolve(config, fleet=db.dialect == "postgres")
+            config = attrs.evolve(config, fleet=_dialect.of(db).leases)
         parts = Parts(db, registry, config)
         engine = Engine._create(db, registry, config, parts)
         async with _lifetime(engine, parts, config, db) as running:
@@ -327,9 +327,7 @@ async def _lifetime(
         ferry_cm = open_ferry(
             parts.writes.batch,
             max_batch_size=_BATCH_SIZE,
-            # PostgreSQL: three batches in flight leave one connection of a default store's
-            # four for lease renewals, scans and reads, which must not queue behind batches.
-            max_in_flight_batches=1 if store.dialect == "sqlite" else 3,
+            max_in_flight_batches=_dialect.of(store).batches_in_flight,
             max_queueing=1 << 40,
         )
     else:

@@ -31,7 +31,7 @@ from .._runtime._timer_loop import Timers
 from .._runtime._versions import Versions
 from .._runtime._waiters import Waiters
 from .._runtime._writes import Writes
-from .._store import _store
+from .._store import _op
 
 T = TypeVar("T")
 
@@ -125,7 +125,7 @@ class Parts:
 
     def begin(
         self,
-        write_ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None,
+        write_ferry: Callable[[_op.Op], Awaitable[_op.Result]] | None,
         nursery: trio.Nursery,
     ) -> None:
         """The block begins: write through `write_ferry`, run flows and tasks in `nursery`."""

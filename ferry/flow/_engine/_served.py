@@ -50,7 +50,7 @@ from .._fleet._asked import Listen
 from .._model._errors import FlowError, UnknownPlan
 from .._model._plan import Plan
 from .._model._types import Delivery, Json
-from .._store import _inbox
+from .._store import _dialect, _inbox
 from .._store._sqlite_file import Written
 from ._engine import Engine
 
@@ -195,13 +195,13 @@ async def serve(
 
     path = getattr(store, "path", None)
     watch: Watch | Listen | None
-    if store.dialect == "sqlite" and isinstance(path, str):
+    if not _dialect.of(store).server and isinstance(path, str):
         plans = json.dumps(sorted([name, version] for name, version in engine._plans))
         # a fleet (a test's on SQLite) has its lease rows: no heartbeat of its own then
         watch = Watch(
             path, engine._owner, incarnation, plans, tell, beat=not engine._parts.mode.shared
         )
-    elif store.dialect == "postgres":
+    elif _dialect.of(store).notifies:
         watch = Listen(str(getattr(store, "dsn", "")), engine._owner, tell)
     else:
         watch = None

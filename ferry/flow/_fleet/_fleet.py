@@ -31,7 +31,7 @@ from .._runtime._live import Live, Tally, about, named
 from .._runtime._recovery import answer_refused, rerun
 from .._runtime._versions import Versions
 from .._runtime._writes import Writes, gather
-from .._store import _store
+from .._store import _op, _store
 from ._lease import Lease, recheck
 
 _log = logging.getLogger("ferry.flow")
@@ -93,13 +93,13 @@ class Rounds:
             at, orphans = await store.transact(
                 partial(_store.orphans_on_clock, now=now, limit=room, plans=keys)
             )
-            ops: list[_store.Op] = []
+            ops: list[_op.Op] = []
             rows: list[Flow] = []
             for flow in orphans:
                 if flow.flow_id in writes.live:
                     continue  # let go a moment ago and not yet forgotten
                 take = _ops.TakeOver(self._owner, now)
-                op = _store.Change(flow.flow_id, take, flow=flow, lapsed_at=at)
+                op = _op.Change(flow.flow_id, take, flow=flow, lapsed_at=at)
                 ops.append(op)
                 rows.append(flow)
             results = await gather([partial(writes.write_answered, op) for op in ops])
@@ -107,11 +107,11 @@ class Rounds:
             refused = [
                 partial(answer, f, r)
                 for f, r in zip(rows, results, strict=True)
-                if isinstance(r, _store.Rejected)  # that flow's own problem (docs/adr/0104)
+                if isinstance(r, _op.Rejected)  # that flow's own problem (docs/adr/0104)
             ]
             if refused:
                 await gather(refused)
-            taken = [r for r in results if isinstance(r, _store.Changed)]
+            taken = [r for r in results if isinstance(r, _op.Changed)]
             self._tally.stats["claimed"] += len(taken)
             if taken:
                 _log.info(
@@ -244,13 +244,13 @@ def _took_from(rows: list[Flow], results: list[Any], owner: str) -> str:
     first``. A flow its engine let go (it closed) names it as well; this engine's own, taken
     back after its lease lapsed, is ``itself``."""
     froms = collections.Counter(
-        f.owner for f, r in zip(rows, results, strict=True) if isinstance(r, _store.Changed)
+        f.owner for f, r in zip(rows, results, strict=True) if isinstance(r, _op.Changed)
     )
     parts = [
         f"{n} from {'itself' if o == owner else 'no engine' if o is None else repr(o)}"
         for o, n in sorted(froms.items(), key=lambda item: (-item[1], str(item[0])))
     ]
-    lost = sum(isinstance(r, _store.Conflict) for r in results)
+    lost = sum(isinstance(r, _op.Conflict) for r in results)
     if lost:
         parts.append(f"{lost} another engine took first")
     return ", ".join(parts)

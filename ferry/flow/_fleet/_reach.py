@@ -26,21 +26,17 @@ import trio
 import trio.testing
 
 from ferry import Failed
+from ferry._text import masked, shown
 from ferry.projected import Store
-from ferry.projected._postgres import masked as masked
 
-
-def shown(spec: str) -> str:
-    """`spec` as the inspector and `open_engine` print it (quoted), with a DSN's password
-    masked."""
-    return repr(masked(spec))
+from .._store import _dialect
 
 
 def unreachable(store: Store, error: BaseException) -> Failed | None:
     """The `Failed` that `open_engine` raises for `error`, raised by the first transaction on a
     PostgreSQL `store`; None if `error` is not the driver's (the engine's own: raise it)."""
     psycopg = sys.modules.get("psycopg")  # never imported here: if absent, it raised nothing
-    if store.dialect != "postgres" or psycopg is None or not isinstance(error, psycopg.Error):
+    if not _dialect.of(store).server or psycopg is None or not isinstance(error, psycopg.Error):
         return None
     dsn = getattr(store, "dsn", None)
     where = shown(dsn) if isinstance(dsn, str) else repr(store)
@@ -59,7 +55,7 @@ def check_clock(store: Store) -> None:
     jumps on its own (see the module's docstring)."""
     clock = trio.lowlevel.current_clock()
     if (
-        store.dialect == "postgres"
+        _dialect.of(store).server
         and isinstance(clock, trio.testing.MockClock)
         and clock.autojump_threshold != math.inf
     ):

@@ -21,7 +21,7 @@ import math
 import traceback
 from typing import Any
 
-from ferry.projected import canonical_json
+from ferry._text import canonical_json
 
 from ._types import Fail, Json, Outcome, Park, _Complete, _Continue, fail, park
 

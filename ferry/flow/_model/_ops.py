@@ -2,7 +2,7 @@
 
 A `_store.Change` carries one of these (its `apply`) and, beside it, a `HolderRule`; the store
 runs it on the flow's row inside the transaction that records it, on the store's thread, by one
-function (`_store._transition.transition`). A record is plain data: frozen, with slots, equal by
+function (`_store._apply.run`). A record is plain data: frozen, with slots, equal by
 value and with a `repr` that names the transition and its arguments, e.g.
 ``Wake(message=Message(message_id='m-1', payload='{}'), now=12.5)``; the plan versions and shapes it
 reads are left out of the `repr`.

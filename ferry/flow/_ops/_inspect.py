@@ -13,7 +13,7 @@ that engine's API, or stop it first) and the next engine to open the file runs w
 made runnable. The reading commands take no lock and work while engines run.
 
 ``purge --finished-before TIME`` deletes finished flows by hand, as ``open_engine(retain=)``
-does (`_retention.purge`: batches of 500, safe beside running engines, on SQLite too: a
+does (`_store._purge`: batches of 500, safe beside running engines, on SQLite too: a
 finished flow is never written again). It counts them and asks first, unless ``--yes``.
 
 Output is a readable table, or JSON with ``--json``. Errors are one line on stderr: exit status
@@ -42,12 +42,13 @@ from typing import NoReturn
 
 import trio
 
+from ferry._text import shown
 from ferry.projected import PostgresStore, SqliteStore
 
+from .._model import _times
 from .._model._checks import shown_number
 from .._model._types import Json
-from .._runtime import _retention
-from .._store import _query
+from .._store import _purge, _query
 from . import _bulk
 from ._inspect_act import do_abandon, do_cancel, do_purge, do_resume, do_wake, so_far
 from ._inspect_read import (
@@ -59,7 +60,6 @@ from ._inspect_read import (
     is_dsn,
     one_line,
     open_store,
-    shown,
 )
 from ._trace_url import check as _trace_url_check
 
@@ -149,7 +149,13 @@ def _operator() -> str:
 def _before(text: str) -> float:
     now = time.time()
     try:
-        when = _retention.parse_before(text, now)
+        when = _times.read(text, now, units="smhdw")
+        if when is None:
+            raise ValueError(
+                f"{shown_number(text)} is not a time: give an ISO 8601 date or time"
+                " (2026-11-01, 2026-11-01T12:00:00Z; UTC unless it says otherwise) or an age"
+                " such as 7d, 12h, 30m, 90s, 2w"
+            )
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if when > now:
@@ -282,7 +288,7 @@ def parser() -> argparse.ArgumentParser:
     )
     purge.add_argument(
         "--state",
-        choices=_retention.FINISHED_STATES,
+        choices=_purge.FINISHED_STATES,
         help="only the flows that ended in this state (keep failed flows longer, say)",
     )
     purge.add_argument("--yes", action="store_true", help="delete without asking")

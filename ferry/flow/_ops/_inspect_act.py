@@ -26,8 +26,7 @@ from .._engine._client import Receipt, connect
 from .._model import _times
 from .._model._types import Delivery, Json, State
 from .._model._values import ACTIVE, Flow
-from .._runtime import _retention
-from .._store import _inbox, _query, _store
+from .._store import _inbox, _purge, _query, _store
 from . import _bulk
 from ._inspect_read import Problem, is_dsn, output, read_store
 
@@ -266,13 +265,26 @@ def _confirm(question: str) -> bool:
     return answer.strip().lower() in ("y", "yes")
 
 
+async def _purge_all(store: SqliteStore | PostgresStore, before: float, only: _purge.Only) -> int:
+    """Delete the finished flows `only` admits that ended before `before`, one batch per
+    transaction, paced as an engine's retention is (`_purge.pause_after`); how many."""
+    total = 0
+    while True:
+        began = trio.current_time()
+        deleted = await store.transact(partial(_purge.purge_batch, before=before, only=only))
+        total += len(deleted)
+        if len(deleted) < _purge.BATCH:
+            return total
+        await trio.sleep(_purge.pause_after(trio.current_time() - began))
+
+
 async def do_purge(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     """Count, ask, then delete in batches (the engine's purge: safe while engines serve the
     store, on SQLite too, since a finished flow is never written again)."""
     before = args.finished_before
     when = _times.iso(before)
-    only = _retention.Only(plan=args.plan, state=args.state)
-    count = partial(_retention.count_finished, before=before, only=only)
+    only = _purge.Only(plan=args.plan, state=args.state)
+    count = partial(_purge.count_finished, before=before, only=only)
     matched = await read_store(store, args.where, count)
     data: dict[str, Json] = {
         "finished_before": when,
@@ -302,5 +314,5 @@ async def do_purge(args: argparse.Namespace, store: SqliteStore | PostgresStore)
     ):
         output(args, "nothing deleted", data)
         return
-    data["deleted"] = deleted = await _retention.purge(store, before, only=only)
+    data["deleted"] = deleted = await _purge_all(store, before, only)
     output(args, f"deleted {deleted} finished flows{which} that ended before {when}", data)

@@ -21,15 +21,14 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from ferry._text import masked, shown
 from ferry.projected import PostgresStore, SqliteStore
 
-from .._fleet._reach import masked
-from .._fleet._reach import shown as shown
 from .._model import _times, _values
 from .._model._errors import FlowError
 from .._model._types import Json, State
 from .._model._values import ACTIVE, Flow
-from .._store import _inbox, _store, _triage
+from .._store import _inbox, _schema, _store, _triage
 from .._store._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
 from . import _bulk
 
@@ -56,20 +55,20 @@ _NO_ENGINE = (
 )
 
 
-def _check_dsn(spec: str, where: str) -> None:
+def _postgres(spec: str, where: str) -> PostgresStore:
+    """The store of DSN `spec`, not connected yet; `PostgresStore` checks the DSN (psycopg
+    installed, the DSN readable) as `open_engine`'s caller's store does."""
     try:
-        from psycopg.conninfo import conninfo_to_dict
+        return PostgresStore(spec, connections=1, connect_timeout=5.0)
     except ImportError:
         raise Problem(
             f"{where} looks like a PostgreSQL DSN, and PostgreSQL needs psycopg:"
             " pip install 'stm-ferry[postgres]'"
         ) from None
-    try:
-        conninfo_to_dict(spec)
-    except Exception as exc:
+    except ValueError as exc:
         raise Problem(
-            f"{where} is neither an SQLite file (there is no such file) nor a PostgreSQL DSN"
-            f" ({masked(_first_line(exc))})"
+            f"{where} is neither an SQLite file (there is no such file) nor a PostgreSQL DSN:"
+            f" {masked(_first_line(exc))}"
         ) from None
 
 
@@ -97,7 +96,7 @@ def _check_sqlite(spec: str, where: str) -> None:
     # A rollback-journal database: look at it read-only first.
     conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(spec))}?mode=ro", uri=True)
     try:
-        found = _store.has_tables(ReadOnlyTx(conn))
+        found = _schema.has_tables(ReadOnlyTx(conn))
     finally:
         conn.close()
     if not found:
@@ -109,8 +108,7 @@ def open_store(spec: str) -> SqliteStore | PostgresStore:
     no flow store, or a DSN that does not parse."""
     where = shown(spec)
     if is_dsn(spec):
-        _check_dsn(spec, where)
-        return PostgresStore(spec, connections=1, connect_timeout=5.0)
+        return _postgres(spec, where)
     _check_sqlite(spec, where)
     return SqliteStore(spec, create=False)  # a file removed meanwhile is an error, never made
 
@@ -122,7 +120,7 @@ async def read_store(
     writes nor delays them), after checking that the store has flow tables."""
 
     def both(tx: Any) -> Any:
-        if not _store.has_tables(tx):
+        if not _schema.has_tables(tx):
             raise Problem(_NO_FLOWS.format(where=where))
         return fn(tx)
 

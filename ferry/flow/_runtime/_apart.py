@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 
-from .._store._store import Op, Rejected, Result, Unwritten, op_flow_id
+from .._store._op import Op, Rejected, Result, Unwritten, op_flow_id
 from . import _retry
 
 Run = Callable[[Sequence[Op]], Awaitable[list[Result]]]

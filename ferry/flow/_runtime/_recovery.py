@@ -21,7 +21,7 @@ from ferry.projected import Store
 from .._model import _checks, _ops, _values
 from .._model._types import State
 from .._model._values import ACTIVE, Flow
-from .._store import _store
+from .._store import _batch, _op, _store
 from . import _retry
 from ._apart import write_apart
 from ._clock import Clock
@@ -72,20 +72,20 @@ async def rerun(writes: Writes, clock: Clock, versions: Versions, active: list[F
     unavailability is raised (the open fails, or the fleet's round does)."""
     now = clock.now()
     shapes = versions.shapes
-    ops: list[_store.Op] = []
+    ops: list[_op.Op] = []
     for flow in active:
         reason = _values.mismatch(flow, shapes.get((flow.plan, flow.version)))
         move = _ops.Rerun(now) if reason is None else _ops.Block(reason, now)
         holder = writes.holders.rule(outside=False)
-        ops.append(_store.Change(flow.flow_id, move, flow=flow, holder=holder))
+        ops.append(_op.Change(flow.flow_id, move, flow=flow, holder=holder))
     results = await gather([partial(writes.write_answered, op) for op in ops])
     refused = [
-        (flow, r) for flow, r in zip(active, results, strict=True) if isinstance(r, _store.Rejected)
+        (flow, r) for flow, r in zip(active, results, strict=True) if isinstance(r, _op.Rejected)
     ]
     if refused:
         await gather([partial(answer_refused, writes, clock, versions, f, r) for f, r in refused])
     return sum(
-        1 for r in results if isinstance(r, _store.Changed) and r.transition.flow.state in ACTIVE
+        1 for r in results if isinstance(r, _op.Changed) and r.transition.flow.state in ACTIVE
     )
 
 
@@ -94,7 +94,7 @@ async def answer_refused(
     clock: Clock,
     versions: Versions,
     flow: Flow,
-    rejected: _store.Rejected,
+    rejected: _op.Rejected,
     *,
     lapsed_at: float | None = None,
 ) -> None:
@@ -126,9 +126,9 @@ async def answer_refused(
             extra=about(flow),
         )
         holder = writes.holders.rule(outside=False)
-        op = _store.Change(flow.flow_id, answer, flow=flow, lapsed_at=lapsed_at, holder=holder)
+        op = _op.Change(flow.flow_id, answer, flow=flow, lapsed_at=lapsed_at, holder=holder)
         result = await writes.write_answered(op)
-        if not isinstance(result, _store.Rejected):
+        if not isinstance(result, _op.Rejected):
             return
         problem = f"{problem}; and refused that too: {_checks.describe(result.error)}"
         writes.left_as_it_is(flow, problem, result.error)
@@ -154,14 +154,12 @@ async def let_go_unbegun(store: Store, clock: Clock, writes: Writes) -> None:
         for live in writes.live.values()
         if live.began != live.flow.revision and live.flow.state in ACTIVE
     ]
-    ops: list[_store.Op] = [
-        _store.Change(flow.flow_id, _ops.LetGo(now), flow=flow) for flow in unbegun
-    ]
+    ops: list[_op.Op] = [_op.Change(flow.flow_id, _ops.LetGo(now), flow=flow) for flow in unbegun]
     if not ops:
         return
 
-    async def run(batch: Sequence[_store.Op]) -> list[_store.Result]:
-        return await store.transact(partial(_store.write_batch, ops=batch, guard=writes.guard))
+    async def run(batch: Sequence[_op.Op]) -> list[_op.Result]:
+        return await store.transact(partial(_batch.write_batch, ops=batch, guard=writes.guard))
 
     try:
         results = await write_apart(run, ops)
@@ -169,7 +167,7 @@ async def let_go_unbegun(store: Store, clock: Clock, writes: Writes) -> None:
         _retry.next_round(exc, f"letting go of {len(ops)} flows not begun, at close")
         return
     for flow, result in zip(unbegun, results, strict=True):
-        if isinstance(result, _store.Rejected):  # its own problem (docs/adr/0117)
+        if isinstance(result, _op.Rejected):  # its own problem (docs/adr/0117)
             _log.warning(
                 "%s is left as it is at close, not let go: the database refused that write: %s"
                 " (its next run counts as attempt + 1)",

@@ -29,8 +29,8 @@ from .._model._errors import IdReused, UnknownPlan
 from .._model._plan import Plan
 from .._model._types import IGNORE, Delivery, Json, Start, Wake
 from .._model._values import Message, Shape
-from .._store import _store
-from . import _tracing
+from .._store import _batch, _op, _store
+from . import _read, _tracing
 from ._clock import Clock
 from ._config import Config
 from ._live import Tally
@@ -73,21 +73,16 @@ class Requests:
         self._fleet_known: tuple[object, _ops.Known] = (None, self._own)
 
     async def read(self, fn: Callable[[Any], T], what: str) -> T:
-        """A read of an API call: a store error is raised as `ferry.Failed` (its cause the
-        driver's error), never as the driver's exception. A checkpoint."""
-        try:
-            return await self._store.transact(fn)
-        except Exception as exc:
-            raise Failed(f"the flow store failed while {what}: {exc!r}") from exc
+        """A read of an API call (`_read.read`: a store error is `ferry.Failed`). A
+        checkpoint."""
+        return await _read.read(self._store, fn, what)
 
     # -------------------------------------------------------------------------- plan versions
 
-    async def _known(self) -> _ops.Known:
-        """The plan versions whose transitions this engine may ask for: its own plans; for an
-        operator's engine also every version any engine registered in the store (read anew on
-        every call: an operator's calls are few, and a deploy may have added one)."""
-        if self._serve:
-            return self._own
+    async def _stored(self) -> _ops.Known:
+        """The plan versions whose transitions an operator's engine may ask for: its own plans
+        and every version any engine registered in the store (read anew on every call: an
+        operator's calls are few, and a deploy may have added one)."""
         stored = await self.read(_store.load_plans, "reading the registered plans")
         return _ops.Known({**{(sh.name, sh.version): sh for sh, _at in stored}, **self._shapes})
 
@@ -108,11 +103,11 @@ class Requests:
 
         In a fleet a version this engine lacks but a live engine has is not missing (a rolling
         deploy, `_versions`): its shape comes from the store and the flow is left to an engine
-        with the version (`Writes.holder`). The engine keeps those versions from its last scan;
+        with the version (`Writes.holders`). The engine keeps those versions from its last scan;
         for a version it does not know of yet, the op is answered `_ops.Unseen` (nothing is
         written) and the request runs again on a fresh read."""
         if not self._shared or not self._serve:
-            return await call(await self._known())
+            return await call(self._own if self._serve else await self._stored())
         answer = await call(self._fleet_versions())
         if not _unseen(answer):
             return answer
@@ -159,12 +154,10 @@ class Requests:
         data = {} if data is None else data
         return shape, fid, _checks.json_object_text(data, what, max_bytes=self._max_data)
 
-    def _start_op(
-        self, shape: Shape, fid: str, text: str, trace: str | None = None
-    ) -> _store.Create:
+    def _start_op(self, shape: Shape, fid: str, text: str, trace: str | None = None) -> _op.Create:
         """The op of a start whose input was checked (`_start_input`)."""
         owner = self._owner if self._serve else None
-        return _store.Create(m.start(shape, fid, text, self._clock.now(), owner=owner, trace=trace))
+        return _op.Create(m.start(shape, fid, text, self._clock.now(), owner=owner, trace=trace))
 
     async def wake(self, flow_id: str, payload: Json, message_id: str | None) -> Delivery:
         """`Engine.wake`."""
@@ -178,7 +171,7 @@ class Requests:
 
     async def _wake(
         self, flow_id: str, text: str, message_id: str | None, known: _ops.Known
-    ) -> _store.Result:
+    ) -> _op.Result:
         return await self._writes.request(self._wake_op(flow_id, text, message_id, known))
 
     def _wake_input(self, flow_id: str, payload: Json, message_id: str | None, what: str) -> str:
@@ -190,16 +183,16 @@ class Requests:
 
     def _wake_op(
         self, flow_id: str, text: str, message_id: str | None, known: _ops.Known
-    ) -> _store.Change:
+    ) -> _op.Change:
         """The op of a wake whose input was checked (`_wake_input`: `text` is its payload),
         computed with the versions `known` (`versioned`)."""
         message = Message(uuid.uuid4().hex if message_id is None else message_id, text)
         wake = _ops.Wake(message, self._clock.now(), known=known)
         holder = self._writes.holders.rule(outside=True)
-        return _store.Change(flow_id, wake, message_id=message_id, holder=holder)
+        return _op.Change(flow_id, wake, message_id=message_id, holder=holder)
 
-    def _delivered(self, result: _store.Result) -> Delivery:
-        if isinstance(result, _store.Changed):
+    def _delivered(self, result: _op.Result) -> Delivery:
+        if isinstance(result, _op.Changed):
             assert result.transition.delivery is not None
             return result.transition.delivery
         self._tally.wakes[Delivery.UNKNOWN] += 1
@@ -216,7 +209,7 @@ class Requests:
         now = self._clock.now()
         cancel = partial(_ops.Cancel, reason, now)
         result = await self.versioned(partial(self._outside, fid, cancel))
-        return isinstance(result, _store.Changed) and result.transition.done
+        return isinstance(result, _op.Changed) and result.transition.done
 
     async def resume(self, flow_id: str) -> bool:
         """`Engine.resume`."""
@@ -224,7 +217,7 @@ class Requests:
         now = self._clock.now()
         resume = partial(_ops.Resume, now)
         result = await self.versioned(partial(self._outside, fid, resume, first_queued=True))
-        return isinstance(result, _store.Changed) and result.transition.done
+        return isinstance(result, _op.Changed) and result.transition.done
 
     async def abandon(self, flow_id: str, reason: str, by: str | None) -> bool:
         """`Engine.abandon`."""
@@ -235,7 +228,7 @@ class Requests:
         now = self._clock.now()
         abandon = partial(_ops.Abandon, reason, by, now)
         result = await self.versioned(partial(self._outside, fid, abandon))
-        return isinstance(result, _store.Changed) and result.transition.done
+        return isinstance(result, _op.Changed) and result.transition.done
 
     async def _outside(
         self,
@@ -244,10 +237,10 @@ class Requests:
         known: _ops.Known,
         *,
         first_queued: bool = False,
-    ) -> _store.Result:
+    ) -> _op.Result:
         """Write an outside request's record, ``move(known=known)``, on the flow `flow_id`."""
         holder = self._writes.holders.rule(outside=True)
-        op = _store.Change(flow_id, move(known=known), first_queued=first_queued, holder=holder)
+        op = _op.Change(flow_id, move(known=known), first_queued=first_queued, holder=holder)
         return await self._writes.request(op)
 
     # ---------------------------------------------------------------------------- publishing
@@ -276,7 +269,7 @@ class Requests:
     async def publish(self, decisions: list[Wake | Start | None]) -> list[Delivery | str | None]:
         """Apply checked `decisions` (`decision`) all or nothing; `Engine.publish`."""
         # Checked and built before anything is written: a start's op (its flow), a wake's text.
-        built: list[_store.Create | str | None] = []
+        built: list[_op.Create | str | None] = []
         for d in decisions:
             if isinstance(d, Wake):
                 built.append(self._wake_input(d.flow_id, d.payload, d.message_id, "Wake."))
@@ -300,7 +293,7 @@ class Requests:
         for b in built:
             if b is None:
                 results.append(None)
-            elif isinstance(b, _store.Create):
+            elif isinstance(b, _op.Create):
                 results.append(_started(b, next(answers)))
             else:
                 answer = next(answers)
@@ -312,22 +305,22 @@ class Requests:
     async def _publish(
         self,
         decisions: list[Wake | Start | None],
-        built: list[_store.Create | str | None],
+        built: list[_op.Create | str | None],
         known: _ops.Known,
-    ) -> list[_store.Result]:
+    ) -> list[_op.Result]:
         """The ops of a `publish` in one all-or-nothing batch; their results (with an
         `_ops.Unseen` among them if one op's version was not seen yet: nothing was written,
         `versioned` runs it again)."""
-        ops: list[_store.Op] = []
+        ops: list[_op.Op] = []
         for d, b in zip(decisions, built, strict=True):
             if isinstance(d, Wake):
                 assert isinstance(b, str)
                 ops.append(self._wake_op(d.flow_id, b, d.message_id, known))
-            elif isinstance(b, _store.Create):
+            elif isinstance(b, _op.Create):
                 ops.append(b)
         try:
             return await self._writes.batch(ops, whole=True)
-        except _store.Undone as undone:
+        except _batch.Undone as undone:
             if _unseen(undone.results):
                 return undone.results
             _undone(ops, undone.results)
@@ -335,10 +328,10 @@ class Requests:
             raise Failed(f"the flow store raised {exc!r}; nothing was applied") from exc
 
 
-def _started(op: _store.Create, result: _store.Result) -> str:
+def _started(op: _op.Create, result: _op.Result) -> str:
     """The flow id of a start, unless its id is taken by another flow (`IdReused`)."""
     fid = op.transition.flow.flow_id
-    if isinstance(result, _store.Existing) and not result.same:
+    if isinstance(result, _op.Existing) and not result.same:
         raise IdReused(
             f"flow id {fid!r} is already used by a flow of plan {result.flow.plan!r} with"
             " other start data; nothing was stored (pick another id, or send the same data)"
@@ -346,12 +339,12 @@ def _started(op: _store.Create, result: _store.Result) -> str:
     return fid
 
 
-def _undone(ops: list[_store.Op], results: list[_store.Result]) -> NoReturn:
+def _undone(ops: list[_op.Op], results: list[_op.Result]) -> NoReturn:
     """Raise why an all-or-nothing batch (a `publish`) was rolled back."""
     for op, result in zip(ops, results, strict=True):
-        if isinstance(result, _store.Refused):
+        if isinstance(result, _op.Refused):
             raise result.error
-        if isinstance(op, _store.Create):
+        if isinstance(op, _op.Create):
             _started(op, result)  # raises IdReused
     raise AssertionError(f"a publish was rolled back for no reason: {results!r}")
 
@@ -363,9 +356,9 @@ def _unseen(answer: object) -> bool:
     return isinstance(answer, _ops.Unseen)
 
 
-def _traced_wake(tracing: _tracing.Tracing, result: _store.Result, began: int) -> None:
+def _traced_wake(tracing: _tracing.Tracing, result: _op.Result, began: int) -> None:
     """The ``wake`` span of a wake that found its flow, in that flow's trace (ADR 0104)."""
-    if isinstance(result, _store.Changed) and result.transition.delivery is not None:
+    if isinstance(result, _op.Changed) and result.transition.delivery is not None:
         flow = result.transition.flow
         tracing.moved("wake", flow, result.before.step, began, result.transition.delivery.name)
 

@@ -3,7 +3,8 @@
 A flow that ended (`COMPLETED` or `FAILED`) is never written again, so its last write
 (``updated_at``) is when it ended. An engine opened with ``retain=SECONDS`` deletes the flows
 that ended more than that long ago (`Retention`, a task of the engine); the inspector's
-``purge --finished-before`` does the same by hand (`purge`). `BLOCKED` flows are kept: they wait
+``purge --finished-before`` does the same by hand. Both delete with the store's
+`_purge.purge_batch`, one batch per transaction. `BLOCKED` flows are kept: they wait
 for an operator. Each round also deletes the clients' requests answered that long ago
 (`_inbox.prune`, docs/adr/0125; a pending one is kept).
 
@@ -33,29 +34,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Final
+from typing import Final
 
-import attrs
 import trio
 
-from ferry.projected import Store, Tx
+from ferry.projected import Store
 
 from .._model import _checks, _times
-from .._store import _inbox, _sql, _store
+from .._store import _inbox, _purge
 from . import _retry
 
 _log = logging.getLogger("ferry.flow")
 
 #: How long an engine keeps a finished flow unless told otherwise (``open_engine(retain=)``).
 DEFAULT_RETAIN: Final = 30 * 86400.0
-#: Flows deleted per transaction, at most.
-BATCH: Final = 500
-#: The shortest pause between two batches (seconds); a batch that took longer pauses as long.
-PAUSE_MIN: Final = 0.05
 #: How often an engine purges: every ``retain / 4``, within these bounds (seconds).
 EVERY_MIN: Final = 0.05
 EVERY_MAX: Final = 600.0
-_FINISHED = f"state {_sql.IN_FINISHED}"  # as the index of finished flows says it
 
 
 def check_retain(retain: object) -> float | None:
@@ -74,121 +69,6 @@ def check_retain(retain: object) -> float | None:
     return float(retain)
 
 
-# ------------------------------------------------------------------------ the SQL (one batch)
-
-
-FINISHED_STATES: Final = ("COMPLETED", "FAILED")
-#: Free pages an SQLite purge batch gives back to the file system, at most (4 KiB each).
-RECLAIM_PAGES: Final = 4096
-
-
-@attrs.frozen
-class Only:
-    """Which finished flows a purge may delete: of this plan (its name) and in this state
-    (``"COMPLETED"`` or ``"FAILED"``); None is any."""
-
-    plan: str | None = None
-    state: str | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.in_(FINISHED_STATES))
-    )
-
-    def sql(self) -> tuple[str, tuple[str, ...]]:
-        """The extra ``WHERE`` terms (each starting with AND) and their parameters."""
-        terms, params = "", []
-        if self.plan is not None:
-            terms += " AND plan = ?"
-            params.append(self.plan)
-        if self.state is not None:
-            terms += " AND state = ?"
-            params.append(self.state)
-        return terms, tuple(params)
-
-
-ANY: Final = Only()
-
-
-def reclaim(tx: Tx, pages: int = RECLAIM_PAGES) -> int:
-    """On SQLite, give free pages back to the file system in this transaction (the file
-    shrinks), at most `pages`; how many. Only a file in incremental auto-vacuum mode (what
-    `SqliteStore` makes of a new file) can; in another one, and on PostgreSQL (autovacuum
-    makes the space reusable, not smaller), this does nothing."""
-    if tx.dialect != "sqlite" or tx.execute("PRAGMA auto_vacuum")[0][0] != 2:
-        return 0
-    free = min(int(tx.execute("PRAGMA freelist_count")[0][0]), pages)
-    for _ in range(free):  # Python's sqlite3 steps the pragma once: one page per statement
-        tx.execute("PRAGMA incremental_vacuum(1)")
-    return free
-
-
-def purge_batch(
-    tx: Tx,
-    before: float,
-    *,
-    limit: int = BATCH,
-    guard: float | None = None,
-    only: Only = ANY,
-) -> list[str]:
-    """Delete at most `limit` finished flows whose last write is earlier than `before` (and
-    that `only` admits), with their history and mailbox rows, in this transaction; the ids
-    deleted (oldest first). On SQLite the pages freed go back to the file system (`reclaim`).
-
-    Safe against concurrent purges and writes (see the module doc). Cost: one index range scan
-    for the batch, and one ``DELETE`` per table keyed by flow id."""
-    _store.guard_locks(tx, guard)
-    flows = _sql.FLOWS
-    terms, params = only.sql()
-    pick = (
-        f"SELECT flow_id FROM {flows} WHERE {_FINISHED} AND updated_at < ?{terms}"
-        f" ORDER BY updated_at LIMIT {int(limit)}"
-    )
-    if tx.dialect == "postgres":
-        ids = [r[0] for r in tx.execute(pick + " FOR UPDATE SKIP LOCKED", (before, *params))]
-        if not ids:
-            return []
-        deleted = [
-            r[0]
-            for r in tx.execute(
-                f"DELETE FROM {flows} WHERE flow_id = ANY(?) AND {_FINISHED}"
-                " AND updated_at < ? RETURNING flow_id",
-                (ids, before),
-            )
-        ]
-        if deleted:
-            tx.execute(f"DELETE FROM {_sql.HISTORY} WHERE flow_id = ANY(?)", (deleted,))
-            tx.execute(f"DELETE FROM {_sql.MAILBOX} WHERE flow_id = ANY(?)", (deleted,))
-    else:
-        ids = [r[0] for r in tx.execute(pick, (before, *params))]
-        if not ids:
-            return []
-        marks = ", ".join("?" * len(ids))
-        deleted = [
-            r[0]
-            for r in tx.execute(
-                f"DELETE FROM {flows} WHERE flow_id IN ({marks}) AND {_FINISHED}"
-                " AND updated_at < ? RETURNING flow_id",
-                (*ids, before),
-            )
-        ]
-        if deleted:
-            marks = ", ".join("?" * len(deleted))
-            tx.execute(f"DELETE FROM {_sql.HISTORY} WHERE flow_id IN ({marks})", deleted)
-            tx.execute(f"DELETE FROM {_sql.MAILBOX} WHERE flow_id IN ({marks})", deleted)
-            reclaim(tx)
-    order = {fid: i for i, fid in enumerate(ids)}
-    return sorted(deleted, key=order.__getitem__)
-
-
-def count_finished(tx: Tx, before: float, only: Only = ANY) -> int:
-    """How many finished flows (that `only` admits) have their last write earlier than
-    `before` (the index)."""
-    terms, params = only.sql()
-    rows = tx.execute(
-        f"SELECT COUNT(*) FROM {_sql.FLOWS} WHERE {_FINISHED} AND updated_at < ?{terms}",
-        (before, *params),
-    )
-    return int(rows[0][0])
-
-
 # ------------------------------------------------------------------------------ the purge
 
 
@@ -196,15 +76,15 @@ async def purge(
     store: Store,
     before: float,
     *,
-    batch: int = BATCH,
+    batch: int = _purge.BATCH,
     guard: float | None = None,
     on_batch: Callable[[int], object] | None = None,
-    only: Only = ANY,
+    only: _purge.Only = _purge.ANY,
 ) -> int:
     """Delete every finished flow whose last write is earlier than `before` (wall-clock
-    seconds) and that `only` admits, one batch of at most `batch` flows per transaction,
-    pausing between batches (at least `PAUSE_MIN`, and as long as the last batch took); how
-    many this call deleted.
+    seconds) and that `only` admits, one batch of at most `batch` flows per transaction
+    (`_purge.purge_batch`), pausing between batches (`_purge.pause_after`); how many this call
+    deleted.
 
     A checkpoint. Cancelled between batches, it stops there (what was deleted stays deleted);
     `on_batch(n)` is called after each committed batch. A store error is raised as it is."""
@@ -212,7 +92,7 @@ async def purge(
     while True:
         began = trio.current_time()
         deleted = await store.transact(
-            partial(purge_batch, before=before, limit=batch, guard=guard, only=only)
+            partial(_purge.purge_batch, before=before, limit=batch, guard=guard, only=only)
         )
         n = len(deleted)
         total += n
@@ -229,7 +109,7 @@ async def purge(
         if n < batch:
             await trio.lowlevel.checkpoint()
             return total
-        await trio.sleep(max(PAUSE_MIN, trio.current_time() - began))
+        await trio.sleep(_purge.pause_after(trio.current_time() - began))
 
 
 class Retention:
@@ -276,25 +156,3 @@ class Retention:
                     extra={"purged": n},
                 )
             await trio.sleep(self.every)
-
-
-# ------------------------------------------------------------------- times for the inspector
-
-
-def parse_before(text: str, now: float) -> float:
-    """A time given by an operator, as wall-clock seconds: ISO 8601 (``2026-11-01``,
-    ``2026-11-01T12:00:00Z``; without a zone, UTC) or an age before `now` (``7d``, ``12h``,
-    ``30m``, ``90s``, ``2w``). `ValueError` naming both forms otherwise."""
-    when = _times.read(text, now, units="smhdw")
-    if when is None:
-        raise ValueError(
-            f"{_checks.shown_number(text)} is not a time: give an ISO 8601 date or time"
-            " (2026-11-01, 2026-11-01T12:00:00Z; UTC unless it says otherwise) or an age such as"
-            " 7d, 12h, 30m, 90s, 2w"
-        )
-    return when
-
-
-def describe(before: float, now: float) -> dict[str, Any]:
-    """``before`` for the inspector's output: ISO 8601 and how long ago."""
-    return {"before": _times.iso(before), "age_seconds": round(now - before, 3)}

@@ -16,7 +16,7 @@ Unavailable (`unavailable`):
   (serialization failure) and ``40P01`` (deadlock detected), class ``53`` (insufficient
   resources: too many connections, out of memory, disk full), ``57P01``-``57P03`` (the server
   is shutting down, crashed or is starting), and ``25P03`` (the server ended one of our
-  transactions that sat idle too long, see `_store.guard_locks`).
+  transactions that sat idle too long, see `_batch.guard_locks`).
 - `ferry.Failed` whose cause (``__cause__``) is one of those: a batch that went through a ferry.
 - `ferry.Failed` whose cause is `trio.TooSlowError`: the write ferry cancelled a batch that ran
   past its ``call_timeout`` (a store that did not answer in time, or a process that was frozen

@@ -34,7 +34,7 @@ from .._model import _checks, _ops, _values
 from .._model._plan import StepDef
 from .._model._types import Context, MisusedOutcome, Park, State
 from .._model._values import Flow, Shape
-from .._store import _store
+from .._store import _op
 from . import _observe, _retry
 from ._clock import Clock
 from ._config import Config
@@ -461,7 +461,7 @@ class Runner:
         writes = self._writes
         flow = live.flow
         holder = writes.holders.rule(outside=False)
-        op = _store.Change(flow.flow_id, move, flow=flow, first_queued=first_queued, holder=holder)
+        op = _op.Change(flow.flow_id, move, flow=flow, first_queued=first_queued, holder=holder)
         try:  # the first try without `_retry.retrying`'s objects: the common case
             result = await writes.write_answered(op)
         except Exception as exc:
@@ -473,9 +473,9 @@ class Runner:
                 extra=partial(about, flow),  # made only for a retry's WARNING, as its `what`
                 failed=exc,
             )
-        if isinstance(result, _store.Changed):
+        if isinstance(result, _op.Changed):
             return True
-        if isinstance(result, _store.Rejected):
+        if isinstance(result, _op.Rejected):
             if fallback is not None:  # even the write that fails the flow was refused
                 problem = f"{fallback}; and refused that too: {_checks.describe(result.error)}"
                 writes.left_as_it_is(flow, problem, result.error)
@@ -486,7 +486,7 @@ class Runner:
             await _read_again(writes, live, flow)
         return False
 
-    async def _fail_refused(self, live: Live, rejected: _store.Rejected) -> None:
+    async def _fail_refused(self, live: Live, rejected: _op.Rejected) -> None:
         """The database refused a write of the flow this runner drives (its row alone, ADR
         0063): fail the flow with that error (`_refusal`), its problem alone."""
         flow = live.flow
@@ -496,7 +496,7 @@ class Runner:
 
 
 def _refusal(
-    flow: Flow, shape: Shape | None, rejected: _store.Rejected, now: float
+    flow: Flow, shape: Shape | None, rejected: _op.Rejected, now: float
 ) -> tuple[_ops.Move, str]:
     """The write that fails `flow` whose write the database refused (a running step
     compensates; a compensation blocks), and why."""

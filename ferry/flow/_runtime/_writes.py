@@ -5,9 +5,9 @@ Every durable change of every flow, whoever asks for it (the runner of the flow,
 a cancel, a resume, recovery, a takeover), is one store op: a pure transition run on the flow's
 row inside the transaction that records it, compare-and-set on the row's revision (docs/adr/0020).
 An op names its transition as a record (`_model._ops`: ``Wake(...)``, ``StepDone(...)``), which
-the store runs on its own thread (`_store._transition`, docs/adr/0130). The ops go through one
+the store runs on its own thread (`_store._apply.run`, docs/adr/0130). The ops go through one
 plain ferry whose batch call (`Writes.batch`) runs a whole batch in one `store.transact`
-(`_store.write_batch`): concurrent flows share transactions (group commit), and an op whose
+(`_batch.write_batch`): concurrent flows share transactions (group commit), and an op whose
 compare-and-set fails is answered alone with `Conflict` while the others commit (docs/adr/0022).
 A row the database refuses is answered `Rejected` to its op alone (ADR 0063).
 
@@ -43,8 +43,8 @@ from ferry.projected import Store
 from .._model import _checks, _ops
 from .._model._types import State
 from .._model._values import ACTIVE, Flow, Shape, Transition
-from .._store import _store
-from . import _observe, _retry
+from .._store import _batch, _op, _store
+from . import _observe, _read, _retry
 from ._apart import split
 from ._clock import Clock
 from ._config import Config
@@ -87,13 +87,13 @@ class _Flight:
 
     __slots__ = ("done", "error", "ops", "results")
 
-    def __init__(self, ops: Sequence[_store.Op]) -> None:
+    def __init__(self, ops: Sequence[_op.Op]) -> None:
         self.ops = ops
         self.done = trio.Event()
-        self.results: list[_store.Result] | None = None
+        self.results: list[_op.Result] | None = None
         self.error: BaseException | None = None
 
-    def landed(self, op: _store.Op) -> _store.Result:
+    def landed(self, op: _op.Op) -> _op.Result:
         """The answer `Writes.write` would have given `op`, written by this batch, to a caller
         that was cancelled while the batch ran (`Writes.request`)."""
         if self.results is None:
@@ -173,14 +173,14 @@ class Writes:
         self._mode = mode  # one file, or a fleet's leases (PostgreSQL): picked once
         self._group_commit = config.group_commit
         # How long the database lets one of this engine's transactions sit idle with its locks
-        # (`_store.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
+        # (`_batch.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
         # longer than this.
         self.guard = mode.guard
         self._seen = seen  # every committed row of a flow, for those who wait for it
         self._refused = refused  # a flow whose every write is refused, for those who wait for it
         self._runnable = runnable  # a flow became live: give it a runner
         self._arm = arm  # a flow parked with a deadline
-        self._ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None = None
+        self._ferry: Callable[[_op.Op], Awaitable[_op.Result]] | None = None
         self.live = live  # empty at first (`_waiters.Held`: it tells the waits what comes and goes)
         # The ops of API calls (`request`) on their way through the ferry, by id: None while
         # they wait for a batch, then the batch that took them (`_Flight`).
@@ -188,7 +188,7 @@ class Writes:
         self.holders = Holders(versions, owner=owner, serve=serve, shared=mode.shared)
         self._own = _ops.Known(self._versions.shapes)  # a timeout's versions: its own
 
-    def open(self, write_ferry: Callable[[_store.Op], Awaitable[_store.Result]] | None) -> None:
+    def open(self, write_ferry: Callable[[_op.Op], Awaitable[_op.Result]] | None) -> None:
         """Write through `write_ferry` from now on (group commit; None: one transaction each)."""
         self._ferry = write_ferry
 
@@ -203,7 +203,7 @@ class Writes:
 
     # ------------------------------------------------------------------------------- writes
 
-    async def write(self, op: _store.Op) -> _store.Result:
+    async def write(self, op: _op.Op) -> _op.Result:
         """One op, durable when this returns; through the ferry (group commit) or alone.
 
         Raises `ferry.Failed` if the transaction failed or the database refused this op's row
@@ -212,8 +212,8 @@ class Writes:
         """
         return _unless_rejected(await self.write_answered(op))
 
-    async def write_answered(self, op: _store.Op) -> _store.Result:
-        """`write`, but a row the database refused is answered (`_store.Rejected`), not
+    async def write_answered(self, op: _op.Op) -> _op.Result:
+        """`write`, but a row the database refused is answered (`_op.Rejected`), not
         raised: a runner fails its flow with it."""
         if self._group_commit:
             if self._ferry is None:
@@ -226,7 +226,7 @@ class Writes:
                 raise Failed(f"the flow store raised {exc!r}") from exc
         return _answered(result)
 
-    async def request(self, op: _store.Op) -> _store.Result:
+    async def request(self, op: _op.Op) -> _op.Result:
         """An API call's write: a cancel point first, then the write, so that a call that raises
         `Cancelled` did not happen, and one that wrote returns its result (or raises as
         `write`).
@@ -263,9 +263,9 @@ class Writes:
         none.)"""
         return self._serve and flow.state in ACTIVE and self._mode.holds(flow)
 
-    async def batch(self, ops: list[_store.Op], *, whole: bool = False) -> list[_store.Result]:
+    async def batch(self, ops: list[_op.Op], *, whole: bool = False) -> list[_op.Result]:
         """The ferry's batch call: every op in one transaction, then their effects in memory.
-        With `whole` (a `publish`), all or nothing: `_store.Undone` if one op was not applied.
+        With `whole` (a `publish`), all or nothing: `_batch.Undone` if one op was not applied.
 
         A transaction the database rolled back on its own (a deadlock or a serialization
         failure: SQLSTATE class 40; nothing of it was written) is run again, up to 3 times.
@@ -296,19 +296,19 @@ class Writes:
             results = await self._batch(ops, whole)
         return results
 
-    async def _batch(self, ops: list[_store.Op], whole: bool) -> list[_store.Result]:
+    async def _batch(self, ops: list[_op.Op], whole: bool) -> list[_op.Result]:
         if whole:
-            return await self._transact(ops, _store.write_all)
+            return await self._transact(ops, _batch.write_all)
         try:  # `_apart.write_apart`, its first try inline: the common case
-            return await self._transact(ops, _store.write_batch)
+            return await self._transact(ops, _batch.write_batch)
         except Exception as exc:
             if _retry.unavailable(exc):
                 raise
-            return await split(partial(self._transact, write=_store.write_batch), ops, exc)
+            return await split(partial(self._transact, write=_batch.write_batch), ops, exc)
 
     async def _transact(
-        self, ops: Sequence[_store.Op], write: Callable[..., list[_store.Result]]
-    ) -> list[_store.Result]:
+        self, ops: Sequence[_op.Op], write: Callable[..., list[_op.Result]]
+    ) -> list[_op.Result]:
         """`ops` in one transaction (retried if the database rolled it back on its own), then
         their effects in memory, in commit order."""
         epoch = self.epoch
@@ -323,21 +323,21 @@ class Writes:
             self._applied(op, result, epoch)
         return results
 
-    def _applied(self, op: _store.Op, result: _store.Result, epoch: int) -> None:
+    def _applied(self, op: _op.Op, result: _op.Result, epoch: int) -> None:
         """Bring memory up to date with one committed result (trio thread, commit order) of a
         batch begun in `epoch`."""
-        if isinstance(result, _store.Changed):
+        if isinstance(result, _op.Changed):
             t = result.transition
             if t.delivery is not None:
                 self._tally.wakes[t.delivery] += 1
             if t.written:
                 if t.flow.state is not result.before.state:
                     _ended(self._tally, result.before, t)
-                own = isinstance(op, _store.Change) and op.flow is not None
+                own = isinstance(op, _op.Change) and op.flow is not None
                 self.track(result.before.state, t.flow, own, epoch=epoch)
-        elif isinstance(result, _store.Created):
+        elif isinstance(result, _op.Created):
             self.track(None, result.transition.flow, True, epoch=epoch)
-        elif isinstance(result, _store.Conflict):
+        elif isinstance(result, _op.Conflict):
             self._tally.stats["conflicts"] += 1
 
     def track(
@@ -422,9 +422,9 @@ class Writes:
                 live.scope.cancel()
 
     async def load_row(self, flow_id: str) -> Flow | None:
-        """The flow's row, for the engine's own use: the store's error is raised as it is (the
-        engine retries unavailability, and any other error ends its block)."""
-        return await self._store.transact(partial(_store.load, flow_id=flow_id))
+        """The flow's row, for the engine's own use (`_read.own`: the store's error as it is;
+        the engine retries unavailability, and any other error ends its block)."""
+        return await _read.own(self._store, partial(_store.load, flow_id=flow_id))
 
     # ------------------------------------------------------------- writes of the engine's own
 
@@ -451,15 +451,15 @@ async def time_out(
     holder = writes.holders.rule(outside=True)
     # The machine ignores it unless the flow is still parked at `revision`: across a fleet,
     # every engine that armed this deadline fires it, and exactly one of them takes it.
-    op = _store.Change(flow_id, _ops.TimeOut(revision, now, known=writes._own), holder=holder)
+    op = _op.Change(flow_id, _ops.TimeOut(revision, now, known=writes._own), holder=holder)
     what = f"timing out flow {flow_id!r} (parked at revision {revision})"
     extra = {"flow_id": flow_id}
     result = await _retry.retrying(partial(writes.write_answered, op), what=what, extra=extra)
-    if isinstance(result, _store.Rejected):  # the flow's own problem: it blocks (ADR 0063)
+    if isinstance(result, _op.Rejected):  # the flow's own problem: it blocks (ADR 0063)
         reason = f"the database refused its timeout: {_checks.describe(result.error)}"
-        op = _store.Change(flow_id, _ops.Block(reason, now), expected=revision, holder=holder)
+        op = _op.Change(flow_id, _ops.Block(reason, now), expected=revision, holder=holder)
         result = await _retry.retrying(partial(writes.write_answered, op), what=what, extra=extra)
-        if isinstance(result, _store.Rejected):  # that too: left as it is (ADR 0117)
+        if isinstance(result, _op.Rejected):  # that too: left as it is (ADR 0117)
             stored = await _retry.retrying(
                 partial(writes.load_row, flow_id), what=what, extra=extra
             )
@@ -467,23 +467,23 @@ async def time_out(
                 problem = f"{reason}; and refused that too: {_checks.describe(result.error)}"
                 writes.left_as_it_is(stored, problem, result.error)
             return None
-    if isinstance(result, _store.Changed) and result.transition.written:
+    if isinstance(result, _op.Changed) and result.transition.written:
         return result.before, result.transition.flow
     return None
 
 
 async def _transact_again(
     writes: Writes,
-    ops: Sequence[_store.Op],
-    write: Callable[..., list[_store.Result]],
+    ops: Sequence[_op.Op],
+    write: Callable[..., list[_op.Result]],
     failed: BaseException,
-) -> tuple[int, list[_store.Result]]:
+) -> tuple[int, list[_op.Result]]:
     """`Writes._transact` after the database rolled its first try back on its own: retried (up
     to 3 times, `_retry.ROLLBACK`); the epoch the try that committed began in, and its
     results."""
     epoch = writes.epoch
 
-    async def attempt() -> list[_store.Result]:
+    async def attempt() -> list[_op.Result]:
         nonlocal epoch
         epoch = writes.epoch
         return await writes._store.transact(partial(write, ops=ops, guard=writes.guard))
@@ -539,19 +539,19 @@ def _counted(tally: Tally, before: State | None, flow: Flow, write: bool) -> Non
             _observe.ended(tally.observers, flow)
 
 
-def _answered(result: _store.Result) -> _store.Result:
+def _answered(result: _op.Result) -> _op.Result:
     """An op's result as `write_answered` gives it: a transition that raised is raised, a
     store that failed is `ferry.Failed`."""
-    if isinstance(result, _store.Refused):
+    if isinstance(result, _op.Refused):
         raise result.error
-    if isinstance(result, _store.Unwritten):
+    if isinstance(result, _op.Unwritten):
         raise Failed(f"the flow store raised {result.error!r}") from result.error
     return result
 
 
-def _unless_rejected(result: _store.Result) -> _store.Result:
+def _unless_rejected(result: _op.Result) -> _op.Result:
     """`result`, or `ferry.Failed` if the database refused the op's row (as `write` raises)."""
-    if isinstance(result, _store.Rejected):
+    if isinstance(result, _op.Rejected):
         raise Failed(
             f"the database refused the write of flow {result.flow_id!r}:"
             f" {_checks.describe(result.error)}; nothing of it was written"

@@ -16,6 +16,7 @@ from typing import Any, Final
 
 from ferry.projected import Tx
 
+from . import _dialect
 from ._sql import ENGINES
 
 REQUESTS: Final = "flow_requests"
@@ -56,7 +57,7 @@ def put(tx: Tx, request_id: str, kind: str, body: str, now: float) -> tuple[str,
         " ON CONFLICT (request_id) DO NOTHING",
         (request_id, kind, body, now),
     )
-    if tx.dialect == "postgres":
+    if _dialect.of(tx).notifies:
         tx.execute(f"SELECT pg_notify({ASKED_SQL}, ?)", (request_id,))
     row = tx.execute(
         f"SELECT kind, body, answer FROM {REQUESTS} WHERE request_id = ?", (request_id,)
@@ -88,7 +89,7 @@ def answer(tx: Tx, request_id: str, text: str, by: str, now: float) -> bool:
         " WHERE request_id = ? AND answer IS NULL RETURNING request_id",
         (text, now, by, request_id),
     )
-    if rows and tx.dialect == "postgres":
+    if rows and _dialect.of(tx).notifies:
         tx.execute(f"SELECT pg_notify({ANSWERED_SQL}, ?)", (request_id,))
     return bool(rows)
 
@@ -105,9 +106,7 @@ def prune(tx: Tx, before: float) -> int:
 
 def has_requests(tx: Tx) -> bool:
     """Does the store hold the requests table (an engine of this version opened it)?"""
-    if tx.dialect == "postgres":
-        return bool(tx.execute("SELECT to_regclass(?) IS NOT NULL", (REQUESTS,))[0][0])
-    return bool(tx.execute("SELECT COUNT(*) FROM sqlite_master WHERE name = ?", (REQUESTS,))[0][0])
+    return bool(tx.execute(_dialect.of(tx).table_exists, (REQUESTS,))[0][0])
 
 
 def create(tx: Tx) -> None:

@@ -2,7 +2,7 @@
 
 A `wait` in one engine for a flow that another engine runs learns that the flow settled from a
 PostgreSQL notification instead of reading the row again and again: the transaction of a batch
-(`_store.write_batch`) that leaves flows `COMPLETED`, `FAILED` or `BLOCKED` also sends
+(`_batch.write_batch`) that leaves flows `COMPLETED`, `FAILED` or `BLOCKED` also sends
 ``pg_notify`` on the store's channel, naming those flows and their new revisions (`announce`).
 PostgreSQL delivers it to every listening connection when, and only if, the transaction
 commits. `_listener` listens, and `_waiters` reads the rows its waits need (docs/adr/0096).
@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from ferry.projected import Tx
 
 from .._model._values import BLOCKED, COMPLETED, FAILED, Transition
+from . import _dialect
 
 #: The states a `wait` returns in.
 SETTLED = frozenset({COMPLETED, FAILED, BLOCKED})
@@ -54,7 +55,7 @@ def announce(tx: Tx, transitions: Iterable[Transition]) -> None:
     """In the batch's transaction, on PostgreSQL: notify the store's channel of the flows that
     these (committed-with-the-batch) transitions left settled. One statement, and only if
     there is any; nothing on SQLite."""
-    if tx.dialect != "postgres":
+    if not _dialect.of(tx).notifies:
         return
     ended = [(t.flow.flow_id, t.flow.revision) for t in transitions if _settles(t)]
     if ended:

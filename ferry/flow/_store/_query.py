@@ -18,7 +18,7 @@ and the next page is the flows after it in the order, found by a range over the 
 100th page costs what the first does. A cursor is an opaque string (URL-safe); one made for
 another order, or not made here, is refused with a `ValueError`.
 
-Indexes (in `_store.ddl`, so an engine that opens an existing store adds them):
+Indexes (in `_schema.ddl`, so an engine that opens an existing store adds them):
 ``(created_at, flow_id)`` for the unfiltered list and the creation time range,
 ``(state, created_at, flow_id)`` and ``(plan, version, created_at, flow_id)`` for the state and
 plan filters; the primary key (on PostgreSQL an index on ``flow_id COLLATE "C"``, since the
@@ -45,7 +45,7 @@ from .._model import _checks, _times
 from .._model._plan import MAX_VERSION
 from .._model._types import State
 from .._model._values import Flow
-from . import _sql
+from . import _dialect, _sql
 from ._sql import FIELDS as _FIELDS
 from ._sql import to_flow as _to_flow
 from ._triage import ERROR_TEXT
@@ -244,7 +244,7 @@ class FlowFilter:
                 conds.append(f"{fid} < ?")
                 params.append(upper)
         if self.error is not None:
-            like = "ILIKE" if dialect == "postgres" else "LIKE"
+            like = _dialect.DIALECTS[dialect].like_any_case
             conds.append(f"({ERROR_TEXT}) {like} ? ESCAPE '\\'")
             params.append(f"%{like_literal(self.error)}%")
         return conds, params
@@ -273,9 +273,8 @@ def _iso(t: float) -> str:
 
 
 def _id_column(dialect: str) -> str:
-    # PostgreSQL compares text by the database's collation, which may not be bytewise (and
-    # then a prefix is no range); the "C" collation is, as SQLite's default BINARY is.
-    return 'flow_id COLLATE "C"' if dialect == "postgres" else "flow_id"
+    # A prefix is a range of ids only in byte order (PostgreSQL's collation may not be).
+    return "flow_id" + _dialect.DIALECTS[dialect].bytewise
 
 
 def _after_prefix(prefix: str) -> str | None:

@@ -1,26 +1,10 @@
 """The flow store's SQL facts, each written once: table and column names, the row codec, the
-active states, the orphan rule, and everything that differs between SQLite and PostgreSQL.
+active states, the orphan rule, and the statements of each dialect.
 
 Every statement of the store (`_store`, `_batch`) is built here once per dialect, at import, and
 looked up by `Tx.dialect` (`statements`): no statement is formatted per call. Placeholders are
 ``?`` in both dialects (the PostgreSQL store rewrites them). What differs between the two
-dialects is in `Dialect` and nowhere else:
-
-- the mailbox's arrival-order column (an identity column, or SQLite's rowid alias);
-- holding a row to the end of the transaction (``FOR UPDATE``; SQLite's ``BEGIN IMMEDIATE``
-  already holds the whole database for one writer);
-- a list of values as one parameter (``= ANY(?)`` with an array; SQLite: ``IN (?, ...)``, one
-  placeholder per value, in chunks);
-- the catalog (does a table exist, which columns does it have) and an advisory lock around
-  schema changes (PostgreSQL's ``CREATE ... IF NOT EXISTS`` can race);
-- the flow id index in byte order (PostgreSQL's collation may not order bytewise);
-- leases: only a PostgreSQL store is shared by a fleet (on SQLite one engine holds the file), so
-  only there does a takeover lock the lease row it reads (ADR 0048), only there can a flow be
-  an orphan, and only there does the database's clock decide leases (`Dialect.clock`, ADR 0110);
-- the batch: PostgreSQL writes a batch in a fixed number of statements whatever its size, with
-  arrays (`_batch`, docs/adr/0094); SQLite, in process, reads and writes the ops of the flows
-  that have one op in a batch in multi-row statements (`insert_rows`, `select_rows`,
-  `seen_rows`, `first_queued_rows`, `update_rows`, `receive_rows`), the rest a row at a time.
+dialects is in `_dialect.Dialect` and nowhere else.
 
 No trio, no clock.
 """
@@ -38,6 +22,7 @@ import attrs
 
 from .._model._types import State
 from .._model._values import ACTIVE, Flow, parse_stack, stack_text
+from ._dialect import DIALECTS, Dialect
 
 #: The tables (docs in `_store`).
 FLOWS: Final = "flow_flows"
@@ -213,7 +198,7 @@ def changed_write(before: Flow, after: Flow) -> tuple[tuple[int, ...], list[Any]
 def update_columns(columns: tuple[int, ...]) -> str:
     """SQL: the compare-and-set UPDATE of the columns `MUTABLE[i]` for `i` in `columns` (their
     values, then the flow id and the expected revision); answered by the count of rows it
-    changed (SQLite's writer, `_batch._RowByRow`). Cached: a handful of column sets occur."""
+    changed (SQLite's writer, `_row_by_row.RowByRow`). Cached: a handful of column sets occur."""
     sets = ", ".join(f"{MUTABLE[i]} = ?" for i in columns)
     return f"UPDATE {FLOWS} SET {sets} WHERE flow_id = ? AND revision = ?"
 
@@ -325,88 +310,6 @@ def orphan(row: str, at: str = "?") -> str:
     )
 
 
-# ------------------------------------------------------------------------------ the dialects
-
-
-@attrs.frozen
-class Dialect:
-    """Everything the flow store says differently on SQLite and on PostgreSQL."""
-
-    name: str
-    #: The mailbox's arrival-order column.
-    seq_column: str
-    #: Appended to a ``SELECT`` that holds its rows until the transaction ends.
-    for_update: str
-    #: Is a fleet of engines sharing the store, holding active flows by leases?
-    leases: bool
-    #: Indexes only this dialect has.
-    indexes: tuple[str, ...]
-    #: ``(table name) -> rows``: is the table there (one row, one boolean)?
-    table_exists: str
-    #: ``(table name) -> rows``: the names of its columns.
-    columns_of: str
-    #: A transaction-long lock around schema changes, or None.
-    schema_lock: str | None
-    #: Writes a batch with arrays in a fixed number of statements (`_batch`), else a row at a
-    #: time.
-    arrays: bool
-    #: SQL: the time by the clock that decides leases, in seconds since the epoch, read in the
-    #: transaction (`_store.lease_clock`, docs/adr/0110): the database's own (the transaction's
-    #: start). None: the store has no clock of its own (SQLite, where the one engine's lease, or
-    #: the leases of a test's engines in one process, go by the engine's clock).
-    clock: str | None
-
-    def in_list(self, column: str, n: int) -> str:
-        """SQL: `column` is one of a list of `n` values, given as `list_params` makes them."""
-        if self.arrays:
-            return f"{column} = ANY(?)"
-        return f"{column} IN ({', '.join('?' * n)})"
-
-    def list_params(self, values: Sequence[Any]) -> list[Any]:
-        """The parameters of `in_list` for `values`."""
-        return [list(values)] if self.arrays else list(values)
-
-    def in_plans(self, row: str, n: int) -> str:
-        """SQL: the flow `row` is of one of `n` (plan, version)s, given as `plans_params`
-        makes them."""
-        if self.arrays:
-            return f"({row}.plan, {row}.version) IN (SELECT * FROM unnest(?::text[], ?::bigint[]))"
-        return f"({row}.plan, {row}.version) IN (VALUES {', '.join(['(?, ?)'] * n)})"
-
-    def plans_params(self, plans: Sequence[tuple[str, int]]) -> list[Any]:
-        """The parameters of `in_plans` for `plans`."""
-        if self.arrays:
-            return [[name for name, _v in plans], [version for _n, version in plans]]
-        return [v for pair in plans for v in pair]
-
-
-SQLITE: Final = Dialect(
-    name="sqlite",
-    seq_column="seq INTEGER PRIMARY KEY",
-    for_update="",
-    leases=False,
-    indexes=(),
-    table_exists="SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?)",
-    columns_of="SELECT name FROM pragma_table_info(?)",
-    schema_lock=None,
-    arrays=False,
-    clock=None,
-)
-POSTGRES: Final = Dialect(
-    name="postgres",
-    seq_column="seq BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY",
-    for_update=" FOR UPDATE",
-    leases=True,
-    indexes=(f'CREATE INDEX IF NOT EXISTS {FLOWS}_id_c ON {FLOWS} (flow_id COLLATE "C")',),
-    table_exists="SELECT to_regclass(?) IS NOT NULL",
-    columns_of="SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(?)",
-    schema_lock="SELECT pg_advisory_xact_lock(?)",
-    arrays=True,
-    clock="SELECT EXTRACT(EPOCH FROM now())::float8",
-)
-DIALECTS: Final = {d.name: d for d in (SQLITE, POSTGRES)}
-
-
 # ------------------------------------------------------------------------------- statements
 
 
@@ -424,7 +327,6 @@ class Statements:
     insert: str
     existing: str
     update_orphan: str
-    lock_lease: str
     hold: str
     revision: str
     seen: str
@@ -473,120 +375,142 @@ class Statements:
 
     @classmethod
     def build(cls, d: Dialect) -> Statements:
-        lock = d.for_update
-        sets = ", ".join(f"{c} = ?" for c in MUTABLE)
-        marks = ", ".join("?" * (len(FIELDS) + 1))
-        v_sets = ", ".join(f"{c} = v.{c}" for c in MUTABLE)
-        update_names = ("flow_id", "revision", *MUTABLE, "lease_until")
-        update_cols = ", ".join(("flow_id", "expected", *MUTABLE, "lapsed_at"))
-        history_pg = (
-            "unnest(?::text[], ?::bigint[], ?::integer[], ?::double precision[], ?::text[],"
-            " ?::text[], ?::bigint[], ?::text[])"
-        )
-        active = f"state {IN_ACTIVE}"
-        return cls(
-            d=d,
-            insert=f"INSERT INTO {FLOWS} ({COLUMNS}, start_data) VALUES ({marks})"
-            " ON CONFLICT (flow_id) DO NOTHING",
-            existing=f"SELECT {COLUMNS}, start_data FROM {FLOWS} WHERE flow_id = ?{lock}",
-            update_orphan=f"UPDATE {FLOWS} SET {sets} WHERE flow_id = ? AND revision = ?"
-            f" AND {orphan(FLOWS)} RETURNING revision",
-            lock_lease=f"SELECT 1 FROM {ENGINES} WHERE owner = ? FOR SHARE",
-            hold=f"SELECT 1 FROM {FLOWS} WHERE flow_id = ? AND revision = ?{lock}",
-            revision=f"SELECT revision, owner FROM {FLOWS} WHERE flow_id = ?",
-            seen=f"SELECT 1 FROM {MAILBOX} WHERE flow_id = ? AND message_id = ?",
-            first_queued=f"SELECT message_id, payload FROM {MAILBOX}"
-            " WHERE flow_id = ? AND status = 'QUEUED' ORDER BY seq LIMIT 1",
-            receive=f"INSERT INTO {MAILBOX} (flow_id, message_id, payload, status, at)"
-            " VALUES (?, ?, ?, ?, ?) ON CONFLICT (flow_id, message_id) DO NOTHING",
-            take=f"UPDATE {MAILBOX} SET status = 'TAKEN'"
-            " WHERE flow_id = ? AND message_id = ? AND status = 'QUEUED'",
-            history=f"INSERT INTO {HISTORY} (flow_id, revision, n, at, kind, step, attempt,"
-            " detail) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            lock_leases=f"SELECT 1 FROM {ENGINES} WHERE owner = ANY(?)"
-            ' ORDER BY owner COLLATE "C" FOR SHARE',
-            lock_rows=f"SELECT {COLUMNS}, start_data FROM {FLOWS} WHERE flow_id = ANY(?)"
-            f' ORDER BY flow_id COLLATE "C"{lock}',
-            insert_rows=f"INSERT INTO {FLOWS} ({COLUMNS}, start_data)"
-            f" SELECT * FROM {_pg_arrays((*FIELDS, 'start_data'))}"
-            " ON CONFLICT (flow_id) DO NOTHING RETURNING flow_id",
-            update_rows=f"UPDATE {FLOWS} f SET {v_sets}"
-            f" FROM {_pg_arrays(update_names)} AS v({update_cols})"
-            " WHERE f.flow_id = v.flow_id AND f.revision = v.expected"
-            f" AND (v.lapsed_at IS NULL OR {orphan('f', 'v.lapsed_at')}) RETURNING f.flow_id",
-            seen_rows=f"SELECT m.flow_id, m.message_id FROM {MAILBOX} m"
-            " JOIN unnest(?::text[], ?::text[]) AS s(flow_id, message_id)"
-            " ON m.flow_id = s.flow_id AND m.message_id = s.message_id",
-            first_queued_rows=f"SELECT DISTINCT ON (flow_id) flow_id, message_id, payload"
-            f" FROM {MAILBOX} WHERE flow_id = ANY(?) AND status = 'QUEUED'"
-            " ORDER BY flow_id, seq",
-            receive_rows=f"INSERT INTO {MAILBOX} (flow_id, message_id, payload, status, at)"
-            " SELECT flow_id, message_id, payload, status, at FROM unnest(?::text[],"
-            " ?::text[], ?::text[], ?::text[], ?::double precision[]) WITH ORDINALITY"
-            " AS r(flow_id, message_id, payload, status, at, n) ORDER BY n"
-            " ON CONFLICT (flow_id, message_id) DO NOTHING",
-            take_rows=f"UPDATE {MAILBOX} m SET status = 'TAKEN'"
-            " FROM unnest(?::text[], ?::text[]) AS t(flow_id, message_id)"
-            " WHERE m.flow_id = t.flow_id AND m.message_id = t.message_id"
-            " AND m.status = 'QUEUED'",
-            history_rows=f"INSERT INTO {HISTORY} (flow_id, revision, n, at, kind, step, attempt,"
-            f" detail) SELECT * FROM {history_pg}",
-            select=f"SELECT {COLUMNS} FROM {FLOWS} WHERE flow_id = ?",
-            select_history=f"SELECT revision, at, kind, step, attempt, detail FROM {HISTORY}"
-            " WHERE flow_id = ? ORDER BY revision, n",
-            select_mailbox=f"SELECT message_id, payload, status FROM {MAILBOX}"
-            " WHERE flow_id = ? ORDER BY seq",
-            select_active=f"SELECT {COLUMNS} FROM {FLOWS} WHERE {active}"
-            " ORDER BY updated_at, flow_id LIMIT ?",
-            select_active_owned=f"SELECT {COLUMNS} FROM {FLOWS} WHERE {active} AND owner = ?"
-            " ORDER BY updated_at, flow_id LIMIT ?",
-            select_deadlines=f"SELECT park_deadline, flow_id, revision FROM {FLOWS} f"
-            " WHERE state = 'PARKED' AND park_deadline IS NOT NULL AND park_deadline <= ?",
-            select_orphans=f"SELECT {', '.join(f'f.{c}' for c in FIELDS)} FROM {FLOWS} f"
-            f" WHERE f.{active} AND {orphan('f')}",
-            count_waiting=f"SELECT state, COUNT(*) FROM {FLOWS}"
-            " WHERE state IN ('PARKED', 'BLOCKED') GROUP BY state",
-            count_states=f"SELECT state, COUNT(*) FROM {FLOWS} GROUP BY state",
-            count_plans=f"SELECT plan, version, state, COUNT(*) FROM {FLOWS}"
-            " GROUP BY plan, version, state ORDER BY plan, version, state",
-            oldest_parked=f"SELECT {COLUMNS} FROM {FLOWS} WHERE state = 'PARKED'"
-            " ORDER BY updated_at, flow_id LIMIT ?",
-            count_orphans=f"SELECT COUNT(*) FROM {FLOWS} f WHERE f.{active} AND {orphan('f')}",
-            holder=f"SELECT f.lease_until, e.lease_until, {orphan('f')} FROM {FLOWS} f"
-            f" LEFT JOIN {ENGINES} e ON e.owner = f.owner WHERE f.flow_id = ?"
-            f" AND f.owner IS NOT NULL AND f.{active}",
-            select_engines=f"SELECT e.owner, e.lease_until, e.started_at, (SELECT COUNT(*)"
-            f" FROM {FLOWS} f WHERE f.owner = e.owner AND f.{active}) FROM {ENGINES} e"
-            " ORDER BY e.owner",
-            prune_engines=f"DELETE FROM {ENGINES} WHERE lease_until < ? AND NOT EXISTS"
-            f" (SELECT 1 FROM {FLOWS} f WHERE f.owner = {ENGINES}.owner AND f.{active})"
-            " RETURNING owner",
-            select_plans=f"SELECT plan, version, shape, registered_at FROM {PLANS}"
-            " ORDER BY plan, version",
-            register_plan=f"INSERT INTO {PLANS} (plan, version, shape, registered_at)"
-            " VALUES (?, ?, ?, ?) ON CONFLICT (plan, version) DO UPDATE SET"
-            " shape = excluded.shape, registered_at = excluded.registered_at",
-            live_plans=f"SELECT plans FROM {ENGINES} WHERE lease_until > ? AND plans IS NOT NULL",
-            heartbeat=f"INSERT INTO {ENGINES} (owner, lease_until, started_at) VALUES (?, ?, ?)"
-            " ON CONFLICT (owner) DO UPDATE SET lease_until = excluded.lease_until",
-            claim_select="SELECT owner, incarnation, lease_until, host, pid, started_at"
-            f" FROM {ENGINES} WHERE owner = ?",
-            claim_update=f"UPDATE {ENGINES} SET lease_until = ?, started_at = ?, incarnation = ?,"
-            " host = ?, pid = ?, plans = ? WHERE owner = ?",
-            claim_insert=f"INSERT INTO {ENGINES} (owner, lease_until, started_at, incarnation,"
-            " host, pid, plans) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (owner) DO NOTHING"
-            " RETURNING owner",
-            renew=f"UPDATE {ENGINES} SET lease_until = ? WHERE owner = ? AND incarnation = ?"
-            " RETURNING owner",
-            renew_lease=f"UPDATE {ENGINES} SET lease_until = GREATEST(lease_until,"
-            " EXTRACT(EPOCH FROM clock_timestamp())::float8 + ?)"
-            " WHERE owner = ? AND incarnation = ?"
-            " AND lease_until - ? > EXTRACT(EPOCH FROM clock_timestamp())"
-            " RETURNING lease_until",
-            incarnation_of=f"SELECT incarnation FROM {ENGINES} WHERE owner = ?",
-            end_lease=f"UPDATE {ENGINES} SET lease_until = ? WHERE owner = ? AND incarnation = ?"
-            " AND lease_until > ?",
-        )
+        return cls(d, **_row_writes(d), **_array_writes(d), **_reads(), **_leases())
+
+
+def _row_writes(d: Dialect) -> dict[str, str]:
+    """The writes of a row at a time (SQLite's writer)."""
+    lock = d.for_update
+    sets = ", ".join(f"{c} = ?" for c in MUTABLE)
+    marks = ", ".join("?" * (len(FIELDS) + 1))
+    return dict(
+        insert=f"INSERT INTO {FLOWS} ({COLUMNS}, start_data) VALUES ({marks})"
+        " ON CONFLICT (flow_id) DO NOTHING",
+        existing=f"SELECT {COLUMNS}, start_data FROM {FLOWS} WHERE flow_id = ?{lock}",
+        update_orphan=f"UPDATE {FLOWS} SET {sets} WHERE flow_id = ? AND revision = ?"
+        f" AND {orphan(FLOWS)} RETURNING revision",
+        hold=f"SELECT 1 FROM {FLOWS} WHERE flow_id = ? AND revision = ?{lock}",
+        revision=f"SELECT revision, owner FROM {FLOWS} WHERE flow_id = ?",
+        seen=f"SELECT 1 FROM {MAILBOX} WHERE flow_id = ? AND message_id = ?",
+        first_queued=f"SELECT message_id, payload FROM {MAILBOX}"
+        " WHERE flow_id = ? AND status = 'QUEUED' ORDER BY seq LIMIT 1",
+        receive=f"INSERT INTO {MAILBOX} (flow_id, message_id, payload, status, at)"
+        " VALUES (?, ?, ?, ?, ?) ON CONFLICT (flow_id, message_id) DO NOTHING",
+        take=f"UPDATE {MAILBOX} SET status = 'TAKEN'"
+        " WHERE flow_id = ? AND message_id = ? AND status = 'QUEUED'",
+        history=f"INSERT INTO {HISTORY} (flow_id, revision, n, at, kind, step, attempt,"
+        " detail) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+    )
+
+
+def _array_writes(d: Dialect) -> dict[str, str]:
+    """The writes of a batch at a time, every parameter an array (PostgreSQL's writer)."""
+    lock = d.for_update
+    v_sets = ", ".join(f"{c} = v.{c}" for c in MUTABLE)
+    update_names = ("flow_id", "revision", *MUTABLE, "lease_until")
+    update_cols = ", ".join(("flow_id", "expected", *MUTABLE, "lapsed_at"))
+    history_pg = (
+        "unnest(?::text[], ?::bigint[], ?::integer[], ?::double precision[], ?::text[],"
+        " ?::text[], ?::bigint[], ?::text[])"
+    )
+    return dict(
+        lock_leases=f"SELECT 1 FROM {ENGINES} WHERE owner = ANY(?)"
+        ' ORDER BY owner COLLATE "C" FOR SHARE',
+        lock_rows=f"SELECT {COLUMNS}, start_data FROM {FLOWS} WHERE flow_id = ANY(?)"
+        f' ORDER BY flow_id COLLATE "C"{lock}',
+        insert_rows=f"INSERT INTO {FLOWS} ({COLUMNS}, start_data)"
+        f" SELECT * FROM {_pg_arrays((*FIELDS, 'start_data'))}"
+        " ON CONFLICT (flow_id) DO NOTHING RETURNING flow_id",
+        update_rows=f"UPDATE {FLOWS} f SET {v_sets}"
+        f" FROM {_pg_arrays(update_names)} AS v({update_cols})"
+        " WHERE f.flow_id = v.flow_id AND f.revision = v.expected"
+        f" AND (v.lapsed_at IS NULL OR {orphan('f', 'v.lapsed_at')}) RETURNING f.flow_id",
+        seen_rows=f"SELECT m.flow_id, m.message_id FROM {MAILBOX} m"
+        " JOIN unnest(?::text[], ?::text[]) AS s(flow_id, message_id)"
+        " ON m.flow_id = s.flow_id AND m.message_id = s.message_id",
+        first_queued_rows=f"SELECT DISTINCT ON (flow_id) flow_id, message_id, payload"
+        f" FROM {MAILBOX} WHERE flow_id = ANY(?) AND status = 'QUEUED'"
+        " ORDER BY flow_id, seq",
+        receive_rows=f"INSERT INTO {MAILBOX} (flow_id, message_id, payload, status, at)"
+        " SELECT flow_id, message_id, payload, status, at FROM unnest(?::text[],"
+        " ?::text[], ?::text[], ?::text[], ?::double precision[]) WITH ORDINALITY"
+        " AS r(flow_id, message_id, payload, status, at, n) ORDER BY n"
+        " ON CONFLICT (flow_id, message_id) DO NOTHING",
+        take_rows=f"UPDATE {MAILBOX} m SET status = 'TAKEN'"
+        " FROM unnest(?::text[], ?::text[]) AS t(flow_id, message_id)"
+        " WHERE m.flow_id = t.flow_id AND m.message_id = t.message_id"
+        " AND m.status = 'QUEUED'",
+        history_rows=f"INSERT INTO {HISTORY} (flow_id, revision, n, at, kind, step, attempt,"
+        f" detail) SELECT * FROM {history_pg}",
+    )
+
+
+def _reads() -> dict[str, str]:
+    """The reads (and the plans' and engines' rows the operators see)."""
+    active = f"state {IN_ACTIVE}"
+    return dict(
+        select=f"SELECT {COLUMNS} FROM {FLOWS} WHERE flow_id = ?",
+        select_history=f"SELECT revision, at, kind, step, attempt, detail FROM {HISTORY}"
+        " WHERE flow_id = ? ORDER BY revision, n",
+        select_mailbox=f"SELECT message_id, payload, status FROM {MAILBOX}"
+        " WHERE flow_id = ? ORDER BY seq",
+        select_active=f"SELECT {COLUMNS} FROM {FLOWS} WHERE {active}"
+        " ORDER BY updated_at, flow_id LIMIT ?",
+        select_active_owned=f"SELECT {COLUMNS} FROM {FLOWS} WHERE {active} AND owner = ?"
+        " ORDER BY updated_at, flow_id LIMIT ?",
+        select_deadlines=f"SELECT park_deadline, flow_id, revision FROM {FLOWS} f"
+        " WHERE state = 'PARKED' AND park_deadline IS NOT NULL AND park_deadline <= ?",
+        select_orphans=f"SELECT {', '.join(f'f.{c}' for c in FIELDS)} FROM {FLOWS} f"
+        f" WHERE f.{active} AND {orphan('f')}",
+        count_waiting=f"SELECT state, COUNT(*) FROM {FLOWS}"
+        " WHERE state IN ('PARKED', 'BLOCKED') GROUP BY state",
+        count_states=f"SELECT state, COUNT(*) FROM {FLOWS} GROUP BY state",
+        count_plans=f"SELECT plan, version, state, COUNT(*) FROM {FLOWS}"
+        " GROUP BY plan, version, state ORDER BY plan, version, state",
+        oldest_parked=f"SELECT {COLUMNS} FROM {FLOWS} WHERE state = 'PARKED'"
+        " ORDER BY updated_at, flow_id LIMIT ?",
+        count_orphans=f"SELECT COUNT(*) FROM {FLOWS} f WHERE f.{active} AND {orphan('f')}",
+        holder=f"SELECT f.lease_until, e.lease_until, {orphan('f')} FROM {FLOWS} f"
+        f" LEFT JOIN {ENGINES} e ON e.owner = f.owner WHERE f.flow_id = ?"
+        f" AND f.owner IS NOT NULL AND f.{active}",
+        select_engines=f"SELECT e.owner, e.lease_until, e.started_at, (SELECT COUNT(*)"
+        f" FROM {FLOWS} f WHERE f.owner = e.owner AND f.{active}) FROM {ENGINES} e"
+        " ORDER BY e.owner",
+        prune_engines=f"DELETE FROM {ENGINES} WHERE lease_until < ? AND NOT EXISTS"
+        f" (SELECT 1 FROM {FLOWS} f WHERE f.owner = {ENGINES}.owner AND f.{active})"
+        " RETURNING owner",
+        select_plans=f"SELECT plan, version, shape, registered_at FROM {PLANS}"
+        " ORDER BY plan, version",
+        register_plan=f"INSERT INTO {PLANS} (plan, version, shape, registered_at)"
+        " VALUES (?, ?, ?, ?) ON CONFLICT (plan, version) DO UPDATE SET"
+        " shape = excluded.shape, registered_at = excluded.registered_at",
+        live_plans=f"SELECT plans FROM {ENGINES} WHERE lease_until > ? AND plans IS NOT NULL",
+    )
+
+
+def _leases() -> dict[str, str]:
+    """The engines' leases."""
+    return dict(
+        heartbeat=f"INSERT INTO {ENGINES} (owner, lease_until, started_at) VALUES (?, ?, ?)"
+        " ON CONFLICT (owner) DO UPDATE SET lease_until = excluded.lease_until",
+        claim_select="SELECT owner, incarnation, lease_until, host, pid, started_at"
+        f" FROM {ENGINES} WHERE owner = ?",
+        claim_update=f"UPDATE {ENGINES} SET lease_until = ?, started_at = ?, incarnation = ?,"
+        " host = ?, pid = ?, plans = ? WHERE owner = ?",
+        claim_insert=f"INSERT INTO {ENGINES} (owner, lease_until, started_at, incarnation,"
+        " host, pid, plans) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (owner) DO NOTHING"
+        " RETURNING owner",
+        renew=f"UPDATE {ENGINES} SET lease_until = ? WHERE owner = ? AND incarnation = ?"
+        " RETURNING owner",
+        renew_lease=f"UPDATE {ENGINES} SET lease_until = GREATEST(lease_until,"
+        " EXTRACT(EPOCH FROM clock_timestamp())::float8 + ?)"
+        " WHERE owner = ? AND incarnation = ?"
+        " AND lease_until - ? > EXTRACT(EPOCH FROM clock_timestamp())"
+        " RETURNING lease_until",
+        incarnation_of=f"SELECT incarnation FROM {ENGINES} WHERE owner = ?",
+        end_lease=f"UPDATE {ENGINES} SET lease_until = ? WHERE owner = ? AND incarnation = ?"
+        " AND lease_until > ?",
+    )
 
 
 _STATEMENTS: Final = {name: Statements.build(d) for name, d in DIALECTS.items()}

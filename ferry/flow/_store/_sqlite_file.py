@@ -34,7 +34,7 @@ from typing import Any
 
 import attrs
 
-from ferry.projected._postgres import masked
+from ferry._text import shown
 
 from .._model._errors import StoreLocked
 
@@ -82,19 +82,19 @@ def _refuse_dsn(text: str, who: str) -> None:
     """A `ValueError` for a path that is no file but reads as a PostgreSQL DSN or another URL:
     given as a path, it would name an SQLite file in the working directory (or a missing one)."""
     url = _URL.match(text)
-    shown = repr(masked(text))
+    where = shown(text)
     if (url is not None and url.group(1) in ("postgres", "postgresql")) or (
         url is None and _LIBPQ.search(text)
     ):
         raise ValueError(
-            f"{who} got {shown}, which looks like a PostgreSQL DSN, where it takes the path of"
+            f"{who} got {where}, which looks like a PostgreSQL DSN, where it takes the path of"
             " an SQLite file or an open store: for PostgreSQL give it a PostgresStore, as in"
             " `async with PostgresStore(dsn) as store, flow.open_engine(store, plans=...)`"
             " (from ferry.projected import PostgresStore)"
         )
     if url is not None:
         raise ValueError(
-            f"{who} got {shown}, which looks like a URL (scheme {url.group(1)!r}), where it"
+            f"{who} got {where}, which looks like a URL (scheme {url.group(1)!r}), where it"
             " takes the path of an SQLite file (for example 'orders.db'); a PostgreSQL DSN"
             " starts with postgresql://"
             + (" (open it as a PostgresStore(dsn))" if who == "open_engine" else "")

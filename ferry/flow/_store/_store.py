@@ -1,5 +1,4 @@
-"""The flow store: the schema, the reads, the engines' leases, and (re-exported from `_batch`)
-the batched compare-and-set write.
+"""The flow store's reads, the plans it holds and the engines' leases.
 
 Everything here is synchronous and runs inside one store transaction on a worker thread (a
 `ferry.projected.Tx` of the same `SqliteStore`/`PostgresStore` that `ProjectedWrite` uses): no
@@ -9,28 +8,7 @@ dialect in `_sql`, which also holds, in one `Dialect` record each, everything SQ
 PostgreSQL say differently. Decisions are not taken here: a write runs a pure transition of
 `_machine` on the row it holds, and records what the transition says (docs/adr/0021).
 
-Tables:
-
-- ``flow_flows``: one row per flow (`_machine.Flow`'s fields, plus ``start_data``). ``revision``
-  is the compare-and-set token of every write; ``owner`` (the engine that runs an active flow)
-  and ``lease_until`` (when it let it go) are for a fleet. ``trace`` is the W3C trace context
-  the flow's spans join (`_tracing`). Partial indexes: the active flows (``RUNNING``/
-  ``COMPENSATING``, `_machine.ACTIVE`, for recovery), the parked flows by deadline (for timers)
-  and the finished flows by their last write (for retention, `_retention`, and the dashboard);
-  the operators' filters and their order (`_query`).
-- ``flow_history(flow_id, revision, n, at, kind, step, attempt, detail)``: every durable
-  transition, primary key ``(flow_id, revision, n)``.
-- ``flow_mailbox(seq, flow_id, message_id, payload, status, at)``: one row per accepted message,
-  unique ``(flow_id, message_id)`` (the `DUPLICATE` check); ``status`` is ``QUEUED`` (kept for
-  the next park) or ``TAKEN``; a partial index on the queued ones, in arrival (``seq``) order.
-- ``flow_engines(owner, lease_until, started_at, ...)``: a fleet's engines and their leases (one
-  row per engine, its heartbeat); an active flow is held while the engine its ``owner`` names
-  holds its lease (`_sql.orphan`, docs/adr/0040). A partial index on the active flows' owner.
-- ``flow_requests(request_id, kind, body, at, answer, answered_at, answered_by)``: what a
-  client of another process asked the serving engine to do, and its answer (`_inbox`,
-  docs/adr/0125); a partial index on the ones not answered yet.
-- ``flow_plans(plan, version, shape, registered_at)``: the shape of every plan version an engine
-  registered, for processes without the plans (an operator's engine, docs/adr/0044).
+The tables are `_schema`'s; the batched compare-and-set write is `_batch`'s.
 """
 
 from __future__ import annotations
@@ -38,230 +16,21 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
-from ferry.projected import Tx, canonical_json
+from ferry._text import canonical_json
+from ferry.projected import Tx
 
 from .._model._types import Event, State
 from .._model._values import Flow, Mailbox, Message, Shape
-from . import _inbox, _sql
-from ._batch import (
-    Apply as Apply,
-)
-from ._batch import (
-    Change as Change,
-)
-from ._batch import (
-    Changed as Changed,
-)
-from ._batch import (
-    Conflict as Conflict,
-)
-from ._batch import (
-    Create as Create,
-)
-from ._batch import (
-    Created as Created,
-)
-from ._batch import (
-    Existing as Existing,
-)
-from ._batch import (
-    Missing as Missing,
-)
-from ._batch import (
-    Op as Op,
-)
-from ._batch import (
-    Refused as Refused,
-)
-from ._batch import (
-    Rejected as Rejected,
-)
-from ._batch import (
-    Result as Result,
-)
-from ._batch import (
-    Undone as Undone,
-)
-from ._batch import (
-    Unwritten as Unwritten,
-)
-from ._batch import (
-    guard_locks as guard_locks,
-)
-from ._batch import (
-    op_flow_id as op_flow_id,
-)
-from ._batch import (
-    write_all as write_all,
-)
-from ._batch import (
-    write_batch as write_batch,
-)
-from ._sql import (
-    ENGINES,
-    FLOWS,
-    HISTORY,
-    IN_ACTIVE,
-    IN_FINISHED,
-    MAILBOX,
-    PLANS,
-    STATES,
-    to_flow,
-)
+from . import _dialect, _sql
+from ._sql import FLOWS, IN_ACTIVE, STATES, to_flow
 
 #: A limit that is none (``LIMIT ?`` takes a number in both dialects).
 _NO_LIMIT = 2**62
-
-# ------------------------------------------------------------------------------------- schema
-
-
-def ddl(dialect: str) -> list[str]:
-    """The schema's statements, each idempotent."""
-    d = _sql.DIALECTS[dialect]
-    return [
-        f"""CREATE TABLE IF NOT EXISTS {FLOWS} (
-            flow_id TEXT PRIMARY KEY,
-            plan TEXT NOT NULL,
-            version BIGINT NOT NULL,
-            state TEXT NOT NULL,
-            step_index BIGINT NOT NULL,
-            step TEXT,
-            attempt BIGINT NOT NULL,
-            data TEXT NOT NULL,
-            revision BIGINT NOT NULL,
-            updated_at DOUBLE PRECISION NOT NULL,
-            error TEXT,
-            park_deadline DOUBLE PRECISION,
-            on_timeout TEXT,
-            wake TEXT,
-            timed_out INTEGER NOT NULL,
-            stack TEXT NOT NULL,
-            blocked TEXT,
-            blocked_from TEXT,
-            owner TEXT,
-            lease_until DOUBLE PRECISION,
-            start_data TEXT NOT NULL,
-            created_at DOUBLE PRECISION NOT NULL,
-            trace TEXT)""",
-        f"CREATE INDEX IF NOT EXISTS {FLOWS}_active ON {FLOWS} (state) WHERE state {IN_ACTIVE}",
-        f"CREATE INDEX IF NOT EXISTS {FLOWS}_deadline ON {FLOWS} (park_deadline)"
-        " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
-        f"CREATE INDEX IF NOT EXISTS {FLOWS}_owner ON {FLOWS} (owner) WHERE state {IN_ACTIVE}",
-        # The operators' filters and their order, newest first (`_query`, docs/adr/0080).
-        f"CREATE INDEX IF NOT EXISTS {FLOWS}_created ON {FLOWS} (created_at, flow_id)",
-        f"CREATE INDEX IF NOT EXISTS {FLOWS}_state_created ON {FLOWS} (state, created_at, flow_id)",
-        f"CREATE INDEX IF NOT EXISTS {FLOWS}_plan_created ON {FLOWS}"
-        " (plan, version, created_at, flow_id)",
-        # Finished flows by when they ended (a finished flow is never written again): retention
-        # (`_retention`) and the dashboard's counts of finished flows.
-        f"CREATE INDEX IF NOT EXISTS {FLOWS}_ended ON {FLOWS} (updated_at, state)"
-        f" WHERE state {IN_FINISHED}",
-        *d.indexes,
-        f"""CREATE TABLE IF NOT EXISTS {ENGINES} (
-            owner TEXT PRIMARY KEY,
-            lease_until DOUBLE PRECISION NOT NULL,
-            started_at DOUBLE PRECISION NOT NULL,
-            incarnation TEXT,
-            host TEXT,
-            pid BIGINT,
-            plans TEXT)""",
-        f"""CREATE TABLE IF NOT EXISTS {PLANS} (
-            plan TEXT NOT NULL,
-            version BIGINT NOT NULL,
-            shape TEXT NOT NULL,
-            registered_at DOUBLE PRECISION NOT NULL,
-            PRIMARY KEY (plan, version))""",
-        f"""CREATE TABLE IF NOT EXISTS {HISTORY} (
-            flow_id TEXT NOT NULL,
-            revision BIGINT NOT NULL,
-            n INTEGER NOT NULL,
-            at DOUBLE PRECISION NOT NULL,
-            kind TEXT NOT NULL,
-            step TEXT,
-            attempt BIGINT,
-            detail TEXT,
-            PRIMARY KEY (flow_id, revision, n))""",
-        f"""CREATE TABLE IF NOT EXISTS {MAILBOX} (
-            {d.seq_column},
-            flow_id TEXT NOT NULL,
-            message_id TEXT NOT NULL,
-            payload TEXT NOT NULL,
-            status TEXT NOT NULL,
-            at DOUBLE PRECISION NOT NULL,
-            UNIQUE (flow_id, message_id))""",
-        f"CREATE INDEX IF NOT EXISTS {MAILBOX}_queued ON {MAILBOX} (flow_id, seq)"
-        " WHERE status = 'QUEUED'",
-        *_inbox.DDL,
-    ]
-
-
-_OBJECT = re.compile(r"IF NOT EXISTS (\w+)")
-_SCHEMA_LOCK_KEY = zlib.crc32(FLOWS.encode())
-
-# Columns added after stores existed: an engine that opens an older store adds them with
-# ``ALTER TABLE`` (they are in `ddl`'s ``CREATE TABLE`` for a new one). The flows' trace
-# context; an engine's incarnation, where it runs, the plan versions it has.
-_ADDED_COLUMNS = (
-    (FLOWS, "trace", "TEXT"),
-    (ENGINES, "incarnation", "TEXT"),
-    (ENGINES, "host", "TEXT"),
-    (ENGINES, "pid", "BIGINT"),
-    (ENGINES, "plans", "TEXT"),
-)
-
-
-def create_schema(tx: Tx) -> None:
-    """Create the flow tables, indexes and added columns if missing (safe to run concurrently).
-
-    Objects that exist are found in the catalog and not touched: on PostgreSQL a ``CREATE
-    INDEX IF NOT EXISTS`` would still take a share lock on its table, and an engine that opens
-    while others write would deadlock with them; an ``ALTER TABLE`` takes its table's strongest
-    lock even when there is nothing to do. Missing ones are made under the dialect's schema lock
-    (PostgreSQL: an advisory lock, concurrent ``CREATE ... IF NOT EXISTS`` can race), looked up
-    again under it. An index added to an existing store is built by the first engine that opens
-    it (on PostgreSQL, writes to the table wait while it is built)."""
-    d = _sql.DIALECTS[tx.dialect]
-    statements = ddl(tx.dialect)
-
-    def missing() -> list[str]:
-        todo = []
-        for statement in statements:
-            m = _OBJECT.search(statement)
-            assert m is not None
-            if not tx.execute(d.table_exists, (m.group(1),))[0][0]:
-                todo.append(statement)
-        return todo
-
-    def lacking() -> list[tuple[str, str, str]]:
-        have: dict[str, set[str]] = {}
-        for table, _name, _kind in _ADDED_COLUMNS:
-            if table not in have:
-                have[table] = {r[0] for r in tx.execute(d.columns_of, (table,))}
-        return [(t, name, kind) for t, name, kind in _ADDED_COLUMNS if name not in have[t]]
-
-    if d.schema_lock is None:
-        for statement in statements:
-            tx.execute(statement)
-    elif missing() or lacking():
-        tx.execute(d.schema_lock, (_SCHEMA_LOCK_KEY,))
-        for statement in missing():
-            tx.execute(statement)
-    for table, name, kind in lacking():
-        tx.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
-
-
-def has_tables(tx: Tx) -> bool:
-    """Does the store hold the flow tables (has an engine ever opened it)?"""
-    d = _sql.DIALECTS[tx.dialect]
-    return bool(tx.execute(d.table_exists, (FLOWS,))[0][0])
-
 
 # -------------------------------------------------------------------------------------- reads
 
@@ -318,7 +87,7 @@ _CHUNK = 500
 
 def load_many(tx: Tx, flow_ids: Sequence[str]) -> list[Flow]:
     """The rows of those of `flow_ids` that exist (in no particular order)."""
-    d = _sql.DIALECTS[tx.dialect]
+    d = _dialect.of(tx)
     flows: list[Flow] = []
     for i in range(0, len(flow_ids), _CHUNK):
         chunk = flow_ids[i : i + _CHUNK]
@@ -328,12 +97,12 @@ def load_many(tx: Tx, flow_ids: Sequence[str]) -> list[Flow]:
 
 
 @functools.lru_cache(maxsize=16)
-def _select_many(d: _sql.Dialect, n: int) -> str:
+def _select_many(d: _dialect.Dialect, n: int) -> str:
     return f"SELECT {_sql.COLUMNS} FROM {FLOWS} WHERE {d.in_list('flow_id', n)}"
 
 
 @functools.lru_cache(maxsize=64)
-def _of_plans(base: str, d: _sql.Dialect, plans: int | None, tail: str) -> str:
+def _of_plans(base: str, d: _dialect.Dialect, plans: int | None, tail: str) -> str:
     """`base`, narrowed to `plans` (plan, version)s if not None, then `tail`."""
     return base + ("" if plans is None else " AND " + d.in_plans("f", plans)) + tail
 
@@ -346,7 +115,7 @@ def load_deadlines(
     Uses the deadline index."""
     if plans is not None and not plans:
         return []
-    d = _sql.DIALECTS[tx.dialect]
+    d = _dialect.of(tx)
     n = None if plans is None else len(plans)
     sql = _of_plans(_statements(tx).select_deadlines, d, n, " ORDER BY park_deadline")
     params = [math.inf if before is None else before]
@@ -363,7 +132,7 @@ def load_orphans(
     active flows (the partial index), each checked against the small engines table."""
     if plans is not None and not plans:
         return []
-    d = _sql.DIALECTS[tx.dialect]
+    d = _dialect.of(tx)
     n = None if plans is None else len(plans)
     sql = _of_plans(
         _statements(tx).select_orphans, d, n, " ORDER BY f.updated_at, f.flow_id LIMIT ?"
@@ -403,7 +172,7 @@ def leased(tx: Tx) -> bool:
     """Are the store's active flows held by leases (a fleet, PostgreSQL)? On SQLite one engine
     at a time holds the whole file (its engine lock) and runs every active flow: no lease rows,
     so no flow there is ever an orphan (`count_orphans`, `holder`)."""
-    return _sql.DIALECTS[tx.dialect].leases
+    return _dialect.of(tx).leases
 
 
 def count_orphans(tx: Tx, now: float) -> int:
@@ -486,7 +255,7 @@ def lease_clock(tx: Tx, now: float) -> float:
     The functions below take their times as arguments (a test or a tool gives its own); an
     engine's lease transactions read this clock first and give its time (the `..._on_clock`
     functions), so that no host's clock decides who holds a flow."""
-    sql = _sql.DIALECTS[tx.dialect].clock
+    sql = _dialect.of(tx).clock
     return now if sql is None else float(tx.execute(sql)[0][0])
 
 
@@ -696,7 +465,7 @@ def renew(
 
 
 @functools.lru_cache(maxsize=16)
-def _release_sql(d: _sql.Dialect, n: int) -> str:
+def _release_sql(d: _dialect.Dialect, n: int) -> str:
     if d.arrays:
         return (
             f"UPDATE {FLOWS} f SET lease_until = ? FROM unnest(?::text[], ?::bigint[])"
@@ -716,7 +485,7 @@ def release(tx: Tx, owner: str, flows: Sequence[tuple[str, int]], at: float) -> 
     revision (no new revision): any engine may take them over from `at` on. A flow written
     since (taken over, or given back to this engine by a wake, a timer or a cancel) is left as
     it is. How many were released."""
-    d = _sql.DIALECTS[tx.dialect]
+    d = _dialect.of(tx)
     released = 0
     ordered = sorted(flows)
     for i in range(0, len(ordered), _CHUNK):

@@ -33,7 +33,7 @@ from ferry.projected import PostgresStore, Tx
 from ..._model import _values
 from ..._model._types import Event, State
 from ..._model._values import ACTIVE, Flow
-from ..._store import _inbox, _query, _sql, _store
+from ..._store import _dialect, _inbox, _query, _schema, _sql, _store
 from ..._store._sqlite_file import ReadOnlyTx
 
 T = TypeVar("T")
@@ -71,7 +71,7 @@ class Reader:
         (`ValueError` for a bad cursor)."""
 
         def checked(tx: Tx) -> T:
-            if not _store.has_tables(tx):
+            if not _schema.has_tables(tx):
                 raise Unavailable("no flow engine has opened this store yet (no flow tables)")
             return fn(tx)
 
@@ -174,10 +174,10 @@ def _indexed_by(tx: Tx, index: str) -> str:
     """SQLite: use this index (its planner, with or without ``ANALYZE``, may prefer a range
     over the state index that reads every finished flow); PostgreSQL chooses well by itself.
     Nothing if the index is missing (a store no engine of this version has opened yet)."""
-    if tx.dialect != "sqlite":
+    d = _dialect.of(tx)
+    if d.index_exists is None:
         return ""
-    there = tx.execute("SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = ?", (index,))
-    return f" INDEXED BY {index}" if there else ""
+    return d.indexed_by.format(index) if tx.execute(d.index_exists, (index,)) else ""
 
 
 #: The states whose flows are counted per plan (the finished are counted only by state: there
@@ -253,11 +253,7 @@ def _series(tx: Tx, now: float, span: str = "1h", plan: str | None = None) -> Se
     completed = [0] * buckets
     failed = [0] * buckets
     # The bucket since `start` (t >= start): SQLite's CAST truncates, PostgreSQL's rounds.
-    bucket = (
-        f"CAST(FLOOR((t - ?) / {int(step)}) AS INTEGER)"
-        if tx.dialect == "postgres"
-        else f"CAST((t - ?) / {int(step)} AS INTEGER)"
-    )
+    bucket = _dialect.of(tx).whole_part.format(f"(t - ?) / {int(step)}")
     only, more = ("", ()) if plan is None else (" AND plan = ?", (plan,))
     rows = tx.execute(
         f"SELECT {bucket.replace('t', 'created_at')}, COUNT(*) FROM {_sql.FLOWS}"

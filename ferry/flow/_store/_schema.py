@@ -1,0 +1,186 @@
+"""The flow store's schema: its tables (`ddl`), made or brought up to date by `create_schema`.
+
+Tables:
+
+- ``flow_flows``: one row per flow (`_machine.Flow`'s fields, plus ``start_data``). ``revision``
+  is the compare-and-set token of every write; ``owner`` (the engine that runs an active flow)
+  and ``lease_until`` (when it let it go) are for a fleet. ``trace`` is the W3C trace context
+  the flow's spans join (`_tracing`). Partial indexes: the active flows (``RUNNING``/
+  ``COMPENSATING``, `_machine.ACTIVE`, for recovery), the parked flows by deadline (for timers)
+  and the finished flows by their last write (for retention, `_retention`, and the dashboard);
+  the operators' filters and their order (`_query`).
+- ``flow_history(flow_id, revision, n, at, kind, step, attempt, detail)``: every durable
+  transition, primary key ``(flow_id, revision, n)``.
+- ``flow_mailbox(seq, flow_id, message_id, payload, status, at)``: one row per accepted message,
+  unique ``(flow_id, message_id)`` (the `DUPLICATE` check); ``status`` is ``QUEUED`` (kept for
+  the next park) or ``TAKEN``; a partial index on the queued ones, in arrival (``seq``) order.
+- ``flow_engines(owner, lease_until, started_at, ...)``: a fleet's engines and their leases (one
+  row per engine, its heartbeat); an active flow is held while the engine its ``owner`` names
+  holds its lease (`_sql.orphan`, docs/adr/0040). A partial index on the active flows' owner.
+- ``flow_requests(request_id, kind, body, at, answer, answered_at, answered_by)``: what a
+  client of another process asked the serving engine to do, and its answer (`_inbox`,
+  docs/adr/0125); a partial index on the ones not answered yet.
+- ``flow_plans(plan, version, shape, registered_at)``: the shape of every plan version an engine
+  registered, for processes without the plans (an operator's engine, docs/adr/0044).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+from ferry.projected import Tx
+
+from . import _dialect, _inbox
+from ._sql import ENGINES, FLOWS, HISTORY, IN_ACTIVE, IN_FINISHED, MAILBOX, PLANS
+
+# ------------------------------------------------------------------------------------- schema
+
+
+def _in_byte_order(d: _dialect.Dialect) -> list[str]:
+    """The index of the flow ids in byte order, where the collation may not be one (`_query`'s
+    id prefixes)."""
+    if not d.bytewise:
+        return []
+    return [f"CREATE INDEX IF NOT EXISTS {FLOWS}_id_c ON {FLOWS} (flow_id{d.bytewise})"]
+
+
+def ddl(dialect: str) -> list[str]:
+    """The schema's statements, each idempotent."""
+    d = _dialect.DIALECTS[dialect]
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {FLOWS} (
+            flow_id TEXT PRIMARY KEY,
+            plan TEXT NOT NULL,
+            version BIGINT NOT NULL,
+            state TEXT NOT NULL,
+            step_index BIGINT NOT NULL,
+            step TEXT,
+            attempt BIGINT NOT NULL,
+            data TEXT NOT NULL,
+            revision BIGINT NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL,
+            error TEXT,
+            park_deadline DOUBLE PRECISION,
+            on_timeout TEXT,
+            wake TEXT,
+            timed_out INTEGER NOT NULL,
+            stack TEXT NOT NULL,
+            blocked TEXT,
+            blocked_from TEXT,
+            owner TEXT,
+            lease_until DOUBLE PRECISION,
+            start_data TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL,
+            trace TEXT)""",
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_active ON {FLOWS} (state) WHERE state {IN_ACTIVE}",
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_deadline ON {FLOWS} (park_deadline)"
+        " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_owner ON {FLOWS} (owner) WHERE state {IN_ACTIVE}",
+        # The operators' filters and their order, newest first (`_query`, docs/adr/0080).
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_created ON {FLOWS} (created_at, flow_id)",
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_state_created ON {FLOWS} (state, created_at, flow_id)",
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_plan_created ON {FLOWS}"
+        " (plan, version, created_at, flow_id)",
+        # Finished flows by when they ended (a finished flow is never written again): retention
+        # (`_retention`) and the dashboard's counts of finished flows.
+        f"CREATE INDEX IF NOT EXISTS {FLOWS}_ended ON {FLOWS} (updated_at, state)"
+        f" WHERE state {IN_FINISHED}",
+        *_in_byte_order(d),
+        f"""CREATE TABLE IF NOT EXISTS {ENGINES} (
+            owner TEXT PRIMARY KEY,
+            lease_until DOUBLE PRECISION NOT NULL,
+            started_at DOUBLE PRECISION NOT NULL,
+            incarnation TEXT,
+            host TEXT,
+            pid BIGINT,
+            plans TEXT)""",
+        f"""CREATE TABLE IF NOT EXISTS {PLANS} (
+            plan TEXT NOT NULL,
+            version BIGINT NOT NULL,
+            shape TEXT NOT NULL,
+            registered_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (plan, version))""",
+        f"""CREATE TABLE IF NOT EXISTS {HISTORY} (
+            flow_id TEXT NOT NULL,
+            revision BIGINT NOT NULL,
+            n INTEGER NOT NULL,
+            at DOUBLE PRECISION NOT NULL,
+            kind TEXT NOT NULL,
+            step TEXT,
+            attempt BIGINT,
+            detail TEXT,
+            PRIMARY KEY (flow_id, revision, n))""",
+        f"""CREATE TABLE IF NOT EXISTS {MAILBOX} (
+            {d.seq_column},
+            flow_id TEXT NOT NULL,
+            message_id TEXT NOT NULL,
+            payload TEXT NOT NULL,
+            status TEXT NOT NULL,
+            at DOUBLE PRECISION NOT NULL,
+            UNIQUE (flow_id, message_id))""",
+        f"CREATE INDEX IF NOT EXISTS {MAILBOX}_queued ON {MAILBOX} (flow_id, seq)"
+        " WHERE status = 'QUEUED'",
+        *_inbox.DDL,
+    ]
+
+
+_OBJECT = re.compile(r"IF NOT EXISTS (\w+)")
+_SCHEMA_LOCK_KEY = zlib.crc32(FLOWS.encode())
+
+# Columns added after stores existed: an engine that opens an older store adds them with
+# ``ALTER TABLE`` (they are in `ddl`'s ``CREATE TABLE`` for a new one). The flows' trace
+# context; an engine's incarnation, where it runs, the plan versions it has.
+_ADDED_COLUMNS = (
+    (FLOWS, "trace", "TEXT"),
+    (ENGINES, "incarnation", "TEXT"),
+    (ENGINES, "host", "TEXT"),
+    (ENGINES, "pid", "BIGINT"),
+    (ENGINES, "plans", "TEXT"),
+)
+
+
+def create_schema(tx: Tx) -> None:
+    """Create the flow tables, indexes and added columns if missing (safe to run concurrently).
+
+    Objects that exist are found in the catalog and not touched: on PostgreSQL a ``CREATE
+    INDEX IF NOT EXISTS`` would still take a share lock on its table, and an engine that opens
+    while others write would deadlock with them; an ``ALTER TABLE`` takes its table's strongest
+    lock even when there is nothing to do. Missing ones are made under the dialect's schema lock
+    (PostgreSQL: an advisory lock, concurrent ``CREATE ... IF NOT EXISTS`` can race), looked up
+    again under it. An index added to an existing store is built by the first engine that opens
+    it (on PostgreSQL, writes to the table wait while it is built)."""
+    d = _dialect.of(tx)
+    statements = ddl(tx.dialect)
+
+    def missing() -> list[str]:
+        todo = []
+        for statement in statements:
+            m = _OBJECT.search(statement)
+            assert m is not None
+            if not tx.execute(d.table_exists, (m.group(1),))[0][0]:
+                todo.append(statement)
+        return todo
+
+    def lacking() -> list[tuple[str, str, str]]:
+        have: dict[str, set[str]] = {}
+        for table, _name, _kind in _ADDED_COLUMNS:
+            if table not in have:
+                have[table] = {r[0] for r in tx.execute(d.columns_of, (table,))}
+        return [(t, name, kind) for t, name, kind in _ADDED_COLUMNS if name not in have[t]]
+
+    if d.schema_lock is None:
+        for statement in statements:
+            tx.execute(statement)
+    elif missing() or lacking():
+        tx.execute(d.schema_lock, (_SCHEMA_LOCK_KEY,))
+        for statement in missing():
+            tx.execute(statement)
+    for table, name, kind in lacking():
+        tx.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+
+
+def has_tables(tx: Tx) -> bool:
+    """Does the store hold the flow tables (has an engine ever opened it)?"""
+    d = _dialect.of(tx)
+    return bool(tx.execute(d.table_exists, (FLOWS,))[0][0])
