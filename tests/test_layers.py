@@ -46,23 +46,7 @@ POSTGRES = ("psycopg", "ferry.projected._postgres")
 PURE = ("ferry._text",)
 
 #: (file, what it imports) -> why it may, for now. Each entry is a debt of the layering.
-EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("ferry/flow/_runtime/_runner.py", "ferry.flow._fleet._lease"): (
-        "the runner asks the lease whether a copy may be trusted (Lease.confirm): the mode "
-        "object, picked once, replaces it"
-    ),
-    ("ferry/flow/_runtime/_recovery.py", "ferry.flow._fleet._lease"): (
-        "recovery reads through the lease (Lease, transient): the mode object and one retry "
-        "rule replace it"
-    ),
-    ("ferry/flow/_runtime/_waiters.py", "ferry.flow._fleet._heartbeat"): (
-        "a fleet's waiters take the lease thread's connection (keeper_for): the mode object "
-        "hands it over"
-    ),
-    ("ferry/flow/_runtime/_waiters.py", "ferry.flow._fleet._listener"): (
-        "a fleet's waiters start the LISTEN thread: the mode object starts it"
-    ),
-}
+EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 _MODEL_THIRD_PARTY = {"attrs", "pyrsistent"}
 _MODEL_NOT_STDLIB = {"sqlite3"}

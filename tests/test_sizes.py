@@ -22,14 +22,7 @@ CLASS_LINES = 300
 FUNCTION_LINES = 80
 
 #: (file, what: "file", "class Name" or "def name") -> why it is over, for now.
-SIZE_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("ferry/flow/_engine/_open.py", "def open_engine"): "the config record built once shrinks it",
-    ("ferry/flow/_engine/_open.py", "def _opened"): "the mode object picked once shrinks it",
-    ("ferry/flow/_engine/_parts.py", "def __init__"): "the config record replaces its wiring",
-    ("ferry/flow/_fleet/_lease.py", "class Lease"): "one owner per piece of state shrinks it",
-    ("ferry/flow/_fleet/_lease.py", "def renew"): "one retry rule for loop rounds shrinks it",
-    ("ferry/flow/_runtime/_waiters.py", "class Waiters"): "the mode object starts the fleet's",
-}
+SIZE_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 
 def sources(root: Path = ROOT) -> dict[str, str]:

@@ -212,7 +212,8 @@ async def test_a_flow_taken_back_is_not_released_while_its_engine_runs_it(
             await trio.testing.wait_all_tasks_blocked()
             assert ("release", "f", 1) in log, "engine a let go of the flow it was given back"
             await trio.sleep(1)
-            await b._parts.fleet.scan()  # with the bug, f was released: b took it over, compensated
+            # with the bug, f was released: b took it over, compensated
+            await b._parts.mode.rounds.scan()
             await trio.testing.wait_all_tasks_blocked()
             releases = [entry for entry in log if entry[0] == "release"]
             claimed = b.statistics().claimed

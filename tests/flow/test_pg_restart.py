@@ -121,18 +121,18 @@ async def test_a_recovery_that_gives_up_on_an_error_strands_flows(
 ) -> None:
     """Planted: the scan loop ends at the first database error, as a one-shot recovery would."""
 
-    async def gives_up(self: _fleet.Fleet) -> None:
+    async def gives_up(self: _fleet.Rounds) -> None:
         while True:
             await trio.sleep(self.interval)
             await self.scan()
 
-    async def quietly(self: _fleet.Fleet) -> None:
+    async def quietly(self: _fleet.Rounds) -> None:
         try:
             await gives_up(self)
         except Exception:
             return
 
-    monkeypatch.setattr(_fleet.Fleet, "scan_loop", quietly)
+    monkeypatch.setattr(_fleet.Rounds, "scan_loop", quietly)
     left, _stats = await recover_through_an_outage(server, patience=4 * LEASE)
     assert left > 0
 

@@ -397,9 +397,8 @@ def _rule(rows: dict[str, Flow], lease: float = 30.0) -> tuple[Any, list[list[st
             return found
         return found[0] if found else None
 
-    nowhere: Any = None  # no store: `read` answers
-    waiters: Waiters[_Holding] = Waiters(
-        nowhere, fleet=True, lease=lease, closed=stm.TVar(False), read=read, owner="a"
+    waiters: Waiters[_Holding] = Waiters(  # no store: `read` answers
+        shared=True, listen=None, lease=lease, closed=stm.TVar(False), read=read
     )
     waiters.listener = object()  # type: ignore[assignment]
     stm.atomically_nowait(waiters._listening.set, True)

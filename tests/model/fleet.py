@@ -16,7 +16,7 @@ Actors and their steps (on top of `flow.py`'s)
   the flow with that engine (`_machine.assign_holder`), except that an outside request (wake,
   cancel, resume, timeout) on an active flow with another owner leaves it with that owner.
 - an engine that is up and not frozen, besides its runner, its timer and the calls it serves:
-  - scans (`Fleet.scan`): if it trusts its lease and does not run the flow, it reads the flow
+  - scans (`Rounds.scan`): if it trusts its lease and does not run the flow, it reads the flow
     when nobody holds it (runner ``(TAKE, copy)``), then takes it over (`take_over`: attempt
     + 1) as a compare-and-set on the copy's revision *and* on the flow still being nobody's
     (``lapsed_at``). Refused, it forgets it. Its scan also arms the timer of a park that is
@@ -31,7 +31,7 @@ Actors and their steps (on top of `flow.py`'s)
     a body that ran is discarded, and the next renewal releases the flow. A runner about to
     run a body without trusting the lease does the same (`Runner._attempt`). A write that
     leaves the flow with this engine again cancels the release (`Writes.track`).
-  - adopts a flow held under its name that it does not run (`Fleet.check_held`: a takeover
+  - adopts a flow held under its name that it does not run (`Rounds.check_held`: a takeover
     whose answer was lost), writing attempt + 1 as a compare-and-set.
 - the leases and time: an engine stops trusting its lease before the lease lapses in the store
   (`_LEASE_MARGIN`: its view of its lease is elapsed time since a renewal began, which the
@@ -375,7 +375,7 @@ class FleetChecker(FlowChecker):
                     label += " by its own clock, which is ahead"
                 steps.append((label, self._set_engine(m, e, runner=(TAKE, row))))
             elif row.owner == name and row.released_at is None and not engine.released:
-                # `Fleet.check_held`: held under its name, but not run (a lost answer, a restart)
+                # `Rounds.check_held`: held under its name, but not run (a lost answer, a restart)
                 now = m.now
                 write = Write(lambda f, _b: p.next_attempt(f, now), row)
                 t = self._write(m, self._lease(write, e))
@@ -468,8 +468,8 @@ class FleetChecker(FlowChecker):
         self.coverage.add("takeover")
         yield label, self._after_write(self._record(m, t, label), e, t.flow)
         if m.world.ambiguous < self.config.ambiguous:
-            # The scan's transaction committed but its answer was lost (`Fleet.scan` gives up on the
-            # error): the flow is held under e's name and nobody runs it, until e adopts it.
+            # The scan's transaction committed but its answer was lost (`Rounds.scan` gives up on
+            # the error): the flow is held under e's name and nobody runs it, until e adopts it.
             self.coverage.add("takeover answer lost")
             lost = f"{label} (committed, answer lost: the scan gives up)"
             world = m.world._replace(ambiguous=m.world.ambiguous + 1)

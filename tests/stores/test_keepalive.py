@@ -15,6 +15,7 @@ import trio
 
 import stm
 from ferry import flow
+from ferry.flow._fleet._mode import Fleet
 from ferry.projected import PostgresStore
 from ferry.projected._postgres import KEEPALIVE, connect
 from tests import pg
@@ -100,7 +101,9 @@ async def test_every_connection_of_a_fleet_engine_is_watched(pg_server: pg.PgSer
             listening = b._waiters._listening
             await stm.atomically(lambda: None if listening.get() else stm.retry())
             for engine in (a, b):  # the lease threads connect at their first renewal
-                keeper = engine._parts.lease._keeper
+                mode = engine._parts.mode
+                assert isinstance(mode, Fleet)
+                keeper = mode.lease._keeper
                 assert keeper is not None
                 with trio.fail_after(30):
                     while keeper.renewals == 0:  # noqa: ASYNC110 - a thread's counter
@@ -108,7 +111,7 @@ async def test_every_connection_of_a_fleet_engine_is_watched(pg_server: pg.PgSer
             fds = [fd for fd in to_server(pg_server.port) if fd not in before]
             # each engine's pool and lease connections, and b's listener connection
             assert len(fds) >= 5
-            lease_ms = max(1000, round(1000 * a._parts.lease.lease))
+            lease_ms = max(1000, round(1000 * 2.0))  # the engines' lease
             timeouts = []
             for fd in fds:
                 options = watched(fd)

@@ -23,11 +23,9 @@ from stm._internal import NoPublicConstructor
 from .._model import _checks, _values
 from .._model._errors import UnknownFlow
 from .._model._plan import Plan
-from .._model._types import Delivery, Event, FlowStatistics, Json, Snapshot, Start, State, Wake
+from .._model._types import Delivery, Event, FlowStatistics, Json, Snapshot, Start, Wake
 from .._model._values import Flow
-from .._runtime import _tracing, _waiters
-from .._runtime._live import Live
-from .._runtime._observe import Bound
+from .._runtime._config import Config
 from .._runtime._requests import check_mapper
 from .._store import _store
 from ._observer import Observer, bind_one
@@ -62,56 +60,19 @@ class Engine(metaclass=NoPublicConstructor):
     """
 
     def __init__(
-        self,
-        store: Store,
-        plans: dict[tuple[str, int], Plan],
-        *,
-        owner: str,
-        max_running: int,
-        lease: float,
-        serve: bool,
-        fleet: bool,
-        max_data_bytes: int,
-        group_commit: bool,
-        scan_interval: float | None,
-        wall_clock: Callable[[], float],
-        retain: float | None = None,
-        tracing: _tracing.Tracing | None = None,
-        observers: tuple[Bound, ...] = (),
+        self, store: Store, plans: dict[tuple[str, int], Plan], config: Config, parts: Parts
     ) -> None:
         self._store = store
         self._plans = plans
-        self._owner = owner
-        self._serve = serve  # False: an operator's engine, which never leases or runs a flow
-        self._group_commit = group_commit
-        self._lease = float(lease)
-        self._closed_tv = stm.TVar(False)
+        self._owner = config.owner
+        self._serve = config.serve  # False: an operator's engine, which never leases or runs
+        self._parts = parts
+        self._closed_tv = parts.closed
         # The waits (`_waiters`), and the map of the flows this engine holds, which tells them.
-        self._waiters: _waiters.Waiters[Live] = _waiters.Waiters(
-            store, fleet=fleet, lease=lease, closed=self._closed_tv, read=self._read, owner=owner
-        )
-        self._parts = parts = Parts(
-            store,
-            plans,
-            owner=owner,
-            max_running=max_running,
-            lease=lease,
-            serve=serve,
-            fleet=fleet,
-            max_data_bytes=max_data_bytes,
-            group_commit=group_commit,
-            scan_interval=scan_interval,
-            wall_clock=wall_clock,
-            retain=retain,
-            tracing=tracing,
-            seen=self._waiters.saw,
-            refused=self._waiters.refused,
-            live=self._waiters.held,
-        )
+        self._waiters = parts.waiters
         self._requests = parts.requests
         self._shapes = parts.versions.shapes
         self._tally = parts.tally
-        self._tally.observers = observers  # `open_engine(observers=...)`, tracing first
         self._live = parts.writes.live  # the live flows (read only here)
         self._closing = False
         self._mappers: dict[str, list[Callable[[Json], object]]] = {}
@@ -313,16 +274,7 @@ class Engine(metaclass=NoPublicConstructor):
         """`statistics()` from any thread (`ferry.metrics` reads it while serving a scrape):
         it copies a few integers and two dicts whose keys never change, and counts the
         compensating flows among a copy of the live ones (one C call copies them)."""
-        live = list(self._live.values())
-        return FlowStatistics(
-            running=len(live),
-            compensating=sum(1 for x in live if x.flow.state is State.COMPENSATING),
-            parked=self._tally.parked,
-            blocked_now=self._tally.blocked,
-            wakes=dict(self._tally.wakes),
-            purged=0 if self._parts.retention is None else self._parts.retention.purged,
-            **self._tally.stats,
-        )
+        return self._parts.statistics()
 
     def __repr__(self) -> str:
         return f"<flow.Engine running={len(self._live)} parked={self._tally.parked}>"

@@ -27,11 +27,13 @@ from .._fleet import _lease, _reach
 from .._model import _checks
 from .._model._plan import Plan
 from .._runtime import _observe, _retention, _tracing
+from .._runtime._config import Config
 from .._store import _dialect, _schema
 from .._store._sqlite_file import EngineLock, check_path
 from . import _observer, _served
 from ._engine import Engine
 from ._observer import Observer
+from ._parts import Parts
 
 _log = logging.getLogger("ferry.flow")
 
@@ -71,82 +73,54 @@ def open_engine(
     """Open a flow engine on `store` for the duration of an ``async with``.
 
     `store`: a path (an SQLite file, created if missing -- except by an operator's engine, see
-    `serve` -- and closed with the engine) or an open
-    `SqliteStore`/`PostgresStore` (left open). `plans`: the plans it runs (several versions of
-    one plan may be given; at least one, unless ``serve=False``). At most `max_running` flows
-    run at once; the others wait their turn, first come first served. `owner` names this
-    engine in the rows it leases (default: a new uuid; printable, 1 to 200 characters; on a
-    fleet one live engine per name: `StoreLocked` naming the owner while another holds it).
-    `lease`: 0.5 s to 86,400 s (`ValueError` outside). Creates the tables if missing, records its
-    plans' shapes in the store, takes the SQLite file's engine lock (`StoreLocked` if another
-    engine holds the file, by whatever path), then recovers. A path that cannot be
-    an engine's file (``":memory:"``, a ``file:`` URI, a directory, an empty path, a file that
-    is not SQLite) is a `ValueError` saying what to give instead, before anything is created.
-
+    `serve` -- and closed with the engine) or an open `SqliteStore`/`PostgresStore` (left
+    open); a path that cannot be an engine's file (``":memory:"``, a ``file:`` URI, a
+    directory, a file that is not SQLite) is a `ValueError` saying what to give instead.
+    `plans`: the plans it runs (several versions of one plan may be given; at least one,
+    unless ``serve=False``). At most `max_running` flows run at once, first come first served.
+    `owner` names this engine in the rows it leases (default: a new uuid; printable, 1 to 200
+    characters; on a fleet one live engine per name: `StoreLocked` while another holds it).
+    `lease`: 0.5 s to 86,400 s. Creates the tables if missing, records its plans' shapes, takes
+    the SQLite file's engine lock (`StoreLocked` if another engine holds the file), recovers.
     One SQLite file is served by one engine: at open every running and compensating flow runs
     again (attempt + 1) and every parked flow's timer is armed (overdue ones time out at once).
 
-    On PostgreSQL engines form a fleet (docs/flow-fleet.md): each engine holds a lease of
-    `lease` seconds, renewed every ``lease / 3`` (one row, whatever the number of flows), and
-    runs the running flows that name it. Every ``lease / 3`` it also scans for orphans (running
-    flows of its plan versions that no live engine holds: their engine died, froze or closed)
-    and takes them over, each by a compare-and-set, and arms the timers of flows parked by any
-    engine whose deadline is near (exactly one engine's timeout takes each). At open it resumes
-    the flows its own `owner` name held (a restart under the same name) and scans. An engine
-    that could not renew in time lets its flows go (`FlowStatistics.lost`) and releases them
-    with its next renewal; one that lost a flow to another engine finds out at its next write,
-    which fails, or its next check. Closing ends its lease, so that others take its flows over
-    at their next scan. A slow or frozen engine can never advance a flow another engine took
-    over: every write is a compare-and-set on the flow's revision.
+    On PostgreSQL engines form a fleet (docs/flow-fleet.md): each holds a lease of `lease`
+    seconds, renewed every ``lease / 3``, and runs the running flows that name it; as often it
+    takes over orphans (flows of its plan versions no live engine holds) and arms the timers of
+    flows parked by any engine. At open it resumes the flows its `owner` name held, and
+    closing ends its lease. An engine that could not renew in time lets its flows go
+    (`FlowStatistics.lost`); every write is a compare-and-set on the flow's revision, so a slow
+    or frozen engine never advances a flow another took over.
 
-    `max_data_bytes` (default 1 MiB): the most UTF-8 JSON text a flow's data (at `start` and
-    after every step) or a wake's payload may take. A step that leaves more, or returns a
-    malformed outcome, fails its flow alone (it compensates and ends `FAILED` with an error
-    naming the step and the problem); bad input at a call is refused at that call.
+    `max_data_bytes` (default 1 MiB): the most UTF-8 JSON text a flow's data or a wake's
+    payload may take. A step that leaves more, or returns a malformed outcome, fails its flow
+    alone (it compensates and ends `FAILED` naming the step and the problem).
+    Only the store's unavailability (a lock held elsewhere, a lost connection) is retried by
+    the engine's own tasks, with a WARNING on the ``ferry.flow`` logger per retry; any other
+    error in them ends the ``async with`` block with that exception (after the block's own).
 
-    Only the store's unavailability (a lock held elsewhere, a lost connection, a serialization
-    failure) is retried by the engine's own tasks, with a WARNING on the ``ferry.flow`` logger
-    per retry; any other error in them ends the ``async with`` block with that exception (in an
-    `ExceptionGroup` after the block's own, if the block raised one too).
+    `retain` (seconds > 0, default 30 days; None keeps every flow): finished flows are
+    deleted, with their history and mailbox, `retain` seconds after they ended (docs/adr/0085);
+    a deleted flow's id is unknown from then on (`start` may use it again).
 
-    `retain` (seconds, default 30 days; None keeps every flow): finished (`COMPLETED` or
-    `FAILED`) flows are deleted, with their history and mailbox, `retain` seconds after they
-    ended, by a task of the engine (from its open on, every ``retain / 4`` at most ten minutes
-    apart), in transactions of at most 500 flows with a pause between them; any engine of a
-    fleet may do it at the same time as others (docs/adr/0085). A deleted flow's id is unknown
-    from then on: a wake of it is `Delivery.UNKNOWN` and `start` may use it again.
-    `ValueError` unless it is a finite number > 0 or None.
+    `tracer_provider`: OpenTelemetry traces (the extra ``otel``, docs/operating.md): a span
+    per `start` and per run of a step or compensation, one trace per flow. None (default): the
+    application's global provider, if it set one; else traces are off and cost nothing.
 
-    `tracer_provider`: OpenTelemetry traces (the extra ``otel``): every `start` and every run
-    of a step or compensation is a span, and one flow is one trace across parks, restarts and
-    engines (docs/operating.md). None (default): the application's global provider, if it set
-    one; without one (or without OpenTelemetry) traces are off and cost nothing.
-
-    `observers`: `flow.Observer` objects told of every step attempt, every flow this engine
-    ends, its open and its close, from the open on (`Engine.add_observer` adds one later);
-    `TypeError` naming the item that is not an observer (docs/operating.md, "Observers").
-
-    A serving engine also applies the requests of clients in other processes
-    (`flow.connect`, docs/adr/0125): those left pending at its open first, then each as it
-    comes (told by the SQLite file's writes, or a PostgreSQL notification); on SQLite it keeps
-    a heartbeat row in the store (owner, pid, host, renewed every 5 s, removed at close:
-    docs/adr/0126), which the inspector's ``stats`` and the dashboard show.
+    `observers`: `flow.Observer` objects told of every step attempt, every end, the open and
+    the close (docs/operating.md, "Observers"). A serving engine also applies the requests of
+    clients in other processes (`flow.connect`, docs/adr/0125); on SQLite it keeps a heartbeat.
 
     `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
-    plans (it reads the plan shapes engines recorded in the store), runs no step, leases
-    nothing, arms no timer and does no recovery; its `wake`, `cancel` and `resume` are
-    recorded, and a flow they make runnable is left to the engines that serve the store (on
-    PostgreSQL the next scan of any of them takes it; on SQLite, where the operator's engine
-    holds the file's lock like any engine, the next engine to open the file). Its `wait`
-    polls the store. It acts on an existing store and never creates one: on a path (or an
-    `SqliteStore`) where there is no file -- removed, or a symlink to nowhere -- it raises
-    `FileNotFoundError` and nothing is made there.
+    plans, runs no step, leases nothing, arms no timer and does no recovery; what its `wake`,
+    `cancel` and `resume` make runnable is left to the engines that serve the store (on
+    SQLite, the next engine to open the file). It never creates a store: where there is no
+    file it raises `FileNotFoundError` (docs/adr/0116).
 
-    Definition errors (a bad plan, an empty plan, no plans for a serving engine) and bad
-    options are raised as they are, before anything is opened. Leaving the block closes the
-    engine: running steps and compensations are cancelled (their changes discarded; they run
-    again, as attempt + 1, when an engine next takes them), parked flows stay parked, and later
-    calls raise `ferry.Closed`.
+    Bad plans and options are raised before anything is opened. Leaving the block closes the
+    engine: running steps are cancelled (they run again, as attempt + 1, when an engine next
+    takes them), parked flows stay parked, and later calls raise `ferry.Closed`.
     """
     return _Opening(
         _opened(
@@ -235,8 +209,61 @@ async def _opened(
     switches: _Switches,
 ) -> AsyncIterator[Engine]:
     """The body of `open_engine` (its docstring says what it promises)."""
-    scan_interval = switches.scan_interval
     registry = _registry(plans)
+    config = _config(
+        registry,
+        owner=owner,
+        max_running=max_running,
+        lease=lease,
+        serve=serve,
+        max_data_bytes=max_data_bytes,
+        retain=retain,
+        tracer_provider=tracer_provider,
+        observers=observers,
+        switches=switches,
+    )
+    db, lock = _store_of(store, serve)
+    own_store = db is not store
+    try:
+        _reach.check_clock(db)
+        try:
+            await db.transact(_schema.create_schema)
+        except Exception as exc:
+            failed = _reach.unreachable(db, exc)
+            if failed is None:
+                raise
+            raise failed from exc
+        if switches.fleet is None:  # the mode, by the store: PostgreSQL's engines form a fleet
+            config = attrs.evolve(config, fleet=_dialect.of(db).leases)
+        parts = Parts(db, registry, config)
+        engine = Engine._create(db, registry, config, parts)
+        async with _lifetime(engine, parts, config, db) as running:
+            yield running
+    finally:
+        if own_store:
+            with trio.CancelScope(shield=True):
+                await db.aclose()
+        if lock is not None:
+            lock.release()
+
+
+def _config(
+    registry: dict[tuple[str, int], Plan],
+    *,
+    owner: str | None,
+    max_running: int,
+    lease: float,
+    serve: bool,
+    max_data_bytes: int,
+    retain: float | None,
+    tracer_provider: object | None,
+    observers: Iterable[Observer],
+    switches: _Switches,
+) -> Config:
+    """`open_engine`'s options checked (a `ValueError` or `TypeError` naming the one that is
+    wrong, before anything is opened), as the one record the parts are built from. Its `fleet`
+    is the test switch's; without one, `_opened` sets it by the store."""
+    scan_interval = switches.scan_interval
     if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
         raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
     lease = _lease.check_lease(lease)
@@ -263,67 +290,53 @@ async def _opened(
         )
     if scan_interval is not None and not (_checks.finite(scan_interval) and scan_interval > 0):
         raise ValueError(f"scan_interval must be a finite number > 0, got {scan_interval!r}")
-    own_store = isinstance(store, str | os.PathLike)
-    lock: EngineLock | None = None
-    # An operator's engine acts on an existing store: it never creates the SQLite file
-    # (docs/adr/0116), nor does any engine on a store opened with create=False.
-    if own_store:
+    return Config(
+        owner=owner if owner is not None else uuid.uuid4().hex,
+        max_running=max_running,
+        lease=lease,
+        serve=serve,
+        fleet=bool(switches.fleet),
+        max_data=max_data_bytes,
+        group_commit=switches.group_commit,
+        scan_interval=lease / 3 if scan_interval is None else scan_interval,
+        wall_clock=switches.wall_clock,
+        retain=retain,
+        tracing=tracing,
+        observers=bound,
+    )
+
+
+def _store_of(
+    store: Store | str | os.PathLike[str], serve: bool
+) -> tuple[Store, EngineLock | None]:
+    """The store an engine opens on (a path: an `SqliteStore` of its own, closed with the
+    engine), and the SQLite file's engine lock, taken. An operator's engine acts on an existing
+    store: it never creates the SQLite file (docs/adr/0116), nor does any engine on a store
+    opened with create=False."""
+    if isinstance(store, str | os.PathLike):
         lock = EngineLock.acquire(check_path(store), create=serve)
-        db: Store = SqliteStore(lock.path, create=serve)
-    elif callable(getattr(store, "transact", None)):
-        db = store  # type: ignore[assignment]
-        if isinstance(db, SqliteStore):
-            lock = EngineLock.acquire(db.path, create=serve and db.create)
-    else:
+        return SqliteStore(lock.path, create=serve), lock
+    if not callable(getattr(store, "transact", None)):
         raise TypeError(f"store must be a path or a SqliteStore/PostgresStore, got {store!r}")
-    try:
-        _reach.check_clock(db)
-        try:
-            await db.transact(_schema.create_schema)
-        except Exception as exc:
-            failed = _reach.unreachable(db, exc)
-            if failed is None:
-                raise
-            raise failed from exc
-        engine = Engine._create(
-            db,
-            registry,
-            owner=owner if owner is not None else uuid.uuid4().hex,
-            max_running=max_running,
-            lease=lease,
-            serve=serve,
-            fleet=_dialect.of(db).leases if switches.fleet is None else switches.fleet,
-            max_data_bytes=max_data_bytes,
-            group_commit=switches.group_commit,
-            scan_interval=scan_interval,
-            wall_clock=switches.wall_clock,
-            retain=retain,
-            tracing=tracing,
-            observers=bound,
-        )
-        async with _lifetime(engine) as running:
-            yield running
-    finally:
-        if own_store:
-            with trio.CancelScope(shield=True):
-                await db.aclose()
-        if lock is not None:
-            lock.release()
+    if isinstance(store, SqliteStore):
+        return store, EngineLock.acquire(store.path, create=serve and store.create)
+    return store, None
 
 
 @asynccontextmanager
-async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
+async def _lifetime(
+    engine: Engine, parts: Parts, config: Config, store: Store
+) -> AsyncIterator[Engine]:
     """Own the write ferry and the engine's tasks for the ``async with`` block."""
     body_error: BaseException | None = None
     engine_error: BaseException | None = None
     opened = False
-    parts = engine._parts
     ferry_cm: contextlib.AbstractAsyncContextManager[Any]
-    if engine._group_commit:
+    if config.group_commit:
         ferry_cm = open_ferry(
             parts.writes.batch,
             max_batch_size=_BATCH_SIZE,
-            max_in_flight_batches=_dialect.of(engine._store).batches_in_flight,
+            max_in_flight_batches=_dialect.of(store).batches_in_flight,
             max_queueing=1 << 40,
         )
     else:
@@ -336,11 +349,11 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                     parts.begin(write_ferry, nursery)
                     try:
                         recovered = trio.Event()
-                        if engine._serve:  # the clients' requests, and an SQLite heartbeat
+                        if config.serve:  # the clients' requests, and an SQLite heartbeat
                             await nursery.start(_served.serve, engine, recovered)
                         await parts.recover()
                         recovered.set()
-                        _log_opened(engine)
+                        _log_opened(parts, config, store)
                         opened = True
                         parts.start_tasks()
                         yield engine
@@ -356,16 +369,15 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
                 engine_error = _one_error(group)
                 if engine_error is None:
                     raise _merged(body_error, group) from None
-            with trio.CancelScope(shield=True), trio.move_on_after(engine._lease / 3):
+            with trio.CancelScope(shield=True), trio.move_on_after(config.lease / 3):
                 # after a bug, touch no flow: they run again
                 await parts.leave(touch_flows=engine_error is None)
     finally:
         engine._close()
-        _log_closed(engine, engine_error or body_error, opened=opened)
+        _log_closed(parts, config, engine_error or body_error, opened=opened)
         try:
             with trio.CancelScope(shield=True):
                 await parts.end()
-                await engine._waiters.aclose()
         finally:
             # its statistics are final now: a collector lets it go (those attached since too)
             _observe.closed(parts.tally.observers, engine)
@@ -375,27 +387,28 @@ async def _lifetime(engine: Engine) -> AsyncIterator[Engine]:
         raise body_error
 
 
-def _log_opened(engine: Engine) -> None:
+def _log_opened(parts: Parts, config: Config, store: Store) -> None:
     """INFO: the engine is open, and what it recovered."""
-    s = engine._statistics()
-    owner = engine._owner
+    s = parts.statistics()
+    owner = config.owner
+    shapes = parts.versions.shapes
     _log.info(
         "flow engine %r opened on %s (%s): %d flows recovered, %d parked, plans %s",
         owner,
-        _where(engine._store),
-        "serving" if engine._serve else "operator, runs nothing",
+        _where(store),
+        "serving" if config.serve else "operator, runs nothing",
         s.recovered,
         s.parked,
-        ", ".join(f"{name} v{version}" for name, version in sorted(engine._shapes)) or "none",
+        ", ".join(f"{name} v{version}" for name, version in sorted(shapes)) or "none",
         extra={"owner": owner, "recovered": s.recovered, "parked": s.parked},
     )
 
 
-def _log_closed(engine: Engine, error: BaseException | None, *, opened: bool) -> None:
+def _log_closed(parts: Parts, config: Config, error: BaseException | None, *, opened: bool) -> None:
     """INFO: the engine closed (what it left to the next engine), why it ended, or why it did
     not open (the whole error: it says what to do)."""
-    s = engine._statistics()
-    owner = engine._owner
+    s = parts.statistics()
+    owner = config.owner
     running = s.running
     if not opened and error is not None:
         _log.info(

@@ -9,130 +9,119 @@ part imports another that sits above it), and starts and stops them for the engi
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import trio
 
+import stm
 from ferry.projected import Store
 
-from .._fleet._fleet import Fleet
-from .._fleet._lease import Lease
+from .._fleet._mode import Fleet
 from .._model._plan import Plan
-from .._model._values import Flow
+from .._model._types import FlowStatistics, State
 from .._runtime import _retention, _tracing
 from .._runtime._clock import Clock
+from .._runtime._config import Config
 from .._runtime._live import Live, Tally
+from .._runtime._mode import Mode, OneFile
 from .._runtime._recovery import let_go_unbegun, recover
 from .._runtime._requests import Requests
 from .._runtime._runner import Runner
 from .._runtime._timer_loop import Timers
 from .._runtime._versions import Versions
+from .._runtime._waiters import Waiters
 from .._runtime._writes import Writes
 from .._store import _op
 
-_GUARD = 1 / 4  # of the lease: how long a fleet engine's transaction may sit idle (locks held)
-_GUARD_MIN = 0.5
+T = TypeVar("T")
+
+
+def pick_mode(
+    store: Store, clock: Clock, tally: Tally, versions: Versions, timers: Timers, config: Config
+) -> tuple[Mode, Fleet | None]:
+    """The mode of the engine (`_runtime._mode`), picked once: a fleet's (leases and scans),
+    or one file's. The fleet's also as itself, to be bound to the write path."""
+    if config.fleet:
+        fleet = Fleet(store, clock, tally, versions, config, arm=timers.arm)
+        return fleet, fleet
+    return OneFile(store, timers.load), None
 
 
 class Parts:
     """The parts of one engine (see each module's docstring) and their lifecycle."""
 
-    def __init__(
-        self,
-        store: Store,
-        plans: dict[tuple[str, int], Plan],
-        *,
-        owner: str,
-        max_running: int,
-        lease: float,
-        serve: bool,
-        fleet: bool,
-        max_data_bytes: int,
-        group_commit: bool,
-        scan_interval: float | None,
-        wall_clock: Callable[[], float],
-        retain: float | None,
-        tracing: _tracing.Tracing | None,
-        seen: Callable[[Flow], None],
-        refused: Callable[[Flow, str, BaseException], None],
-        live: dict[str, Live],
-    ) -> None:
+    def __init__(self, store: Store, plans: dict[tuple[str, int], Plan], config: Config) -> None:
         self._store = store
-        self._owner = owner
-        self._serve = serve
-        self._fleet = fleet
-        self.fleet_mode = fleet  # leases and scans (PostgreSQL; SQLite in some tests)
-        self._tracing = tracing
-        self.clock = clock = Clock(wall_clock)
+        self._config = config
+        self.clock = clock = Clock(config.wall_clock)
         self.versions = versions = Versions(plans)
         self.tally = tally = Tally()
-        self.timers = timers = Timers(clock, fleet=fleet)
-        guard = max(_GUARD_MIN, lease * _GUARD) if fleet else None
-        runner: Runner  # made below: the write path hands it the flows that become live
-
-        def runnable(live: Live) -> None:
-            runner.enqueue(live)
-
-        self.writes = writes = Writes(
-            store,
-            clock,
-            tally,
-            versions,
-            owner=owner,
-            serve=serve,
-            fleet=fleet,
-            group_commit=group_commit,
-            guard=guard,
-            seen=seen,
-            refused=refused,
-            live=live,
-            runnable=runnable,
-            arm=timers.arm,
+        tally.observers = config.observers  # `open_engine(observers=...)`, tracing first
+        self.timers = timers = Timers(clock)
+        self.mode, fleet = pick_mode(store, clock, tally, versions, timers, config)
+        # Set when the block ends: waits raise `ferry.Closed`.
+        self.closed = stm.TVar(False)
+        self.waiters: Waiters[Live] = Waiters(
+            shared=self.mode.shared,
+            listen=self.mode.listen,
+            lease=config.lease,
+            closed=self.closed,
+            read=self._read,
         )
-        self.lease = Lease(store, clock, writes, tally, owner=owner, lease=lease, fleet=fleet)
-        self.fleet = Fleet(
-            store,
-            clock,
-            writes,
-            self.lease,
-            versions,
-            tally,
-            owner=owner,
-            max_running=max_running,
-            scan_interval=lease / 3 if scan_interval is None else scan_interval,
-            arm=timers.arm,
-        )
-        self.runner = runner = Runner(
-            writes,
-            self.lease,
-            versions,
-            clock,
-            tally,
-            max_running=max_running,
-            max_data=max_data_bytes,
-            fleet=fleet,
-            tracing=tracing,
-            hand_over=self.fleet.hand_over,
-        )
-        self.requests = Requests(
-            store,
-            clock,
-            writes,
-            versions,
-            tally,
-            plans,
-            owner=owner,
-            serve=serve,
-            fleet=fleet,
-            max_data=max_data_bytes,
-            tracing=tracing,
-        )
+        self.writes = writes = self._writes(store, config)
+        if fleet is not None:
+            fleet.bind(writes)
+        self.runner = Runner(writes, self.mode, versions, clock, tally, config)
+        self.requests = Requests(store, clock, writes, versions, tally, plans, config, self.mode)
         # Deletes finished flows `retain` seconds after they ended (a task of a serving engine).
         self.retention = (
-            _retention.Retention(store, retain, clock.now, guard)
-            if retain is not None and serve
+            _retention.Retention(store, config.retain, clock.now, self.mode.guard)
+            if config.retain is not None and config.serve
             else None
         )
         self.nursery: trio.Nursery | None = None
+
+    def _writes(self, store: Store, config: Config) -> Writes:
+        """The write path; it hands the runner the flows that become live (`_runnable`)."""
+        waiters = self.waiters
+        return Writes(
+            store,
+            self.clock,
+            self.tally,
+            self.versions,
+            config,
+            self.mode,
+            seen=waiters.saw,
+            refused=waiters.refused,
+            live=waiters.held,
+            runnable=self._runnable,
+            arm=self.timers.arm,
+        )
+
+    def statistics(self) -> FlowStatistics:
+        """`Engine.statistics` from any thread (`ferry.metrics` reads it while serving a
+        scrape): it copies a few integers and two dicts whose keys never change, and counts the
+        compensating flows among a copy of the live ones (one C call copies them)."""
+        live = list(self.writes.live.values())
+        tally = self.tally
+        return FlowStatistics(
+            running=len(live),
+            compensating=sum(1 for x in live if x.flow.state is State.COMPENSATING),
+            parked=tally.parked,
+            blocked_now=tally.blocked,
+            wakes=dict(tally.wakes),
+            purged=0 if self.retention is None else self.retention.purged,
+            **tally.stats,
+        )
+
+    def _runnable(self, live: Live) -> None:
+        """A flow became live: the runner runs it (a method, not a closure: the runner is
+        built after the write path it reads)."""
+        self.runner.enqueue(live)
+
+    async def _read(self, fn: Callable[[Any], T], what: str) -> T:
+        """The waits' reads: an API call's (`Requests.read`)."""
+        return await self.requests.read(fn, what)
 
     def begin(
         self,
@@ -152,25 +141,20 @@ class Parts:
             self.versions,
             self.writes,
             self.tally,
-            self.timers,
-            self.lease,
-            self.fleet if self._fleet else None,
-            owner=self._owner,
-            serve=self._serve,
+            self.mode,
+            serve=self._config.serve,
         )
 
     def start_tasks(self) -> None:
-        """The engine's own tasks: the timer (a serving engine), the fleet's heartbeat and
-        scans, retention."""
+        """The engine's own tasks: the timer (a serving engine), the mode's (a fleet's
+        heartbeat and scans), retention."""
         nursery = self.nursery
         assert nursery is not None
         writes = self.writes
-        if self._serve:
-            fire = _tracing.timed(self._tracing, writes.time_out)  # off: `time_out` itself
+        if self._config.serve:
+            fire = _tracing.timed(self._config.tracing, writes.time_out)  # off: `time_out` itself
             nursery.start_soon(self.timers.run, nursery, writes.stale, fire)
-        if self._serve and self._fleet:
-            nursery.start_soon(self.fleet.heartbeat_loop)
-            nursery.start_soon(self.fleet.scan_loop)
+            self.mode.start(nursery)
         if self.retention is not None:
             nursery.start_soon(self.retention.run)
 
@@ -180,16 +164,17 @@ class Parts:
 
     async def leave(self, *, touch_flows: bool) -> None:
         """At close, after the tasks ended: let go of the flows not begun (unless a task failed:
-        then no flow is touched, they run again) and, in a fleet, end the lease. Unshielded:
-        the caller shields and bounds it."""
-        if not self._serve:
+        then no flow is touched, they run again) and end what the mode holds (a fleet's
+        lease). Unshielded: the caller shields and bounds it."""
+        if not self._config.serve:
             return
         if touch_flows:
             await let_go_unbegun(self._store, self.clock, self.writes)
-        if self._fleet:
-            await self.lease.end()
+        await self.mode.leave()
 
     async def end(self) -> None:
-        """Last: nothing is written any more; the heartbeat thread is stopped."""
+        """Last: nothing is written any more; the mode's threads (a fleet's heartbeat) and the
+        waits' listener are stopped."""
         self.writes.close()
-        await self.lease.stop_keeper()
+        await self.mode.stop()
+        await self.waiters.aclose()

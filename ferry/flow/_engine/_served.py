@@ -199,7 +199,7 @@ async def serve(
         plans = json.dumps(sorted([name, version] for name, version in engine._plans))
         # a fleet (a test's on SQLite) has its lease rows: no heartbeat of its own then
         watch = Watch(
-            path, engine._owner, incarnation, plans, tell, beat=not engine._parts.fleet_mode
+            path, engine._owner, incarnation, plans, tell, beat=not engine._parts.mode.shared
         )
     elif _dialect.of(store).notifies:
         watch = Listen(str(getattr(store, "dsn", "")), engine._owner, tell)

@@ -24,13 +24,15 @@ from ferry.projected import Store
 
 from .._model import _ops
 from .._model._values import Flow
+from .._runtime import _retry
 from .._runtime._clock import Clock
-from .._runtime._live import Live, Tally
+from .._runtime._config import Config
+from .._runtime._live import Live, Tally, about, named
 from .._runtime._recovery import answer_refused, rerun
 from .._runtime._versions import Versions
 from .._runtime._writes import Writes, gather
 from .._store import _op, _store
-from ._lease import Lease, transient
+from ._lease import Lease, recheck
 
 _log = logging.getLogger("ferry.flow")
 
@@ -39,36 +41,38 @@ _PRUNE_AFTER = 100  # leases: an engine gone that long and holding no flow is fo
 _SCAN_LIMIT = 1000  # orphans taken over per scan, at most
 
 
-class Fleet:
+class Rounds:
     """The periodic tasks of a serving fleet engine (`heartbeat_loop`, `scan_loop`) and the
-    scan that recovery runs first. `strays` holds the flows the store said this engine holds
-    but that it does not run, at the last check (adopted if seen so twice in a row)."""
+    scan that recovery runs first (`_mode.Fleet.first_round`). `strays` holds the flows the
+    store said this engine holds but that it does not run, at the last check (adopted if seen
+    so twice in a row)."""
 
     def __init__(
         self,
         store: Store,
         clock: Clock,
-        writes: Writes,
         lease: Lease,
         versions: Versions,
         tally: Tally,
+        config: Config,
         *,
-        owner: str,
-        max_running: int,
-        scan_interval: float,
         arm: Callable[[float, str, int], None],
     ) -> None:
         self._store = store
         self._clock = clock
-        self._writes = writes
+        self._writes: Writes  # `bind`
         self._lease = lease
         self._versions = versions
         self._tally = tally
-        self._owner = owner
-        self._max_running = max_running
-        self.interval = scan_interval
+        self._owner = config.owner
+        self._max_running = config.max_running
+        self.interval = config.scan_interval
         self._arm = arm
         self._strays: dict[str, int] = {}
+
+    def bind(self, writes: Writes) -> None:
+        """The write path whose flows the rounds take over and check."""
+        self._writes = writes
 
     async def scan(self) -> None:
         """One scan (at open, then every `interval`): take over orphans (active flows of this
@@ -147,13 +151,10 @@ class Fleet:
                     )
                     await self._store.transact(prune)
             except Exception as exc:
-                if not transient(exc):
-                    raise
-                _log.warning(
-                    "flow engine %r: a scan of the fleet failed (%r); the next one is in %.1f s",
-                    self._owner,
+                _retry.next_round(
                     exc,
-                    self.interval,
+                    f"flow engine {self._owner!r} scanned the fleet",
+                    then=f"the next scan is in {self.interval:.1f} s",
                     extra={"owner": self._owner, "delay": self.interval},
                 )
 
@@ -170,13 +171,10 @@ class Fleet:
             try:
                 await self.check_held()
             except Exception as exc:
-                if not transient(exc):
-                    raise
-                _log.warning(
-                    "flow engine %r: reading the flows it holds failed (%r); again in %.1f s",
-                    self._owner,
+                _retry.next_round(
                     exc,
-                    every,
+                    f"flow engine {self._owner!r} read the flows it holds",
+                    then=f"again in {every:.1f} s",
                     extra={"owner": self._owner, "delay": every},
                 )
 
@@ -186,9 +184,9 @@ class Fleet:
         longer holds; adopt (attempt + 1) one it holds but does not run, seen so twice in a row
         (a takeover whose answer was lost with its connection: it must not stay stranded)."""
         writes = self._writes
-        recheck = self._lease.recheck
         ids = set(writes.live)
-        epoch = writes.epoch
+        lease = self._lease
+        epoch = lease.epoch
         rows = await self._store.transact(partial(_store.load_active, owner=self._owner))
         strays: dict[str, int] = {}
         adopt: list[Flow] = []
@@ -197,9 +195,9 @@ class Fleet:
             live = writes.live.get(fid)
             if live is not None:
                 ids.discard(fid)
-                recheck(live, row, epoch)
+                recheck(writes, live, row, epoch)
                 continue
-            if row.released_at is not None or writes.released.get(fid) == row.revision:
+            if row.released_at is not None or lease.released.get(fid) == row.revision:
                 continue  # let go: any engine may take it (once the next renewal releases it)
             if self._strays.get(fid) == row.revision:
                 adopt.append(row)
@@ -208,11 +206,11 @@ class Fleet:
         self._strays = strays
         gone = [fid for fid in ids if fid in writes.live]
         if gone:
-            epoch = writes.epoch
+            epoch = lease.epoch
             for row in await self._store.transact(partial(_store.load_many, flow_ids=gone)):
                 live = writes.live.get(row.flow_id)
                 if live is not None:
-                    recheck(live, row, epoch)
+                    recheck(writes, live, row, epoch)
         if adopt and not self._lease.lapsing():
             self._tally.stats["claimed"] += await rerun(writes, self._clock, self._versions, adopt)
 
@@ -225,8 +223,12 @@ class Fleet:
         try:
             await self._versions.refresh(self._store, self._clock.now())
         except Exception as exc:
-            if not transient(exc):
-                raise
+            _retry.next_round(
+                exc,
+                f"flow engine {self._owner!r} read the fleet's plan versions",
+                then=f"{named(live.flow)} is blocked",
+                extra=about(live.flow),
+            )
             return False
         writes = self._writes
         if writes.live.get(live.flow.flow_id) is not live or not self._versions.elsewhere(

@@ -17,14 +17,14 @@ Trust after a lapse (docs/adr/0047), the one rule every other place points to: a
 may come after the lease lapsed (the engine stopped trusting it before the renewal, or the renewal
 came back past the margin) must not make the engine trust what it has in memory: another engine
 may have taken those flows over meanwhile, and nothing forbids renewing a lapsed lease. So such a
-renewal starts a new *epoch* (`Writes.epoch`), and no copy of a flow made in an older epoch
+renewal starts a new *epoch* (`Lease.epoch`), and no copy of a flow made in an older epoch
 (`Live.epoch`) is trusted until it has been read again: the renewal itself re-reads the flows the
-engine runs (`Lease.recheck`: each followed, dropped or confirmed before the lease is trusted
-again, with no checkpoint in between), and a runner re-reads any other copy before it runs a body
-on it (`Lease.confirm`). Until the lease is trusted again nothing runs: every body runs under a
-deadline at the lease's margin, moved on with each renewal (`Lease.retrust`, docs/adr/0073), and
-an engine whose lease is within the margin of lapsing (`Lease.lapsing`) lets its flows go
-(`Lease.lose_all`), to be released in the store with its next renewal.
+engine runs (`recheck`: each followed, dropped or confirmed before the lease is trusted
+again, with no checkpoint in between), and a runner re-reads any other copy before it runs a
+body on it (`_mode.Fleet.confirm`). Until the lease is trusted again nothing runs: every body runs
+under a deadline at the lease's margin, moved on with each renewal (`Lease.retrust`,
+docs/adr/0073), and an engine whose lease is within the margin of lapsing (`Lease.lapsing`) lets
+its flows go (`Lease.lose_all`), to be released in the store with its next renewal.
 
 One clock for leases (docs/adr/0110): in a fleet the database's clock decides whose lease runs
 (every lease transaction reads it first, `_store.lease_clock`, and writes and compares the
@@ -47,7 +47,6 @@ from functools import cache, partial
 
 import trio
 
-from ferry import Failed
 from ferry.projected import Store
 
 from .._model import _checks
@@ -55,7 +54,7 @@ from .._model._errors import StoreLocked
 from .._model._values import Flow
 from .._runtime import _retry
 from .._runtime._clock import Clock
-from .._runtime._live import Live, Tally, about, named
+from .._runtime._live import Live, Tally
 from .._runtime._writes import Writes
 from .._store import _store
 from . import _heartbeat
@@ -145,27 +144,30 @@ class Lease:
 
     `until` is how long the lease runs by this engine's own renewals (trio's clock, the module
     docstring; -inf before the first and after a lapse was seen); the heartbeat thread
-    (`_heartbeat.Keeper`, PostgreSQL) may know of a later one (`runs_until`). Off a fleet there
-    is no lease: `trust_deadline` is inf and nothing else is called."""
+    (`_heartbeat.Keeper`, PostgreSQL) may know of a later one (`runs_until`). Only a fleet
+    engine has one (`_mode.Fleet`); `epoch` and `released` are its own (docs/adr/0133)."""
 
     def __init__(
         self,
         store: Store,
         clock: Clock,
-        writes: Writes,
         tally: Tally,
         *,
         owner: str,
         lease: float,
-        fleet: bool,
     ) -> None:
         self._store = store
         self._clock = clock
-        self._writes = writes
+        self._writes: Writes  # `bind`: the write path, built after the mode it asks
         self._tally = tally
-        self._owner = owner
-        self._fleet = fleet
+        self._owner = self.owner = owner
         self.lease = float(lease)
+        # The trust epoch (only grows: the module docstring) and the flows this engine let go,
+        # to be released with the next renewal (id -> the revision let go at; an id leaves when
+        # that renewal is through, or when a write gives the flow back). The lease's own state:
+        # the others read it and tell the lease (`_mode.Fleet`).
+        self.epoch = 0
+        self.released: dict[str, int] = {}
         # This opening of the owner name (docs/adr/0071): a fleet engine's lease row names it,
         # and only this incarnation renews it.
         self.incarnation = uuid.uuid4().hex
@@ -182,6 +184,10 @@ class Lease:
         # What the lease row says besides the lease, to write it again if it goes missing
         # (`renew`); set by `claim`.
         self._registration: _store.Registration | None = None
+
+    def bind(self, writes: Writes) -> None:
+        """The write path whose live flows this lease's trust is about."""
+        self._writes = writes
 
     # --------------------------------------------------------------------- opening, closing
 
@@ -204,16 +210,7 @@ class Lease:
         )
         holder, at = await self._store.transact(claim)
         if holder is not None:
-            where = "this process" if holder.pid == os.getpid() else f"process {holder.pid}"
-            if holder.host != host_identity():
-                where += " on another host" if holder.host is not None else ""
-            raise StoreLocked(
-                f"another flow engine runs as owner {self._owner!r} ({where}; its lease runs"
-                f" {holder.lease_until - at:.1f} s more): one live engine per owner name. Give"
-                " this engine another owner name, or stop that one (a restart under the same"
-                " name takes over once that engine closed, died on this host, or let its lease"
-                " lapse)"
-            )
+            raise _locked(self._owner, holder, at)
         until = began + self.lease
         self.until = until
         self._trusted_until = until
@@ -222,22 +219,10 @@ class Lease:
         )
         dsn = _heartbeat.keeper_for(self._store)
         if dsn is not None:
-            # The thread reads trio's clock as perf_counter plus trio's offset: trio's own clock
-            # is just that (a MockClock moved by hand is not: docs/adr/0110).
-            offset = trio.current_time() - time.perf_counter()
-            keeper = _heartbeat.Keeper(
-                dsn,
-                owner=self._owner,
-                incarnation=self.incarnation,
-                lease=self.lease,
-                margin=self.margin,
-                held_until=until,
-                clock=lambda: time.perf_counter() + offset,
-            )
-            self._keeper = keeper
+            self._keeper = _keeper(dsn, self, until)
             self._instrument = _heartbeat.Trust(self._on_loop_wake)
             trio.lowlevel.add_instrument(self._instrument)
-            keeper.start()
+            self._keeper.start()
         _log.info(
             "flow engine %r opened on the fleet (incarnation %s, lease %g s)",
             self._owner,
@@ -268,13 +253,10 @@ class Lease:
         try:
             await self._store.transact(end)
         except Exception as exc:
-            if not transient(exc):
-                raise
-            _log.warning(
-                "flow engine %r: ending its lease at close failed (%r): its flows wait for the"
-                " lease to lapse",
-                self._owner,
+            _retry.next_round(
                 exc,
+                f"flow engine {self._owner!r} ended its lease at close",
+                then="its flows wait for the lease to lapse",
                 extra={"owner": self._owner},
             )
 
@@ -295,9 +277,7 @@ class Lease:
         return trio.current_time() >= self.runs_until() - self.margin
 
     def trust_deadline(self) -> float:
-        """The trio time until which a body may run on this engine's lease (inf off a fleet)."""
-        if not self._fleet:
-            return math.inf
+        """The trio time until which a body may run on this engine's lease."""
         return self.runs_until() - self.margin
 
     def _retrust(self) -> None:
@@ -336,50 +316,6 @@ class Lease:
                 extra={"owner": self._owner, "lost": len(lives)},
             )
 
-    async def confirm(self, live: Live) -> bool:
-        """Read the flow's row again before a body runs on a copy from an older epoch (the
-        module docstring): True if the row is still that copy and the flow is still held by
-        this engine; else the row is followed (a newer one) or the flow let go, and False.
-        Retries while the store is unavailable. A checkpoint."""
-        writes = self._writes
-        fid = live.flow.flow_id
-        backoff = _retry.Backoff(f"re-reading {named(live.flow)}", extra=about(live.flow))
-        while True:
-            epoch = writes.epoch
-            try:
-                row = await writes.load_row(fid)
-            except Exception as exc:
-                await backoff.pause(exc)  # raises unless the store is unavailable
-                continue
-            if writes.live.get(fid) is not live:
-                return False
-            if not self.recheck(live, row, epoch):
-                return False
-            if epoch == writes.epoch:
-                return True
-            # another renewal after a lapse came meanwhile: read again
-
-    def recheck(self, live: Live, row: Flow | None, epoch: int) -> bool:
-        """A row of the live flow, read in `epoch`: True if it is the copy this engine runs and
-        the flow is still held by this engine (the copy is then trusted in `epoch`); else the
-        row is followed (`Writes.track`: a newer row, which may drop the flow) or the flow let
-        go (it is released, or gone), and False. An older row (a write of this engine that the
-        read did not see yet) changes nothing. No checkpoint."""
-        writes = self._writes
-        if row is None:
-            writes.let_go(live)
-            return False
-        if row.revision > live.flow.revision:
-            writes.track(live.flow.state, row, False, epoch=epoch, write=False)
-            return False
-        if row.revision < live.flow.revision:
-            return False
-        if writes.runs_here(row):
-            live.epoch = epoch
-            return True
-        writes.let_go(live)
-        return False
-
     # ------------------------------------------------------------------------------ renewal
 
     async def renew(self) -> None:
@@ -393,45 +329,16 @@ class Lease:
         pruned it after a lapse) is no other incarnation's: the renewal is made again at once,
         writing the row again, and counts as one after a lapse (its flows re-read, those taken
         meanwhile let go), with a WARNING. Only a row of another incarnation is `Superseded`."""
-        writes = self._writes
         began = trio.current_time()
-        now = self._clock.now()
         until = began + self.lease  # what this renewal holds, if it goes through
         lapsed = self.lapsing()
         deadline = max(self.until - self.margin, began + self.lease / 3)
-        released = dict(writes.released)
+        released = dict(self.released)
         if self._superseded:
             return
-        restore: _store.Registration | None = None
         with trio.move_on_at(deadline):
             try:
-                while True:
-                    renew = partial(
-                        _store.renew_on_clock,
-                        owner=self._owner,
-                        lease=self.lease,
-                        now=now,
-                        let_go=sorted(released.items()),
-                        reread=sorted(writes.live) if lapsed else None,
-                        incarnation=self.incarnation,
-                        restore=restore,
-                    )
-                    try:
-                        # At once again (the pool opens a fresh connection for a dead one),
-                        # then after a pause, until the margin.
-                        rows = await _retry.retrying(
-                            partial(self._store.transact, renew),
-                            what=f"renewing the lease of flow engine {self._owner!r}",
-                            extra={"owner": self._owner},
-                            schedule=_retry.LEASE_RENEWAL,
-                        )
-                    except _store.RowMissing:
-                        if restore is not None or self._registration is None:
-                            raise  # a bug: a renewal that restores writes the row
-                        restore = self._registration
-                        lapsed = True
-                        continue
-                    break
+                rows, restored = await self._renewal(released, lapsed)
             except _store.Superseded:
                 self._superseded = True
                 _log.warning(
@@ -443,41 +350,126 @@ class Lease:
                 )
                 self.lose_all("another engine opened under the same owner name")
                 return
-            if restore is not None:
-                _log.warning(
-                    "flow engine %r: its lease row was missing from the engines table (lost by"
-                    " the database in a crash or a restore, or pruned after its lease lapsed)"
-                    " and was written again: as after a lapse, it re-read the %d flow(s) it"
-                    " runs and lets go those another engine took over meanwhile",
-                    self._owner,
-                    len(rows),
-                    extra={"owner": self._owner, "reread": len(rows)},
-                )
-            if lapsed or self.lapsing():
-                writes.epoch += 1
-                for row in rows:
-                    live = writes.live.get(row.flow_id)
-                    if live is not None:
-                        self.recheck(live, row, writes.epoch)
-            self.until = until
-            if self._keeper is not None:
-                self._keeper.extend(until)
-            self._retrust()
-            self._tally.stats["renewals"] += 1
-            for fid, revision in released.items():
-                if writes.released.get(fid) == revision:
-                    del writes.released[fid]
+            self._renewed(rows, lapsed or restored, until, released)
             return
         if self.lapsing():
             # Until a renewal gets through it runs nothing: what it starts or accepts is let go
             # at once (`Runner`), an orphan for the others to take over.
             self.lose_all("it could not renew it in time")
 
+    async def _renewal(self, released: dict[str, int], lapsed: bool) -> tuple[list[Flow], bool]:
+        """The renewal's transaction, retried while the store is unavailable (the caller
+        bounds it), written again once if the row went missing: the rows it re-read (after a
+        lapse), and whether it wrote the row again (a WARNING)."""
+        now = self._clock.now()
+        restore: _store.Registration | None = None
+        while True:
+            renew = partial(
+                _store.renew_on_clock,
+                owner=self._owner,
+                lease=self.lease,
+                now=now,
+                let_go=sorted(released.items()),
+                reread=sorted(self._writes.live) if lapsed else None,
+                incarnation=self.incarnation,
+                restore=restore,
+            )
+            try:
+                # At once again (the pool opens a fresh connection for a dead one), then after
+                # a pause, until the margin.
+                rows: list[Flow] = await _retry.retrying(
+                    partial(self._store.transact, renew),
+                    what=f"renewing the lease of flow engine {self._owner!r}",
+                    extra={"owner": self._owner},
+                    schedule=_retry.LEASE_RENEWAL,
+                )
+            except _store.RowMissing:
+                if restore is not None or self._registration is None:
+                    raise  # a bug: a renewal that restores writes the row
+                restore = self._registration
+                lapsed = True
+                continue
+            break
+        if restore is not None:
+            _log.warning(
+                "flow engine %r: its lease row was missing from the engines table (lost by the"
+                " database in a crash or a restore, or pruned after its lease lapsed) and was"
+                " written again: as after a lapse, it re-read the %d flow(s) it runs and lets"
+                " go those another engine took over meanwhile",
+                self._owner,
+                len(rows),
+                extra={"owner": self._owner, "reread": len(rows)},
+            )
+        return rows, restore is not None
 
-def transient(exc: BaseException) -> bool:
-    """Is `exc` the store failing for now (unavailable, or a write the ferry could not get
-    through: `ferry.Failed`), also as an exception group of those? A scan or a check that meets
-    one tries again at its next round; anything else is a bug and is raised."""
-    if isinstance(exc, BaseExceptionGroup):
-        return all(transient(e) for e in exc.exceptions)
-    return isinstance(exc, Failed) or _retry.unavailable(exc)
+    def _renewed(
+        self, rows: list[Flow], lapsed: bool, until: float, released: dict[str, int]
+    ) -> None:
+        """A renewal went through: after a lapse a new epoch, the flows it runs rechecked on
+        the rows it re-read; the lease trusted until `until`; the flows it `released` are
+        forgotten (unless let go again since). No checkpoint."""
+        writes = self._writes
+        if lapsed or self.lapsing():
+            self.epoch += 1
+            for row in rows:
+                live = writes.live.get(row.flow_id)
+                if live is not None:
+                    recheck(writes, live, row, self.epoch)
+        self.until = until
+        if self._keeper is not None:
+            self._keeper.extend(until)
+        self._retrust()
+        self._tally.stats["renewals"] += 1
+        for fid, revision in released.items():
+            if self.released.get(fid) == revision:
+                del self.released[fid]
+
+
+def _locked(owner: str, holder: _store.Holder, at: float) -> StoreLocked:
+    """The error of a claim while `holder` holds the owner name (`Lease.claim`)."""
+    where = "this process" if holder.pid == os.getpid() else f"process {holder.pid}"
+    if holder.host != host_identity():
+        where += " on another host" if holder.host is not None else ""
+    return StoreLocked(
+        f"another flow engine runs as owner {owner!r} ({where}; its lease runs"
+        f" {holder.lease_until - at:.1f} s more): one live engine per owner name. Give this"
+        " engine another owner name, or stop that one (a restart under the same name takes"
+        " over once that engine closed, died on this host, or let its lease lapse)"
+    )
+
+
+def _keeper(dsn: str, lease: Lease, until: float) -> _heartbeat.Keeper:
+    """The thread that renews `lease` from `until` on (not started yet). It reads trio's clock
+    as perf_counter plus trio's offset: trio's own clock is just that (a MockClock moved by hand
+    is not: docs/adr/0110)."""
+    offset = trio.current_time() - time.perf_counter()
+    return _heartbeat.Keeper(
+        dsn,
+        owner=lease.owner,
+        incarnation=lease.incarnation,
+        lease=lease.lease,
+        margin=lease.margin,
+        held_until=until,
+        clock=lambda: time.perf_counter() + offset,
+    )
+
+
+def recheck(writes: Writes, live: Live, row: Flow | None, epoch: int) -> bool:
+    """A row of the live flow, read in `epoch`: True if it is the copy this engine runs and the
+    flow is still held by this engine (the copy is then trusted in `epoch`); else the row is
+    followed (`Writes.track`: a newer row, which may drop the flow) or the flow let go (it is
+    released, or gone), and False. An older row (a write of this engine that the read did not
+    see yet) changes nothing. No checkpoint."""
+    if row is None:
+        writes.let_go(live)
+        return False
+    if row.revision > live.flow.revision:
+        writes.track(live.flow.state, row, False, epoch=epoch, write=False)
+        return False
+    if row.revision < live.flow.revision:
+        return False
+    if writes.runs_here(row):
+        live.epoch = epoch
+        return True
+    writes.let_go(live)
+    return False

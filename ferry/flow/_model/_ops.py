@@ -14,7 +14,7 @@ is then not run and the op is answered `Unseen`, a result like any other, and th
 again on a fresh read of the fleet's versions (`_runtime._requests.Requests.versioned`).
 
 To *hold* a flow means one thing here and everywhere in the engine: to be the engine named on the
-flow's row (its ``owner``, with no ``lease_until``) as the one that runs it. `HolderRule` is the
+flow's row (its ``owner``, with no ``released_at``) as the one that runs it. `HolderRule` is the
 rule that says who holds the flow after a write (`_machine.assign_holder`).
 
 PURE: attrs and the model only.

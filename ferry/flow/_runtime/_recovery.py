@@ -15,11 +15,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from functools import partial
-from typing import Protocol
 
 from ferry.projected import Store
 
-from .._fleet._lease import Lease, transient
 from .._model import _checks, _ops, _values
 from .._model._types import State
 from .._model._values import ACTIVE, Flow
@@ -28,20 +26,11 @@ from . import _retry
 from ._apart import write_apart
 from ._clock import Clock
 from ._live import Tally, about, named
-from ._timer_loop import Timers
+from ._mode import Mode
 from ._versions import Versions
 from ._writes import Writes, gather
 
 _log = logging.getLogger("ferry.flow")
-
-
-class FirstScan(Protocol):
-    """What recovery asks of the fleet's rounds (`_fleet.Fleet`, which sits above this module:
-    it calls `rerun` for the flows it adopts): the first scan, and how far apart scans are."""
-
-    interval: float
-
-    async def scan(self) -> None: ...
 
 
 async def recover(
@@ -50,17 +39,14 @@ async def recover(
     versions: Versions,
     writes: Writes,
     tally: Tally,
-    timers: Timers,
-    lease: Lease,
-    fleet: FirstScan | None,
+    mode: Mode,
     *,
-    owner: str,
     serve: bool,
 ) -> None:
-    """At open: record this engine's plans; then, on one SQLite file, resume every running or
-    compensating flow and arm every parked flow's timer; in a fleet (`fleet` given), resume the
-    flows this owner name held and take over the orphans (the first scan, which a database
-    outage does not fail: the scan loop goes on)."""
+    """At open: record this engine's plans; then take what the mode gives it to run again
+    (`Mode.claim`: on one SQLite file every running or compensating flow, every parked flow's
+    timer armed; in a fleet the flows this owner name held) and run them again, then the mode's
+    first round (a fleet's first scan takes over the orphans)."""
     shapes = versions.shapes
     if shapes:
         registered = list(shapes.values())
@@ -70,32 +56,9 @@ async def recover(
     counts = await store.transact(_store.count_states)
     tally.parked = counts.get(State.PARKED, 0)
     tally.blocked = counts.get(State.BLOCKED, 0)
-    if fleet is not None:
-        now = clock.now()
-        await lease.claim(now, sorted(shapes))
-        held = await store.transact(partial(_store.load_active, owner=owner))
-        mine = [f for f in held if (f.plan, f.version) in shapes]
-        others = [(f.flow_id, f.revision) for f in held if (f.plan, f.version) not in shapes]
-        if others:  # a version this engine lacks: leave those to an engine that has it
-            release = partial(_store.release_on_clock, owner=owner, flows=others, now=now)
-            await store.transact(release)
-        tally.stats["recovered"] = await rerun(writes, clock, versions, mine)
-        try:
-            await fleet.scan()
-        except Exception as exc:
-            if not transient(exc):
-                raise
-            _log.warning(
-                "flow engine %r: its first scan failed (%r); the next one is in %.1f s",
-                owner,
-                exc,
-                fleet.interval,
-                extra={"owner": owner},
-            )
-        return
-    timers.load(await store.transact(_store.load_deadlines))
-    active = await store.transact(_store.load_active)
+    active = await mode.claim(sorted(shapes))
     tally.stats["recovered"] = await rerun(writes, clock, versions, active)
+    await mode.first_round()
 
 
 async def rerun(writes: Writes, clock: Clock, versions: Versions, active: list[Flow]) -> int:
@@ -201,7 +164,7 @@ async def let_go_unbegun(store: Store, clock: Clock, writes: Writes) -> None:
     try:
         results = await write_apart(run, ops)
     except Exception as exc:  # unavailable: they run again as attempt + 1
-        _retry.log_or_raise(exc, f"letting go of {len(ops)} flows not begun, at close")
+        _retry.next_round(exc, f"letting go of {len(ops)} flows not begun, at close")
         return
     for flow, result in zip(unbegun, results, strict=True):
         if isinstance(result, _op.Rejected):  # its own problem (docs/adr/0117)

@@ -32,7 +32,9 @@ from .._model._values import Message, Shape
 from .._store import _batch, _op, _store
 from . import _read, _tracing
 from ._clock import Clock
+from ._config import Config
 from ._live import Tally
+from ._mode import Mode
 from ._versions import Versions
 from ._writes import Writes
 
@@ -50,12 +52,8 @@ class Requests:
         versions: Versions,
         tally: Tally,
         plans: dict[tuple[str, int], Plan],
-        *,
-        owner: str,
-        serve: bool,
-        fleet: bool,
-        max_data: int,
-        tracing: _tracing.Tracing | None,
+        config: Config,
+        mode: Mode,
     ) -> None:
         self._store = store
         self._clock = clock
@@ -65,11 +63,11 @@ class Requests:
         self._tally = tally
         self._plans = plans
         self._registered = {id(p): k for k, p in plans.items()}
-        self._owner = owner
-        self._serve = serve
-        self._fleet = fleet
-        self._max_data = max_data  # of a flow's data (or a payload) as UTF-8 JSON text
-        self._tracing = tracing  # OpenTelemetry spans of starts (None: traces off)
+        self._owner = config.owner
+        self._serve = config.serve
+        self._shared = mode.shared  # a fleet: versions elsewhere (`versioned`)
+        self._max_data = config.max_data  # of a flow's data (or a payload) as UTF-8 JSON text
+        self._tracing = config.tracing  # OpenTelemetry spans of starts (None: traces off)
         self._own = _ops.Known(self._shapes)  # an engine off a fleet knows its own versions
         # A fleet engine's versions (`versioned`), and the fleet's versions they were made of.
         self._fleet_known: tuple[object, _ops.Known] = (None, self._own)
@@ -108,7 +106,7 @@ class Requests:
         with the version (`Writes.holders`). The engine keeps those versions from its last scan;
         for a version it does not know of yet, the op is answered `_ops.Unseen` (nothing is
         written) and the request runs again on a fresh read."""
-        if not self._fleet or not self._serve:
+        if not self._shared or not self._serve:
             return await call(self._own if self._serve else await self._stored())
         answer = await call(self._fleet_versions())
         if not _unseen(answer):

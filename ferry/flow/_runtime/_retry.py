@@ -33,6 +33,11 @@ doubling to 1 s, until the renewal's deadline (the caller's cancel scope); `ROLL
 the database rolled back on its own (a deadlock), 0.01 s times the retry, at most 3 retries.
 Each retry logs a WARNING on ``logging.getLogger("ferry.flow")`` naming what failed and the next
 delay. The rule (which errors, the log, the pause) is written once, in `Backoff`.
+
+A loop that tries again at its own next round (a fleet's scans and checks, the first scan at
+open, letting go and ending the lease at close) does not pause here: it asks `next_round`, the
+one rule for rounds (`for_now`: unavailable, or any `ferry.Failed` of a write the ferry could
+not get through, or a group of those, is a WARNING; anything else is raised; docs/adr/0132).
 """
 
 from __future__ import annotations
@@ -206,14 +211,33 @@ async def retrying(
             await backoff.pause(exc)
 
 
-def log_or_raise(exc: BaseException, what: str, *, extra: Mapping[str, Any] | None = None) -> None:
-    """For a loop that tries again on its own next round (a fleet's scan, a lease renewal):
-    raise `exc` unless the store is unavailable; else log it (WARNING) and return."""
-    if not unavailable(exc):
+def for_now(exc: BaseException) -> bool:
+    """Did the store fail only for now, as a loop round sees it: unavailable (`unavailable`),
+    or a write the ferry could not get through (`ferry.Failed`, whatever its cause: every op of
+    a round is a compare-and-set, tried again at the next round), also as an exception group of
+    those? The rule of `next_round`."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(for_now(e) for e in exc.exceptions)
+    return isinstance(exc, Failed) or unavailable(exc)
+
+
+def next_round(
+    exc: BaseException,
+    what: str,
+    *,
+    then: str = "",
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """The one rule for a loop that tries again at its own next round (a fleet's scan and
+    check, the first scan at open, letting go and ending the lease at close): raise `exc`
+    unless the store failed only for now (`for_now`); else log it (WARNING, naming `what`
+    failed and, in `then`, what happens next) and return."""
+    if not for_now(exc):
         raise exc
     _log.warning(
-        "flow store unavailable while %s: %r",
+        "flow store unavailable while %s: %r%s",
         what,
         exc.__cause__ if isinstance(exc, Failed) and exc.__cause__ is not None else exc,
+        f"; {then}" if then else "",
         extra={**(extra or {}), "what": what},
     )

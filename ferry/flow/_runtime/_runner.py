@@ -12,10 +12,10 @@ bookkeeping in trio); a body runs in it, and only then may it be cancelled (`Liv
 write someone else made to the flow, or by the lease's deadline. A cancelled scope stays
 cancelled, so the attempt that saw it is void and the task goes on in a fresh scope (`_Void`).
 
-In a fleet a body runs only on a trusted copy under a trusted lease (`_lease`'s rule: trust after
-a lapse, ADR 0047): a copy from an older epoch is read again first (`Lease.confirm`), an engine
-whose lease is lapsing lets the flow go, and while a body runs the scope has the lease's deadline
-(inf the rest of the time, and always off a fleet).
+A body runs only on a copy the mode trusts (`_mode.Mode.ready`; in a fleet the lease's rule, trust
+after a lapse, ADR 0047: a copy from an older epoch is read again first, an engine whose lease is
+lapsing lets the flow go), and while a body runs the scope has the mode's deadline
+(`Mode.body_deadline`: the lease's in a fleet; inf the rest of the time, and always on one file).
 """
 
 from __future__ import annotations
@@ -30,15 +30,16 @@ from typing import Any
 
 import trio
 
-from .._fleet._lease import Lease
 from .._model import _checks, _ops, _values
 from .._model._plan import StepDef
 from .._model._types import Context, MisusedOutcome, Park, State
 from .._model._values import Flow, Shape
 from .._store import _op
-from . import _observe, _retry, _tracing
+from . import _observe, _retry
 from ._clock import Clock
+from ._config import Config
 from ._live import Live, Tally, about, named
+from ._mode import Mode
 from ._versions import Versions
 from ._writes import Writes
 
@@ -102,20 +103,6 @@ def _data_text(ctx: Context, max_data: int, what: str) -> tuple[str, str | None]
         return "", f"{what} left data that cannot be stored: {exc}"
 
 
-async def _trusted(lease: Lease, writes: Writes, live: Live) -> bool:
-    """In a fleet, may a body of `live` run now? Its copy must be trusted (one from an older
-    epoch is read again: `Lease.confirm`) and the lease with it: an engine that could not renew
-    its lease in time lets the flow go (another engine may hold it by now) rather than run a
-    step on the strength of a stale lease."""
-    if live.epoch != writes.epoch and not await lease.confirm(live):
-        return False  # moved on without this engine, or let go
-    if lease.lapsing():
-        writes.let_go(live, release=True)
-        await trio.lowlevel.checkpoint()
-        return False
-    return True
-
-
 async def _read_again(writes: Writes, live: Live, flow: Flow) -> None:
     """A runner's compare-and-set on `flow`, its copy, was lost and no newer copy came since:
     read the row again (its unavailability retried) and follow it (`Writes.track`), or forget
@@ -133,7 +120,7 @@ async def _read_again(writes: Writes, live: Live, flow: Flow) -> None:
     if writes.live.get(flow.flow_id) is not live or live.flow.revision > flow.revision:
         return
     if stored is None:
-        del writes.live[flow.flow_id]
+        writes.drop(live)
     else:
         writes.track(flow.state, stored, True, epoch=epoch, write=False)
 
@@ -227,27 +214,20 @@ class Runner:
     def __init__(
         self,
         writes: Writes,
-        lease: Lease,
+        mode: Mode,
         versions: Versions,
         clock: Clock,
         tally: Tally,
-        *,
-        max_running: int,
-        max_data: int,
-        fleet: bool,
-        tracing: _tracing.Tracing | None,
-        hand_over: Callable[[Live], Awaitable[bool]],
+        config: Config,
     ) -> None:
         self._writes = writes
-        self._lease = lease
+        self._mode = mode  # how this engine shares its store: trust, deadlines, hand-overs
         self._versions = versions
         self._clock = clock
         self._tally = tally
-        self._max_data = max_data  # of a flow's data as UTF-8 JSON text
-        self._fleet = fleet
-        self._tracing = tracing  # OpenTelemetry spans of every run (None: traces off)
-        self._hand_over = hand_over  # to an engine of the fleet with the flow's plan version
-        self.slots = Slots(max_running)
+        self._max_data = config.max_data  # of a flow's data as UTF-8 JSON text
+        self._tracing = config.tracing  # OpenTelemetry spans of every run (None: traces off)
+        self.slots = Slots(config.max_running)
         self._nursery: trio.Nursery | None = None
 
     def open(self, nursery: trio.Nursery) -> None:
@@ -292,7 +272,7 @@ class Runner:
             key = (flow.plan, flow.version)
             shape = shapes.get(key)
             reason = _values.mismatch(flow, shape)
-            if reason is not None and self._fleet and await self._hand_over(live):
+            if reason is not None and await self._mode.hand_over(live):
                 return  # a version another live engine has: left to it, not blocked
             if reason is not None:
                 now = self._clock.now()
@@ -317,9 +297,9 @@ class Runner:
         someone else meanwhile: the attempt is void and its changes are discarded. Raises
         `_Void` (no checkpoint first) if `scope` was cancelled: a cancel or the lease's deadline
         voided the attempt, and the runner needs a fresh scope."""
-        fleet = self._fleet
-        if fleet and not await _trusted(self._lease, self._writes, live):
-            return None
+        mode = self._mode
+        if not mode.ready(live) and not await mode.make_ready(live):
+            return None  # moved on without this engine, or let go (a lapsing lease)
         flow = live.flow
         compensating = flow.state is _COMPENSATING
         ctx = context(flow, step.name, compensating)
@@ -327,10 +307,11 @@ class Runner:
             _log_attempt(flow, step)
         observers = self._tally.observers
         began = trio.current_time() if observers else 0.0
-        # The body may run only while the lease is trusted (`_lease`; inf off a fleet, where the
-        # runner's scope keeps its deadline inf throughout).
-        if fleet:
-            scope.deadline = self._lease.trust_deadline()
+        # The body may run only while the mode trusts it (a fleet's lease; inf on one file,
+        # where the runner's scope keeps its deadline inf throughout).
+        bounded = (deadline := mode.body_deadline()) != math.inf
+        if bounded:
+            scope.deadline = deadline
         live.scope = scope
         live.began = flow.revision
         result: object = None
@@ -350,7 +331,7 @@ class Runner:
             _not_only_cancelled(exc)  # what else was raised with it goes on up
         finally:
             live.scope = None
-        if fleet:
+        if bounded:
             # No deadline on the runner's writes. And set before `cancel_called` is read: on an
             # open scope that read cancels it if its deadline has passed. A body that held the
             # loop past the deadline and returned without a checkpoint ran to its end (its
@@ -362,8 +343,7 @@ class Runner:
         if observers:
             _observe.ran(observers, flow, step.name, compensating, result, error, seconds, void)
         if cancelled:
-            if fleet and self._lease.lapsing() and self._writes.live.get(flow.flow_id) is live:
-                self._lease.lose_all("its lease lapsed while it ran steps")
+            mode.voided(live)  # a lapsing lease: every flow let go
             raise _Void
         if void:
             return None

@@ -26,14 +26,13 @@ from ._clock import Clock
 class Timers:
     """The deadline heap of one engine, and its timer task (`run`)."""
 
-    __slots__ = ("_clock", "_fleet", "_heap", "armed")
+    __slots__ = ("_clock", "_heap", "armed")
 
-    def __init__(self, clock: Clock, *, fleet: bool) -> None:
+    def __init__(self, clock: Clock) -> None:
         self._clock = clock
-        self._fleet = fleet
         self._heap: stm.TVar[timers.Heap] = stm.TVar(timers.EMPTY)
-        # In a fleet: the revision each flow's pushed deadline is for (so that a scan does not
-        # arm one twice); an entry leaves when it comes due.
+        # The revision each flow's pushed deadline is for (so that a fleet's scan does not arm
+        # one twice); an entry leaves when it comes due.
         self.armed: dict[str, int] = {}
 
     def load(self, entries: Iterable[timers.Entry]) -> None:
@@ -42,10 +41,9 @@ class Timers:
 
     def arm(self, deadline: float, flow_id: str, revision: int) -> None:
         """Push a timer for the flow parked at `revision` (once: a fleet's scans see it again)."""
-        if self._fleet:
-            if self.armed.get(flow_id) == revision:
-                return
-            self.armed[flow_id] = revision
+        if self.armed.get(flow_id) == revision:
+            return
+        self.armed[flow_id] = revision
         entry = (deadline, flow_id, revision)
         stm.atomically_nowait(lambda: self._heap.set(timers.push(self._heap.get(), entry)))
 

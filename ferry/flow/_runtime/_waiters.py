@@ -68,10 +68,7 @@ import trio
 
 import stm
 from ferry import Closed, Failed
-from ferry.projected import Store
 
-from .._fleet import _heartbeat
-from .._fleet._listener import Listener
 from .._model import _checks
 from .._model._errors import UnknownFlow
 from .._model._types import State
@@ -79,6 +76,7 @@ from .._model._values import Flow
 from .._store import _store
 from .._store._notify import SETTLED
 from . import _retry
+from ._mode import Listen, Listening
 
 T = TypeVar("T")
 
@@ -182,29 +180,31 @@ class Waiters(Generic[H]):
     """The waits of one engine (see the module's docstring). `held` is the engine's map of the
     flows it holds; `saw` is told every row the engine commits or reads; `aclose` stops the
     listener. `reads` counts the store reads made for waits; `listener` is the listener, once a
-    wait started it."""
+    wait started it.
+
+    `shared`: other engines write the store's flows (a fleet, `_mode.Mode.shared`): a flow not
+    held here may move without this engine. `listen` makes the listener (`_mode.Mode.listen`;
+    None: there is none, waits poll)."""
 
     def __init__(
         self,
-        store: Store,
         *,
-        fleet: bool,
+        shared: bool,
+        listen: Listen | None,
         lease: float,
         closed: stm.TVar[bool],
         read: Reader,
-        owner: str,
     ) -> None:
-        self._fleet = fleet
+        self._shared = shared
         self._lease = lease
         self._closed = closed
         self._read = read
-        self._owner = owner
-        self._dsn = _heartbeat.keeper_for(store) if fleet else None
+        self._make_listener = listen
         self._watches: dict[str, _Watch] = {}
         self._pending: set[str] = set()
         self._listening = stm.TVar(False)
         self._shut = False
-        self.listener: Listener | None = None
+        self.listener: Listening | None = None
         self.held: Held[H] = Held(self)
         self.reads = 0
         # The flows whose every write the database refuses (`refused`), by id: the row left as
@@ -231,15 +231,7 @@ class Waiters(Generic[H]):
         it is left as it is (docs/adr/0117), and every wait on it raises `ferry.Failed` naming
         `problem` (its cause `error`) at once, until a newer row of it is seen. No checkpoint."""
         fid = flow.flow_id
-
-        def answer() -> Exception:
-            exc = Failed(
-                f"flow {fid!r} cannot end: {problem}; it is left as it is ({flow.state.name} at"
-                f" step {flow.step!r}, revision {flow.revision}), not run by this engine"
-            )
-            exc.__cause__ = error
-            return exc
-
+        answer = partial(_cannot_end, flow, problem, error)
         self._refused[fid] = (flow, answer)
         watch = self._watches.get(fid)
         if watch is not None:
@@ -248,7 +240,7 @@ class Waiters(Generic[H]):
     def _moved(self, fid: str, *, here: bool) -> None:
         """The engine took the flow (`here`) or let it go (`Held`)."""
         watch = self._watches.get(fid)
-        if watch is None or not self._fleet:
+        if watch is None or not self._shared:
             return  # off a fleet no wait reads `here` (every change is this engine's to see)
         stm.atomically_nowait(watch.here.set, here)
         missed, watch.missed = watch.missed, 0
@@ -273,15 +265,10 @@ class Waiters(Generic[H]):
 
     def _listen(self) -> None:
         """Start the listener, if there can be one and it is not running. No checkpoint."""
-        if self._dsn is None or self.listener is not None or self._shut:
+        make = self._make_listener
+        if make is None or self.listener is not None or self._shut:
             return
-        self.listener = Listener(
-            self._dsn,
-            on_flows=self._heard,
-            on_state=self._state,
-            connect_timeout=max(2.0, self._lease / 4),
-            owner=self._owner,
-        )
+        self.listener = make(self._heard, self._state)
         self.listener.start()
 
     def _state(self, listening: bool) -> None:
@@ -346,16 +333,7 @@ class Waiters(Generic[H]):
 
     async def wait(self, fid: str, timeout: float | None) -> Flow:  # noqa: ASYNC109
         """Until the flow is settled; its row then (see `Engine.wait`)."""
-        if timeout is not None and not (
-            isinstance(timeout, int | float)
-            and not isinstance(timeout, bool)
-            and timeout >= 0
-            and (timeout == math.inf or _checks.finite(timeout))
-        ):
-            raise ValueError(
-                f"timeout must be a number of seconds >= 0 (a float: at most about 1e308) or"
-                f" None, got {_checks.shown_number(timeout)}"
-            )
+        _check_timeout(timeout)
         watch = self._watches.get(fid)
         if watch is None:
             watch = self._watches[fid] = _Watch(fid in self.held)
@@ -370,7 +348,7 @@ class Waiters(Generic[H]):
             if held is not None:
                 flow = held.flow
             else:
-                if self._fleet:
+                if self._shared:
                     self._listen()  # before the read: a settling after it is heard
                 watch.read_at = trio.current_time()
                 loaded = await self._load_until(fid, deadline)
@@ -424,11 +402,11 @@ class Waiters(Generic[H]):
         answer = watch.answer.get()
         if answer is not None:
             raise answer()
-        if not self._fleet or watch.here.get():
+        if not self._shared or watch.here.get():
             stm.retry()  # every change of the flow is this engine's to see
         if watch.stale.get():
             return _Step.TAKE
-        if self._dsn is not None and self.listener is None and not self._shut:
+        if self._make_listener is not None and self.listener is None and not self._shut:
             return _Step.LISTEN
         period = poll if failing or not self._listening.get() else self._lease
         stm.retry(deadline=watch.read_at + period)
@@ -473,12 +451,7 @@ class Waiters(Generic[H]):
             if watch is not None:
                 _put(watch, row, read=True)
         if len(rows) < len(fids):
-            found = {row.flow_id for row in rows}
-            for gone in fids - found:
-                watch = self._watches.get(gone)
-                # Unless a row of it came meanwhile (the id started again, here): it is gone.
-                if watch is not None and watch.known is before[gone]:
-                    stm.atomically_nowait(watch.answer.set, partial(_gone, gone))
+            _answer_gone(self._watches, fids - {row.flow_id for row in rows}, before)
         return True
 
     async def _load_until(self, fid: str, deadline: float) -> Flow | None:
@@ -524,6 +497,41 @@ def _put(watch: _Watch, flow: Flow, *, read: bool = False) -> None:
     shown = watch.flow.peek()
     if read or flow.state in SETTLED or (shown is not None and shown.state in SETTLED):
         stm.atomically_nowait(watch.flow.set, flow)
+
+
+def _check_timeout(timeout: object) -> None:
+    """`ValueError` unless `timeout` is a wait's: seconds >= 0, or None."""
+    if timeout is not None and not (
+        isinstance(timeout, int | float)
+        and not isinstance(timeout, bool)
+        and timeout >= 0
+        and (timeout == math.inf or _checks.finite(timeout))
+    ):
+        raise ValueError(
+            f"timeout must be a number of seconds >= 0 (a float: at most about 1e308) or"
+            f" None, got {_checks.shown_number(timeout)}"
+        )
+
+
+def _cannot_end(flow: Flow, problem: str, error: BaseException) -> Exception:
+    """What the waits on a flow whose every write is refused raise (`Waiters.refused`)."""
+    exc = Failed(
+        f"flow {flow.flow_id!r} cannot end: {problem}; it is left as it is ({flow.state.name}"
+        f" at step {flow.step!r}, revision {flow.revision}), not run by this engine"
+    )
+    exc.__cause__ = error
+    return exc
+
+
+def _answer_gone(
+    watches: dict[str, _Watch], gone: Iterable[str], before: dict[str, Flow | None]
+) -> None:
+    """A read found no row of these flows: their waits answer `_gone`, unless a row of one came
+    meanwhile (the id started again, here)."""
+    for fid in gone:
+        watch = watches.get(fid)
+        if watch is not None and watch.known is before[fid]:
+            stm.atomically_nowait(watch.answer.set, partial(_gone, fid))
 
 
 def _newer(flow: Flow, than: Flow) -> bool:

@@ -20,10 +20,12 @@ and cancels the step it runs; the runner's own next write then fails its compare
 
 Who holds a flow after a write (the engine named on its row as the one that runs it: the one
 meaning of "hold") is one pure rule (`_machine.assign_holder`), given to every op as data
-(`Holders`, `_ops.HolderRule`) and applied by the store. The fleet's bookkeeping that rides on
-the live map is kept here too, as plain state the lease part reads and moves: `epoch` (see
-`_lease` for the rule it serves) and `released` (flows let go, to be released with the next
-renewal).
+(`Holders`, `_ops.HolderRule`) and applied by the store. What differs between one file and a
+fleet is asked of the mode (`_mode.Mode`, picked once): whether the store names this engine as
+a flow's holder, which timers it fires, the trust epoch a write begins in, and the flows let go,
+to be released with the next renewal (the mode's own state: this module tells it,
+`release_later` and `given_back`). The live map has one owner, this module: the other parts
+drop a flow from it through `let_go` and `drop`.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ from .._store import _batch, _op, _store
 from . import _observe, _read, _retry
 from ._apart import split
 from ._clock import Clock
+from ._config import Config
 from ._live import LOGGED, Live, Tally, about, log_ended, named
+from ._mode import Mode
 from ._versions import Versions
 
 T = TypeVar("T")
@@ -114,25 +118,25 @@ class Holders:
     record per kind, made again only when the fleet's versions change (they are replaced as a
     whole, `Versions.learn`)."""
 
-    __slots__ = ("_fleet", "_rules", "_versions", "_writer")
+    __slots__ = ("_rules", "_shared", "_versions", "_writer")
 
-    def __init__(self, versions: Versions, *, owner: str, serve: bool, fleet: bool) -> None:
+    def __init__(self, versions: Versions, *, owner: str, serve: bool, shared: bool) -> None:
         self._versions = versions
         self._writer = owner if serve else None
-        self._fleet = fleet
+        self._shared = shared  # other engines write the store (`_mode.Mode.shared`)
         no_rule = _ops.HolderRule(None)
         self._rules: tuple[object, _ops.HolderRule, _ops.HolderRule] = (None, no_rule, no_rule)
 
     def rule(self, *, outside: bool) -> _ops.HolderRule:
         """The rule for a write of this engine; `outside`: an outside request's."""
         rules = self._rules
-        elsewhere = self._versions.fleet_known if self._fleet else _NOWHERE  # a fleet's only
+        elsewhere = self._versions.fleet_known if self._shared else _NOWHERE  # a fleet's only
         if rules[0] is not elsewhere:
             writer = self._writer
             rules = self._rules = (
                 elsewhere,
                 _ops.HolderRule(writer, keep_runner=False, elsewhere=elsewhere),
-                _ops.HolderRule(writer, keep_runner=self._fleet, elsewhere=elsewhere),
+                _ops.HolderRule(writer, keep_runner=self._shared, elsewhere=elsewhere),
             )
         return rules[2] if outside else rules[1]
 
@@ -142,9 +146,8 @@ class Writes:
 
     Invariants: `live` holds exactly the flows this engine runs or will run (`runs_here` of
     their latest known row), each copy the latest committed row this engine knows; `live` is
-    never rebound (other parts keep a reference). `released` maps a flow this engine let go to
-    the revision it let go at; an id leaves when the renewal that releases it is through, or when
-    a write gives the flow back to this engine. `epoch` only grows."""
+    never rebound (other parts keep a reference; only this class adds to it or drops from it).
+    `epoch`, the mode's trust epoch, only grows."""
 
     def __init__(
         self,
@@ -152,12 +155,9 @@ class Writes:
         clock: Clock,
         tally: Tally,
         versions: Versions,
+        config: Config,
+        mode: Mode,
         *,
-        owner: str,
-        serve: bool,
-        fleet: bool,
-        group_commit: bool,
-        guard: float | None,
         seen: Callable[[Flow], None],
         refused: Callable[[Flow, str, BaseException], None],
         live: dict[str, Live],
@@ -168,26 +168,24 @@ class Writes:
         self._clock = clock
         self._tally = tally
         self._versions = versions
-        self._owner = owner
-        self._serve = serve  # False: an operator's engine, which never leases or runs a flow
-        self._fleet = fleet  # leases are respected (PostgreSQL); else one engine per store
-        self._group_commit = group_commit
+        self._owner = owner = config.owner
+        self._serve = serve = config.serve  # False: an operator's engine, which runs no flow
+        self._mode = mode  # one file, or a fleet's leases (PostgreSQL): picked once
+        self._group_commit = config.group_commit
         # How long the database lets one of this engine's transactions sit idle with its locks
         # (`_batch.guard_locks`): a fleet engine frozen mid-transaction stalls the others no
         # longer than this.
-        self.guard = guard
+        self.guard = mode.guard
         self._seen = seen  # every committed row of a flow, for those who wait for it
         self._refused = refused  # a flow whose every write is refused, for those who wait for it
         self._runnable = runnable  # a flow became live: give it a runner
         self._arm = arm  # a flow parked with a deadline
         self._ferry: Callable[[_op.Op], Awaitable[_op.Result]] | None = None
         self.live = live  # empty at first (`_waiters.Held`: it tells the waits what comes and goes)
-        self.released: dict[str, int] = {}
-        self.epoch = 0
         # The ops of API calls (`request`) on their way through the ferry, by id: None while
         # they wait for a batch, then the batch that took them (`_Flight`).
         self._requested: dict[int, _Flight | None] = {}
-        self.holders = Holders(versions, owner=owner, serve=serve, fleet=fleet)
+        self.holders = Holders(versions, owner=owner, serve=serve, shared=mode.shared)
         self._own = _ops.Known(self._versions.shapes)  # a timeout's versions: its own
 
     def open(self, write_ferry: Callable[[_op.Op], Awaitable[_op.Result]] | None) -> None:
@@ -197,6 +195,11 @@ class Writes:
     def close(self) -> None:
         """The ferry is closed: a write through it raises `ferry.Closed` from now on."""
         self._ferry = None
+
+    @property
+    def epoch(self) -> int:
+        """The mode's trust epoch (`_mode.Mode.epoch`): a write or read begins in it."""
+        return self._mode.epoch
 
     # ------------------------------------------------------------------------------- writes
 
@@ -258,12 +261,7 @@ class Writes:
         """Is this an active flow this engine should run? (On one SQLite file: every active
         flow; in a fleet: those leased to it and not released; an operator's engine runs
         none.)"""
-        return (
-            self._serve
-            and flow.state in ACTIVE
-            and (not self._fleet or (flow.owner == self._owner and flow.released_at is None))
-            and not (self._fleet and self._versions.elsewhere(flow))  # only a fleet's versions
-        )
+        return self._serve and flow.state in ACTIVE and self._mode.holds(flow)
 
     async def batch(self, ops: list[_op.Op], *, whole: bool = False) -> list[_op.Result]:
         """The ferry's batch call: every op in one transaction, then their effects in memory.
@@ -368,7 +366,7 @@ class Writes:
             if live is None:  # given to this engine by a write: it becomes live, with a runner
                 # A release still pending from when this engine let the flow go is void (the
                 # renewal would release it while it runs here).
-                self.released.pop(flow.flow_id, None)
+                self._mode.given_back(flow.flow_id)
                 live = self.live[flow.flow_id] = Live(flow, epoch)
                 self._runnable(live)
         else:
@@ -380,7 +378,7 @@ class Writes:
     def _armed(self, flow: Flow, deadline: float) -> None:
         """Arm the deadline of a parked flow, if this engine fires it: a serving engine does;
         a fleet engine fires no timer of a version it lacks (one that has it does)."""
-        if self._serve and (not self._fleet or (flow.plan, flow.version) in self._versions.shapes):
+        if self._serve and self._mode.fires(flow):
             self._arm(deadline, flow.flow_id, flow.revision)
 
     def let_go(self, live: Live, *, release: bool = False) -> None:
@@ -392,9 +390,16 @@ class Writes:
             del self.live[fid]
             self._tally.stats["lost"] += 1
             if release:
-                self.released[fid] = live.flow.revision
+                self._mode.release_later(fid, live.flow.revision)
         if live.scope is not None:
             live.scope.cancel()
+
+    def drop(self, live: Live) -> None:
+        """The flow's row is gone (deleted while this engine held it): forget it. No
+        checkpoint."""
+        fid = live.flow.flow_id
+        if self.live.get(fid) is live:
+            del self.live[fid]
 
     def left_as_it_is(self, flow: Flow, problem: str, error: BaseException) -> None:
         """The database refuses every write of `flow` (this row), even the one that fails it
