@@ -53,9 +53,12 @@ class PlantedStore:
     """A public `SqliteStore` of `path` with trouble a test plants in it.
 
     `fail_next` makes the next `n` transactions raise SQLite's busy error before they run (a
-    database that is briefly unavailable: `planted_busy`); while `gate` is an unset `trio.Event`,
-    transactions wait for it (a slow database). `transactions` counts committed transactions. Not an
-    `SqliteStore`, so an engine on it takes no engine lock: two fleet engines may share a file.
+    database that is briefly unavailable: `planted_busy`); with `fail_kind` set, only those of
+    that kind (`kind`: ``"write_batch"``, ...), so that an engine's background transactions (its
+    retention round, say) cannot take a failure planted for one write. While `gate` is an unset
+    `trio.Event`, transactions wait for it (a slow database). `transactions` counts committed
+    transactions. Not an `SqliteStore`, so an engine on it takes no engine lock: two fleet
+    engines may share a file.
     """
 
     dialect = "sqlite"
@@ -64,6 +67,7 @@ class PlantedStore:
         self.path = path
         self._store = SqliteStore(path, connections=1, synchronous="OFF")
         self.fail_next = 0
+        self.fail_kind: str | None = None
         self.gate: trio.Event | None = None
         self.transactions = 0
 
@@ -71,7 +75,7 @@ class PlantedStore:
         await trio.lowlevel.checkpoint()
         if self.gate is not None:
             await self.gate.wait()
-        if self.fail_next:
+        if self.fail_next and self.fail_kind in (None, kind(fn)):
             self.fail_next -= 1
             raise planted_busy("database is unavailable (planted by the test)")
         result = await self._store.transact(fn)

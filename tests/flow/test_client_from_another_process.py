@@ -424,6 +424,13 @@ def test_a_request_and_its_answer_are_noticed_by_the_file_changing_not_by_a_time
     monkeypatch.setattr(served, "RENEW", 3600.0)
     monkeypatch.setattr(_client, "_LOOK_AGAIN", 3600.0)
     monkeypatch.setattr(_client, "_RETRY_DIRECT", 3600.0)
+    # A commit is visible (the wal-index: no event) a moment after its -wal write (the event):
+    # who noticed the write reads data_version for at most SETTLE seconds after it. Under load
+    # (two runs of the flow tests on 2 cores) the writing thread was once kept off the CPU for
+    # longer than the 0.1 s default, and with every other look an hour away the answer was
+    # never seen (TooSlowError). A long window costs nothing when the commit shows at once,
+    # and it opens only at an event of the file: no timer stands in for the notice.
+    monkeypatch.setattr(served, "SETTLE", 10.0)
 
     async def main() -> None:
         async with flow.open_engine(db, plans=[_served.order, _served.stuck], owner="svc"):
