@@ -461,6 +461,11 @@ class _Changes:
         self._written: Written | None = None
         self._heard: Heard | None = None
         self._version: int | None = None
+        # After a write of the file: until when to look again without an event, and how soon
+        # (kept across calls, so that a commit that shows after the one a call returned for is
+        # looked for too: `_served.SETTLE`).
+        self._settling = 0.0
+        self._tick = _TICK
 
     async def __aenter__(self) -> _Changes:
         path = getattr(self._store, "path", None)
@@ -496,15 +501,17 @@ class _Changes:
             await trio.sleep(_LOOK_AGAIN)
             return
         fd = self._written.fileno()
-        settling = 0.0
         while True:
-            if fd is None or time.monotonic() < settling:
-                await trio.sleep(_TICK)  # written, not committed yet (`_served.SETTLE`)
+            if fd is None:
+                await trio.sleep(_TICK)
+            elif time.monotonic() < self._settling:  # written, not visible yet
+                await trio.sleep(self._tick)
+                self._tick = min(2 * self._tick, _served.SETTLE_TICK_MAX)
             else:
                 with trio.move_on_after(_LOOK_AGAIN) as looked:
                     await trio.lowlevel.wait_readable(fd)
                 if self._written.drain():
-                    settling = time.monotonic() + _served.SETTLE
+                    self._settling, self._tick = time.monotonic() + _served.SETTLE, _TICK
                 elif not looked.cancelled_caught:
                     continue  # another file of the directory was written
             seen = self._conn.execute("PRAGMA data_version").fetchone()[0]

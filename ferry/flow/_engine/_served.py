@@ -58,10 +58,13 @@ _log = logging.getLogger("ferry.flow")
 
 TICK = 0.02  # seconds between two reads of data_version where inotify is missing (not Linux)
 # A commit writes the -wal file (the event) before it makes the commit visible (the wal-index, in
-# shared memory: no event): after an event, data_version is read again every SETTLE_TICK
-# seconds until it changed, for at most SETTLE seconds.
+# shared memory: no event): after an event, data_version is read again until it changed, for at
+# most SETTLE seconds, first after SETTLE_TICK seconds and then at twice the pause before, up to
+# SETTLE_TICK_MAX. A starved writer thread may take a second to make its commit visible: a
+# window of 0.1 s missed it, and the change waited for the next timed look (5 s).
 SETTLE_TICK = 0.002
-SETTLE = 0.1
+SETTLE_TICK_MAX = 0.05
+SETTLE = 2.0
 RENEW = 5.0  # seconds between two renewals of an SQLite engine's heartbeat
 ALIVE_FOR = 3  # renewals: a heartbeat not renewed for this many is an engine gone
 _BATCH = 100  # requests read at once
@@ -295,6 +298,7 @@ class Watch:
             )
             version = None
             next_beat = settling = 0.0
+            tick = SETTLE_TICK
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
@@ -330,11 +334,12 @@ class Watch:
                     continue
                 now = time.monotonic()
                 pause = max(0.0, next_beat - now)
-                if now < settling:  # written, not committed yet: look again soon
-                    pause = min(pause, SETTLE_TICK)
+                if now < settling:  # written, not visible yet: look again soon
+                    pause = min(pause, tick)
+                    tick = min(2 * tick, SETTLE_TICK_MAX)
                 ready, _, _ = select.select([fd, self._wake_r], [], [], pause)
                 if fd in ready and written.drain():
-                    settling = time.monotonic() + SETTLE
+                    settling, tick = time.monotonic() + SETTLE, SETTLE_TICK
             try:
                 if self._beats:
                     conn.execute("BEGIN IMMEDIATE")
