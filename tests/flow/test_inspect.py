@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import trio
 
+from ferry.flow._model import _holders
 from ferry.flow._model import _machine as m
 from ferry.flow._model._checks import fail, park
 from ferry.flow._model._types import CONTINUE, State
@@ -58,7 +59,7 @@ def populate(tx: Any) -> None:
 
     def step(f: Flow, outcome: Any, at: float) -> Flow:
         def apply(flow: Flow, box: Mailbox) -> Transition:
-            return m.assign_holder(
+            return _holders.assign_holder(
                 m.step_done(flow, box, ORDER, outcome, flow.data, at),
                 flow,
                 "svc",

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from ferry.flow._model import _holders as h
 from ferry.flow._model import _invariants, _values
 from ferry.flow._model import _machine as m
 from ferry.flow._model._checks import fail, park
@@ -498,37 +499,37 @@ def test_random_walk_keeps_the_invariants(actions) -> None:
 
 def test_take_over_reruns_the_step_as_the_next_attempt_if_someone_may_have_run_it() -> None:
     f = attrs.evolve(run_to(started(), 1), owner="dead", released_at=None)
-    t = m.take_over(f, "b", T0 + 5)
+    t = h.take_over(f, "b", T0 + 5)
     assert t.written and t.events == () and t.expected == f.revision
     assert (t.flow.owner, t.flow.released_at, t.flow.attempt) == ("b", None, f.attempt + 1)
     nobodys = attrs.evolve(f, owner=None)  # an operator made it runnable: nobody ran it yet
-    assert m.take_over(nobodys, "b", T0).flow.attempt == f.attempt
+    assert h.take_over(nobodys, "b", T0).flow.attempt == f.attempt
     with pytest.raises(InvalidTransition):
-        m.take_over(parked(), "b", T0)
+        h.take_over(parked(), "b", T0)
 
 
 def test_assign_holder_gives_a_flow_to_its_writer_keeps_a_runner_frees_a_parked_one() -> None:
     f = attrs.evolve(run_to(started(), 1), owner="a")
     step = m.step_done(f, EMPTY_MAILBOX, SHAPE, CONTINUE, f.data, T0)
-    assert m.assign_holder(step, f, "a", keep_runner=False).flow.owner == "a"
+    assert h.assign_holder(step, f, "a", keep_runner=False).flow.owner == "a"
     # a cancel through b of a flow a runs leaves it with a (a's step must stop first) ...
     cancel = m.cancel(f, SHAPE, "x", T0)
-    assert m.assign_holder(cancel, f, "b", keep_runner=True).flow.owner == "a"
+    assert h.assign_holder(cancel, f, "b", keep_runner=True).flow.owner == "a"
     # ... one engine per file (keep_runner off) or an operator's engine: the writer's, or nobody's
-    assert m.assign_holder(cancel, f, "b", keep_runner=False).flow.owner == "b"
-    ops = m.assign_holder(m.cancel(f, SHAPE, "x", T0), f, None, keep_runner=True)
+    assert h.assign_holder(cancel, f, "b", keep_runner=False).flow.owner == "b"
+    ops = h.assign_holder(m.cancel(f, SHAPE, "x", T0), f, None, keep_runner=True)
     assert ops.flow.owner == "a"
     p = attrs.evolve(parked(), owner="a", released_at=T0)
     woken = m.wake(p, EMPTY_MAILBOX, Message("m", "1"), SHAPE, T0)
     assert (
-        m.assign_holder(woken, p, "b", keep_runner=True).flow.owner == "b"
+        h.assign_holder(woken, p, "b", keep_runner=True).flow.owner == "b"
     )  # b accepted it: b runs it
     assert (
-        m.assign_holder(woken, p, None, keep_runner=True).flow.owner is None
+        h.assign_holder(woken, p, None, keep_runner=True).flow.owner is None
     )  # an operator's: the fleet's
     parks = m.step_done(f, EMPTY_MAILBOX, SHAPE, park(60), f.data, T0)
-    left = m.assign_holder(parks, f, "a", keep_runner=False).flow
+    left = h.assign_holder(parks, f, "a", keep_runner=False).flow
     assert (left.state, left.owner, left.released_at) == (State.PARKED, None, None)
-    assert m.assign_holder(m.block(left, "r", T0), left, "a", keep_runner=False).flow.owner is None
+    assert h.assign_holder(m.block(left, "r", T0), left, "a", keep_runner=False).flow.owner is None
     queued = m.wake(f, EMPTY_MAILBOX, Message("q", "1"), SHAPE, T0)  # the row does not change
-    assert not queued.written and m.assign_holder(queued, f, "z", keep_runner=False) is queued
+    assert not queued.written and h.assign_holder(queued, f, "z", keep_runner=False) is queued

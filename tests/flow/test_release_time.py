@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from ferry.flow._model import _holders
 from ferry.flow._model import _machine as m
 from ferry.flow._model._types import CONTINUE
 from ferry.flow._model._values import Flow, Mailbox, Shape, Transition
@@ -43,7 +44,7 @@ def _column(tx: Tx, flow_id: str) -> object:
 
 def _held_step(flow: Flow, box: Mailbox) -> Transition:
     t = m.step_done(flow, box, SHAPE, CONTINUE, flow.data, T0 + 1)
-    return m.assign_holder(t, flow, "e1", keep_runner=False)
+    return _holders.assign_holder(t, flow, "e1", keep_runner=False)
 
 
 async def test_a_release_time_is_written_to_and_read_from_the_lease_until_column(
@@ -98,7 +99,7 @@ async def test_a_store_made_before_the_rename_opens_and_reads_its_release_times(
     # it is nobody's: an engine takes it over, and the write clears the column
 
     def take(flow: Flow, _box: Mailbox) -> Transition:
-        return m.take_over(flow, "e2", T0 + 8)
+        return _holders.take_over(flow, "e2", T0 + 8)
 
     (r,) = await store.transact(
         partial(_batch.write_batch, ops=[_op.Change("old", take, flow=old)])

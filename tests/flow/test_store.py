@@ -12,6 +12,7 @@ import attrs
 import pytest
 import trio
 
+from ferry.flow._model import _holders
 from ferry.flow._model import _machine as m
 from ferry.flow._model._checks import park
 from ferry.flow._model._types import CONTINUE, Delivery, State
@@ -433,7 +434,7 @@ async def test_a_takeover_loses_to_a_renewal_and_to_a_write(store: Store) -> Non
 
     def take(by: str) -> _op.Change:
         def apply(f: Flow, _b: Mailbox) -> Transition:
-            return m.take_over(f, by, T0)
+            return _holders.take_over(f, by, T0)
 
         return _op.Change("f", apply, flow=seen, lapsed_at=T0)
 
@@ -452,7 +453,7 @@ def takeover(seen: Flow, by: str, now: float = T0) -> _op.Change:
     """`by`'s takeover of the flow its scan read as `seen` (compare-and-set, orphan check)."""
 
     def apply(f: Flow, _b: Mailbox) -> Transition:
-        return m.take_over(f, by, now)
+        return _holders.take_over(f, by, now)
 
     return _op.Change(seen.flow_id, apply, flow=seen, lapsed_at=now)
 
@@ -752,7 +753,7 @@ async def test_a_write_after_a_release_holds_the_flow_again(store: Store) -> Non
 
     def own(flow: Flow, box: Mailbox) -> Transition:
         t = m.step_done(flow, box, SHAPE, CONTINUE, flow.data, T0 + 1)
-        return m.assign_holder(t, flow, "e1", keep_runner=False)
+        return _holders.assign_holder(t, flow, "e1", keep_runner=False)
 
     held = changed((await write(store, _op.Change("f1", own, flow=f)))[0]).flow
     assert held.owner == "e1" and held.released_at is None

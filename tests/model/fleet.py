@@ -13,7 +13,7 @@ Actors and their steps (on top of `flow.py`'s)
 - the store also holds each engine's lease: held or lapsed (`S.leases`). A flow is *held* by
   engine e when it is active, its `owner` is e, e did not let it go (`released_at` None) and
   e's lease is held; else it is nobody's (`_store._orphan`). Every write an engine makes leaves
-  the flow with that engine (`_machine.assign_holder`), except that an outside request (wake,
+  the flow with that engine (`_holders.assign_holder`), except that an outside request (wake,
   cancel, resume, timeout) on an active flow with another owner leaves it with that owner.
 - an engine that is up and not frozen, besides its runner, its timer and the calls it serves:
   - scans (`Rounds.scan`): if it trusts its lease and does not run the flow, it reads the flow
@@ -86,6 +86,7 @@ from typing import Any
 
 import attrs
 
+from ferry.flow._model import _holders
 from ferry.flow._model import _machine as fm
 from ferry.flow._model._types import State
 from ferry.flow._model._values import Flow, Mailbox, Shape, Transition
@@ -152,7 +153,7 @@ class FleetProtocol(FlowProtocol):
     renews_only_while_the_loop_runs = True
 
     def take_over(self, flow: Flow, owner: str, now: float) -> Transition:
-        return fm.take_over(flow, owner, now)
+        return _holders.take_over(flow, owner, now)
 
 
 class FleetChecker(FlowChecker):

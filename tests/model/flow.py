@@ -34,7 +34,7 @@ Actors and their steps
   - timer: fires once the clock reaches the armed deadline: `timeout` on the held row with
     ``expected=`` the armed revision (`Writes.time_out`). If the flow runs on, the engine runs it.
   - who holds the flow: every write the engine makes names it in the row's `owner` while the
-    flow stays active, and none once it is not (`_machine.assign_holder`, as
+    flow stays active, and none once it is not (`_holders.assign_holder`, as
     `Writes.holders`, the store's `HolderRule`; the flow starts held by it).
   - crash: the engine loses its runner, its retry budget and its timer. Restart: recovery, in
     one step because `open_engine` finishes it before it lets any call in (`_recovery.recover`):
@@ -102,7 +102,7 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from ferry.flow._model import _invariants, _values
+from ferry.flow._model import _holders, _invariants, _values
 from ferry.flow._model import _machine as fm
 from ferry.flow._model._checks import fail, park
 from ferry.flow._model._types import COMPLETE, CONTINUE, Delivery, Outcome, State
@@ -233,15 +233,15 @@ class FlowProtocol:
         return fm.next_attempt(flow, now)
 
     def rerun(self, flow: Flow, now: float) -> Transition:
-        return fm.rerun(flow, now)
+        return _holders.rerun(flow, now)
 
     def let_go(self, flow: Flow, now: float) -> Transition:
-        return fm.let_go(flow, now)
+        return _holders.let_go(flow, now)
 
     def assign_holder(
         self, t: Transition, before: Flow, writer: str | None, keep_runner: bool
     ) -> Transition:
-        return fm.assign_holder(t, before, writer, keep_runner=keep_runner)
+        return _holders.assign_holder(t, before, writer, keep_runner=keep_runner)
 
     def compensated(self, flow: Flow, shape: Shape, now: float) -> Transition:
         return fm.compensated(flow, shape, flow.data, now)

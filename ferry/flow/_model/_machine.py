@@ -46,7 +46,6 @@ changes the mailbox, not the row.
 
 from __future__ import annotations
 
-from ._holders import assign_holder, let_go, rerun, take_over
 from ._rows import COMPLETE_DETAIL, CONTINUE_DETAIL, DETAILS
 from ._rows import advance as _advance
 from ._rows import bump as _bump
@@ -81,20 +80,16 @@ from ._values import (
 
 __all__ = [
     "DETAILS",
-    "assign_holder",
     "block",
     "cancel",
     "compensated",
     "compensation_failed",
-    "let_go",
     "next_attempt",
-    "rerun",
     "resume",
     "start",
     "step_done",
     "step_failed",
     "step_name",
-    "take_over",
     "timeout",
     "wake",
 ]

@@ -15,7 +15,7 @@ again on a fresh read of the fleet's versions (`_runtime._requests.Requests.vers
 
 To *hold* a flow means one thing here and everywhere in the engine: to be the engine named on the
 flow's row (its ``owner``, with no ``released_at``) as the one that runs it. `HolderRule` is the
-rule that says who holds the flow after a write (`_machine.assign_holder`).
+rule that says who holds the flow after a write (`_holders.assign_holder`).
 
 PURE: attrs and the model only.
 """
@@ -36,7 +36,7 @@ _NO_SHAPES: Shapes = {}
 
 @attrs.frozen
 class HolderRule:
-    """Who holds the flow after a write (`_machine.assign_holder`): `writer` (the engine that
+    """Who holds the flow after a write (`_holders.assign_holder`): `writer` (the engine that
     writes; None: an operator's engine, which holds nothing) if the write leaves the flow active,
     except a flow of a version in `elsewhere` (a fleet's versions this engine lacks and another
     live engine has), which is left to nobody; with `keep_runner` (an outside request in a
@@ -131,21 +131,21 @@ class Block:
 
 @attrs.frozen
 class Rerun:
-    """`_machine.rerun`: run again after a crash or close."""
+    """`_holders.rerun`: run again after a crash or close."""
 
     now: float
 
 
 @attrs.frozen
 class LetGo:
-    """`_machine.let_go`: a run that had not begun, let go at close."""
+    """`_holders.let_go`: a run that had not begun, let go at close."""
 
     now: float
 
 
 @attrs.frozen
 class TakeOver:
-    """`_machine.take_over`: `owner` takes an orphan over."""
+    """`_holders.take_over`: `owner` takes an orphan over."""
 
     owner: str
     now: float

@@ -64,7 +64,7 @@ async def recover(
 async def rerun(writes: Writes, clock: Clock, versions: Versions, active: list[Flow]) -> int:
     """Run `active` flows again in this engine (at open, or adopted in a fleet), each by a
     compare-and-set on the row read: as attempt + 1 if a run may have begun, else as the same
-    attempt (`_machine.rerun`); or block those whose plan version this engine lacks. How many
+    attempt (`_holders.rerun`); or block those whose plan version this engine lacks. How many
     run again.
 
     A row the database refuses (a trigger, a constraint: docs/adr/0063) is that flow's own

@@ -19,7 +19,7 @@ deadline (`arm`). A write someone else made to a live flow (a cancel) replaces t
 and cancels the step it runs; the runner's own next write then fails its compare-and-set.
 
 Who holds a flow after a write (the engine named on its row as the one that runs it: the one
-meaning of "hold") is one pure rule (`_machine.assign_holder`), given to every op as data
+meaning of "hold") is one pure rule (`_holders.assign_holder`), given to every op as data
 (`Holders`, `_ops.HolderRule`) and applied by the store. What differs between one file and a
 fleet is asked of the mode (`_mode.Mode`, picked once): whether the store names this engine as
 a flow's holder, which timers it fires, the trust epoch a write begins in, and the flows let go,

@@ -15,8 +15,8 @@ from typing import Any, Final
 
 from ferry._text import canonical_json
 
+from .._model import _holders, _ops
 from .._model import _machine as m
-from .._model import _ops
 from .._model._machine import DETAILS
 from .._model._ops import Unseen
 from .._model._types import Json
@@ -94,11 +94,11 @@ def run(op: Change, flow: Flow, box: Mailbox = EMPTY_MAILBOX) -> Transition | Re
         elif isinstance(move, _ops.Block):
             t = m.block(flow, move.reason, move.now)
         elif isinstance(move, _ops.Rerun):
-            t = m.rerun(flow, move.now)
+            t = _holders.rerun(flow, move.now)
         elif isinstance(move, _ops.TakeOver):
-            t = m.take_over(flow, move.owner, move.now)
+            t = _holders.take_over(flow, move.owner, move.now)
         elif isinstance(move, _ops.LetGo):
-            t = m.let_go(flow, move.now)
+            t = _holders.let_go(flow, move.now)
         else:
             t = move(flow, box)
         holder = op.holder
@@ -107,7 +107,7 @@ def run(op: Change, flow: Flow, box: Mailbox = EMPTY_MAILBOX) -> Transition | Re
         writer = holder.writer
         if holder.elsewhere and (flow.plan, flow.version) in holder.elsewhere:
             writer = None
-        return m.assign_holder(t, flow, writer, keep_runner=holder.keep_runner)
+        return _holders.assign_holder(t, flow, writer, keep_runner=holder.keep_runner)
     except Exception as exc:
         return Refused(op.flow_id, exc)
 

@@ -38,7 +38,7 @@ class Change:
       if it is known). `first_queued`: pass the first queued message (a park or a resume needs
       it).
     - `lapsed_at` (with `flow`): the write also requires that no engine holds the flow at this
-      time (`_sql.orphan`): a takeover (`_machine.take_over`), which must lose to the owner's
+      time (`_sql.orphan`): a takeover (`_holders.take_over`), which must lose to the owner's
       renewal of its engine lease as much as to another writer.
 
     The transition's row is written iff it changed (`Transition.written`), as a compare-and-set
