@@ -1,12 +1,16 @@
-"""The benchmarks' own fixtures still build against today's schema (a store whose columns moved
-once broke `make bench` without any test noticing)."""
+"""The benchmarks' own fixtures still build against today's schema and code (a store whose
+columns moved, and a runner that lost a helper a bench's copy of it used, each broke
+`make bench` without any test noticing)."""
 
 from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
 
-from tests.bench import bench_dashboard
+import pytest
+import trio
+
+from tests.bench import bench_dashboard, bench_metrics
 
 
 def test_the_dashboard_bench_builds_its_store(tmp_path: Path) -> None:
@@ -18,3 +22,16 @@ def test_the_dashboard_bench_builds_its_store(tmp_path: Path) -> None:
     finally:
         conn.close()
     assert sum(states.values()) == 1000 and set(states) >= {"COMPLETED", "BLOCKED"}
+
+
+def test_the_metrics_bench_runs_its_engine_without_the_hook(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench_metrics' baseline is the runner's attempt with the observer hook taken out (a copy
+    of `Runner._attempt`): it must still run flows to their end after the runner changes (it
+    raised AttributeError on a helper the runner had lost, and `make bench` stopped there)."""
+    monkeypatch.setattr(bench_metrics, "FLOWS", 20)
+    with bench_metrics._without_the_hook():
+        took = trio.run(bench_metrics._run, tmp_path / "m.db", False)
+    assert took > 0
+    assert trio.run(bench_metrics._run, tmp_path / "n.db", True) > 0

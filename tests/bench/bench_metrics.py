@@ -18,6 +18,8 @@ included), not wall time: the machine is shared, and what the hook costs is CPU.
 from __future__ import annotations
 
 import gc
+import logging
+import math
 import os
 import tempfile
 import time
@@ -30,6 +32,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from ferry import flow, metrics
+from ferry.flow._model._types import MisusedOutcome
 from ferry.flow._runtime import _runner
 from tests.bench._harness import Row, paired
 
@@ -86,27 +89,40 @@ async def _attempt_before_the_hook(
     failures: int,
     scope: trio.CancelScope,
 ) -> Any:
-    """`Runner._attempt` as it is without the observer hook (the one-engine path: this bench
-    runs no fleet, so the fleet's checks before the body are left out)."""
+    """`Runner._attempt` as it is without the observer hook (its two clock reads and the
+    `_observe.ran` call left out; everything else as the runner does it, the mode's checks
+    included). Kept in step with `_runner.Runner._attempt`: tests/test_bench_builds.py runs it."""
+    mode = self._mode
+    if not mode.ready(live) and not await mode.make_ready(live):
+        return None
     flow_ = live.flow
-    ctx = self._context(flow_, step.name, flow_.state is _runner._COMPENSATING)
+    compensating = flow_.state is _runner._COMPENSATING
+    ctx = _runner.context(flow_, step.name, compensating)
+    if _runner._log.isEnabledFor(logging.DEBUG):
+        _runner._log_attempt(flow_, step)
+    bounded = (deadline := mode.body_deadline()) != math.inf
+    if bounded:
+        scope.deadline = deadline
+    live.scope = scope
+    live.began = flow_.revision
     result: object = None
     error: BaseException | None = None
-    live.scope = scope
     try:
-        try:
-            result = await fn(ctx)
-        except Exception as exc:
-            error = exc
-        if error is not None and failures + 1 < step.attempts:
-            await trio.sleep(_runner.step_backoff(failures + 1))
+        result, error = await self._body(fn, ctx, flow_, compensating)
+        retried = error is not None and failures + 1 < step.attempts
+        if retried and not isinstance(error, MisusedOutcome):
+            await _runner._backoff(flow_, step, error, failures + 1, compensating)
     except BaseException as exc:
         if not scope.cancel_called:
             raise
         _runner._not_only_cancelled(exc)
     finally:
         live.scope = None
-    if scope.cancel_called:
+    if bounded:
+        scope.deadline = math.inf
+    cancelled = scope.cancel_called
+    if cancelled:
+        mode.voided(live)
         raise _runner._Void
     if live.flow is not flow_:
         return None
