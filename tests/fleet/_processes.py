@@ -96,6 +96,15 @@ def until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+class EdgeEngine(EngineProcess):
+    """One engine process of `_edge_engine` on the fleet at `dsn`, named `owner` (its stdout a
+    pipe, its stderr a log file, as every `EngineProcess`)."""
+
+    def __init__(self, workdir: Path, dsn: str, owner: str, *options: str) -> None:
+        args = [dsn, "--owner", owner, *options]
+        super().__init__(workdir, owner, "tests.fleet._edge_engine", args)
+
+
 def edge_runs(dsn: str) -> list[tuple[str, str, int, str]]:
     """The step bodies `_edge_engine` recorded, sorted."""
     return sorted(tuple(r) for r in query(dsn, "SELECT * FROM edge_runs"))

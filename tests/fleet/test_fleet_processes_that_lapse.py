@@ -25,18 +25,11 @@ import pytest
 from tests import pg
 
 from ._flows import query
-from ._processes import EngineProcess, all_completed, spawning, until
+from ._processes import EdgeEngine as Engine
+from ._processes import all_completed, spawning, until
 from ._processes import edge_runs as runs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process tests: Linux signals")
-
-
-class Engine(EngineProcess):
-    """One engine process of `_edge_engine`."""
-
-    def __init__(self, workdir: Path, dsn: str, owner: str, *options: str) -> None:
-        args = [dsn, "--owner", owner, *options]
-        super().__init__(workdir, owner, "tests.fleet._edge_engine", args)
 
 
 @pytest.fixture

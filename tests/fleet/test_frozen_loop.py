@@ -26,7 +26,8 @@ import pytest
 
 from tests import pg
 
-from ._processes import EngineProcess, all_completed, spawning, until
+from ._processes import EdgeEngine as Engine
+from ._processes import all_completed, spawning, until
 from ._processes import edge_runs as runs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="process tests: Linux signals")
@@ -37,14 +38,6 @@ FLOWS = 10
 # renewal comes at most a lease into it) and its next scan (a third of a lease), 2.3 leases in
 # all; the rest is slack for a loaded machine (measured: 1.7 to 2.2 s).
 TAKEOVER_WITHIN = 3.5 * LEASE
-
-
-class Engine(EngineProcess):
-    """One engine process of `_edge_engine`, its stdout a pipe, its stderr a log file."""
-
-    def __init__(self, workdir: Path, dsn: str, owner: str, *options: str) -> None:
-        args = [dsn, "--owner", owner, *options]
-        super().__init__(workdir, owner, "tests.fleet._edge_engine", args)
 
 
 @pytest.fixture
