@@ -400,6 +400,19 @@ class EngineProcess:
         return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
 
+def stop_all(engines: Sequence[EngineProcess]) -> None:
+    """Stop every engine, even when stopping one fails (it is killed then): a process left
+    running, and its pipes, would outlive the test. The first failure is raised after."""
+    failures: list[BaseException] = []
+    for e in engines:
+        try:
+            e.stop()
+        except Exception as exc:  # each engine is stopped whatever the others did
+            failures.append(exc)
+    if failures:
+        raise failures[0]
+
+
 # ------------------------------------------------------------------------- the database side
 
 AUDIT = """
@@ -484,21 +497,29 @@ def quiesce(dsn: str, owner: str, ceiling: float = 60.0) -> None:
     """Wait until the database runs nothing `owner`'s process sent it (its connections carry
     its name as `application_name`): after a SIGSTOP, a
     statement (a COMMIT) sent just before the signal still completes, and may move or end a
-    flow the stopped process held; what it holds is read once that has landed."""
-    end, idle = time.monotonic() + ceiling, 0
+    flow the stopped process held; what it holds is read once that has landed.
+
+    A statement that waits on the stopped process itself (``wait_event_type = 'Client'``: the
+    rest of a statement it was sending, or rows it does not read) counts as settled: it cannot
+    end before the process wakes, and the engine that takes over its flows ends its session
+    first (docs/adr/0158)."""
+    end, idle, seen = time.monotonic() + ceiling, 0, []
     while time.monotonic() < end:
-        busy = query(
+        seen = query(
             dsn,
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
-            " AND state = 'active'",
+            "SELECT pid, wait_event_type, wait_event, left(query, 160)"
+            " FROM pg_stat_activity WHERE application_name = %s AND state = 'active'",
             (owner,),
         )
+        busy = [row for row in seen if row[1] != "Client"]
         # Idle at three reads in a row: bytes still in the socket may not show yet at one.
-        idle = 0 if int(busy[0][0]) else idle + 1
+        idle = 0 if busy else idle + 1
         if idle == 3:
+            if seen:
+                print(f"quiesce: {owner} stopped mid-request: {seen}")
             return
         time.sleep(0.03)
-    raise AssertionError(f"{owner}'s statements still run {ceiling} s after it was stopped")
+    raise AssertionError(f"{owner}'s statements still run {ceiling} s after it was stopped: {seen}")
 
 
 def still_held(dsn: str, owner: str, flow_ids: Mapping[str, object]) -> int:

@@ -36,6 +36,7 @@ from ._flows import (
     quiesce,
     scenario,
     still_held,
+    stop_all,
     summary,
     unsettled,
 )
@@ -135,8 +136,7 @@ def run_fleet(
             wait_down(lambda: unsettled(dsn), patience, ceiling=patience)
         chaos.seconds = time.monotonic() - t0
     finally:
-        for e in engines:
-            e.stop()
+        stop_all(engines)
     reports = [r for e in engines for r in e.reports]
     return specs, observe(dsn), chaos, reports
 

@@ -90,9 +90,17 @@ class Rounds:
             keys = list(shapes)
             # Nobody's by the lease clock (the database's, docs/adr/0110), and each takeover
             # requires that the flow is still nobody's at that time (`lapsed_at`).
-            at, orphans = await store.transact(
-                partial(_store.orphans_on_clock, now=now, limit=room, plans=keys)
+            at, orphans, ended = await store.transact(
+                partial(
+                    _store.orphans_on_clock,
+                    now=now,
+                    frozen_after=self._lease.lease,
+                    limit=room,
+                    plans=keys,
+                )
             )
+            if ended:
+                _say_ended(self._owner, self._lease.lease, ended)
             ops: list[_op.Op] = []
             rows: list[Flow] = []
             for flow in orphans:
@@ -254,3 +262,18 @@ def _took_from(rows: list[Flow], results: list[Any], owner: str) -> str:
     if lost:
         parts.append(f"{lost} another engine took first")
     return ", ".join(parts)
+
+
+def _say_ended(owner: str, lease: float, ended: list[tuple[int, str]]) -> None:
+    """Tell the operator which database sessions a scan ended (`_store.end_frozen_holders`)."""
+    sessions = ", ".join(f"pid {pid} ({name or 'no application_name'})" for pid, name in ended)
+    _log.warning(
+        "flow engine %r ended %d database session(s) that held flow rows and had waited on "
+        "their client in the middle of a request for more than a lease (%.1f s; a frozen "
+        "engine): %s",
+        owner,
+        len(ended),
+        lease,
+        sessions,
+        extra={"owner": owner, "ended": len(ended)},
+    )

@@ -94,6 +94,11 @@ class Dialect:
     #: How that plan says it sorts the rows it read (rather than reading them in an index's
     #: order).
     sorts: str
+    #: ``(seconds) -> rows (pid, application_name)``: end the sessions of this database and
+    #: role that hold flow rows and have waited on their client in the middle of a request
+    #: for longer than `seconds` (`_store.end_frozen_holders`, docs/adr/0158). None: one
+    #: engine per file, no session of another process holds a row.
+    end_frozen: str | None
 
     def in_list(self, column: str, n: int) -> str:
         """SQL: `column` is one of a list of `n` values, given as `list_params` makes them."""
@@ -142,6 +147,7 @@ SQLITE: Final = Dialect(
     explain="EXPLAIN QUERY PLAN ",
     full_scan="SCAN {}",
     sorts="USE TEMP B-TREE",
+    end_frozen=None,
 )
 POSTGRES: Final = Dialect(
     name="postgres",
@@ -166,6 +172,20 @@ POSTGRES: Final = Dialect(
     explain="EXPLAIN ",
     full_scan="Seq Scan on {}",
     sorts="Sort ",
+    # A session mid-request waits in ClientRead (the rest of a statement it was sent) or
+    # ClientWrite (rows its client does not read) with `state = 'active'`: neither
+    # `idle_in_transaction_session_timeout` nor `statement_timeout` ends it. Only sessions of
+    # this role (which may end them) that hold a lock on the flows table.
+    end_frozen=(
+        "SELECT a.pid, a.application_name, pg_terminate_backend(a.pid)"
+        " FROM pg_stat_activity a"
+        " WHERE a.datname = current_database() AND a.usename = current_user"
+        " AND a.pid <> pg_backend_pid() AND a.state = 'active'"
+        " AND a.wait_event_type = 'Client'"
+        " AND a.state_change < now() - make_interval(secs => ?::float8)"
+        " AND EXISTS (SELECT 1 FROM pg_locks l"
+        "             WHERE l.pid = a.pid AND l.relation = to_regclass('flow_flows'))"
+    ),
 )
 DIALECTS: Final = {d.name: d for d in (SQLITE, POSTGRES)}
 

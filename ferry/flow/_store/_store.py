@@ -286,11 +286,32 @@ def release_on_clock(tx: Tx, *, now: float, **options: Any) -> int:
     return release(tx, at=lease_clock(tx, now), **options)
 
 
-def orphans_on_clock(tx: Tx, *, now: float, **options: Any) -> tuple[float, list[Flow]]:
+def orphans_on_clock(
+    tx: Tx, *, now: float, frozen_after: float | None = None, **options: Any
+) -> tuple[float, list[Flow], list[tuple[int, str]]]:
     """`load_orphans` at the lease clock's time (`lease_clock`), and that time (a takeover of
-    one of them requires that the flow is still nobody's at that time: `Change.lapsed_at`)."""
+    one of them requires that the flow is still nobody's at that time: `Change.lapsed_at`).
+    With `frozen_after` and orphans found, `end_frozen_holders` clears the way for their
+    takeover; the sessions it ended come third."""
     at = lease_clock(tx, now)
-    return at, load_orphans(tx, at, **options)
+    orphans = load_orphans(tx, at, **options)
+    ended = end_frozen_holders(tx, frozen_after) if orphans and frozen_after is not None else []
+    return at, orphans, ended
+
+
+def end_frozen_holders(tx: Tx, seconds: float) -> list[tuple[int, str]]:
+    """End the database sessions that hold flow rows and have waited on their client in the
+    middle of a request for longer than `seconds` (a lease): a process stopped (SIGSTOP, a
+    paused VM) while it was sending a statement, or while rows were coming back to it, holds
+    its locks for as long as it sleeps, and the server's guard on idle transactions does not
+    see it (the session is not idle: it waits for the rest of the request). Its engine's lease
+    has lapsed by then; its transaction rolls back and it finds its connection closed when it
+    wakes (docs/adr/0158). ``(pid, application_name)`` of each session ended. Nothing on
+    SQLite. Cost: one read of the server's session list."""
+    sql = _dialect.of(tx).end_frozen
+    if sql is None:
+        return []
+    return [(int(r[0]), str(r[1] or "")) for r in tx.execute(sql, (float(seconds),))]
 
 
 def live_plans_on_clock(tx: Tx, *, now: float) -> list[Shape]:
