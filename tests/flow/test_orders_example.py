@@ -159,12 +159,32 @@ def test_postgres(pg_server: pg.PgServer) -> None:
         (["--worker"], "--worker is the engine process that --crash starts: use --crash"),
     ],
 )
-def test_a_bad_flag_is_a_one_line_error(args: list[str], message: str) -> None:
-    done = orders(*args)
+def test_a_bad_flag_is_a_one_line_error(
+    args: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In this process (the script's `main`, as `python examples/orders.py` calls it; the
+    first case also as a script, below): a process each would cost a second apiece."""
+    from examples import orders as demo
+
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "examples" / "orders.py")])  # the error's name
+    with pytest.raises(SystemExit) as exit_:
+        demo.main(args)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2
+    assert out == ""
+    (line,) = err.splitlines()
+    assert line.startswith("orders.py: error: ") and message in line, line
+
+
+def test_a_bad_flag_given_to_the_script_is_a_one_line_error() -> None:
+    done = orders("--bogus")
     assert done.returncode == 2
     assert done.stdout == ""
     (line,) = done.stderr.splitlines()
-    assert line.startswith("orders.py: error: ") and message in line, line
+    assert line == "orders.py: error: unrecognized arguments: --bogus (see --help)", line
 
 
 def test_a_database_another_engine_serves_is_a_one_line_error(tmp_path: Path) -> None:
