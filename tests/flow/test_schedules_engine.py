@@ -8,10 +8,10 @@ started by the end of the flow before it); trigger, pause, unpause, unschedule a
 the checks of `open_engine(schedules=...)`; the same calls through `flow.connect`.
 
 Each fails on an engine that gets its part wrong (checked by planting each): the month with a
-timer that fires only at open, the restart with a firing that does not move the next tick in
-the tick's write (the reopened engine starts the tick again: `Existing`, no new flow, but the
-observer's count of started ticks grows), the jump with a firing that replays each due tick, the
-queue test with no end hook (the waiting tick starts only at the next tick)."""
+timer that fires only at open; the restart with a declaration that sets the next tick from now
+at every open (the tick closed over, 4:00, is lost); the jump and the downtime with a firing
+that starts the oldest missed tick and goes on from the one after it (a burst, one a firing);
+the queue test with no end hook (the waiting tick starts only at the next tick)."""
 
 from __future__ import annotations
 
