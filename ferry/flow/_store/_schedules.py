@@ -149,7 +149,10 @@ def stored(tx: Tx, name: str) -> Stored | None:
 
 
 def stored_all(tx: Tx) -> list[Stored]:
-    """Every stored schedule, by name (the inspector's list)."""
+    """Every stored schedule, by name (the inspector's list); none in a store that an engine
+    of an older version made (no table yet)."""
+    if not tx.execute(_dialect.of(tx).table_exists, (SCHEDULES,))[0][0]:
+        return []
     rows = tx.execute(f"SELECT {_SELECT} FROM {SCHEDULES} ORDER BY name")
     return [_stored(r) for r in rows]
 
