@@ -23,10 +23,10 @@ each engine (the public hook, docs/adr/0138: `Engine.add_observer`, or given to
 calls it once per step attempt (`flow.StepRun`), once per flow that ends (`flow.FlowEnd`), once
 per firing of a schedule (`flow.ScheduleTick`), and once when it closes. A closed engine is
 dropped then (docs/adr/0114): its gauges leave the scrape, and its counters' last values stay
-in the sums (`_retired`), so a counter never goes down because an engine closed; the collector keeps no engine after its
-block ended, however many open and close. Without an observer the engine's hot path pays one
-truth test. The histograms are kept here, under one lock,
-because a scrape may come from another thread (``start_http_server`` serves from its own): the
+in the sums (`_retired`), so a counter never goes down because an engine closed; the
+collector keeps no engine after its block ended, however many open and close. Without an
+observer the engine's hot path pays one truth test. The histograms are kept here, under one
+lock, because a scrape may come from another thread (``start_http_server`` serves from its own): the
 engine's trio thread writes them, the scrape copies them.
 
 `import ferry` and `import ferry.flow` never import this module, nor prometheus_client.
