@@ -9,7 +9,6 @@ import re
 import urllib.parse
 from pathlib import Path
 
-
 from ferry import flow
 from ferry.flow._ops._dashboard._app import Dashboard
 from ferry.flow._ops._dashboard._reads import Reader

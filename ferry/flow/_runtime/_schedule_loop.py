@@ -14,7 +14,8 @@ What this part adds is when to call them, and what memory follows:
   query on one file). Under a MockClock, whose wall clock is virtual time, only the ticks.
   When due it fires in claims (`_schedules.fire_due`) until a claim comes back short, then
   reads the number again. In a fleet it wakes every ``scan_interval`` too, and reads it again
-  then: another engine may have declared, unpaused or fired a schedule.
+  then (one indexed read; the claim and the waiting ticks' read only when there is a schedule):
+  another engine may have declared, unpaused or fired a schedule.
   A call that can move a tick earlier (`unpause`) and an end that frees a waiting tick poke it.
 - **The flows a firing starts** go where a start's go: `Writes.track` makes them live (this
   engine runs them; a fleet's names this engine their holder).
@@ -187,10 +188,12 @@ class Schedules:
             seen = self._poke.peek()
             if self._ends:
                 await self._start_waiting()
-            if self._fleet:
-                await self._waiting_ready()
             due = self._due.peek()
-            if self._fleet or seen != fired_at or (due is not None and self._clock.now() >= due):
+            if self._fleet:  # another engine may have declared, unpaused or fired one
+                due = await self._read_due()
+                if due is not None:
+                    await self._waiting_ready()
+            if seen != fired_at or (due is not None and self._clock.now() >= due):
                 fired_at = seen
                 await self._fire_due()
             await stm.atomically(self._sleep, seen, trio.current_time() + every)
@@ -207,8 +210,15 @@ class Schedules:
                 self._took(outcome, epoch, now, "tick")
             if len(outcomes) < _schedules.CLAIM:
                 break
-        due = await self._own(partial(_schedules.next_due, plans=list(shapes)), "reading ticks")
+        await self._read_due()
+
+    async def _read_due(self) -> float | None:
+        """Read the earliest next tick of this engine's schedules into memory (one indexed
+        read)."""
+        plans = list(self._shapes)
+        due = await self._own(partial(_schedules.next_due, plans=plans), "reading the next tick")
         stm.atomically_nowait(self._due.set, due)
+        return due
 
     async def _start_waiting(self) -> None:
         names, self._ends = sorted(set(self._ends)), []
