@@ -4,14 +4,15 @@ lost, one closed over a tick starts it late); a frozen host and an engine closed
 (DBOS #803: at most one tick, the rest missed and counted, whatever `catchup`); a wall clock
 that jumps while the engine sleeps (the real clock: seen at the next tick's deadline);
 Europe/Warsaw across both changes of 2026; the overlap rules end to end (a waiting tick
-started by the end of the flow before it); trigger, pause, unpause, unschedule and backfill;
+started by the end of the flow before it, or at the next open if that end was not seen); trigger, pause, unpause, unschedule and backfill;
 the checks of `open_engine(schedules=...)`; the same calls through `flow.connect`.
 
 Each fails on an engine that gets its part wrong (checked by planting each): the month with a
 timer that fires only at open; the restart with a declaration that sets the next tick from now
 at every open (the tick closed over, 4:00, is lost); the jump and the downtime with a firing
 that starts the oldest missed tick and goes on from the one after it (a burst, one a firing);
-the queue test with no end hook (the waiting tick starts only at the next tick)."""
+the queue test with no end hook (the waiting tick starts only at the next tick); the waiting
+tick after a kill with an open that does not look for waiting ticks."""
 
 from __future__ import annotations
 
@@ -432,3 +433,30 @@ async def test_a_client_of_another_process_triggers_pauses_and_backfills(tmp_pat
             done = await engine.wait(f"hourly@{iso(BASE + 3 * HOUR)}", timeout=10)
             assert done.state is flow.State.COMPLETED
     assert not (await row(tmp_path / "app.db", "hourly")).paused
+
+
+async def test_a_waiting_tick_whose_flow_ended_unseen_starts_at_the_next_open(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A SIGKILL between a flow's end and its waiting tick's start (written here as the end
+    alone, in the file): the next engine to open starts the waiting tick."""
+    every = flow.Schedule("minutely", slow, cron="* * * * *", overlap="queue")
+    db = tmp_path / "app.db"
+    wall = Wall(BASE)
+    first = f"minutely@{iso(BASE + MINUTE)}"
+    second = f"minutely@{iso(BASE + 2 * MINUTE)}"
+    async with engine_at(db, wall, [every]) as engine:
+        await trio.sleep(2.5 * MINUTE)
+        await engine.pause("minutely")
+    assert (await row(db, "minutely")).waiting_tick == BASE + 2 * MINUTE
+    async with SqliteStore(str(db)) as st:
+        await st.transact(
+            lambda tx: tx.execute(
+                f"UPDATE {_sql.FLOWS} SET state = 'COMPLETED' WHERE flow_id = ?", (first,)
+            )
+        )
+    async with engine_at(db, wall, [every]) as engine:
+        await trio.testing.wait_all_tasks_blocked()
+        snap = await engine.get(second)
+    assert snap is not None and snap.state is flow.State.PARKED
+    assert (await row(db, "minutely")).waiting_tick is None

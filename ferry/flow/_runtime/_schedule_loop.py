@@ -134,9 +134,7 @@ class Schedules:
             )
         stored = await self._own(_schedules.stored_all, "reading the schedules")
         for s in stored:
-            self._remember(s.row)
-            if s.row.waiting_tick is not None:
-                self._ends.append(s.row.name)
+            self._remember(s.row)  # a waiting tick whose flow is not live: tried at once
         # One file: a schedule is stored only by an open, so with none there is no task. A
         # fleet's engine may fire what another declares later.
         self.needed = bool(stored) or self._fleet
