@@ -4,8 +4,9 @@ lost, one closed over a tick starts it late); a frozen host and an engine closed
 (DBOS #803: at most one tick, the rest missed and counted, whatever `catchup`); a wall clock
 that jumps while the engine sleeps (the real clock: seen at the next tick's deadline);
 Europe/Warsaw across both changes of 2026; the overlap rules end to end (a waiting tick
-started by the end of the flow before it, or at the next open if that end was not seen); trigger, pause, unpause, unschedule and backfill;
-the checks of `open_engine(schedules=...)`; the same calls through `flow.connect`.
+started by the end of the flow before it, or at the next open if that end was not seen);
+trigger, pause, unpause, unschedule and backfill; the checks of `open_engine(schedules=...)`;
+the same calls through `flow.connect`.
 
 Each fails on an engine that gets its part wrong (checked by planting each): the month with a
 timer that fires only at open; the restart with a declaration that sets the next tick from now
