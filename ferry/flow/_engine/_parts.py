@@ -75,7 +75,7 @@ class Parts:
             fleet.bind(writes)
         self.runner = Runner(writes, self.mode, versions, clock, tally, config)
         self.requests = Requests(store, clock, writes, versions, tally, plans, config, self.mode)
-        self.schedules = Schedules(store, clock, writes, tally, versions.shapes, config)
+        self.schedules = Schedules(store, clock, writes, tally, versions.shapes, config, self.mode)
         # Deletes finished flows `retain` seconds after they ended (a task of a serving engine).
         self.retention = (
             _retention.Retention(store, config.retain, clock.now, self.mode.guard)

@@ -52,6 +52,7 @@ from . import _observe, _read, _retry
 from ._clock import Clock
 from ._config import Config
 from ._live import Tally
+from ._mode import Mode
 from ._writes import Writes
 
 T = TypeVar("T")
@@ -99,6 +100,7 @@ class Schedules:
         tally: Tally,
         shapes: Shapes,
         config: Config,
+        mode: Mode,
     ) -> None:
         self._store = store
         self._clock = clock
@@ -107,9 +109,10 @@ class Schedules:
         self._shapes = shapes
         self._serve = config.serve
         self._owner = config.owner if config.serve else None
-        self._fleet = config.fleet
+        # Other engines write the store too (a fleet): they may declare, unpause or fire.
+        self._shared = shared = mode.shared
         self._declared = config.schedules
-        self._every = min(_schedule.ON_TIME, config.scan_interval) if config.fleet else None
+        self._every = min(_schedule.ON_TIME, config.scan_interval) if shared else None
         self._due: stm.TVar[float | None] = stm.TVar(None)
         self._poke: stm.TVar[int] = stm.TVar(0)
         self._queued: dict[str, str] = {}
@@ -137,7 +140,7 @@ class Schedules:
             self._remember(s.row)  # a waiting tick whose flow is not live: tried at once
         # One file: a schedule is stored only by an open, so with none there is no task. A
         # fleet's engine may fire what another declares later.
-        self.needed = bool(stored) or self._fleet
+        self.needed = bool(stored) or self._shared
         self._poked()
 
     def _remember(self, row: _schedule.Row | None) -> None:
@@ -187,7 +190,7 @@ class Schedules:
             if self._ends:
                 await self._start_waiting()
             due = self._due.peek()
-            if self._fleet:  # another engine may have declared, unpaused or fired one
+            if self._shared:  # another engine may have declared, unpaused or fired one
                 due = await self._read_due()
                 if due is not None:
                     await self._waiting_ready()
