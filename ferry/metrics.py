@@ -20,13 +20,13 @@ A scrape reads the statistics an engine or ferry already keeps (`Engine.statisti
 Step and flow durations are seen only as they happen, so the collector is a `flow.Observer` of
 each engine (the public hook, docs/adr/0138: `Engine.add_observer`, or given to
 ``open_engine(..., observers=[collector])``, which adds the engine to it as it opens): the engine
-calls it once per step attempt (`flow.StepRun`), once per flow that ends (`flow.FlowEnd`), and
-once when it closes. A closed engine is dropped then (docs/adr/0114):
-its gauges leave the scrape, and its counters' last values stay in the sums (`_retired`), so a
-counter never goes down because an engine closed; the collector keeps no engine after its
-block ended, however many open and close. Without an observer the engine's hot path pays one
-truth test. The histograms are kept here, under one lock,
-because a scrape may come from another thread (``start_http_server`` serves from its own): the
+calls it once per step attempt (`flow.StepRun`), once per flow that ends (`flow.FlowEnd`), once
+per firing of a schedule (`flow.ScheduleTick`), and once when it closes. A closed engine is
+dropped then (docs/adr/0114): its gauges leave the scrape, and its counters' last values stay
+in the sums (`_retired`), so a counter never goes down because an engine closed; the
+collector keeps no engine after its block ended, however many open and close. Without an
+observer the engine's hot path pays one truth test. The histograms are kept here, under one
+lock, because a scrape may come from another thread (``start_http_server`` serves from its own): the
 engine's trio thread writes them, the scrape copies them.
 
 `import ferry` and `import ferry.flow` never import this module, nor prometheus_client.
@@ -52,7 +52,17 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from ferry import Closed, FerryStatistics
-from ferry.flow import Delivery, Engine, Fail, FlowEnd, FlowStatistics, Observer, Park, StepRun
+from ferry.flow import (
+    Delivery,
+    Engine,
+    Fail,
+    FlowEnd,
+    FlowStatistics,
+    Observer,
+    Park,
+    ScheduleTick,
+    StepRun,
+)
 
 __all__ = [
     "BATCH_SIZE_BUCKETS",
@@ -158,6 +168,7 @@ class Metrics(Collector, Observer):
         self._flows = _Histogram(flow_buckets)  # (plan, state)
         self._outcomes: dict[tuple[str, str], int] = {}  # (plan, outcome) of step attempts
         self._comp_outcomes: dict[tuple[str, str], int] = {}
+        self._ticks: dict[tuple[str, str], int] = {}  # (schedule, started|skipped|missed)
 
     # ------------------------------------------------------------------ what the engine calls
 
@@ -178,6 +189,18 @@ class Metrics(Collector, Observer):
         seconds = max(0.0, flow.ended_at - flow.started_at)
         with self._lock:
             self._flows.observe((flow.plan, flow.state.name.lower()), seconds)
+
+    def schedule_ticked(self, tick: ScheduleTick) -> None:
+        ticks = self._ticks
+        with self._lock:
+            for outcome, n in (
+                ("started", tick.started),
+                ("skipped", tick.skipped),
+                ("missed", tick.missed),
+            ):
+                if n:
+                    key = (tick.schedule, outcome)
+                    ticks[key] = ticks.get(key, 0) + n
 
     def engine_opened(self, engine: Engine) -> None:
         """`engine` was opened with this collector among its observers: expose it."""
@@ -270,6 +293,7 @@ class Metrics(Collector, Observer):
             steps, compensations = self._steps.copy(), self._compensations.copy()
             flows = self._flows.copy()
             outcomes, comp_outcomes = dict(self._outcomes), dict(self._comp_outcomes)
+            ticks = dict(self._ticks)
         yield from _engine_metrics([retired, *(e._statistics() for e in engines)])
         family = CounterMetricFamily(
             "ferry_flow_steps",
@@ -302,6 +326,16 @@ class Metrics(Collector, Observer):
             "From a flow's start to its end (completed, failed or blocked), by plan and state.",
             ["plan", "state"],
         )
+        family = CounterMetricFamily(
+            "ferry_flow_schedule_ticks",
+            "Ticks of schedules this collector's engines fired, by schedule and outcome: started"
+            " (a flow started: a tick, a waiting tick, a trigger or a backfill), skipped (by"
+            " the overlap rule), missed (later than catchup after downtime).",
+            labels=["schedule", "outcome"],
+        )
+        for (name, outcome), n in sorted(ticks.items()):
+            family.add_metric([name, outcome], n)
+        yield family
         yield from _ferry_metrics({name: f.statistics() for name, f in ferries.items()})
 
 

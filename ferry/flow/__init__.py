@@ -40,6 +40,9 @@ resumes one as an operator. ``flow.connect(store)`` is a client from any process
 engine that serves the store to start, wake, cancel, resume, abandon or publish (docs/flow.md,
 "From another process"). ``open_engine(..., observers=[...])`` tells `flow.Observer` objects of
 every step attempt and every flow's end (`StepRun`, `FlowEnd`): ``ferry.metrics`` is one.
+``flow.Schedule(name, plan, cron=...)`` given to ``open_engine(schedules=[...])`` starts a flow
+at every tick of a cron expression, each tick once across restarts and a fleet (docs/flow.md,
+"Schedules").
 """
 
 from __future__ import annotations
@@ -59,7 +62,9 @@ from ._model._errors import IdReused as IdReused
 from ._model._errors import StoreLocked as StoreLocked
 from ._model._errors import UnknownFlow as UnknownFlow
 from ._model._errors import UnknownPlan as UnknownPlan
+from ._model._errors import UnknownSchedule as UnknownSchedule
 from ._model._observed import FlowEnd as FlowEnd
+from ._model._observed import ScheduleTick as ScheduleTick
 from ._model._observed import StepRun as StepRun
 from ._model._plan import Plan as Plan
 from ._model._plan import StepDef as StepDef
@@ -77,6 +82,7 @@ from ._model._types import Snapshot as Snapshot
 from ._model._types import Start as Start
 from ._model._types import State as State
 from ._model._types import Wake as Wake
+from ._store._cron import Schedule as Schedule
 
 __all__ = [
     "COMPLETE",
@@ -97,6 +103,8 @@ __all__ = [
     "Park",
     "Plan",
     "Receipt",
+    "Schedule",
+    "ScheduleTick",
     "Snapshot",
     "Start",
     "State",
@@ -105,6 +113,7 @@ __all__ = [
     "StoreLocked",
     "UnknownFlow",
     "UnknownPlan",
+    "UnknownSchedule",
     "Wake",
     "connect",
     "fail",

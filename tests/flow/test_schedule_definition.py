@@ -5,8 +5,7 @@ a negative or non-finite catchup, a bad name, data that is not a JSON object or 
 And what it keeps: the definition the store will compare, equal for equal definitions, data the
 caller cannot change afterwards.
 
-The type is not exported from `ferry.flow` yet (the engine cannot fire schedules this round):
-the tests take it from its module."""
+The tests take the type from its module (`_store/_cron.py`); it is `flow.Schedule` too."""
 
 from __future__ import annotations
 
@@ -226,3 +225,7 @@ def test_a_cron_rule_is_refused_without_a_schedule_too() -> None:
     """The store rebuilds rules from stored definitions: the same checks hold there."""
     with pytest.raises(ValueError, match="cron"):
         CronRule("61 * * * *", _schedule.check_timezone("UTC"))
+
+
+def test_the_type_is_the_public_flow_schedule() -> None:
+    assert flow.Schedule is Schedule and Schedule.__module__ == "ferry.flow"

@@ -1,7 +1,8 @@
 """A client of a flow store from any process: `connect` and `Client` (docs/adr/0125).
 
 A client asks; the engine that serves the store acts. Each call that changes a flow (`start`,
-`wake`, `cancel`, `resume`, `abandon`, `publish`) is checked at the call (`TypeError`/
+`wake`, `cancel`, `resume`, `abandon`, `publish`) or a schedule (`trigger`, `pause`, `unpause`,
+`unschedule`, `backfill`: `_client_schedules`) is checked at the call (`TypeError`/
 `ValueError`, nothing stored), then stored as one row of ``flow_requests`` under a request id
 (durable when the call returns, or raises anything but a bad argument), and then:
 
@@ -41,13 +42,21 @@ from ferry.projected import PostgresStore, SqliteStore, Store
 
 from .._fleet._asked import Heard
 from .._model import _checks, _values
-from .._model._errors import FlowError, IdReused, StoreLocked, UnknownFlow, UnknownPlan
+from .._model._errors import (
+    FlowError,
+    IdReused,
+    StoreLocked,
+    UnknownFlow,
+    UnknownPlan,
+    UnknownSchedule,
+)
 from .._model._plan import Plan
 from .._model._types import Delivery, Event, Json, Snapshot, State
 from .._runtime import _read
 from .._store import _dialect, _inbox, _notify, _schema, _sql, _store
 from .._store._sqlite_file import Written, check_path
 from . import _served
+from ._client_schedules import ScheduleCalls
 from ._engine import Engine
 from ._open import open_engine
 
@@ -55,6 +64,7 @@ _ERRORS: dict[str, type[Exception]] = {
     "IdReused": IdReused,
     "UnknownPlan": UnknownPlan,
     "UnknownFlow": UnknownFlow,
+    "UnknownSchedule": UnknownSchedule,
     "TypeError": TypeError,
     "ValueError": ValueError,
 }
@@ -153,7 +163,7 @@ def _raise(answer: dict[str, Any]) -> None:
 
 
 @final
-class Client:
+class Client(ScheduleCalls):
     """A client of one flow store, made by `connect` (no public constructor). `last`: the
     `Receipt` of its last request (None before the first). Every async method is a checkpoint;
     a call that raises `trio.Cancelled` after its request was stored leaves it stored (a retry

@@ -240,6 +240,42 @@ class Engine(metaclass=NoPublicConstructor):
             raise UnknownFlow(f"no flow has id {fid!r}")
         return events
 
+    # ------------------------------------------------------------------ schedules (SPEC 5.9)
+
+    async def trigger(self, name: str) -> str | None:
+        """Start one run of the stored schedule `name` now, paused or not, under its `overlap`
+        rule: the flow ``f"{name}@{T}"``, T the current second; durable on return. Returns its
+        id (a second trigger within that second is the same flow: nothing runs again), or
+        None when the rule did not start it (``"skip"``: counted as skipped; ``"queue"``: it
+        waits for the schedule's flow to end). Raises `UnknownSchedule`."""
+        self._check("trigger")
+        return await self._parts.schedules.trigger(name)
+
+    async def pause(self, name: str) -> None:
+        """Stop the schedule's ticks (its flows go on; `trigger` still starts one). Raises
+        `UnknownSchedule`."""
+        self._check("pause")
+        await self._parts.schedules.pause(name)
+
+    async def unpause(self, name: str) -> None:
+        """Tick again, from the first tick after now (the ticks of the pause are neither
+        started nor counted as missed). Raises `UnknownSchedule`."""
+        self._check("unpause")
+        await self._parts.schedules.unpause(name)
+
+    async def unschedule(self, name: str) -> None:
+        """Remove the stored schedule (its flows stay); declaring it again starts it afresh.
+        Raises `UnknownSchedule`."""
+        self._check("unschedule")
+        await self._parts.schedules.unschedule(name)
+
+    async def backfill(self, name: str, start: float, end: float) -> int:
+        """Start, oldest first, a flow for every tick T of the schedule with ``start <= T <=
+        end`` (wall-clock seconds) that has none yet, whatever `overlap` says; how many it
+        started. `ValueError` for a span of more than 10,000 ticks; `UnknownSchedule`."""
+        self._check("backfill")
+        return await self._parts.schedules.backfill(name, start, end)
+
     def add_observer(self, observer: Observer) -> None:
         """Tell `observer` (a `flow.Observer`) of what this engine does from now on, after the
         observers it has. No checkpoint. Raises `TypeError` for something that is not an

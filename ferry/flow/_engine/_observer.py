@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
-from .._model._observed import FlowEnd, StepRun
+from .._model._observed import FlowEnd, ScheduleTick, StepRun
 from .._runtime._observe import HOOKS, Bound
 
 if TYPE_CHECKING:
@@ -42,6 +42,10 @@ class Observer:
 
     def flow_ended(self, flow: FlowEnd) -> None:
         """This engine wrote a flow `COMPLETED`, `FAILED` or `BLOCKED` (`FlowEnd`)."""
+
+    def schedule_ticked(self, tick: ScheduleTick) -> None:
+        """This engine fired a schedule: a tick, a waiting tick, a trigger or a backfill
+        started its flows, or passed ticks over as skipped or missed (`ScheduleTick`)."""
 
     def engine_opened(self, engine: Engine) -> None:
         """`engine`, given this observer at `open_engine`, opens: called once, before it

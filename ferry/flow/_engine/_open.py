@@ -25,10 +25,12 @@ from ferry.projected import SqliteStore, Store
 
 from .._fleet import _lease, _reach
 from .._model import _checks
+from .._model._errors import UnknownPlan
 from .._model._plan import Plan
 from .._runtime import _observe, _retention, _tracing
 from .._runtime._config import Config
 from .._store import _dialect, _schema
+from .._store._cron import Schedule
 from .._store._sqlite_file import EngineLock, check_path
 from . import _observer, _served
 from ._engine import Engine
@@ -69,6 +71,7 @@ def open_engine(
     retain: float | None = _retention.DEFAULT_RETAIN,
     tracer_provider: object | None = None,
     observers: Iterable[Observer] = (),
+    schedules: Iterable[Schedule] = (),
 ) -> contextlib.AbstractAsyncContextManager[Engine]:
     """Open a flow engine on `store` for the duration of an ``async with``.
 
@@ -112,6 +115,13 @@ def open_engine(
     the close (docs/operating.md, "Observers"). A serving engine also applies the requests of
     clients in other processes (`flow.connect`, docs/adr/0125); on SQLite it keeps a heartbeat.
 
+    `schedules`: `flow.Schedule` objects the engine declares in the store at open (SPEC 5.9,
+    docs/flow.md "Schedules"): a new one is stored, a changed one replaces the stored one (a
+    paused one stays paused), one the list leaves out is left as it is (`Engine.unschedule`
+    removes it). Any serving engine with a schedule's plan version fires it, each tick once.
+    Checked at the call: a `Schedule` each (`TypeError`), names unique (`ValueError`), each
+    plan the very object given in `plans` (`UnknownPlan`).
+
     `serve=False` opens an operator's engine (used by ``python -m ferry.flow``): it needs no
     plans, runs no step, leases nothing, arms no timer and does no recovery; what its `wake`,
     `cancel` and `resume` make runnable is left to the engines that serve the store (on
@@ -122,21 +132,8 @@ def open_engine(
     engine: running steps are cancelled (they run again, as attempt + 1, when an engine next
     takes them), parked flows stay parked, and later calls raise `ferry.Closed`.
     """
-    return _Opening(
-        _opened(
-            store,
-            plans,
-            owner=owner,
-            max_running=max_running,
-            lease=lease,
-            serve=serve,
-            max_data_bytes=max_data_bytes,
-            retain=retain,
-            tracer_provider=tracer_provider,
-            observers=observers,
-            switches=_SWITCHES,
-        )
-    )
+    given = locals()  # the arguments, by name: nothing else is bound yet
+    return _Opening(_opened(**given, switches=_SWITCHES))
 
 
 @attrs.frozen
@@ -206,10 +203,12 @@ async def _opened(
     retain: float | None,
     tracer_provider: object | None,
     observers: Iterable[Observer],
+    schedules: Iterable[Schedule],
     switches: _Switches,
 ) -> AsyncIterator[Engine]:
     """The body of `open_engine` (its docstring says what it promises)."""
     registry = _registry(plans)
+    declared = _schedule_list(schedules, registry, serve)
     config = _config(
         registry,
         owner=owner,
@@ -235,6 +234,7 @@ async def _opened(
             raise failed from exc
         if switches.fleet is None:  # the mode, by the store: PostgreSQL's engines form a fleet
             config = attrs.evolve(config, fleet=_dialect.of(db).leases)
+        config = attrs.evolve(config, schedules=declared)
         parts = Parts(db, registry, config)
         engine = Engine._create(db, registry, config, parts)
         async with _lifetime(engine, parts, config, db) as running:
@@ -245,6 +245,37 @@ async def _opened(
                 await db.aclose()
         if lock is not None:
             lock.release()
+
+
+def _schedule_list(
+    schedules: object, registry: dict[tuple[str, int], Plan], serve: bool
+) -> tuple[Schedule, ...]:
+    """`open_engine(schedules=...)` checked: a list of `flow.Schedule` (`TypeError`), names
+    unique (`ValueError`), each of a plan given to this engine, that very object
+    (`UnknownPlan`); an operator's engine declares none (`ValueError`)."""
+    if isinstance(schedules, Schedule):
+        raise TypeError(f"schedules must be a list of flow.Schedule: schedules=[{schedules!r}]")
+    if not isinstance(schedules, Iterable) or isinstance(schedules, str | bytes):
+        raise TypeError(f"schedules must be a list of flow.Schedule, got {schedules!r}")
+    found: dict[str, Schedule] = {}
+    for i, schedule in enumerate(schedules):
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"schedules[{i}] must be a flow.Schedule, got {schedule!r}")
+        if schedule.name in found:
+            raise ValueError(f"two schedules are named {schedule.name!r}: give each one once")
+        plan = schedule.plan
+        if registry.get((plan.name, plan.version)) is not plan:
+            raise UnknownPlan(
+                f"schedule {schedule.name!r} starts plan {plan.name!r} version {plan.version},"
+                " which is not a plan given to this open_engine (give its Plan object in plans)"
+            )
+        found[schedule.name] = schedule
+    if found and not serve:
+        raise ValueError(
+            "an operator's engine (serve=False) declares no schedules: give schedules=[...] to"
+            " the engines that serve the store"
+        )
+    return tuple(found.values())
 
 
 def _config(

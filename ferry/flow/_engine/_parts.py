@@ -19,6 +19,7 @@ from ferry.projected import Store
 from .._fleet._mode import Fleet
 from .._model._plan import Plan
 from .._model._types import FlowStatistics, State
+from .._model._values import Flow
 from .._runtime import _retention, _tracing
 from .._runtime._clock import Clock
 from .._runtime._config import Config
@@ -27,6 +28,7 @@ from .._runtime._mode import Mode, OneFile
 from .._runtime._recovery import let_go_unbegun, recover
 from .._runtime._requests import Requests
 from .._runtime._runner import Runner
+from .._runtime._schedule_loop import Schedules
 from .._runtime._timer_loop import Timers
 from .._runtime._versions import Versions
 from .._runtime._waiters import Waiters
@@ -73,6 +75,7 @@ class Parts:
             fleet.bind(writes)
         self.runner = Runner(writes, self.mode, versions, clock, tally, config)
         self.requests = Requests(store, clock, writes, versions, tally, plans, config, self.mode)
+        self.schedules = Schedules(store, clock, writes, tally, versions.shapes, config, self.mode)
         # Deletes finished flows `retain` seconds after they ended (a task of a serving engine).
         self.retention = (
             _retention.Retention(store, config.retain, clock.now, self.mode.guard)
@@ -96,6 +99,7 @@ class Parts:
             live=waiters.held,
             runnable=self._runnable,
             arm=self.timers.arm,
+            ended=self._ended,
         )
 
     def statistics(self) -> FlowStatistics:
@@ -118,6 +122,11 @@ class Parts:
         """A flow became live: the runner runs it (a method, not a closure: the runner is
         built after the write path it reads)."""
         self.runner.enqueue(live)
+
+    def _ended(self, flow: Flow) -> None:
+        """This engine's write ended `flow`: a schedule's waiting tick may start (a method:
+        the schedules are built after the write path)."""
+        self.schedules.ended(flow)
 
     async def _read(self, fn: Callable[[Any], T], what: str) -> T:
         """The waits' reads: an API call's (`Requests.read`)."""
@@ -144,16 +153,20 @@ class Parts:
             self.mode,
             serve=self._config.serve,
         )
+        if self._config.serve:
+            await self.schedules.open()
 
     def start_tasks(self) -> None:
-        """The engine's own tasks: the timer (a serving engine), the mode's (a fleet's
-        heartbeat and scans), retention."""
+        """The engine's own tasks: the timers of parks and of schedules (a serving engine), the
+        mode's (a fleet's heartbeat and scans), retention."""
         nursery = self.nursery
         assert nursery is not None
         writes = self.writes
         if self._config.serve:
             fire = _tracing.timed(self._config.tracing, writes.time_out)  # off: `time_out` itself
             nursery.start_soon(self.timers.run, nursery, writes.stale, fire)
+            if self.schedules.needed:
+                nursery.start_soon(self.schedules.run)
             self.mode.start(nursery)
         if self.retention is not None:
             nursery.start_soon(self.retention.run)

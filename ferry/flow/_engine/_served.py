@@ -87,13 +87,17 @@ def _plan(engine: Engine, name: str, version: int | None) -> Plan:
     return plan
 
 
+#: The requests of a schedule that take its name alone (`Engine.trigger`, ...).
+_SCHEDULE_CALLS = ("trigger", "pause", "unpause", "unschedule")
+
+
 def _encoded(value: object) -> Json:
     """A call's result as the JSON of an answer."""
     if isinstance(value, Delivery):
         return {"delivery": value.name}
     if isinstance(value, list):
         return [_encoded(v) for v in value]
-    if value is None or isinstance(value, bool | str):
+    if value is None or isinstance(value, bool | str | int):
         return value
     raise AssertionError(f"no answer encodes {value!r}")
 
@@ -123,6 +127,10 @@ async def apply(engine: Engine, kind: str, body: dict[str, Any] | str) -> Json:
             value = await engine.abandon(body["flow_id"], reason=body["reason"], by=body["by"])
         elif kind == "publish":
             value = await engine.publish(body["event_type"], body["event"])
+        elif kind in _SCHEDULE_CALLS:  # trigger, pause, unpause, unschedule
+            value = await getattr(engine, kind)(body["name"])
+        elif kind == "backfill":
+            value = await engine.backfill(body["name"], body["start"], body["end"])
         else:
             raise ValueError(f"no request is called {kind!r}")
     except (Failed, Closed):

@@ -45,3 +45,9 @@ class StoreLocked(FlowError):
     name); the message names the owner. A restart under the name opens once that engine closed,
     its process is gone (on this host), or its lease lapsed.
     """
+
+
+@final
+class UnknownSchedule(FlowError, LookupError):
+    """No schedule of this name is stored (`Engine.trigger`, `pause`, `unpause`, `unschedule`,
+    `backfill`): it was never declared (`open_engine(schedules=[...])`) or was unscheduled."""

@@ -62,3 +62,24 @@ class FlowEnd:
     started_at: float
     ended_at: float
     traceparent: str | None
+
+
+@final
+@attrs.frozen(kw_only=True)
+class ScheduleTick:
+    """One firing of a schedule by this engine (`Observer.schedule_ticked`): a regular tick,
+    ``overlap="queue"``'s waiting tick once the flow before it ended, a trigger or a backfill.
+
+    `schedule`: its name; `how`: ``"tick"``, ``"waiting"``, ``"trigger"`` or ``"backfill"``;
+    `flow_id`: the flow this write started (None: it started none); `started`: how many flows
+    it started (a backfill: one per new tick; else 0 or 1); `skipped`: ticks passed over by
+    the overlap rule; `missed`: ticks passed over after downtime (later than ``catchup``);
+    `at`: wall-clock seconds of the write."""
+
+    schedule: str
+    how: str
+    flow_id: str | None
+    started: int
+    skipped: int
+    missed: int
+    at: float

@@ -12,6 +12,9 @@ service engine holds the file the actions are refused with a clear error (make t
 that engine's API, or stop it first) and the next engine to open the file runs what the action
 made runnable. The reading commands take no lock and work while engines run.
 
+``schedules`` lists the stored schedules, ``schedule pause|unpause|trigger NAME`` acts on one
+(`_inspect_schedules`).
+
 ``purge --finished-before TIME`` deletes finished flows by hand, as ``open_engine(retain=)``
 does (`_store._purge`: batches of 500, safe beside running engines, on SQLite too: a
 finished flow is never written again). It counts them and asks first, unless ``--yes``.
@@ -61,6 +64,8 @@ from ._inspect_read import (
     one_line,
     open_store,
 )
+from ._inspect_schedules import add_commands as _schedule_commands
+from ._inspect_schedules import do_schedule, do_schedules
 from ._trace_url import check as _trace_url_check
 
 
@@ -231,6 +236,7 @@ def parser() -> argparse.ArgumentParser:
             " history and mailbox, as open_engine(retain=) does; after it asks (see --yes).",
         )
     )
+    _schedule_commands(sub, common, _bulk.utf8, _seconds)
     what = (
         "Serve the dashboard, a web page of the flows with wake, cancel and resume buttons"
         " (needs: pip install 'stm-ferry[dashboard]')."
@@ -403,6 +409,8 @@ COMMANDS = {
     "resume": do_resume,
     "abandon": do_abandon,
     "purge": do_purge,
+    "schedules": do_schedules,
+    "schedule": do_schedule,
 }
 
 

@@ -33,6 +33,11 @@ class Clock:
         self._t0_wall = wall_clock()
         self._t0_trio = trio.current_time()
 
+    @property
+    def virtual(self) -> bool:
+        """Is it a MockClock's virtual time (no host's clock can step it)?"""
+        return self._mock
+
     def now(self) -> float:
         """Wall-clock seconds now: the host's (its steps included), or the mock's."""
         if self._mock:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import attrs
 
+from .._store._cron import Schedule
 from . import _tracing
 from ._observe import Bound
 
@@ -24,7 +25,7 @@ class Config:
     `wall_clock`: the host's clock of durable times; `retain`: seconds a finished flow is
     kept (None: forever); `tracing`: OpenTelemetry spans (None: off); `observers`: those
     `open_engine` was given, bound (`_observe.Bound`), the end spans' first when tracing is
-    on."""
+    on; `schedules`: those it declares at open (checked: unique names, its own plans)."""
 
     owner: str
     max_running: int
@@ -38,3 +39,4 @@ class Config:
     retain: float | None
     tracing: _tracing.Tracing | None
     observers: tuple[Bound, ...] = ()
+    schedules: tuple[Schedule, ...] = ()

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
-from .._model._observed import FlowEnd, StepRun
+from .._model._observed import FlowEnd, ScheduleTick, StepRun
 from .._model._values import Flow
 
 _log = logging.getLogger("ferry.flow")
@@ -38,7 +38,7 @@ OBSERVER: Final = "an observer (such as the ferry.metrics collector)"
 
 
 #: The methods an observer may have (`flow.Observer`); each is optional.
-HOOKS: Final = ("step_ran", "flow_ended", "engine_opened", "engine_closed")
+HOOKS: Final = ("step_ran", "flow_ended", "engine_opened", "engine_closed", "schedule_ticked")
 
 _Hook = Callable[[Any], None]
 
@@ -47,7 +47,14 @@ class Bound:
     """One observer and the hooks it has (None: it has not that one, or it kept the no-op of
     `flow.Observer`), looked up once, when it is attached."""
 
-    __slots__ = ("engine_closed", "engine_opened", "flow_ended", "observer", "step_ran")
+    __slots__ = (
+        "engine_closed",
+        "engine_opened",
+        "flow_ended",
+        "observer",
+        "schedule_ticked",
+        "step_ran",
+    )
 
     def __init__(
         self,
@@ -57,8 +64,10 @@ class Bound:
         flow_ended: _Hook | None = None,
         engine_opened: _Hook | None = None,
         engine_closed: _Hook | None = None,
+        schedule_ticked: _Hook | None = None,
     ) -> None:
         self.observer = observer
+        self.schedule_ticked = schedule_ticked
         self.step_ran = step_ran
         self.flow_ended = flow_ended
         self.engine_opened = engine_opened
@@ -173,6 +182,16 @@ def ended(observers: tuple[Bound, ...], flow: Flow, step: str | None, how: str) 
             hook(record)
         except Exception as exc:
             failed(OBSERVER, f"told that flow {flow.flow_id!r} ended ({bound!r})", exc)
+
+
+def ticked(observers: tuple[Bound, ...], tick: ScheduleTick) -> None:
+    """Tell each observer of a schedule's firing (`Observer.schedule_ticked`), guarded."""
+    for bound in observers:
+        if bound.schedule_ticked is not None:
+            try:
+                bound.schedule_ticked(tick)
+            except Exception as exc:
+                failed(OBSERVER, f"told of a tick of schedule {tick.schedule!r} ({bound!r})", exc)
 
 
 def opened(observers: tuple[Bound, ...], engine: object) -> None:

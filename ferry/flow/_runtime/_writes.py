@@ -42,7 +42,7 @@ from ferry.projected import Store
 
 from .._model import _checks, _ops
 from .._model._types import State
-from .._model._values import ACTIVE, Flow, Shape, Transition
+from .._model._values import ACTIVE, TERMINAL, Flow, Shape, Transition
 from .._store import _batch, _op, _store
 from . import _observe, _read, _retry
 from ._apart import split
@@ -163,6 +163,7 @@ class Writes:
         live: dict[str, Live],
         runnable: Callable[[Live], None],
         arm: Callable[[float, str, int], None],
+        ended: Callable[[Flow], None],
     ) -> None:
         self._store = store
         self._clock = clock
@@ -180,6 +181,7 @@ class Writes:
         self._refused = refused  # a flow whose every write is refused, for those who wait for it
         self._runnable = runnable  # a flow became live: give it a runner
         self._arm = arm  # a flow parked with a deadline
+        self._ended = ended  # this engine's write ended a flow: a schedule's waiting tick
         self._ferry: Callable[[_op.Op], Awaitable[_op.Result]] | None = None
         self.live = live  # empty at first (`_waiters.Held`: it tells the waits what comes and goes)
         # The ops of API calls (`request`) on their way through the ferry, by id: None while
@@ -332,7 +334,7 @@ class Writes:
                 self._tally.wakes[t.delivery] += 1
             if t.written:
                 if t.flow.state is not result.before.state:
-                    _ended(self._tally, result.before, t)
+                    _ended(self._tally, result.before, t, self._ended)
                 own = isinstance(op, _op.Change) and op.flow is not None
                 self.track(result.before.state, t.flow, own, epoch=epoch)
         elif isinstance(result, _op.Created):
@@ -508,11 +510,13 @@ def _dropped(lives: dict[str, Live], tally: Tally, live: Live, flow: Flow, write
             live.scope.cancel()
 
 
-def _ended(tally: Tally, before: Flow, t: Transition) -> None:
+def _ended(tally: Tally, before: Flow, t: Transition, hook: Callable[[Flow], None]) -> None:
     """This engine's write `t` moved the flow out of the state of `before`: INFO if it left it
-    failed or blocked (an operator may act), and the observers (the end span first) of a flow
-    it ended."""
+    failed or blocked (an operator may act), the observers (the end span first) of a flow it
+    ended, and `hook` of a flow it finished (a schedule's waiting tick may start)."""
     after = t.flow
+    if after.state in TERMINAL:
+        hook(after)
     if after.state in LOGGED:
         log_ended(before, after)
     if tally.observers and after.state in _ENDS:

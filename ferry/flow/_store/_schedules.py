@@ -1,9 +1,8 @@
 """Schedules in the store (SPEC 5.9, docs/adr/0144, 0146): the table ``flow_schedules``, and
 every write of a schedule's row as one synchronous function over a `Tx`.
 
-- `create_table`: the table and its partial index on the next tick of the schedules not
-  paused (``flow_schedules_due``); idempotent. Not part of `_schema.create_schema` yet: the
-  engine wires it in with the firing (docs/adr/0146 lists what that adds).
+- `ddl`: the table and its partial index on the next tick of the schedules not paused
+  (``flow_schedules_due``), made by `_schema.create_schema` with the flow tables.
 - `declare`: the rows of `open_engine(schedules=[...])`: a new schedule's next tick is the
   first after now, the same definition writes nothing, a changed one replaces the stored one
   (its next tick from now, paused as it was).
@@ -92,21 +91,6 @@ def ddl(d: _dialect.Dialect) -> list[str]:
     ]
 
 
-def create_table(tx: Tx) -> None:
-    """Create ``flow_schedules`` and its index if missing (under the dialect's schema lock
-    where there is one, as `_schema.create_schema`)."""
-    d = _dialect.of(tx)
-    if d.schema_lock is not None:
-        if tx.execute(d.table_exists, (SCHEDULES,))[0][0]:
-            return
-        tx.execute(d.schema_lock, (_SCHEMA_LOCK_KEY,))
-    for statement in ddl(d):
-        tx.execute(statement)
-
-
-_SCHEMA_LOCK_KEY: Final = 0x5C4ED  # its own key: the flow tables' lock is `_schema`'s
-
-
 # ------------------------------------------------------------------------------------- reads
 
 
@@ -165,7 +149,10 @@ def stored(tx: Tx, name: str) -> Stored | None:
 
 
 def stored_all(tx: Tx) -> list[Stored]:
-    """Every stored schedule, by name (the inspector's list)."""
+    """Every stored schedule, by name (the inspector's list); none in a store that an engine
+    of an older version made (no table yet)."""
+    if not tx.execute(_dialect.of(tx).table_exists, (SCHEDULES,))[0][0]:
+        return []
     rows = tx.execute(f"SELECT {_SELECT} FROM {SCHEDULES} ORDER BY name")
     return [_stored(r) for r in rows]
 
@@ -296,7 +283,8 @@ class Outcome:
     `flow_id` and `result`: the tick whose flow this write started and the store's answer
     (`Created`: new; `Existing(same=True)`: a trigger or backfill had started it, nothing runs
     again; `Existing(same=False)`: another flow holds the id, the tick is not started);
-    `counted_all`: False when the missed ticks were counted up to `_schedule.MAX_COUNTED` only."""
+    `counted_all`: False when the missed ticks were counted up to `_schedule.MAX_COUNTED` only;
+    `missed`, `skipped`: how many ticks this write added to the row's counts."""
 
     name: str
     written: bool
@@ -304,6 +292,8 @@ class Outcome:
     flow_id: str | None = None
     result: _op.Result | None = None
     counted_all: bool = True
+    missed: int = 0
+    skipped: int = 0
 
     @property
     def created(self) -> bool:
@@ -369,6 +359,8 @@ def _record(
                 flow_id=fired.flow_id,
                 result=result,
                 counted_all=fired.counted_all,
+                missed=fired.row.missed - held.row.missed,
+                skipped=fired.row.skipped - held.row.skipped,
             )
         )
     _update_rows(tx, updates)
@@ -577,11 +569,12 @@ def backfill(
     shapes: Mapping[tuple[str, int], Shape],
     *,
     owner: str | None = None,
-) -> int | None:
+) -> list[_op.Result] | None:
     """`engine.backfill(name, start, end)`: every tick with ``start <= T <= end``
     (`_schedule.backfill_ticks`, a `ValueError` past `_schedule.MAX_BACKFILL`) started whatever
-    the overlap rule says, in batches of `CLAIM`; the row is not written. How many flows were
-    new (a tick that had its flow is `Existing`); None: no such schedule."""
+    the overlap rule says, in batches of `CLAIM`; the row is not written. The store's answer
+    to each tick's start, oldest first (`Created`: new; `Existing`: the tick had its flow);
+    None: no such schedule."""
     h = stored(tx, name)
     if h is None:
         return None
@@ -592,8 +585,8 @@ def backfill(
             " which this engine was not opened with"
         )
     ticks = _schedule.backfill_ticks(h.rule(), start, end)
-    new = 0
+    results: list[_op.Result] = []
     for at in range(0, len(ticks), CLAIM):
         ops: list[_op.Op] = [_tick_create(h, t, now, shape, owner) for t in ticks[at : at + CLAIM]]
-        new += sum(isinstance(r, _op.Created) for r in _batch.write_batch(tx, ops))
-    return new
+        results += _batch.write_batch(tx, ops)
+    return results

@@ -22,6 +22,8 @@ Tables:
   docs/adr/0125); a partial index on the ones not answered yet.
 - ``flow_plans(plan, version, shape, registered_at)``: the shape of every plan version an engine
   registered, for processes without the plans (an operator's engine, docs/adr/0044).
+- ``flow_schedules``: one row per schedule (`_schedules`, docs/adr/0144), a partial index on
+  the next tick of those not paused.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import zlib
 
 from ferry.projected import Tx
 
-from . import _dialect, _inbox
+from . import _dialect, _inbox, _schedules
 from ._sql import ENGINES, FLOWS, HISTORY, IN_ACTIVE, IN_FINISHED, MAILBOX, PLANS
 
 # ------------------------------------------------------------------------------------- schema
@@ -122,6 +124,7 @@ def ddl(dialect: str) -> list[str]:
         f"CREATE INDEX IF NOT EXISTS {MAILBOX}_queued ON {MAILBOX} (flow_id, seq)"
         " WHERE status = 'QUEUED'",
         *_inbox.DDL,
+        *_schedules.ddl(d),
     ]
 
 

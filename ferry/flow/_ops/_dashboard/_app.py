@@ -2,7 +2,8 @@
 
 Pages (GET): ``/`` the overview, ``/flows`` the list (filters, a bounded count of the matches,
 keyset pages both ways), ``/flow?id=`` one flow, ``/flows/bulk?action=`` the confirmation of an
-action on a filter, ``/metrics`` (with prometheus_client), ``/static/...``. Actions (POST):
+action on a filter, ``/metrics`` (with prometheus_client), ``/schedules`` the stored schedules
+(`_schedules_page`), ``/static/...``. Actions (POST):
 ``/flow/wake``, ``/flow/cancel``, ``/flow/resume``, ``/flow/abandon`` (form fields ``id`` and the
 credentials), ``/flows/bulk`` (an action on every flow a filter matches, at most `BULK_MAX`),
 ``/session/end``. Nothing here runs a step: reads go through a `Reader` (read-only
@@ -59,7 +60,7 @@ from ferry.projected import Store
 from ..._model._checks import shown_number
 from ..._store import _query
 from .. import _trace_url
-from . import _acts, _on_many, _pages, _session
+from . import _acts, _on_many, _pages, _schedules_page, _session
 from ._guard import MAX_BODY, Bounded, Headers
 from ._guard import loopback_hosts as loopback_hosts
 from ._reads import COUNT_CAP, Reader, Unavailable
@@ -161,6 +162,7 @@ class Dashboard:
             Route("/flows/bulk", partial(_on_many.confirm, self), methods=["GET"]),
             Route("/flows/bulk", partial(_on_many.act, self), methods=["POST"]),
             Route("/metrics", partial(_pages.metrics, self)),
+            Route("/schedules", partial(_schedules_page.schedules, self)),
             Route(
                 "/session/end",
                 partial(_session.end, token=self._token, sessions=self.sessions),
