@@ -260,6 +260,10 @@ def outcome(result: object) -> Outcome | str | None:
             return checked_outcome(result)
         except MisusedOutcome as exc:
             return f"returned {_short(result)}: {exc}"
+    from ._children import Spawn, spawn_problem
+
+    if isinstance(result, Spawn):
+        return spawn_problem(result) or result
     hint = ""
     if result is park or result is fail:
         hint = f": call it, return flow.{result.__name__}(...)"

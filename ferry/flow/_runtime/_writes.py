@@ -59,6 +59,7 @@ _NOWHERE: dict[tuple[str, int], Shape] = {}
 _log = logging.getLogger("ferry.flow")
 
 _PARKED = State.PARKED
+_RUNNING = State.RUNNING
 _BLOCKED = State.BLOCKED
 _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
 
@@ -260,8 +261,14 @@ class Writes:
     def runs_here(self, flow: Flow) -> bool:
         """Is this an active flow this engine should run? (On one SQLite file: every active
         flow; in a fleet: those leased to it and not released; an operator's engine runs
-        none.)"""
-        return self._serve and flow.state in ACTIVE and self._mode.holds(flow)
+        none.) A parent whose completed children are being compensated for it waits for them
+        (`Flow.fan_in` while `COMPENSATING`, docs/adr/0148)."""
+        return (
+            self._serve
+            and flow.state in ACTIVE
+            and (flow.fan_in is None or flow.state is _RUNNING)  # not while its kids undo
+            and self._mode.holds(flow)
+        )
 
     async def batch(self, ops: list[_op.Op], *, whole: bool = False) -> list[_op.Result]:
         """The ferry's batch call: every op in one transaction, then their effects in memory.
@@ -335,6 +342,8 @@ class Writes:
                     _ended(self._tally, result.before, t)
                 own = isinstance(op, _op.Change) and op.flow is not None
                 self.track(result.before.state, t.flow, own, epoch=epoch)
+            for more_op, more in result.more:  # a family's writes in the same transaction
+                self._applied(more_op, more, epoch)
         elif isinstance(result, _op.Created):
             self.track(None, result.transition.flow, True, epoch=epoch)
         elif isinstance(result, _op.Conflict):
@@ -420,6 +429,17 @@ class Writes:
             del self.live[fid]
             if live.scope is not None:
                 live.scope.cancel()
+
+    async def transact(
+        self, ops: Sequence[_op.Op], write: Callable[..., list[_op.Result]]
+    ) -> list[_op.Result]:
+        """``write(tx, ops=ops, guard=...)`` in one transaction of its own (a spawn's), then the
+        effects of `ops` in memory as of a batch's (`_transact`)."""
+        return await self._transact(ops, write)
+
+    async def own_read(self, fn: Callable[[Any], T]) -> T:
+        """``fn(tx)`` in one transaction, for the engine's own use (`_read.own`)."""
+        return await _read.own(self._store, fn)
 
     async def load_row(self, flow_id: str) -> Flow | None:
         """The flow's row, for the engine's own use (`_read.own`: the store's error as it is;
