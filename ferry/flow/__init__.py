@@ -54,6 +54,10 @@ from ._engine._observer import Observer as Observer
 from ._engine._open import open_engine as open_engine
 from ._model._checks import fail as fail
 from ._model._checks import park as park
+from ._model._children import Child as Child
+from ._model._children import ChildResult as ChildResult
+from ._model._children import Spawn as Spawn
+from ._model._children import spawn as spawn
 from ._model._errors import FlowError as FlowError
 from ._model._errors import IdReused as IdReused
 from ._model._errors import StoreLocked as StoreLocked
@@ -82,6 +86,8 @@ __all__ = [
     "COMPLETE",
     "CONTINUE",
     "IGNORE",
+    "Child",
+    "ChildResult",
     "Client",
     "Context",
     "Delivery",
@@ -98,6 +104,7 @@ __all__ = [
     "Plan",
     "Receipt",
     "Snapshot",
+    "Spawn",
     "Start",
     "State",
     "StepDef",
@@ -110,6 +117,7 @@ __all__ = [
     "fail",
     "open_engine",
     "park",
+    "spawn",
 ]
 
 # Tracebacks, reprs and help() show the public names, not the private modules.

@@ -422,9 +422,11 @@ class Runner:
         if error is None and not isinstance(outcome, str):
             data, problem = _data_text(ctx, self._max_data, f"step {step.name!r}")
             if problem is None and isinstance(outcome, Spawn):
-                problem = _spawns.problem(step.name, outcome, self._versions.shapes, self._max_data)
+                shapes, most = self._versions.shapes, self._max_data
+                problem = await _spawns.spawned(
+                    self._writes, live, shape, outcome, data, now, shapes, most, _read_again
+                )
                 if problem is None:
-                    await self._spawn(live, shape, outcome, data, now)
                     return
             if problem is None:
                 done = _ops.StepDone(shape, outcome, data, now)
@@ -434,20 +436,6 @@ class Runner:
             problem = _step_problem(step, attempt, error, failures, outcome)
         tb = None if error is None else _checks.traceback_text(error)
         await self._advance(live, _ops.StepFailed(shape, problem, now, tb))
-
-    async def _spawn(self, live: Live, shape: Shape, outcome: Spawn, data: str, now: float) -> None:
-        """Write the spawn the flow's step returned (`_spawns.write`); a flow moved on meanwhile
-        is read again, a child id taken fails the flow."""
-        flow = live.flow
-        shapes = self._versions.shapes
-        written = await _spawns.write(self._writes, flow, shape, outcome, data, now, shapes)
-        if written is True:
-            return
-        if written is False:
-            if live.flow.revision <= flow.revision:
-                await _read_again(self._writes, live, flow)
-            return
-        await self._advance(live, _ops.StepFailed(shape, written, self._clock.now()))
 
     async def _run_compensation(
         self, live: Live, shape: Shape, step: StepDef, scope: trio.CancelScope

@@ -10,7 +10,7 @@ a spawn (`Flow.fan_in`): once per fan-in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 
 import attrs
@@ -21,11 +21,34 @@ from .._model._children import ChildResult, Spawn
 from .._model._values import Flow, Shape
 from .._store import _batch, _kin, _op
 from .._store import _family as sf
-from . import _retry
-from ._live import about, named
+from . import _retry, _writes
+from ._live import Live, about, named
 from ._writes import Writes
 
-__all__ = ["problem", "results", "write"]
+__all__ = ["problem", "results", "spawned", "write"]
+
+
+async def spawned(
+    writes: Writes,
+    live: Live,
+    shape: Shape,
+    outcome: Spawn,
+    data: str,
+    now: float,
+    shapes: Mapping[tuple[str, int], Shape],
+    max_data: int,
+    read_again: Callable[[Writes, Live, Flow], Awaitable[None]],
+) -> str | None:
+    """The runner's spawn: why the flow's step fails (`problem`, a child id taken), or None
+    once the spawn is written, or once the flow moved on meanwhile (then `read_again`)."""
+    flow = live.flow
+    why = problem(flow.step or "", outcome, shapes, max_data)
+    if why is not None:
+        return why
+    written = await write(writes, flow, shape, outcome, data, now, shapes)
+    if written is False and live.flow.revision <= flow.revision:
+        await read_again(writes, live, flow)
+    return written if isinstance(written, str) else None
 
 
 def problem(
@@ -84,7 +107,7 @@ async def write(
     try:
         with trio.CancelScope(shield=True):
             await _retry.retrying(
-                partial(writes.transact, ops, fn),
+                partial(_writes.transact, writes, ops, fn),
                 what=lambda: f"writing the spawn of {named(flow)}",
                 extra=partial(about, flow),
             )
@@ -107,7 +130,7 @@ async def results(writes: Writes, flow: Flow) -> dict[str, ChildResult]:
     assert flow.fan_in is not None
     read = partial(_kin.results_of, parent=flow.flow_id, step_index=flow.fan_in)
     return await _retry.retrying(
-        partial(writes.own_read, read),
+        partial(_writes.read_own, writes, read),
         what=lambda: f"reading the children of {named(flow)}",
         extra=partial(about, flow),
     )

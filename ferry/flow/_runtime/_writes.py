@@ -261,14 +261,9 @@ class Writes:
     def runs_here(self, flow: Flow) -> bool:
         """Is this an active flow this engine should run? (On one SQLite file: every active
         flow; in a fleet: those leased to it and not released; an operator's engine runs
-        none.) A parent whose completed children are being compensated for it waits for them
-        (`Flow.fan_in` while `COMPENSATING`, docs/adr/0148)."""
-        return (
-            self._serve
-            and flow.state in ACTIVE
-            and (flow.fan_in is None or flow.state is _RUNNING)  # not while its kids undo
-            and self._mode.holds(flow)
-        )
+        none; nor a parent whose children undo for it: docs/adr/0148.)"""
+        held = flow.fan_in is None or flow.state is _RUNNING
+        return self._serve and flow.state in ACTIVE and held and self._mode.holds(flow)
 
     async def batch(self, ops: list[_op.Op], *, whole: bool = False) -> list[_op.Result]:
         """The ferry's batch call: every op in one transaction, then their effects in memory.
@@ -430,17 +425,6 @@ class Writes:
             if live.scope is not None:
                 live.scope.cancel()
 
-    async def transact(
-        self, ops: Sequence[_op.Op], write: Callable[..., list[_op.Result]]
-    ) -> list[_op.Result]:
-        """``write(tx, ops=ops, guard=...)`` in one transaction of its own (a spawn's), then the
-        effects of `ops` in memory as of a batch's (`_transact`)."""
-        return await self._transact(ops, write)
-
-    async def own_read(self, fn: Callable[[Any], T]) -> T:
-        """``fn(tx)`` in one transaction, for the engine's own use (`_read.own`)."""
-        return await _read.own(self._store, fn)
-
     async def load_row(self, flow_id: str) -> Flow | None:
         """The flow's row, for the engine's own use (`_read.own`: the store's error as it is;
         the engine retries unavailability, and any other error ends its block)."""
@@ -458,6 +442,19 @@ class Writes:
     ) -> tuple[Flow, Flow] | None:
         """A park deadline came: time the flow out (`time_out`)."""
         return await time_out(self, flow_id, revision, deadline)
+
+
+async def transact(
+    writes: Writes, ops: Sequence[_op.Op], write: Callable[..., list[_op.Result]]
+) -> list[_op.Result]:
+    """``write(tx, ops=ops, guard=...)`` in one transaction of its own (a spawn's), then the
+    effects of `ops` in memory as of a batch's (`Writes._transact`)."""
+    return await writes._transact(ops, write)
+
+
+async def read_own(writes: Writes, fn: Callable[[Any], T]) -> T:
+    """``fn(tx)`` in one transaction, for the engine's own use (`_read.own`)."""
+    return await _read.own(writes._store, fn)
 
 
 async def time_out(
