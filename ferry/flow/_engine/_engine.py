@@ -102,17 +102,25 @@ class Engine(metaclass=NoPublicConstructor):
     # ----------------------------------------------------------------------------- the calls
 
     async def start(
-        self, plan: Plan, *, flow_id: str | None = None, data: dict[str, Json] | None = None
+        self,
+        plan: Plan,
+        *,
+        flow_id: str | None = None,
+        data: dict[str, Json] | None = None,
+        deadline: float | None = None,
     ) -> str:
         """Start a flow of `plan`; durable when this returns; returns its id.
 
         `flow_id` defaults to a new uuid4 hex. Idempotent: the same id with the same plan and
-        data returns the id and runs nothing again. Raises `UnknownPlan` (a plan not given to
-        `open_engine`), `IdReused` (the id names a flow of another plan or other start data),
-        `TypeError` (data not a JSON object); nothing is stored then.
+        data returns the id and runs nothing again. `deadline`: seconds (finite, > 0) after
+        which the whole flow, its children included, is cancelled with reason ``"deadline"``
+        wherever it is (`Snapshot.deadline` is the wall-clock time). Raises `UnknownPlan` (a
+        plan not given to `open_engine`), `IdReused` (the id names a flow of another plan or
+        other start data), `TypeError` (data not a JSON object, a deadline not a number),
+        `ValueError` (a deadline not finite and > 0); nothing is stored then.
         """
         self._check("start")
-        return await self._requests.start(plan, flow_id, data)
+        return await self._requests.start(plan, flow_id, data, deadline)
 
     async def wake(
         self, flow_id: str, payload: Json = None, *, message_id: str | None = None

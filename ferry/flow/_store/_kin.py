@@ -36,7 +36,7 @@ import attrs
 
 from ferry.projected import Tx
 
-from .._model import _family, _holders, _ops
+from .._model import _family, _ops
 from .._model import _machine as fm
 from .._model._children import ChildResult, parent_of
 from .._model._family import ACTIVE, Brood, Kid, Move
@@ -52,7 +52,7 @@ from .._model._values import (
     Shape,
     Transition,
 )
-from . import _apply, _store
+from . import _apply, _sql, _store
 from . import _family as sf
 from ._op import Change, Changed, Create, Created, Op, Result
 
@@ -66,6 +66,7 @@ __all__ = [
     "concerns",
     "merged",
     "results_of",
+    "whole_deadlines",
     "write_spawn",
 ]
 
@@ -173,17 +174,6 @@ def _nested(tx: Tx, kids: Sequence[Kid], rows: Sequence[Flow | None]) -> list[in
     return out
 
 
-def _holder(op: Change, t: Transition, flow: Flow) -> Transition:
-    """`t` with who holds the flow after it, by the op's rule (as `_apply.run` applies it)."""
-    rule = op.holder
-    if rule is None:
-        return t
-    writer = rule.writer
-    if rule.elsewhere and (flow.plan, flow.version) in rule.elsewhere:
-        writer = None
-    return _holders.assign_holder(t, flow, writer, keep_runner=rule.keep_runner)
-
-
 def _writer(op: Op) -> str | None:
     return op.holder.writer if isinstance(op, Change) and op.holder is not None else None
 
@@ -262,17 +252,17 @@ def _rewrite(tx: Tx, op: Change, brood: Brood, reg: Registry) -> Change | None:
         assert m.parent is not None
         if not m.parent.done:
             return None
-        t = _holder(op, m.parent, row)
         ids = tuple(kids[i].flow_id for i in nested)
-        fixed = Fixed(t, moves=(m,), nested=ids, reason=reason)
-        return Change(op.flow_id, fixed, flow=op.flow, expected=expected)
+        fixed = Fixed(m.parent, moves=(m,), nested=ids, reason=reason)
+        return Change(op.flow_id, fixed, flow=op.flow, expected=expected, holder=op.holder)
     ran = _apply.run(op, row)
     if not isinstance(ran, Transition) or not ran.written:
         return None
     t, moves = _hold_past(tx, ran, shape, reg)
     if not moves:
         return None
-    return Change(op.flow_id, Fixed(t, moves=moves), flow=op.flow, expected=expected)
+    fixed = Fixed(t, moves=moves)
+    return Change(op.flow_id, fixed, flow=op.flow, expected=expected, holder=op.holder)
 
 
 def _hold_past(
@@ -470,3 +460,13 @@ def results_of(tx: Tx, parent: str, step_index: int) -> dict[str, ChildResult]:
     if brood is None:
         return {}
     return _family.results(brood, sf.children(tx, parent, step_index))
+
+
+def whole_deadlines(tx: Tx) -> list[tuple[str, float]]:
+    """The flows with a whole flow's deadline (`start(deadline=...)`) that have not ended, and
+    their deadlines: the timers an engine arms at open (a partial index on them)."""
+    rows = tx.execute(
+        f"SELECT flow_id, deadline FROM {_sql.FLOWS} WHERE deadline IS NOT NULL"
+        f" AND state NOT {_sql.IN_FINISHED}"
+    )
+    return [(r[0], r[1]) for r in rows]
