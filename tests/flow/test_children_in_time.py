@@ -114,3 +114,39 @@ async def test_a_whole_flow_deadline_survives_a_reopen(
     async with engine_at(path, top, mid, leaf) as engine:
         snap = await engine.wait("t", timeout=3600)
         assert snap.state is flow.State.FAILED and snap.error == "deadline"
+
+
+async def test_retention_keeps_children_while_their_parent_lives_then_purges_the_tree(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The children end long before their parent (it parks after the fan-in): retention leaves
+    them while the parent lives, and deletes the whole tree once the parent is old enough."""
+    box = flow.Plan("box")
+
+    @box.step
+    async def pack(ctx: flow.Context) -> None:
+        pass
+
+    order = flow.Plan("order")
+
+    @order.step
+    async def ship_all(ctx: flow.Context) -> flow.Outcome:
+        return flow.spawn([flow.Child(box, key=f"b{i}") for i in range(3)])
+
+    @order.step
+    async def confirm(ctx: flow.Context) -> flow.Outcome | None:
+        return None if ctx.wake is not None else flow.park()
+
+    day = 600.0  # the retention's period
+    async with engine_at(str(tmp_path / "f.db"), order, box, retain=day) as engine:
+        await engine.start(order, flow_id="o")
+        await reached(engine, "o", flow.State.PARKED)
+        await trio.sleep(3 * day)
+        assert [await engine.get(f"o/0/b{i}") is not None for i in range(3)] == [True] * 3
+        assert await engine.wake("o", {}) is flow.Delivery.RESUMED
+        assert (await engine.wait("o", timeout=60)).state is flow.State.COMPLETED
+        await trio.sleep(day / 2)
+        assert await engine.get("o/0/b0") is not None  # the parent is not old enough yet
+        await trio.sleep(3 * day)
+        assert await engine.get("o") is None
+        assert [await engine.get(f"o/0/b{i}") for i in range(3)] == [None] * 3
