@@ -7,9 +7,8 @@ alone failing for its parent, and what is refused: an unknown child plan or data
 fails the parent with no child row. What takes time (the spawn's
 timeout, a whole flow's deadline, a reopen) is in `test_children_in_time.py`.
 
-Each test was seen to fail with the piece it names taken out of `_store/_kin.py` (the end not
-recorded: the parent waits forever; the undo hold left out: no child is compensated; the
-cascade left out: the grandchild runs on).
+Seen to fail with the parent's hold for its children's undo taken out of `_store/_kin.py`
+(`_hold_past`: no child is compensated when a later step fails).
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """Child flows across time, on SQLite (SPEC 5.7): a reopen mid fan-in (every child runs once,
 the parent resumes once), the spawn's timeout (the active children cancelled with reason
 "timeout"), a whole flow's deadline (`start(deadline=...)`: the tree cancelled with reason
-"deadline", also after a reopen), and a bad deadline refused at the call. Under
-`MockClock(autojump_threshold=0)` where time passes.
+"deadline", also after a reopen), a bad deadline refused at the call, and retention (children
+kept while their parent lives, the tree purged after). Under `MockClock(autojump_threshold=0)`
+where time passes.
 
-Each was seen to fail without its piece: the deadline's timer entry not armed at open (the
-reopened flow waits for ever), the spawn's timeout taken as a plain park's (the children run on).
+Seen to fail with the purge's ``parent IS NULL`` taken out (`_store/_purge.py`: the children
+went while their parent was parked), and with the deadlines not armed at open
+(`_runtime/_recovery.py`: the reopened flow waited for ever).
 """
 
 from __future__ import annotations
