@@ -47,11 +47,13 @@ async def where(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
 def plans(log: Log, *, gate: dict[str, trio.Event] | None = None) -> tuple[flow.Plan, flow.Plan]:
     """``order`` (reserve, ship_all: a spawn of ``box`` children, invoice) and ``box`` (pack,
     compensated by unpack). A box's data says what it does: ``fail``, ``park``, or (with
-    `gate`) wait for its key's event."""
+    `gate`) wait for its key's event; ``slow_undo``: its unpack takes 100 s."""
     box = flow.Plan("box")
     running = [0]
 
     async def unpack(ctx: flow.Context) -> None:
+        if ctx.data.get("slow_undo"):
+            await trio.sleep(100)
         log.append(("unpack", ctx.flow_id.rsplit("/", 1)[1], ctx.error or ""))
 
     @box.step(compensate=unpack)
