@@ -57,6 +57,11 @@ from ._engine._observer import Observer as Observer
 from ._engine._open import open_engine as open_engine
 from ._model._checks import fail as fail
 from ._model._checks import park as park
+from ._model._children import Child as Child
+from ._model._children import ChildResult as ChildResult
+from ._model._children import Outcome as Outcome
+from ._model._children import Spawn as Spawn
+from ._model._children import spawn as spawn
 from ._model._errors import FlowError as FlowError
 from ._model._errors import IdReused as IdReused
 from ._model._errors import StoreLocked as StoreLocked
@@ -76,7 +81,6 @@ from ._model._types import Delivery as Delivery
 from ._model._types import Event as Event
 from ._model._types import Fail as Fail
 from ._model._types import FlowStatistics as FlowStatistics
-from ._model._types import Outcome as Outcome
 from ._model._types import Park as Park
 from ._model._types import Snapshot as Snapshot
 from ._model._types import Start as Start
@@ -88,6 +92,8 @@ __all__ = [
     "COMPLETE",
     "CONTINUE",
     "IGNORE",
+    "Child",
+    "ChildResult",
     "Client",
     "Context",
     "Delivery",
@@ -106,6 +112,7 @@ __all__ = [
     "Schedule",
     "ScheduleTick",
     "Snapshot",
+    "Spawn",
     "Start",
     "State",
     "StepDef",
@@ -119,6 +126,7 @@ __all__ = [
     "fail",
     "open_engine",
     "park",
+    "spawn",
 ]
 
 # Tracebacks, reprs and help() show the public names, not the private modules.

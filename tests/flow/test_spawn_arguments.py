@@ -213,9 +213,14 @@ def test_a_child_result_holds_what_the_next_step_reads() -> None:
         done.state = State.FAILED  # type: ignore[misc]
 
 
-def test_the_children_values_are_not_public_yet() -> None:
-    """The engine cannot run a spawn this round: `ferry.flow` does not offer the names."""
+def test_the_children_values_are_public() -> None:
+    """The engine runs a spawn (docs/adr/0148): `ferry.flow` offers the names, as themselves."""
     from ferry import flow
 
-    for name in ("Child", "spawn", "Spawn", "ChildResult"):
-        assert not hasattr(flow, name), f"flow.{name} is public but the engine cannot run it"
+    assert (flow.Child, flow.spawn, flow.Spawn, flow.ChildResult) == (
+        Child,
+        spawn,
+        Spawn,
+        ChildResult,
+    )
+    assert flow.Child.__module__ == "ferry.flow"

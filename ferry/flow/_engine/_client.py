@@ -218,12 +218,15 @@ class Client(ScheduleCalls):
         flow_id: str | None = None,
         data: dict[str, Json] | None = None,
         request_id: str | None = None,
+        deadline: float | None = None,
     ) -> str:
         """Start a flow of `plan` (a `Plan`, or a plan's name: then `version`, default the
         newest the serving engine has) in the engine that serves the store; its flow id (a new
-        uuid4 hex unless given). Raises what `Engine.start` raises (`IdReused`, `UnknownPlan`)
+        uuid4 hex unless given); `deadline` as `Engine.start`'s (counted from when the engine
+        starts it). Raises what `Engine.start` raises (`IdReused`, `UnknownPlan`)
         once the engine answered. With no engine serving, the start is stored and the next
         engine to open the store starts it (`last.pending`)."""
+        seconds = _checks.whole_deadline(deadline)
         if isinstance(plan, Plan):
             if version is not None and version != plan.version:
                 raise ValueError(f"version={version} contradicts plan version {plan.version}")
@@ -237,7 +240,9 @@ class Client(ScheduleCalls):
         fid = uuid.uuid4().hex if flow_id is None else _checks.flow_id(flow_id)
         given: Json = {} if data is None else data
         _checks.json_object_text(given, "data", max_bytes=_checks.MAX_DATA_BYTES)
-        body = {"plan": name, "version": version, "flow_id": fid, "data": given}
+        body: dict[str, Json] = {"plan": name, "version": version, "flow_id": fid, "data": given}
+        if seconds is not None:
+            body["deadline"] = seconds
         result = await self._ask("start", body, request_id)
         return fid if result is None else str(result)
 

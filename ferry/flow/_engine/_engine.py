@@ -24,10 +24,9 @@ from .._model import _checks, _values
 from .._model._errors import UnknownFlow
 from .._model._plan import Plan
 from .._model._types import Delivery, Event, FlowStatistics, Json, Snapshot, Start, Wake
-from .._model._values import Flow
 from .._runtime._config import Config
 from .._runtime._requests import check_mapper
-from .._store import _store
+from .._store import _family, _store
 from ._observer import Observer, bind_one
 from ._parts import Parts
 
@@ -103,17 +102,25 @@ class Engine(metaclass=NoPublicConstructor):
     # ----------------------------------------------------------------------------- the calls
 
     async def start(
-        self, plan: Plan, *, flow_id: str | None = None, data: dict[str, Json] | None = None
+        self,
+        plan: Plan,
+        *,
+        flow_id: str | None = None,
+        data: dict[str, Json] | None = None,
+        deadline: float | None = None,
     ) -> str:
         """Start a flow of `plan`; durable when this returns; returns its id.
 
         `flow_id` defaults to a new uuid4 hex. Idempotent: the same id with the same plan and
-        data returns the id and runs nothing again. Raises `UnknownPlan` (a plan not given to
-        `open_engine`), `IdReused` (the id names a flow of another plan or other start data),
-        `TypeError` (data not a JSON object); nothing is stored then.
+        data returns the id and runs nothing again. `deadline`: seconds (finite, > 0) after
+        which the whole flow, its children included, is cancelled with reason ``"deadline"``
+        wherever it is (`Snapshot.deadline` is the wall-clock time). Raises `UnknownPlan` (a
+        plan not given to `open_engine`), `IdReused` (the id names a flow of another plan or
+        other start data), `TypeError` (data not a JSON object, a deadline not a number),
+        `ValueError` (a deadline not finite and > 0); nothing is stored then.
         """
         self._check("start")
-        return await self._requests.start(plan, flow_id, data)
+        return await self._requests.start(plan, flow_id, data, deadline)
 
     async def wake(
         self, flow_id: str, payload: Json = None, *, message_id: str | None = None
@@ -189,15 +196,14 @@ class Engine(metaclass=NoPublicConstructor):
         self._check("wait")
         return _values.snapshot(await self._waiters.wait(_checks.flow_id(flow_id), timeout))
 
-    async def _load(self, flow_id: str) -> Flow | None:
-        """The flow's row; `ferry.Failed` if the store failed."""
-        return await self._read(partial(_store.load, flow_id=flow_id), f"reading flow {flow_id!r}")
-
     async def get(self, flow_id: str) -> Snapshot | None:
-        """The flow's durable state, read from the store; None if there is no such flow."""
+        """The flow's durable state, read from the store (with the child ids of its latest
+        spawn, `Snapshot.children`); None if there is no such flow."""
         self._check("get")
-        flow = await self._load(_checks.flow_id(flow_id))
-        return None if flow is None else _values.snapshot(flow)
+        fid = _checks.flow_id(flow_id)
+        read = partial(_family.snapshot_of, flow_id=fid)
+        found = await self._read(read, f"reading flow {fid!r}")
+        return None if found is None else _values.snapshot(*found)
 
     async def cancel(self, flow_id: str, reason: str = "cancelled") -> bool:
         """Stop a running or parked flow and compensate its completed steps; durable on return.

@@ -114,7 +114,8 @@ async def apply(engine: Engine, kind: str, body: dict[str, Any] | str) -> Json:
                 raise ValueError(f"a request's body is a JSON object, got {body!r}")
         if kind == "start":
             plan = _plan(engine, body["plan"], body["version"])
-            value: object = await engine.start(plan, flow_id=body["flow_id"], data=body["data"])
+            fid, data, deadline = body["flow_id"], body["data"], body.get("deadline")
+            value: object = await engine.start(plan, flow_id=fid, data=data, deadline=deadline)
         elif kind == "wake":
             value = await engine.wake(
                 body["flow_id"], body["payload"], message_id=body["message_id"]

@@ -260,6 +260,10 @@ def outcome(result: object) -> Outcome | str | None:
             return checked_outcome(result)
         except MisusedOutcome as exc:
             return f"returned {_short(result)}: {exc}"
+    from ._children import Spawn, spawn_problem
+
+    if isinstance(result, Spawn):
+        return spawn_problem(result) or result
     hint = ""
     if result is park or result is fail:
         hint = f": call it, return flow.{result.__name__}(...)"
@@ -365,3 +369,17 @@ def idempotency_key(flow_id: str, step_index: int, step: str, *, compensation: b
     if compensation:
         return f"{flow_id}/{step_index}-compensate/{step}"
     return f"{flow_id}/{step_index}/{step}"
+
+
+def whole_deadline(seconds: object) -> float | None:
+    """A whole flow's `deadline` given to ``start`` (seconds from now, finite and > 0, or
+    None), as a float; `TypeError`/`ValueError` naming what was wrong."""
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise TypeError(
+            f"deadline must be a number of seconds or None, got {describe(seconds, 60)}"
+        )
+    if not (finite(seconds) and seconds > 0):
+        raise ValueError(f"deadline must be finite and > 0 seconds, got {shown_number(seconds)}")
+    return float(seconds)

@@ -5,10 +5,8 @@ argument is `TypeError`/`ValueError` at `Child(...)` or `spawn(...)`, naming wha
 Raised in a step, such an error fails the flow at once, as `park()`'s and `fail()`'s do (the
 same code would make the same mistake on every attempt: `MisusedOutcome`).
 
-NOT PUBLIC YET. The engine cannot run a `Spawn` this round (the store has no children's rows,
-the runner no fan-in: docs/adr/0139), so `ferry.flow` does not export these names: a public
-name that does not work would be a stub. The next round wires them in and exports
-``flow.Child``, ``flow.spawn``, ``flow.Spawn`` and ``flow.ChildResult``.
+Public as ``flow.Child``, ``flow.spawn``, ``flow.Spawn`` and ``flow.ChildResult`` (the engine
+runs a spawn: docs/adr/0148).
 
 - `Child(plan, *, key, data=None)`: `plan` a `Plan`; `key` a printable str of 1 to
   `MAX_KEY_CHARS` characters without ``/`` (it ends the child's flow id, `child_id`); `data` a
@@ -42,7 +40,7 @@ import attrs
 
 from ._checks import describe, finite, json_object_text, shown_number, text_problem
 from ._plan import Plan
-from ._types import Json, MisusedOutcome, State
+from ._types import Fail, Json, MisusedOutcome, Park, State, _Complete, _Continue
 
 __all__ = [
     "MAX_CHILDREN",
@@ -50,6 +48,7 @@ __all__ = [
     "Child",
     "ChildResult",
     "OnFailure",
+    "Outcome",
     "Spawn",
     "child_id",
     "key_problem",
@@ -167,6 +166,10 @@ class Spawn:
     max_running: int | None
     timeout: float | None
     on_failure: OnFailure
+
+
+#: What a step returns (None means `CONTINUE`): the public ``flow.Outcome``.
+Outcome: TypeAlias = _Continue | _Complete | Park | Fail | Spawn
 
 
 def _children(children: object) -> tuple[Child, ...]:

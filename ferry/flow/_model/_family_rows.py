@@ -145,6 +145,7 @@ LEAVES: Final[dict[str, Any]] = {
     "on_timeout": None,
     "blocked": None,
     "blocked_from": None,
+    "fan_in": None,
 }
 
 

@@ -33,7 +33,16 @@ from ._family_rows import (
 )
 from ._family_undo import compensating, undo_next
 from ._types import Event, Json, Park
-from ._values import EMPTY_MAILBOX, FAILED, PARKED, TERMINAL, Flow, Shape, Transition
+from ._values import (
+    COMPLETED,
+    EMPTY_MAILBOX,
+    FAILED,
+    PARKED,
+    TERMINAL,
+    Flow,
+    Shape,
+    Transition,
+)
 
 __all__ = ["child_ended", "go_on", "maybe_on", "spawned", "stop"]
 
@@ -79,7 +88,9 @@ def spawned(
     for i, (key, child_shape, child_data) in enumerate(children):
         fid = child_id(parent.flow_id, s, key)
         if i < first:
-            starts.append(fm.start(child_shape, fid, child_data, now, owner=owner))
+            starts.append(
+                fm.start(child_shape, fid, child_data, now, owner=owner, parent=parent.flow_id)
+            )
         status = ACTIVE if i < first else KEPT
         kids.append(Kid(i, key, fid, child_shape.name, child_shape.version, status, child_data))
     brood = Brood(parent.flow_id, s, n, max_running, on_failure, active=first, next_kept=first)
@@ -141,7 +152,8 @@ def child_ended(
         changed += stopped
     elif b.phase == WAITING and b.next_kept < b.total:
         nxt = kid_at(kids, b.next_kept)
-        moved.append(fm.start(shape_of(nxt.plan, nxt.version), nxt.flow_id, nxt.data, now))
+        nxt_shape = shape_of(nxt.plan, nxt.version)
+        moved.append(fm.start(nxt_shape, nxt.flow_id, nxt.data, now, parent=brood.parent))
         changed.append(attrs.evolve(nxt, status=ACTIVE))
         b = attrs.evolve(b, active=b.active + 1, next_kept=b.next_kept + 1)
     return maybe_on(b, kids, children, parent, parent_shape, shape_of, now, changed, moved)
@@ -252,6 +264,8 @@ def go_on(
     b = attrs.evolve(brood, phase=OVER)
     if brood.phase == WAITING or brood.then == "continue":
         new = fr.bump(parent, now, **fr.advance(parent, shape, parent.stack, None, False))
+        if new.state is not COMPLETED:  # the next step reads the results (`ctx.children`)
+            new = fr.replace(new, fan_in=brood.step_index)
         events = [fr.event(new, now, "children_ended", parent.step, None, detail)]
         events.extend(fr.completed_events(new, now))
         t = Transition(new, EMPTY_MAILBOX, parent.revision, events=tuple(events))

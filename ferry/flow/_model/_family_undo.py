@@ -62,8 +62,10 @@ def compensating(
         return Move(t, attrs.evolve(brood, phase=UNDONE))
     assert new.error is not None
     events = tuple(e for e in t.events if e.kind != "failed")
+    # `fan_in` marks the parent as waiting for its children's undo: no engine runs it meanwhile.
+    leaves = {**LEAVES, "fan_in": s}
     held = attrs.evolve(
-        new, state=COMPENSATING, step_index=s, step=shape.steps[s], attempt=1, **LEAVES
+        new, state=COMPENSATING, step_index=s, step=shape.steps[s], attempt=1, **leaves
     )
     t = attrs.evolve(t, flow=held, events=events)
     b = attrs.evolve(brood, phase=UNDOING, reason=new.error)

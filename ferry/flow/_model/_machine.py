@@ -106,10 +106,13 @@ def start(
     *,
     owner: str | None = None,
     trace: str | None = None,
+    parent: str | None = None,
+    deadline: float | None = None,
 ) -> Transition:
     """A new flow at its first step, attempt 1, revision 1; `data` is canonical JSON text.
     `owner`: the engine that runs it, holding it (None: whichever engine takes it over);
-    `trace`: the trace its steps' spans join (`Flow.trace`)."""
+    `trace`: the trace its steps' spans join (`Flow.trace`); `parent`: a child's parent;
+    `deadline`: a whole flow's deadline (wall-clock seconds)."""
     flow = Flow(
         flow_id=flow_id,
         plan=shape.name,
@@ -125,6 +128,8 @@ def start(
         released_at=None,
         created_at=now,
         trace=trace,
+        parent=parent,
+        deadline=deadline,
     )
     detail = {"plan": shape.name, "version": shape.version}
     return Transition(

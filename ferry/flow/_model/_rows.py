@@ -106,6 +106,7 @@ def ended(state: State) -> dict[str, Any]:
         "on_timeout": None,
         "blocked": None,
         "blocked_from": None,
+        "fan_in": None,
     }
 
 
@@ -128,6 +129,7 @@ def advance(
         "on_timeout": None,
         "blocked": None,
         "blocked_from": None,
+        "fan_in": None,
     }
 
 
@@ -163,6 +165,7 @@ def compensate(
             on_timeout=None,
             blocked=None,
             blocked_from=None,
+            fan_in=None,
         )
     failed = replace(new, error=error, **ended(FAILED))
     events.append(event(failed, now, "failed", None, None, {"error": error}))

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeAlias, fina
 import attrs
 
 if TYPE_CHECKING:
+    from ._children import ChildResult, Spawn
     from ._plan import Plan
 
 #: A value that survives a JSON round trip: None, bool, int, float, str, lists and str-keyed dicts.
@@ -93,7 +94,10 @@ class Fail:
 
 
 #: What a step returns (None means `CONTINUE`).
-Outcome: TypeAlias = _Continue | _Complete | Park | Fail
+if TYPE_CHECKING:
+    Outcome: TypeAlias = _Continue | _Complete | Park | Fail | Spawn
+else:  # `Spawn` is `_children`'s, which imports this module: its `Outcome` is the whole union
+    Outcome = _Continue | _Complete | Park | Fail  # at run time, and `flow.Outcome` is that one
 
 
 class MisusedOutcome(Exception):
@@ -129,6 +133,8 @@ class Context:
     - `wake`: the payload of the wake that resumed the flow, for the step after a park; else None.
     - `timed_out`: True for the step after a park that timed out with ``on_timeout="continue"``.
     - `error`: in a compensation, why the flow is compensating; else None.
+    - `children`: for the step after a spawn, key -> `flow.ChildResult` of every child, in spawn
+      order; else empty.
     - `idempotency_key`: ``f"{flow_id}/{step_index}/{step}"``, and for a compensation
       ``f"{flow_id}/{step_index}-compensate/{step}"``; the same on every attempt, and never the
       same for two (flow, step or compensation): hand it to external calls so that a re-run
@@ -146,6 +152,7 @@ class Context:
     timed_out: bool = attrs.field(on_setattr=_FROZEN)
     error: str | None = attrs.field(on_setattr=_FROZEN)
     idempotency_key: str = attrs.field(on_setattr=_FROZEN)
+    children: Mapping[str, ChildResult] = attrs.field(factory=dict, on_setattr=_FROZEN)
 
 
 # -------------------------------------------------------------------------------- what is read
@@ -158,6 +165,8 @@ class Snapshot:
 
     `step`/`step_index`: the step running, parked at, or being compensated; `step` is None once
     the flow is completed or failed. `revision` is 1 after `start` and +1 on every accepted write.
+    `deadline`: the whole flow's deadline (wall-clock seconds, `start(deadline=...)`) or None.
+    `children`: the child flow ids of its latest spawn, in spawn order (started or kept).
     """
 
     flow_id: str
@@ -170,6 +179,8 @@ class Snapshot:
     error: str | None
     park_deadline: float | None
     revision: int
+    deadline: float | None = None
+    children: tuple[str, ...] = ()
 
 
 @final

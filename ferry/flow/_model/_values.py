@@ -137,6 +137,14 @@ class Flow:
     # The W3C ``traceparent`` of the span that started the flow (None: traces were off then):
     # every step's span joins its trace. Set by `start`, never changed; the machine ignores it.
     trace: str | None = None
+    # A child's parent (its flow id; None for a top-level flow) and a top-level flow's whole
+    # deadline (wall-clock seconds; None: none), set by its start and never changed (ADR 0139).
+    parent: str | None = None
+    deadline: float | None = None
+    # The step index of the spawn whose children's results the current step reads
+    # (``ctx.children``): set by the write that resumes a parent after its last child ended,
+    # cleared by the next move past the step (docs/adr/0148).
+    fan_in: int | None = None
 
 
 @attrs.frozen
@@ -225,8 +233,9 @@ def trace_id(traceparent: str | None) -> str | None:
     return m[2]
 
 
-def snapshot(flow: Flow) -> Snapshot:
-    """The public view of a row (a fresh copy of its data). Cost: one JSON parse."""
+def snapshot(flow: Flow, children: tuple[str, ...] = ()) -> Snapshot:
+    """The public view of a row (a fresh copy of its data), with the child ids of its latest
+    spawn (`children`, read by the caller). Cost: one JSON parse."""
     return Snapshot(
         flow_id=flow.flow_id,
         plan=flow.plan,
@@ -238,6 +247,8 @@ def snapshot(flow: Flow) -> Snapshot:
         error=flow.blocked if flow.state is BLOCKED else flow.error,
         park_deadline=flow.park_deadline,
         revision=flow.revision,
+        deadline=flow.deadline,
+        children=children,
     )
 
 

@@ -21,8 +21,8 @@ from ferry.projected import Store
 from .._model import _checks, _ops, _values
 from .._model._types import State
 from .._model._values import ACTIVE, Flow
-from .._store import _batch, _op, _store
-from . import _retry
+from .._store import _batch, _kin, _op, _store
+from . import _retry, _whole
 from ._apart import write_apart
 from ._clock import Clock
 from ._live import Tally, about, named
@@ -58,6 +58,8 @@ async def recover(
     tally.blocked = counts.get(State.BLOCKED, 0)
     active = await mode.claim(sorted(shapes))
     tally.stats["recovered"] = await rerun(writes, clock, versions, active)
+    for fid, deadline in await store.transact(_kin.whole_deadlines):  # `start(deadline=...)`
+        _whole.arm(writes, fid, deadline)
     await mode.first_round()
 
 
@@ -73,6 +75,8 @@ async def rerun(writes: Writes, clock: Clock, versions: Versions, active: list[F
     now = clock.now()
     shapes = versions.shapes
     ops: list[_op.Op] = []
+    # A parent that waits for its children's undo runs nothing (docs/adr/0148): left as it is.
+    active = [f for f in active if f.fan_in is None or f.state is State.RUNNING]
     for flow in active:
         reason = _values.mismatch(flow, shapes.get((flow.plan, flow.version)))
         move = _ops.Rerun(now) if reason is None else _ops.Block(reason, now)

@@ -136,11 +136,18 @@ class Requests:
 
     # ------------------------------------------------------------------------------ requests
 
-    async def start(self, plan: Plan, flow_id: str | None, data: dict[str, Json] | None) -> str:
+    async def start(
+        self,
+        plan: Plan,
+        flow_id: str | None,
+        data: dict[str, Json] | None,
+        deadline: float | None = None,
+    ) -> str:
         """`Engine.start`."""
+        seconds = _checks.whole_deadline(deadline)
         shape, fid, text = self._start_input(plan, flow_id, data, "data")
         with _tracing.starting(self._tracing, shape.name, shape.version, fid) as trace:
-            op = self._start_op(shape, fid, text, trace)
+            op = self._start_op(shape, fid, text, trace, seconds)
             result = await self._writes.request(op)
         return _started(op, result)
 
@@ -154,10 +161,18 @@ class Requests:
         data = {} if data is None else data
         return shape, fid, _checks.json_object_text(data, what, max_bytes=self._max_data)
 
-    def _start_op(self, shape: Shape, fid: str, text: str, trace: str | None = None) -> _op.Create:
-        """The op of a start whose input was checked (`_start_input`)."""
-        owner = self._owner if self._serve else None
-        return _op.Create(m.start(shape, fid, text, self._clock.now(), owner=owner, trace=trace))
+    def _start_op(
+        self,
+        shape: Shape,
+        fid: str,
+        text: str,
+        trace: str | None = None,
+        deadline: float | None = None,
+    ) -> _op.Create:
+        """The op of a start whose input was checked (`_start_input`; `deadline`: seconds)."""
+        owner, now = self._owner if self._serve else None, self._clock.now()
+        at = None if deadline is None else now + deadline
+        return _op.Create(m.start(shape, fid, text, now, owner=owner, trace=trace, deadline=at))
 
     async def wake(self, flow_id: str, payload: Json, message_id: str | None) -> Delivery:
         """`Engine.wake`."""

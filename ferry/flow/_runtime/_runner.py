@@ -24,18 +24,19 @@ import json
 import logging
 import math
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from typing import Any
 
 import trio
 
 from .._model import _checks, _ops, _values
+from .._model._children import ChildResult, Spawn
 from .._model._plan import StepDef
 from .._model._types import Context, MisusedOutcome, Park, State
 from .._model._values import Flow, Shape
 from .._store import _op
-from . import _observe, _retry
+from . import _observe, _retry, _spawns
 from ._clock import Clock
 from ._config import Config
 from ._live import Live, Tally, about, named
@@ -75,8 +76,14 @@ def _not_only_cancelled(exc: BaseException) -> None:
     raise exc
 
 
-def context(flow: Flow, name: str, compensating: bool) -> Context:
-    """The `Context` a body of `flow`'s current step `name` (or its compensation) runs with."""
+def context(
+    flow: Flow,
+    name: str,
+    compensating: bool,
+    children: Mapping[str, ChildResult] | None = None,
+) -> Context:
+    """The `Context` a body of `flow`'s current step `name` (or its compensation) runs with;
+    `children`: the results of the spawn before it (``ctx.children``)."""
     key = _checks.idempotency_key(flow.flow_id, flow.step_index, name, compensation=compensating)
     return Context(
         flow_id=flow.flow_id,
@@ -90,6 +97,7 @@ def context(flow: Flow, name: str, compensating: bool) -> Context:
         timed_out=flow.timed_out,
         error=flow.error if compensating else None,
         idempotency_key=key,
+        children={} if children is None else children,
     )
 
 
@@ -302,7 +310,10 @@ class Runner:
             return None  # moved on without this engine, or let go (a lapsing lease)
         flow = live.flow
         compensating = flow.state is _COMPENSATING
-        ctx = context(flow, step.name, compensating)
+        children = None
+        if flow.fan_in is not None and not compensating:  # the step after a spawn
+            children = await _spawns.results(self._writes, flow)
+        ctx = context(flow, step.name, compensating, children)
         if _log.isEnabledFor(logging.DEBUG):
             _log_attempt(flow, step)
         observers = self._tally.observers
@@ -410,6 +421,13 @@ class Runner:
         now = self._clock.now()
         if error is None and not isinstance(outcome, str):
             data, problem = _data_text(ctx, self._max_data, f"step {step.name!r}")
+            if problem is None and isinstance(outcome, Spawn):
+                shapes, most = self._versions.shapes, self._max_data
+                problem = await _spawns.spawned(
+                    self._writes, live, shape, outcome, data, now, shapes, most, _read_again
+                )
+                if problem is None:
+                    return
             if problem is None:
                 done = _ops.StepDone(shape, outcome, data, now)
                 await self._advance(live, done, first_queued=isinstance(outcome, Park))

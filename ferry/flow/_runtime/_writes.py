@@ -44,7 +44,7 @@ from .._model import _checks, _ops
 from .._model._types import State
 from .._model._values import ACTIVE, TERMINAL, Flow, Shape, Transition
 from .._store import _batch, _op, _store
-from . import _observe, _read, _retry
+from . import _observe, _read, _retry, _whole
 from ._apart import split
 from ._clock import Clock
 from ._config import Config
@@ -59,6 +59,7 @@ _NOWHERE: dict[tuple[str, int], Shape] = {}
 _log = logging.getLogger("ferry.flow")
 
 _PARKED = State.PARKED
+_RUNNING = State.RUNNING
 _BLOCKED = State.BLOCKED
 _ENDS = {State.COMPLETED: "completed", State.FAILED: "failed", State.BLOCKED: "blocked"}
 
@@ -263,7 +264,8 @@ class Writes:
         """Is this an active flow this engine should run? (On one SQLite file: every active
         flow; in a fleet: those leased to it and not released; an operator's engine runs
         none.)"""
-        return self._serve and flow.state in ACTIVE and self._mode.holds(flow)
+        held = flow.fan_in is None or flow.state is _RUNNING  # not while its kids undo (0149)
+        return self._serve and flow.state in ACTIVE and held and self._mode.holds(flow)
 
     async def batch(self, ops: list[_op.Op], *, whole: bool = False) -> list[_op.Result]:
         """The ferry's batch call: every op in one transaction, then their effects in memory.
@@ -337,8 +339,10 @@ class Writes:
                     _ended(self._tally, result.before, t, self._ended)
                 own = isinstance(op, _op.Change) and op.flow is not None
                 self.track(result.before.state, t.flow, own, epoch=epoch)
+            for more_op, more in result.more:  # a family's writes in the same transaction
+                self._applied(more_op, more, epoch)
         elif isinstance(result, _op.Created):
-            self.track(None, result.transition.flow, True, epoch=epoch)
+            _whole.created(self, result.transition.flow, epoch)
         elif isinstance(result, _op.Conflict):
             self._tally.stats["conflicts"] += 1
 
@@ -433,7 +437,7 @@ class Writes:
     def stale(self, flow_id: str, revision: int) -> bool:
         """Was the flow parked at `revision` moved on since, as far as this engine knows?"""
         live = self.live.get(flow_id)
-        return live is not None and live.flow.revision > revision
+        return revision != _whole.WHOLE and live is not None and live.flow.revision > revision
 
     async def time_out(
         self, flow_id: str, revision: int, deadline: float
@@ -448,7 +452,11 @@ async def time_out(
     """A park deadline came: time the flow out (its own problem if the database refuses that
     write: it blocks, ADR 0063; if it refuses that too, the flow is left as it is, ADR 0117).
     The store's unavailability is retried. The row before and the row written, or None if the
-    flow had moved on or was left as it is (for its trace: `_tracing.timed`)."""
+    flow had moved on or was left as it is (for its trace: `_tracing.timed`). A whole flow's
+    deadline (`_whole.WHOLE`) cancels the flow instead (`_whole.passed`)."""
+    if revision == _whole.WHOLE:
+        await _whole.passed(writes, flow_id, deadline)
+        return None
     now = max(writes._clock.now(), deadline)
     holder = writes.holders.rule(outside=True)
     # The machine ignores it unless the flow is still parked at `revision`: across a fleet,

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from ferry.projected import Tx
 
 from .._model._ops import Unseen
-from . import _dialect, _notify, _sql
+from . import _dialect, _kin, _notify, _sql
 from ._arrays import Arrays
 from ._op import Changed, Created, Existing, Op, Refused, Result, op_flow_id
 from ._row_by_row import RowByRow
@@ -56,13 +56,17 @@ def write_batch(tx: Tx, ops: Sequence[Op], *, guard: float | None = None) -> lis
     sort of the batch.
     """
     guard_locks(tx, guard)
+    done: list[Result | None] | None = None
+    if any(map(_kin.concerns, ops)):  # a wake, a timeout, a cancel, a failure: a parent's?
+        ops, done = _kin.before(tx, ops, write_batch)
     order = sorted(range(len(ops)), key=lambda i: op_flow_id(ops[i]))
     sql = _sql.statements(tx.dialect)
     writer = Arrays(tx, sql) if sql.d.arrays else RowByRow(tx, sql)
     results = writer.write(ops, order)
+    _kin.after(tx, ops, results, write_batch)  # a child's end, recorded for its parent
     # A wait in another engine hears of the flows this batch settles (PostgreSQL only).
     _notify.announce(tx, [r.transition for r in results if isinstance(r, Changed | Created)])
-    return results
+    return results if done is None else _kin.merged(done, results)
 
 
 class Undone(Exception):

@@ -44,10 +44,10 @@ from .._model._children import OnFailure, parent_of
 from .._model._family import ACTIVE, KEPT, STOPPING, UNDOING, WAITING, Brood, Kid, Move
 from .._model._family_rows import ENDED
 from .._model._values import COMPLETED, FAILED, Flow, Mailbox, Transition
-from . import _dialect, _sql
-from ._batch import write_all
+from . import _batch, _dialect, _schema, _sql, _store
 from ._dialect import Dialect
 from ._op import Change, Changed, Create, Op, Result
+from ._schema import family_ddl
 
 __all__ = [
     "CHILDREN",
@@ -63,14 +63,15 @@ __all__ = [
     "lock_spawns",
     "next_to_compensate",
     "record_end",
+    "snapshot_of",
     "to_cancel",
     "to_compensate",
     "write_rows",
     "write_spawn",
 ]
 
-SPAWNS: Final = "flow_spawns"
-CHILDREN: Final = "flow_children"
+SPAWNS: Final = _schema.SPAWNS
+CHILDREN: Final = _schema.CHILDREN
 
 #: What the flows table gains for families (ADR 0139), for `_store._ADDED_COLUMNS` once wired:
 #: a child's parent (None for a top-level flow) and a whole flow's deadline.
@@ -93,43 +94,10 @@ _KID: Final = "idx, child_key, flow_id, plan, version, status, data, error, ende
 
 def ddl(dialect: Dialect) -> list[str]:
     """The statements that create the family's tables and indexes, each idempotent; the same
-    text on both dialects (`dialect` is taken, for the day they differ)."""
+    text on both dialects (`dialect` is taken, for the day they differ). Part of the store's
+    schema (`_schema.family_ddl`)."""
     del dialect
-    return [
-        f"""CREATE TABLE IF NOT EXISTS {SPAWNS} (
-            parent TEXT NOT NULL,
-            step_index BIGINT NOT NULL,
-            total BIGINT NOT NULL,
-            max_running BIGINT,
-            on_failure TEXT NOT NULL,
-            active BIGINT NOT NULL,
-            next_kept BIGINT NOT NULL,
-            ended BIGINT NOT NULL,
-            phase TEXT NOT NULL,
-            stop_then TEXT,
-            reason TEXT,
-            undoing BIGINT,
-            PRIMARY KEY (parent, step_index))""",
-        f"""CREATE TABLE IF NOT EXISTS {CHILDREN} (
-            parent TEXT NOT NULL,
-            step_index BIGINT NOT NULL,
-            idx BIGINT NOT NULL,
-            child_key TEXT NOT NULL,
-            flow_id TEXT NOT NULL UNIQUE,
-            plan TEXT NOT NULL,
-            version BIGINT NOT NULL,
-            status TEXT NOT NULL,
-            data TEXT NOT NULL,
-            error TEXT,
-            ended BIGINT NOT NULL,
-            stack TEXT NOT NULL,
-            undone INTEGER NOT NULL,
-            PRIMARY KEY (parent, step_index, idx))""",
-        f"CREATE INDEX IF NOT EXISTS {CHILDREN}_active ON {CHILDREN} (parent, step_index)"
-        f" WHERE status = '{ACTIVE}'",
-        f"CREATE INDEX IF NOT EXISTS {CHILDREN}_undo ON {CHILDREN} (parent, step_index, ended)"
-        f" WHERE status = '{_DONE}' AND undone = 0",
-    ]
+    return family_ddl()
 
 
 def create_tables(tx: Tx) -> None:
@@ -338,7 +306,7 @@ def write_spawn(tx: Tx, before: Flow, move: Move, *, guard: float | None = None)
 
     ops: list[Op] = [Change(before.flow_id, apply, flow=before)]
     ops += [Create(c) for c in move.children]
-    results = write_all(tx, ops, guard=guard)
+    results = _batch.write_all(tx, ops, guard=guard)
     if not isinstance(results[0], Changed):
         raise NotSpawned(f"the parent {b.parent!r} is not at revision {before.revision}", results)
     kid_marks = ", ".join("?" * 13)
@@ -466,3 +434,18 @@ def write_rows(tx: Tx, move: Move) -> None:
                 k.index,
             ),
         )
+
+
+def snapshot_of(tx: Tx, flow_id: str) -> tuple[Flow, tuple[str, ...]] | None:
+    """The flow's row and the child ids of its latest spawn in spawn order (`Snapshot.children`,
+    empty if it never spawned), or None: two reads (the row, then its latest spawn's children's
+    ids by the primary key)."""
+    flow = _store.load(tx, flow_id)
+    if flow is None:
+        return None
+    rows = tx.execute(
+        f"SELECT flow_id FROM {CHILDREN} WHERE parent = ? AND step_index ="
+        f" (SELECT MAX(step_index) FROM {SPAWNS} WHERE parent = ?) ORDER BY idx",
+        (flow_id, flow_id),
+    )
+    return flow, tuple(r[0] for r in rows)

@@ -82,10 +82,13 @@ class Existing:
 @attrs.frozen
 class Changed:
     """The transition ran on the held row and was recorded (if ``transition.written``);
-    `before` is the row it ran on."""
+    `before` is the row it ran on. `more`: the writes of child flows the same transaction made
+    because of it (a child's end recorded for its parent, the next kept child started, the
+    parent moved on: `_kin`), each op with its result, for memory to follow them too."""
 
     transition: Transition
     before: Flow
+    more: tuple[tuple[Op, Result], ...] = ()
 
 
 @attrs.frozen

@@ -18,7 +18,7 @@ import attrs
 
 from ferry.projected import Tx
 
-from . import _batch, _dialect, _sql
+from . import _batch, _dialect, _schema, _sql
 
 FINISHED_STATES: Final = ("COMPLETED", "FAILED")
 #: Flows deleted per transaction, at most.
@@ -27,7 +27,8 @@ BATCH: Final = 500
 PAUSE_MIN: Final = 0.05
 #: Free pages an SQLite purge batch gives back to the file system, at most (4 KiB each).
 RECLAIM_PAGES: Final = 4096
-_FINISHED: Final = f"state {_sql.IN_FINISHED}"  # as the index of finished flows says it
+# As the index of finished flows says it; a child goes only with its whole tree (ADR 0139).
+_FINISHED: Final = f"state {_sql.IN_FINISHED} AND parent IS NULL"
 
 
 def pause_after(took: float) -> float:
@@ -83,8 +84,9 @@ def purge_batch(
     guard: float | None = None,
     only: Only = ANY,
 ) -> list[str]:
-    """Delete at most `limit` finished flows whose last write is earlier than `before` (and
-    that `only` admits), with their history and mailbox rows, in this transaction; the ids
+    """Delete at most `limit` finished top-level flows whose last write is earlier than
+    `before` (and that `only` admits), with their history and mailbox rows and their whole
+    trees of child flows (a child never goes alone, `_trees`), in this transaction; the ids
     deleted (oldest first). Where the dialect can, the pages freed go back to the file system
     (`reclaim`). `guard`: see `_batch.guard_locks`.
 
@@ -112,17 +114,45 @@ def purge_batch(
         )
     ]
     if deleted:
-        some = d.in_list("flow_id", len(deleted))
-        tx.execute(f"DELETE FROM {_sql.HISTORY} WHERE {some}", d.list_params(deleted))
-        tx.execute(f"DELETE FROM {_sql.MAILBOX} WHERE {some}", d.list_params(deleted))
+        _rows_of(tx, deleted)
+        _trees(tx, deleted)
         reclaim(tx)
     order = {fid: i for i, fid in enumerate(ids)}
     return sorted(deleted, key=order.__getitem__)
 
 
+def _rows_of(tx: Tx, ids: list[str]) -> None:
+    """Delete the history and mailbox rows of the flows `ids` (deleted)."""
+    d = _dialect.of(tx)
+    some = d.in_list("flow_id", len(ids))
+    tx.execute(f"DELETE FROM {_sql.HISTORY} WHERE {some}", d.list_params(ids))
+    tx.execute(f"DELETE FROM {_sql.MAILBOX} WHERE {some}", d.list_params(ids))
+
+
+def _trees(tx: Tx, parents: list[str]) -> None:
+    """Delete the trees below the flows `parents` (deleted): their spawns' rows, and their
+    children's flow rows (found by ``parent``), level by level. A parent ends only after every
+    child it started has ended (SPEC 5.7), so a finished top-level flow's tree has ended."""
+    d = _dialect.of(tx)
+    level = parents
+    while level:
+        below: list[str] = []
+        for i in range(0, len(level), BATCH):  # at most BATCH parameters a statement
+            some = level[i : i + BATCH]
+            where, params = d.in_list("parent", len(some)), d.list_params(some)
+            tx.execute(f"DELETE FROM {_schema.SPAWNS} WHERE {where}", params)
+            tx.execute(f"DELETE FROM {_schema.CHILDREN} WHERE {where}", params)
+            sql = f"DELETE FROM {_sql.FLOWS} WHERE {where} RETURNING flow_id"
+            gone = [r[0] for r in tx.execute(sql, params)]
+            if gone:
+                _rows_of(tx, gone)
+            below += gone
+        level = below
+
+
 def count_finished(tx: Tx, before: float, only: Only = ANY) -> int:
-    """How many finished flows (that `only` admits) have their last write earlier than
-    `before` (the index)."""
+    """How many finished top-level flows (that `only` admits) have their last write earlier
+    than `before` (the index); their children go with them."""
     terms, params = only.sql()
     rows = tx.execute(
         f"SELECT COUNT(*) FROM {_sql.FLOWS} WHERE {_FINISHED} AND updated_at < ?{terms}",

@@ -20,6 +20,9 @@ Tables:
 - ``flow_requests(request_id, kind, body, at, answer, answered_at, answered_by)``: what a
   client of another process asked the serving engine to do, and its answer (`_inbox`,
   docs/adr/0125); a partial index on the ones not answered yet.
+- ``flow_spawns``, ``flow_children``: the spawns of child flows and their children (ADR 0139,
+  `_family`); the flows table's ``parent`` (a child's), ``deadline`` (a whole flow's) and
+  ``fan_in`` (the spawn whose results the current step reads, docs/adr/0148).
 - ``flow_plans(plan, version, shape, registered_at)``: the shape of every plan version an engine
   registered, for processes without the plans (an operator's engine, docs/adr/0044).
 - ``flow_schedules``: one row per schedule (`_schedules`, docs/adr/0144), a partial index on
@@ -35,6 +38,9 @@ from ferry.projected import Tx
 
 from . import _dialect, _inbox, _schedules
 from ._sql import ENGINES, FLOWS, HISTORY, IN_ACTIVE, IN_FINISHED, MAILBOX, PLANS
+
+SPAWNS = "flow_spawns"
+CHILDREN = "flow_children"
 
 # ------------------------------------------------------------------------------------- schema
 
@@ -74,7 +80,7 @@ def ddl(dialect: str) -> list[str]:
             lease_until DOUBLE PRECISION,
             start_data TEXT NOT NULL,
             created_at DOUBLE PRECISION NOT NULL,
-            trace TEXT)""",
+            trace TEXT, fan_in BIGINT, parent TEXT, deadline DOUBLE PRECISION)""",
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_active ON {FLOWS} (state) WHERE state {IN_ACTIVE}",
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_deadline ON {FLOWS} (park_deadline)"
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
@@ -125,7 +131,58 @@ def ddl(dialect: str) -> list[str]:
         " WHERE status = 'QUEUED'",
         *_inbox.DDL,
         *_schedules.ddl(d),
+        *family_ddl(),
     ]
+
+
+def family_ddl() -> list[str]:
+    """The tables and indexes of child flows (ADR 0139, `_family`), each idempotent; the same
+    text on both dialects."""
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {SPAWNS} (
+            parent TEXT NOT NULL,
+            step_index BIGINT NOT NULL,
+            total BIGINT NOT NULL,
+            max_running BIGINT,
+            on_failure TEXT NOT NULL,
+            active BIGINT NOT NULL,
+            next_kept BIGINT NOT NULL,
+            ended BIGINT NOT NULL,
+            phase TEXT NOT NULL,
+            stop_then TEXT,
+            reason TEXT,
+            undoing BIGINT,
+            PRIMARY KEY (parent, step_index))""",
+        f"""CREATE TABLE IF NOT EXISTS {CHILDREN} (
+            parent TEXT NOT NULL,
+            step_index BIGINT NOT NULL,
+            idx BIGINT NOT NULL,
+            child_key TEXT NOT NULL,
+            flow_id TEXT NOT NULL UNIQUE,
+            plan TEXT NOT NULL,
+            version BIGINT NOT NULL,
+            status TEXT NOT NULL,
+            data TEXT NOT NULL,
+            error TEXT,
+            ended BIGINT NOT NULL,
+            stack TEXT NOT NULL,
+            undone INTEGER NOT NULL,
+            PRIMARY KEY (parent, step_index, idx))""",
+        f"CREATE INDEX IF NOT EXISTS {CHILDREN}_active ON {CHILDREN} (parent, step_index)"
+        " WHERE status = 'active'",
+        f"CREATE INDEX IF NOT EXISTS {CHILDREN}_undo ON {CHILDREN} (parent, step_index, ended)"
+        " WHERE status = 'completed' AND undone = 0",
+        f"CREATE INDEX IF NOT EXISTS {SPAWNS}_stopping ON {SPAWNS} (parent)"
+        " WHERE phase = 'stopping'",
+    ]
+
+
+#: Indexes on added columns (`_ADDED_COLUMNS`): made after those are added to an older store.
+_LATE = (
+    f"CREATE INDEX IF NOT EXISTS {FLOWS}_parent ON {FLOWS} (parent) WHERE parent IS NOT NULL",
+    f"CREATE INDEX IF NOT EXISTS {FLOWS}_whole ON {FLOWS} (deadline) WHERE deadline IS NOT NULL"
+    f" AND state NOT {IN_FINISHED}",
+)
 
 
 _OBJECT = re.compile(r"IF NOT EXISTS (\w+)")
@@ -140,6 +197,9 @@ _ADDED_COLUMNS = (
     (ENGINES, "host", "TEXT"),
     (ENGINES, "pid", "BIGINT"),
     (ENGINES, "plans", "TEXT"),
+    (FLOWS, "fan_in", "BIGINT"),
+    (FLOWS, "parent", "TEXT"),
+    (FLOWS, "deadline", "DOUBLE PRECISION"),
 )
 
 
@@ -181,6 +241,13 @@ def create_schema(tx: Tx) -> None:
             tx.execute(statement)
     for table, name, kind in lacking():
         tx.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+    statements = list(_LATE)
+    late = statements if d.schema_lock is None else missing()
+    if late and d.schema_lock is not None:
+        tx.execute(d.schema_lock, (_SCHEMA_LOCK_KEY,))
+        late = missing()
+    for statement in late:
+        tx.execute(statement)
 
 
 def has_tables(tx: Tx) -> bool:

@@ -64,18 +64,21 @@ FIELDS: Final = (
     "stack",
     "blocked",
     "blocked_from",
+    "fan_in",
     "owner",
     "lease_until",
     "trace",
+    "parent",
+    "deadline",
 )
 #: The `Flow` field a column of `FIELDS` holds, where its name is not the column's: the column
 #: ``lease_until`` holds `Flow.released_at` (docs/adr/0136).
 ATTRIBUTE: Final = {"lease_until": "released_at"}
 #: `FIELDS` as a select list.
 COLUMNS: Final = ", ".join(FIELDS)
-#: What a write changes (never flow_id, plan, version, created_at, trace), in the order of
-#: `mutable_values`.
-MUTABLE: Final = FIELDS[4:-1]
+#: What a write changes (never flow_id, plan, version, created_at, trace, parent, deadline), in
+#: the order of `mutable_values`.
+MUTABLE: Final = FIELDS[4:-3]
 #: The PostgreSQL type of each column of `FIELDS` (the arrays of a batch are cast to them).
 PG_TYPES: Final = {
     "flow_id": "text",
@@ -97,9 +100,12 @@ PG_TYPES: Final = {
     "stack": "text",
     "blocked": "text",
     "blocked_from": "text",
+    "fan_in": "bigint",
     "owner": "text",
     "lease_until": "double precision",
     "trace": "text",
+    "parent": "text",
+    "deadline": "double precision",
     "start_data": "text",
 }
 
@@ -127,9 +133,12 @@ def to_flow(row: Sequence[Any]) -> Flow:
         stack=parse_stack(row[16]),
         blocked=row[17],
         blocked_from=None if blocked_from is None else STATES[blocked_from],
-        owner=row[19],
-        released_at=row[20],  # the column keeps its name: docs/adr/0136
-        trace=row[21],
+        fan_in=row[19],
+        owner=row[20],
+        released_at=row[21],  # the column keeps its name: docs/adr/0136
+        trace=row[22],
+        parent=row[23],
+        deadline=row[24],
     )
 
 
@@ -152,6 +161,7 @@ def mutable_values(f: Flow) -> tuple[Any, ...]:
         stack_text(f.stack),
         f.blocked,
         state_text[f.blocked_from],
+        f.fan_in,
         f.owner,
         f.released_at,
     )
@@ -299,7 +309,17 @@ def receive_rows(n: int) -> str:
 def row_values(f: Flow) -> tuple[Any, ...]:
     """The values of `FIELDS` and ``start_data`` for a new flow `f` (its data is its start
     data)."""
-    return (f.flow_id, f.plan, f.version, f.created_at, *mutable_values(f), f.trace, f.data)
+    return (
+        f.flow_id,
+        f.plan,
+        f.version,
+        f.created_at,
+        *mutable_values(f),
+        f.trace,
+        f.parent,
+        f.deadline,
+        f.data,
+    )
 
 
 def orphan(row: str, at: str = "?") -> str:
