@@ -42,13 +42,13 @@ from ferry.projected import Tx
 from .._model import _machine, _schedule
 from .._model._schedule import Fired, Row
 from .._model._values import Shape
-from . import _batch, _dialect, _op, _sql
+from . import _batch, _dialect, _op, _schema, _sql
 from ._cron import CronRule, Schedule
 
-#: The table of schedules, one row per schedule.
-SCHEDULES: Final = "flow_schedules"
-#: The partial index of the due schedules: the next tick of those not paused.
-DUE_INDEX: Final = f"{SCHEDULES}_due"
+#: The table of schedules, one row per schedule, and the partial index of the due ones (the
+#: next tick of those not paused): named with the schema's statements.
+SCHEDULES: Final = _schema.SCHEDULES
+DUE_INDEX: Final = _schema.DUE_INDEX
 #: At most this many schedules are claimed (and fired) by one transaction.
 CLAIM: Final = 500
 
@@ -69,26 +69,11 @@ _SELECT: Final = ", ".join(_COLUMNS)
 
 
 def ddl(d: _dialect.Dialect) -> list[str]:
-    """The table's and its index's statements, each idempotent (the same in both dialects)."""
+    """The table's and its index's statements, each idempotent (the same in both dialects):
+    part of the store's schema (`_schema.schedules_ddl`, where they live so that the schema
+    needs none of this module)."""
     del d  # no difference yet: both have partial indexes and DOUBLE PRECISION
-    return [
-        f"""CREATE TABLE IF NOT EXISTS {SCHEDULES} (
-            name TEXT PRIMARY KEY,
-            definition TEXT NOT NULL,
-            plan TEXT NOT NULL,
-            version BIGINT NOT NULL,
-            revision BIGINT NOT NULL,
-            next_tick DOUBLE PRECISION,
-            last_tick DOUBLE PRECISION,
-            last_flow TEXT,
-            waiting_tick DOUBLE PRECISION,
-            paused INTEGER NOT NULL,
-            missed BIGINT NOT NULL,
-            skipped BIGINT NOT NULL,
-            declared_at DOUBLE PRECISION NOT NULL,
-            updated_at DOUBLE PRECISION NOT NULL)""",
-        f"CREATE INDEX IF NOT EXISTS {DUE_INDEX} ON {SCHEDULES} (next_tick) WHERE paused = 0",
-    ]
+    return _schema.schedules_ddl()
 
 
 # ------------------------------------------------------------------------------------- reads

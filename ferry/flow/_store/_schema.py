@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import re
 import zlib
+from typing import Final
 
 from ferry.projected import Tx
 
-from . import _dialect, _inbox, _schedules
+from . import _dialect, _inbox
 from ._sql import ENGINES, FLOWS, HISTORY, IN_ACTIVE, IN_FINISHED, MAILBOX, PLANS
 
 SPAWNS = "flow_spawns"
@@ -130,8 +131,36 @@ def ddl(dialect: str) -> list[str]:
         f"CREATE INDEX IF NOT EXISTS {MAILBOX}_queued ON {MAILBOX} (flow_id, seq)"
         " WHERE status = 'QUEUED'",
         *_inbox.DDL,
-        *_schedules.ddl(d),
+        *schedules_ddl(),
         *family_ddl(),
+    ]
+
+
+SCHEDULES: Final = "flow_schedules"
+#: The partial index of the next tick of the schedules not paused (the timer's one read).
+DUE_INDEX: Final = f"{SCHEDULES}_due"
+
+
+def schedules_ddl() -> list[str]:
+    """The schedules' table and its index (`_schedules`, docs/adr/0144), each idempotent, the
+    same in both dialects (partial indexes and DOUBLE PRECISION are in both)."""
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {SCHEDULES} (
+            name TEXT PRIMARY KEY,
+            definition TEXT NOT NULL,
+            plan TEXT NOT NULL,
+            version BIGINT NOT NULL,
+            revision BIGINT NOT NULL,
+            next_tick DOUBLE PRECISION,
+            last_tick DOUBLE PRECISION,
+            last_flow TEXT,
+            waiting_tick DOUBLE PRECISION,
+            paused INTEGER NOT NULL,
+            missed BIGINT NOT NULL,
+            skipped BIGINT NOT NULL,
+            declared_at DOUBLE PRECISION NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL)""",
+        f"CREATE INDEX IF NOT EXISTS {DUE_INDEX} ON {SCHEDULES} (next_tick) WHERE paused = 0",
     ]
 
 
