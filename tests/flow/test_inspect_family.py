@@ -26,8 +26,13 @@ from .test_inspect import ROOT, run, run_json
 def family_plans() -> list[flow.Plan]:
     box = flow.Plan("box")
 
-    @box.step
+    async def unpack(ctx: flow.Context) -> None:
+        pass
+
+    @box.step(compensate=unpack)
     async def pack(ctx: flow.Context) -> flow.Outcome | None:
+        if ctx.data.get("fail"):
+            return flow.fail("no box")
         return flow.park() if ctx.data.get("park") else None
 
     order = flow.Plan("order")
@@ -39,7 +44,9 @@ def family_plans() -> list[flow.Plan]:
     @order.step
     async def ship_all(ctx: flow.Context) -> flow.Outcome:
         boxes = ctx.data["boxes"]
-        children = [flow.Child(box, key=f"b{i}", data=b) for i, b in enumerate(boxes)]
+        children = [
+            flow.Child(box, key=b.get("key", f"b{i}"), data=b) for i, b in enumerate(boxes)
+        ]
         return flow.spawn(children, max_running=ctx.data.get("max"))
 
     @order.step
@@ -49,9 +56,13 @@ def family_plans() -> list[flow.Plan]:
     return [order, box]
 
 
-async def _fill(path: str) -> None:
+async def _fill(path: str, *, bad: list[dict[str, object]] | None = None) -> None:
+    """The store of the module doc; with `bad`, also ``bad``, an order of those boxes, ended."""
     order, box = family_plans()
     async with flow.open_engine(path, plans=[order, box], retain=None) as engine:
+        if bad is not None:
+            await engine.start(order, flow_id="bad", data={"boxes": bad, "max": 1})
+            await engine.wait("bad", timeout=30)
         await engine.start(order, flow_id="done", data={"boxes": [{}, {}]})
         snap = await engine.wait("done", timeout=30)
         assert snap.state is flow.State.COMPLETED
