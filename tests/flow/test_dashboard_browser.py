@@ -96,7 +96,7 @@ async def noop(ctx: flow.Context) -> None:
 
 
 kid = flow.Plan("kid", version=1)
-ship = flow.Plan("ship", version=1)
+boxes = flow.Plan("ship", version=1)
 
 
 @kid.step
@@ -104,12 +104,12 @@ async def pack(ctx: flow.Context) -> flow.Outcome | None:
     return flow.park() if ctx.data.get("park") else None
 
 
-@ship.step
+@boxes.step
 async def ship_all(ctx: flow.Context) -> flow.Outcome:
     return flow.spawn([flow.Child(kid, key="k0"), flow.Child(kid, key="k1", data={"park": 1})])
 
 
-@ship.step
+@boxes.step
 async def shipped(ctx: flow.Context) -> None:
     return None
 
@@ -155,9 +155,9 @@ async def test_the_dashboard_in_a_browser(pg_server: pg.PgServer, tmp_path: Path
         PostgresStore(dsn, connections=4) as store,
         PostgresStore(dsn, connections=2) as store2,
     ):
-        async with flow.open_engine(store, [order, ship, kid], owner="svc", lease=1.5) as svc:
+        async with flow.open_engine(store, [order, boxes, kid], owner="svc", lease=1.5) as svc:
             # Flows in every state, and a parent waiting for a parked child (the other done).
-            await svc.start(ship, flow_id="ship-7")
+            await svc.start(boxes, flow_id="ship-7")
             await svc.start(order, flow_id="done", data={"prepaid": True})
             await svc.start(order, flow_id="failed", data={"no_stock": True})
             await svc.start(order, flow_id="running", data={"stuck": True})
@@ -186,7 +186,7 @@ async def test_the_dashboard_in_a_browser(pg_server: pg.PgServer, tmp_path: Path
         # The serving engine is back (the same owner name: it closed cleanly, so it takes its
         # flows over at once); the running and compensating flows run again and hang again.
         async with (
-            flow.open_engine(store, [order, ship, kid], owner="svc", lease=1.5) as svc,
+            flow.open_engine(store, [order, boxes, kid], owner="svc", lease=1.5) as svc,
             trio.open_nursery() as nursery,
         ):
             where = "test store"

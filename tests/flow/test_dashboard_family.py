@@ -103,9 +103,7 @@ async def test_a_spawns_end_and_an_undone_child_on_the_timelines(web: httpx.Asyn
     assert re.search(r'class="event kind-step tone-wait"', r.text)  # the spawn parks it
     child = await web.get(flow_url(f"bad/1/{MARKUP}"))
     assert child.status_code == 200 and MARKUP not in child.text
-    event = re.search(
-        r'class="event kind-undone_by_parent tone-undo">(.*?)</li>', child.text, re.S
-    )
+    event = re.search(r'class="event kind-undone_by_parent tone-undo">(.*?)</li>', child.text, re.S)
     assert event is not None and '<span class="key">parent</span> bad' in event[1]
     done = await web.get(flow_url("done"))
     assert re.search(r'class="event kind-children_ended tone-ok"', done.text)

@@ -44,9 +44,7 @@ def family_plans() -> list[flow.Plan]:
     @order.step
     async def ship_all(ctx: flow.Context) -> flow.Outcome:
         boxes = ctx.data["boxes"]
-        children = [
-            flow.Child(box, key=b.get("key", f"b{i}"), data=b) for i, b in enumerate(boxes)
-        ]
+        children = [flow.Child(box, key=b.get("key", f"b{i}"), data=b) for i, b in enumerate(boxes)]
         return flow.spawn(children, max_running=ctx.data.get("max"))
 
     @order.step
