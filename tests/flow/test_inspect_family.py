@@ -19,6 +19,8 @@ import trio
 
 from ferry import flow
 from ferry.flow._store import _lineage
+from ferry.projected import PostgresStore
+from tests import pg
 
 from .test_inspect import ROOT, run, run_json
 
@@ -54,7 +56,7 @@ def family_plans() -> list[flow.Plan]:
     return [order, box]
 
 
-async def _fill(path: str, *, bad: list[dict[str, object]] | None = None) -> None:
+async def _fill(path: str | PostgresStore, *, bad: list[dict[str, object]] | None = None) -> None:
     """The store of the module doc; with `bad`, also ``bad``, an order of those boxes, ended."""
     order, box = family_plans()
     async with flow.open_engine(path, plans=[order, box], retain=None) as engine:
@@ -201,3 +203,27 @@ def test_purge_of_a_top_level_flow_deletes_its_tree(
     assert run_json(capsys, copy_db, "list", "--parent", "done")["flows"] == []
     left = sorted(f["flow_id"] for f in run_json(capsys, copy_db, "list")["flows"])
     assert left == ["o", "o/1/b0"]
+
+
+def test_on_postgres_show_and_list_parent(
+    pg_server: pg.PgServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dsn = pg_server.fresh_schema_dsn()
+
+    async def fill() -> None:
+        async with PostgresStore(dsn, connections=2) as store:
+            await _fill(store)
+
+    trio.run(fill)
+    (spawn,) = run_json(capsys, dsn, "show", "o")["family"]["spawns"]
+    assert (spawn["phase"], spawn["active"], spawn["kept"]) == ("waiting", 1, 2)
+    assert [(c["key"], c["state"]) for c in spawn["children"]] == [
+        ("b0", "PARKED"),
+        ("b1", "KEPT"),
+        ("b2", "KEPT"),
+    ]
+    assert run_json(capsys, dsn, "show", "o/1/b0")["family"]["parent_state"] == "PARKED"
+    listed = run_json(capsys, dsn, "list", "--parent", "done")["flows"]
+    assert sorted(f["flow_id"] for f in listed) == ["done/1/b0", "done/1/b1"]
+    code, _, err = run(capsys, dsn, "purge", "--finished-before", "0s", "--flow", "done/1/b1")
+    assert code == 1 and "is a child of flow 'done'" in err
