@@ -396,6 +396,12 @@ _ENGINE_COUNTERS = (
     ("claimed", "ferry_flow_claimed", "Flows taken over from engines whose lease lapsed."),
     ("lost", "ferry_flow_lost", "Flows this engine was running and let go."),
     ("renewals", "ferry_flow_lease_renewals", "Renewals of the engines' leases."),
+    ("children_started", "ferry_flow_children_started", "Child flows the engines started."),
+    (
+        "children_ended",
+        "ferry_flow_children_ended",
+        "Child flows the engines wrote COMPLETED or FAILED (each end once).",
+    ),
 )
 
 

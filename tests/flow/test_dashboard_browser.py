@@ -8,8 +8,9 @@ abandon on that filter; a blocked flow's history; resume without the token, with
 and on a read-only dashboard (each changes nothing); resume with the token, which starts a
 session (an HttpOnly, SameSite=Strict cookie no script can read), after which the serving
 engine takes the flow over and the page shows it COMPLETED; an abandon of the other blocked
-flow through the session (no token asked); a page of no flow; a flow whose id and data hold
-markup shown as text, with no script run. Every page is photographed under the test's tmp dir
+flow through the session (no token asked); a page of no flow; a parent's page listing its
+children with their states, and the links from it to a child and back; a flow whose id and data
+hold markup shown as text, with no script run. Every page is photographed under the test's tmp dir
 at 1280 px, and at 1400 px and 420 px in the light and the dark scheme, each checked to fit its
 width with ids not cut one letter per line (``DASHBOARD_SHOTS=DIR`` copies them to DIR; the
 ones in docs/img/ were copied from there).
@@ -94,6 +95,25 @@ async def noop(ctx: flow.Context) -> None:
     return None
 
 
+kid = flow.Plan("kid", version=1)
+boxes = flow.Plan("ship", version=1)
+
+
+@kid.step
+async def pack(ctx: flow.Context) -> flow.Outcome | None:
+    return flow.park() if ctx.data.get("park") else None
+
+
+@boxes.step
+async def ship_all(ctx: flow.Context) -> flow.Outcome:
+    return flow.spawn([flow.Child(kid, key="k0"), flow.Child(kid, key="k1", data={"park": 1})])
+
+
+@boxes.step
+async def shipped(ctx: flow.Context) -> None:
+    return None
+
+
 async def until(engine: flow.Engine, fid: str, state: flow.State) -> None:
     """Until the flow is in `state` (read from the store; a few reads, at most `WAIT`)."""
     with trio.fail_after(WAIT):
@@ -135,8 +155,9 @@ async def test_the_dashboard_in_a_browser(pg_server: pg.PgServer, tmp_path: Path
         PostgresStore(dsn, connections=4) as store,
         PostgresStore(dsn, connections=2) as store2,
     ):
-        async with flow.open_engine(store, [order], owner="svc", lease=1.5) as svc:
-            # Flows in every state.
+        async with flow.open_engine(store, [order, boxes, kid], owner="svc", lease=1.5) as svc:
+            # Flows in every state, and a parent waiting for a parked child (the other done).
+            await svc.start(boxes, flow_id="ship-7")
             await svc.start(order, flow_id="done", data={"prepaid": True})
             await svc.start(order, flow_id="failed", data={"no_stock": True})
             await svc.start(order, flow_id="running", data={"stuck": True})
@@ -147,8 +168,9 @@ async def test_the_dashboard_in_a_browser(pg_server: pg.PgServer, tmp_path: Path
                 await svc.start(order, flow_id=fid, data={"sku": "A1"})
             for fid in ("done", "failed"):
                 await svc.wait(fid, timeout=WAIT)
-            for fid in ("parked", XSS, "blocked-1", "blocked-2"):
+            for fid in ("parked", XSS, "blocked-1", "blocked-2", "ship-7/0/k1"):
                 await until(svc, fid, flow.State.PARKED)
+            await until(svc, "ship-7/0/k0", flow.State.COMPLETED)
             for fid in ("running", "compensating"):
                 reached.setdefault(fid, trio.Event())
                 with trio.fail_after(WAIT):
@@ -164,7 +186,7 @@ async def test_the_dashboard_in_a_browser(pg_server: pg.PgServer, tmp_path: Path
         # The serving engine is back (the same owner name: it closed cleanly, so it takes its
         # flows over at once); the running and compensating flows run again and hang again.
         async with (
-            flow.open_engine(store, [order], owner="svc", lease=1.5) as svc,
+            flow.open_engine(store, [order, boxes, kid], owner="svc", lease=1.5) as svc,
             trio.open_nursery() as nursery,
         ):
             where = "test store"
@@ -195,6 +217,7 @@ async def test_the_dashboard_in_a_browser(pg_server: pg.PgServer, tmp_path: Path
         "flow-completed",
         "flow-abandoned",
         "missing",
+        "flow-parent",
         "flow-markup",
     )
     for name in pages:
@@ -287,11 +310,11 @@ def browse(
         # The overview: the counts of the store.
         driver.get(url + "/")
         counts = {s.name: int(text(f"#count-{s.name} .n")) for s in flow.State}
-        assert counts == {
+        assert counts == {  # (with the family: its parent and child parked, a child completed)
             "RUNNING": 1,
-            "PARKED": 2,
+            "PARKED": 4,
             "COMPENSATING": 1,
-            "COMPLETED": 1,
+            "COMPLETED": 2,
             "FAILED": 1,
             "BLOCKED": 2,
         }
@@ -396,6 +419,23 @@ def browse(
         shot("flow-abandoned")
         driver.get(url + "/flow?id=nothing-has-this-id")
         shot("missing")
+
+        # A parent's page lists its children with their states; links go both ways.
+        driver.get(url + "/flow?id=ship-7")
+        rows = [
+            (
+                r.find_element(By.CSS_SELECTOR, "td").text,
+                r.find_element(By.CSS_SELECTOR, ".badge").text,
+            )
+            for r in driver.find_elements(By.CSS_SELECTOR, "tr.child")
+        ]
+        assert rows == [("k0", "COMPLETED"), ("k1", "PARKED")], rows
+        assert "1 active, 1 ended, 0 kept" in text("#spawn-0")
+        shot("flow-parent")
+        follow(driver.find_element(By.LINK_TEXT, "ship-7/0/k1"), "#parent")
+        assert text("#state") == "PARKED" and text("#parent a") == "ship-7"
+        follow(driver.find_element(By.CSS_SELECTOR, "#parent a"), "#spawn-0")
+        assert text("#flow-id") == "ship-7"
 
         # Markup in an id and in data is text; no script runs.
         driver.get(url + "/flows?id_prefix=%3C")

@@ -61,13 +61,15 @@ def spawned(
     data: str,
     now: float,
     owner: str | None = None,
+    trace: str | None = None,
 ) -> Move:
     """The spawning step returned a spawn of `children` (key, the child's plan, its data as
     canonical JSON text) with the parent's data now `data`: ONE write of the step's outcome
     (the parent `PARKED`, its deadline the spawn's `timeout`), the spawn's row, every child's
     `Kid` row and the first rows of those `max_running` lets start (held by `owner`, the
-    engine that writes). A wake queued for the parent stays queued (it is for its next park).
-    Cost: O(children)."""
+    engine that writes; in the trace `trace`, the spawn's span: a kept child started later
+    takes the trace of the sibling whose end starts it, the same). A wake queued for the
+    parent stays queued (it is for its next park). Cost: O(children)."""
     n = len(children)
     assert n >= 1
     t = fm.step_done(parent, EMPTY_MAILBOX, shape, Park(timeout, on_failure), data, now)
@@ -89,7 +91,15 @@ def spawned(
         fid = child_id(parent.flow_id, s, key)
         if i < first:
             starts.append(
-                fm.start(child_shape, fid, child_data, now, owner=owner, parent=parent.flow_id)
+                fm.start(
+                    child_shape,
+                    fid,
+                    child_data,
+                    now,
+                    owner=owner,
+                    parent=parent.flow_id,
+                    trace=trace,
+                )
             )
         status = ACTIVE if i < first else KEPT
         kids.append(Kid(i, key, fid, child_shape.name, child_shape.version, status, child_data))
@@ -153,7 +163,10 @@ def child_ended(
     elif b.phase == WAITING and b.next_kept < b.total:
         nxt = kid_at(kids, b.next_kept)
         nxt_shape = shape_of(nxt.plan, nxt.version)
-        moved.append(fm.start(nxt_shape, nxt.flow_id, nxt.data, now, parent=brood.parent))
+        start = fm.start(
+            nxt_shape, nxt.flow_id, nxt.data, now, parent=brood.parent, trace=end.trace
+        )
+        moved.append(start)
         changed.append(attrs.evolve(nxt, status=ACTIVE))
         b = attrs.evolve(b, active=b.active + 1, next_kept=b.next_kept + 1)
     return maybe_on(b, kids, children, parent, parent_shape, shape_of, now, changed, moved)

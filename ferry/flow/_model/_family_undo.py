@@ -8,6 +8,7 @@ PURE, like `_machine`; split from `_family` (its module doc tells the whole) by 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
 import attrs
 
@@ -26,7 +27,16 @@ from ._family_rows import (
 )
 from ._values import COMPENSATING, EMPTY_MAILBOX, FAILED, Flow, Shape, Transition
 
-__all__ = ["compensating", "undo_next"]
+__all__ = ["UNDONE_BECAUSE", "compensating", "undo_next", "undone"]
+
+#: How the error of a child its parent's compensation compensated begins (`undone`).
+UNDONE_BECAUSE: Final = "compensated because its parent "
+
+
+def undone(flow: Flow) -> bool:
+    """Is `flow` a child that its parent's compensation compensated (it had ended
+    `COMPLETED`; its error says so)? For counting a child's end once (`FlowStatistics`)."""
+    return flow.parent is not None and (flow.error or "").startswith(UNDONE_BECAUSE)
 
 
 # ------------------------------------------------ the parent's compensation undoes its children
@@ -91,7 +101,7 @@ def undo_next(
     changed: list[Kid] = [] if done is None else [done]
     kids = merged(kids, changed)
     moved: list[Transition] = []
-    error = f"compensated because its parent {brood.parent!r} compensates: {brood.reason}"
+    error = f"{UNDONE_BECAUSE}{brood.parent!r} compensates: {brood.reason}"
     while (kid := next_undo(kids)) is not None:
         row = children[kid.index]
         assert row is not None

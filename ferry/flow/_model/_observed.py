@@ -50,7 +50,9 @@ class FlowEnd:
     `Engine.abandon`); `step`: the step it was at before that write (None if none);
     `error`: why it failed or is blocked (None for a completed flow); `started_at`, `ended_at`:
     wall-clock seconds of its start and of this write; `traceparent`: the W3C trace context of
-    its start span (None: traces were off when it started)."""
+    its start span (None: traces were off when it started); for a child flow (SPEC 5.7) the
+    span of its parent's spawn. `parent`: a child flow's parent's id (None: a top-level
+    flow)."""
 
     flow_id: str
     plan: str
@@ -62,6 +64,7 @@ class FlowEnd:
     started_at: float
     ended_at: float
     traceparent: str | None
+    parent: str | None = None
 
 
 @final

@@ -268,6 +268,12 @@ class FlowStatistics:
 
     Retention: `purged` (finished flows this engine deleted because they ended more than
     ``open_engine(retain=)`` seconds ago; in a fleet, each engine counts its own).
+
+    Child flows (SPEC 5.7): `children_started` (child flows whose first row this engine wrote:
+    a spawn's first children, and a kept child started by a sibling's end) and
+    `children_ended` (child flows this engine wrote `COMPLETED` or `FAILED`, each end once: a
+    completed child that its parent's compensation undoes later is not counted again). They
+    are also in `completed` and `failed`, as any flow.
     """
 
     running: int
@@ -289,3 +295,5 @@ class FlowStatistics:
     purged: int = 0
     compensating: int = 0
     blocked_now: int = 0
+    children_started: int = 0
+    children_ended: int = 0

@@ -49,6 +49,7 @@ FILTERS = (
     ("--started-until", "created_before"),
     ("--id-prefix", "id_prefix"),
     ("--error", "error"),
+    ("--parent", "parent"),
 )
 _WHEN = (
     "ISO 8601 (2026-12-01T12:00, UTC unless it names a zone) or a duration before now"
@@ -121,6 +122,9 @@ def add_filters(parser: argparse.ArgumentParser, what: str) -> None:
         type=_name,
         help="whose error (a blocked flow's reason) holds TEXT, in any case; %%, _ and \\ match"
         " themselves",
+    )
+    g.add_argument(
+        "--parent", metavar="ID", type=_name, help="the children of this flow (child flows)"
     )
 
 

@@ -58,7 +58,6 @@ from ._inspect_read import (
     PROG,
     Problem,
     do_list,
-    do_show,
     do_stats,
     is_dsn,
     one_line,
@@ -66,6 +65,7 @@ from ._inspect_read import (
 )
 from ._inspect_schedules import add_commands as _schedule_commands
 from ._inspect_schedules import do_schedule, do_schedules
+from ._inspect_show import do_show
 from ._trace_url import check as _trace_url_check
 
 
@@ -338,6 +338,13 @@ def _purge_arguments(purge: argparse.ArgumentParser) -> None:
         "--state",
         choices=_purge.FINISHED_STATES,
         help="only the flows that ended in this state (keep failed flows longer, say)",
+    )
+    purge.add_argument(
+        "--flow",
+        metavar="ID",
+        type=_bulk.utf8,
+        help="only this flow, a top-level one, with its whole tree of child flows (a child"
+        " goes only with its parent's tree: refused, naming its parent)",
     )
     purge.add_argument("--yes", action="store_true", help="delete without asking")
 

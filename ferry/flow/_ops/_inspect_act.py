@@ -26,7 +26,7 @@ from .._engine._client import Receipt, connect
 from .._model import _times
 from .._model._types import Delivery, Json, State
 from .._model._values import ACTIVE, Flow
-from .._store import _inbox, _purge, _query, _store
+from .._store import _inbox, _lineage, _purge, _query, _store
 from . import _bulk
 from ._inspect_read import Problem, is_dsn, output, read_store
 
@@ -283,19 +283,24 @@ async def do_purge(args: argparse.Namespace, store: SqliteStore | PostgresStore)
     store, on SQLite too, since a finished flow is never written again)."""
     before = args.finished_before
     when = _times.iso(before)
-    only = _purge.Only(plan=args.plan, state=args.state)
+    if args.flow is not None:
+        await _not_a_child(args, store)
+    only = _purge.Only(plan=args.plan, state=args.state, flow_id=args.flow)
     count = partial(_purge.count_finished, before=before, only=only)
     matched = await read_store(store, args.where, count)
     data: dict[str, Json] = {
         "finished_before": when,
         "plan": only.plan,
         "state": only.state,
+        **({} if only.flow_id is None else {"flow": only.flow_id}),
         "matched": matched,
         "deleted": 0,
     }
     which = "" if only.state is None else f" ({only.state})"
     if only.plan is not None:
         which += f" of plan {only.plan!r}"
+    if only.flow_id is not None:
+        which += f" of id {only.flow_id!r}"
     if not matched:
         output(args, f"no finished flow{which} ended before {when}: nothing to delete", data)
         return
@@ -316,3 +321,25 @@ async def do_purge(args: argparse.Namespace, store: SqliteStore | PostgresStore)
         return
     data["deleted"] = deleted = await _purge_all(store, before, only)
     output(args, f"deleted {deleted} finished flows{which} that ended before {when}", data)
+
+
+async def _not_a_child(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
+    """`Problem` if ``purge --flow ID`` names no flow, or a child flow (SPEC 5.7: a child goes
+    only with its parent's whole tree, once that parent has ended): it names the parent and
+    the tree's top-level flow to purge instead."""
+
+    def read(tx: Any) -> tuple[Flow | None, Flow | None]:
+        f = _store.load(tx, args.flow)
+        return f, None if f is None else _lineage.root_of(tx, f)
+
+    f, root = await read_store(store, args.where, read)
+    if f is None:
+        raise Problem(f"no flow has id {args.flow!r} in {args.where}: nothing was deleted")
+    if f.parent is not None:
+        assert root is not None
+        top = "" if root.flow_id == f.parent else f" (the top of its tree is {root.flow_id!r})"
+        raise Problem(
+            f"flow {f.flow_id!r} is a child of flow {f.parent!r}{top}: a child is deleted only"
+            f" with its parent's whole tree, once that has ended; nothing was deleted (purge"
+            f" --flow {root.flow_id} deletes the tree)"
+        )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sqlite3
 import time
@@ -26,8 +25,8 @@ from ferry.projected import PostgresStore, SqliteStore
 
 from .._model import _times, _values
 from .._model._errors import FlowError
-from .._model._types import Event, Json, State
-from .._model._values import ACTIVE, Flow, Mailbox
+from .._model._types import Json, State
+from .._model._values import Flow
 from .._store import _inbox, _schema, _store, _triage
 from .._store._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
 from . import _bulk
@@ -130,7 +129,7 @@ async def read_store(
 # ------------------------------------------------------------------------------------ output
 
 
-def _when(t: float | None) -> str:
+def when(t: float | None) -> str:
     if t is None:
         return "-"
     return _times.iso(t)
@@ -151,14 +150,14 @@ def _left(t: float, now: float) -> str:
     return f"in {span}" if d >= 0 else f"{span} ago"
 
 
-def _deadline(t: float, now: float) -> str:
-    return f"{_when(t)} ({_left(t, now)})"
+def deadline_text(t: float, now: float) -> str:
+    return f"{when(t)} ({_left(t, now)})"
 
 
-def _detail(detail: Any, now: float) -> str:
+def detail_text(detail: Any, now: float) -> str:
     """An event's detail as JSON, whole, with a deadline shown as a time and how far it is."""
     if isinstance(detail, dict) and isinstance(detail.get("deadline"), int | float):
-        detail = {**detail, "deadline": _deadline(detail["deadline"], now)}
+        detail = {**detail, "deadline": deadline_text(detail["deadline"], now)}
     return json.dumps(detail, ensure_ascii=False).replace("\n", " ")
 
 
@@ -170,7 +169,7 @@ def safe(value: object) -> str:
     return text if text.isprintable() else repr(text)
 
 
-def _cut(text: str, width: int = 60) -> str:
+def cut(text: str, width: int = 60) -> str:
     text = text.replace("\n", " ")
     return text if len(text) <= width else text[: width - 1] + "…"
 
@@ -187,7 +186,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return "\n".join(lines)
 
 
-def _step(f: Flow) -> str:
+def step_text(f: Flow) -> str:
     return (
         "-"
         if f.step is None and f.state.name in ("COMPLETED", "FAILED")
@@ -210,6 +209,7 @@ def flow_json(f: Flow) -> dict[str, Json]:
         "error": snap.error,
         "park_deadline": f.park_deadline,
         "owner": f.owner,
+        "parent": f.parent,
         "trace_id": _values.trace_id(f.trace),
         "data": snap.data,
     }
@@ -228,11 +228,11 @@ def _flow_rows(flows: Sequence[Flow]) -> list[list[object]]:
                 f.flow_id,
                 f"{f.plan}@{f.version}",
                 f.state.name,
-                _step(f),
+                step_text(f),
                 f.revision,
-                _when(f.updated_at),
+                when(f.updated_at),
                 f.owner,
-                None if error is None else _cut(safe(error), ERROR_WIDTH),
+                None if error is None else cut(safe(error), ERROR_WIDTH),
             ]
         )
     return rows
@@ -274,107 +274,6 @@ async def do_list(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
         "next": cursor,
     }
     output(args, text, data)
-
-
-async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
-    now = time.time()
-
-    def read(tx: Any) -> tuple[Flow | None, Any, Any, Any, bool]:
-        f = _store.load(tx, args.flow_id)
-        if f is None:
-            return None, None, None, None, False
-        events = _store.load_history(tx, args.flow_id) or []
-        box = _store.load_mailbox(tx, args.flow_id)
-        hold = _store.holder(tx, args.flow_id, _store.lease_clock(tx, now))  # docs/adr/0110
-        return f, events, box, hold, _store.leased(tx)
-
-    f, events, box, hold, leased = await read_store(store, args.where, read)
-    if f is None:
-        raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
-    held = None
-    if hold is not None:
-        until, orphaned = hold
-        held = {"owner": f.owner, "until": until if until > -math.inf else None, "lapsed": orphaned}
-    text = "\n".join(_show_lines(f, events, box, held, leased, now))
-    output(args, text, _show_json(f, events, box, held))
-
-
-def _show_json(
-    f: Flow, events: Sequence[Event], box: Mailbox, held: dict[str, Any] | None
-) -> dict[str, Json]:
-    """What ``show --json`` prints: the flow, who holds it, its queued messages, its history."""
-    return {
-        "flow": flow_json(f),
-        "held": held,
-        "queued": [
-            {"message_id": q.message_id, "payload": json.loads(q.payload)} for q in box.queued
-        ],
-        "history": [
-            {
-                "revision": e.revision,
-                "at": e.at,
-                "kind": e.kind,
-                "step": e.step,
-                "attempt": e.attempt,
-                "detail": e.detail,
-            }
-            for e in events
-        ],
-    }
-
-
-def _show_lines(
-    f: Flow,
-    events: Sequence[Event],
-    box: Mailbox,
-    held: dict[str, Any] | None,
-    leased: bool,
-    now: float,
-) -> list[str]:
-    """What ``show`` prints: the flow's state, who runs it, its data, then its history."""
-    snap = _values.snapshot(f)
-    lines = [
-        f"flow      {safe(f.flow_id)}",
-        f"plan      {safe(f.plan)} version {f.version}",
-        f"state     {f.state.name}",
-        f"step      {safe(_step(f))} (attempt {f.attempt})",
-        f"revision  {f.revision}, last written {_when(f.updated_at)}",
-    ]
-    if snap.error is not None:
-        what = "blocked" if f.state is State.BLOCKED else "error"
-        lines.append(f"{what:<9} {safe(snap.error)}")
-    if f.park_deadline is not None:
-        lines.append(
-            f"deadline  {_deadline(f.park_deadline, now)}; then {safe(f.on_timeout)} (on timeout)"
-        )
-    trace = _values.trace_id(f.trace)
-    if trace is not None:
-        lines.append(f"trace     {trace}")
-    if held is not None:
-        status = "lapsed: any engine may take it over" if held["lapsed"] else "held"
-        lines.append(f"engine    {safe(f.owner)}, until {_when(held['until'])} ({status})")
-    elif f.state in ACTIVE and not leased:
-        lines.append(
-            "engine    the engine that holds the file runs it (with none open, the next engine"
-            " to open the file)"
-        )
-    elif f.state in ACTIVE:
-        lines.append("engine    none: the next engine to scan the store runs it")
-    if box.queued:
-        lines.append(f"queued    {', '.join(safe(q.message_id) for q in box.queued)}")
-    lines.append(f"data      {safe(_cut(json.dumps(snap.data, ensure_ascii=False), 200))}")
-    rows = [
-        [
-            e.revision,
-            _when(e.at),
-            e.kind,
-            e.step,
-            e.attempt,
-            "" if e.detail is None else _detail(e.detail, now),
-        ]
-        for e in events
-    ]
-    return [*lines, "", table(("REV", "AT", "KIND", "STEP", "ATTEMPT", "DETAIL"), rows)]
 
 
 #: What the terms of `stats` mean (the legend under its tables names those shown).
@@ -493,8 +392,8 @@ def _stats_tables(
                 f.flow_id,
                 f"{f.plan}@{f.version}",
                 f.step,
-                _when(f.updated_at),
-                _when(f.park_deadline),
+                when(f.updated_at),
+                when(f.park_deadline),
             ]
             for f in r["parked"]
         ]
@@ -507,10 +406,10 @@ def _stats_tables(
             [
                 g.flows,
                 g.state,
-                _when(g.first),
-                _when(g.last),
+                when(g.first),
+                when(g.last),
                 ", ".join(g.examples),
-                _cut(g.error, 100),
+                cut(g.error, 100),
             ]
             for g in groups.groups
         ]
@@ -525,7 +424,7 @@ def _stats_tables(
             beat = r["beats"].get(o, {})
             where = "-" if beat.get("pid") is None else f"{beat['pid']}@{beat['host']}"
             alive = "alive" if until >= r["clock"] else "gone"
-            rows.append([o, where, _when(at), alive, _when(until), n])
+            rows.append([o, where, when(at), alive, when(until), n])
         parts.append(
             "\nengines\n"
             + table(("ENGINE", "PID@HOST", "STARTED", "LEASE", "UNTIL", "FLOWS"), rows)
@@ -586,5 +485,5 @@ def one_line(error: BaseException, spec: str) -> str:
     if isinstance(error, FlowError | ValueError | TypeError):  # the engine refused an argument
         return masked(_first_line(error))
     what = "the PostgreSQL database" if is_dsn(spec) else "the SQLite file"
-    text = masked(_cut(_first_line(error), 300))
+    text = masked(cut(_first_line(error), 300))
     return f"cannot use {what} {shown(spec)}: {type(error).__name__}: {text}"

@@ -13,6 +13,7 @@ import logging
 
 import trio
 
+from .._model._family_undo import undone
 from .._model._types import Delivery, State
 from .._model._values import Flow
 from ._observe import Bound
@@ -33,6 +34,8 @@ COUNTERS = (
     "claimed",
     "lost",
     "renewals",
+    "children_started",
+    "children_ended",
 )
 
 
@@ -73,6 +76,16 @@ class Tally:
         self.blocked = 0
         # `flow.Observer`s and the engine's traces (their end spans); empty: nothing is observed
         self.observers: tuple[Bound, ...] = ()
+
+
+def kin_counted(tally: Tally, before: State | None, flow: Flow) -> None:
+    """This engine wrote a row of the child flow `flow` (its state was `before`, None: none):
+    count a child started (its first row) or ended (`COMPLETED` or `FAILED`; not again when
+    its parent's compensation undid it after it completed, `_family_undo.undone`)."""
+    if before is None:
+        tally.stats["children_started"] += 1
+    elif (flow.state is State.COMPLETED or flow.state is State.FAILED) and not undone(flow):
+        tally.stats["children_ended"] += 1
 
 
 def named(flow: Flow) -> str:

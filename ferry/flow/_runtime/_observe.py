@@ -177,6 +177,7 @@ def ended(observers: tuple[Bound, ...], flow: Flow, step: str | None, how: str) 
                 started_at=flow.created_at,
                 ended_at=flow.updated_at,
                 traceparent=flow.trace,
+                parent=flow.parent,
             )
         try:
             hook(record)

@@ -424,8 +424,9 @@ class Runner:
             if problem is None and isinstance(outcome, Spawn):
                 shapes, most = self._versions.shapes, self._max_data
                 problem = await _spawns.spawned(
-                    self._writes, live, shape, outcome, data, now, shapes, most, _read_again
-                )
+                    self._writes, live, shape, outcome, data, now, shapes, most, _read_again,
+                    self._tracing,
+                )  # fmt: skip
                 if problem is None:
                     return
             if problem is None:

@@ -21,7 +21,7 @@ from .._model._children import ChildResult, Spawn
 from .._model._values import Flow, Shape
 from .._store import _batch, _kin, _op
 from .._store import _family as sf
-from . import _read, _retry
+from . import _read, _retry, _tracing
 from ._live import Live, about, named
 from ._writes import Writes
 
@@ -38,14 +38,17 @@ async def spawned(
     shapes: Mapping[tuple[str, int], Shape],
     max_data: int,
     read_again: Callable[[Writes, Live, Flow], Awaitable[None]],
+    tracing: _tracing.Tracing | None = None,
 ) -> str | None:
     """The runner's spawn: why the flow's step fails (`problem`, a child id taken), or None
-    once the spawn is written, or once the flow moved on meanwhile (then `read_again`)."""
+    once the spawn is written, or once the flow moved on meanwhile (then `read_again`). With
+    `tracing`, the write is the span the children's spans are below (`_tracing.spawning`)."""
     flow = live.flow
     why = problem(flow.step or "", outcome, shapes, max_data)
     if why is not None:
         return why
-    written = await write(writes, flow, shape, outcome, data, now, shapes)
+    with _tracing.spawning(tracing, flow, len(outcome.children)) as trace:
+        written = await write(writes, flow, shape, outcome, data, now, shapes, trace=trace)
     if written is False and live.flow.revision <= flow.revision:
         await read_again(writes, live, flow)
     return written if isinstance(written, str) else None
@@ -80,11 +83,14 @@ async def write(
     data: str,
     now: float,
     shapes: Mapping[tuple[str, int], Shape],
+    *,
+    trace: str | None = None,
 ) -> str | bool:
     """Write the spawn `outcome` of the flow's current step (its data now `data`): True if it
     was written; False if the flow moved on meanwhile (nothing written: the runner reads it
     again); a str if a child's id is taken by another flow (nothing written: the parent fails
-    with it). The store's unavailability is retried."""
+    with it). The store's unavailability is retried. The children's trace is `trace` (the
+    spawn's span), else the parent's own."""
     writer = writes.holders.rule(outside=False).writer
     kids = [(c.key, shapes[(c.plan.name, c.plan.version)], c.text) for c in outcome.children]
     move = _family.spawned(
@@ -97,6 +103,7 @@ async def write(
         data=data,
         now=now,
         owner=writer,
+        trace=trace if trace is not None else flow.trace,
     )
     assert move.parent is not None
     parent = _holders.assign_holder(move.parent, flow, writer, keep_runner=False)

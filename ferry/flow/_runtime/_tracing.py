@@ -30,6 +30,12 @@ span, with ``workflow.state`` (``completed``, ``failed``, ``blocked``), ``workfl
 step it was at) and, for a failed or blocked flow, ``workflow.error`` (the stored error or why it
 is blocked) and the status ``ERROR`` with that text.
 
+Child flows (SPEC 5.7): a spawn's write is a span ``spawn {plan}`` (a child of the parent's start
+span, with ``workflow.spawn.children``), and each child is started with that span's
+``traceparent`` as its own (a kept child started later takes its sibling's): a child's steps and
+end are spans below its parent's spawn, in the parent's trace; a child's end span names its
+parent (``workflow.parent.id``).
+
 A tracer or span processor that raises changes nothing (docs/adr/0113): every call into
 OpenTelemetry is at one guarded place (`tracing_for`, `Tracing.start`, `Tracing.run` and its
 `_ended`, `Tracing.moved`, `Tracing.flow_ended`), what it raises is logged (`_observe.failed`,
@@ -100,6 +106,16 @@ def starting(tracing: Tracing | None, plan: str, version: int, flow_id: str) -> 
     if tracing is None:
         return _NO_TRACE
     return tracing.start(plan, version, flow_id)
+
+
+def spawning(tracing: Tracing | None, flow: Flow, children: int) -> Any:
+    """A context manager around the write of `flow`'s spawn of `children` child flows: with
+    tracing, the span ``spawn {plan}`` (a child of the flow's start span, lasting the write),
+    giving the ``traceparent`` its children are started with, so that their spans are its
+    children in the parent's trace; without, None at no cost."""
+    if tracing is None:
+        return _NO_TRACE
+    return tracing.spawn(flow, children)
 
 
 def timed(
@@ -192,6 +208,43 @@ class Tracing:
             raise
         finally:
             self._close(span, token, error, f"ending the span of starting flow {flow_id!r}")
+
+    @contextlib.contextmanager
+    def spawn(self, flow: Flow, children: int) -> Iterator[str | None]:
+        """The span of writing `flow`'s spawn (see `spawning`); yields its ``traceparent``
+        (None if the span could not be begun: the children then join the parent's trace at
+        its start span, as a flow's steps do)."""
+        span: Span | None = None
+        traceparent: str | None = None
+        try:
+            attributes: dict[str, str | int] = {
+                "workflow.name": flow.plan,
+                "workflow.id": flow.flow_id,
+                "workflow.version": flow.version,
+                "workflow.spawn.children": children,
+            }
+            if flow.step is not None:
+                attributes["workflow.task.name"] = flow.step
+            span = self._tracer.start_span(
+                f"spawn {flow.plan}", context=self._parent(flow.trace), attributes=attributes
+            )
+            context = self._trace.set_span_in_context(span, self._context())
+            carrier: dict[str, str] = {}
+            self._propagator.inject(carrier, context=context)
+            traceparent = carrier.get("traceparent")
+            if traceparent is not None:
+                self._remember(traceparent, context)
+        except Exception as exc:
+            failed(TRACING, f"beginning the span of the spawn of flow {flow.flow_id!r}", exc)
+            traceparent = None
+        error: Exception | None = None
+        try:
+            yield traceparent
+        except Exception as exc:
+            error = exc
+            raise
+        finally:
+            self._close(span, None, error, f"ending the span of the spawn of {flow.flow_id!r}")
 
     def _close(
         self,
@@ -289,6 +342,8 @@ class Tracing:
             }
             if flow.step is not None:
                 attributes["workflow.task.name"] = flow.step
+            if flow.parent is not None:
+                attributes["workflow.parent.id"] = flow.parent
             error = flow.error
             if end != "completed" and error is not None:
                 attributes["workflow.error"] = error

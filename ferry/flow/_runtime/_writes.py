@@ -48,7 +48,7 @@ from . import _observe, _read, _retry, _whole
 from ._apart import split
 from ._clock import Clock
 from ._config import Config
-from ._live import LOGGED, Live, Tally, about, log_ended, named
+from ._live import LOGGED, Live, Tally, about, kin_counted, log_ended, named
 from ._mode import Mode
 from ._versions import Versions
 
@@ -547,6 +547,8 @@ def _counted(tally: Tally, before: State | None, flow: Flow, write: bool) -> Non
         tally.blocked += 1
     if write and state in _ENDS:
         tally.stats[_ENDS[state]] += 1
+    if write and flow.parent is not None:
+        kin_counted(tally, before, flow)
 
 
 def _answered(result: _op.Result) -> _op.Result:

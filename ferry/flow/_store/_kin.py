@@ -383,8 +383,9 @@ def _ended(
     if end.start is not None:
         k = end.start
         first = fm.start(
-            reg.shape(k.plan, k.version), k.flow_id, k.data, now, owner=writer, parent=pid
-        )
+            reg.shape(k.plan, k.version), k.flow_id, k.data, now, owner=writer, parent=pid,
+            trace=child.trace,  # the spawn's span, as every child of it (`_family.spawned`)
+        )  # fmt: skip
         ops: list[Op] = [Create(first)]
         done += zip(ops, again(tx, ops), strict=True)
     if not (end.stopped or end.last):

@@ -40,13 +40,15 @@ def pause_after(took: float) -> float:
 
 @attrs.frozen
 class Only:
-    """Which finished flows a purge may delete: of this plan (its name) and in this state
-    (``"COMPLETED"`` or ``"FAILED"``); None is any."""
+    """Which finished flows a purge may delete: of this plan (its name), in this state
+    (``"COMPLETED"`` or ``"FAILED"``) and the flow of this id (a top-level one, with its tree:
+    the inspector's ``purge --flow``); None is any."""
 
     plan: str | None = None
     state: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.in_(FINISHED_STATES))
     )
+    flow_id: str | None = None
 
     def sql(self) -> tuple[str, tuple[str, ...]]:
         """The extra ``WHERE`` terms (each starting with AND) and their parameters."""
@@ -57,6 +59,9 @@ class Only:
         if self.state is not None:
             terms += " AND state = ?"
             params.append(self.state)
+        if self.flow_id is not None:
+            terms += " AND flow_id = ?"
+            params.append(self.flow_id)
         return terms, tuple(params)
 
 

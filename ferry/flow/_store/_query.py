@@ -110,6 +110,7 @@ class FlowFilter:
     - `updated_after`/`updated_before`: the time of its last write; `created_after`/
       `created_before`: when it was started.
     - `id_prefix`: its id starts with this (then the flows come in id order).
+    - `parent`: it is a child of the flow of this id (SPEC 5.7; the index on ``parent``).
     - `error`: its error (`Snapshot.error`: a BLOCKED flow's reason, any other flow's error)
       holds this text, in any case (PostgreSQL folds every letter's case, SQLite's ``LIKE``
       only ASCII's); ``%``, ``_`` and ``\\`` in it are matched as themselves. No index
@@ -130,6 +131,7 @@ class FlowFilter:
     created_before: float | None = attrs.field(default=None, validator=_check_time)
     id_prefix: str | None = attrs.field(default=None, validator=_check_text("id_prefix"))
     error: str | None = attrs.field(default=None, validator=_check_text("error"))
+    parent: str | None = attrs.field(default=None, validator=_check_text("parent"))
 
     def __attrs_post_init__(self) -> None:
         for what in ("updated", "created"):
@@ -164,6 +166,7 @@ class FlowFilter:
         created_before: str | None = None,
         id_prefix: str | None = None,
         error: str | None = None,
+        parent: str | None = None,
     ) -> FlowFilter:
         """A filter from words (a form, a command line); empty or None words are left out.
 
@@ -209,6 +212,7 @@ class FlowFilter:
             step=word(step),
             id_prefix=id_prefix or None,  # kept as given: an id may begin with a space
             error=word(error),
+            parent=parent or None,  # kept as given, like an id prefix
             **times,
         )
 
@@ -221,6 +225,7 @@ class FlowFilter:
             ("plan", self.plan),
             ("version", self.version),
             ("step", self.step),
+            ("parent", self.parent),
         ):
             if value is not None:
                 conds.append(f"{column} = ?")

@@ -34,6 +34,7 @@ FILTER_FIELDS = (
     "created_before",
     "id_prefix",
     "error",
+    "parent",
 )
 
 DONE = {

@@ -33,7 +33,7 @@ from ferry.projected import PostgresStore, Tx
 from ..._model import _values
 from ..._model._types import Event, State
 from ..._model._values import ACTIVE, Flow
-from ..._store import _dialect, _inbox, _query, _schema, _sql, _store
+from ..._store import _dialect, _inbox, _lineage, _query, _schema, _sql, _store
 from ..._store._sqlite_file import ReadOnlyTx
 
 T = TypeVar("T")
@@ -293,6 +293,7 @@ class FlowPage:
     held: tuple[str, float | None, bool] | None  # (engine, until, lapsed) of an active flow
     created_at: float
     events: int  # in its whole history (`history` holds the last `HISTORY` of them)
+    family: _lineage.Family | None = None  # its parent, its spawns and their children
 
 
 #: The most history events a flow's page shows (the latest).
@@ -308,7 +309,8 @@ def pretty(text: str) -> str:
 
 
 def page_flow(tx: Tx, flow_id: str) -> FlowPage | None:
-    """One flow with its history, mailbox and holder; None if there is no such flow."""
+    """One flow with its history, mailbox, holder and family (`_lineage.family_of`: its
+    parent, its spawns and their first children); None if there is no such flow."""
     f = _store.load(tx, flow_id)
     if f is None:
         return None
@@ -341,6 +343,7 @@ def page_flow(tx: Tx, flow_id: str) -> FlowPage | None:
         held=held,
         created_at=created[0][0] if created else f.updated_at,
         events=events,
+        family=_lineage.family_of(tx, f),
     )
 
 

@@ -66,6 +66,7 @@ _TONE = {
     "failed": "error",
     "blocked": "error",
     "abandoned": "error",
+    "undone_by_parent": "undo",  # a completed child compensated because its parent compensates
 }
 
 #: Detail keys that hold a time (seconds since the epoch) and one that holds seconds.
@@ -87,16 +88,21 @@ class Shown:
 
 def tone_of(e: Event) -> str:
     """The outcome of `e`: a step that raised on its last attempt is an error, one that
-    returned `fail` a warning (its compensations run), one that went on a success."""
+    returned `fail` a warning (its compensations run), one that parked or spawned waits, one
+    that went on a success; a spawn's end (``children_ended``) a success if every child
+    completed, else a warning."""
     if e.kind == "step":
         outcome = e.detail.get("outcome") if isinstance(e.detail, dict) else None
         if outcome == "error":
             return "error"
         if outcome == "fail":
             return "warn"
-        if outcome == "park":
+        if outcome in ("park", "spawn"):  # a spawn parks the parent until its children end
             return "wait"
         return "ok"
+    if e.kind == "children_ended":  # a parent's spawn is over: did every child complete?
+        d = e.detail if isinstance(e.detail, dict) else {}
+        return "warn" if d.get("failed") or d.get("stopped") else "ok"
     return _TONE.get(e.kind, "run")
 
 
