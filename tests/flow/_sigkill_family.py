@@ -3,7 +3,7 @@ parent's scenario expects of its children, and the oracle's family half.
 
 A parent (plan ``batch``): ``prepare`` (compensated by ``unprepare``), ``fan`` (spawns
 ``CHILDREN`` children of plan ``item``, with the scenario's ``max_running`` and ``on_failure``),
-``collect`` (reads ``ctx.children``; fails for the ``refused`` scenario). A child (``item``):
+``collect`` (reads ``ctx.children``; fails for the ``rejected`` scenario). A child (``item``):
 ``pick`` (compensated by ``unpick``), ``pack`` (returns ``fail()`` for the scenario's bad child).
 Every body and compensation makes the side table's "external call", as the plain flows' do.
 
@@ -43,7 +43,7 @@ FAMILIES: dict[str, tuple[int, flow.State]] = {
     "stop": (2, flow.State.FAILED),  # one at a time; one child fails: no later one starts
     "stopwide": (2, flow.State.FAILED),  # all at once; one child fails: the others undone
     "carryon": (2, flow.State.COMPLETED),  # on_failure="continue": collect sees the failure
-    "refused": (2, flow.State.FAILED),  # every child completes; collect fails: all undone
+    "rejected": (2, flow.State.FAILED),  # every child completes; collect fails: all undone
 }
 
 
@@ -134,7 +134,7 @@ def make_family(call: Call) -> tuple[flow.Plan, flow.Plan]:
     async def collect(ctx: flow.Context) -> flow.Outcome | None:
         await call(ctx)
         assert list(ctx.children) == [f"c{i}" for i in range(CHILDREN)]
-        if ctx.data["kind"] == "refused":
+        if ctx.data["kind"] == "rejected":
             return flow.fail("the batch is refused")
         return None
 

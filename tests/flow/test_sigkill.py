@@ -100,8 +100,8 @@ def _family(spec: Spec, calls: _Calls, history: dict[str, list[flow.Event]]) -> 
             calls(f"{k.flow_id}/1/pack")
             completed.append(k.flow_id)
         history[k.flow_id] = kid
-    if kind in ("fanout", "carryon", "refused"):
-        events.append(_event("step", "collect", "fail" if kind == "refused" else "continue"))
+    if kind in ("fanout", "carryon", "rejected"):
+        events.append(_event("step", "collect", "fail" if kind == "rejected" else "continue"))
         calls(f"{fid}/2/collect")
     if spec.expected is flow.State.FAILED:
         for child in reversed(completed):
@@ -212,7 +212,7 @@ def test_the_oracle_catches_a_kept_child_started_after_its_brother_failed() -> N
 
 def test_the_oracle_catches_a_parent_resumed_twice_or_before_its_last_child_ended() -> None:
     outcome, _ = clean_outcome()
-    spec = next(s for s in SPECS if s.scenario in ("fanout", "carryon", "refused"))
+    spec = next(s for s in SPECS if s.scenario in ("fanout", "carryon", "rejected"))
     fid, events = spec.flow_id, outcome.history[spec.flow_id]
     twice = [*events[:4], events[3], *events[4:]]
     (problem,) = _planted(fid, history={**outcome.history, fid: twice})
