@@ -56,6 +56,7 @@ from ._model._checks import fail as fail
 from ._model._checks import park as park
 from ._model._children import Child as Child
 from ._model._children import ChildResult as ChildResult
+from ._model._children import Outcome as Outcome
 from ._model._children import Spawn as Spawn
 from ._model._children import spawn as spawn
 from ._model._errors import FlowError as FlowError
@@ -75,7 +76,6 @@ from ._model._types import Delivery as Delivery
 from ._model._types import Event as Event
 from ._model._types import Fail as Fail
 from ._model._types import FlowStatistics as FlowStatistics
-from ._model._types import Outcome as Outcome
 from ._model._types import Park as Park
 from ._model._types import Snapshot as Snapshot
 from ._model._types import Start as Start

@@ -75,9 +75,12 @@ def build(path: str, n: int) -> float:
                 "stack": "",
                 "blocked": "refund down" if state == "BLOCKED" else None,
                 "blocked_from": "COMPENSATING" if state == "BLOCKED" else None,
+                "fan_in": None,
                 "owner": None,
                 "lease_until": None,
                 "trace": None,
+                "parent": None,
+                "deadline": None,
             }
             yield (*(row[f] for f in _sql.FIELDS), '{"sku":"A1","amount":30}')
 

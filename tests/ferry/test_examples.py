@@ -44,7 +44,7 @@ def test_example_runs(script: str, args: tuple[str, ...], expected: str) -> None
 
 # --- command lines --------------------------------------------------------------------------------
 
-PARSERS = ["bank", "lookups", "inference", "ledger", "ledger_service", "orders"]
+PARSERS = ["bank", "boxes", "lookups", "inference", "ledger", "ledger_service", "orders"]
 
 
 @pytest.mark.parametrize("name", PARSERS)

@@ -7,9 +7,8 @@ alone failing for its parent, and what is refused: an unknown child plan or data
 fails the parent with no child row. What takes time (the spawn's
 timeout, a whole flow's deadline, a reopen) is in `test_children_in_time.py`.
 
-Each test was seen to fail with the piece it names taken out of `_store/_kin.py` (the end not
-recorded: the parent waits forever; the undo hold left out: no child is compensated; the
-cascade left out: the grandchild runs on).
+Seen to fail with the parent's hold for its children's undo taken out of `_store/_kin.py`
+(`_hold_past`: no child is compensated when a later step fails).
 """
 
 from __future__ import annotations
@@ -48,11 +47,13 @@ async def where(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
 def plans(log: Log, *, gate: dict[str, trio.Event] | None = None) -> tuple[flow.Plan, flow.Plan]:
     """``order`` (reserve, ship_all: a spawn of ``box`` children, invoice) and ``box`` (pack,
     compensated by unpack). A box's data says what it does: ``fail``, ``park``, or (with
-    `gate`) wait for its key's event."""
+    `gate`) wait for its key's event; ``slow_undo``: its unpack takes 100 s."""
     box = flow.Plan("box")
     running = [0]
 
     async def unpack(ctx: flow.Context) -> None:
+        if ctx.data.get("slow_undo"):
+            await trio.sleep(100)
         log.append(("unpack", ctx.flow_id.rsplit("/", 1)[1], ctx.error or ""))
 
     @box.step(compensate=unpack)

@@ -1,11 +1,13 @@
 """Child flows across time, on SQLite (SPEC 5.7): a reopen mid fan-in (every child runs once,
 the parent resumes once), the spawn's timeout (the active children cancelled with reason
 "timeout"), a whole flow's deadline (`start(deadline=...)`: the tree cancelled with reason
-"deadline", also after a reopen), and a bad deadline refused at the call. Under
-`MockClock(autojump_threshold=0)` where time passes.
+"deadline", also after a reopen), a bad deadline refused at the call, and retention (children
+kept while their parent lives, the tree purged after). Under `MockClock(autojump_threshold=0)`
+where time passes.
 
-Each was seen to fail without its piece: the deadline's timer entry not armed at open (the
-reopened flow waits for ever), the spawn's timeout taken as a plain park's (the children run on).
+Seen to fail with the purge's ``parent IS NULL`` taken out (`_store/_purge.py`: the children
+went while their parent was parked), and with the deadlines not armed at open
+(`_runtime/_recovery.py`: the reopened flow waited for ever).
 """
 
 from __future__ import annotations
@@ -150,3 +152,22 @@ async def test_retention_keeps_children_while_their_parent_lives_then_purges_the
         await trio.sleep(3 * day)
         assert await engine.get("o") is None
         assert [await engine.get(f"o/0/b{i}") for i in range(3)] == [None] * 3
+
+
+async def test_a_stopping_spawn_waits_for_its_cancelled_children_whatever_comes_meanwhile(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """b0 fails at once and stops the spawn; b1, cancelled, takes 100 s to compensate. Neither
+    the spawn's timeout (60 s) nor a cancel of the parent meanwhile makes the parent compensate
+    before b1 has ended: the timeout does nothing, the cancel answers False."""
+    log: Log = []
+    order, box = plans(log)
+    async with engine_at(str(tmp_path / "f.db"), order, box) as engine:
+        boxes = [{"fail": True}, {"park": True, "slow_undo": True}]
+        await engine.start(order, flow_id="o", data={"boxes": boxes, "timeout": 60})
+        await reached(engine, "o/1/b1", flow.State.COMPENSATING)
+        assert not await engine.cancel("o", "too late")
+        snap = await engine.wait("o", timeout=3600)
+        assert snap.state is flow.State.FAILED and "child 'b0' failed" in (snap.error or "")
+        undo = [e[:2] for e in log if e[0] in ("unpack", "cancel_boxes", "release")]
+        assert undo == [("unpack", "b1"), ("cancel_boxes",), ("release",)]

@@ -40,7 +40,7 @@ import attrs
 
 from ._checks import describe, finite, json_object_text, shown_number, text_problem
 from ._plan import Plan
-from ._types import Json, MisusedOutcome, State
+from ._types import Fail, Json, MisusedOutcome, Park, State, _Complete, _Continue
 
 __all__ = [
     "MAX_CHILDREN",
@@ -48,6 +48,7 @@ __all__ = [
     "Child",
     "ChildResult",
     "OnFailure",
+    "Outcome",
     "Spawn",
     "child_id",
     "key_problem",
@@ -165,6 +166,10 @@ class Spawn:
     max_running: int | None
     timeout: float | None
     on_failure: OnFailure
+
+
+#: What a step returns (None means `CONTINUE`): the public ``flow.Outcome``.
+Outcome: TypeAlias = _Continue | _Complete | Park | Fail | Spawn
 
 
 def _children(children: object) -> tuple[Child, ...]:

@@ -94,7 +94,10 @@ class Fail:
 
 
 #: What a step returns (None means `CONTINUE`).
-Outcome: TypeAlias = "_Continue | _Complete | Park | Fail | Spawn"
+if TYPE_CHECKING:
+    Outcome: TypeAlias = _Continue | _Complete | Park | Fail | Spawn
+else:  # `Spawn` is `_children`'s, which imports this module: its `Outcome` is the whole union
+    Outcome = _Continue | _Complete | Park | Fail  # at run time, and `flow.Outcome` is that one
 
 
 class MisusedOutcome(Exception):

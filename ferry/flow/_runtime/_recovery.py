@@ -22,13 +22,13 @@ from .._model import _checks, _ops, _values
 from .._model._types import State
 from .._model._values import ACTIVE, Flow
 from .._store import _batch, _kin, _op, _store
-from . import _retry
+from . import _retry, _whole
 from ._apart import write_apart
 from ._clock import Clock
 from ._live import Tally, about, named
 from ._mode import Mode
 from ._versions import Versions
-from ._writes import Writes, arm_whole, gather
+from ._writes import Writes, gather
 
 _log = logging.getLogger("ferry.flow")
 
@@ -59,7 +59,7 @@ async def recover(
     active = await mode.claim(sorted(shapes))
     tally.stats["recovered"] = await rerun(writes, clock, versions, active)
     for fid, deadline in await store.transact(_kin.whole_deadlines):  # `start(deadline=...)`
-        arm_whole(writes, fid, deadline)
+        _whole.arm(writes, fid, deadline)
     await mode.first_round()
 
 

@@ -169,10 +169,8 @@ class Requests:
         trace: str | None = None,
         deadline: float | None = None,
     ) -> _op.Create:
-        """The op of a start whose input was checked (`_start_input`); `deadline`: the whole
-        flow's, in seconds from now."""
-        owner = self._owner if self._serve else None
-        now = self._clock.now()
+        """The op of a start whose input was checked (`_start_input`; `deadline`: seconds)."""
+        owner, now = self._owner if self._serve else None, self._clock.now()
         at = None if deadline is None else now + deadline
         return _op.Create(m.start(shape, fid, text, now, owner=owner, trace=trace, deadline=at))
 

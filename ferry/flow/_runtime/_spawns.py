@@ -10,7 +10,7 @@ a spawn (`Flow.fan_in`): once per fan-in.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 
 import attrs
@@ -21,7 +21,7 @@ from .._model._children import ChildResult, Spawn
 from .._model._values import Flow, Shape
 from .._store import _batch, _kin, _op
 from .._store import _family as sf
-from . import _retry, _writes
+from . import _read, _retry
 from ._live import Live, about, named
 from ._writes import Writes
 
@@ -107,7 +107,7 @@ async def write(
     try:
         with trio.CancelScope(shield=True):
             await _retry.retrying(
-                partial(_writes.transact, writes, ops, fn),
+                partial(_transact, writes, ops, fn),
                 what=lambda: f"writing the spawn of {named(flow)}",
                 extra=partial(about, flow),
             )
@@ -125,12 +125,20 @@ async def write(
     return True
 
 
+async def _transact(
+    writes: Writes, ops: Sequence[_op.Op], write: Callable[..., list[_op.Result]]
+) -> list[_op.Result]:
+    """``write(tx, ops=ops, guard=...)`` in one transaction of its own (a spawn's), then the
+    effects of `ops` in memory as of a batch's (`Writes._transact`)."""
+    return await writes._transact(ops, write)
+
+
 async def results(writes: Writes, flow: Flow) -> dict[str, ChildResult]:
     """``ctx.children`` of the flow's current step (its `fan_in` spawn's children)."""
     assert flow.fan_in is not None
     read = partial(_kin.results_of, parent=flow.flow_id, step_index=flow.fan_in)
     return await _retry.retrying(
-        partial(_writes.read_own, writes, read),
+        partial(_read.own, writes._store, read),
         what=lambda: f"reading the children of {named(flow)}",
         extra=partial(about, flow),
     )

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 import trio
 
@@ -44,7 +44,7 @@ from .._model import _checks, _ops
 from .._model._types import State
 from .._model._values import ACTIVE, Flow, Shape, Transition
 from .._store import _batch, _op, _store
-from . import _observe, _read, _retry
+from . import _observe, _read, _retry, _whole
 from ._apart import split
 from ._clock import Clock
 from ._config import Config
@@ -261,8 +261,8 @@ class Writes:
     def runs_here(self, flow: Flow) -> bool:
         """Is this an active flow this engine should run? (On one SQLite file: every active
         flow; in a fleet: those leased to it and not released; an operator's engine runs
-        none; nor a parent whose children undo for it: docs/adr/0148.)"""
-        held = flow.fan_in is None or flow.state is _RUNNING
+        none.)"""
+        held = flow.fan_in is None or flow.state is _RUNNING  # not while its kids undo (0149)
         return self._serve and flow.state in ACTIVE and held and self._mode.holds(flow)
 
     async def batch(self, ops: list[_op.Op], *, whole: bool = False) -> list[_op.Result]:
@@ -340,7 +340,7 @@ class Writes:
             for more_op, more in result.more:  # a family's writes in the same transaction
                 self._applied(more_op, more, epoch)
         elif isinstance(result, _op.Created):
-            self.track(None, result.transition.flow, True, epoch=epoch)
+            _whole.created(self, result.transition.flow, epoch)
         elif isinstance(result, _op.Conflict):
             self._tally.stats["conflicts"] += 1
 
@@ -366,8 +366,6 @@ class Writes:
             live.epoch = epoch
             if not own and live.scope is not None:
                 live.scope.cancel()  # someone else moved the flow: its running step is void
-        if before is None and flow.deadline is not None:
-            arm_whole(self, flow.flow_id, flow.deadline)  # a whole flow's (started now)
         if self.runs_here(flow):
             if live is None:  # given to this engine by a write: it becomes live, with a runner
                 # A release still pending from when this engine let the flow go is void (the
@@ -437,52 +435,13 @@ class Writes:
     def stale(self, flow_id: str, revision: int) -> bool:
         """Was the flow parked at `revision` moved on since, as far as this engine knows?"""
         live = self.live.get(flow_id)
-        return revision != WHOLE and live is not None and live.flow.revision > revision
+        return revision != _whole.WHOLE and live is not None and live.flow.revision > revision
 
     async def time_out(
         self, flow_id: str, revision: int, deadline: float
     ) -> tuple[Flow, Flow] | None:
         """A park deadline came: time the flow out (`time_out`)."""
         return await time_out(self, flow_id, revision, deadline)
-
-
-async def transact(
-    writes: Writes, ops: Sequence[_op.Op], write: Callable[..., list[_op.Result]]
-) -> list[_op.Result]:
-    """``write(tx, ops=ops, guard=...)`` in one transaction of its own (a spawn's), then the
-    effects of `ops` in memory as of a batch's (`Writes._transact`)."""
-    return await writes._transact(ops, write)
-
-
-#: The revision of a whole flow's deadline in the timer heap (`start(deadline=...)`): no
-#: revision of a flow, so that its entry is never stale; it cancels the flow (`time_out`).
-WHOLE: Final = -1
-
-
-def arm_whole(writes: Writes, flow_id: str, deadline: float) -> None:
-    """Arm the whole flow's `deadline` (if this engine fires timers: a serving one)."""
-    if writes._serve:
-        writes._arm(deadline, flow_id, WHOLE)
-
-
-async def deadline_passed(writes: Writes, flow_id: str, deadline: float) -> None:
-    """A whole flow's deadline came: cancel it with reason ``"deadline"``, wherever it is
-    (running, parked, waiting for its children: its children too, `_store._kin`). A flow that
-    ended, compensates or is blocked is left as it is. Unavailability is retried."""
-    now = max(writes._clock.now(), deadline)
-    holder = writes.holders.rule(outside=True)
-    op = _op.Change(flow_id, _ops.Cancel("deadline", now, known=writes._own), holder=holder)
-    what = f"cancelling flow {flow_id!r} at its deadline"
-    result = await _retry.retrying(
-        partial(writes.write_answered, op), what=what, extra={"flow_id": flow_id}
-    )
-    if isinstance(result, _op.Rejected):
-        _log.warning("%s: the database refused it: %s", what, _checks.describe(result.error))
-
-
-async def read_own(writes: Writes, fn: Callable[[Any], T]) -> T:
-    """``fn(tx)`` in one transaction, for the engine's own use (`_read.own`)."""
-    return await _read.own(writes._store, fn)
 
 
 async def time_out(
@@ -492,9 +451,9 @@ async def time_out(
     write: it blocks, ADR 0063; if it refuses that too, the flow is left as it is, ADR 0117).
     The store's unavailability is retried. The row before and the row written, or None if the
     flow had moved on or was left as it is (for its trace: `_tracing.timed`). A whole flow's
-    deadline (`WHOLE`) cancels the flow instead (`deadline_passed`)."""
-    if revision == WHOLE:
-        await deadline_passed(writes, flow_id, deadline)
+    deadline (`_whole.WHOLE`) cancels the flow instead (`_whole.passed`)."""
+    if revision == _whole.WHOLE:
+        await _whole.passed(writes, flow_id, deadline)
         return None
     now = max(writes._clock.now(), deadline)
     holder = writes.holders.rule(outside=True)

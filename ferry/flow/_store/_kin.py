@@ -250,8 +250,8 @@ def _rewrite(tx: Tx, op: Change, brood: Brood, reg: Registry) -> Change | None:
                 brood, kids, rows, row, shape, reason, reg.shape, move.now, nested=nested
             )
         assert m.parent is not None
-        if not m.parent.done:
-            return None
+        if not m.parent.done:  # not the machine's then: a stopping spawn's parent stays put
+            return Change(op.flow_id, Fixed(m.parent), flow=op.flow, expected=expected)
         ids = tuple(kids[i].flow_id for i in nested)
         fixed = Fixed(m.parent, moves=(m,), nested=ids, reason=reason)
         return Change(op.flow_id, fixed, flow=op.flow, expected=expected, holder=op.holder)

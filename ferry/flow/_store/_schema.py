@@ -78,7 +78,8 @@ def ddl(dialect: str) -> list[str]:
             lease_until DOUBLE PRECISION,
             start_data TEXT NOT NULL,
             created_at DOUBLE PRECISION NOT NULL,
-            trace TEXT, fan_in BIGINT, parent TEXT, deadline DOUBLE PRECISION)""",
+            fan_in BIGINT, parent TEXT, deadline DOUBLE PRECISION,
+            trace TEXT)""",
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_active ON {FLOWS} (state) WHERE state {IN_ACTIVE}",
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_deadline ON {FLOWS} (park_deadline)"
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
