@@ -7,8 +7,9 @@
   for together, in the same run (alternating rounds). Target on SQLite: children per second at
   least 0.8x the flows per second (seconds per child at most 1.25x); on PostgreSQL, reported.
 - **fan-in cost**: one parent of `FAN_IN` children of the 1-step plan against one of `FEW`:
-  the time from the last child's body returning to the parent's next step's body beginning
-  (that child's end written, recorded for its parent, the parent moved on and run). Target on
+  once every other child has ended (its end written), the last one is let go; the time from
+  its body returning to the parent's next step's body beginning (that child's end written,
+  recorded for its parent, the parent moved on and run). Target on
   SQLite: at most 2x (a child's end costs its parent O(1): no re-read of all children per end);
   on PostgreSQL, reported.
 
@@ -47,9 +48,17 @@ marks: dict[str, float] = {}
 item = flow.Plan("bench-item")
 
 
+#: the fan-in's last child waits for this (set once every other child's end is written)
+gate: list[trio.Event] = []
+returned: list[int] = [0]
+
+
 @item.step
 async def work(ctx: flow.Context) -> None:
-    marks["child"] = time.perf_counter()  # the last one to return stays
+    if ctx.data.get("last"):
+        await gate[0].wait()
+        marks["child"] = time.perf_counter()
+    returned[0] += 1
 
 
 fan = flow.Plan("bench-fan")
@@ -57,7 +66,10 @@ fan = flow.Plan("bench-fan")
 
 @fan.step
 async def spawn(ctx: flow.Context) -> flow.Outcome:
-    return flow.spawn([flow.Child(item, key=f"k{i}") for i in range(ctx.data["n"])])
+    n, last = ctx.data["n"], ctx.data.get("last", False)
+    return flow.spawn(
+        [flow.Child(item, key=f"k{i}", data={"last": last and i == n - 1}) for i in range(n)]
+    )
 
 
 @fan.step
@@ -107,10 +119,21 @@ async def independent(where: Any) -> float:
 
 
 async def fan_in(where: Any, n: int) -> float:
-    """Seconds from the last of `n` children's body returning to the parent's next step."""
+    """Seconds from the last of `n` children's body returning to the parent's next step: the
+    other children have all ended (their ends written) before the last one is let go."""
     marks.clear()
+    gate[:] = [trio.Event()]
+    returned[0] = 0
     async with engine_at(where) as engine:
-        await _together(engine, fan, 1, {"n": n})
+        await engine.start(fan, flow_id="p", data={"n": n, "last": True})
+        while returned[0] < n - 1:  # noqa: ASYNC110 (the bodies count; no event per child)
+            await trio.sleep(0.01)
+        async with trio.open_nursery() as nursery:
+            for i in range(n - 1):
+                nursery.start_soon(engine.wait, f"p/0/k{i}")
+        gate[0].set()
+        snap = await engine.wait("p")
+        assert snap.state is flow.State.COMPLETED, snap.error
     return marks["next"] - marks["child"]
 
 
