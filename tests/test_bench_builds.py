@@ -35,3 +35,21 @@ def test_the_metrics_bench_runs_its_engine_without_the_hook(
         took = trio.run(bench_metrics._run, tmp_path / "m.db", False)
     assert took > 0
     assert trio.run(bench_metrics._run, tmp_path / "n.db", True) > 0
+
+
+def test_the_children_bench_runs_its_rows_at_a_tiny_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench_flow_children's rows (fan-out against independent flows, fan-in of many against
+    few) run end to end on SQLite at a tiny size, each figure a positive time."""
+    from tests.bench import bench_flow_children as bench
+
+    for name, value in [("ROUNDS", 1), ("FANIN_ROUNDS", 1), ("PARENTS", 3), ("CHILDREN", 4)]:
+        monkeypatch.setattr(bench, name, value)
+    monkeypatch.setattr(bench, "FAN_IN", 20)
+    monkeypatch.setattr(bench, "FEW", 2)
+    count = iter(range(100))
+    rows = list(bench._rows("sqlite", lambda: str(tmp_path / f"r{next(count)}.db"), True))
+    assert [r.target for r in rows] == [1.25, 2.0]
+    assert all(r.value > 0 and r.baseline > 0 for r in rows), rows
+    assert "children/s" in rows[0].note

@@ -37,7 +37,11 @@ The oracle (`check`, pure):
   database's clock at the write, the one clock of leases: docs/adr/0110); and the frozen owner
   advanced nothing after it woke from the revisions it held when it was frozen;
 - every failed flow's compensations ran in the reverse order of its completed steps, each once,
-  and a completed flow compensated nothing.
+  and a completed flow compensated nothing;
+- for each parent (about 6% of the flows: plan ``batch`` of tests/flow/_sigkill_family.py, ADR
+  0162), the family half: each child started once and ended as its kind says, the spawn ended
+  once, the parent resumed after its last child ended, completed children of a failed parent
+  undone once each; and each child goes through the per-flow rules above.
 """
 
 from __future__ import annotations
@@ -66,15 +70,17 @@ from ferry import flow
 from ferry.flow._store import _schema, _store
 from ferry.projected import PostgresStore
 from tests import switches
+from tests.flow import _sigkill_family as fam
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ("reserve", "charge", "ship")
-COMPENSATED = {"reserve": 0, "charge": 1}
+COMPENSATED = {"reserve": 0, "charge": 1, "prepare": 0, "pick": 0}  # with the family's
 
 # ------------------------------------------------------------------------------- the scenario
 
-#: kind -> weight
-KINDS = {"paid": 55, "declined": 15, "timeout": 15, "broken": 10, "refused": 5}
+#: kind -> weight; "family": a parent with children, of a kind of `_sigkill_family.FAMILIES`
+KINDS = {"paid": 52, "declined": 14, "timeout": 14, "broken": 9, "refused": 5, "family": 6}
+assert not set(KINDS) & set(fam.FAMILIES), "a plain kind's name taken by a parent's"
 
 
 @attrs.frozen
@@ -97,6 +103,11 @@ class Spec:
     data: dict[str, Any]
     sends: tuple[Send, ...]
 
+    @property
+    def kids(self) -> tuple[fam.KidSpec, ...]:
+        """A parent's children and how each must end (none for a plain flow)."""
+        return fam.kid_specs(self.flow_id, self.data) if self.kind in fam.FAMILIES else ()
+
 
 def scenario(n: int, engines: int, seed: int, *, spread: float) -> list[Spec]:
     """`n` flows, started over `spread` seconds on random engines, from `seed` alone."""
@@ -106,6 +117,12 @@ def scenario(n: int, engines: int, seed: int, *, spread: float) -> list[Spec]:
     for i in range(n):
         kind = rng.choices(kinds, weights)[0]
         start_at = round(rng.uniform(0.0, spread), 3)
+        if kind == "family":  # a parent with children, in place of a plain flow
+            names, shares = list(fam.FAMILIES), [w for w, _ in fam.FAMILIES.values()]
+            kind = rng.choices(names, shares)[0]
+            data = fam.family_data(kind, rng)
+            specs.append(Spec(f"o{i:05d}", kind, rng.randrange(engines), start_at, data, ()))
+            continue
         data = {
             "kind": kind,
             "pause": round(rng.uniform(0.0, 0.03), 3),
@@ -148,8 +165,8 @@ class Hold:
             await stdin.receive_some()
 
 
-def make_plan(side: Any, owner: str, hold: Hold | None = None) -> flow.Plan:
-    plan = flow.Plan("order")
+def make_plans(side: Any, owner: str, hold: Hold | None = None) -> list[flow.Plan]:
+    """The order plan, then the parents' and the children's (`_sigkill_family`)."""
 
     async def call(ctx: flow.Context) -> None:
         """The external call: committed (autocommit) before the body goes on."""
@@ -161,6 +178,12 @@ def make_plan(side: Any, owner: str, hold: Hold | None = None) -> flow.Plan:
         if hold is not None:
             await hold(ctx.idempotency_key)
         await trio.sleep(ctx.data["pause"])
+
+    return [make_plan(call), *fam.make_family(call)]
+
+
+def make_plan(call: fam.Call) -> flow.Plan:
+    plan = flow.Plan("order")
 
     async def release(ctx: flow.Context) -> None:
         await call(ctx)
@@ -197,7 +220,8 @@ async def serve(args: argparse.Namespace) -> None:
     side = psycopg.connect(args.dsn, autocommit=True)
     specs = scenario(args.flows, args.engines, args.seed, spread=args.spread)
     hold = None if args.hold_at is None else Hold()
-    plan = make_plan(side, args.owner, hold)
+    plans = make_plans(side, args.owner, hold)
+    by_name = {p.name: p for p in plans}
     dsn = f"{args.dsn} application_name={args.owner}"
 
     def mapper(event: Any) -> flow.Wake:
@@ -206,7 +230,7 @@ async def serve(args: argparse.Namespace) -> None:
     async with PostgresStore(dsn, connections=4) as store:
         async with switches.open_engine(
             store,
-            plans=[plan],
+            plans=plans,
             owner=args.owner,
             lease=args.lease,
             fencing=not args.no_fencing,
@@ -226,6 +250,7 @@ async def serve(args: argparse.Namespace) -> None:
 
             async def start(spec: Spec) -> None:
                 await at(spec.start_at)
+                plan = by_name["batch" if spec.kind in fam.FAMILIES else "order"]
                 for _ in range(100):  # like a client: on any doubt, again (it is idempotent)
                     with contextlib.suppress(ferry.Failed):
                         await engine.start(plan, flow_id=spec.flow_id, data=spec.data)
@@ -416,7 +441,7 @@ def stop_all(engines: Sequence[EngineProcess]) -> None:
 # ------------------------------------------------------------------------- the database side
 
 AUDIT = """
-CREATE TABLE side_runs (key TEXT NOT NULL, attempt BIGINT, owner TEXT);
+CREATE TABLE side_runs (id BIGSERIAL, key TEXT NOT NULL, attempt BIGINT, owner TEXT);
 CREATE TABLE audit (
     id BIGSERIAL PRIMARY KEY,
     flow_id TEXT, app TEXT,
@@ -519,7 +544,17 @@ def quiesce(dsn: str, owner: str, ceiling: float = 60.0) -> None:
                 print(f"quiesce: {owner} stopped mid-request: {seen}")
             return
         time.sleep(0.03)
-    raise AssertionError(f"{owner}'s statements still run {ceiling} s after it was stopped: {seen}")
+    stuck = query(
+        dsn,
+        "SELECT a.pid, a.wait_event_type, a.wait_event, left(a.query, 200),"
+        " (SELECT array_agg(b.application_name || ' ' || b.state || ' ' || left(b.query, 200))"
+        "  FROM pg_stat_activity b WHERE b.pid = ANY(pg_blocking_pids(a.pid)))"
+        " FROM pg_stat_activity a WHERE a.application_name = %s AND a.state = 'active'",
+        (owner,),
+    )
+    raise AssertionError(
+        f"{owner}'s statements still run {ceiling} s after it was stopped: {stuck}"
+    )
 
 
 def still_held(dsn: str, owner: str, flow_ids: Mapping[str, object]) -> int:
@@ -598,6 +633,7 @@ class Observed:
     history: Mapping[str, Sequence[flow.Event]]
     runs: Counter[str]  # key -> effective runs (side table)
     audit: Sequence[AuditRow]
+    order: Mapping[str, Sequence[int]] = attrs.Factory(dict)  # key -> its calls' ids, in order
 
 
 def observe(dsn: str) -> Observed:
@@ -607,10 +643,13 @@ def observe(dsn: str) -> Observed:
         tx = _SyncTx(conn)
         states = {r[0]: r[1] for r in tx.execute("SELECT flow_id, state FROM flow_flows")}
         history = {fid: _store.load_history(tx, fid) or [] for fid in states}
-        runs = Counter(r[0] for r in tx.execute("SELECT key FROM side_runs"))
+        order: dict[str, list[int]] = {}
+        for i, key in tx.execute("SELECT id, key FROM side_runs ORDER BY id"):
+            order.setdefault(key, []).append(i)
+        runs = Counter({key: len(ids) for key, ids in order.items()})
         cols = ", ".join(a.name for a in attrs.fields(AuditRow))
         audit = [AuditRow(*r) for r in tx.execute(f"SELECT {cols} FROM audit ORDER BY id")]
-    return Observed(states, history, runs, audit)
+    return Observed(states, history, runs, audit, order)
 
 
 # ------------------------------------------------------------------------------------ the oracle
@@ -645,22 +684,64 @@ def check(specs: Sequence[Spec], seen: Observed, freeze: Freeze | None) -> list[
         state = seen.states.get(fid)
         if state not in ("COMPLETED", "FAILED"):
             problems.append(f"{fid} ({spec.kind}) ended {state}, not COMPLETED or FAILED")
-        events = seen.history.get(fid, ())
-        recorded = Counter((e.kind, e.step) for e in events if e.kind in ("step", "compensated"))
-        for (kind, step), n in sorted(recorded.items()):
-            if n > 1:
-                problems.append(f"{fid}: the {kind} outcome of {step!r} is recorded {n} times")
-        done = [
-            e.step
-            for e in events
-            if e.kind == "step"
-            and e.step in COMPENSATED
-            and e.detail["outcome"] in ("continue", "park")
+        problems += _check_flow(fid, state, seen)
+        if spec.kids:
+            problems += _check_family(spec, seen)
+    problems += _check_runs(seen, freeze)
+    return problems
+
+
+def _check_family(spec: Spec, seen: Observed) -> list[str]:
+    """The family oracle (`_sigkill_family.audit_family`) for the parent `spec`, and the
+    per-flow one for each of its children."""
+    kids = spec.kids
+    if FAMILY_ENDS[spec.kind] != seen.states.get(spec.flow_id):
+        expected = FAMILY_ENDS[spec.kind]
+        return [
+            f"{spec.flow_id} ({spec.kind}) ended {seen.states.get(spec.flow_id)}, not {expected}"
         ]
-        undone = [e.step for e in events if e.kind == "compensated"]
-        expected = list(reversed(done)) if state == "FAILED" else []
-        if undone != expected:
-            problems.append(f"{fid} ({state}): compensated {undone}, completed {done}")
+    states = {k.flow_id: _state(seen.states.get(k.flow_id)) for k in kids}
+    problems = fam.audit_family(
+        spec.flow_id, spec.kind, spec.data["max"], kids, states, seen.history, seen.order
+    )
+    for k in kids:
+        if k.expected is not None:
+            problems += _check_flow(k.flow_id, seen.states.get(k.flow_id), seen)
+    return problems
+
+
+FAMILY_ENDS = {kind: state.name for kind, (_w, state) in fam.FAMILIES.items()}
+
+
+def _state(name: str | None) -> flow.State | None:
+    return None if name is None else flow.State[name]
+
+
+def _check_flow(fid: str, state: str | None, seen: Observed) -> list[str]:
+    """One flow's history: each outcome once, compensations in reverse order of its steps."""
+    problems: list[str] = []
+    events = seen.history.get(fid, ())
+    recorded = Counter((e.kind, e.step) for e in events if e.kind in ("step", "compensated"))
+    for (kind, step), n in sorted(recorded.items()):
+        if n > 1:
+            problems.append(f"{fid}: the {kind} outcome of {step!r} is recorded {n} times")
+    done = [
+        e.step
+        for e in events
+        if e.kind == "step"
+        and e.step in COMPENSATED
+        and e.detail["outcome"] in ("continue", "park")
+    ]
+    undone = [e.step for e in events if e.kind == "compensated"]
+    expected = list(reversed(done)) if state == "FAILED" else []
+    if undone != expected:
+        problems.append(f"{fid} ({state}): compensated {undone}, completed {done}")
+    return problems
+
+
+def _check_runs(seen: Observed, freeze: Freeze | None) -> list[str]:
+    """Runs at most 1 + takeovers; no write over a live lease; nothing from the frozen owner."""
+    problems: list[str] = []
     hits: Counter[str] = Counter(a.key for a in seen.audit if a.rerun)
     for key, n in sorted(seen.runs.items()):
         if n > 1 + hits[key]:
@@ -674,7 +755,8 @@ def check(specs: Sequence[Spec], seen: Observed, freeze: Freeze | None) -> list[
         ):
             problems.append(
                 f"{a.flow_id}: {a.app} wrote revision {a.new_revision} over {a.old_owner}'s"
-                f" lease (until {a.old_lease:.3f}, written at {a.written_at:.3f})"
+                f" lease (until {a.old_lease:.3f}, written at {a.written_at:.3f};"
+                f" {a.old_state} at {a.old_step!r} -> {a.new_state}, owner {a.new_owner})"
             )
     if freeze is not None:
         for a in seen.audit:

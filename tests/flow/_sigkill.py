@@ -24,6 +24,9 @@ The oracle (`audit`, pure): every flow ends ``COMPLETED`` or ``FAILED`` (and the
 says); no step outcome and no compensation is recorded twice in its history; every key's
 effective runs are at most 1 + the number of kills that caught that key in flight; and every
 step recorded as done (or parked) ran at least once. See docs/adr/0055.
+
+Some flows of the scenario are parents with children (`_sigkill_family`, docs/adr/0162): each
+child's history and keys go through the same oracle, and its family half checks the rest.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import trio
 from ferry import flow
 from ferry.flow._store import _store
 
+from . import _sigkill_family as fam
 from ._helpers import _InlineTx
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,17 +83,24 @@ class Spec:
     data: dict[str, Any]
     events: tuple[tuple[float, str], ...]  # (seconds after the epoch, event id), maybe repeated
     expected: flow.State
+    kids: tuple[fam.KidSpec, ...] = ()  # a parent's children (`_sigkill_family`)
 
 
 def scenario(n: int, seed: int) -> list[Spec]:
-    """`n` flows from `seed` alone."""
+    """`n` flows from `seed` alone: plain ones, and parents (`_sigkill_family.FAMILIES`) that
+    take the place of some of them."""
     rng = random.Random(seed)
-    names = list(SCENARIOS)
-    weights = [SCENARIOS[s][0] for s in names]
+    names = [*SCENARIOS, *fam.FAMILIES]
+    weights = [SCENARIOS[s][0] for s in SCENARIOS] + [w for w, _ in fam.FAMILIES.values()]
     specs = []
     for i in range(n):
         kind = rng.choices(names, weights)[0]
         fid = f"f{i:05d}"
+        if kind in fam.FAMILIES:
+            parent = fam.family_data(kind, rng)
+            kids = fam.kid_specs(fid, parent)
+            specs.append(Spec(fid, kind, parent, (), fam.FAMILIES[kind][1], kids))
+            continue
         waits = kind in ("timeout", "continue")
         data: dict[str, Any] = {
             "kind": kind,
@@ -193,6 +204,24 @@ def make_plan(
     return plan
 
 
+def make_plans(
+    side: sqlite3.Connection, gen: int, plant: str | None, hold: Hold | None = None
+) -> list[flow.Plan]:
+    """The plain flows' plan, then the parents' and the children's (`_sigkill_family`)."""
+    plan = make_plan(side, gen, plant, hold)
+
+    async def call(ctx: flow.Context) -> None:
+        side.execute(
+            "INSERT INTO runs (key, attempt, gen) VALUES (?, ?, ?)",
+            (ctx.idempotency_key, ctx.attempt, gen),
+        )
+        if hold is not None:
+            await hold(ctx.idempotency_key)
+        await trio.sleep(ctx.data["pause"])
+
+    return [plan, *fam.make_family(call)]
+
+
 def open_side(path: Path) -> sqlite3.Connection:
     side = sqlite3.connect(path, isolation_level=None)
     side.execute("PRAGMA journal_mode=WAL")
@@ -206,13 +235,14 @@ async def child(args: argparse.Namespace) -> None:
     side = open_side(work / "side.db")
     specs = scenario(args.flows, args.seed)
     hold = None if args.hold_after is None else Hold()
-    plan = make_plan(side, args.gen, args.plant, hold)
+    plans = make_plans(side, args.gen, args.plant, hold)
+    by_name = {p.name: p for p in plans}
     epoch = args.epoch
 
     def mapper(event: Any) -> flow.Wake:
         return flow.Wake(event["flow"], {"ok": event["ok"]}, message_id=event["id"])
 
-    async with flow.open_engine(work / "flows.db", plans=[plan]) as engine:
+    async with flow.open_engine(work / "flows.db", plans=plans) as engine:
         engine.on("payment", mapper)
         print("open", flush=True)
         if hold is not None:
@@ -224,6 +254,7 @@ async def child(args: argparse.Namespace) -> None:
             await engine.publish("payment", event)
 
         async def one(spec: Spec) -> None:
+            plan = by_name["batch" if spec.kids else "sigkill"]
             await engine.start(plan, flow_id=spec.flow_id, data=spec.data)
             async with trio.open_nursery() as nursery:
                 for at, event_id in spec.events:
@@ -396,6 +427,7 @@ class Observed:
     states: Mapping[str, flow.State | None]  # flow id -> its end state (None: no such flow)
     history: Mapping[str, Sequence[flow.Event]]
     runs: Counter[str]  # idempotency key -> effective runs (side table)
+    order: Mapping[str, Sequence[int]] = attrs.Factory(dict)  # key -> its calls' row ids
 
 
 def read_outcome(work: Path, specs: Sequence[Spec]) -> Observed:
@@ -405,18 +437,23 @@ def read_outcome(work: Path, specs: Sequence[Spec]) -> Observed:
         tx: Any = _InlineTx(conn)
         states: dict[str, flow.State | None] = {}
         history: dict[str, list[flow.Event]] = {}
-        for spec in specs:
-            row = _store.load(tx, spec.flow_id)
-            states[spec.flow_id] = None if row is None else row.state
-            history[spec.flow_id] = _store.load_history(tx, spec.flow_id) or []
+        for fid in [f for spec in specs for f in (spec.flow_id, *(k.flow_id for k in spec.kids))]:
+            row = _store.load(tx, fid)
+            states[fid] = None if row is None else row.state
+            history[fid] = _store.load_history(tx, fid) or []
     finally:
         conn.close()
     side = sqlite3.connect(work / "side.db")
     try:
-        runs = Counter(key for (key,) in side.execute("SELECT key FROM runs"))
+        order = fam.read_order(side)
     finally:
         side.close()
-    return Observed(states, history, runs)
+    runs = Counter({key: len(ids) for key, ids in order.items()})
+    return Observed(states, history, runs, order)
+
+
+def _step_index(flow_id: str, step: str) -> int:
+    return STEPS.index(step) if step in STEPS else fam.step_index(flow_id, step)
 
 
 def audit(specs: Sequence[Spec], outcome: Observed, hits: Counter[str]) -> list[str]:
@@ -429,23 +466,41 @@ def audit(specs: Sequence[Spec], outcome: Observed, hits: Counter[str]) -> list[
             problems.append(f"{fid} ({spec.scenario}) ended {state}, not COMPLETED or FAILED")
         elif state is not spec.expected:
             problems.append(f"{fid} ({spec.scenario}) ended {state}, expected {spec.expected}")
-        recorded = Counter(
-            (e.kind, e.step)
-            for e in outcome.history.get(fid, ())
-            if e.kind in ("step", "compensated")
-        )
-        for (kind, step), n in sorted(recorded.items()):
-            if n > 1:
-                problems.append(f"{fid}: the {kind} outcome of {step!r} is recorded {n} times")
-        for e in outcome.history.get(fid, ()):
-            if e.kind == "step" and e.detail["outcome"] in ("continue", "complete", "park"):
-                assert e.step is not None
-                key = f"{fid}/{STEPS.index(e.step)}/{e.step}"
-                if outcome.runs[key] < 1:
-                    problems.append(f"{key} is recorded as done but never ran")
+        if spec.kids:
+            problems += fam.audit_family(
+                fid,
+                spec.scenario,
+                spec.data["max"],
+                spec.kids,
+                outcome.states,
+                outcome.history,
+                outcome.order,
+            )
+        for f in (fid, *(k.flow_id for k in spec.kids)):
+            problems += _audit_history(f, outcome)
     for key, n in sorted(outcome.runs.items()):
         if n > 1 + hits[key]:
             problems.append(f"{key} ran {n} times, but only {hits[key]} kills caught it in flight")
+    return problems
+
+
+def _audit_history(fid: str, outcome: Observed) -> list[str]:
+    """No step outcome or compensation recorded twice; every step recorded as done ran."""
+    problems = []
+    recorded = Counter(
+        (e.kind, e.step) for e in outcome.history.get(fid, ()) if e.kind in ("step", "compensated")
+    )
+    for (kind, step), n in sorted(recorded.items()):
+        if n > 1:
+            problems.append(f"{fid}: the {kind} outcome of {step!r} is recorded {n} times")
+    for e in outcome.history.get(fid, ()):
+        if e.kind == "step" and e.detail["outcome"] in ("continue", "complete", "park"):
+            assert e.step is not None
+            if e.step == "fan":
+                continue  # a spawn makes no call
+            key = f"{fid}/{_step_index(fid, e.step)}/{e.step}"
+            if outcome.runs[key] < 1:
+                problems.append(f"{key} is recorded as done but never ran")
     return problems
 
 
@@ -455,7 +510,7 @@ def summary(run: Run, outcome: Observed) -> str:
     return (
         f"{run.flows} flows, {run.kills} kills ({run.early_kills} before the engine opened),"
         f" {sum(run.hits.values())} steps/compensations caught in flight, {reruns} re-runs,"
-        f" ends {dict(ends)}, {run.seconds:.1f} s"
+        f" ends {dict(ends)}, {run.seconds:.1f} s; " + fam.family_summary(run.hits)
     )
 
 

@@ -1,17 +1,23 @@
 """The SIGKILL test on SQLite (ADR 0055): a child process runs hundreds of flows and is
 killed at random moments, several times; the oracle (tests/flow/_sigkill.py) must hold, and it
-must catch a planted bug that re-runs a recorded step."""
+must catch a planted bug that re-runs a recorded step. Some of the flows are parents that spawn
+children (tests/flow/_sigkill_family.py, ADR 0162): the oracle's family half (each child started
+once, its steps recorded once, each parent resumed once after its last child ended, the
+completed children of a failed parent compensated once each) is shown on planted inputs too."""
 
 from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
 
 from ferry import flow
 
-from ._sigkill import Observed, audit, read_outcome, run_with_kills, scenario, summary
+from ._sigkill import Observed, Spec, audit, read_outcome, run_with_kills, scenario, summary
+from ._sigkill_family import FAMILIES
 
 
 def check(tmp_path: Path, *, flows: int, kills: int, seed: int) -> None:
@@ -27,6 +33,7 @@ def check(tmp_path: Path, *, flows: int, kills: int, seed: int) -> None:
     assert run.held and all(run.hits[key] > 0 for key in run.held), (run.held, run.hits)
     assert sum(n - 1 for n in outcome.runs.values() if n > 1) > 0
     assert sum(r["recovered"] for r in run.reports) > 0
+    assert any(key.count("/") > 2 for key in run.hits), "no kill caught a child in flight"
 
 
 def test_flows_survive_sigkills(tmp_path: Path) -> None:
@@ -51,31 +58,78 @@ def test_the_oracle_catches_an_engine_that_replays_a_recorded_step(tmp_path: Pat
 
 # ------------------------------------------------------------------ the oracle on planted inputs
 
-SPECS = scenario(40, seed=9)
+SPECS = scenario(40, seed=96)
+PARENTS = [s for s in SPECS if s.kids]
+PLAIN = [s for s in SPECS if not s.kids]
+assert {s.scenario for s in PARENTS} == set(FAMILIES), "a seed with every kind of parent"
+
+
+def _event(kind: str, step: str | None = None, outcome: str | None = None) -> flow.Event:
+    detail = None if outcome is None else {"outcome": outcome}
+    return flow.Event(revision=0, at=0.0, kind=kind, step=step, attempt=1, detail=detail)
+
+
+class _Calls:
+    """A made-up side table: each call one row id, in the order they are made."""
+
+    def __init__(self) -> None:
+        self.order: dict[str, list[int]] = {}
+
+    def __call__(self, key: str) -> None:
+        self.order.setdefault(key, []).append(sum(map(len, self.order.values())) + 1)
+
+
+def _family(spec: Spec, calls: _Calls, history: dict[str, list[flow.Event]]) -> None:
+    """A clean run of a parent and its children: children one after the other, each once, the
+    completed ones undone newest first if the parent fails."""
+    fid, kind, bad = spec.flow_id, spec.scenario, spec.data["bad"]
+    events = [_event("started"), _event("step", "prepare", "continue")]
+    calls(f"{fid}/0/prepare")
+    events += [_event("step", "fan", "spawn"), _event("children_ended", "fan")]
+    completed = []
+    for i, k in enumerate(spec.kids):
+        if k.expected is None:
+            continue
+        kid = [_event("started"), _event("step", "pick", "continue")]
+        calls(f"{k.flow_id}/0/pick")
+        if i == bad:
+            kid += [_event("step", "pack", "fail"), _event("compensated", "pick")]
+            calls(f"{k.flow_id}/0-compensate/pick")
+        else:
+            kid += [_event("step", "pack", "continue"), _event("completed")]
+            calls(f"{k.flow_id}/1/pack")
+            completed.append(k.flow_id)
+        history[k.flow_id] = kid
+    if kind in ("fanout", "carryon", "rejected"):
+        events.append(_event("step", "collect", "fail" if kind == "rejected" else "continue"))
+        calls(f"{fid}/2/collect")
+    if spec.expected is flow.State.FAILED:
+        for child in reversed(completed):
+            history[child] += [_event("undone_by_parent"), _event("compensated", "pick")]
+            calls(f"{child}/0-compensate/pick")
+        events.append(_event("compensated", "prepare"))
+        calls(f"{fid}/0-compensate/prepare")
+    history[fid] = events
 
 
 def clean_outcome() -> tuple[Observed, Counter[str]]:
     """A made-up outcome that satisfies the oracle: each flow ran each of its steps once."""
     states: dict[str, flow.State | None] = {}
     history: dict[str, list[flow.Event]] = {}
-    runs: Counter[str] = Counter()
+    calls = _Calls()
     for spec in SPECS:
         states[spec.flow_id] = spec.expected
+        states.update({k.flow_id: k.expected for k in spec.kids})
+        if spec.kids:
+            _family(spec, calls, history)
+            continue
         events = []
         for i, step in enumerate(("reserve", "charge")):
-            events.append(
-                flow.Event(
-                    revision=i + 2,
-                    at=0.0,
-                    kind="step",
-                    step=step,
-                    attempt=1,
-                    detail={"outcome": "continue"},
-                )
-            )
-            runs[f"{spec.flow_id}/{i}/{step}"] += 1
+            events.append(_event("step", step, "continue"))
+            calls(f"{spec.flow_id}/{i}/{step}")
         history[spec.flow_id] = events
-    return Observed(states, history, runs), Counter()
+    runs = Counter({key: len(ids) for key, ids in calls.order.items()})
+    return Observed(states, history, runs, calls.order), Counter()
 
 
 def test_the_oracle_passes_a_clean_outcome() -> None:
@@ -85,7 +139,7 @@ def test_the_oracle_passes_a_clean_outcome() -> None:
 
 def test_the_oracle_catches_a_flow_that_did_not_end() -> None:
     outcome, hits = clean_outcome()
-    fid = SPECS[3].flow_id
+    fid = PLAIN[3].flow_id
     states = dict(outcome.states, **{fid: flow.State.PARKED})
     (problem,) = audit(SPECS, Observed(states, outcome.history, outcome.runs), hits)
     assert problem.startswith(f"{fid} ") and "not COMPLETED or FAILED" in problem
@@ -93,7 +147,7 @@ def test_the_oracle_catches_a_flow_that_did_not_end() -> None:
 
 def test_the_oracle_catches_a_flow_that_ended_wrong() -> None:
     outcome, hits = clean_outcome()
-    spec = SPECS[4]
+    spec = PLAIN[4]
     other = flow.State.FAILED if spec.expected is flow.State.COMPLETED else flow.State.COMPLETED
     states = dict(outcome.states, **{spec.flow_id: other})
     (problem,) = audit(SPECS, Observed(states, outcome.history, outcome.runs), hits)
@@ -102,7 +156,7 @@ def test_the_oracle_catches_a_flow_that_ended_wrong() -> None:
 
 def test_the_oracle_catches_an_outcome_recorded_twice() -> None:
     outcome, hits = clean_outcome()
-    fid = SPECS[0].flow_id
+    fid = PLAIN[0].flow_id
     events = list(outcome.history[fid])
     history = dict(outcome.history, **{fid: [*events, events[1]]})
     (problem,) = audit(SPECS, Observed(outcome.states, history, outcome.runs), hits)
@@ -111,9 +165,9 @@ def test_the_oracle_catches_an_outcome_recorded_twice() -> None:
 
 def test_the_oracle_catches_a_step_that_ran_once_too_often() -> None:
     outcome, hits = clean_outcome()
-    key = f"{SPECS[1].flow_id}/0/reserve"
+    key = f"{PLAIN[1].flow_id}/0/reserve"
     runs = outcome.runs + Counter({key: 1})
-    bad = Observed(outcome.states, outcome.history, runs)
+    bad = Observed(outcome.states, outcome.history, runs, outcome.order)
     (problem,) = audit(SPECS, bad, hits)
     assert problem == f"{key} ran 2 times, but only 0 kills caught it in flight"
     assert audit(SPECS, bad, Counter({key: 1})) == []  # a kill that caught it allows one more
@@ -121,7 +175,71 @@ def test_the_oracle_catches_a_step_that_ran_once_too_often() -> None:
 
 def test_the_oracle_catches_a_step_recorded_but_never_run() -> None:
     outcome, hits = clean_outcome()
-    key = f"{SPECS[2].flow_id}/1/charge"
+    key = f"{PLAIN[2].flow_id}/1/charge"
     runs = Counter({k: n for k, n in outcome.runs.items() if k != key})
-    (problem,) = audit(SPECS, Observed(outcome.states, outcome.history, runs), hits)
+    (problem,) = audit(SPECS, Observed(outcome.states, outcome.history, runs, outcome.order), hits)
     assert problem == f"{key} is recorded as done but never ran"
+
+
+# ----------------------------------------------- the family oracle on planted inputs (issue 28)
+
+
+def _planted(fid: str, **changes: Any) -> list[str]:
+    outcome, hits = clean_outcome()
+    return audit(SPECS, attrs.evolve(outcome, **changes), hits)
+
+
+def test_the_oracle_catches_a_child_started_twice() -> None:
+    outcome, _ = clean_outcome()
+    child = next(k.flow_id for s in PARENTS for k in s.kids if k.expected is not None)
+    twice = [outcome.history[child][0], *outcome.history[child]]
+    problems = _planted(child, history={**outcome.history, child: twice})
+    assert problems == [f"{child}: started 2 times, not once"]
+    # ... or its first step's call made twice, with no kill to explain it
+    key = f"{child}/0/pick"
+    problems = _planted(child, runs=outcome.runs + Counter({key: 1}))
+    assert problems == [f"{key} ran 2 times, but only 0 kills caught it in flight"]
+
+
+def test_the_oracle_catches_a_kept_child_started_after_its_brother_failed() -> None:
+    outcome, _ = clean_outcome()
+    kept = next(k.flow_id for s in PARENTS for k in s.kids if k.expected is None)
+    states = {**outcome.states, kept: flow.State.FAILED}
+    history = {**outcome.history, kept: [_event("started"), _event("failed")]}
+    (problem,) = _planted(kept, states=states, history=history)
+    assert problem.startswith(f"{kept}: a kept child started")
+
+
+def test_the_oracle_catches_a_parent_resumed_twice_or_before_its_last_child_ended() -> None:
+    outcome, _ = clean_outcome()
+    spec = next(s for s in SPECS if s.scenario in ("fanout", "carryon", "rejected"))
+    fid, events = spec.flow_id, outcome.history[spec.flow_id]
+    twice = [*events[:4], events[3], *events[4:]]
+    (problem,) = _planted(fid, history={**outcome.history, fid: twice})
+    assert problem == f"{fid} ({spec.scenario}): its spawn ended 2 times, not once"
+    early = dict(outcome.order)
+    early[f"{fid}/2/collect"] = [0]  # before any child's call
+    (problem,) = _planted(fid, order=early)
+    assert problem == f"{fid} ({spec.scenario}): collect ran before its last child ended"
+
+
+def test_the_oracle_catches_a_completed_child_not_undone_or_undone_twice() -> None:
+    outcome, _ = clean_outcome()
+    spec = next(s for s in PARENTS if s.scenario == "stopwide")
+    child = next(k.flow_id for i, k in enumerate(spec.kids) if i != spec.data["bad"])
+    events = outcome.history[child]
+    kept = [e for e in events if e.kind != "undone_by_parent"]
+    (problem,) = _planted(child, history={**outcome.history, child: kept})
+    assert problem == f"{child}: undone by its parent 0 times, expected 1"
+    undo = next(e for e in events if e.kind == "undone_by_parent")
+    problems = _planted(child, history={**outcome.history, child: [*events, undo]})
+    assert f"{child}: compensated for its parent 2 times" in problems
+
+
+def test_the_oracle_catches_children_undone_oldest_first() -> None:
+    outcome, _ = clean_outcome()
+    spec = next(s for s in PARENTS if s.scenario == "stop" and s.data["bad"] >= 2)
+    a, b = (f"{k.flow_id}/0-compensate/pick" for k in spec.kids[:2])
+    order = {**outcome.order, a: outcome.order[b], b: outcome.order[a]}
+    (problem,) = _planted(spec.flow_id, order=order)
+    assert problem.startswith(f"{spec.flow_id}: children undone in the order")

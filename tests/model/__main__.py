@@ -1,6 +1,7 @@
-"""`python -m tests.model [slow] [flow | fleet | admission]`: run the core, shell, flow, fleet and
-admission model checks (with `flow`: only the flow's and the fleet's; with `fleet`: only the
-fleet's; with `admission`: only flow control's admission, docs/adr/0142); states and time each."""
+"""`python -m tests.model [slow] [flow | fleet | admission | children]`: run the core, shell, flow,
+fleet, admission and children model checks (with `flow`: only the flow's and the fleet's; with
+`fleet`: only the fleet's; with `admission`: only flow control's admission, docs/adr/0142; with
+`children`: only child flows', on the wired engine's rule, docs/adr/0163); states and time each."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 
 from tests.model.admission import ADMISSION_DEFAULT, ADMISSION_SLOW, AdmissionChecker
 from tests.model.checker import Checker
+from tests.model.children import ChildrenChecker
 from tests.model.configs import (
     DEFAULT,
     FLEET_DEFAULT,
@@ -21,6 +23,8 @@ from tests.model.configs import (
 from tests.model.fleet import FleetChecker
 from tests.model.flow import FlowChecker
 from tests.model.shell import ShellChecker
+from tests.model.test_children_model import DEFAULT as CHILDREN_DEFAULT
+from tests.model.test_children_model import LARGER as CHILDREN_SLOW
 
 
 def main(argv: list[str]) -> int:
@@ -40,6 +44,11 @@ def main(argv: list[str]) -> int:
         reports += [FleetChecker(c).run for c in fleet]
     if not ("flow" in args or "fleet" in args):
         reports += [AdmissionChecker(c).run for c in admission]
+    children = CHILDREN_DEFAULT + (CHILDREN_SLOW if slow else ())
+    if "children" in args:
+        reports = []
+    if "children" in args or not ("flow" in args or "fleet" in args or "admission" in args):
+        reports += [ChildrenChecker(c).run for c in children]
     for run in reports:
         r = run()
         print(

@@ -187,7 +187,11 @@ class ChildrenChecker(Search):
         self.config = config
         self.name = config.name
         self.shape = config.shape
-        self.protocol = protocol or ChildrenProtocol()
+        if protocol is None:  # the engine's rule for an ordinary end (docs/adr/0163)
+            from tests.model.children_wired import WiredProtocol
+
+            protocol = WiredProtocol()
+        self.protocol = protocol
         self.coverage: set[str] = set()
 
     def initial(self) -> C:

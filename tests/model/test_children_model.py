@@ -28,12 +28,15 @@ from ferry.flow._model._values import (
 )
 from tests.model.checker import Counterexample
 from tests.model.children import CHILD, ChildrenChecker, ChildrenConfig, ChildrenProtocol
+from tests.model.children_wired import WiredProtocol
 from tests.model.planted_children import (
     RecoveryStartsTheChildrenAgain,
     ResumesOneEndEarly,
     ResumesWhenNoneIsActive,
     UndoForgetsItsEnd,
     UndoHangsOffTheSpawnsCompensation,
+    WiredEndForgetsTheKept,
+    WiredEndStartsTheKeptAgain,
 )
 
 ALL_AT_ONCE = ChildrenConfig("both at once, compensate", crashes=2, child_cancel=True)
@@ -138,6 +141,32 @@ def test_catches_a_child_compensated_twice() -> None:
     # The family's own rule sees the forgotten end sooner, in the write that forgets it.
     found = _counterexample(ALL_AT_ONCE, UndoForgetsItsEnd())
     assert "undone, with a completed child not compensated" in found.message
+
+
+def test_the_model_check_makes_the_ordinary_ends_with_the_engines_sql() -> None:
+    """The default protocol is the wired engine's (`children_wired`): each distinct ordinary end
+    the search reaches is `record_end` on a database, checked against the pure rule."""
+    checker = ChildrenChecker(ONE_AT_A_TIME_COMPENSATE)
+    checker.run()
+    assert isinstance(checker.protocol, WiredProtocol) and checker.protocol.wired_ends > 5
+
+
+def test_catches_an_end_whose_sql_resumes_the_parent_before_a_kept_child() -> None:
+    found = ChildrenChecker(ONE_AT_A_TIME, WiredEndForgetsTheKept()).find()
+    assert "the wired end writes" in found.message  # the SQL against the pure rule
+    # Without that cross-check, the family's rule sees it, and without that, the history.
+    found = ChildrenChecker(ONE_AT_A_TIME, WiredEndForgetsTheKept(cross_check=False)).find()
+    assert "kept children [1], the first kept one is 2" in found.message
+    quiet = WiredEndForgetsTheKept(cross_check=False)
+    found = ChildrenChecker(ONE_AT_A_TIME, quiet, check_family=False).find()
+    assert "children ['b'] never started, and nothing stopped the spawn" in found.message
+
+
+def test_catches_an_end_whose_sql_leaves_a_started_child_kept() -> None:
+    found = ChildrenChecker(ONE_AT_A_TIME, WiredEndStartsTheKeptAgain()).find()
+    assert "the wired end writes" in found.message
+    found = ChildrenChecker(ONE_AT_A_TIME, WiredEndStartsTheKeptAgain(cross_check=False)).find()
+    assert "counts 1 active children" in found.message
 
 
 # ---- the family's pure transitions, one write each (what the model check composes) ----------
