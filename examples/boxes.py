@@ -2,7 +2,7 @@
 per box, at most a few at a time, and waits for them durably; an order whose box cannot be
 shipped, or whose invoice is refused, undoes the boxes it shipped.
 
-    python examples/boxes.py [--orders 20] [--boxes 5] [--max-running 2] [--seed 1]
+    python examples/boxes.py [--orders 12] [--boxes 5] [--max-running 2] [--seed 1]
                              [--fail FRACTION] [--db PATH] [--json]
 
 Every order is a flow of the plan ``order``:
@@ -170,7 +170,7 @@ async def run_orders(path: str, args: Any) -> dict[str, Any]:
 def build_parser() -> _cli.ArgumentParser:
     parser = _cli.parser(__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--orders", type=_cli.integer(1, 10_000), default=20, metavar="N", help="orders to run"
+        "--orders", type=_cli.integer(1, 10_000), default=12, metavar="N", help="orders to run"
     )
     parser.add_argument(
         "--boxes",
