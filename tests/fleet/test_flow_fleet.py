@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -151,11 +150,7 @@ def test_a_fleet_with_a_kill_and_a_frozen_owner_runs_every_flow_once(
         dsn, tmp_path, flows=int(os.environ.get("FLEET_FLOWS", "2000")), spread=4.0, seed=1
     )
     print(f"\n{summary(specs, seen, reports)}\n{chaos.seconds:.1f} s")
-    problems = check(specs, seen, chaos.freeze)
-    known = [p for p in problems if is_known(p)]
-    if known:
-        warnings.warn(f"the known write over a live lease (ADR 0162): {known}", stacklevel=1)
-    assert [p for p in problems if p not in known] == []
+    assert check(specs, seen, chaos.freeze) == []
     # The run did what it claims. The kill caught work in flight, which other engines took
     # over once its leases lapsed; some of it ran again.
     assert chaos.kill_key in {key for key, _rev in chaos.killed.values()}, chaos
@@ -174,14 +169,6 @@ def test_a_fleet_with_a_kill_and_a_frozen_owner_runs_every_flow_once(
     assert all(w["RESUMED"] + w["QUEUED"] > 0 for w in wakes)
     assert sum(w["DUPLICATE"] for w in wakes) > 0
     assert {s for s in seen.states.values()} == {"COMPLETED", "FAILED"}
-
-
-def is_known(problem: str) -> bool:
-    """The one problem known and not fixed yet (ADR 0162, issue 28's chaos report): a parent
-    that its spawn holds at the spawning step (``fan``) while it undoes its children stays held
-    by the engine that wrote that step's end; a child's compensation ending on another engine
-    moves the parent's row on, over the holder's lease. Anything else fails the test."""
-    return " lease (until " in problem and "COMPENSATING at 'fan' -> " in problem
 
 
 #: Chaos runs the unfenced fleet gets to show its damage. Whether a stale engine writes over

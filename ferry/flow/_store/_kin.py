@@ -330,7 +330,10 @@ def _write_move(tx: Tx, m: Move, writer: str | None, again: WriteBatch) -> Done:
     ops: list[Op] = []
     if m.parent is not None and m.parent.written:
         p = m.parent
-        rule = _ops.HolderRule(writer)
+        # A parent another engine holds (it waits at its spawning step while its children are
+        # undone, COMPENSATING) stays with that engine, as on an outside request: a child's end
+        # written by another engine must not move it over its holder's lease (docs/adr/0162).
+        rule = _ops.HolderRule(writer, keep_runner=True)
         ops.append(Change(p.flow.flow_id, Fixed(p), expected=p.expected, holder=rule))
     for c in m.children:
         if c.expected == 0:
