@@ -413,12 +413,8 @@ class Writes:
         a step's changes are discarded) and its waits answer at once with `problem`. The
         other flows go on; the next open (or, in a fleet, check round or scan) tries it again
         (docs/adr/0104)."""
-        _log.warning(
-            "%s is left as it is, not run by this engine: %s",
-            named(flow),
-            problem,
-            extra=about(flow),
-        )
+        what = "%s is left as it is, not run by this engine: %s"
+        _log.warning(what, named(flow), problem, extra=about(flow))
         self._refused(flow, problem, error)
         fid = flow.flow_id
         live = self.live.get(fid)

@@ -92,8 +92,7 @@ def ddl(dialect: str) -> list[str]:
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_state_created ON {FLOWS} (state, created_at, flow_id)",
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_plan_created ON {FLOWS}"
         " (plan, version, created_at, flow_id)",
-        # Finished flows by when they ended (a finished flow is never written again): retention
-        # (`_retention`) and the dashboard's counts of finished flows.
+        # Finished flows by when they ended (never written again): retention, the dashboard.
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_ended ON {FLOWS} (updated_at, state)"
         f" WHERE state {IN_FINISHED}",
         *_in_byte_order(d),
