@@ -394,7 +394,11 @@ def _ended(
     if not (end.stopped or end.last):
         return done
     kids = sf.children(tx, pid, s)
-    rows = _rows(tx, kids)
+    b = end.brood
+    # The children's own rows only where the rule reads them: a stop, or a last end that
+    # compensates (`go_on` moves the parent on from the counters and the kid rows alone).
+    reads_rows = end.stopped or not (b.phase == _family.WAITING or b.then == "continue")
+    rows: list[Flow | None] = _rows(tx, kids) if reads_rows else [None] * len(kids)
     parent = _store.load(tx, pid)
     assert parent is not None
     pshape = reg.shape(parent.plan, parent.version)
