@@ -200,14 +200,8 @@ class Tracing:
         except Exception as exc:
             failed(TRACING, f"beginning the span of starting flow {flow_id!r}", exc)
             traceparent = None
-        error: Exception | None = None
-        try:
+        with self._closing(span, token, f"ending the span of starting flow {flow_id!r}"):
             yield traceparent
-        except Exception as exc:
-            error = exc
-            raise
-        finally:
-            self._close(span, token, error, f"ending the span of starting flow {flow_id!r}")
 
     @contextlib.contextmanager
     def spawn(self, flow: Flow, children: int) -> Iterator[str | None]:
@@ -237,14 +231,22 @@ class Tracing:
         except Exception as exc:
             failed(TRACING, f"beginning the span of the spawn of flow {flow.flow_id!r}", exc)
             traceparent = None
+        with self._closing(span, None, f"ending the span of the spawn of {flow.flow_id!r}"):
+            yield traceparent
+
+    @contextlib.contextmanager
+    def _closing(
+        self, span: Span | None, token: Token[OtelContext] | None, what: str
+    ) -> Iterator[None]:
+        """End `span` (and detach `token`) when the block ends, with the error it raised."""
         error: Exception | None = None
         try:
-            yield traceparent
+            yield
         except Exception as exc:
             error = exc
             raise
         finally:
-            self._close(span, None, error, f"ending the span of the spawn of {flow.flow_id!r}")
+            self._close(span, token, error, what)
 
     def _close(
         self,
