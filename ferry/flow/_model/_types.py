@@ -166,7 +166,9 @@ class Snapshot:
     `step`/`step_index`: the step running, parked at, or being compensated; `step` is None once
     the flow is completed or failed. `revision` is 1 after `start` and +1 on every accepted write.
     `deadline`: the whole flow's deadline (wall-clock seconds, `start(deadline=...)`) or None.
-    `children`: the child flow ids of its latest spawn, in spawn order (started or kept).
+    `children`: the child flow ids of its latest spawn, in spawn order (started or kept), as
+    `get` reads them; the snapshots `start` and `wait` return leave it empty (they come from
+    the engine's memory, with no read of the family's rows): `get` the flow to list them.
     """
 
     flow_id: str
