@@ -63,6 +63,8 @@ from ._model._errors import IdReused as IdReused
 from ._model._errors import StoreLocked as StoreLocked
 from ._model._errors import UnknownFlow as UnknownFlow
 from ._model._errors import UnknownPlan as UnknownPlan
+from ._model._limits import Limits as Limits
+from ._model._limits import Rate as Rate
 from ._model._observed import FlowEnd as FlowEnd
 from ._model._observed import StepRun as StepRun
 from ._model._plan import Plan as Plan
@@ -98,10 +100,12 @@ __all__ = [
     "FlowError",
     "FlowStatistics",
     "IdReused",
+    "Limits",
     "Observer",
     "Outcome",
     "Park",
     "Plan",
+    "Rate",
     "Receipt",
     "Snapshot",
     "Spawn",

@@ -19,7 +19,8 @@ Json: TypeAlias = Any
 
 
 class State(enum.Enum):
-    """Where a flow is. `COMPLETED` and `FAILED` are terminal; `BLOCKED` waits for an operator."""
+    """Where a flow is. `COMPLETED` and `FAILED` are terminal; `BLOCKED` waits for an operator;
+    `QUEUED` waits for its plan's flow control (`Limits`, a delayed start)."""
 
     RUNNING = "RUNNING"
     PARKED = "PARKED"
@@ -27,6 +28,9 @@ class State(enum.Enum):
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     BLOCKED = "BLOCKED"
+    # Started, waiting for its plan's limits or its start time (SPEC 5.8): not active, holds
+    # no slot and no task; admission moves it to RUNNING (or the state a resume left it for).
+    QUEUED = "QUEUED"
 
     # A member is equal only to itself: its identity hash does as well as `Enum`'s (a Python
     # call hashing the name), and `state in ACTIVE` on every write stays in C.

@@ -23,6 +23,9 @@ Tables:
 - ``flow_spawns``, ``flow_children``: the spawns of child flows and their children (ADR 0139,
   `_family`); the flows table's ``parent`` (a child's), ``deadline`` (a whole flow's) and
   ``fan_in`` (the spawn whose results the current step reads, docs/adr/0148).
+- ``flow_budgets``, ``flow_keys``, ``flow_admissions``: flow control's budget rows, key rows
+  and rate windows (`_admission`, docs/adr/0141, 0147); the flows table's queue columns
+  (``queue_key, priority, turn, seq, not_before, due``) and their partial indexes.
 - ``flow_plans(plan, version, shape, registered_at)``: the shape of every plan version an engine
   registered, for processes without the plans (an operator's engine, docs/adr/0044).
 """
@@ -34,7 +37,7 @@ import zlib
 
 from ferry.projected import Tx
 
-from . import _dialect, _inbox
+from . import _admission, _dialect, _inbox
 from ._sql import ENGINES, FLOWS, HISTORY, IN_ACTIVE, IN_FINISHED, MAILBOX, PLANS
 
 SPAWNS = "flow_spawns"
@@ -129,6 +132,7 @@ def ddl(dialect: str) -> list[str]:
         " WHERE status = 'QUEUED'",
         *_inbox.DDL,
         *family_ddl(),
+        *_admission.ddl(),
     ]
 
 
@@ -179,6 +183,7 @@ _LATE = (
     f"CREATE INDEX IF NOT EXISTS {FLOWS}_parent ON {FLOWS} (parent) WHERE parent IS NOT NULL",
     f"CREATE INDEX IF NOT EXISTS {FLOWS}_whole ON {FLOWS} (deadline) WHERE deadline IS NOT NULL"
     f" AND state NOT {IN_FINISHED}",
+    *_admission.flow_indexes(),
 )
 
 
@@ -197,6 +202,7 @@ _ADDED_COLUMNS = (
     (FLOWS, "fan_in", "BIGINT"),
     (FLOWS, "parent", "TEXT"),
     (FLOWS, "deadline", "DOUBLE PRECISION"),
+    *((FLOWS, name, kind) for name, kind in _admission.FLOW_COLUMNS),
 )
 
 

@@ -70,15 +70,16 @@ FIELDS: Final = (
     "trace",
     "parent",
     "deadline",
+    "queue_key",
 )
 #: The `Flow` field a column of `FIELDS` holds, where its name is not the column's: the column
 #: ``lease_until`` holds `Flow.released_at` (docs/adr/0136).
 ATTRIBUTE: Final = {"lease_until": "released_at"}
 #: `FIELDS` as a select list.
 COLUMNS: Final = ", ".join(FIELDS)
-#: What a write changes (never flow_id, plan, version, created_at, trace, parent, deadline), in
-#: the order of `mutable_values`.
-MUTABLE: Final = FIELDS[4:-3]
+#: What a write changes (never flow_id, plan, version, created_at, trace, parent, deadline,
+#: queue_key), in the order of `mutable_values`.
+MUTABLE: Final = FIELDS[4:-4]
 #: The PostgreSQL type of each column of `FIELDS` (the arrays of a batch are cast to them).
 PG_TYPES: Final = {
     "flow_id": "text",
@@ -106,6 +107,7 @@ PG_TYPES: Final = {
     "trace": "text",
     "parent": "text",
     "deadline": "double precision",
+    "queue_key": "text",
     "start_data": "text",
 }
 
@@ -139,6 +141,7 @@ def to_flow(row: Sequence[Any]) -> Flow:
         trace=row[22],
         parent=row[23],
         deadline=row[24],
+        queue_key=row[25],
     )
 
 
@@ -318,6 +321,7 @@ def row_values(f: Flow) -> tuple[Any, ...]:
         f.trace,
         f.parent,
         f.deadline,
+        f.queue_key,
         f.data,
     )
 

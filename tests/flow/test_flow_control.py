@@ -1,0 +1,230 @@
+"""Flow control through the public API (SPEC 5.8), on SQLite and PostgreSQL: a concurrency
+limit holds and each end gives its slot back in its own transaction (a completion, a queued
+flow's cancel, a parked flow's cancel and its compensation, a failure), the budget's counters
+equal a recount from the flows' states after each; a per-key limit serialises a key's flows
+while another key runs; a reopen keeps the slots of the flows in flight and admits what its
+ends free; a delayed start waits for its time (MockClock); bad limits and bad start options
+are refused at the definition or the call, nothing stored.
+
+Seen to fail with `_queue.settle`'s ``release`` taken out (the second flow never ran, the
+counter stayed at 2), and with `_machine.cancel`'s queued branch taken out (a queued flow's
+cancel returned False).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from ferry import flow
+from ferry.flow._store import _admission
+from ferry.projected import PostgresStore, Store, Tx
+from tests import pg
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def where(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
+    if request.param == "sqlite":
+        yield str(tmp_path / "flows.db")
+        return
+    server: pg.PgServer = request.getfixturevalue("pg_server")
+    store: Store = PostgresStore(server.fresh_schema_dsn(), connections=3)
+    try:
+        yield store
+    finally:
+        await store.aclose()
+
+
+def _counts(tx: Tx, plan: str) -> tuple[int, int, int, int]:
+    used, queued = _admission.usage(tx, plan)
+    again = _admission.recount(tx, plan)
+    return used.active, queued, sum(again["active"].values()), sum(again["queued"].values())
+
+
+async def budget(where: Any, plan: str) -> tuple[int, int]:
+    """The plan's (active, queued) counters, checked equal to a recount from the flows' rows."""
+    if isinstance(where, str):
+        db = sqlite3.connect(where)
+        try:
+            rows = db.execute("SELECT active FROM flow_budgets WHERE plan = ?", (plan,)).fetchall()
+            active = rows[0][0] if rows else 0
+            queued = db.execute(
+                "SELECT COALESCE(SUM(queued), 0) FROM flow_keys WHERE plan = ?", (plan,)
+            ).fetchone()[0]
+            re_active = db.execute(
+                "SELECT COUNT(*) FROM flow_flows WHERE plan = ? AND seq IS NOT NULL AND state IN"
+                " ('RUNNING', 'PARKED', 'COMPENSATING')",
+                (plan,),
+            ).fetchone()[0]
+            re_queued = db.execute(
+                "SELECT COUNT(*) FROM flow_flows WHERE plan = ? AND state = 'QUEUED'", (plan,)
+            ).fetchone()[0]
+        finally:
+            db.close()
+        counts = (active, queued, re_active, re_queued)
+    else:
+        counts = await where.transact(partial(_counts, plan=plan))
+    assert counts[:2] == counts[2:], f"counters {counts[:2]} != recount {counts[2:]}"
+    return counts[0], counts[1]
+
+
+def mail(limits: flow.Limits, log: list[str]) -> flow.Plan:
+    """``mail``: a step that parks until woken (a ``fail`` wake fails it), with a compensation."""
+    plan = flow.Plan("mail", limits=limits)
+
+    async def undo(ctx: flow.Context) -> None:
+        log.append(f"undo {ctx.flow_id}")
+
+    @plan.step(compensate=undo)
+    async def send(ctx: flow.Context) -> flow.Outcome:
+        log.append(f"send {ctx.flow_id}")
+        return flow.park()
+
+    @plan.step
+    async def done(ctx: flow.Context) -> None:
+        if ctx.wake == "fail":
+            raise RuntimeError("bounced")
+
+    return plan
+
+
+async def state(engine: flow.Engine, fid: str, want: flow.State) -> None:
+    """Until the flow's durable row is in `want` (a parked flow tells no waiter)."""
+    while (snap := await engine.get(fid)) is None or snap.state is not want:  # noqa: ASYNC110
+        await trio.sleep(0.001)
+
+
+async def test_a_concurrency_limit_holds_and_every_end_gives_its_slot_back(where: Any) -> None:
+    log: list[str] = []
+    plan = mail(flow.Limits(concurrency=2), log)
+    async with flow.open_engine(where, plans=[plan]) as engine:
+        for i in range(5):
+            await engine.start(plan, flow_id=f"m{i}")
+        await state(engine, "m0", flow.State.PARKED)
+        await state(engine, "m1", flow.State.PARKED)
+        for i in (2, 3, 4):
+            snap = await engine.get(f"m{i}")
+            assert snap is not None and snap.state is flow.State.QUEUED
+        assert await budget(where, "mail") == (2, 3)
+        # A completion frees a slot: the first queued flow is admitted by that transaction.
+        await engine.wake("m0", "ok")
+        assert (await engine.wait("m0", timeout=30)).state is flow.State.COMPLETED
+        await state(engine, "m2", flow.State.PARKED)
+        assert await budget(where, "mail") == (2, 2)
+        # A queued flow's cancel ends it FAILED with its reason; no step ran.
+        assert await engine.cancel("m4", "not needed")
+        snap = await engine.get("m4")  # durable when cancel returns
+        assert snap is not None and snap.state is flow.State.FAILED
+        assert snap.error == "not needed"
+        assert "send m4" not in log
+        assert await budget(where, "mail") == (2, 1)
+        # A parked flow's cancel compensates, then gives its slot back: m3 runs.
+        assert await engine.cancel("m1", "stop")
+        assert (await engine.wait("m1", timeout=30)).state is flow.State.FAILED
+        assert "undo m1" in log
+        await state(engine, "m3", flow.State.PARKED)
+        assert await budget(where, "mail") == (2, 0)
+        # A failure (compensated) gives its slot back too.
+        await engine.wake("m2", "fail")
+        assert (await engine.wait("m2", timeout=30)).state is flow.State.FAILED
+        assert await budget(where, "mail") == (1, 0)
+        await engine.wake("m3", "ok")
+        assert (await engine.wait("m3", timeout=30)).state is flow.State.COMPLETED
+        assert await budget(where, "mail") == (0, 0)
+
+
+async def test_a_per_key_limit_serialises_a_key_and_lets_another_run(where: Any) -> None:
+    log: list[str] = []
+    plan = mail(flow.Limits(key=lambda d: str(d["user"]), per_key=1), log)
+    async with flow.open_engine(where, plans=[plan]) as engine:
+        await engine.start(plan, flow_id="a1", data={"user": "a"})
+        await engine.start(plan, flow_id="a2", data={"user": "a"})
+        await engine.start(plan, flow_id="b1", data={"user": "b"})
+        await state(engine, "a1", flow.State.PARKED)
+        await state(engine, "b1", flow.State.PARKED)
+        snap = await engine.get("a2")
+        assert snap is not None and snap.state is flow.State.QUEUED
+        await engine.wake("b1", "ok")
+        assert (await engine.wait("b1", timeout=30)).state is flow.State.COMPLETED
+        snap = await engine.get("a2")
+        assert snap is not None and snap.state is flow.State.QUEUED  # b's end frees no 'a' slot
+        await engine.wake("a1", "ok")
+        await state(engine, "a2", flow.State.PARKED)
+        assert await budget(where, "mail") == (1, 0)
+
+
+async def test_a_reopen_keeps_the_slots_in_flight_and_admits_what_an_end_frees(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "flows.db")
+    log: list[str] = []
+    plan = mail(flow.Limits(concurrency=1), log)
+    async with flow.open_engine(path, plans=[plan]) as engine:
+        await engine.start(plan, flow_id="x")
+        await engine.start(plan, flow_id="y")
+        await state(engine, "x", flow.State.PARKED)
+    assert await budget(path, "mail") == (1, 1)
+    plan = mail(flow.Limits(concurrency=1), log)
+    async with flow.open_engine(path, plans=[plan]) as engine:
+        snap = await engine.get("y")
+        assert snap is not None and snap.state is flow.State.QUEUED
+        await engine.wake("x", "ok")
+        await state(engine, "y", flow.State.PARKED)
+        assert await budget(path, "mail") == (1, 0)
+
+
+async def test_a_delayed_start_waits_for_its_time(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    ran: list[float] = []
+    plan = flow.Plan("remind", limits=flow.Limits(concurrency=10))
+
+    @plan.step
+    async def remind(ctx: flow.Context) -> None:
+        ran.append(trio.current_time())
+
+    async with flow.open_engine(str(tmp_path / "f.db"), plans=[plan]) as engine:
+        began = trio.current_time()
+        await engine.start(plan, flow_id="later", delay=3600)
+        snap = await engine.get("later")
+        assert snap is not None and snap.state is flow.State.QUEUED
+        assert (await engine.wait("later", timeout=7200)).state is flow.State.COMPLETED
+        assert len(ran) == 1 and ran[0] - began >= 3600
+
+
+async def test_bad_limits_and_bad_start_options_are_refused_at_the_call(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="concurrency must be in"):
+        flow.Limits(concurrency=0)
+    with pytest.raises(ValueError, match="needs a key function"):
+        flow.Limits(per_key=1)
+    with pytest.raises(TypeError, match="limits must be a flow"):
+        flow.Plan("p", limits=3)  # type: ignore[arg-type]
+
+    def bad_key(data: Any) -> str:
+        raise KeyError("user")
+
+    log: list[str] = []
+    keyed = mail(flow.Limits(key=bad_key, per_key=1), log)
+    free = flow.Plan("free")
+
+    @free.step
+    async def only(ctx: flow.Context) -> None:
+        return None
+
+    async with flow.open_engine(str(tmp_path / "f.db"), plans=[keyed, free]) as engine:
+        with pytest.raises(ValueError, match="key function of plan 'mail' raised"):
+            await engine.start(keyed, flow_id="k")
+        with pytest.raises(ValueError, match="not both"):
+            await engine.start(free, flow_id="f", delay=1, at=2)
+        with pytest.raises(ValueError, match="has no limits"):
+            await engine.start(free, flow_id="f", delay=10)
+        with pytest.raises(TypeError, match="priority must be a whole number"):
+            await engine.start(free, flow_id="f", priority=1.5)  # type: ignore[arg-type]
+        assert await engine.get("k") is None and await engine.get("f") is None
