@@ -13,7 +13,9 @@ cancel returned False).
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import time
 from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
@@ -40,6 +42,10 @@ async def where(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         yield store
     finally:
         await store.aclose()
+
+
+def time_now() -> float:
+    return time.time()
 
 
 def _counts(tx: Tx, plan: str) -> tuple[int, int, int, int]:
@@ -228,3 +234,108 @@ async def test_bad_limits_and_bad_start_options_are_refused_at_the_call(tmp_path
         with pytest.raises(TypeError, match="priority must be a whole number"):
             await engine.start(free, flow_id="f", priority=1.5)  # type: ignore[arg-type]
         assert await engine.get("k") is None and await engine.get("f") is None
+
+
+async def test_a_blocked_flow_gives_its_slot_back_and_queues_again_when_resumed(
+    where: Any,
+) -> None:
+    """A compensation that fails blocks its flow: its slot goes to the queued flow; resumed, it
+    waits in the queue like a start and is admitted back COMPENSATING when a slot frees."""
+    broken = {"refund": True}
+    plan = flow.Plan("pay", limits=flow.Limits(concurrency=1))
+
+    async def refund(ctx: flow.Context) -> None:
+        if broken["refund"]:
+            raise RuntimeError("refund service down")
+
+    @plan.step(compensate=refund, attempts=1)
+    async def charge(ctx: flow.Context) -> flow.Outcome:
+        return flow.park()
+
+    @plan.step
+    async def receipt(ctx: flow.Context) -> None:
+        return None
+
+    async with flow.open_engine(where, plans=[plan]) as engine:
+        await engine.start(plan, flow_id="p1")
+        await engine.start(plan, flow_id="p2")
+        await state(engine, "p1", flow.State.PARKED)
+        assert await engine.cancel("p1", "refund it")
+        assert (await engine.wait("p1", timeout=30)).state is flow.State.BLOCKED
+        await state(engine, "p2", flow.State.PARKED)
+        assert await budget(where, "pay") == (1, 0)
+        broken["refund"] = False
+        assert await engine.resume("p1")
+        snap = await engine.get("p1")
+        assert snap is not None and snap.state is flow.State.QUEUED
+        assert await budget(where, "pay") == (1, 1)
+        await engine.wake("p2", "ok")
+        assert (await engine.wait("p2", timeout=30)).state is flow.State.COMPLETED
+        snap = await engine.wait("p1", timeout=30)
+        assert snap.state is flow.State.FAILED and snap.error == "refund it"
+        assert await budget(where, "pay") == (0, 0)
+
+
+async def test_a_rate_limit_lets_count_go_per_window(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """``Rate(2, per=60)``: of five flows started at once, two run at once, the next two when
+    the window has moved on (60 s later, by the plan's timer), the last 60 s after that."""
+    ran: list[float] = []
+    plan = flow.Plan("bank", limits=flow.Limits(rate=flow.Rate(2, per=60.0)))
+
+    @plan.step
+    async def call(ctx: flow.Context) -> None:
+        ran.append(trio.current_time())
+
+    async with flow.open_engine(str(tmp_path / "f.db"), plans=[plan]) as engine:
+        began = trio.current_time()
+        for i in range(5):
+            await engine.start(plan, flow_id=f"c{i}")
+        for i in range(5):
+            assert (await engine.wait(f"c{i}", timeout=600)).state is flow.State.COMPLETED
+        offsets = sorted(round(t - began) for t in ran)
+        assert offsets[:2] == [0, 0] and 60 <= offsets[2] <= offsets[3] < 61
+        assert 120 <= offsets[4] < 121
+
+
+async def test_operators_see_the_queue(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], autojump_clock: trio.testing.MockClock
+) -> None:
+    """`Snapshot.not_before`, `statistics().queued` and ``list --state QUEUED``."""
+    from ferry.flow._ops import _inspect
+
+    path = str(tmp_path / "f.db")
+    plan = mail(flow.Limits(concurrency=1), [])
+    async with flow.open_engine(path, plans=[plan]) as engine:
+        before = time_now()
+        await engine.start(plan, flow_id="now")
+        await engine.start(plan, flow_id="soon", delay=600)
+        await engine.start(plan, flow_id="at", at=before + 10**6)
+        await state(engine, "now", flow.State.PARKED)
+        soon = await engine.get("soon")
+        assert soon is not None and soon.state is flow.State.QUEUED
+        assert soon.not_before is not None and before + 599 <= soon.not_before < before + 700
+        later = await engine.get("at")
+        assert later is not None and later.not_before == before + 10**6
+        now_snap = await engine.get("now")
+        assert now_snap is not None and now_snap.not_before is None
+        assert engine.statistics().queued == 2
+    argv = [path, "list", "--state", "QUEUED", "--json"]
+    assert await trio.to_thread.run_sync(_inspect.main, argv) == 0  # it runs trio of its own
+    listed = json.loads(capsys.readouterr().out)["flows"]
+    assert sorted(f["flow_id"] for f in listed) == ["at", "soon"]
+    plan = mail(flow.Limits(concurrency=1), [])
+    async with flow.open_engine(path, plans=[plan]) as engine:
+        assert engine.statistics().queued == 2  # counted at open
+
+
+async def test_engines_that_give_one_plan_version_other_limits_are_refused(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "f.db")
+    async with flow.open_engine(path, plans=[mail(flow.Limits(concurrency=1), [])]):
+        pass
+    with pytest.raises(ValueError, match=r"plan 'mail' version 1 is registered by .* limits"):
+        async with flow.open_engine(path, plans=[mail(flow.Limits(concurrency=2), [])]):
+            pass

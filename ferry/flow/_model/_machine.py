@@ -113,6 +113,7 @@ def start(
     parent: str | None = None,
     deadline: float | None = None,
     queue_key: str | None = None,
+    not_before: float | None = None,
 ) -> Transition:
     """A new flow at its first step, attempt 1, revision 1; `data` is canonical JSON text.
     `owner`: the engine that runs it, holding it (None: whichever engine takes it over);
@@ -144,6 +145,7 @@ def start(
         parent=parent,
         deadline=deadline,
         queue_key=queue_key,
+        not_before=not_before if limited else None,
     )
     detail = {"plan": shape.name, "version": shape.version}
     return Transition(

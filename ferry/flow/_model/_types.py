@@ -168,6 +168,8 @@ class Snapshot:
     the flow is completed or failed. `revision` is 1 after `start` and +1 on every accepted write.
     `deadline`: the whole flow's deadline (wall-clock seconds, `start(deadline=...)`) or None.
     `children`: the child flow ids of its latest spawn, in spawn order (started or kept).
+    `not_before`: the start time a delayed start gave it (``start(delay=|at=)``, wall-clock
+    seconds; a restart keeps it) or None.
     """
 
     flow_id: str
@@ -182,6 +184,7 @@ class Snapshot:
     revision: int
     deadline: float | None = None
     children: tuple[str, ...] = ()
+    not_before: float | None = None
 
 
 @final
@@ -267,6 +270,9 @@ class FlowStatistics:
     renew it; their step or compensation was cancelled and its changes discarded), `renewals`
     (renewals of the engine's lease: one row, whatever the number of flows).
 
+    Flow control (SPEC 5.8): `queued`, the flows `QUEUED` in their plans' queues as this engine
+    knows them (counted at open, then kept by the rows it writes and reads, as `parked`).
+
     Retention: `purged` (finished flows this engine deleted because they ended more than
     ``open_engine(retain=)`` seconds ago; in a fleet, each engine counts its own).
     """
@@ -290,3 +296,4 @@ class FlowStatistics:
     purged: int = 0
     compensating: int = 0
     blocked_now: int = 0
+    queued: int = 0

@@ -154,6 +154,9 @@ class Flow:
     # function), set by `start` iff the plan had limits: the flow then counts in its plan's
     # budget all its life (SPEC 5.8, docs/adr/0165). Never changed; None: no flow control.
     queue_key: str | None = None
+    # A delayed start's time (``start(delay=|at=)``, wall-clock seconds), set by `start` and
+    # never changed; None: at once.
+    not_before: float | None = None
 
 
 @attrs.frozen
@@ -258,6 +261,7 @@ def snapshot(flow: Flow, children: tuple[str, ...] = ()) -> Snapshot:
         revision=flow.revision,
         deadline=flow.deadline,
         children=children,
+        not_before=flow.not_before,
     )
 
 

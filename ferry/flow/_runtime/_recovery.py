@@ -57,6 +57,7 @@ async def recover(
     counts = await store.transact(_store.count_states)
     tally.parked = counts.get(State.PARKED, 0)
     tally.blocked = counts.get(State.BLOCKED, 0)
+    tally.queued = counts.get(State.QUEUED, 0)
     active = await mode.claim(sorted(shapes))
     tally.stats["recovered"] = await rerun(writes, clock, versions, active)
     await _queues.at_open(writes, clock, versions)

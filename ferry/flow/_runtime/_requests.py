@@ -421,7 +421,10 @@ def _create(
     if shape.limits is not None and options is None:
         options = checked_start(shape.limits, shape.name, json.loads(text), NO_QUEUE, now)
     key = None if options is None or shape.limits is None else options.key
-    t = m.start(shape, fid, text, now, owner=owner, trace=trace, deadline=at, queue_key=key)
+    wait = None if options is None else options.not_before
+    t = m.start(
+        shape, fid, text, now, owner=owner, trace=trace, deadline=at, queue_key=key, not_before=wait
+    )
     if options is None:
         return _op.Create(t)
     return _op.Create(t, priority=options.priority, not_before=options.not_before)

@@ -553,6 +553,10 @@ def _counted(tally: Tally, before: State | None, flow: Flow, write: bool) -> Non
         tally.parked += 1
     elif state is _BLOCKED:
         tally.blocked += 1
+    if before is State.QUEUED and tally.queued > 0:
+        tally.queued -= 1
+    elif state is State.QUEUED:
+        tally.queued += 1
     if write and state in _ENDS:
         tally.stats[_ENDS[state]] += 1
 

@@ -91,7 +91,7 @@ def _options(tx: Tx, op: Op | None, f: Flow, limits: Limits) -> StartOptions:
         return StartOptions(op.priority, op.not_before, key)
     rows = tx.execute(f"SELECT priority FROM {FLOWS} WHERE flow_id = ?", (f.flow_id,))
     priority = 0 if not rows or rows[0][0] is None else int(rows[0][0])
-    return StartOptions(priority, None, key)
+    return StartOptions(priority, f.not_before, key)  # a resume keeps its start's time
 
 
 def _at(ops: Sequence[Op | None], results: Sequence[Result], path: tuple[int, ...]) -> Op | None:

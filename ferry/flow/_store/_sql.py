@@ -71,6 +71,7 @@ FIELDS: Final = (
     "parent",
     "deadline",
     "queue_key",
+    "not_before",
 )
 #: The `Flow` field a column of `FIELDS` holds, where its name is not the column's: the column
 #: ``lease_until`` holds `Flow.released_at` (docs/adr/0136).
@@ -78,8 +79,8 @@ ATTRIBUTE: Final = {"lease_until": "released_at"}
 #: `FIELDS` as a select list.
 COLUMNS: Final = ", ".join(FIELDS)
 #: What a write changes (never flow_id, plan, version, created_at, trace, parent, deadline,
-#: queue_key), in the order of `mutable_values`.
-MUTABLE: Final = FIELDS[4:-4]
+#: queue_key, not_before), in the order of `mutable_values`.
+MUTABLE: Final = FIELDS[4:-5]
 #: The PostgreSQL type of each column of `FIELDS` (the arrays of a batch are cast to them).
 PG_TYPES: Final = {
     "flow_id": "text",
@@ -108,6 +109,7 @@ PG_TYPES: Final = {
     "parent": "text",
     "deadline": "double precision",
     "queue_key": "text",
+    "not_before": "double precision",
     "start_data": "text",
 }
 
@@ -142,6 +144,7 @@ def to_flow(row: Sequence[Any]) -> Flow:
         parent=row[23],
         deadline=row[24],
         queue_key=row[25],
+        not_before=row[26],
     )
 
 
@@ -322,6 +325,7 @@ def row_values(f: Flow) -> tuple[Any, ...]:
         f.parent,
         f.deadline,
         f.queue_key,
+        f.not_before,
         f.data,
     )
 
