@@ -81,7 +81,9 @@ def ddl(dialect: str) -> list[str]:
             lease_until DOUBLE PRECISION,
             start_data TEXT NOT NULL,
             created_at DOUBLE PRECISION NOT NULL,
-            trace TEXT, fan_in BIGINT, parent TEXT, deadline DOUBLE PRECISION)""",
+            trace TEXT, fan_in BIGINT, parent TEXT, deadline DOUBLE PRECISION,
+            queue_key TEXT, priority BIGINT, turn BIGINT, seq BIGINT, not_before DOUBLE PRECISION,
+            due INTEGER)""",
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_active ON {FLOWS} (state) WHERE state {IN_ACTIVE}",
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_deadline ON {FLOWS} (park_deadline)"
         " WHERE state = 'PARKED' AND park_deadline IS NOT NULL",
@@ -130,10 +132,13 @@ def ddl(dialect: str) -> list[str]:
             UNIQUE (flow_id, message_id))""",
         f"CREATE INDEX IF NOT EXISTS {MAILBOX}_queued ON {MAILBOX} (flow_id, seq)"
         " WHERE status = 'QUEUED'",
-        *_inbox.DDL,
-        *family_ddl(),
-        *_admission.ddl(),
+        *_later_tables(),
     ]
+
+
+def _later_tables() -> list[str]:
+    """The tables of the parts added since: the inbox, child flows, flow control."""
+    return [*_inbox.DDL, *family_ddl(), *_admission.ddl()]
 
 
 def family_ddl() -> list[str]:
