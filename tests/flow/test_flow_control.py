@@ -6,9 +6,9 @@ while another key runs; a reopen keeps the slots of the flows in flight and admi
 ends free; a delayed start waits for its time (MockClock); bad limits and bad start options
 are refused at the definition or the call, nothing stored.
 
-Seen to fail with `_queue.settle`'s ``release`` taken out (the second flow never ran, the
-counter stayed at 2), and with `_machine.cancel`'s queued branch taken out (a queued flow's
-cancel returned False).
+Seen to fail with `_queue._asks`'s ``release`` taken out (a completion freed no slot: the
+next queued flow never ran, `TooSlowError` after 30 s), and with `_machine.cancel`'s queued
+branch taken out (a queued flow's cancel returned False).
 """
 
 from __future__ import annotations
@@ -102,9 +102,11 @@ def mail(limits: flow.Limits, log: list[str]) -> flow.Plan:
 
 
 async def state(engine: flow.Engine, fid: str, want: flow.State) -> None:
-    """Until the flow's durable row is in `want` (a parked flow tells no waiter)."""
-    while (snap := await engine.get(fid)) is None or snap.state is not want:  # noqa: ASYNC110
-        await trio.sleep(0.001)
+    """Until the flow's durable row is in `want` (a parked flow tells no waiter); a failure,
+    not a hang, if it never gets there."""
+    with trio.fail_after(30):
+        while (snap := await engine.get(fid)) is None or snap.state is not want:  # noqa: ASYNC110
+            await trio.sleep(0.001)
 
 
 async def test_a_concurrency_limit_holds_and_every_end_gives_its_slot_back(where: Any) -> None:
