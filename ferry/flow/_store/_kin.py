@@ -453,12 +453,19 @@ def _cascade(
 
 
 def write_spawn(
-    tx: Tx, *, ops: Sequence[Op], guard: float | None, before: Flow, move: Move
+    tx: Tx,
+    *,
+    ops: Sequence[Op],
+    guard: float | None,
+    before: Flow,
+    move: Move,
+    owner: str | None = None,
 ) -> list[Result]:
     """`_family.write_spawn` as a batch's write function (`ops`, the runtime's copy of the
-    ops it writes, for memory: the parent's change, then the children's starts)."""
+    ops it writes, for memory: the parent's change, then the children's starts; `owner`: who
+    holds the queued children it admits)."""
     del ops
-    return sf.write_spawn(tx, before, move, guard=guard)
+    return sf.write_spawn(tx, before, move, guard=guard, owner=owner)
 
 
 def results_of(tx: Tx, parent: str, step_index: int) -> dict[str, ChildResult]:
