@@ -231,8 +231,8 @@ async def test_bad_limits_and_bad_start_options_are_refused_at_the_call(tmp_path
             await engine.start(keyed, flow_id="k")
         with pytest.raises(ValueError, match="not both"):
             await engine.start(free, flow_id="f", delay=1, at=2)
-        with pytest.raises(ValueError, match="has no limits"):
-            await engine.start(free, flow_id="f", delay=10)
+        with pytest.raises(ValueError, match="delay must be 0 seconds or more"):
+            await engine.start(free, flow_id="f", delay=-1)
         with pytest.raises(TypeError, match="priority must be a whole number"):
             await engine.start(free, flow_id="f", priority=1.5)  # type: ignore[arg-type]
         assert await engine.get("k") is None and await engine.get("f") is None

@@ -123,11 +123,11 @@ class Engine(metaclass=NoPublicConstructor):
         other start data), `TypeError` (data not a JSON object, a deadline not a number),
         `ValueError` (a deadline not finite and > 0); nothing is stored then.
 
-        Flow control (a plan with ``limits=``, SPEC 5.8): the flow starts `State.QUEUED` and
-        runs when its plan's limits let it; `priority` (an int, lower first), `delay` (seconds
-        from now, >= 0) or `at` (a wall-clock time, ``time.time()``'s) hold it until then. Bad
-        options (`delay` and `at` both, a delay < 0, a key function that raises or returns a
-        non-str, a delayed start of a plan without limits) are `TypeError`/`ValueError`.
+        Flow control (SPEC 5.8): a flow of a plan with ``limits=`` starts `State.QUEUED` and
+        runs when its plan's limits let it; `priority` (an int, lower first). `delay` (seconds
+        from now, >= 0) or `at` (a wall-clock time, ``time.time()``'s) keep a flow of any plan
+        `QUEUED` until then. Bad options (`delay` and `at` both, a delay < 0, a key function
+        that raises or returns a non-str) are `TypeError`/`ValueError`.
         """
         self._check("start")
         queue = Queue(priority, delay, at)

@@ -262,21 +262,26 @@ class Queue:
 NO_QUEUE: Final = Queue()
 
 
+def _only_time() -> Limits:
+    made = object.__new__(Limits)
+    made.__attrs_init__(None, None, None, None)
+    return made
+
+
+#: The budget of a plan without limits that was given a delayed start (docs/adr/0180): it
+#: limits nothing and keeps the queue's times only; registered by that start's transaction.
+ONLY_TIME: Final = _only_time()
+
+
 def checked_start(
     limits: Limits | None, plan: str, data: Json, queue: Queue, now: float
 ) -> StartOptions:
     """`start_options` of a start of `plan` (with `limits`) given `queue` at `now`. A delayed
-    start (`delay`, `at`) of a plan without limits is a `ValueError`: its time is kept by the
-    plan's queue (give the plan ``limits=``)."""
-    options = start_options(
+    start (`delay`, `at`) of a plan without limits waits in its plan's queue all the same, whose
+    budget then limits nothing (`ONLY_TIME`, docs/adr/0180)."""
+    return start_options(
         limits, plan, data, priority=queue.priority, delay=queue.delay, at=queue.at, now=now
     )
-    if limits is None and options.not_before is not None:
-        raise ValueError(
-            f"plan {plan!r} has no limits: a delayed start (delay=, at=) waits in a plan's queue"
-            " (give the plan limits=flow.Limits(...))"
-        )
-    return options
 
 
 def stored(limits: Limits | None) -> dict[str, Json] | None:
@@ -302,6 +307,8 @@ def from_stored(value: Json) -> Limits:
     if rate is not None and not (isinstance(rate, list) and len(rate) == 2):
         raise ValueError(f"a stored rate must be [count, per], got {describe(rate, 200)}")
     concurrency, per_key = value.get("concurrency"), value.get("per_key")
+    if concurrency is None and per_key is None and rate is None:
+        return ONLY_TIME  # a plan without limits whose delayed starts made its queue
     return Limits(
         concurrency=concurrency if isinstance(concurrency, int) else None,
         key=_stored_key if value.get("key") else None,

@@ -120,8 +120,9 @@ def start(
     `trace`: the trace its steps' spans join (`Flow.trace`); `parent`: a child's parent;
     `deadline`: a whole flow's deadline (wall-clock seconds). A plan with limits
     (`Shape.limits`) starts its flows `QUEUED` with their `queue_key` ('' by default), held by
-    nobody: the store admits them (SPEC 5.8)."""
-    limited = shape.limits is not None
+    nobody: the store admits them (SPEC 5.8); so does any plan a start with a `not_before`
+    (a delayed start: its plan's queue keeps the time, docs/adr/0180)."""
+    limited = shape.limits is not None or not_before is not None
     if limited:
         queue_key = "" if queue_key is None else queue_key
         owner = None
@@ -145,7 +146,7 @@ def start(
         parent=parent,
         deadline=deadline,
         queue_key=queue_key,
-        not_before=not_before if limited else None,
+        not_before=not_before,
     )
     detail = {"plan": shape.name, "version": shape.version}
     return Transition(

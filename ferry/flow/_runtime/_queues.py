@@ -1,5 +1,6 @@
 """The engine's side of flow control (SPEC 5.8, docs/adr/0141, 0147, 0165-0167): the budget
-rows registered at open, the queues admitted then, and one timer per limited plan.
+rows registered at open, the queues admitted then, and one timer per plan with a queue (a
+limited plan's, or a plan's whose delayed starts gave it one: docs/adr/0180).
 
 - **At open** (`at_open`): the limits of every plan version this engine has are checked
   against those the store holds for the same (plan, version) (`_limits.same_as_registered`:
@@ -108,8 +109,12 @@ async def fire(writes: Writes, plan: str, deadline: float) -> None:
 
 
 async def at_open(writes: Writes, clock: Clock, versions: Versions) -> None:
-    """A serving engine's first admission of each of its limited plans (`fire` at now)."""
-    for name in plan_limits(versions):
+    """A serving engine's first admission of each of its plans that has a queue (`fire` at
+    now): its limited plans, and those without limits that delayed starts gave a queue
+    (docs/adr/0180)."""
+    ours = {name for name, _version in versions.shapes}
+    queued = await writes._store.transact(_admission.budget_plans)
+    for name in sorted(set(plan_limits(versions)) | (ours & set(queued))):
         await fire(writes, name, clock.now())
 
 

@@ -160,6 +160,28 @@ def limits_of(tx: Tx, plan: str) -> Limits:
     return _limits.from_stored(json.loads(rows[0][0]))
 
 
+def limits_or_time(tx: Tx, plan: str) -> Limits:
+    """`limits_of`, for a start that enqueues: a plan with no budget row (no version with
+    limits) is given one that limits nothing (`_limits.ONLY_TIME`: its queue keeps a delayed
+    start's time, docs/adr/0180), in this transaction. An engine with limits for the plan
+    replaces them at its open (`register`)."""
+    rows = tx.execute(f"SELECT limits FROM {BUDGETS} WHERE plan = ?", (plan,))
+    if rows:
+        return _limits.from_stored(json.loads(rows[0][0]))
+    text = json.dumps(_limits.ONLY_TIME.stored(), sort_keys=True)
+    tx.execute(
+        f"INSERT INTO {BUDGETS} (plan, active, seq, turn, in_window, limits)"
+        " VALUES (?, 0, 0, 0, 0, ?) ON CONFLICT (plan) DO NOTHING",
+        (plan, text),
+    )
+    return limits_of(tx, plan)
+
+
+def budget_plans(tx: Tx) -> list[str]:
+    """The plans with a budget row (a queue), in plan order."""
+    return [str(r[0]) for r in tx.execute(f"SELECT plan FROM {BUDGETS} ORDER BY plan")]
+
+
 def registered(tx: Tx) -> dict[str, Limits]:
     """Every limited plan of the store and the limits its budget row holds, by plan."""
     rows = tx.execute(f"SELECT plan, limits FROM {BUDGETS} ORDER BY plan")

@@ -140,7 +140,8 @@ def settle(tx: Tx, ops: Sequence[Op], results: list[Result], owner: str | None) 
     timed: dict[str, tuple[tuple[int, ...], float]] = {}  # plans whose timer may move
     for plan, fid, what, path in calls:
         if plan not in limits:
-            limits[plan] = _admission.limits_of(tx, plan)
+            read = _admission.limits_or_time if what == "enqueue" else _admission.limits_of
+            limits[plan] = read(tx, plan)
         lim = limits[plan]
         op = _at(ops, results, path)
         now = _time(results, path)
