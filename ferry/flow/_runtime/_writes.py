@@ -48,6 +48,7 @@ from . import _observe, _read, _retry, _whole
 from ._apart import split
 from ._clock import Clock
 from ._config import Config
+from ._gathered import Gathered
 from ._live import LOGGED, Live, Tally, about, kin_counted, log_ended, named
 from ._mode import Mode
 from ._versions import Versions
@@ -190,6 +191,7 @@ class Writes:
         self._requested: dict[int, _Flight | None] = {}
         self.holders = Holders(versions, owner=owner, serve=serve, shared=mode.shared)
         self._own = _ops.Known(self._versions.shapes)  # a timeout's versions: its own
+        self.gathered = Gathered()  # the ends of this engine's spawns (`_spawns.results`)
 
     def open(self, write_ferry: Callable[[_op.Op], Awaitable[_op.Result]] | None) -> None:
         """Write through `write_ferry` from now on (group commit; None: one transaction each)."""
@@ -337,6 +339,8 @@ class Writes:
             if t.written:
                 if t.flow.state is not result.before.state:
                     _ended(self._tally, result.before, t, self._ended)
+                if self.gathered.parents:  # a spawn of this engine keeps its ends (0173)
+                    self.gathered.seen(t.flow)
                 own = isinstance(op, _op.Change) and op.flow is not None
                 self.track(result.before.state, t.flow, own, epoch=epoch)
             for more_op, more in result.more:  # a family's writes in the same transaction
