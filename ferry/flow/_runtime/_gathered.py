@@ -18,9 +18,10 @@ or running the step after it (a compensation, a cancel), when one of its childre
 (its parent's compensation undid it), and when the results kept by all spawns would pass
 `BUDGET` bytes of data (that spawn is read back instead).
 
-Trio thread only (`Writes._applied` calls `seen` for every committed row while a spawn is
-kept); no I/O. Cost: a dict probe per committed row while a spawn is kept, one JSON parse per
-child's end (of the data the end wrote), and at the fan-in one dict in spawn order.
+Trio thread only (`Writes._applied` calls `seen` for every committed row that changed a flow's
+state: a child's end, a parent's move); no I/O. Cost: a dict probe per such row while a spawn
+is kept, one JSON parse per child's end (of the data the end wrote), nothing at the fan-in (the
+results are kept in spawn order from the spawn's write on).
 """
 
 from __future__ import annotations
@@ -82,8 +83,10 @@ class Gathered:
             self._size -= entry.size
 
     def seen(self, flow: Flow) -> None:
-        """A committed row of this engine's write: a child's end is kept for its parent; a
-        parent seen past its spawn is forgotten. Call only while `parents` holds a spawn."""
+        """A committed row of this engine's write that changed the flow's state: a child's end
+        is kept for its parent; a parent seen past its spawn is forgotten."""
+        if not self.parents:
+            return
         entry = self.parents.get(flow.flow_id)
         if entry is not None and not _waits(flow, entry):
             self.forget(flow.flow_id)

@@ -339,8 +339,7 @@ class Writes:
             if t.written:
                 if t.flow.state is not result.before.state:
                     _ended(self._tally, result.before, t, self._ended)
-                if self.gathered.parents:  # a spawn of this engine keeps its ends (0173)
-                    self.gathered.seen(t.flow)
+                    self.gathered.seen(t.flow)  # a child's end kept for its parent (0173)
                 own = isinstance(op, _op.Change) and op.flow is not None
                 self.track(result.before.state, t.flow, own, epoch=epoch)
             for more_op, more in result.more:  # a family's writes in the same transaction
