@@ -267,8 +267,12 @@ def test_a_spawn_it_cannot_vouch_for_is_forgotten(what: str) -> None:
     assert not g.parents
 
 
-def test_a_spawn_over_the_budget_is_not_kept() -> None:
+def test_a_spawn_over_the_budget_is_not_kept_and_a_new_one_makes_room() -> None:
     g = gathered(keys=("a" * 30, "b" * 30), budget=40)
     assert not g.parents
     g.seen(ended("a" * 30))
     assert g.take(RAN) is None
+    g.spawned("p", 0, 1.0, ("a" * 15,))
+    g.spawned("q", 0, 1.0, ("b" * 15,))
+    g.spawned("r", 0, 1.0, ("c" * 15,))  # over 40 with the others: the oldest, p, goes
+    assert list(g.parents) == ["q", "r"]

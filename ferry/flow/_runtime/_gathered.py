@@ -16,7 +16,8 @@ before. A spawn is forgotten when its results are taken (a retry of that step re
 its copy of the data is fresh), when its parent's row is seen anywhere but waiting at the spawn
 or running the step after it (a compensation, a cancel), when one of its children ends twice
 (its parent's compensation undid it), and when the results kept by all spawns would pass
-`BUDGET` bytes of data (that spawn is read back instead).
+`BUDGET` bytes of data (that spawn is read back instead; a new spawn makes room by forgetting
+the oldest, such as one whose parent another engine of a fleet moved on).
 
 Trio thread only (`Writes._applied` calls `seen` for every committed row that changed a flow's
 state: a child's end, a parent's move); no I/O. Cost: a dict probe per such row while a spawn
@@ -72,9 +73,12 @@ class Gathered:
         write (a child may end right after its commit), and `forget` if it was not written."""
         self.forget(parent)
         entry = _Spawn(step_index, created_at, keys)
-        if self._size + entry.size <= self._budget:
-            self.parents[parent] = entry
-            self._size += entry.size
+        if entry.size > self._budget:
+            return
+        while self._size + entry.size > self._budget:  # the oldest spawns make room
+            self.forget(next(iter(self.parents)))
+        self.parents[parent] = entry
+        self._size += entry.size
 
     def forget(self, parent: str) -> None:
         """Keep nothing more of `parent`'s spawn."""
