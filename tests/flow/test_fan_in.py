@@ -5,9 +5,9 @@ mapping (types, spawn order, equality, repr, a failed child's entry) as the one 
 the store after a reopen, on SQLite and PostgreSQL. `_gathered.Gathered`'s own rules (what it
 forgets, when it answers None) are checked on it directly.
 
-Seen to fail: with `_kin._ended` reading the kid rows for every last end again (the rows read
-grow with the spawn), and with `Gathered.take` answering in the order the ends came (the kept
-mapping differs from the one read back).
+Seen to fail: with `_kin._ended` reading the kid rows for every last end again (407 rows read
+for 200 children against 15 for 4), with `Gathered.take` never answering (209 against 13), and
+with the kept ends in the order they came (the kept mapping differs from the one read back).
 """
 
 from __future__ import annotations
