@@ -266,17 +266,22 @@ def go_on(
     *,
     changed: tuple[Kid, ...] = (),
     moved: tuple[Transition, ...] = (),
+    failed: int | None = None,
 ) -> Move:
     """Every child has ended (none active, none kept, or the spawn stopped): the parent, parked
     at the spawning step, runs its next step (or is completed after its last), reading the
     results in ``ctx.children``, or compensates (a child failed, a cancel, a timeout with
-    ``on_failure="compensate"``; its completed children first, `compensating`)."""
+    ``on_failure="compensate"``; its completed children first, `compensating`).
+
+    `failed`: how many children failed, if the caller counted them (the store, on an index):
+    then a parent that runs its next step needs no `kids` (they are read only to compensate)."""
     assert parent.state is PARKED and parent.step_index == brood.step_index, (
         f"the parent {parent.flow_id!r} is {parent.state} at step {parent.step_index}: it does"
         f" not wait for its spawn at step {brood.step_index}"
     )
     assert brood.active == 0 and brood.phase in (WAITING, STOPPING), brood
-    failed = sum(1 for k in kids if k.status == "failed")
+    if failed is None:
+        failed = sum(1 for k in kids if k.status == "failed")
     detail: dict[str, Json] = {"ended": brood.ended, "failed": failed}
     if brood.phase == STOPPING:
         detail["stopped"] = brood.reason

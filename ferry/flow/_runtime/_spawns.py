@@ -116,6 +116,10 @@ async def write(
     ops: list[_op.Op] = [_op.Change(flow.flow_id, _kin.Fixed(parent), flow=flow)]
     ops += [_op.Create(c) for c in move.children]
     fn = partial(_kin.write_spawn, before=flow, move=move)
+    keys = tuple(c.key for c in outcome.children)
+    # Kept from before the write: a child may end as soon as it commits (docs/adr/0173).
+    writes.gathered.spawned(flow.flow_id, flow.step_index, flow.created_at, keys)
+    written = False
     try:
         with trio.CancelScope(shield=True):
             await _retry.retrying(
@@ -123,6 +127,7 @@ async def write(
                 what=lambda: f"writing the spawn of {named(flow)}",
                 extra=partial(about, flow),
             )
+        written = True
     except (sf.NotSpawned, _batch.Undone) as exc:
         found = exc.results
         if found and isinstance(found[0], _op.Changed):
@@ -134,6 +139,9 @@ async def write(
                 f" {', '.join(map(repr, taken[:5]))}"
             )
         return False
+    finally:
+        if not written:
+            writes.gathered.forget(flow.flow_id)
     return True
 
 
@@ -146,8 +154,13 @@ async def _transact(
 
 
 async def results(writes: Writes, flow: Flow) -> dict[str, ChildResult]:
-    """``ctx.children`` of the flow's current step (its `fan_in` spawn's children)."""
+    """``ctx.children`` of the flow's current step (its `fan_in` spawn's children): as this
+    engine kept them while they ended (`_gathered`), else one read of the store."""
     assert flow.fan_in is not None
+    kept = writes.gathered.take(flow)
+    if kept is not None:
+        await trio.lowlevel.checkpoint()
+        return kept
     read = partial(_kin.results_of, parent=flow.flow_id, step_index=flow.fan_in)
     return await _retry.retrying(
         partial(_read.own, writes._store, read),

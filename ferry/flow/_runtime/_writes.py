@@ -52,6 +52,7 @@ from ._flight import Flight
 from ._flight import answered as _answered
 from ._flight import rolled_back as _rolled_back
 from ._flight import unless_rejected as _unless_rejected
+from ._gathered import Gathered
 from ._live import LOGGED, Live, Tally, about, kin_counted, log_ended, named
 from ._mode import Mode
 from ._versions import Versions
@@ -162,6 +163,7 @@ class Writes:
         self._own = _ops.Known(self._versions.shapes)  # a timeout's versions: its own
         self.queue_timers: dict[str, float] = {}  # each plan's queue timer armed, not fired
         self.admits_as = owner if serve else None  # who holds the flows its writes admit
+        self.gathered = Gathered()  # the ends of this engine's spawns (`_spawns.results`)
 
     def open(self, write_ferry: Callable[[_op.Op], Awaitable[_op.Result]] | None) -> None:
         """Write through `write_ferry` from now on (group commit; None: one transaction each)."""
@@ -311,6 +313,7 @@ class Writes:
             if t.written:
                 if t.flow.state is not result.before.state:
                     _ended(self._tally, result.before, t, self._ended)
+                    self.gathered.seen(t.flow)  # a child's end kept for its parent (0173)
                 own = isinstance(op, _op.Change) and op.flow is not None
                 self.track(result.before.state, t.flow, own, epoch=epoch)
             for more_op, more in result.more:  # a family's writes in the same transaction

@@ -58,6 +58,7 @@ __all__ = [
     "children",
     "create_tables",
     "ddl",
+    "failed",
     "latest_brood",
     "load_brood",
     "lock_spawns",
@@ -228,6 +229,18 @@ def children(tx: Tx, parent: str, step_index: int) -> list[Kid]:
         (parent, step_index),
     )
     return [_kid(r) for r in rows]
+
+
+def failed(tx: Tx, parent: str, step_index: int) -> int:
+    """How many of the spawn's children have failed (what the last end's `_family.go_on`
+    counts): one probe of the partial index of the failed ones, O(failures), not O(children)
+    (the status is written out, not bound, so that the index's condition is seen to hold)."""
+    rows = tx.execute(
+        f"SELECT COUNT(*) FROM {CHILDREN} WHERE parent = ? AND step_index = ?"
+        " AND status = 'failed'",
+        (parent, step_index),
+    )
+    return int(rows[0][0])
 
 
 def to_cancel(tx: Tx, parent: str, step_index: int) -> list[Kid]:

@@ -209,6 +209,9 @@ def family_ddl() -> list[str]:
         " WHERE status = 'active'",
         f"CREATE INDEX IF NOT EXISTS {CHILDREN}_undo ON {CHILDREN} (parent, step_index, ended)"
         " WHERE status = 'completed' AND undone = 0",
+        # The failed ones, counted by the last end of a spawn (`_family.failed`): O(failures).
+        f"CREATE INDEX IF NOT EXISTS {CHILDREN}_failed ON {CHILDREN} (parent, step_index)"
+        " WHERE status = 'failed'",
         f"CREATE INDEX IF NOT EXISTS {SPAWNS}_stopping ON {SPAWNS} (parent)"
         " WHERE phase = 'stopping'",
     ]
