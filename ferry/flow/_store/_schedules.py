@@ -30,6 +30,7 @@ No trio, no clock.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, final
@@ -82,9 +83,12 @@ def ddl(d: _dialect.Dialect) -> list[str]:
 @final
 @attrs.frozen(kw_only=True)
 class Stored:
-    """A stored schedule: its `definition` (`Schedule.definition()`, as stored) and its `row`."""
+    """A stored schedule: its `definition` (`Schedule.definition()`, as stored; read only: the
+    rows of one definition's text share it), the canonical text of its data (`data_text`) and
+    its `row`."""
 
     definition: dict[str, Any]
+    data_text: str
     row: Row
 
     @property
@@ -92,9 +96,28 @@ class Stored:
         return (str(self.definition["plan"]), int(self.definition["version"]))
 
     def rule(self) -> CronRule:
-        """The definition's rule (rebuilt from what was read; cached by `_cron`)."""
-        zone = _schedule.check_timezone(self.definition["timezone"])
-        return CronRule(str(self.definition["cron"]), zone)
+        """The definition's rule (built from what was read, remembered by its expression and
+        zone: `_rule`)."""
+        return _rule(str(self.definition["cron"]), self.definition["timezone"])
+
+
+#: Definitions and rules remembered: the schedules due on one minute share a few of each.
+_REMEMBERED: Final = 4096
+
+
+@functools.lru_cache(maxsize=_REMEMBERED)
+def _rule(cron: str, timezone: Any) -> CronRule:
+    """The rule of `cron` in `timezone` (a zone this host lacks raises, and is not
+    remembered)."""
+    return CronRule(cron, _schedule.check_timezone(timezone))
+
+
+@functools.lru_cache(maxsize=_REMEMBERED)
+def _definition(text: str) -> tuple[dict[str, Any], str]:
+    """A stored definition's text, read: (the definition, its data's canonical text). One
+    parse per distinct text, shared by the rows that store it (read only)."""
+    definition: dict[str, Any] = json.loads(text)
+    return definition, canonical_json(definition["data"])
 
 
 def _stored(r: Sequence[Any]) -> Stored:
@@ -109,7 +132,8 @@ def _stored(r: Sequence[Any]) -> Stored:
         missed=int(r[8]),
         skipped=int(r[9]),
     )
-    return Stored(definition=json.loads(r[1]), row=row)
+    definition, data_text = _definition(r[1])
+    return Stored(definition=definition, data_text=data_text, row=row)
 
 
 def _held(tx: Tx, names: Sequence[str]) -> dict[str, Stored]:
@@ -308,8 +332,15 @@ def _update_params(new: Row, old: Row, now: float) -> tuple[Any, ...]:
     )
 
 
+@functools.lru_cache(maxsize=_REMEMBERED)
+def _tick_data_text(data_text: str, t: float) -> str:
+    """The canonical text of a tick's data (`_schedule.tick_data`), remembered: the schedules
+    due on one minute mostly share their data (none) and their tick."""
+    return canonical_json(_schedule.tick_data(data_text, t))
+
+
 def _tick_create(held: Stored, t: float, now: float, shape: Shape, owner: str | None) -> _op.Create:
-    data = canonical_json(_schedule.tick_data(canonical_json(held.definition["data"]), t))
+    data = _tick_data_text(held.data_text, t)
     fid = _schedule.tick_id(held.row.name, t)
     return _op.Create(_machine.start(shape, fid, data, now, owner=owner))
 
