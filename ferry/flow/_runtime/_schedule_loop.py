@@ -88,6 +88,31 @@ def _guarded(fn: Callable[[Tx], T]) -> Callable[[Tx], T | _Refused]:
     return run
 
 
+def _tell(
+    observers: tuple[_observe.Bound, ...],
+    name: str,
+    how: str,
+    flow_id: str | None,
+    started: int,
+    outcome: _schedules.Outcome | None,
+    now: float,
+) -> None:
+    """Tell the observers of one firing that started or passed over a tick (`ScheduleTick`)."""
+    skipped = 0 if outcome is None else outcome.skipped
+    missed = 0 if outcome is None else outcome.missed
+    if observers and (started or skipped or missed):
+        tick = ScheduleTick(
+            schedule=name,
+            how=how,
+            flow_id=flow_id,
+            started=started,
+            skipped=skipped,
+            missed=missed,
+            at=now,
+        )
+        _observe.ticked(observers, tick)
+
+
 class Schedules:
     """The schedules of one engine (the module docstring).
 
@@ -281,31 +306,8 @@ class Schedules:
             )
         self._remember(outcome.row)
         started = int(isinstance(result, _op.Created))
-        self._tell(outcome.name, how, outcome.flow_id if started else None, started, outcome, now)
-
-    def _tell(
-        self,
-        name: str,
-        how: str,
-        flow_id: str | None,
-        started: int,
-        outcome: _schedules.Outcome | None,
-        now: float,
-    ) -> None:
-        observers = self._tally.observers
-        skipped = 0 if outcome is None else outcome.skipped
-        missed = 0 if outcome is None else outcome.missed
-        if observers and (started or skipped or missed):
-            tick = ScheduleTick(
-                schedule=name,
-                how=how,
-                flow_id=flow_id,
-                started=started,
-                skipped=skipped,
-                missed=missed,
-                at=now,
-            )
-            _observe.ticked(observers, tick)
+        fid = outcome.flow_id if started else None
+        _tell(self._tally.observers, outcome.name, how, fid, started, outcome, now)
 
     # ---------------------------------------------------------------------------- the calls
 
@@ -398,5 +400,5 @@ class Schedules:
             if isinstance(result, _op.Created):
                 started += 1
                 self._writes.track(None, result.transition.flow, True, epoch=epoch)
-        self._tell(name, "backfill", None, started, None, now)
+        _tell(self._tally.observers, name, "backfill", None, started, None, now)
         return started

@@ -30,8 +30,6 @@ No trio, no clock.
 
 from __future__ import annotations
 
-import functools
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, final
 
@@ -43,7 +41,7 @@ from ferry.projected import Tx
 from .._model import _machine, _schedule
 from .._model._schedule import Fired, Row
 from .._model._values import Shape
-from . import _batch, _dialect, _op, _schema, _sql
+from . import _batch, _cron, _dialect, _op, _schema, _sql
 from ._cron import CronRule, Schedule
 
 #: The table of schedules, one row per schedule, and the partial index of the due ones (the
@@ -96,28 +94,8 @@ class Stored:
         return (str(self.definition["plan"]), int(self.definition["version"]))
 
     def rule(self) -> CronRule:
-        """The definition's rule (built from what was read, remembered by its expression and
-        zone: `_rule`)."""
-        return _rule(str(self.definition["cron"]), self.definition["timezone"])
-
-
-#: Definitions and rules remembered: the schedules due on one minute share a few of each.
-_REMEMBERED: Final = 4096
-
-
-@functools.lru_cache(maxsize=_REMEMBERED)
-def _rule(cron: str, timezone: Any) -> CronRule:
-    """The rule of `cron` in `timezone` (a zone this host lacks raises, and is not
-    remembered)."""
-    return CronRule(cron, _schedule.check_timezone(timezone))
-
-
-@functools.lru_cache(maxsize=_REMEMBERED)
-def _definition(text: str) -> tuple[dict[str, Any], str]:
-    """A stored definition's text, read: (the definition, its data's canonical text). One
-    parse per distinct text, shared by the rows that store it (read only)."""
-    definition: dict[str, Any] = json.loads(text)
-    return definition, canonical_json(definition["data"])
+        """The definition's rule (built from what was read, remembered: `_cron.rule_of`)."""
+        return _cron.rule_of(str(self.definition["cron"]), self.definition["timezone"])
 
 
 def _stored(r: Sequence[Any]) -> Stored:
@@ -132,7 +110,7 @@ def _stored(r: Sequence[Any]) -> Stored:
         missed=int(r[8]),
         skipped=int(r[9]),
     )
-    definition, data_text = _definition(r[1])
+    definition, data_text = _cron.read_definition(r[1])
     return Stored(definition=definition, data_text=data_text, row=row)
 
 
@@ -332,15 +310,8 @@ def _update_params(new: Row, old: Row, now: float) -> tuple[Any, ...]:
     )
 
 
-@functools.lru_cache(maxsize=_REMEMBERED)
-def _tick_data_text(data_text: str, t: float) -> str:
-    """The canonical text of a tick's data (`_schedule.tick_data`), remembered: the schedules
-    due on one minute mostly share their data (none) and their tick."""
-    return canonical_json(_schedule.tick_data(data_text, t))
-
-
 def _tick_create(held: Stored, t: float, now: float, shape: Shape, owner: str | None) -> _op.Create:
-    data = _tick_data_text(held.data_text, t)
+    data = _cron.tick_data_text(held.data_text, t)
     fid = _schedule.tick_id(held.row.name, t)
     return _op.Create(_machine.start(shape, fid, data, now, owner=owner))
 
