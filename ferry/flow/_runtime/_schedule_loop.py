@@ -248,15 +248,18 @@ class Schedules:
             if len(outcomes) < _schedules.CLAIM:
                 break
             if held >= _TOGETHER:
-                self._took_all(fired)
+                await self._took_all(fired)
                 held = 0
-        self._took_all(fired)
+        await self._took_all(fired)
         await self._read_due()
 
-    def _took_all(self, fired: list[tuple[list[_schedules.Outcome], int, float]]) -> None:
+    async def _took_all(self, fired: list[tuple[list[_schedules.Outcome], int, float]]) -> None:
         """`_took` for each outcome of the claims in `fired`, in commit order; `fired` is
-        emptied. No checkpoint."""
-        for outcomes, epoch, now in fired:
+        emptied. The other tasks run between claims (10,000 ticks are about 0.3 s of the trio
+        thread); not a cancel point, so that every tick handed here is followed."""
+        for i, (outcomes, epoch, now) in enumerate(fired):
+            if i:
+                await trio.lowlevel.cancel_shielded_checkpoint()
             for outcome in outcomes:
                 self._took(outcome, epoch, now, "tick")
         fired.clear()
