@@ -133,16 +133,19 @@ def _schedules_of(due: int, later: int) -> list[flow.Schedule]:
     ]
 
 
-async def burst(where: Any, due: int, later: int = 0) -> float:
+async def burst(where: Any, due: int, later: int = 0) -> tuple[float, float]:
     """Seconds from the tick to the last of `due` ticks' flows running (`later` schedules
-    stored beside them, not due)."""
+    stored beside them, not due), and the CPU seconds of this process (every thread) from the
+    engine being open until then (a figure a loaded machine disturbs less)."""
     count.reset(due)
     wall = Wall(TICK - D)
     async with engine_at(where, _schedules_of(due, later), wall):
+        cpu = time.process_time()
         at = wall.go()
         with trio.fail_after(600):
             await count.all.wait()
-    return count.at - at
+        cpu = time.process_time() - cpu
+    return count.at - at, cpu
 
 
 async def store_half(where: Any, due: int) -> float:
@@ -178,10 +181,12 @@ async def idle(where: Any, schedules: int) -> float:
 
 
 def _burst_rows(label: str, fresh: Where, targets: bool) -> Iterator[Row]:
-    big, small, alone = [], [], []
+    big, small, alone, cpu = [], [], [], []
     for _ in range(ROUNDS):
-        small.append(trio.run(burst, fresh(), SMALL))
-        big.append(trio.run(burst, fresh(), BURST))
+        small.append(trio.run(burst, fresh(), SMALL)[0])
+        took, used = trio.run(burst, fresh(), BURST)
+        big.append(took)
+        cpu.append(used)
         alone.append(trio.run(store_half, fresh(), BURST))
     many, few, half = min(big), min(small), min(alone)
     yield Row(
@@ -192,7 +197,7 @@ def _burst_rows(label: str, fresh: Where, targets: bool) -> Iterator[Row]:
         unit="us/tick",
         note=f"all {BURST:,} running {many:.2f} s after the tick (rounds: "
         + ", ".join(f"{b:.2f}" for b in big)
-        + ")",
+        + f"; CPU {min(cpu):.2f} s)",
     )
     yield Row(
         f"schedules {label}: {BURST:,} due, the tick to all running / the store's half alone",
@@ -208,8 +213,8 @@ def _sqlite_rows(fresh: Where) -> Iterator[Row]:
     yield from _burst_rows("sqlite", fresh, True)
     among, alone = [], []
     for _ in range(ROUNDS):
-        alone.append(trio.run(burst, fresh(), SMALL))
-        among.append(trio.run(burst, fresh(), SMALL, BURST - SMALL))
+        alone.append(trio.run(burst, fresh(), SMALL)[0])
+        among.append(trio.run(burst, fresh(), SMALL, BURST - SMALL)[0])
     yield Row(
         f"schedules sqlite: {SMALL} due among {BURST:,}, the tick to all running / {SMALL} alone",
         min(among),
