@@ -53,3 +53,21 @@ def test_the_children_bench_runs_its_rows_at_a_tiny_size(
     assert [r.target for r in rows] == [1.25, 2.0]
     assert all(r.value > 0 and r.baseline > 0 for r in rows), rows
     assert "children/s" in rows[0].note
+
+
+def test_the_schedules_bench_runs_its_rows_at_a_tiny_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench_flow_schedules' SQLite rows (a burst due on one minute through the engine, the
+    store's half alone, a few due among many, the idle engine's CPU) run end to end at a tiny
+    size: every tick's flow runs, each figure is a time."""
+    from tests.bench import bench_flow_schedules as bench
+
+    for name, value in [("ROUNDS", 1), ("BURST", 30), ("SMALL", 5), ("QUIET", 0.02), ("D", 0.02)]:
+        monkeypatch.setattr(bench, name, value)
+    count = iter(range(100))
+    rows = list(bench._sqlite_rows(lambda: str(tmp_path / f"r{next(count)}.db")))
+    assert [r.target for r in rows] == [1.5, float("inf"), 1.5, 1.5]
+    assert all(r.value > 0 and r.baseline > 0 for r in rows[:3]), rows
+    assert rows[3].value >= 0 and rows[3].baseline >= 0, rows
+    assert "all 30 running" in rows[0].note

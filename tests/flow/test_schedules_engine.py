@@ -13,7 +13,8 @@ timer that fires only at open; the restart with a declaration that sets the next
 at every open (the tick closed over, 4:00, is lost); the jump and the downtime with a firing
 that starts the oldest missed tick and goes on from the one after it (a burst, one a firing);
 the queue test with no end hook (the waiting tick starts only at the next tick); the waiting
-tick after a kill with an open that does not look for waiting ticks."""
+tick after a kill with an open that does not look for waiting ticks; the burst of three claims
+with a slice whose flows are never made live (one of 1,001 ran)."""
 
 from __future__ import annotations
 
@@ -168,6 +169,27 @@ async def test_a_restart_on_the_same_file_starts_no_tick_twice_and_loses_none(
     assert ticks.started() == 7, "a tick started again after a restart"
     got = await row(db, "minutely")
     assert (got.missed, got.skipped, got.next_tick) == (0, 0, BASE + 8 * MINUTE)
+
+
+async def test_a_burst_of_several_claims_starts_every_tick_once_in_slices(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """1,001 schedules due on one minute are three claims; with a slice of one claim (the
+    engine makes a round's flows live together, at most `_TOGETHER` ticks at a time) every
+    tick's flow still runs once, in the slices and at the round's end."""
+    from ferry.flow._runtime import _schedule_loop
+
+    monkeypatch.setattr(_schedule_loop, "_TOGETHER", _schedules.CLAIM)
+    many = [flow.Schedule(f"s{i}", report, cron="0 3 * * *") for i in range(1001)]
+    db = tmp_path / "app.db"
+    ticks = Ticks()
+    async with engine_at(db, Wall(BASE), many, observers=[ticks]) as engine:
+        await trio.sleep(3 * HOUR + 1)
+        assert engine.statistics().completed == 1001
+    assert ticks.started() == 1001
+    flows = await stored(db)
+    assert sorted(flows) == sorted(f"s{i}@{iso(BASE + 3 * HOUR)}" for i in range(1001))
+    assert {state for state, _data in flows.values()} == {"COMPLETED"}
 
 
 @pytest.mark.parametrize("catchup", [0, 3600])

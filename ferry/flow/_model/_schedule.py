@@ -31,6 +31,7 @@ The rules, in one place:
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import zoneinfo
@@ -191,7 +192,14 @@ def check_data(value: object) -> str:
 
 def tick_text(t: float) -> str:
     """The tick `t` as its flows write it: UTC to the second, ``2026-12-02T02:00:00Z``."""
-    return iso(math.floor(t))
+    return _second_text(math.floor(t))
+
+
+@functools.lru_cache(maxsize=1024)
+def _second_text(second: int) -> str:
+    """`iso` of a whole second, remembered: the schedules due on one minute share a few ticks,
+    each written several times a firing (its flow id, its data, the row's last flow)."""
+    return iso(second)
 
 
 def tick_id(name: str, t: float) -> str:

@@ -18,7 +18,8 @@ What this part adds is when to call them, and what memory follows:
   another engine may have declared, unpaused or fired a schedule.
   A call that can move a tick earlier (`unpause`) and an end that frees a waiting tick poke it.
 - **The flows a firing starts** go where a start's go: `Writes.track` makes them live (this
-  engine runs them; a fleet's names this engine their holder).
+  engine runs them; a fleet's names this engine their holder), those of one round together
+  once its claims are written (`_fire_due`).
 - **Waiting ticks** (``overlap="queue"``): a firing that leaves one behind a flow remembers that
   flow; when this engine's write ends it (`ended`, from the write path), the task starts the
   waiting tick (`_schedules.start_waiting`). At open, and at each of a fleet's wake-ups, the
@@ -61,6 +62,9 @@ _log = logging.getLogger("ferry.flow")
 
 Shapes = Mapping[tuple[str, int], Shape]
 
+#: At most this many ticks of one firing round are written before their flows are made live.
+_TOGETHER: Final = 20_000
+
 #: The operators' calls refused inside the transaction (before it wrote anything).
 _REFUSED: Final = (LookupError, ValueError)
 
@@ -82,6 +86,31 @@ def _guarded(fn: Callable[[Tx], T]) -> Callable[[Tx], T | _Refused]:
             return _Refused(exc)
 
     return run
+
+
+def _tell(
+    observers: tuple[_observe.Bound, ...],
+    name: str,
+    how: str,
+    flow_id: str | None,
+    started: int,
+    outcome: _schedules.Outcome | None,
+    now: float,
+) -> None:
+    """Tell the observers of one firing that started or passed over a tick (`ScheduleTick`)."""
+    skipped = 0 if outcome is None else outcome.skipped
+    missed = 0 if outcome is None else outcome.missed
+    if observers and (started or skipped or missed):
+        tick = ScheduleTick(
+            schedule=name,
+            how=how,
+            flow_id=flow_id,
+            started=started,
+            skipped=skipped,
+            missed=missed,
+            at=now,
+        )
+        _observe.ticked(observers, tick)
 
 
 class Schedules:
@@ -200,18 +229,40 @@ class Schedules:
             await stm.atomically(self._sleep, seen, trio.current_time() + every)
 
     async def _fire_due(self) -> None:
-        """Fire every due schedule, a claim at a time, then read the next due tick."""
+        """Fire every due schedule, a claim at a time, then read the next due tick.
+
+        The flows a round starts are made live together once its claims are written (at most
+        `_TOGETHER` ticks at a time): the claims run back to back on the store's thread, not
+        beside the first ticks' flows, whose runs and end writes would take the trio thread and
+        SQLite's one writer between them (docs/adr/0174)."""
         shapes = self._shapes
+        fired: list[tuple[list[_schedules.Outcome], int, float]] = []
+        held = 0
         while True:
             now = self._clock.now()
             epoch = self._writes.epoch
             fire = partial(_schedules.fire_due, now=now, shapes=shapes, owner=self._owner)
             outcomes = await self._own(fire, "firing the due schedules")
-            for outcome in outcomes:
-                self._took(outcome, epoch, now, "tick")
+            fired.append((outcomes, epoch, now))
+            held += len(outcomes)
             if len(outcomes) < _schedules.CLAIM:
                 break
+            if held >= _TOGETHER:
+                await self._took_all(fired)
+                held = 0
+        await self._took_all(fired)
         await self._read_due()
+
+    async def _took_all(self, fired: list[tuple[list[_schedules.Outcome], int, float]]) -> None:
+        """`_took` for each outcome of the claims in `fired`, in commit order; `fired` is
+        emptied. The other tasks run between claims (10,000 ticks are about 0.3 s of the trio
+        thread); not a cancel point, so that every tick handed here is followed."""
+        for i, (outcomes, epoch, now) in enumerate(fired):
+            if i:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            for outcome in outcomes:
+                self._took(outcome, epoch, now, "tick")
+        fired.clear()
 
     async def _read_due(self) -> float | None:
         """Read the earliest next tick of this engine's schedules into memory (one indexed
@@ -258,31 +309,8 @@ class Schedules:
             )
         self._remember(outcome.row)
         started = int(isinstance(result, _op.Created))
-        self._tell(outcome.name, how, outcome.flow_id if started else None, started, outcome, now)
-
-    def _tell(
-        self,
-        name: str,
-        how: str,
-        flow_id: str | None,
-        started: int,
-        outcome: _schedules.Outcome | None,
-        now: float,
-    ) -> None:
-        observers = self._tally.observers
-        skipped = 0 if outcome is None else outcome.skipped
-        missed = 0 if outcome is None else outcome.missed
-        if observers and (started or skipped or missed):
-            tick = ScheduleTick(
-                schedule=name,
-                how=how,
-                flow_id=flow_id,
-                started=started,
-                skipped=skipped,
-                missed=missed,
-                at=now,
-            )
-            _observe.ticked(observers, tick)
+        fid = outcome.flow_id if started else None
+        _tell(self._tally.observers, outcome.name, how, fid, started, outcome, now)
 
     # ---------------------------------------------------------------------------- the calls
 
@@ -375,5 +403,5 @@ class Schedules:
             if isinstance(result, _op.Created):
                 started += 1
                 _queues.started(self._writes, result, epoch)
-        self._tell(name, "backfill", None, started, None, now)
+        _tell(self._tally.observers, name, "backfill", None, started, None, now)
         return started

@@ -25,9 +25,11 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-from typing import final
+from typing import Any, final
 
 import cronsim
+
+from ferry._text import canonical_json
 
 from .._model import _limits, _schedule
 from .._model._checks import describe
@@ -110,6 +112,31 @@ class CronRule:
 
     def __repr__(self) -> str:
         return f"CronRule({self.expression!r}, {self.zone!s})"
+
+
+# What a firing reads of a stored definition, remembered: the schedules due on one minute mostly
+# share a few expressions, zones, data and ticks, so 10,000 of them parse and build a few.
+
+
+@functools.lru_cache(maxsize=_REMEMBERED)
+def rule_of(cron: str, timezone: Any) -> CronRule:
+    """The rule of a stored definition's `cron` in its `timezone` (a zone this host lacks
+    raises, and is not remembered)."""
+    return CronRule(cron, _schedule.check_timezone(timezone))
+
+
+@functools.lru_cache(maxsize=_REMEMBERED)
+def read_definition(text: str) -> tuple[dict[str, Any], str]:
+    """A stored definition's text (`Schedule.definition()`'s canonical JSON): the definition
+    and its data's canonical text. Shared by the rows that store the same text: read only."""
+    definition: dict[str, Any] = json.loads(text)
+    return definition, canonical_json(definition["data"])
+
+
+@functools.lru_cache(maxsize=_REMEMBERED)
+def tick_data_text(data_text: str, t: float) -> str:
+    """The canonical text of the data of tick `t`'s flow (`_schedule.tick_data`)."""
+    return canonical_json(_schedule.tick_data(data_text, t))
 
 
 @final

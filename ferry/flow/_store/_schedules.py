@@ -42,7 +42,7 @@ from ferry.projected import Tx
 from .._model import _limits, _machine, _schedule
 from .._model._schedule import Fired, Row
 from .._model._values import Shape
-from . import _batch, _dialect, _op, _schema, _sql
+from . import _batch, _cron, _dialect, _op, _schema, _sql
 from ._cron import CronRule, Schedule
 
 #: The table of schedules, one row per schedule, and the partial index of the due ones (the
@@ -82,9 +82,12 @@ def ddl(d: _dialect.Dialect) -> list[str]:
 @final
 @attrs.frozen(kw_only=True)
 class Stored:
-    """A stored schedule: its `definition` (`Schedule.definition()`, as stored) and its `row`."""
+    """A stored schedule: its `definition` (`Schedule.definition()`, as stored; read only: the
+    rows of one definition's text share it), the canonical text of its data (`data_text`) and
+    its `row`."""
 
     definition: dict[str, Any]
+    data_text: str
     row: Row
 
     @property
@@ -92,9 +95,8 @@ class Stored:
         return (str(self.definition["plan"]), int(self.definition["version"]))
 
     def rule(self) -> CronRule:
-        """The definition's rule (rebuilt from what was read; cached by `_cron`)."""
-        zone = _schedule.check_timezone(self.definition["timezone"])
-        return CronRule(str(self.definition["cron"]), zone)
+        """The definition's rule (built from what was read, remembered: `_cron.rule_of`)."""
+        return _cron.rule_of(str(self.definition["cron"]), self.definition["timezone"])
 
 
 def _stored(r: Sequence[Any]) -> Stored:
@@ -109,7 +111,8 @@ def _stored(r: Sequence[Any]) -> Stored:
         missed=int(r[8]),
         skipped=int(r[9]),
     )
-    return Stored(definition=json.loads(r[1]), row=row)
+    definition, data_text = _cron.read_definition(r[1])
+    return Stored(definition=definition, data_text=data_text, row=row)
 
 
 def _held(tx: Tx, names: Sequence[str]) -> dict[str, Stored]:
@@ -311,10 +314,10 @@ def _update_params(new: Row, old: Row, now: float) -> tuple[Any, ...]:
 def _tick_create(held: Stored, t: float, now: float, shape: Shape, owner: str | None) -> _op.Create:
     """A tick's start, as `Engine.start`'s: a plan with limits queues it (priority 0, at once)
     under the key its key function gives the tick's data (SPEC 5.8, docs/adr/0168)."""
-    tick = _schedule.tick_data(canonical_json(held.definition["data"]), t)
-    data = canonical_json(tick)
+    data = _cron.tick_data_text(held.data_text, t)
     fid = _schedule.tick_id(held.row.name, t)
-    key = _limits.flow_key(shape.limits, shape.name, tick)
+    keyed = shape.limits is not None and shape.limits.key is not None
+    key = _limits.flow_key(shape.limits, shape.name, json.loads(data)) if keyed else None
     return _op.Create(_machine.start(shape, fid, data, now, owner=owner, queue_key=key))
 
 
