@@ -138,10 +138,11 @@ class Rounds:
         for deadline, fid, revision in due:
             self._arm(deadline, fid, revision)
         await self._versions.refresh(store, now)
-        # Parked and blocked flows are nobody's: in a fleet `parked` and `blocked` are the
-        # store's counts, read here (a resume or abandon by another engine or an operator
-        # leaves the gauge within one scan: docs/adr/0128).
-        self._tally.parked, self._tally.blocked = await store.transact(_store.count_waiting)
+        # Parked, blocked and queued flows are nobody's: in a fleet `parked`, `blocked` and
+        # `queued` are the store's counts, read here (a resume or abandon by another engine or
+        # an operator leaves the gauge within one scan: docs/adr/0128).
+        tally = self._tally
+        tally.parked, tally.blocked, tally.queued = await store.transact(_store.count_waiting)
 
     async def scan_loop(self) -> None:
         """`scan` every `interval`, and now and then forget engines long gone."""

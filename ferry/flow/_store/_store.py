@@ -144,11 +144,11 @@ def load_orphans(
     return [to_flow(r) for r in tx.execute(sql, [*params, int(limit)])]
 
 
-def count_waiting(tx: Tx) -> tuple[int, int]:
-    """How many flows are parked and how many blocked (a fleet engine's `parked` and
-    `blocked`, read at every scan)."""
+def count_waiting(tx: Tx) -> tuple[int, int, int]:
+    """How many flows are parked, blocked and queued (a fleet engine's `parked`, `blocked` and
+    `queued`, read at every scan)."""
     counts = {r[0]: int(r[1]) for r in tx.execute(_statements(tx).count_waiting)}
-    return counts.get("PARKED", 0), counts.get("BLOCKED", 0)
+    return counts.get("PARKED", 0), counts.get("BLOCKED", 0), counts.get("QUEUED", 0)
 
 
 def count_states(tx: Tx) -> dict[State, int]:
