@@ -28,7 +28,7 @@ from .._model import _limits
 from .._model._types import Event, Json, State
 from .._model._values import Flow, Mailbox, Message, Shape
 from . import _dialect, _sql
-from ._sql import FLOWS, IN_ACTIVE, STATES, to_flow
+from ._sql import ENGINES, FLOWS, IN_ACTIVE, STATES, to_flow
 
 #: A limit that is none (``LIMIT ?`` takes a number in both dialects).
 _NO_LIMIT = 2**62
@@ -536,3 +536,12 @@ def prune_engines(tx: Tx, before: float) -> int:
 def load_engines(tx: Tx) -> list[tuple[str, float, float, int]]:
     """``(owner, lease_until, started_at, active flows it holds)`` of every known engine."""
     return [(r[0], r[1], r[2], r[3]) for r in tx.execute(_statements(tx).select_engines)]
+
+
+def live_engines_on_clock(tx: Tx, now: float) -> list[str]:
+    """The engines whose lease runs now by the lease clock (`lease_clock`): a fleet's scan
+    compares them with the last scan's to see an engine leave (`_queues.when_engines_leave`)."""
+    at = lease_clock(tx, now)
+    return [
+        str(r[0]) for r in tx.execute(f"SELECT owner FROM {ENGINES} WHERE lease_until >= ?", (at,))
+    ]
