@@ -346,9 +346,10 @@ def _engine_metrics(stats: list[FlowStatistics]) -> Iterator[Metric]:
     gauge = GaugeMetricFamily(
         "ferry_flow_flows",
         "Flows of the engines now, by state (a flow.State, lower case): running and"
-        " compensating (the engines run them, or they wait for a slot); parked and blocked (in"
-        " the store as each engine knows it: in a fleet every engine counts the store's, so"
-        " take the max over engines, not the sum).",
+        " compensating (the engines run them, or they wait for a slot); parked, blocked and"
+        " queued (in the store as each engine knows it: in a fleet every engine counts the"
+        " store's, so take the max over engines, not the sum; queued: waiting in their plans'"
+        " flow control, SPEC 5.8).",
         labels=["state"],
     )
     compensating = total("compensating")
@@ -356,6 +357,7 @@ def _engine_metrics(stats: list[FlowStatistics]) -> Iterator[Metric]:
     gauge.add_metric(["compensating"], compensating)
     gauge.add_metric(["parked"], total("parked"))
     gauge.add_metric(["blocked"], total("blocked_now"))
+    gauge.add_metric(["queued"], total("queued"))
     yield gauge
     ended = CounterMetricFamily(
         "ferry_flow_ended",

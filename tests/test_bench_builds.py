@@ -71,3 +71,26 @@ def test_the_schedules_bench_runs_its_rows_at_a_tiny_size(
     assert all(r.value > 0 and r.baseline > 0 for r in rows[:3]), rows
     assert rows[3].value >= 0 and rows[3].baseline >= 0, rows
     assert "all 30 running" in rows[0].note
+
+
+def test_the_flow_control_bench_runs_its_rows_at_a_tiny_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench_flow_control's SQLite rows (an end that admits at two queue depths, limits that
+    never bind, concurrency binding) run end to end at a tiny size: each figure positive, the
+    binding limit's peak exactly its limit."""
+    from tests.bench import bench_flow_control as bench
+
+    for name, value in [("ROUNDS", 1), ("DEEP", 300), ("SHALLOW", 100), ("ENDS", 20)]:
+        monkeypatch.setattr(bench, name, value)
+    monkeypatch.setattr(bench, "FLOWS", 40)
+    monkeypatch.setattr(bench, "BINDING", 4)
+    count = iter(range(100))
+
+    def fresh() -> str:
+        return str(tmp_path / f"r{next(count)}.db")
+
+    rows = [bench._depth_row("sqlite", fresh), *bench._engine_rows("sqlite", fresh, True)]
+    assert [r.target for r in rows[:2]] == [1.5, 1.25]
+    assert all(r.value > 0 and r.baseline > 0 for r in rows), rows
+    assert (rows[3].value, rows[3].baseline) == (4.0, 4.0), rows[3]

@@ -71,6 +71,7 @@ from ferry.flow._store import _schema, _store
 from ferry.projected import PostgresStore
 from tests import switches
 from tests.flow import _sigkill_family as fam
+from tests.flow import _sigkill_limited as lim
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ("reserve", "charge", "ship")
@@ -179,7 +180,28 @@ def make_plans(side: Any, owner: str, hold: Hold | None = None) -> list[flow.Pla
             await hold(ctx.idempotency_key)
         await trio.sleep(ctx.data["pause"])
 
-    return [make_plan(call), *fam.make_family(call)]
+    return [make_plan(call), *fam.make_family(call), lim.make_limited(call)]
+
+
+def limited_specs(flows: int, seed: int) -> list[lim.Limited]:
+    """The limited flows beside the scenario's (`_sigkill_limited`, ADR 0171): one in 80."""
+    return lim.limited_scenario(flows // 80, seed, prefix="l")
+
+
+def limited_order(seen: Observed, ids: set[str]) -> list[tuple[str, str]]:
+    """`_sigkill_limited.audit_limited`'s order on PostgreSQL: the limited flows' admissions
+    (out of QUEUED) and ends in the order of the audit's ids (each write's row, made in its
+    transaction: an admission waits for the budget row, so it comes after the end whose slot
+    it takes)."""
+    out = []
+    for a in seen.audit:
+        if a.flow_id not in ids or a.old_state == a.new_state:
+            continue
+        if a.old_state == "QUEUED" and a.new_state not in ("COMPLETED", "FAILED"):
+            out.append((a.flow_id, "admitted"))
+        elif a.old_state != "QUEUED" and a.new_state in ("COMPLETED", "FAILED"):
+            out.append((a.flow_id, "ended"))
+    return out
 
 
 def make_plan(call: fam.Call) -> flow.Plan:
@@ -257,6 +279,23 @@ async def serve(args: argparse.Namespace) -> None:
                         return
                     await trio.sleep(0.1)
 
+            limited = limited_specs(args.flows, args.seed)
+
+            async def start_limited(i: int, spec: lim.Limited) -> None:
+                await at(i * args.spread / max(1, len(limited)))
+                when = None if spec.at is None else epoch + spec.at
+                for _ in range(100):  # on any doubt, again (it is idempotent)
+                    with contextlib.suppress(ferry.Failed):
+                        await engine.start(
+                            by_name[lim.PLAN],
+                            flow_id=spec.flow_id,
+                            data=spec.data,
+                            priority=spec.priority,
+                            at=when,
+                        )
+                        return
+                    await trio.sleep(0.1)
+
             async def send(spec: Spec, s: Send) -> None:
                 """Like a gateway: an order it does not know yet (UNKNOWN) is tried again."""
                 await at(s.at)
@@ -276,6 +315,9 @@ async def serve(args: argparse.Namespace) -> None:
 
             async with trio.open_nursery() as nursery:
                 with trio.open_signal_receiver(signal.SIGTERM) as signals:
+                    for i, queued in enumerate(limited):
+                        if i % args.engines == args.index:
+                            nursery.start_soon(start_limited, i, queued)
                     for spec in specs:
                         if spec.start_on == args.index:
                             nursery.start_soon(start, spec)
@@ -770,6 +812,23 @@ def _check_runs(seen: Observed, freeze: Freeze | None) -> list[str]:
                     f" from revision {a.old_revision}, which it held when it was frozen"
                 )
     return problems
+
+
+def check_limited(
+    dsn: str, seen: Observed, flows: int, seed: int, epoch: float
+) -> tuple[list[str], int]:
+    """The limits half of the oracle (`_sigkill_limited.audit_limited`, and its counters back
+    to 0) on the fleet's limited flows, and the most of them active at once."""
+    import psycopg
+
+    queued = limited_specs(flows, seed)
+    ids = {q.flow_id for q in queued}
+    states = {fid: _state(seen.states.get(fid)) for fid in ids}
+    order = limited_order(seen, ids)
+    problems = lim.audit_limited(queued, states, seen.history, epoch, order)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        problems += lim.budget_left(_SyncTx(conn))
+    return problems, lim.max_active(order)
 
 
 def summary(specs: Sequence[Spec], seen: Observed, reports: Sequence[Mapping[str, Any]]) -> str:

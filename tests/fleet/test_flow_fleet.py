@@ -4,7 +4,9 @@ and restarted; another is SIGSTOPped past its lease and then resumed. The oracle
 (tests/fleet/_flows.py) reads the flows, their histories, the side table of effective runs and
 the database's audit of every write, and must hold. The same run with fencing switched off (the
 engines' test-only ``--no-fencing``) must make it fail. About 6% of the flows are parents with
-children (tests/flow/_sigkill_family.py, ADR 0162), checked by the oracle's family half.
+children (tests/flow/_sigkill_family.py, ADR 0162), checked by the oracle's family half; one
+in 80 more are flows of a plan with limits (tests/flow/_sigkill_limited.py, ADR 0171), checked by
+its limits half in the order of the audited writes.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 
 from ferry.flow import Event
 from tests import pg
+from tests.flow import _sigkill_limited as lim
 
 from ._flows import (
     AuditRow,
@@ -30,6 +33,7 @@ from ._flows import (
     Observed,
     Spec,
     check,
+    check_limited,
     in_flight,
     last_audit_id,
     observe,
@@ -55,6 +59,7 @@ class Chaos:
     held_at_thaw: int = 0  # of the flows the frozen engine held, how many it still held
     freeze: Freeze | None = None
     seconds: float = 0.0
+    epoch: float = 0.0  # the scenario's time 0 (wall clock)
 
 
 Report = dict[str, Any]
@@ -106,7 +111,7 @@ def run_fleet(
         frozen.spawn(hold_at=0.6 * spread)
         for e in engines:
             e.wait_ready()
-        epoch = time.time() + 0.2
+        epoch = chaos.epoch = time.time() + 0.2
         for e in engines:
             e.go(epoch)
         # SIGKILL engine 1 mid-run; restart it (a new owner name) half a second later.
@@ -146,9 +151,8 @@ def test_a_fleet_with_a_kill_and_a_frozen_owner_runs_every_flow_once(
     pg_server: pg.PgServer, tmp_path: Path
 ) -> None:
     dsn = pg_server.fresh_database_dsn("flowfleet")
-    specs, seen, chaos, reports = run_fleet(
-        dsn, tmp_path, flows=int(os.environ.get("FLEET_FLOWS", "2000")), spread=4.0, seed=1
-    )
+    flows = int(os.environ.get("FLEET_FLOWS", "2000"))
+    specs, seen, chaos, reports = run_fleet(dsn, tmp_path, flows=flows, spread=4.0, seed=1)
     print(f"\n{summary(specs, seen, reports)}\n{chaos.seconds:.1f} s")
     assert check(specs, seen, chaos.freeze) == []
     # The run did what it claims. The kill caught work in flight, which other engines took
@@ -170,6 +174,11 @@ def test_a_fleet_with_a_kill_and_a_frozen_owner_runs_every_flow_once(
     assert all(w["RESUMED"] + w["QUEUED"] > 0 for w in wakes)
     assert sum(w["DUPLICATE"] for w in wakes) > 0
     assert {s for s in seen.states.values()} == {"COMPLETED", "FAILED"}
+    # The limited flows (ADR 0171): each admitted once and ended, the limits never exceeded in
+    # the order of the writes, the counters back to 0, and the concurrency limit reached.
+    problems, most = check_limited(dsn, seen, flows, 1, chaos.epoch)
+    assert problems == []
+    assert most == lim.CONCURRENCY
 
 
 #: Chaos runs the unfenced fleet gets to show its damage. Whether a stale engine writes over

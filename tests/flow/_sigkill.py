@@ -54,6 +54,7 @@ from ferry import flow
 from ferry.flow._store import _store
 
 from . import _sigkill_family as fam
+from . import _sigkill_limited as lim
 from ._helpers import _InlineTx
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,7 +220,12 @@ def make_plans(
             await hold(ctx.idempotency_key)
         await trio.sleep(ctx.data["pause"])
 
-    return [plan, *fam.make_family(call)]
+    return [plan, *fam.make_family(call), lim.make_limited(call)]
+
+
+def limited_specs(flows: int, seed: int) -> list[lim.Limited]:
+    """The limited flows that run beside the scenario's (`_sigkill_limited`): a tenth as many."""
+    return lim.limited_scenario(flows // 10, seed)
 
 
 def open_side(path: Path) -> sqlite3.Connection:
@@ -261,9 +267,19 @@ async def child(args: argparse.Namespace) -> None:
                     nursery.start_soon(publish, spec, at, event_id)
                 await engine.wait(spec.flow_id)
 
+        async def limited(spec: lim.Limited) -> None:
+            at = None if spec.at is None else epoch + spec.at
+            plan = by_name[lim.PLAN]
+            await engine.start(
+                plan, flow_id=spec.flow_id, data=spec.data, priority=spec.priority, at=at
+            )
+            await engine.wait(spec.flow_id)
+
         async with trio.open_nursery() as nursery:
             for spec in specs:
                 nursery.start_soon(one, spec)
+            for queued in limited_specs(args.flows, args.seed):
+                nursery.start_soon(limited, queued)
         stats = engine.statistics()
     report = {
         "recovered": stats.recovered,
@@ -290,6 +306,7 @@ class Run:
     held: list[str] = attrs.Factory(list)  # the bodies held in flight for a kill
     reports: list[dict[str, Any]] = attrs.Factory(list)
     seconds: float = 0.0
+    epoch: float = 0.0  # the scenario's time 0 (wall clock): its events' and delayed starts'
 
 
 def _readline(proc: subprocess.Popen[str], deadline: float) -> str | None:
@@ -340,8 +357,8 @@ def run_with_kills(
         moments.append((early, rng.uniform(0.05, 0.6) if early else rng.uniform(0.0, 0.6)))
     opened_kills = [gen for gen, (early, _) in enumerate(moments) if not early]
     holds = {opened_kills[0], opened_kills[-1]} if opened_kills else set()
-    run = Run(work, flows)
     epoch = time.time() + 0.5  # roughly when the first child's engine is open
+    run = Run(work, flows, epoch=epoch)
     t0 = time.monotonic()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     for gen in range(kills + 1):
@@ -450,6 +467,29 @@ def read_outcome(work: Path, specs: Sequence[Spec]) -> Observed:
         side.close()
     runs = Counter({key: len(ids) for key, ids in order.items()})
     return Observed(states, history, runs, order)
+
+
+def read_limited(
+    work: Path, specs: Sequence[lim.Limited]
+) -> tuple[
+    dict[str, flow.State | None], dict[str, list[flow.Event]], list[tuple[str, str]], list[str]
+]:
+    """The limited flows' end states, histories and slot writes in commit order, and what
+    `_sigkill_limited.budget_left` says of the plan's counters."""
+    conn = sqlite3.connect(work / "flows.db", isolation_level=None)
+    try:
+        tx: Any = _InlineTx(conn)
+        states: dict[str, flow.State | None] = {}
+        history: dict[str, list[flow.Event]] = {}
+        for spec in specs:
+            row = _store.load(tx, spec.flow_id)
+            states[spec.flow_id] = None if row is None else row.state
+            history[spec.flow_id] = _store.load_history(tx, spec.flow_id) or []
+        left = lim.budget_left(tx)
+        order = lim.sqlite_order(tx)
+    finally:
+        conn.close()
+    return states, history, order, left
 
 
 def _step_index(flow_id: str, step: str) -> int:

@@ -352,8 +352,8 @@ def test_overview_reads(db: str) -> None:
     finally:
         conn.close()
     assert o.plans == [
-        ("order", 1, {"RUNNING": 2, "PARKED": 2, "COMPENSATING": 0, "BLOCKED": 2}),
-        ("refund", 2, {"RUNNING": 1, "PARKED": 0, "COMPENSATING": 0, "BLOCKED": 0}),
+        ("order", 1, {"QUEUED": 0, "RUNNING": 2, "PARKED": 2, "COMPENSATING": 0, "BLOCKED": 2}),
+        ("refund", 2, {"QUEUED": 0, "RUNNING": 1, "PARKED": 0, "COMPENSATING": 0, "BLOCKED": 0}),
     ]
     assert o.total == 9 and o.parked_forever == 1 and [f.flow_id for f in o.deadlines] == ["parked"]
     assert len(o.series.started) == 60

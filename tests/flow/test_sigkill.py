@@ -3,7 +3,10 @@ killed at random moments, several times; the oracle (tests/flow/_sigkill.py) mus
 must catch a planted bug that re-runs a recorded step. Some of the flows are parents that spawn
 children (tests/flow/_sigkill_family.py, ADR 0162): the oracle's family half (each child started
 once, its steps recorded once, each parent resumed once after its last child ended, the
-completed children of a failed parent compensated once each) is shown on planted inputs too."""
+completed children of a failed parent compensated once each) is shown on planted inputs too.
+Beside them run flows of a plan with limits (tests/flow/_sigkill_limited.py, ADR 0171): the
+oracle's limits half (each admitted once and ended, the limits never exceeded by their
+histories' times, the counters back to 0) is shown on planted inputs too."""
 
 from __future__ import annotations
 
@@ -16,7 +19,18 @@ import pytest
 
 from ferry import flow
 
-from ._sigkill import Observed, Spec, audit, read_outcome, run_with_kills, scenario, summary
+from . import _sigkill_limited as lim
+from ._sigkill import (
+    Observed,
+    Spec,
+    audit,
+    limited_specs,
+    read_limited,
+    read_outcome,
+    run_with_kills,
+    scenario,
+    summary,
+)
 from ._sigkill_family import FAMILIES
 
 
@@ -34,6 +48,13 @@ def check(tmp_path: Path, *, flows: int, kills: int, seed: int) -> None:
     assert sum(n - 1 for n in outcome.runs.values() if n > 1) > 0
     assert sum(r["recovered"] for r in run.reports) > 0
     assert any(key.count("/") > 2 for key in run.hits), "no kill caught a child in flight"
+    # The limited flows (tests/flow/_sigkill_limited.py, ADR 0171): every one ended, admitted
+    # once; the limits held at every write; no slot leaked; and the concurrency limit was
+    # reached (the queue was deep enough to bind it).
+    queued = limited_specs(flows, seed)
+    states, history, order, left = read_limited(tmp_path, queued)
+    assert lim.audit_limited(queued, states, history, run.epoch, order) + left == []
+    assert lim.max_active(order) == lim.CONCURRENCY
 
 
 def test_flows_survive_sigkills(tmp_path: Path) -> None:
@@ -243,3 +264,47 @@ def test_the_oracle_catches_children_undone_oldest_first() -> None:
     order = {**outcome.order, a: outcome.order[b], b: outcome.order[a]}
     (problem,) = _planted(spec.flow_id, order=order)
     assert problem.startswith(f"{spec.flow_id}: children undone in the order")
+
+
+# ------------------------------------------------------ the limits half on planted inputs
+
+LIMITED = [lim.Limited(f"q{i}", {"customer": f"c{i}"}, 0, None) for i in range(lim.CONCURRENCY + 1)]
+DONE = {s.flow_id: flow.State.COMPLETED for s in LIMITED}
+
+
+def _admitted(at: float) -> list[flow.Event]:
+    return [flow.Event(revision=1, at=at, kind="admitted", step=None, attempt=None, detail=None)]
+
+
+ONCE = {s.flow_id: _admitted(1.0) for s in LIMITED}
+
+
+def _order(text: str) -> list[tuple[str, str]]:
+    """``"+q0 +q1 -q0"``: q0 admitted, q1 admitted, q0 ended."""
+    return [(w[1:], "admitted" if w[0] == "+" else "ended") for w in text.split()]
+
+
+def test_the_limits_half_passes_flows_that_kept_to_the_limits() -> None:
+    order = _order("+q0 +q1 +q2 -q0 +q3 -q1 -q2 -q3")
+    assert lim.audit_limited(LIMITED, DONE, ONCE, 0.0, order) == []
+    assert lim.max_active(order) == lim.CONCURRENCY
+
+
+def test_the_limits_half_catches_a_limit_exceeded_a_slot_doubled_and_an_early_start() -> None:
+    order = _order("+q0 +q1 +q2 +q3 -q0 -q1 -q2 -q3")
+    (problem,) = lim.audit_limited(LIMITED, DONE, ONCE, 0.0, order)
+    assert problem == "4 limited flows were active at write 3 (q3 admitted)"
+    same = [lim.Limited(f"k{i}", {"customer": "c0"}, 0, None) for i in range(2)]
+    done = {"k0": flow.State.COMPLETED, "k1": flow.State.COMPLETED}
+    once = {"k0": _admitted(1.0), "k1": _admitted(1.0)}
+    (problem,) = lim.audit_limited(same, done, once, 0.0, _order("+k0 +k1 -k0 -k1"))
+    assert problem == "2 flows of customer 'c0' were active at write 1 (k1 admitted; per_key 1)"
+    twice = {**ONCE, "q0": _admitted(1.0) + _admitted(1.5)}
+    (problem,) = lim.audit_limited(LIMITED, DONE, twice, 0.0, [])
+    assert problem == "q0 (limited) was admitted 2 times, not once"
+    late = [lim.Limited("q0", {"customer": "c0"}, 0, 5.0)]
+    (problem,) = lim.audit_limited(late, DONE, {"q0": _admitted(104.0)}, 100.0, [])
+    assert problem == "q0 was admitted 1.000 s early"
+    ended, never = lim.audit_limited(late, {"q0": flow.State.RUNNING}, {}, 100.0, [])
+    assert ended.startswith("q0 (limited) ended State.RUNNING")
+    assert never == "q0 (limited) was admitted 0 times, not once"

@@ -24,7 +24,7 @@ from ferry.projected import Store
 
 from .._model import _ops
 from .._model._values import Flow
-from .._runtime import _retry
+from .._runtime import _queues, _retry
 from .._runtime._clock import Clock
 from .._runtime._config import Config
 from .._runtime._live import Live, Tally, about, named
@@ -69,6 +69,7 @@ class Rounds:
         self.interval = config.scan_interval
         self._arm = arm
         self._strays: dict[str, int] = {}
+        self._engines: frozenset[str] | None = None  # whose lease ran at the last scan
 
     def bind(self, writes: Writes) -> None:
         """The write path whose flows the rounds take over and check."""
@@ -138,10 +139,16 @@ class Rounds:
         for deadline, fid, revision in due:
             self._arm(deadline, fid, revision)
         await self._versions.refresh(store, now)
-        # Parked and blocked flows are nobody's: in a fleet `parked` and `blocked` are the
-        # store's counts, read here (a resume or abandon by another engine or an operator
-        # leaves the gauge within one scan: docs/adr/0128).
-        self._tally.parked, self._tally.blocked = await store.transact(_store.count_waiting)
+        # Parked, blocked and queued flows are nobody's: in a fleet `parked`, `blocked` and
+        # `queued` are the store's counts, read here (a resume or abandon by another engine or
+        # an operator leaves the gauge within one scan: docs/adr/0128).
+        tally = self._tally
+        tally.parked, tally.blocked, tally.queued = await store.transact(_store.count_waiting)
+        if _queues.plan_limits(self._versions):  # flow control: an engine that left
+            known = self._engines
+            self._engines = await _queues.when_engines_leave(
+                writes, self._clock, self._versions, known
+            )
 
     async def scan_loop(self) -> None:
         """`scan` every `interval`, and now and then forget engines long gone."""

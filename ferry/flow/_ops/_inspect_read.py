@@ -27,7 +27,7 @@ from .._model import _times, _values
 from .._model._errors import FlowError
 from .._model._types import Json, State
 from .._model._values import Flow
-from .._store import _inbox, _schema, _store, _triage
+from .._store import _inbox, _queue_view, _schema, _store, _triage
 from .._store._sqlite_file import SQLITE_HEADER, ReadOnlyTx, check_path, read_header
 from . import _bulk
 
@@ -294,6 +294,10 @@ STATS_LEGEND = {
         " leases later, once it holds no flow)"
     ),
     "FLOWS": "(engines) the running or compensating flows the engine holds",
+    "LIMITS": "(flow control) a limited plan's limits, as the engines registered them",
+    "ACTIVE": "(flow control) its flows holding a slot (running, parked, compensating);"
+    " QUEUED: waiting for one (a limit, or their start time); BUSY KEYS: keys with a flow"
+    " active; IN WINDOW: flows started within the rate's window",
 }
 
 
@@ -311,6 +315,7 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
             "beats": {b["owner"]: b for b in _inbox.heartbeats(tx)},
             "orphans": _store.count_orphans(tx, at),
             "registered": _store.load_plans(tx),
+            "queues": _queue_view.plan_queues(tx, at),
         }
 
     r = await read_store(store, args.where, read)
@@ -321,8 +326,9 @@ async def do_stats(args: argparse.Namespace, store: SqliteStore | PostgresStore)
         by_plan.setdefault(f"{plan}@{version}", dict.fromkeys((s.name for s in State), 0))
         by_plan[f"{plan}@{version}"][state.name] += n
     data = _stats_json(r, by_state, by_plan, args.limit)
-    parts = _stats_tables(r, by_state, by_plan)
+    parts = [*_stats_tables(r, by_state, by_plan), *_queue_table(r["queues"])]
     legend = ["orphans", *(["PLAN"] if by_plan else [])]
+    legend += ["LIMITS", "ACTIVE"] if r["queues"] else []
     legend += ["SINCE", "DEADLINE"] if r["parked"] else []
     legend += ["ERROR", "FIRST", "E.G."] if r["errors"].groups else []
     legend += ["LEASE", "FLOWS"] if r["engines"] else []
@@ -370,7 +376,27 @@ def _stats_json(
             {"plan": sh.name, "version": sh.version, "steps": list(sh.steps), "at": at}
             for sh, at in r["registered"]
         ],
+        "flow_control": [q.json() for q in r["queues"]],
     }
+
+
+def _queue_table(queues: Sequence[_queue_view.PlanQueue]) -> list[str]:
+    """``stats``' table of flow control: each limited plan's limits and usage (none: none)."""
+    if not queues:
+        return []
+    rows = [
+        [
+            q.plan,
+            _queue_view.limits_text(q.limits),
+            q.active,
+            q.queued,
+            q.busy_keys if q.limits.get("key") else "-",
+            "-" if q.in_window is None else q.in_window,
+        ]
+        for q in queues
+    ]
+    head = ("PLAN", "LIMITS", "ACTIVE", "QUEUED", "BUSY KEYS", "IN WINDOW")
+    return ["\nflow control\n" + table(head, rows)]
 
 
 def _stats_tables(

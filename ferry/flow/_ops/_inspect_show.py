@@ -17,8 +17,9 @@ from ferry.projected import PostgresStore, SqliteStore
 from .._model import _values
 from .._model._types import Event, Json, State
 from .._model._values import ACTIVE, Flow, Mailbox
-from .._store import _lineage, _store
+from .._store import _lineage, _queue_view, _store
 from .._store._lineage import Family
+from .._store._queue_view import Waits
 from ._inspect_read import (
     Problem,
     cut,
@@ -39,16 +40,17 @@ __all__ = ["do_show", "family_json", "family_lines"]
 async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     now = time.time()
 
-    def read(tx: Any) -> tuple[Flow | None, Any, Any, Any, bool, Family | None]:
+    def read(tx: Any) -> tuple[Flow | None, Any, Any, Any, bool, Family | None, Waits | None]:
         f = _store.load(tx, args.flow_id)
         if f is None:
-            return None, None, None, None, False, None
+            return None, None, None, None, False, None, None
         events = _store.load_history(tx, args.flow_id) or []
         box = _store.load_mailbox(tx, args.flow_id)
         hold = _store.holder(tx, args.flow_id, _store.lease_clock(tx, now))  # docs/adr/0110
-        return f, events, box, hold, _store.leased(tx), _lineage.family_of(tx, f)
+        waits = _queue_view.waiting(tx, f, now)
+        return f, events, box, hold, _store.leased(tx), _lineage.family_of(tx, f), waits
 
-    f, events, box, hold, leased, family = await read_store(store, args.where, read)
+    f, events, box, hold, leased, family, waits = await read_store(store, args.where, read)
     if f is None:
         raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
     held = None
@@ -58,8 +60,23 @@ async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
     assert family is not None
     lines = _show_lines(f, events, box, held, leased, now)
     at = lines.index("")  # the history's table comes after the snapshot's lines
-    text = "\n".join([*lines[:at], *family_lines(f, family), *lines[at:]])
-    output(args, text, {**_show_json(f, events, box, held), "family": family_json(family)})
+    queue = queue_lines(f, waits)
+    text = "\n".join([*lines[:at], *queue, *family_lines(f, family), *lines[at:]])
+    queued = {"not_before": f.not_before, "waits_for": None if waits is None else waits.json()}
+    output(
+        args, text, {**_show_json(f, events, box, held), **queued, "family": family_json(family)}
+    )
+
+
+def queue_lines(f: Flow, waits: Waits | None) -> list[str]:
+    """What ``show`` says of a flow's place in its plan's queue (SPEC 5.8): why a queued flow
+    waits, and a delayed start's time."""
+    lines = []
+    if waits is not None:
+        lines.append(f"waits for {safe(waits.text)}")
+    if f.not_before is not None:
+        lines.append(f"starts at {when(f.not_before)} (delayed start)")
+    return lines
 
 
 def _show_json(

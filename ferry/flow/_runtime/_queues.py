@@ -147,3 +147,20 @@ def started(writes: Writes, result: _op.Created, epoch: int) -> None:
     it as `Writes._applied` does, its queue's admissions and timers too."""
     writes.track(None, result.transition.flow, True, epoch=epoch)
     follow(writes, result, epoch)
+
+
+async def when_engines_leave(
+    writes: Writes, clock: Clock, versions: Versions, known: frozenset[str] | None
+) -> frozenset[str]:
+    """A fleet engine's scan (if it has limited plans): the engines whose lease runs now. If one
+    that ran at the last scan (`known`) no longer does (it closed, or it lapsed: killed or
+    frozen), each limited plan is admitted and its timer read again (`fire`): the room a killed
+    transaction of it left (a queued head it held, passed over by another's admission) and the
+    delayed starts and rate windows whose timer was its own (docs/adr/0170). One read per scan."""
+    now = clock.now()
+    read = partial(_store.live_engines_on_clock, now=now)
+    alive = frozenset(await writes._store.transact(read))
+    if known is not None and known - alive:
+        for name in plan_limits(versions):
+            await fire(writes, name, now)
+    return alive

@@ -11,7 +11,10 @@ before and after alone (`_admission.slot_change`), whichever path wrote it:
 - a resume written `QUEUED` (from `BLOCKED`): `enqueue` again, keeping its priority;
 - a queued flow written out of the queue by anything but an admission (a cancel: `FAILED`):
   `unqueue`;
-- a write that leaves a slot state (an end, a block, a compensation's end): `release`.
+- a write that leaves a slot state (an end, a block, a compensation's end): `release`;
+- a queued flow's row held and not moved (a wake queuing a message for it): `admit`. Another
+  transaction's admission passes a locked queued head over (``SKIP LOCKED``, ADR 0141), so the
+  transaction that held it admits at its own commit what that one could not (ADR 0170).
 
 Each of them admits what its change lets go, in itself; the admitted flows are read back and
 set on the op's result (`Created.admitted`, `Changed.admitted`) for the engine to run. The
@@ -52,11 +55,13 @@ def _asks(op: Op | None, r: Result) -> tuple[str, Flow] | None:
     if isinstance(r, Created):
         f = r.transition.flow
         return ("enqueue", f) if f.queue_key is not None and f.state is _QUEUED else None
-    if not isinstance(r, Changed) or not r.transition.written:
+    if not isinstance(r, Changed):
         return None
     after = r.transition.flow
     if after.queue_key is None:
         return None
+    if not r.transition.written:  # its row held, not moved (a wake queuing a message for it)
+        return ("admit", after) if after.state is _QUEUED else None
     before = r.before.state
     if after.state is _QUEUED:
         return ("requeue", after) if before is not _QUEUED else None
@@ -152,6 +157,8 @@ def settle(tx: Tx, ops: Sequence[Op], results: list[Result], owner: str | None) 
             )
         elif what == "unqueue":
             taken = _admission.unqueue(tx, plan, lim, fid, now, owner or "")
+        elif what == "admit":
+            taken = _admission.admit(tx, plan, lim, _op_time(op, now), owner or "")
         else:
             taken = _admission.release(tx, plan, lim, fid, now, owner or "")
         if taken:
@@ -163,6 +170,13 @@ def settle(tx: Tx, ops: Sequence[Op], results: list[Result], owner: str | None) 
         wake = _admission.next_wake(tx, plan, limits[plan], now)
         if wake is not None:
             _with(results, path, wakes=((plan, wake),))
+
+
+def _op_time(op: Op | None, row_time: float) -> float:
+    """When `op` was asked (an outside request's own time: its row, not written, keeps an older
+    one), else `row_time`."""
+    at = getattr(getattr(op, "apply", None), "now", None)
+    return float(at) if isinstance(at, int | float) else row_time
 
 
 def _flow_at(results: Sequence[Result], path: tuple[int, ...]) -> Flow:

@@ -495,7 +495,7 @@ def _reads() -> dict[str, str]:
         select_orphans=f"SELECT {', '.join(f'f.{c}' for c in FIELDS)} FROM {FLOWS} f"
         f" WHERE f.{active} AND {orphan('f')}",
         count_waiting=f"SELECT state, COUNT(*) FROM {FLOWS}"
-        " WHERE state IN ('PARKED', 'BLOCKED') GROUP BY state",
+        " WHERE state IN ('PARKED', 'BLOCKED', 'QUEUED') GROUP BY state",
         count_states=f"SELECT state, COUNT(*) FROM {FLOWS} GROUP BY state",
         count_plans=f"SELECT plan, version, state, COUNT(*) FROM {FLOWS}"
         " GROUP BY plan, version, state ORDER BY plan, version, state",

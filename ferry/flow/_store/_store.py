@@ -28,7 +28,7 @@ from .._model import _limits
 from .._model._types import Event, Json, State
 from .._model._values import Flow, Mailbox, Message, Shape
 from . import _dialect, _sql
-from ._sql import FLOWS, IN_ACTIVE, STATES, to_flow
+from ._sql import ENGINES, FLOWS, IN_ACTIVE, STATES, to_flow
 
 #: A limit that is none (``LIMIT ?`` takes a number in both dialects).
 _NO_LIMIT = 2**62
@@ -144,11 +144,11 @@ def load_orphans(
     return [to_flow(r) for r in tx.execute(sql, [*params, int(limit)])]
 
 
-def count_waiting(tx: Tx) -> tuple[int, int]:
-    """How many flows are parked and how many blocked (a fleet engine's `parked` and
-    `blocked`, read at every scan)."""
+def count_waiting(tx: Tx) -> tuple[int, int, int]:
+    """How many flows are parked, blocked and queued (a fleet engine's `parked`, `blocked` and
+    `queued`, read at every scan)."""
     counts = {r[0]: int(r[1]) for r in tx.execute(_statements(tx).count_waiting)}
-    return counts.get("PARKED", 0), counts.get("BLOCKED", 0)
+    return counts.get("PARKED", 0), counts.get("BLOCKED", 0), counts.get("QUEUED", 0)
 
 
 def count_states(tx: Tx) -> dict[State, int]:
@@ -536,3 +536,12 @@ def prune_engines(tx: Tx, before: float) -> int:
 def load_engines(tx: Tx) -> list[tuple[str, float, float, int]]:
     """``(owner, lease_until, started_at, active flows it holds)`` of every known engine."""
     return [(r[0], r[1], r[2], r[3]) for r in tx.execute(_statements(tx).select_engines)]
+
+
+def live_engines_on_clock(tx: Tx, now: float) -> list[str]:
+    """The engines whose lease runs now by the lease clock (`lease_clock`): a fleet's scan
+    compares them with the last scan's to see an engine leave (`_queues.when_engines_leave`)."""
+    at = lease_clock(tx, now)
+    return [
+        str(r[0]) for r in tx.execute(f"SELECT owner FROM {ENGINES} WHERE lease_until >= ?", (at,))
+    ]

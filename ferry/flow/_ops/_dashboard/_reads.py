@@ -33,7 +33,7 @@ from ferry.projected import PostgresStore, Tx
 from ..._model import _values
 from ..._model._types import Event, State
 from ..._model._values import ACTIVE, Flow
-from ..._store import _dialect, _inbox, _lineage, _query, _schema, _sql, _store
+from ..._store import _dialect, _inbox, _lineage, _query, _queue_view, _schema, _sql, _store
 from ..._store._sqlite_file import ReadOnlyTx
 
 T = TypeVar("T")
@@ -160,6 +160,7 @@ class Overview:
     series: Series
     now: float
     beats: dict[str, str] = attrs.Factory(dict)  # owner -> "pid@host" (its heartbeat row)
+    queues: list[_queue_view.PlanQueue] = attrs.Factory(list)  # limited plans' limits, usage
 
     @property
     def serving(self) -> bool:
@@ -182,7 +183,7 @@ def _indexed_by(tx: Tx, index: str) -> str:
 
 #: The states whose flows are counted per plan (the finished are counted only by state: there
 #: are usually many of them, and counting them per plan reads every row).
-UNFINISHED = ("RUNNING", "PARKED", "COMPENSATING", "BLOCKED")
+UNFINISHED = ("QUEUED", "RUNNING", "PARKED", "COMPENSATING", "BLOCKED")
 
 
 def count_unfinished_plans(tx: Tx) -> list[tuple[str, int, str, int]]:
@@ -240,6 +241,7 @@ def page_overview(
             for b in _inbox.heartbeats(tx)
             if b["pid"] is not None
         },
+        queues=_queue_view.plan_queues(tx, now),
     )
 
 
@@ -294,6 +296,7 @@ class FlowPage:
     created_at: float
     events: int  # in its whole history (`history` holds the last `HISTORY` of them)
     family: _lineage.Family | None = None  # its parent, its spawns and their children
+    waits: _queue_view.Waits | None = None  # a queued flow's reason to wait (SPEC 5.8)
 
 
 #: The most history events a flow's page shows (the latest).
@@ -344,6 +347,7 @@ def page_flow(tx: Tx, flow_id: str) -> FlowPage | None:
         created_at=created[0][0] if created else f.updated_at,
         events=events,
         family=_lineage.family_of(tx, f),
+        waits=_queue_view.waiting(tx, f, time.time()),
     )
 
 

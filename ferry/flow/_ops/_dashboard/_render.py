@@ -13,7 +13,7 @@ from typing import Any
 import jinja2
 
 from ..._model._types import State
-from ..._store import _triage
+from ..._store import _queue_view, _triage
 from . import _shown
 from ._reads import UNFINISHED, Series
 
@@ -138,4 +138,5 @@ def environment() -> jinja2.Environment:
     env.globals["unfinished"] = UNFINISHED
     env.filters["error_of"] = _triage.error_of
     env.filters["cut"] = _cut
+    env.filters["limits"] = _queue_view.limits_text
     return env
