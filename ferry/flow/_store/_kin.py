@@ -52,7 +52,7 @@ from .._model._values import (
     Shape,
     Transition,
 )
-from . import _apply, _sql, _store
+from . import _apply, _signals, _sql, _store
 from . import _family as sf
 from ._op import Change, Changed, Create, Created, Op, Result
 
@@ -456,9 +456,12 @@ def write_spawn(
     tx: Tx, *, ops: Sequence[Op], guard: float | None, before: Flow, move: Move
 ) -> list[Result]:
     """`_family.write_spawn` as a batch's write function (`ops`, the runtime's copy of the
-    ops it writes, for memory: the parent's change, then the children's starts)."""
-    del ops
-    return sf.write_spawn(tx, before, move, guard=guard)
+    ops it writes, for memory: the parent's change, then the children's starts); the step's
+    events and stream values go with it (`_signals.record`)."""
+    results = sf.write_spawn(tx, before, move, guard=guard)
+    if ops and isinstance(ops[0], Change) and ops[0].signals is not None:
+        _signals.record(tx, ops[:1], results[:1])
+    return results
 
 
 def results_of(tx: Tx, parent: str, step_index: int) -> dict[str, ChildResult]:

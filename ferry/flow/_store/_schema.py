@@ -25,6 +25,8 @@ Tables:
   ``fan_in`` (the spawn whose results the current step reads, docs/adr/0148).
 - ``flow_plans(plan, version, shape, registered_at)``: the shape of every plan version an engine
   registered, for processes without the plans (an operator's engine, docs/adr/0044).
+- ``flow_events``, ``flow_stream``: the events and streams out of running flows (`_signals`,
+  SPEC 5.10).
 - ``flow_schedules``: one row per schedule (`_schedules`, docs/adr/0144), a partial index on
   the next tick of those not paused.
 """
@@ -37,7 +39,7 @@ from typing import Final
 
 from ferry.projected import Tx
 
-from . import _dialect, _inbox
+from . import _dialect, _inbox, _signals
 from ._sql import ENGINES, FLOWS, HISTORY, IN_ACTIVE, IN_FINISHED, MAILBOX, PLANS
 
 SPAWNS = "flow_spawns"
@@ -101,8 +103,7 @@ def ddl(dialect: str) -> list[str]:
             lease_until DOUBLE PRECISION NOT NULL,
             started_at DOUBLE PRECISION NOT NULL,
             incarnation TEXT,
-            host TEXT,
-            pid BIGINT,
+            host TEXT, pid BIGINT,
             plans TEXT)""",
         f"""CREATE TABLE IF NOT EXISTS {PLANS} (
             plan TEXT NOT NULL,
@@ -133,6 +134,7 @@ def ddl(dialect: str) -> list[str]:
         *_inbox.DDL,
         *schedules_ddl(),
         *family_ddl(),
+        *_signals.ddl(),
     ]
 
 
