@@ -317,3 +317,70 @@ async def test_events_and_streams_are_written_and_purged_on_both_stores(make_sto
     deleted = await store.transact(lambda tx: _purge.purge_batch(tx, 1e12))
     assert deleted == ["p-1"]
     assert await store.transact(rows) == (0, {})
+
+
+async def test_a_rerun_after_a_close_emits_once_and_offsets_go_on(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A step running when its engine closed runs again at the next open (attempt 2): what its
+    first run emitted was never stored, and the stream goes on from the length in the store."""
+    plan = flow.Plan("rerun")
+    attempts: list[int] = []
+
+    @plan.step
+    async def first(ctx: flow.Context) -> None:
+        ctx.emit("a")
+        ctx.emit("b")
+
+    @plan.step
+    async def second(ctx: flow.Context) -> None:
+        attempts.append(ctx.attempt)
+        ctx.emit(f"second, attempt {ctx.attempt}")
+        ctx.set_event("second", ctx.attempt)
+        if ctx.attempt == 1:
+            await trio.sleep_forever()
+
+    path = tmp_path / "f.db"
+    async with flow.open_engine(path, plans=[plan]) as engine:
+        fid = await engine.start(plan)
+        await trio.testing.wait_all_tasks_blocked()
+        assert await engine.get_events(fid) == {}
+    async with flow.open_engine(path, plans=[plan]) as engine:
+        assert (await engine.wait(fid)).state is flow.State.COMPLETED
+        assert await _all(engine, fid) == [(1, "a"), (2, "b"), (3, "second, attempt 2")]
+        assert await engine.get_events(fid) == {"second": 2}
+    assert attempts == [1, 2]
+
+
+async def test_a_compensation_and_a_spawning_step_save_theirs_too(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    leaf = flow.Plan("leaf")
+
+    @leaf.step
+    async def leaf_work(ctx: flow.Context) -> None:
+        ctx.emit("leaf")
+
+    top = flow.Plan("top")
+
+    async def undo(ctx: flow.Context) -> None:
+        ctx.emit("undone")
+        ctx.set_event("undone", True)
+
+    @top.step(compensate=undo)
+    async def fan_out(ctx: flow.Context) -> flow.Outcome:
+        ctx.emit("spawning")
+        ctx.set_event("children", 1)
+        return flow.spawn([flow.Child(leaf, key="l")])
+
+    @top.step
+    async def after(ctx: flow.Context) -> flow.Outcome:
+        ctx.emit("after")
+        return flow.fail("and undo it")
+
+    async with flow.open_engine(tmp_path / "f.db", plans=[top, leaf]) as engine:
+        fid = await engine.start(top, flow_id="t")
+        assert (await engine.wait(fid)).state is flow.State.FAILED
+        assert await _all(engine, fid) == [(1, "spawning"), (2, "after"), (3, "undone")]
+        assert await engine.get_events(fid) == {"children": 1, "undone": True}
+        assert await _all(engine, "t/0/l") == [(1, "leaf")]

@@ -206,8 +206,8 @@ def before(tx: Tx, ops: Sequence[Op], again: WriteBatch) -> tuple[list[Op], list
             new = _rewrite(tx, op, brood, reg)
             if new is None:
                 left.append(op)
-            else:
-                (done[i],) = again(tx, [new])
+            else:  # a step's events and stream values go with its rewritten write
+                (done[i],) = again(tx, [attrs.evolve(new, signals=op.signals)])
     return left, done
 
 
