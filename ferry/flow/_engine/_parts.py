@@ -75,7 +75,7 @@ class Parts:
         # The readers of events and streams (SPEC 5.10); in a fleet a waiting reader also reads
         # once per lease (another engine's writes are not heard here).
         fallback = config.lease if self.mode.shared else math.inf
-        self.feeds = Feeds(self._read, fallback=fallback)
+        self.feeds = Feeds(self._read, fallback=fallback, listen=self.mode.listen_signals)
         self.writes = writes = self._writes(store, config)
         if fleet is not None:
             fleet.bind(writes)
@@ -202,3 +202,4 @@ class Parts:
         self.writes.close()
         await self.mode.stop()
         await self.waiters.aclose()
+        await self.feeds.aclose()

@@ -14,8 +14,14 @@ N readers of one flow cost one read per write (at most one more per write that l
 read), not N. A reader more than `TAIL` values behind the feed (it joined late with
 ``after=0``, or its consumer is slow) reads its own pages until it catches up.
 
-In a fleet another engine may run the flow: its writes are not heard here, so a waiting reader
-also reads once per `fallback` seconds (the lease; docs/adr/0177).
+In a fleet another engine may run the flow: its commits are heard through PostgreSQL
+notifications instead (docs/adr/0177): a batch that writes a flow's events or stream values
+notifies the signals' channel, one that settles a flow the waits' channel; the feeds' own
+listener (`_mode.Mode.listen_signals`, a thread with its connection, started by the first
+feed and stopped with the engine) hears both and moves the versions of the feeds they name
+(a revision this engine already saw is not read again). When the listening begins (again),
+every feed is read once: what was sent before is not heard. Besides, a waiting reader reads
+once per `fallback` seconds (the lease), for a notification that was lost.
 
 Feeds live in a `weakref.WeakValueDictionary`: a feed is kept while a reader (an iterator of
 `stream`, or a call of `get_event`) holds it, and goes with the last one; nothing is left
@@ -46,6 +52,7 @@ from .._model._errors import UnknownFlow
 from .._model._types import Json
 from .._model._values import Flow
 from .._store import _signals
+from ._mode import Listen, Listening
 
 T = TypeVar("T")
 
@@ -75,6 +82,7 @@ class Feed:
         "changed",
         "events",
         "flow_id",
+        "known",
         "lock",
         "more",
         "read_at",
@@ -90,6 +98,7 @@ class Feed:
     def __init__(self, flow_id: str) -> None:
         self.flow_id = flow_id
         self.version = 0  # moved by every write of the flow heard of
+        self.known = 0  # the newest revision of the flow this engine wrote or heard of
         self.read_at = -1  # the version the last read began at (-1: never read)
         self.changed = trio.Event()  # set (and replaced) when `version` moves
         self.lock = trio.Lock()  # one refresh at a time
@@ -123,9 +132,12 @@ class Feeds:
         read: Callable[[Callable[[Any], T], str], Awaitable[T]],
         *,
         fallback: float,
+        listen: Listen | None = None,
     ) -> None:
         self._read: Callable[..., Awaitable[Any]] = read
         self._fallback = fallback  # seconds between reads while waiting (inf: one file)
+        self._listen = listen  # makes the listener (a fleet on PostgreSQL), or None
+        self.listener: Listening | None = None
         self._feeds: weakref.WeakValueDictionary[str, Feed] = weakref.WeakValueDictionary()
         self._closed = False
         #: Reads made, for the tests and the benches (one per refresh or page).
@@ -136,9 +148,36 @@ class Feeds:
         O(1); nothing if nobody reads it."""
         feed = self._feeds.get(flow.flow_id)
         if feed is not None:
-            feed.version += 1
-            changed, feed.changed = feed.changed, trio.Event()
-            changed.set()
+            feed.known = max(feed.known, flow.revision)
+            _moved(feed)
+
+    def _heard(self, pairs: list[tuple[str, int]] | None) -> None:
+        """The listener heard of writes of these flows (None: of any): their readers read
+        again, unless this engine saw that revision already."""
+        feeds = self._feeds
+        if pairs is None:
+            for every in list(feeds.values()):
+                _moved(every)
+            return
+        for fid, revision in pairs:
+            feed = feeds.get(fid)
+            if feed is not None and revision > feed.known:
+                feed.known = revision
+                _moved(feed)
+
+    def _state(self, listening: bool) -> None:
+        """The listener began (again) or stopped listening: what was sent meanwhile is lost,
+        so every feed is read again once it listens."""
+        if listening:
+            self._heard(None)
+
+    async def aclose(self) -> None:
+        """Stop the listener, if a feed started one. A checkpoint."""
+        listener, self.listener = self.listener, None
+        if listener is not None:
+            await listener.stop()
+        else:
+            await trio.lowlevel.checkpoint()
 
     def close(self) -> None:
         """The engine closes: every reader raises `ferry.Closed`."""
@@ -150,6 +189,9 @@ class Feeds:
         feed = self._feeds.get(flow_id)
         if feed is None:
             feed = self._feeds[flow_id] = Feed(flow_id)
+            if self._listen is not None and self.listener is None and not self._closed:
+                self.listener = self._listen(self._heard, self._state)
+                self.listener.start()
         return feed
 
     def _check_open(self) -> None:
@@ -250,6 +292,13 @@ class Feeds:
         feed = self.feed(flow_id)
         feed.want_stream = True
         return Stream(self, feed, after)
+
+
+def _moved(feed: Feed) -> None:
+    """A write of the feed's flow: its readers read again."""
+    feed.version += 1
+    changed, feed.changed = feed.changed, trio.Event()
+    changed.set()
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from ferry.projected import Tx
 
-from . import _sql
+from . import _notify, _sql
 from ._op import Change, Changed, Op, Result
 
 EVENTS: Final = "flow_events"
@@ -59,10 +59,12 @@ def _rows(n: int) -> str:
 
 def record(tx: Tx, ops: Sequence[Op], results: Sequence[Result]) -> None:
     """Insert the events and stream values of the ops whose transitions were written (in this
-    transaction, after the batch's writer). Cost: nothing for a batch without any; else one
-    statement per 200 rows of each table."""
+    transaction, after the batch's writer), and notify readers elsewhere of them (PostgreSQL,
+    `_notify.announce_signals`). Cost: nothing for a batch without any; else one statement per
+    200 rows of each table, and one notification statement."""
     events: dict[tuple[str, str], tuple[str, int]] = {}
     values: list[Any] = []
+    written: list[tuple[str, int]] = []
     for op, result in zip(ops, results, strict=True):
         if not isinstance(op, Change) or op.signals is None:
             continue
@@ -71,6 +73,7 @@ def record(tx: Tx, ops: Sequence[Op], results: Sequence[Result]) -> None:
         s = op.signals
         fid = op.flow_id
         revision = result.transition.flow.revision
+        written.append((fid, revision))
         for key, text in s.events:
             events[(fid, key)] = (text, revision)
         for n, text in enumerate(s.values):
@@ -92,6 +95,7 @@ def record(tx: Tx, ops: Sequence[Op], results: Sequence[Result]) -> None:
             f"INSERT INTO {STREAM} (flow_id, pos, value, revision) VALUES {_rows(len(chunk) // 4)}",
             chunk,
         )
+    _notify.announce_signals(tx, written)
 
 
 def length(tx: Tx, flow_id: str) -> int:
