@@ -61,18 +61,6 @@ TAIL = 1000
 _ENDED = frozenset({"COMPLETED", "FAILED"})
 
 
-def _read_feed(
-    tx: Any, flow_id: str, after: int, events: bool, limit: int
-) -> tuple[str | None, dict[str, str] | None, list[tuple[int, str]]]:
-    """One read of a feed, in one transaction: the flow's state, its events (if asked), its
-    values after `after` (at most `limit`)."""
-    state = _signals.state_of(tx, flow_id)
-    if state is None:
-        return None, None, []
-    got = _signals.events_of(tx, flow_id) if events else None
-    return state, got, _signals.stream_of(tx, flow_id, after, limit) if limit else []
-
-
 @final
 class Feed:
     """What this engine last read of one flow for its readers, and a version its writes move."""
@@ -228,7 +216,11 @@ class Feeds:
             what = f"reading the events and stream of flow {feed.flow_id!r}"
             limit = TAIL if feed.want_stream else 0
             read = partial(
-                _read_feed, flow_id=feed.flow_id, after=start, events=feed.want_events, limit=limit
+                _signals.read_feed,
+                flow_id=feed.flow_id,
+                after=start,
+                events=feed.want_events,
+                limit=limit,
             )
             self.reads += 1
             state, events, values = await self._read(read, what)

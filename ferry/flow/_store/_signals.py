@@ -135,3 +135,15 @@ def state_of(tx: Tx, flow_id: str) -> str | None:
     """The flow's state as stored (None: no such flow)."""
     rows = tx.execute(f"SELECT state FROM {_sql.FLOWS} WHERE flow_id = ?", (flow_id,))
     return None if not rows else str(rows[0][0])
+
+
+def read_feed(
+    tx: Tx, flow_id: str, after: int, events: bool, limit: int
+) -> tuple[str | None, dict[str, str] | None, list[tuple[int, str]]]:
+    """One read for the readers of a flow, in one transaction: its state (None: no such flow),
+    its events (if asked), its values after `after` (at most `limit`; none for 0)."""
+    state = state_of(tx, flow_id)
+    if state is None:
+        return None, None, []
+    got = events_of(tx, flow_id) if events else None
+    return state, got, stream_of(tx, flow_id, after, limit) if limit else []
