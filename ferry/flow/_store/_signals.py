@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from ferry.projected import Tx
 
-from . import _notify, _sql
+from . import _dialect, _notify, _sql
 from ._op import Change, Changed, Op, Result
 
 EVENTS: Final = "flow_events"
@@ -147,3 +147,18 @@ def read_feed(
         return None, None, []
     got = events_of(tx, flow_id) if events else None
     return state, got, stream_of(tx, flow_id, after, limit) if limit else []
+
+
+#: The last values the operators' tools show of a stream.
+SHOWN: Final = 10
+
+
+def shown(
+    tx: Tx, flow_id: str, n: int = SHOWN
+) -> tuple[dict[str, str], int, list[tuple[int, str]]]:
+    """What the inspector's ``show`` and the dashboard's flow page show: the flow's events, its
+    stream's length and its last `n` values (nothing, in a store an older engine made that has
+    no such tables yet: the operators' tools never change a store)."""
+    if not tx.execute(_dialect.of(tx).table_exists, (STREAM,))[0][0]:
+        return {}, 0, []
+    return events_of(tx, flow_id), length(tx, flow_id), last_of(tx, flow_id, n)
