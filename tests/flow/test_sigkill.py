@@ -243,3 +243,21 @@ def test_the_oracle_catches_children_undone_oldest_first() -> None:
     order = {**outcome.order, a: outcome.order[b], b: outcome.order[a]}
     (problem,) = _planted(spec.flow_id, order=order)
     assert problem.startswith(f"{spec.flow_id}: children undone in the order")
+
+
+def test_the_oracle_catches_a_stream_value_twice_or_a_gap() -> None:
+    outcome, hits = clean_outcome()
+    fid = PLAIN[0].flow_id
+    keys = [f"{fid}/0/reserve", f"{fid}/1/charge"]
+    for stream, said in [
+        (list(enumerate(keys, 1)), None),
+        ([(1, keys[0]), (2, keys[0]), (3, keys[1])], "its recorded calls are"),
+        ([(1, keys[0]), (3, keys[1])], "offsets are not 1, 2, 3"),
+    ]:
+        bad = attrs.evolve(outcome, streams={fid: stream})
+        problems = audit(SPECS, bad, hits)
+        if said is None:
+            assert problems == []
+        else:
+            (problem,) = problems
+            assert problem.startswith(f"{fid}: its stream") and said in problem
