@@ -384,3 +384,41 @@ async def test_a_compensation_and_a_spawning_step_save_theirs_too(
         assert await _all(engine, fid) == [(1, "spawning"), (2, "after"), (3, "undone")]
         assert await engine.get_events(fid) == {"children": 1, "undone": True}
         assert await _all(engine, "t/0/l") == [(1, "leaf")]
+
+
+async def test_values_that_do_not_follow_the_stream_are_refused_never_stored_twice(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runner whose count of the stream were wrong (planted: it reads the length as 0) has its
+    write refused by the store's check; the flow fails with it, and the stream keeps each value
+    once."""
+    plan = flow.Plan("planted")
+
+    @plan.step
+    async def first(ctx: flow.Context) -> None:
+        ctx.emit("a")
+        ctx.emit("b")
+
+    @plan.step
+    async def second(ctx: flow.Context) -> None:
+        ctx.emit("c")
+        if ctx.attempt == 1:
+            await trio.sleep_forever()
+
+    path = tmp_path / "f.db"
+    async with flow.open_engine(path, plans=[plan]) as engine:
+        fid = await engine.start(plan)
+        await trio.testing.wait_all_tasks_blocked()
+    from ferry.flow._runtime import _emits
+
+    class Wrong:
+        @staticmethod
+        def length(tx: Any, flow_id: str) -> int:
+            return 0
+
+    monkeypatch.setattr(_emits, "_stored", Wrong)
+    async with flow.open_engine(path, plans=[plan]) as engine:
+        snap = await engine.wait(fid)
+        assert snap.state is flow.State.FAILED
+        assert snap.error is not None and "do not follow its stream of 2" in snap.error
+        assert await _all(engine, fid) == [(1, "a"), (2, "b")]

@@ -5,6 +5,8 @@ the choreography decisions and the statistics record. No trio, no I/O.
 from __future__ import annotations
 
 import enum
+import json
+import json.encoder
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeAlias, final
 
@@ -185,9 +187,33 @@ class Context:
         recorded for this call; a value larger than the engine's `max_data_bytes`, or a
         stream longer than 100,000 values, fails the flow with the outcome. Not a
         checkpoint."""
-        from . import _signals
+        if type(value) is str:  # the common case, without the walk: its text as JSON's
+            text = _encode_str(value)
+            if text.isascii() or _utf8(text):
+                self._values.append(text)
+                return
+        self._values.append(_value_text(value, "ctx.emit's value"))
 
-        self._values.append(_signals.value_text(value, "ctx.emit's value"))
+
+#: A str's JSON text, as `ferry._text.canonical_json` makes it (its encoder's ``ensure_ascii``
+#: is off), without the encoder's dispatch.
+_encode_str: Final = json.encoder.encode_basestring
+
+
+def _utf8(text: str) -> bool:
+    """Can UTF-8 hold `text` (no lone surrogate)?"""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _value_text(value: Json, what: str) -> str:
+    """`_signals.value_text` (imported on first use: `_signals` imports this module)."""
+    from ._signals import value_text
+
+    return value_text(value, what)
 
 
 # -------------------------------------------------------------------------------- what is read

@@ -128,8 +128,9 @@ class Feeds:
         self.listener: Listening | None = None
         self._feeds: weakref.WeakValueDictionary[str, Feed] = weakref.WeakValueDictionary()
         self._closed = False
-        #: Reads made, for the tests and the benches (one per refresh or page).
+        #: Reads made, and the stream values they read, for the tests and the benches.
         self.reads = 0
+        self.values_read = 0
 
     def saw(self, flow: Flow) -> None:
         """A committed write of `flow` (trio thread, commit order): its readers read again.
@@ -224,6 +225,7 @@ class Feeds:
             )
             self.reads += 1
             state, events, values = await self._read(read, what)
+            self.values_read += len(values)
             if state is None and not feed.seen:
                 raise UnknownFlow(f"no flow has id {feed.flow_id!r}")
             feed.seen = True
@@ -243,6 +245,7 @@ class Feeds:
         self.reads += 1
         read = partial(_signals.stream_of, flow_id=flow_id, after=after, limit=TAIL)
         result: list[tuple[int, str]] = await self._read(read, f"reading flow {flow_id!r}'s stream")
+        self.values_read += len(result)
         return result
 
     # ------------------------------------------------------------------------ the readers

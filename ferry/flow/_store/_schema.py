@@ -134,7 +134,7 @@ def ddl(dialect: str) -> list[str]:
         *_inbox.DDL,
         *schedules_ddl(),
         *family_ddl(),
-        *_signals.ddl(),
+        *_signals.ddl(d),
     ]
 
 
