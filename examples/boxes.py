@@ -9,8 +9,9 @@ Every order is a flow of the plan ``order``:
 
 1. ``reserve`` holds the order's stock; compensation: let it go.
 2. ``ship_all`` returns ``flow.spawn([...], max_running=N)``: a child flow of the plan ``box``
-   for each box (``flow.Child(box, key="box-3", data=...)``, flow id ``order-7/1/box-3``), at
-   most N of them active at once (the rest are kept, and each starts when one ends). The order
+   for each box (``flow.Child(box, key="box-3", data=...)``, flow id ``<run>-order-7/1/box-3``,
+   ``<run>`` a prefix of the run's own, so a kept ``--db`` can be run again), at most N of them
+   active at once (the rest are kept, and each starts when one ends). The order
    waits, parked, until every box has ended. A box that fails (``--fail``: the carrier loses
    it) stops the spawn: the other boxes are cancelled, no kept one starts, and the order
    compensates. Compensation: tell the customer the shipment is off.
@@ -37,6 +38,7 @@ import json
 import random
 import sys
 import tempfile
+import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -149,7 +151,8 @@ async def run_orders(path: str, args: Any) -> dict[str, Any]:
     ends: dict[str, flow.Snapshot] = {}
     async with flow.open_engine(path, plans=[order, box]) as engine:
         data = {"boxes": args.boxes, "max_running": args.max_running}
-        ids = [f"order-{i}" for i in range(args.orders)]
+        run = uuid.uuid4().hex[:8]  # a run's own ids: a kept --db may hold an earlier run's
+        ids = [f"{run}-order-{i}" for i in range(args.orders)]
         for fid in ids:
             await engine.start(order, flow_id=fid, data=data)
         for fid in ids:
@@ -214,8 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(report))
     else:
         for key, value in report.items():
-            print(f"{key.replace('_', ' '):<18}{value}")
-        print(f"{'audit':<18}{'OK' if report['audit']['ok'] else 'FAILED'}")
+            print(f"{key.replace('_', ' '):<20}{value}")
+        print(f"{'audit':<20}{'OK' if report['audit']['ok'] else 'FAILED'}")
     return 0 if report["audit"]["ok"] else 1
 
 

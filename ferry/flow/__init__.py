@@ -68,6 +68,8 @@ from ._model._errors import StoreLocked as StoreLocked
 from ._model._errors import UnknownFlow as UnknownFlow
 from ._model._errors import UnknownPlan as UnknownPlan
 from ._model._errors import UnknownSchedule as UnknownSchedule
+from ._model._limits import Limits as Limits
+from ._model._limits import Rate as Rate
 from ._model._observed import FlowEnd as FlowEnd
 from ._model._observed import ScheduleTick as ScheduleTick
 from ._model._observed import StepRun as StepRun
@@ -104,10 +106,12 @@ __all__ = [
     "FlowError",
     "FlowStatistics",
     "IdReused",
+    "Limits",
     "Observer",
     "Outcome",
     "Park",
     "Plan",
+    "Rate",
     "Receipt",
     "Schedule",
     "ScheduleTick",

@@ -82,7 +82,7 @@ def build(path: str, n: int) -> float:
                 "parent": None,
                 "deadline": None,
             }
-            yield (*(row[f] for f in _sql.FIELDS), '{"sku":"A1","amount":30}')
+            yield (*(row.get(f) for f in _sql.FIELDS), '{"sku":"A1","amount":30}')
 
     conn.executemany(f"INSERT INTO flow_flows ({cols}) VALUES ({marks})", rows())
     _schema.create_schema(tx)

@@ -62,9 +62,9 @@ def _plan(name: str, steps: int, per_step: int, how: str) -> flow.Plan:
 
 async def _one_flow(path: str, plan: flow.Plan) -> float:
     """CPU seconds (the process's, every thread: the store's too) from the start of a flow
-    of `plan` to its end, on a fresh SQLite file (the mean of `REPEAT`). CPU, not wall time: on a machine shared
-    with other work the wall time of the difference measured here is mostly noise, and
-    fsync, the rest of a commit's cost, is paid once per step alike by all three."""
+    of `plan` to its end, on a fresh SQLite file (the mean of `REPEAT`). CPU, not wall time:
+    on a machine shared with other work the wall time of the difference measured here is
+    mostly noise, and fsync, the rest of a commit's cost, is paid once per step by all."""
     async with flow.open_engine(path, plans=[plan]) as engine:
         took = 0.0
         for _ in range(REPEAT):  # one after the other: a flow's cost, several times over

@@ -123,7 +123,6 @@ def db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Db]:
 
         made = Db(connect)
     made.transaction(_schema.create_schema)
-    made.transaction(sa.create_tables)
     yield made
     made.close()
 
@@ -588,7 +587,6 @@ def pg_db(request: pytest.FixtureRequest) -> Iterator[tuple[Db, Callable[[], Any
 
     db = Db(lambda: PgTx(connect()))
     db.transaction(_schema.create_schema)
-    db.transaction(sa.create_tables)
     yield db, connect
     db.close()
 

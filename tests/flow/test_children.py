@@ -142,6 +142,7 @@ async def test_a_fan_out_keeps_to_max_running_and_the_next_step_reads_every_resu
         got = snap.data["got"]
         assert list(got) == [f"b{i}" for i in range(6)]
         assert all(v == ["COMPLETED", f"T-{k}", None] for k, v in got.items())
+        assert snap.children == ()  # wait's snapshot is the engine's memory: no family read
         stored = await engine.get("o")
         assert stored is not None and stored.children == tuple(f"o/1/b{i}" for i in range(6))
         kinds = [e.kind for e in await engine.history("o")]

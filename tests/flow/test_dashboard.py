@@ -112,6 +112,7 @@ async def test_overview_counts_and_refreshes(web: httpx.AsyncClient) -> None:
         "COMPLETED": 1,
         "FAILED": 1,
         "BLOCKED": 2,
+        "QUEUED": 0,  # flow control's state (SPEC 5.8)
     }
     assert '<meta http-equiv="refresh" content="5">' in r.text
     assert "<svg" in r.text and "polyline" in r.text

@@ -317,6 +317,7 @@ def browse(
             "COMPLETED": 2,
             "FAILED": 1,
             "BLOCKED": 2,
+            "QUEUED": 0,  # flow control's state (SPEC 5.8)
         }
         assert driver.find_elements(By.CSS_SELECTOR, "svg.chart polyline")
         assert driver.find_elements(By.CSS_SELECTOR, "svg.chart text.tick.x")

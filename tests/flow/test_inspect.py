@@ -224,6 +224,7 @@ def test_stats(db: str, capsys: pytest.CaptureFixture[str]) -> None:
         "COMPLETED": 1,
         "FAILED": 1,
         "BLOCKED": 2,
+        "QUEUED": 0,  # flow control's state (SPEC 5.8)
     }
     assert s["plans"]["refund@2"]["RUNNING"] == 1 and s["orphans"] == 0
     assert [p["flow_id"] for p in s["oldest_parked"]] == ["parked-old"]

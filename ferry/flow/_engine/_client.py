@@ -41,7 +41,7 @@ import trio
 from ferry.projected import PostgresStore, SqliteStore, Store
 
 from .._fleet._asked import Heard
-from .._model import _checks, _values
+from .._model import _checks, _limits, _values
 from .._model._errors import (
     FlowError,
     IdReused,
@@ -220,14 +220,21 @@ class Client(ScheduleCalls, SignalCalls):
         data: dict[str, Json] | None = None,
         request_id: str | None = None,
         deadline: float | None = None,
+        priority: int = 0,
+        delay: float | None = None,
+        at: float | None = None,
     ) -> str:
         """Start a flow of `plan` (a `Plan`, or a plan's name: then `version`, default the
         newest the serving engine has) in the engine that serves the store; its flow id (a new
         uuid4 hex unless given); `deadline` as `Engine.start`'s (counted from when the engine
-        starts it). Raises what `Engine.start` raises (`IdReused`, `UnknownPlan`)
+        starts it); `priority`, `delay` (counted from then too) and `at` as `Engine.start`'s,
+        checked here (a key function by the engine). Raises what `Engine.start` raises
+        (`IdReused`, `UnknownPlan`)
         once the engine answered. With no engine serving, the start is stored and the next
         engine to open the store starts it (`last.pending`)."""
         seconds = _checks.whole_deadline(deadline)
+        _limits.start_priority(priority)
+        _limits.not_before(delay, at, 0.0)
         if isinstance(plan, Plan):
             if version is not None and version != plan.version:
                 raise ValueError(f"version={version} contradicts plan version {plan.version}")
@@ -244,6 +251,9 @@ class Client(ScheduleCalls, SignalCalls):
         body: dict[str, Json] = {"plan": name, "version": version, "flow_id": fid, "data": given}
         if seconds is not None:
             body["deadline"] = seconds
+        for name, value in (("priority", priority), ("delay", delay), ("at", at)):
+            if value is not None and value != 0:
+                body[name] = value
         result = await self._ask("start", body, request_id)
         return fid if result is None else str(result)
 

@@ -22,6 +22,7 @@ from stm._internal import NoPublicConstructor
 
 from .._model import _checks, _values
 from .._model._errors import UnknownFlow
+from .._model._limits import Queue
 from .._model._plan import Plan
 from .._model._types import Delivery, Event, FlowStatistics, Json, Snapshot, Start, Wake
 from .._runtime._config import Config
@@ -110,6 +111,9 @@ class Engine(SignalReads, metaclass=NoPublicConstructor):
         flow_id: str | None = None,
         data: dict[str, Json] | None = None,
         deadline: float | None = None,
+        priority: int = 0,
+        delay: float | None = None,
+        at: float | None = None,
     ) -> str:
         """Start a flow of `plan`; durable when this returns; returns its id.
 
@@ -120,9 +124,16 @@ class Engine(SignalReads, metaclass=NoPublicConstructor):
         plan not given to `open_engine`), `IdReused` (the id names a flow of another plan or
         other start data), `TypeError` (data not a JSON object, a deadline not a number),
         `ValueError` (a deadline not finite and > 0); nothing is stored then.
+
+        Flow control (SPEC 5.8): a flow of a plan with ``limits=`` starts `State.QUEUED` and
+        runs when its plan's limits let it; `priority` (an int, lower first). `delay` (seconds
+        from now, >= 0) or `at` (a wall-clock time, ``time.time()``'s) keep a flow of any plan
+        `QUEUED` until then. Bad options (`delay` and `at` both, a delay < 0, a key function
+        that raises or returns a non-str) are `TypeError`/`ValueError`.
         """
         self._check("start")
-        return await self._requests.start(plan, flow_id, data, deadline)
+        queue = Queue(priority, delay, at)
+        return await self._requests.start(plan, flow_id, data, deadline, queue)
 
     async def wake(
         self, flow_id: str, payload: Json = None, *, message_id: str | None = None

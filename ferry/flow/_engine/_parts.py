@@ -119,6 +119,7 @@ class Parts:
             compensating=sum(1 for x in live if x.flow.state is State.COMPENSATING),
             parked=tally.parked,
             blocked_now=tally.blocked,
+            queued=tally.queued,
             wakes=dict(tally.wakes),
             purged=0 if self.retention is None else self.retention.purged,
             **tally.stats,

@@ -115,7 +115,10 @@ async def apply(engine: Engine, kind: str, body: dict[str, Any] | str) -> Json:
         if kind == "start":
             plan = _plan(engine, body["plan"], body["version"])
             fid, data, deadline = body["flow_id"], body["data"], body.get("deadline")
-            value: object = await engine.start(plan, flow_id=fid, data=data, deadline=deadline)
+            queue: Any = {k: body[k] for k in ("priority", "delay", "at") if k in body}
+            value: object = await engine.start(
+                plan, flow_id=fid, data=data, deadline=deadline, **queue
+            )
         elif kind == "wake":
             value = await engine.wake(
                 body["flow_id"], body["payload"], message_id=body["message_id"]

@@ -31,8 +31,6 @@ at a time per plan computes it, on the counts the last one left):
 Cost: this is the rule, written for clarity: `admit` looks at every queued flow it is given
 (O(n) per admission). The store gives it the few the indexes of ADR 0141 name (the first ready
 key's head, O(log n)); the model check (`tests/model/admission.py`) runs it on whole queues.
-
-``QUEUED`` is a str here: `State` gains the member when the store can keep the queue.
 """
 
 from __future__ import annotations
@@ -45,8 +43,8 @@ import attrs
 from ._limits import Limits
 from ._types import State
 
-#: The state of a started flow waiting for admission (`State.QUEUED` once the engine has it).
-QUEUED: Final = "QUEUED"
+#: The state of a started flow waiting for admission.
+QUEUED: Final = State.QUEUED
 
 #: The states that hold a slot: started, not ended, not queued, not blocked.
 SLOT_STATES: Final = frozenset({State.RUNNING, State.PARKED, State.COMPENSATING})

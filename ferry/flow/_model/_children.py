@@ -98,6 +98,14 @@ def key_problem(key: str) -> str | None:
     return None
 
 
+#: Why a plan whose limits have a key function cannot be a child's (docs/adr/0168).
+KEYED_CHILD = (
+    "Child(plan) cannot be plan {plan!r}: its limits have a key function (Limits(key=...)),"
+    " and a child started later by a sibling's end (max_running) is started in the store, where"
+    " no key function runs; give the child plan limits without key= (concurrency=, rate=)"
+)
+
+
 def child_id(parent: str, step_index: int, key: str) -> str:
     """The flow id of the child `key` of the spawn at `step_index` of flow `parent`."""
     return f"{parent}/{step_index}/{key}"
@@ -132,6 +140,8 @@ class Child:
     def __init__(self, plan: Plan, *, key: str, data: Json = None) -> None:
         if not isinstance(plan, Plan):
             raise _OutcomeTypeError(f"Child(plan) must be a flow.Plan, got {describe(plan, 200)}")
+        if plan.limits is not None and plan.limits.key is not None:
+            raise _OutcomeValueError(KEYED_CHILD.format(plan=plan.name))
         if not isinstance(key, str):
             raise _OutcomeTypeError(f"Child(key=...) must be a str, got {describe(key, 200)}")
         problem = key_problem(key)

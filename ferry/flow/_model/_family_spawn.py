@@ -88,6 +88,12 @@ def spawned(
     kids: list[Kid] = []
     starts: list[Transition] = []
     for i, (key, child_shape, child_data) in enumerate(children):
+        if child_shape.limits is not None and child_shape.limits.key is not None:
+            raise ValueError(
+                f"children of plan {child_shape.name!r} cannot be spawned yet: its limits have a"
+                " key function, and a kept child is started where no key function runs"
+                " (give the child plan limits without key=)"
+            )
         fid = child_id(parent.flow_id, s, key)
         if i < first:
             starts.append(

@@ -24,6 +24,7 @@ from ._values import (
     COMPENSATING,
     FAILED,
     PARKED,
+    QUEUED,
     RUNNING,
     TERMINAL,
     Flow,
@@ -56,6 +57,10 @@ def check_invariants(
     if any(b <= a for a, b in itertools.pairwise(stack)):
         bad(f"compensation stack {stack} is not strictly increasing")
     state = flow.state
+    if state is QUEUED and flow.queue_key is None:
+        bad("queued without a queue key (only a plan with limits queues)")
+    if state is QUEUED and flow.blocked_from is not None:
+        state = BLOCKED  # a resumed flow waiting for its slot: its row is as it was blocked
     limit = flow.step_index + (1 if state in (PARKED, COMPENSATING) else 0)
     if state is BLOCKED and flow.blocked_from in (PARKED, COMPENSATING):
         limit += 1
@@ -79,7 +84,7 @@ def check_invariants(
         bad("a park deadline outside a park")
     if state is PARKED and flow.on_timeout not in ("compensate", "continue"):
         bad(f"parked with on_timeout {flow.on_timeout!r}")
-    if (state is BLOCKED) != (flow.blocked is not None) or (state is BLOCKED) != (
+    if (flow.state is BLOCKED) != (flow.blocked is not None) or (state is BLOCKED) != (
         flow.blocked_from is not None
     ):
         bad("blocked/blocked_from set iff the flow is blocked")

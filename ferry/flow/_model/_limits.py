@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, final
+from typing import Any, Final, final
 
 import attrs
 
@@ -249,9 +249,72 @@ def start_options(
     )
 
 
+@final
+@attrs.frozen
+class Queue:
+    """A start's queue options as given (`Engine.start(priority=, delay=, at=)`), unchecked."""
+
+    priority: object = 0
+    delay: object = None
+    at: object = None
+
+
+NO_QUEUE: Final = Queue()
+
+
+def _only_time() -> Limits:
+    made = object.__new__(Limits)
+    made.__attrs_init__(None, None, None, None)
+    return made
+
+
+#: The budget of a plan without limits that was given a delayed start (docs/adr/0180): it
+#: limits nothing and keeps the queue's times only; registered by that start's transaction.
+ONLY_TIME: Final = _only_time()
+
+
+def checked_start(
+    limits: Limits | None, plan: str, data: Json, queue: Queue, now: float
+) -> StartOptions:
+    """`start_options` of a start of `plan` (with `limits`) given `queue` at `now`. A delayed
+    start (`delay`, `at`) of a plan without limits waits in its plan's queue all the same, whose
+    budget then limits nothing (`ONLY_TIME`, docs/adr/0180)."""
+    return start_options(
+        limits, plan, data, priority=queue.priority, delay=queue.delay, at=queue.at, now=now
+    )
+
+
 def stored(limits: Limits | None) -> dict[str, Json] | None:
     """What a store keeps of a plan version's limits (`Limits.stored`), None for none."""
     return None if limits is None else limits.stored()
+
+
+def _stored_key(data: Json) -> str:
+    """The key function of limits read back from a store (`from_stored`): the code is the
+    engines' own, never stored, so a process without the plan cannot compute a key."""
+    raise ValueError(
+        "this process has the plan's limits as a store keeps them, not its key function: a key"
+        " is computed by an engine that has the plan"
+    )
+
+
+def from_stored(value: Json) -> Limits:
+    """The `Limits` that `Limits.stored` gave `value` (its key function a stand-in that
+    raises: code is not stored). `ValueError` for a value `stored` cannot have made."""
+    if not isinstance(value, dict):
+        raise ValueError(f"stored limits must be an object, got {describe(value, 200)}")
+    rate = value.get("rate")
+    if rate is not None and not (isinstance(rate, list) and len(rate) == 2):
+        raise ValueError(f"a stored rate must be [count, per], got {describe(rate, 200)}")
+    concurrency, per_key = value.get("concurrency"), value.get("per_key")
+    if concurrency is None and per_key is None and rate is None:
+        return ONLY_TIME  # a plan without limits whose delayed starts made its queue
+    return Limits(
+        concurrency=concurrency if isinstance(concurrency, int) else None,
+        key=_stored_key if value.get("key") else None,
+        per_key=per_key if isinstance(per_key, int) else None,
+        rate=None if rate is None else Rate(rate[0], per=rate[1]),
+    )
 
 
 def same_as_registered(

@@ -12,7 +12,10 @@ States and transitions (who asks for each)
 ------------------------------------------
 ::
 
-    start ---------------------------------------> RUNNING(step 0, attempt 1)
+    start ---------------------------------------> RUNNING(step 0, attempt 1), or QUEUED for
+                                                   a plan with limits (the store admits it)
+    QUEUED --cancel--> FAILED (never ran: nothing to compensate)
+    BLOCKED --resume--> QUEUED (keeping blocked_from) for a plan with limits
     RUNNING --step_done(CONTINUE)--> RUNNING(next step) | COMPLETED (after the last step)
     RUNNING --step_done(COMPLETE)--> COMPLETED
     RUNNING --step_done(park)------> PARKED, or at once RUNNING(next) if a message is queued
@@ -65,6 +68,7 @@ from ._values import (
     EMPTY_MAILBOX,
     FAILED,
     PARKED,
+    QUEUED,
     RUNNING,
     TERMINAL,
     Flow,
@@ -108,16 +112,27 @@ def start(
     trace: str | None = None,
     parent: str | None = None,
     deadline: float | None = None,
+    queue_key: str | None = None,
+    not_before: float | None = None,
 ) -> Transition:
     """A new flow at its first step, attempt 1, revision 1; `data` is canonical JSON text.
     `owner`: the engine that runs it, holding it (None: whichever engine takes it over);
     `trace`: the trace its steps' spans join (`Flow.trace`); `parent`: a child's parent;
-    `deadline`: a whole flow's deadline (wall-clock seconds)."""
+    `deadline`: a whole flow's deadline (wall-clock seconds). A plan with limits
+    (`Shape.limits`) starts its flows `QUEUED` with their `queue_key` ('' by default), held by
+    nobody: the store admits them (SPEC 5.8); so does any plan a start with a `not_before`
+    (a delayed start: its plan's queue keeps the time, docs/adr/0180)."""
+    limited = shape.limits is not None or not_before is not None
+    if limited:
+        queue_key = "" if queue_key is None else queue_key
+        owner = None
+    elif queue_key is not None:
+        raise ValueError(f"plan {shape.name!r} has no limits: its flows have no queue key")
     flow = Flow(
         flow_id=flow_id,
         plan=shape.name,
         version=shape.version,
-        state=RUNNING,
+        state=QUEUED if limited else RUNNING,
         step_index=0,
         step=shape.steps[0],
         attempt=1,
@@ -130,6 +145,8 @@ def start(
         trace=trace,
         parent=parent,
         deadline=deadline,
+        queue_key=queue_key,
+        not_before=not_before,
     )
     detail = {"plan": shape.name, "version": shape.version}
     return Transition(
@@ -385,7 +402,18 @@ def cancel(flow: Flow, shape: Shape | None, reason: str, now: float) -> Transiti
     cancel is recorded all the same, and the flow compensates from the top of its stack with that
     step not yet named (``step`` None): the first engine with the plan runs it under the plan's
     name (`step_name`), and an engine without the plan blocks it, resumable once the plan is
-    back. The stack holds indexes, so nothing else needs the plan."""
+    back. The stack holds indexes, so nothing else needs the plan.
+
+    A `QUEUED` flow that never ran ends `FAILED` at once with the reason (no step ran, nothing
+    to compensate, SPEC 5.8); one queued by a resume (it ran before it was blocked) is left as
+    a blocked one is (``done=False``)."""
+    if flow.state is QUEUED and flow.blocked_from is None:
+        ended = _bump(flow, now, error=reason, **_ended(FAILED))
+        gone = (
+            _event(ended, now, "cancelled", flow.step, None, {"reason": reason}),
+            _event(ended, now, "failed", None, None, {"error": reason}),
+        )
+        return Transition(ended, EMPTY_MAILBOX, flow.revision, events=gone)
     if flow.state not in (RUNNING, PARKED):
         return _no_change(flow, EMPTY_MAILBOX)
     new = _bump(flow, now)
@@ -413,6 +441,11 @@ def resume(flow: Flow, mailbox: Mailbox, shape: Shape | None, now: float) -> Tra
     assert shape is not None
     back = flow.blocked_from
     cleared = {"state": back, "blocked": None, "blocked_from": None}
+    if flow.queue_key is not None:  # a limited plan's: it waits for a slot, as a start does
+        attempt = flow.attempt if back is PARKED else flow.attempt + 1
+        queued = _bump(flow, now, state=QUEUED, blocked=None, attempt=attempt)
+        back_in = (_event(queued, now, "resumed", flow.step, None, {"queued": True}),)
+        return Transition(queued, mailbox, flow.revision, events=back_in)
     if back is PARKED and mailbox.queued:
         message = mailbox.queued[0]
         new = _bump(flow, now, **_advance(flow, shape, flow.stack, message.payload, False))

@@ -16,7 +16,8 @@ from typing import Any, TypeVar, final, overload
 
 import attrs
 
-from ._checks import text_problem
+from ._checks import describe, text_problem
+from ._limits import Limits
 from ._types import Context
 from ._values import Shape
 
@@ -65,15 +66,16 @@ def _check_async(what: str, fn: object) -> None:
 class Plan:
     """A business process: steps that run in declaration order.
 
-    ``Plan(name, version=1)``; add steps with ``@plan.step`` or
-    ``@plan.step(name=..., compensate=..., attempts=...)``. Give the plan to `open_engine`;
-    several versions of one plan may be registered at once, and a flow always resumes on the
-    version it started with.
+    ``Plan(name, version=1, limits=None)``; `limits` (a `flow.Limits`) caps how many of its
+    flows are active at once, in all and per key, and how fast they start (SPEC 5.8). Add
+    steps with ``@plan.step`` or ``@plan.step(name=..., compensate=..., attempts=...)``. Give
+    the plan to `open_engine`; several versions of one plan may be registered at once, and a
+    flow always resumes on the version it started with.
     """
 
-    __slots__ = ("_closed", "_shape", "_steps", "name", "version")
+    __slots__ = ("_closed", "_shape", "_steps", "limits", "name", "version")
 
-    def __init__(self, name: str, version: int = 1) -> None:
+    def __init__(self, name: str, version: int = 1, limits: Limits | None = None) -> None:
         if not isinstance(name, str):
             raise TypeError(f"a plan's name must be a str, got {name!r}")
         if not name:
@@ -87,8 +89,13 @@ class Plan:
             raise ValueError(
                 f"a plan's version must be an int in 1..{MAX_VERSION} (2**31-1), got {version!r}"
             )
+        if limits is not None and not isinstance(limits, Limits):
+            raise TypeError(
+                f"a plan's limits must be a flow.Limits(...) or None, got {describe(limits, 200)}"
+            )
         self.name = name
         self.version = version
+        self.limits = limits
         self._steps: tuple[StepDef, ...] = ()
         self._closed = False
         self._shape: Shape | None = None
@@ -183,6 +190,7 @@ class Plan:
                 steps=tuple(s.name for s in self._steps),
                 compensable=tuple(s.compensate is not None for s in self._steps),
                 attempts=tuple(s.attempts for s in self._steps),
+                limits=self.limits,
             )
         return self._shape
 

@@ -21,7 +21,8 @@ Json: TypeAlias = Any
 
 
 class State(enum.Enum):
-    """Where a flow is. `COMPLETED` and `FAILED` are terminal; `BLOCKED` waits for an operator."""
+    """Where a flow is. `COMPLETED` and `FAILED` are terminal; `BLOCKED` waits for an operator;
+    `QUEUED` waits for its plan's flow control (`Limits`, a delayed start)."""
 
     RUNNING = "RUNNING"
     PARKED = "PARKED"
@@ -29,6 +30,9 @@ class State(enum.Enum):
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     BLOCKED = "BLOCKED"
+    # Started, waiting for its plan's limits or its start time (SPEC 5.8): not active, holds
+    # no slot and no task; admission moves it to RUNNING (or the state a resume left it for).
+    QUEUED = "QUEUED"
 
     # A member is equal only to itself: its identity hash does as well as `Enum`'s (a Python
     # call hashing the name), and `state in ACTIVE` on every write stays in C.
@@ -227,7 +231,11 @@ class Snapshot:
     `step`/`step_index`: the step running, parked at, or being compensated; `step` is None once
     the flow is completed or failed. `revision` is 1 after `start` and +1 on every accepted write.
     `deadline`: the whole flow's deadline (wall-clock seconds, `start(deadline=...)`) or None.
-    `children`: the child flow ids of its latest spawn, in spawn order (started or kept).
+    `children`: the child flow ids of its latest spawn, in spawn order (started or kept), as
+    `get` reads them; the snapshots `start` and `wait` return leave it empty (they come from
+    the engine's memory, with no read of the family's rows): `get` the flow to list them.
+    `not_before`: the start time a delayed start gave it (``start(delay=|at=)``, wall-clock
+    seconds; a restart keeps it) or None.
     """
 
     flow_id: str
@@ -242,6 +250,7 @@ class Snapshot:
     revision: int
     deadline: float | None = None
     children: tuple[str, ...] = ()
+    not_before: float | None = None
 
 
 @final
@@ -327,6 +336,9 @@ class FlowStatistics:
     renew it; their step or compensation was cancelled and its changes discarded), `renewals`
     (renewals of the engine's lease: one row, whatever the number of flows).
 
+    Flow control (SPEC 5.8): `queued`, the flows `QUEUED` in their plans' queues as this engine
+    knows them (counted at open, then kept by the rows it writes and reads, as `parked`).
+
     Retention: `purged` (finished flows this engine deleted because they ended more than
     ``open_engine(retain=)`` seconds ago; in a fleet, each engine counts its own).
 
@@ -358,3 +370,4 @@ class FlowStatistics:
     blocked_now: int = 0
     children_started: int = 0
     children_ended: int = 0
+    queued: int = 0

@@ -28,6 +28,7 @@ from typing import Final
 
 import attrs
 
+from ._limits import Limits
 from ._types import Delivery, Event, Snapshot, State
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "EMPTY_MAILBOX",
     "FAILED",
     "PARKED",
+    "QUEUED",
     "RUNNING",
     "TERMINAL",
     "Flow",
@@ -61,6 +63,7 @@ COMPENSATING: Final = State.COMPENSATING
 COMPLETED: Final = State.COMPLETED
 FAILED: Final = State.FAILED
 BLOCKED: Final = State.BLOCKED
+QUEUED: Final = State.QUEUED
 TERMINAL: Final = frozenset({COMPLETED, FAILED})
 ACTIVE: Final = frozenset({RUNNING, COMPENSATING})
 
@@ -82,6 +85,8 @@ class Shape:
     steps: tuple[str, ...]
     compensable: tuple[bool, ...]
     attempts: tuple[int, ...]
+    # The plan's flow control (SPEC 5.8): its flows start `QUEUED` and count in its budget.
+    limits: Limits | None = None
 
     def __attrs_post_init__(self) -> None:
         n = len(self.steps)
@@ -145,6 +150,13 @@ class Flow:
     # (``ctx.children``): set by the write that resumes a parent after its last child ended,
     # cleared by the next move past the step (docs/adr/0148).
     fan_in: int | None = None
+    # The flow's key in its plan's queue (`Limits.key`'s answer; '' for a plan without a key
+    # function), set by `start` iff the plan had limits: the flow then counts in its plan's
+    # budget all its life (SPEC 5.8, docs/adr/0165). Never changed; None: no flow control.
+    queue_key: str | None = None
+    # A delayed start's time (``start(delay=|at=)``, wall-clock seconds), set by `start` and
+    # never changed; None: at once.
+    not_before: float | None = None
 
 
 @attrs.frozen
@@ -249,6 +261,7 @@ def snapshot(flow: Flow, children: tuple[str, ...] = ()) -> Snapshot:
         revision=flow.revision,
         deadline=flow.deadline,
         children=children,
+        not_before=flow.not_before,
     )
 
 

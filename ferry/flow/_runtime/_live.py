@@ -70,13 +70,14 @@ class Tally:
     read again at every scan: docs/adr/0128). Plain integers: read from any thread by
     `Engine._statistics`."""
 
-    __slots__ = ("blocked", "observers", "parked", "stats", "wakes")
+    __slots__ = ("blocked", "observers", "parked", "queued", "stats", "wakes")
 
     def __init__(self) -> None:
         self.stats = dict.fromkeys(COUNTERS, 0)
         self.wakes = dict.fromkeys(Delivery, 0)
         self.parked = 0
         self.blocked = 0
+        self.queued = 0  # as `parked`: the flows waiting in their plans' queues (SPEC 5.8)
         # `flow.Observer`s and the engine's traces (their end spans); empty: nothing is observed
         self.observers: tuple[Bound, ...] = ()
 

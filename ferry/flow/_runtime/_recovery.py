@@ -22,7 +22,7 @@ from .._model import _checks, _ops, _values
 from .._model._types import State
 from .._model._values import ACTIVE, Flow
 from .._store import _batch, _kin, _op, _store
-from . import _retry, _whole
+from . import _queues, _retry, _whole
 from ._apart import write_apart
 from ._clock import Clock
 from ._live import Tally, about, named
@@ -48,6 +48,7 @@ async def recover(
     timer armed; in a fleet the flows this owner name held) and run them again, then the mode's
     first round (a fleet's first scan takes over the orphans)."""
     shapes = versions.shapes
+    await _queues.check_and_register(store, versions)
     if shapes:
         registered = list(shapes.values())
         await store.transact(partial(_store.register_plans, shapes=registered, now=clock.now()))
@@ -56,8 +57,10 @@ async def recover(
     counts = await store.transact(_store.count_states)
     tally.parked = counts.get(State.PARKED, 0)
     tally.blocked = counts.get(State.BLOCKED, 0)
+    tally.queued = counts.get(State.QUEUED, 0)
     active = await mode.claim(sorted(shapes))
     tally.stats["recovered"] = await rerun(writes, clock, versions, active)
+    await _queues.at_open(writes, clock, versions)
     for fid, deadline in await store.transact(_kin.whole_deadlines):  # `start(deadline=...)`
         _whole.arm(writes, fid, deadline)
     await mode.first_round()

@@ -13,6 +13,7 @@ blocks the flow, versions fail closed).
 from __future__ import annotations
 
 import inspect
+import json
 import uuid
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -26,6 +27,7 @@ from ferry.projected import Store
 from .._model import _checks, _ops
 from .._model import _machine as m
 from .._model._errors import IdReused, UnknownPlan
+from .._model._limits import NO_QUEUE, Queue, StartOptions, checked_start
 from .._model._plan import Plan
 from .._model._types import IGNORE, Delivery, Json, Start, Wake
 from .._model._values import Message, Shape
@@ -142,12 +144,14 @@ class Requests:
         flow_id: str | None,
         data: dict[str, Json] | None,
         deadline: float | None = None,
+        queue: Queue = NO_QUEUE,
     ) -> str:
-        """`Engine.start`."""
+        """`Engine.start`; `queue`: its `priority`, `delay` and `at`, checked here."""
         seconds = _checks.whole_deadline(deadline)
         shape, fid, text = self._start_input(plan, flow_id, data, "data")
+        options = checked_start(shape.limits, shape.name, data or {}, queue, self._clock.now())
         with _tracing.starting(self._tracing, shape.name, shape.version, fid) as trace:
-            op = self._start_op(shape, fid, text, trace, seconds)
+            op = self._start_op(shape, fid, text, trace, seconds, options)
             result = await self._writes.request(op)
         return _started(op, result)
 
@@ -161,18 +165,12 @@ class Requests:
         data = {} if data is None else data
         return shape, fid, _checks.json_object_text(data, what, max_bytes=self._max_data)
 
-    def _start_op(
-        self,
-        shape: Shape,
-        fid: str,
-        text: str,
-        trace: str | None = None,
-        deadline: float | None = None,
-    ) -> _op.Create:
-        """The op of a start whose input was checked (`_start_input`; `deadline`: seconds)."""
-        owner, now = self._owner if self._serve else None, self._clock.now()
-        at = None if deadline is None else now + deadline
-        return _op.Create(m.start(shape, fid, text, now, owner=owner, trace=trace, deadline=at))
+    def _start_op(self, shape: Shape, fid: str, text: str, *more: Any) -> _op.Create:
+        """The op of a start whose input was checked (`_start_input`); `more`: its trace, its
+        whole deadline (seconds from now), its queue's options (`_create`)."""
+        trace, deadline, options = (*more, None, None, None)[:3]
+        owner = self._owner if self._serve else None
+        return _create(shape, fid, text, self._clock.now(), owner, trace, deadline, options)
 
     async def wake(self, flow_id: str, payload: Json, message_id: str | None) -> Delivery:
         """`Engine.wake`."""
@@ -405,3 +403,28 @@ def _is_async(fn: object) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
         getattr(fn, "__call__", None)  # noqa: B004
     )
+
+
+def _create(
+    shape: Shape,
+    fid: str,
+    text: str,
+    now: float,
+    owner: str | None,
+    trace: str | None,
+    deadline: float | None,
+    options: StartOptions | None,
+) -> _op.Create:
+    """`Requests._start_op`'s op: a plan with limits queues the flow with its options (the
+    defaults if None: its key function called on the data)."""
+    at = None if deadline is None else now + deadline
+    if shape.limits is not None and options is None:
+        options = checked_start(shape.limits, shape.name, json.loads(text), NO_QUEUE, now)
+    key = None if options is None or shape.limits is None else options.key
+    wait = None if options is None else options.not_before
+    t = m.start(
+        shape, fid, text, now, owner=owner, trace=trace, deadline=at, queue_key=key, not_before=wait
+    )
+    if options is None:
+        return _op.Create(t)
+    return _op.Create(t, priority=options.priority, not_before=options.not_before)

@@ -48,7 +48,7 @@ from .._model._errors import UnknownPlan, UnknownSchedule
 from .._model._observed import ScheduleTick
 from .._model._values import Flow, Shape
 from .._store import _op, _schedules, _store
-from . import _observe, _read, _retry
+from . import _observe, _queues, _read, _retry
 from ._clock import Clock
 from ._config import Config
 from ._live import Tally
@@ -246,7 +246,7 @@ class Schedules:
             return
         result = outcome.result
         if isinstance(result, _op.Created):
-            self._writes.track(None, result.transition.flow, True, epoch=epoch)
+            _queues.started(self._writes, result, epoch)
         elif isinstance(result, _op.Existing) and not result.same:
             _log.warning(
                 "schedule %r did not start its tick: flow id %r is held by another flow (of plan"
@@ -374,6 +374,6 @@ class Schedules:
         for result in results:
             if isinstance(result, _op.Created):
                 started += 1
-                self._writes.track(None, result.transition.flow, True, epoch=epoch)
+                _queues.started(self._writes, result, epoch)
         self._tell(name, "backfill", None, started, None, now)
         return started

@@ -17,7 +17,7 @@ import attrs
 import trio
 
 from .._model import _family, _holders
-from .._model._children import ChildResult, Spawn
+from .._model._children import KEYED_CHILD, ChildResult, Spawn
 from .._model._signals import Signals
 from .._model._values import Flow, Shape
 from .._store import _batch, _kin, _op
@@ -69,6 +69,11 @@ def problem(
                 f"step {step!r} spawned the child {child.key!r} of plan {plan.name!r} version"
                 f" {plan.version}, which is not registered with this engine (give it to"
                 " open_engine's plans)"
+            )
+        limits = shapes[(plan.name, plan.version)].limits  # as registered (`Child` checks too)
+        if limits is not None and limits.key is not None:
+            return f"step {step!r} spawned the child {child.key!r}: " + KEYED_CHILD.format(
+                plan=plan.name
             )
         size = len(child.text.encode())
         if size > max_data:

@@ -44,10 +44,14 @@ from .._model import _checks, _ops
 from .._model._types import State
 from .._model._values import ACTIVE, TERMINAL, Flow, Shape, Transition
 from .._store import _batch, _op, _store
-from . import _observe, _read, _retry, _whole
+from . import _observe, _queues, _read, _retry, _whole
 from ._apart import split
 from ._clock import Clock
 from ._config import Config
+from ._flight import Flight
+from ._flight import answered as _answered
+from ._flight import rolled_back as _rolled_back
+from ._flight import unless_rejected as _unless_rejected
 from ._live import LOGGED, Live, Tally, about, kin_counted, log_ended, named
 from ._mode import Mode
 from ._versions import Versions
@@ -74,40 +78,6 @@ def _end_of(t: Transition) -> str:
     if "cancelled" in kinds:
         return "cancelled"
     return _ENDS[t.flow.state]
-
-
-def _rolled_back(exc: BaseException) -> bool:
-    """Did the database roll the transaction back on its own (SQLSTATE class 40: a deadlock, a
-    serialization failure)? Then nothing of it was written, and running it again is safe."""
-    return str(getattr(exc, "sqlstate", None) or "").startswith("40")
-
-
-class _Flight:
-    """A batch the write ferry runs (`Writes.batch`): its ops and, once `done` is set, their
-    results, or what the batch raised."""
-
-    __slots__ = ("done", "error", "ops", "results")
-
-    def __init__(self, ops: Sequence[_op.Op]) -> None:
-        self.ops = ops
-        self.done = trio.Event()
-        self.results: list[_op.Result] | None = None
-        self.error: BaseException | None = None
-
-    def landed(self, op: _op.Op) -> _op.Result:
-        """The answer `Writes.write` would have given `op`, written by this batch, to a caller
-        that was cancelled while the batch ran (`Writes.request`)."""
-        if self.results is None:
-            error = self.error
-            if isinstance(error, Exception):
-                raise Failed(f"the flow store raised {error!r}") from error
-            raise Failed(
-                "the batch of this write was cancelled while it ran (the engine is closing, or"
-                " the store did not answer in time): it may or may not have been written;"
-                " read the flow to know"
-            ) from error
-        index = next(i for i, o in enumerate(self.ops) if o is op)
-        return _unless_rejected(_answered(self.results[index]))
 
 
 class Holders:
@@ -186,10 +156,12 @@ class Writes:
         self._ferry: Callable[[_op.Op], Awaitable[_op.Result]] | None = None
         self.live = live  # empty at first (`_waiters.Held`: it tells the waits what comes and goes)
         # The ops of API calls (`request`) on their way through the ferry, by id: None while
-        # they wait for a batch, then the batch that took them (`_Flight`).
-        self._requested: dict[int, _Flight | None] = {}
+        # they wait for a batch, then the batch that took them (`Flight`).
+        self._requested: dict[int, Flight | None] = {}
         self.holders = Holders(versions, owner=owner, serve=serve, shared=mode.shared)
         self._own = _ops.Known(self._versions.shapes)  # a timeout's versions: its own
+        self.queue_timers: dict[str, float] = {}  # each plan's queue timer armed, not fired
+        self.admits_as = owner if serve else None  # who holds the flows its writes admit
 
     def open(self, write_ferry: Callable[[_op.Op], Awaitable[_op.Result]] | None) -> None:
         """Write through `write_ferry` from now on (group commit; None: one transaction each)."""
@@ -282,7 +254,7 @@ class Writes:
         close waits for that one transaction (docs/adr/0108)."""
         requested = self._requested
         if requested:  # API calls wait for answers: note which of them this batch took
-            flight = _Flight(ops)
+            flight = Flight(ops)
             for op in ops:
                 if id(op) in requested:
                     requested[id(op)] = flight
@@ -317,7 +289,9 @@ class Writes:
         their effects in memory, in commit order."""
         epoch = self.epoch
         try:  # the first try without `_retry.retrying`'s objects: the common case
-            results = await self._store.transact(partial(write, ops=ops, guard=self.guard))
+            results = await self._store.transact(
+                partial(write, ops=ops, guard=self.guard, owner=self.admits_as)
+            )
         except Exception as exc:
             if not _rolled_back(exc):
                 raise
@@ -341,8 +315,10 @@ class Writes:
                 self.track(result.before.state, t.flow, own, epoch=epoch)
             for more_op, more in result.more:  # a family's writes in the same transaction
                 self._applied(more_op, more, epoch)
+            _queues.follow(self, result, epoch)
         elif isinstance(result, _op.Created):
             _whole.created(self, result.transition.flow, epoch)
+            _queues.follow(self, result, epoch)
         elif isinstance(result, _op.Conflict):
             self._tally.stats["conflicts"] += 1
 
@@ -408,20 +384,8 @@ class Writes:
             del self.live[fid]
 
     def left_as_it_is(self, flow: Flow, problem: str, error: BaseException) -> None:
-        """The database refuses every write of `flow` (this row), even the one that fails it
-        (docs/adr/0117): a WARNING names it, the engine lets it go if it held it (no runner;
-        a step's changes are discarded) and its waits answer at once with `problem`. The
-        other flows go on; the next open (or, in a fleet, check round or scan) tries it again
-        (docs/adr/0104)."""
-        what = "%s is left as it is, not run by this engine: %s"
-        _log.warning(what, named(flow), problem, extra=about(flow))
-        self._refused(flow, problem, error)
-        fid = flow.flow_id
-        live = self.live.get(fid)
-        if live is not None:
-            del self.live[fid]
-            if live.scope is not None:
-                live.scope.cancel()
+        """See `left_as_it_is` (the module's)."""
+        left_as_it_is(self, flow, problem, error)
 
     async def load_row(self, flow_id: str) -> Flow | None:
         """The flow's row, for the engine's own use (`_read.own`: the store's error as it is;
@@ -452,6 +416,12 @@ async def time_out(
     deadline (`_whole.WHOLE`) cancels the flow instead (`_whole.passed`)."""
     if revision == _whole.WHOLE:
         await _whole.passed(writes, flow_id, deadline)
+        return None
+    plan = _queues.plan_of(flow_id)
+    if plan is not None:  # a plan queue's timer (flow control)
+        if writes.queue_timers.get(plan) == deadline:
+            del writes.queue_timers[plan]
+        await _queues.fire(writes, plan, deadline)
         return None
     now = max(writes._clock.now(), deadline)
     holder = writes.holders.rule(outside=True)
@@ -492,7 +462,9 @@ async def _transact_again(
     async def attempt() -> list[_op.Result]:
         nonlocal epoch
         epoch = writes.epoch
-        return await writes._store.transact(partial(write, ops=ops, guard=writes.guard))
+        return await writes._store.transact(
+            partial(write, ops=ops, guard=writes.guard, owner=writes.admits_as)
+        )
 
     results = await _retry.retrying(
         attempt,
@@ -541,30 +513,14 @@ def _counted(tally: Tally, before: State | None, flow: Flow, write: bool) -> Non
         tally.parked += 1
     elif state is _BLOCKED:
         tally.blocked += 1
+    if before is State.QUEUED and tally.queued > 0:
+        tally.queued -= 1
+    elif state is State.QUEUED:
+        tally.queued += 1
     if write and state in _ENDS:
         tally.stats[_ENDS[state]] += 1
     if write and flow.parent is not None:
         kin_counted(tally, before, flow)
-
-
-def _answered(result: _op.Result) -> _op.Result:
-    """An op's result as `write_answered` gives it: a transition that raised is raised, a
-    store that failed is `ferry.Failed`."""
-    if isinstance(result, _op.Refused):
-        raise result.error
-    if isinstance(result, _op.Unwritten):
-        raise Failed(f"the flow store raised {result.error!r}") from result.error
-    return result
-
-
-def _unless_rejected(result: _op.Result) -> _op.Result:
-    """`result`, or `ferry.Failed` if the database refused the op's row (as `write` raises)."""
-    if isinstance(result, _op.Rejected):
-        raise Failed(
-            f"the database refused the write of flow {result.flow_id!r}:"
-            f" {_checks.describe(result.error)}; nothing of it was written"
-        ) from result.error
-    return result
 
 
 async def gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
@@ -578,3 +534,20 @@ async def gather(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
         for i in range(len(calls)):
             nursery.start_soon(one, i)
     return results
+
+
+def left_as_it_is(self: Writes, flow: Flow, problem: str, error: BaseException) -> None:
+    """The database refuses every write of `flow` (this row), even the one that fails it
+    (docs/adr/0117): a WARNING names it, the engine lets it go if it held it (no runner;
+    a step's changes are discarded) and its waits answer at once with `problem`. The
+    other flows go on; the next open (or, in a fleet, check round or scan) tries it again
+    (docs/adr/0104)."""
+    what = "%s is left as it is, not run by this engine: %s"
+    _log.warning(what, named(flow), problem, extra=about(flow))
+    self._refused(flow, problem, error)
+    fid = flow.flow_id
+    live = self.live.get(fid)
+    if live is not None:
+        del self.live[fid]
+        if live.scope is not None:
+            live.scope.cancel()

@@ -2,8 +2,7 @@
 queue's indexes, and the synchronous functions over a `Tx` that the runtime calls inside the
 transaction that moves a flow (SPEC 5.8). The pure rule is `_model._admission`.
 
-Tables (`ddl`; `create_tables` makes them, with the flows' added columns, on a store whose
-flow tables exist: the store's own schema does not create them yet, docs/adr/0147):
+Tables (`ddl`, `flow_indexes` and `FLOW_COLUMNS`, made by `_schema.create_schema`):
 
 - ``flow_budgets(plan PK, active, seq, turn, in_window, limits)``: one row per limited plan
   (`register`). `active` counts its flows in a slot state (`_admission.holds_slot`), `seq`
@@ -51,7 +50,7 @@ import attrs
 
 from ferry.projected import Tx
 
-from .._model import _admission
+from .._model import _admission, _limits
 from .._model._admission import BudgetError, Usage, Waiting
 from .._model._limits import Limits, StartOptions
 from . import _dialect
@@ -60,9 +59,9 @@ from ._sql import FLOWS, HISTORY, STATES
 BUDGETS: Final = "flow_budgets"
 KEYS: Final = "flow_keys"
 ADMISSIONS: Final = "flow_admissions"
-QUEUED: Final = _admission.QUEUED
+QUEUED: Final = "QUEUED"  # `State.QUEUED` as the rows hold it
 
-#: The columns `create_tables` adds to the flows table.
+#: The flows table's queue columns (in `_schema.ddl`, and added to an older store).
 FLOW_COLUMNS: Final = (
     ("queue_key", "TEXT"),
     ("priority", "BIGINT"),
@@ -82,7 +81,7 @@ def _holds(state: str | None) -> bool:
 
 def ddl() -> list[str]:
     """The tables and indexes of flow control, each idempotent (both dialects: the flows'
-    added columns are `FLOW_COLUMNS`, added by `create_tables`)."""
+    added columns are `FLOW_COLUMNS`, their indexes `flow_indexes`)."""
     return [
         f"""CREATE TABLE IF NOT EXISTS {BUDGETS} (
             plan TEXT PRIMARY KEY,
@@ -110,7 +109,7 @@ def ddl() -> list[str]:
     ]
 
 
-def _flow_indexes() -> list[str]:
+def flow_indexes() -> list[str]:
     return [
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_queue ON {FLOWS}"
         f" (plan, queue_key, priority, turn, seq) WHERE state = '{QUEUED}' AND due = 1",
@@ -119,28 +118,6 @@ def _flow_indexes() -> list[str]:
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_delayed ON {FLOWS}"
         f" (plan, not_before) WHERE state = '{QUEUED}' AND due = 0",
     ]
-
-
-def create_tables(tx: Tx) -> None:
-    """Make flow control's tables and indexes, and add its columns to the flows table (an
-    additive ``ALTER TABLE``: a store of an older version keeps its rows), if missing. The
-    flows table must exist (`_schema.create_schema`). Under the dialect's schema lock."""
-    d = _dialect.of(tx)
-    if d.schema_lock is not None:
-        tx.execute(d.schema_lock, (_SCHEMA_LOCK_KEY,))
-    for statement in ddl():
-        tx.execute(statement)
-    have = {r[0] for r in tx.execute(d.columns_of, (FLOWS,))}
-    if not have:
-        raise ValueError(f"flow control's tables need the flows table {FLOWS} first")
-    for name, kind in FLOW_COLUMNS:
-        if name not in have:
-            tx.execute(f"ALTER TABLE {FLOWS} ADD COLUMN {name} {kind}")
-    for statement in _flow_indexes():
-        tx.execute(statement)
-
-
-_SCHEMA_LOCK_KEY: Final = 0x0F10_0147
 
 
 @final
@@ -172,6 +149,43 @@ def register(tx: Tx, plan: str, limits: Limits) -> None:
         " VALUES (?, 0, 0, 0, 0, ?) ON CONFLICT (plan) DO UPDATE SET limits = excluded.limits",
         (plan, text),
     )
+
+
+def limits_of(tx: Tx, plan: str) -> Limits:
+    """The limits the plan's budget row holds (`register`'s, as `Limits.stored` gave them: the
+    key function a stand-in, `_limits.from_stored`). `ValueError` if it has no budget row."""
+    rows = tx.execute(f"SELECT limits FROM {BUDGETS} WHERE plan = ?", (plan,))
+    if not rows:
+        raise ValueError(f"plan {plan!r} has no budget row: register it with its limits first")
+    return _limits.from_stored(json.loads(rows[0][0]))
+
+
+def limits_or_time(tx: Tx, plan: str) -> Limits:
+    """`limits_of`, for a start that enqueues: a plan with no budget row (no version with
+    limits) is given one that limits nothing (`_limits.ONLY_TIME`: its queue keeps a delayed
+    start's time, docs/adr/0180), in this transaction. An engine with limits for the plan
+    replaces them at its open (`register`)."""
+    rows = tx.execute(f"SELECT limits FROM {BUDGETS} WHERE plan = ?", (plan,))
+    if rows:
+        return _limits.from_stored(json.loads(rows[0][0]))
+    text = json.dumps(_limits.ONLY_TIME.stored(), sort_keys=True)
+    tx.execute(
+        f"INSERT INTO {BUDGETS} (plan, active, seq, turn, in_window, limits)"
+        " VALUES (?, 0, 0, 0, 0, ?) ON CONFLICT (plan) DO NOTHING",
+        (plan, text),
+    )
+    return limits_of(tx, plan)
+
+
+def budget_plans(tx: Tx) -> list[str]:
+    """The plans with a budget row (a queue), in plan order."""
+    return [str(r[0]) for r in tx.execute(f"SELECT plan FROM {BUDGETS} ORDER BY plan")]
+
+
+def registered(tx: Tx) -> dict[str, Limits]:
+    """Every limited plan of the store and the limits its budget row holds, by plan."""
+    rows = tx.execute(f"SELECT plan, limits FROM {BUDGETS} ORDER BY plan")
+    return {str(p): _limits.from_stored(json.loads(t)) for p, t in rows}
 
 
 def _lock(tx: Tx, d: _dialect.Dialect, plan: str) -> _Budget:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from ferry.projected import Tx
 
 from .._model._ops import Unseen
-from . import _dialect, _kin, _notify, _signals, _sql
+from . import _dialect, _kin, _notify, _queue, _signals, _sql
 from ._arrays import Arrays
 from ._op import Change, Changed, Created, Existing, Op, Refused, Result, op_flow_id
 from ._row_by_row import RowByRow
@@ -40,9 +40,18 @@ def guard_locks(tx: Tx, seconds: float | None) -> None:
         tx.execute(f"SET LOCAL idle_in_transaction_session_timeout = {ms}")
 
 
-def write_batch(tx: Tx, ops: Sequence[Op], *, guard: float | None = None) -> list[Result]:
+def write_batch(
+    tx: Tx,
+    ops: Sequence[Op],
+    *,
+    guard: float | None = None,
+    owner: str | None = None,
+    nested: bool = False,
+) -> list[Result]:
     """Apply `ops` in this transaction; one result per op, in the order of `ops`. `guard`: see
-    `guard_locks`.
+    `guard_locks`. Then flow control (`_queue.settle`): the flows of limited plans it queues,
+    releases or unqueues, and those admitted (held by `owner`, the writing engine), after every
+    flow row (`nested`: a family's writes inside a batch, settled by that batch).
 
     Ops run in flow id order (the ops of one flow in the order given), so that concurrent
     batches take row locks in one global order and cannot deadlock on PostgreSQL. Each op's
@@ -55,20 +64,31 @@ def write_batch(tx: Tx, ops: Sequence[Op], *, guard: float | None = None) -> lis
     statements per other op, and one multi-row insert per 500 history rows (`RowByRow`); and a
     sort of the batch.
     """
-    guard_locks(tx, guard)
+    if not nested:
+        guard_locks(tx, guard)
     done: list[Result | None] | None = None
+    given = ops
     if any(map(_kin.concerns, ops)):  # a wake, a timeout, a cancel, a failure: a parent's?
-        ops, done = _kin.before(tx, ops, write_batch)
+        ops, done = _kin.before(tx, ops, _nested)
     order = sorted(range(len(ops)), key=lambda i: op_flow_id(ops[i]))
     sql = _sql.statements(tx.dialect)
     writer = Arrays(tx, sql) if sql.d.arrays else RowByRow(tx, sql)
     results = writer.write(ops, order)
     if any(isinstance(op, Change) and op.signals is not None for op in ops):
         _signals.record(tx, ops, results)  # a step's events and stream values, with its row
-    _kin.after(tx, ops, results, write_batch)  # a child's end, recorded for its parent
+    _kin.after(tx, ops, results, _nested)  # a child's end, recorded for its parent
     # A wait in another engine hears of the flows this batch settles (PostgreSQL only).
     _notify.announce(tx, [r.transition for r in results if isinstance(r, Changed | Created)])
-    return results if done is None else _kin.merged(done, results)
+    if done is not None:
+        results = _kin.merged(done, results)
+    if not nested:
+        _queue.settle(tx, given, results, owner)
+    return results
+
+
+def _nested(tx: Tx, ops: Sequence[Op]) -> list[Result]:
+    """A family's writes inside a batch (`_kin`): settled with the batch's own."""
+    return write_batch(tx, ops, nested=True)
 
 
 class Undone(Exception):
@@ -80,11 +100,13 @@ class Undone(Exception):
         self.results = results
 
 
-def write_all(tx: Tx, ops: Sequence[Op], *, guard: float | None = None) -> list[Result]:
+def write_all(
+    tx: Tx, ops: Sequence[Op], *, guard: float | None = None, owner: str | None = None
+) -> list[Result]:
     """`write_batch`, all or nothing (one `publish`): raises `Undone` (so the transaction rolls
     back) if any op is `Refused` or `Unseen`, or is a `Create` that found another flow under its
     id."""
-    results = write_batch(tx, ops, guard=guard)
+    results = write_batch(tx, ops, guard=guard, owner=owner)
     if any(
         isinstance(r, Refused | Unseen) or (isinstance(r, Existing) and not r.same) for r in results
     ):

@@ -29,7 +29,7 @@ from typing import final
 
 import cronsim
 
-from .._model import _schedule
+from .._model import _limits, _schedule
 from .._model._checks import describe
 from .._model._plan import Plan
 from .._model._types import Json
@@ -149,6 +149,7 @@ class Schedule:
         self._data = _schedule.check_data(data)
         self.overlap = _schedule.check_overlap(overlap)
         self.catchup = _schedule.check_catchup(catchup)
+        _key_of_ticks(self, plan)
 
     @property
     def data(self) -> dict[str, Json]:
@@ -195,3 +196,18 @@ class Schedule:
             f" cron={self.cron!r}, timezone={self.timezone!r}, overlap={self.overlap!r},"
             f" catchup={self.catchup!r})"
         )
+
+
+def _key_of_ticks(schedule: Schedule, plan: Plan) -> None:
+    """A plan whose limits have a key function (SPEC 5.8): the key of the schedule's ticks,
+    computed at each tick from its data, is computed here once on a tick's data (its time the
+    next tick's, or none), so that a key function that cannot give the ticks one is refused at
+    the definition, naming the schedule, not at a firing (docs/adr/0168)."""
+    limits = plan.limits
+    if limits is None or limits.key is None:
+        return
+    t = schedule.rule.after(0.0)
+    try:
+        _limits.flow_key(limits, plan.name, schedule.tick_data(0.0 if t is None else t))
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"schedule {schedule.name!r}: {exc}") from exc

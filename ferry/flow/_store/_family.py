@@ -272,7 +272,9 @@ class NotSpawned(Exception):
         self.results = list(results)
 
 
-def write_spawn(tx: Tx, before: Flow, move: Move, *, guard: float | None = None) -> list[Result]:
+def write_spawn(
+    tx: Tx, before: Flow, move: Move, *, guard: float | None = None, owner: str | None = None
+) -> list[Result]:
     """Write a spawn (`_family.spawned`'s `move`, computed from the parent's row `before`, the
     runner's copy) in this transaction: the spawn's row, the parent's compare-and-set, the
     first rows of the children `max_running` lets start and every child's row (kept ones too).
@@ -306,7 +308,7 @@ def write_spawn(tx: Tx, before: Flow, move: Move, *, guard: float | None = None)
 
     ops: list[Op] = [Change(before.flow_id, apply, flow=before)]
     ops += [Create(c) for c in move.children]
-    results = _batch.write_all(tx, ops, guard=guard)
+    results = _batch.write_all(tx, ops, guard=guard, owner=owner)
     if not isinstance(results[0], Changed):
         raise NotSpawned(f"the parent {b.parent!r} is not at revision {before.revision}", results)
     kid_marks = ", ".join("?" * 13)

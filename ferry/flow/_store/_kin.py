@@ -453,12 +453,19 @@ def _cascade(
 
 
 def write_spawn(
-    tx: Tx, *, ops: Sequence[Op], guard: float | None, before: Flow, move: Move
+    tx: Tx,
+    *,
+    ops: Sequence[Op],
+    guard: float | None,
+    before: Flow,
+    move: Move,
+    owner: str | None = None,
 ) -> list[Result]:
     """`_family.write_spawn` as a batch's write function (`ops`, the runtime's copy of the
-    ops it writes, for memory: the parent's change, then the children's starts); the step's
-    events and stream values go with it (`_signals.record`)."""
-    results = sf.write_spawn(tx, before, move, guard=guard)
+    ops it writes, for memory: the parent's change, then the children's starts; `owner`: who
+    holds the queued children it admits); the step's events and stream values go with it
+    (`_signals.record`)."""
+    results = sf.write_spawn(tx, before, move, guard=guard, owner=owner)
     if ops and isinstance(ops[0], Change) and ops[0].signals is not None:
         _signals.record(tx, ops[:1], results[:1])
     return results

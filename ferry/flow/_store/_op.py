@@ -19,9 +19,13 @@ from .._model._values import Flow, Mailbox, Transition
 
 @attrs.frozen
 class Create:
-    """Insert a new flow (the `_machine.start` transition), idempotently by flow id."""
+    """Insert a new flow (the `_machine.start` transition), idempotently by flow id. A flow of a
+    plan with limits (written `QUEUED`) is queued with its `priority` and `not_before` (a
+    wall-clock time; None: at once), SPEC 5.8."""
 
     transition: Transition
+    priority: int = 0
+    not_before: float | None = None
 
 
 Apply: TypeAlias = Callable[[Flow, Mailbox], Transition]
@@ -69,9 +73,14 @@ Op: TypeAlias = Create | Change
 
 @attrs.frozen
 class Created:
-    """The flow was inserted."""
+    """The flow was inserted. `admitted`: the queued flows of limited plans that this write let
+    go, as the same transaction wrote them (perhaps this one: `_queue.settle`)."""
 
     transition: Transition
+    admitted: tuple[Flow, ...] = ()
+    # (plan, when): the time at which time alone may let a queued flow of the plan go, as the
+    # same transaction found it (`_queue.settle`): the engine arms its timer there.
+    wakes: tuple[tuple[str, float], ...] = ()
 
 
 @attrs.frozen
@@ -92,6 +101,8 @@ class Changed:
     transition: Transition
     before: Flow
     more: tuple[tuple[Op, Result], ...] = ()
+    admitted: tuple[Flow, ...] = ()  # as `Created.admitted`
+    wakes: tuple[tuple[str, float], ...] = ()  # as `Created.wakes`
 
 
 @attrs.frozen

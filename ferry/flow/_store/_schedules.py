@@ -39,7 +39,7 @@ import attrs
 from ferry._text import canonical_json
 from ferry.projected import Tx
 
-from .._model import _machine, _schedule
+from .._model import _limits, _machine, _schedule
 from .._model._schedule import Fired, Row
 from .._model._values import Shape
 from . import _batch, _dialect, _op, _schema, _sql
@@ -309,9 +309,13 @@ def _update_params(new: Row, old: Row, now: float) -> tuple[Any, ...]:
 
 
 def _tick_create(held: Stored, t: float, now: float, shape: Shape, owner: str | None) -> _op.Create:
-    data = canonical_json(_schedule.tick_data(canonical_json(held.definition["data"]), t))
+    """A tick's start, as `Engine.start`'s: a plan with limits queues it (priority 0, at once)
+    under the key its key function gives the tick's data (SPEC 5.8, docs/adr/0168)."""
+    tick = _schedule.tick_data(canonical_json(held.definition["data"]), t)
+    data = canonical_json(tick)
     fid = _schedule.tick_id(held.row.name, t)
-    return _op.Create(_machine.start(shape, fid, data, now, owner=owner))
+    key = _limits.flow_key(shape.limits, shape.name, tick)
+    return _op.Create(_machine.start(shape, fid, data, now, owner=owner, queue_key=key))
 
 
 def _record(
@@ -327,7 +331,7 @@ def _record(
     for held, fired in decided:
         if fired.row is not None and fired.start is not None:
             creates.append(_tick_create(held, fired.start, now, shapes[held.plan], owner))
-    results = iter(_batch.write_batch(tx, creates) if creates else [])
+    results = iter(_batch.write_batch(tx, creates, owner=owner) if creates else [])
     updates = []
     outcomes = []
     for held, fired in decided:
@@ -573,5 +577,5 @@ def backfill(
     results: list[_op.Result] = []
     for at in range(0, len(ticks), CLAIM):
         ops: list[_op.Op] = [_tick_create(h, t, now, shape, owner) for t in ticks[at : at + CLAIM]]
-        results += _batch.write_batch(tx, ops)
+        results += _batch.write_batch(tx, ops, owner=owner)
     return results

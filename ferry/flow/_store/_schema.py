@@ -23,6 +23,9 @@ Tables:
 - ``flow_spawns``, ``flow_children``: the spawns of child flows and their children (ADR 0139,
   `_family`); the flows table's ``parent`` (a child's), ``deadline`` (a whole flow's) and
   ``fan_in`` (the spawn whose results the current step reads, docs/adr/0148).
+- ``flow_budgets``, ``flow_keys``, ``flow_admissions``: flow control's budget rows, key rows
+  and rate windows (`_admission`, docs/adr/0141, 0147); the flows table's queue columns
+  (``queue_key, priority, turn, seq, not_before, due``) and their partial indexes.
 - ``flow_plans(plan, version, shape, registered_at)``: the shape of every plan version an engine
   registered, for processes without the plans (an operator's engine, docs/adr/0044).
 - ``flow_events``, ``flow_stream``: the events and streams out of running flows (`_signals`,
@@ -39,7 +42,7 @@ from typing import Final
 
 from ferry.projected import Tx
 
-from . import _dialect, _inbox, _signals
+from . import _admission, _dialect, _inbox, _signals
 from ._sql import ENGINES, FLOWS, HISTORY, IN_ACTIVE, IN_FINISHED, MAILBOX, PLANS
 
 SPAWNS = "flow_spawns"
@@ -84,6 +87,8 @@ def ddl(dialect: str) -> list[str]:
             start_data TEXT NOT NULL,
             created_at DOUBLE PRECISION NOT NULL,
             fan_in BIGINT, parent TEXT, deadline DOUBLE PRECISION,
+            queue_key TEXT, priority BIGINT, turn BIGINT, seq BIGINT, not_before DOUBLE PRECISION,
+            due INTEGER,
             trace TEXT)""",
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_active ON {FLOWS} (state) WHERE state {IN_ACTIVE}",
         f"CREATE INDEX IF NOT EXISTS {FLOWS}_deadline ON {FLOWS} (park_deadline)"
@@ -131,11 +136,14 @@ def ddl(dialect: str) -> list[str]:
             UNIQUE (flow_id, message_id))""",
         f"CREATE INDEX IF NOT EXISTS {MAILBOX}_queued ON {MAILBOX} (flow_id, seq)"
         " WHERE status = 'QUEUED'",
-        *_inbox.DDL,
-        *schedules_ddl(),
-        *family_ddl(),
-        *_signals.ddl(d),
+        *_later_tables(d),
     ]
+
+
+def _later_tables(d: _dialect.Dialect) -> list[str]:
+    """The tables of the parts added since: the inbox, schedules, child flows, flow control,
+    events and streams."""
+    return [*_inbox.DDL, *schedules_ddl(), *family_ddl(), *_admission.ddl(), *_signals.ddl(d)]
 
 
 SCHEDULES: Final = "flow_schedules"
@@ -213,6 +221,7 @@ _LATE = (
     f"CREATE INDEX IF NOT EXISTS {FLOWS}_parent ON {FLOWS} (parent) WHERE parent IS NOT NULL",
     f"CREATE INDEX IF NOT EXISTS {FLOWS}_whole ON {FLOWS} (deadline) WHERE deadline IS NOT NULL"
     f" AND state NOT {IN_FINISHED}",
+    *_admission.flow_indexes(),
 )
 
 
@@ -231,6 +240,7 @@ _ADDED_COLUMNS = (
     (FLOWS, "fan_in", "BIGINT"),
     (FLOWS, "parent", "TEXT"),
     (FLOWS, "deadline", "DOUBLE PRECISION"),
+    *((FLOWS, name, kind) for name, kind in _admission.FLOW_COLUMNS),
 )
 
 

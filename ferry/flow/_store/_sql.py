@@ -70,15 +70,17 @@ FIELDS: Final = (
     "trace",
     "parent",
     "deadline",
+    "queue_key",
+    "not_before",
 )
 #: The `Flow` field a column of `FIELDS` holds, where its name is not the column's: the column
 #: ``lease_until`` holds `Flow.released_at` (docs/adr/0136).
 ATTRIBUTE: Final = {"lease_until": "released_at"}
 #: `FIELDS` as a select list.
 COLUMNS: Final = ", ".join(FIELDS)
-#: What a write changes (never flow_id, plan, version, created_at, trace, parent, deadline), in
-#: the order of `mutable_values`.
-MUTABLE: Final = FIELDS[4:-3]
+#: What a write changes (never flow_id, plan, version, created_at, trace, parent, deadline,
+#: queue_key, not_before), in the order of `mutable_values`.
+MUTABLE: Final = FIELDS[4:-5]
 #: The PostgreSQL type of each column of `FIELDS` (the arrays of a batch are cast to them).
 PG_TYPES: Final = {
     "flow_id": "text",
@@ -106,6 +108,8 @@ PG_TYPES: Final = {
     "trace": "text",
     "parent": "text",
     "deadline": "double precision",
+    "queue_key": "text",
+    "not_before": "double precision",
     "start_data": "text",
 }
 
@@ -139,6 +143,8 @@ def to_flow(row: Sequence[Any]) -> Flow:
         trace=row[22],
         parent=row[23],
         deadline=row[24],
+        queue_key=row[25],
+        not_before=row[26],
     )
 
 
@@ -318,6 +324,8 @@ def row_values(f: Flow) -> tuple[Any, ...]:
         f.trace,
         f.parent,
         f.deadline,
+        f.queue_key,
+        f.not_before,
         f.data,
     )
 

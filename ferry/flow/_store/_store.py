@@ -24,7 +24,8 @@ import attrs
 from ferry._text import canonical_json
 from ferry.projected import Tx
 
-from .._model._types import Event, State
+from .._model import _limits
+from .._model._types import Event, Json, State
 from .._model._values import Flow, Mailbox, Message, Shape
 from . import _dialect, _sql
 from ._sql import FLOWS, IN_ACTIVE, STATES, to_flow
@@ -202,13 +203,14 @@ def holder(tx: Tx, flow_id: str, now: float) -> tuple[float, bool] | None:
 
 
 def _shape_json(shape: Shape) -> str:
-    return canonical_json(
-        {
-            "steps": list(shape.steps),
-            "compensable": list(shape.compensable),
-            "attempts": list(shape.attempts),
-        }
-    )
+    d: dict[str, Json] = {
+        "steps": list(shape.steps),
+        "compensable": list(shape.compensable),
+        "attempts": list(shape.attempts),
+    }
+    if shape.limits is not None:
+        d["limits"] = shape.limits.stored()
+    return canonical_json(d)
 
 
 def register_plans(tx: Tx, shapes: Sequence[Shape], now: float) -> None:
@@ -226,8 +228,14 @@ def load_plans(tx: Tx) -> list[tuple[Shape, float]]:
     plans = []
     for name, version, text, at in tx.execute(_statements(tx).select_plans):
         d = json.loads(text)
+        limits = d.get("limits")
         shape = Shape(
-            name, version, tuple(d["steps"]), tuple(d["compensable"]), tuple(d["attempts"])
+            name,
+            version,
+            tuple(d["steps"]),
+            tuple(d["compensable"]),
+            tuple(d["attempts"]),
+            None if limits is None else _limits.from_stored(limits),
         )
         plans.append((shape, at))
     return plans
