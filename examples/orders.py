@@ -26,7 +26,10 @@ some after the order gave up (``STALE``), some never (the park times out).
 While it runs, a progress line (stderr) shows the flows by state. At the end a summary with a
 legend, and an audit: every completed order was charged once and shipped once and keeps its
 stock; every failed order was refunded what it was charged and has its stock back; stock adds
-up; no step outcome is recorded twice in any history. The exit code is 1 if the audit fails.
+up; no step outcome is recorded twice in any history; each order's progress (every step emits
+to its stream, ``reserved``, ``charged``, ``shipped`` or, compensating, ``refunded`` and ``stock
+put back``, and sets its event ``progress``) holds each value once, in order, and agrees with
+its end. The exit code is 1 if the audit fails.
 
 ``--crash`` runs the engine in a child process and SIGKILLs it mid-run, at the worst moment for
 one order (picked at random from the seed among those arriving mid-run): its card has just been
@@ -326,9 +329,11 @@ def make_plan(shop: Shop) -> flow.Plan:
 
     async def release(ctx: flow.Context) -> None:
         await shop.call(release_tx, ctx.data["reservation"])
+        ctx.emit("stock put back")
 
     async def refund(ctx: flow.Context) -> None:
         await shop.call(refund_tx, ctx.idempotency_key, ctx.data["charge"])
+        ctx.emit("refunded")
 
     @order.step(compensate=release)
     async def reserve(ctx: flow.Context) -> flow.Outcome | None:
@@ -336,6 +341,8 @@ def make_plan(shop: Shop) -> flow.Plan:
         if not await shop.call(reserve_tx, ctx.idempotency_key, o, f"{shop.run}/{o.sku}"):
             return flow.fail(f"out of stock: {o.qty} x {o.sku}")
         ctx.data["reservation"] = ctx.idempotency_key
+        ctx.emit("reserved")  # the order's progress: its stream, and the event "progress"
+        ctx.set_event("progress", "stock reserved")
         return None
 
     @order.step(compensate=refund)
@@ -349,6 +356,8 @@ def make_plan(shop: Shop) -> flow.Plan:
             print(f"charged {ctx.flow_id}", flush=True)
             await trio.sleep(30)  # the parent's SIGKILL comes first
         ctx.data["charge"] = ctx.idempotency_key
+        ctx.emit("charged")
+        ctx.set_event("progress", "charged: waiting for the gateway")
         if early:  # the gateway answers before the order parks: the wake is kept (QUEUED)
             assert shop.engine is not None
             await shop.engine.publish("payment.confirmed", payment_event(o.order_id))
@@ -361,6 +370,8 @@ def make_plan(shop: Shop) -> flow.Plan:
         if shop.orders[ctx.flow_id].flaky_carrier and ctx.attempt == 1:
             raise ConnectionError("the carrier's API timed out")
         ctx.data["tracking"] = await shop.call(ship_tx, ctx.idempotency_key, ctx.flow_id)
+        ctx.emit("shipped")
+        ctx.set_event("progress", "shipped")
         return None
 
     return order
@@ -644,12 +655,36 @@ async def audit(store: Store, engine: flow.Engine, shop: Shop) -> Audit:
         ]
         if twice:
             result.problems.append(f"{oid}: recorded more than once: {', '.join(twice)}")
+        result.problems += await progress_problems(engine, oid, state)
     for sku, initial, available in rows["stock"]:
         if available + held[sku] != initial:
             result.problems.append(
                 f"stock of {sku}: {available} available + {held[sku]} held != {initial}"
             )
     return result
+
+
+async def progress_problems(engine: flow.Engine, oid: str, state: str) -> list[str]:
+    """What is wrong with the order's progress (its stream and its event "progress"): offsets
+    1, 2, 3, ... with each value once, whatever crashed; a completed order reserved, charged
+    and shipped; a failed one never shipped, and refunded and put back what it took."""
+    got = [item async for item in engine.stream(oid)]
+    values = [v for _n, v in got]
+    events = await engine.get_events(oid)
+    problems = []
+    if [n for n, _v in got] != list(range(1, len(got) + 1)) or len(set(values)) != len(values):
+        problems.append(f"{oid}: its stream is not each value once, in order: {got}")
+    if state == "COMPLETED" and (
+        values != ["reserved", "charged", "shipped"] or events != {"progress": "shipped"}
+    ):
+        problems.append(f"{oid} completed, but its progress says {values} and {events}")
+    if state == "FAILED" and (
+        "shipped" in values
+        or ("charged" in values) != ("refunded" in values)
+        or ("reserved" in values) != ("stock put back" in values)
+    ):
+        problems.append(f"{oid} failed, but its progress says {values}")
+    return problems
 
 
 # -------------------------------------------------------------------------------- the summary

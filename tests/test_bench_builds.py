@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from tests import pg
 from tests.bench import bench_dashboard, bench_metrics
 
 
@@ -94,3 +95,22 @@ def test_the_flow_control_bench_runs_its_rows_at_a_tiny_size(
     assert [r.target for r in rows[:2]] == [1.5, 1.25]
     assert all(r.value > 0 and r.baseline > 0 for r in rows), rows
     assert (rows[3].value, rows[3].baseline) == (4.0, 4.0), rows[3]
+
+
+def test_the_streams_bench_runs_its_rows_at_a_tiny_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pg_server: pg.PgServer
+) -> None:
+    """bench_flow_streams' rows (a stream against the same bytes in ctx.data on SQLite; many
+    readers of one stream on PostgreSQL) run end to end at a tiny size: positive CPU times,
+    and each value read once from the database."""
+    from tests.bench import bench_flow_streams as bench
+
+    for name, value in [("ROUNDS", 1), ("REPEAT", 1), ("VALUES", 40), ("STEPS", 4)]:
+        monkeypatch.setattr(bench, name, value)
+    for name, value in [("READERS", 20), ("READ_VALUES", 20), ("READ_STEPS", 4)]:
+        monkeypatch.setattr(bench, name, value)
+    count = iter(range(100))
+    row = bench.stream_against_data(str(tmp_path / f"s{next(count)}.db") for _ in range(3))
+    assert row.target == 1.2 and row.value > 0 and row.baseline > 0, row
+    readers = bench.readers_row(pg_server.fresh_schema_dsn())
+    assert readers.value == 1.0, readers

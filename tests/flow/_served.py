@@ -5,7 +5,8 @@
 an engine serving the store with the plans below and a mapper of the ``paid`` event, prints
 ``ready`` once it is open, and closes cleanly when its stdin closes (or dies when killed).
 
-`order`: ``pay`` parks until a wake, ``ship`` ends it; its compensation of ``pay`` is recorded.
+`order`: ``pay`` parks until a wake, ``ship`` ends it; its compensation of ``pay`` is recorded;
+each step emits a value and sets the event ``status``.
 `stuck`: ``reserve`` whose compensation always raises, then ``charge`` that fails: the flow
 ends ``BLOCKED`` (a compensation that can never succeed).
 """
@@ -33,12 +34,16 @@ async def _refund(ctx: flow.Context) -> None:
 
 @order.step(compensate=_refund)
 async def pay(ctx: flow.Context) -> flow.Outcome:
+    ctx.emit({"step": "pay"})
+    ctx.set_event("status", "awaiting payment")
     return flow.park(timeout=3600)
 
 
 @order.step
 async def ship(ctx: flow.Context) -> None:
     ctx.data["shipped"] = ctx.wake
+    ctx.emit({"step": "ship", "paid": ctx.wake})
+    ctx.set_event("status", "shipped")
 
 
 stuck = flow.Plan("stuck", version=1)

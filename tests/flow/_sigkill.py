@@ -22,8 +22,10 @@ however slow the machine is. After the last kill a child runs to the end.
 
 The oracle (`audit`, pure): every flow ends ``COMPLETED`` or ``FAILED`` (and the one its scenario
 says); no step outcome and no compensation is recorded twice in its history; every key's
-effective runs are at most 1 + the number of kills that caught that key in flight; and every
-step recorded as done (or parked) ran at least once. See docs/adr/0055.
+effective runs are at most 1 + the number of kills that caught that key in flight; every
+step recorded as done (or parked) ran at least once; and a plain flow's stream (each call
+emits its key, SPEC 5.10) is offsets 1, 2, 3, ... holding each recorded call's key once, in
+the order of its history. See docs/adr/0055.
 
 Some flows of the scenario are parents with children (`_sigkill_family`, docs/adr/0162): each
 child's history and keys go through the same oracle, and its family half checks the rest.
@@ -51,7 +53,7 @@ import attrs
 import trio
 
 from ferry import flow
-from ferry.flow._store import _store
+from ferry.flow._store import _signals, _store
 
 from . import _sigkill_family as fam
 from . import _sigkill_limited as lim
@@ -150,6 +152,7 @@ def make_plan(
             "INSERT INTO runs (key, attempt, gen) VALUES (?, ?, ?)",
             (ctx.idempotency_key, ctx.attempt, gen),
         )
+        ctx.emit(ctx.idempotency_key)  # saved with the outcome: once, whatever the kills
         if hold is not None:
             await hold(ctx.idempotency_key)
         await trio.sleep(ctx.data["pause"])
@@ -216,6 +219,7 @@ def make_plans(
             "INSERT INTO runs (key, attempt, gen) VALUES (?, ?, ?)",
             (ctx.idempotency_key, ctx.attempt, gen),
         )
+        ctx.emit(ctx.idempotency_key)  # saved with the outcome: once, whatever the kills
         if hold is not None:
             await hold(ctx.idempotency_key)
         await trio.sleep(ctx.data["pause"])
@@ -445,6 +449,8 @@ class Observed:
     history: Mapping[str, Sequence[flow.Event]]
     runs: Counter[str]  # idempotency key -> effective runs (side table)
     order: Mapping[str, Sequence[int]] = attrs.Factory(dict)  # key -> its calls' row ids
+    # a plain flow's stream, (offset, value): each step's and compensation's key, once
+    streams: Mapping[str, Sequence[tuple[int, Any]]] = attrs.Factory(dict)
 
 
 def read_outcome(work: Path, specs: Sequence[Spec]) -> Observed:
@@ -458,6 +464,11 @@ def read_outcome(work: Path, specs: Sequence[Spec]) -> Observed:
             row = _store.load(tx, fid)
             states[fid] = None if row is None else row.state
             history[fid] = _store.load_history(tx, fid) or []
+        streams = {
+            spec.flow_id: [(n, json.loads(v)) for n, v in _signals.stream_of(tx, spec.flow_id, 0)]
+            for spec in specs
+            if not spec.kids
+        }
     finally:
         conn.close()
     side = sqlite3.connect(work / "side.db")
@@ -466,7 +477,7 @@ def read_outcome(work: Path, specs: Sequence[Spec]) -> Observed:
     finally:
         side.close()
     runs = Counter({key: len(ids) for key, ids in order.items()})
-    return Observed(states, history, runs, order)
+    return Observed(states, history, runs, order, streams)
 
 
 def read_limited(
@@ -518,6 +529,8 @@ def audit(specs: Sequence[Spec], outcome: Observed, hits: Counter[str]) -> list[
             )
         for f in (fid, *(k.flow_id for k in spec.kids)):
             problems += _audit_history(f, outcome)
+        if fid in outcome.streams:
+            problems += _audit_stream(fid, outcome)
     for key, n in sorted(outcome.runs.items()):
         if n > 1 + hits[key]:
             problems.append(f"{key} ran {n} times, but only {hits[key]} kills caught it in flight")
@@ -542,6 +555,25 @@ def _audit_history(fid: str, outcome: Observed) -> list[str]:
             if outcome.runs[key] < 1:
                 problems.append(f"{key} is recorded as done but never ran")
     return problems
+
+
+def _audit_stream(fid: str, outcome: Observed) -> list[str]:
+    """The flow's stream (SPEC 5.10) is offsets 1, 2, 3, ... holding, in order, the key of each
+    call whose step or compensation is recorded: each once, whatever was killed."""
+    got = outcome.streams[fid]
+    if [n for n, _v in got] != list(range(1, len(got) + 1)):
+        return [f"{fid}: its stream's offsets are not 1, 2, 3, ...: {[n for n, _v in got]}"]
+    expected = []
+    for e in outcome.history.get(fid, ()):
+        assert e.step is None or e.step in STEPS
+        if e.kind == "step" and e.detail["outcome"] in ("continue", "complete", "park"):
+            expected.append(f"{fid}/{STEPS.index(e.step)}/{e.step}")
+        elif e.kind == "compensated":
+            expected.append(f"{fid}/{STEPS.index(e.step)}-compensate/{e.step}")
+    values = [v for _n, v in got]
+    if values != expected:
+        return [f"{fid}: its stream holds {values}, its recorded calls are {expected}"]
+    return []
 
 
 def summary(run: Run, outcome: Observed) -> str:

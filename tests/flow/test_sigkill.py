@@ -308,3 +308,21 @@ def test_the_limits_half_catches_a_limit_exceeded_a_slot_doubled_and_an_early_st
     ended, never = lim.audit_limited(late, {"q0": flow.State.RUNNING}, {}, 100.0, [])
     assert ended.startswith("q0 (limited) ended State.RUNNING")
     assert never == "q0 (limited) was admitted 0 times, not once"
+
+
+def test_the_oracle_catches_a_stream_value_twice_or_a_gap() -> None:
+    outcome, hits = clean_outcome()
+    fid = PLAIN[0].flow_id
+    keys = [f"{fid}/0/reserve", f"{fid}/1/charge"]
+    for stream, said in [
+        (list(enumerate(keys, 1)), None),
+        ([(1, keys[0]), (2, keys[0]), (3, keys[1])], "its recorded calls are"),
+        ([(1, keys[0]), (3, keys[1])], "offsets are not 1, 2, 3"),
+    ]:
+        bad = attrs.evolve(outcome, streams={fid: stream})
+        problems = audit(SPECS, bad, hits)
+        if said is None:
+            assert problems == []
+        else:
+            (problem,) = problems
+            assert problem.startswith(f"{fid}: its stream") and said in problem

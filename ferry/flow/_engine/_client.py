@@ -57,6 +57,7 @@ from .._store import _dialect, _inbox, _notify, _schema, _sql, _store
 from .._store._sqlite_file import Written, check_path
 from . import _served
 from ._client_schedules import ScheduleCalls
+from ._client_signals import SignalCalls
 from ._engine import Engine
 from ._open import open_engine
 
@@ -163,7 +164,7 @@ def _raise(answer: dict[str, Any]) -> None:
 
 
 @final
-class Client(ScheduleCalls):
+class Client(ScheduleCalls, SignalCalls):
     """A client of one flow store, made by `connect` (no public constructor). `last`: the
     `Receipt` of its last request (None before the first). Every async method is a checkpoint;
     a call that raises `trio.Cancelled` after its request was stored leaves it stored (a retry
@@ -358,6 +359,10 @@ class Client(ScheduleCalls):
                         return snap
                     await changes.next()
 
+    def _changes(self) -> _Changes:
+        """A watch of the store for the readers of events and streams (`_client_signals`)."""
+        return _Changes(self._store, (_notify.SIGNALS_CHANNEL_SQL, _notify.CHANNEL_SQL))
+
     # ------------------------------------------------------------------------ the machinery
 
     async def _ask(self, kind: str, body: dict[str, Json], request_id: object) -> Any:
@@ -479,7 +484,9 @@ class _Changes:
     (`_asked.Heard`). At most `_LOOK_AGAIN` apart either way (a look that finds nothing new
     costs one read)."""
 
-    def __init__(self, store: Store, channel_sql: str = _inbox.ANSWERED_SQL) -> None:
+    def __init__(
+        self, store: Store, channel_sql: str | tuple[str, ...] = _inbox.ANSWERED_SQL
+    ) -> None:
         self._store = store
         self._channel_sql = channel_sql
         self._conn: sqlite3.Connection | None = None

@@ -30,6 +30,7 @@ from .._runtime._requests import check_mapper
 from .._store import _family, _store
 from ._observer import Observer, bind_one
 from ._parts import Parts
+from ._signals import SignalReads
 
 T = TypeVar("T")
 
@@ -49,7 +50,7 @@ def _wrong_run(method: str) -> RuntimeError:
 
 
 @final
-class Engine(metaclass=NoPublicConstructor):
+class Engine(SignalReads, metaclass=NoPublicConstructor):
     """Runs the flows of one store. Made by `open_engine`; no public constructor.
 
     Every async method is a checkpoint and raises `ferry.Closed` once the engine is closed.
@@ -82,6 +83,7 @@ class Engine(metaclass=NoPublicConstructor):
         """The block ends: calls raise `ferry.Closed`, waiters wake, no flow gets a runner."""
         self._closing = True
         self._parts.close()
+        self._parts.feeds.close()
         stm.atomically_nowait(self._closed_tv.set, True)
 
     def _check(self, method: str) -> None:

@@ -8,6 +8,7 @@ part imports another that sits above it), and starts and stops them for the engi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -23,6 +24,7 @@ from .._model._values import Flow
 from .._runtime import _retention, _tracing
 from .._runtime._clock import Clock
 from .._runtime._config import Config
+from .._runtime._feeds import Feeds
 from .._runtime._live import Live, Tally
 from .._runtime._mode import Mode, OneFile
 from .._runtime._recovery import let_go_unbegun, recover
@@ -70,6 +72,10 @@ class Parts:
             closed=self.closed,
             read=self._read,
         )
+        # The readers of events and streams (SPEC 5.10); in a fleet a waiting reader also reads
+        # once per lease (another engine's writes are not heard here).
+        fallback = config.lease if self.mode.shared else math.inf
+        self.feeds = Feeds(self._read, fallback=fallback, listen=self.mode.listen_signals)
         self.writes = writes = self._writes(store, config)
         if fleet is not None:
             fleet.bind(writes)
@@ -94,7 +100,7 @@ class Parts:
             self.versions,
             config,
             self.mode,
-            seen=waiters.saw,
+            seen=self._seen,
             refused=waiters.refused,
             live=waiters.held,
             runnable=self._runnable,
@@ -118,6 +124,11 @@ class Parts:
             purged=0 if self.retention is None else self.retention.purged,
             **tally.stats,
         )
+
+    def _seen(self, flow: Flow) -> None:
+        """A committed row of `flow`: its waits and its readers hear of it."""
+        self.waiters.saw(flow)
+        self.feeds.saw(flow)
 
     def _runnable(self, live: Live) -> None:
         """A flow became live: the runner runs it (a method, not a closure: the runner is
@@ -192,3 +203,4 @@ class Parts:
         self.writes.close()
         await self.mode.stop()
         await self.waiters.aclose()
+        await self.feeds.aclose()

@@ -101,9 +101,10 @@ class Heard:
     `_notify.CHANNEL_SQL`: flows settled), read on the trio loop (``wait_readable`` on its
     socket: no timer, no thread but the connect's)."""
 
-    def __init__(self, dsn: str, channel_sql: str) -> None:
+    def __init__(self, dsn: str, channel_sql: str | tuple[str, ...]) -> None:
         self._dsn = dsn
-        self._channel_sql = channel_sql
+        # one channel, or several (a client's readers of events and streams hear two)
+        self._channels = (channel_sql,) if isinstance(channel_sql, str) else channel_sql
         self._conn: Any = None
 
     async def open(self) -> None:
@@ -121,8 +122,9 @@ class Heard:
             application_name="ferry.flow client",
         )
         try:
-            (channel,) = conn.execute(f"SELECT {self._channel_sql}").fetchone()
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            for channel_sql in self._channels:
+                (channel,) = conn.execute(f"SELECT {channel_sql}").fetchone()
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
         except BaseException:
             conn.close()
             raise

@@ -45,8 +45,10 @@ class Listener:
     """Listens on the store's notification channel from a thread until `stop`.
 
     `on_flows(pairs)` gets the ``(flow_id, revision)`` pairs of each notification (None: read
-    every flow you wait for); `on_state(listening)` is told each time the listening starts or
-    stops. Both are called on the trio thread of the run that called `start`, in order.
+    every flow you wait for) on `channels` (the settled flows' by default; the readers of
+    events and streams listen on the signals' channel too, `_notify.SIGNALS_CHANNEL_SQL`);
+    `on_state(listening)` is told each time the listening starts or stops. Both are called
+    on the trio thread of the run that called `start`, in order.
     `connects` counts the connections made (the first and every reconnection).
     """
 
@@ -58,8 +60,10 @@ class Listener:
         on_state: Callable[[bool], None],
         connect_timeout: float,
         owner: str,
+        channels: tuple[str, ...] = (_notify.CHANNEL_SQL,),
     ) -> None:
         self._dsn = dsn
+        self._channels = channels  # SQL expressions of the channels listened on
         self._on_flows = on_flows
         self._on_state = on_state
         self._connect_timeout = connect_timeout
@@ -163,9 +167,10 @@ class Listener:
             application_name=APPLICATION_NAME,
         )
         try:
-            row = conn.execute(f"SELECT {_notify.CHANNEL_SQL}")
-            (channel,) = row.fetchone() or ("",)
-            conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            for channel_sql in self._channels:
+                row = conn.execute(f"SELECT {channel_sql}")
+                (channel,) = row.fetchone() or ("",)
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
         except BaseException:
             _close(conn, self._owner)
             raise

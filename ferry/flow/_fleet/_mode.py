@@ -23,7 +23,7 @@ from .._runtime._live import Live, Tally, about, named
 from .._runtime._mode import Listen, Listening
 from .._runtime._versions import Versions
 from .._runtime._writes import Writes
-from .._store import _store
+from .._store import _notify, _store
 from . import _heartbeat
 from ._fleet import Rounds
 from ._lease import Lease, recheck
@@ -33,6 +33,9 @@ _log = logging.getLogger("ferry.flow")
 
 _GUARD = 1 / 4  # of the lease: how long a fleet engine's transaction may sit idle (locks held)
 _GUARD_MIN = 0.5
+#: The channels the readers of events and streams hear: settled flows (a stream ends) and the
+#: flows whose events or stream a batch wrote (docs/adr/0177).
+_SIGNALLED = (_notify.CHANNEL_SQL, _notify.SIGNALS_CHANNEL_SQL)
 
 
 class Fleet:
@@ -62,6 +65,9 @@ class Fleet:
         self.guard: float | None = max(_GUARD_MIN, config.lease * _GUARD)
         dsn = _heartbeat.keeper_for(store)
         self.listen: Listen | None = None if dsn is None else partial(self._listener, dsn)
+        self.listen_signals: Listen | None = (
+            None if dsn is None else partial(self._listener, dsn, channels=_SIGNALLED)
+        )
 
     def bind(self, writes: Writes) -> None:
         """The write path (built with this mode): the lease and the rounds act on its flows."""
@@ -78,6 +84,8 @@ class Fleet:
         dsn: str,
         on_flows: Callable[[list[tuple[str, int]] | None], None],
         on_state: Callable[[bool], None],
+        *,
+        channels: tuple[str, ...] = (_notify.CHANNEL_SQL,),
     ) -> Listening:
         return Listener(
             dsn,
@@ -85,6 +93,7 @@ class Fleet:
             on_state=on_state,
             connect_timeout=max(2.0, self._config.lease / 4),
             owner=self._owner,
+            channels=channels,
         )
 
     # ------------------------------------------------------------------------ the write path

@@ -5,6 +5,8 @@ the choreography decisions and the statistics record. No trio, no I/O.
 from __future__ import annotations
 
 import enum
+import json
+import json.encoder
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, TypeAlias, final
 
@@ -143,6 +145,9 @@ class Context:
       ``f"{flow_id}/{step_index}-compensate/{step}"``; the same on every attempt, and never the
       same for two (flow, step or compensation): hand it to external calls so that a re-run
       after a crash does not repeat their effect.
+
+    Out of a running flow (SPEC 5.10): `set_event(key, value)` and `emit(value)`, saved with
+    the outcome like `data` (and, like it, discarded if the body raises).
     """
 
     flow_id: str = attrs.field(on_setattr=_FROZEN)
@@ -157,6 +162,62 @@ class Context:
     error: str | None = attrs.field(on_setattr=_FROZEN)
     idempotency_key: str = attrs.field(on_setattr=_FROZEN)
     children: Mapping[str, ChildResult] = attrs.field(factory=dict, on_setattr=_FROZEN)
+    # What `set_event` and `emit` left, as JSON text (`_signals`): read by the runner.
+    _events: dict[str, str] = attrs.field(init=False, factory=dict, repr=False, eq=False)
+    _values: list[str] = attrs.field(init=False, factory=list, repr=False, eq=False)
+
+    def set_event(self, key: str, value: Json) -> None:
+        """Set the flow's event `key` (a str) to `value` (JSON), saved with the step's outcome:
+        `Engine.get_event` then returns it, and a later set replaces it. The value is taken as
+        it is now. `TypeError`/`ValueError` here for a key that is not a non-empty str of at
+        most 256 characters or a value that is not JSON, and nothing is recorded for this call;
+        a value larger than the engine's `max_data_bytes` fails the flow with the outcome.
+        Not a checkpoint."""
+        from . import _signals
+
+        key = _signals.event_key(key)
+        text = _signals.value_text(value, f"ctx.set_event({key!r})'s value")
+        events = self._events
+        if key not in events and len(events) >= _signals.MAX_KEYS_PER_STEP:
+            raise ValueError(
+                f"ctx.set_event({key!r}): a step sets at most {_signals.MAX_KEYS_PER_STEP} keys"
+            )
+        events[key] = text
+
+    def emit(self, value: Json) -> None:
+        """Append `value` (JSON) to the flow's stream, saved with the step's outcome at the
+        next offset (1, 2, 3, ... per flow): `Engine.stream` yields it. The value is taken as
+        it is now. `TypeError`/`ValueError` here for a value that is not JSON, and nothing is
+        recorded for this call; a value larger than the engine's `max_data_bytes`, or a
+        stream longer than 100,000 values, fails the flow with the outcome. Not a
+        checkpoint."""
+        if type(value) is str:  # the common case, without the walk: its text as JSON's
+            text = _encode_str(value)
+            if text.isascii() or _utf8(text):
+                self._values.append(text)
+                return
+        self._values.append(_value_text(value, "ctx.emit's value"))
+
+
+#: A str's JSON text, as `ferry._text.canonical_json` makes it (its encoder's ``ensure_ascii``
+#: is off), without the encoder's dispatch.
+_encode_str: Final = json.encoder.encode_basestring
+
+
+def _utf8(text: str) -> bool:
+    """Can UTF-8 hold `text` (no lone surrogate)?"""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _value_text(value: Json, what: str) -> str:
+    """`_signals.value_text` (imported on first use: `_signals` imports this module)."""
+    from ._signals import value_text
+
+    return value_text(value, what)
 
 
 # -------------------------------------------------------------------------------- what is read

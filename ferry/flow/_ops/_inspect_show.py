@@ -1,6 +1,7 @@
 """The inspector's ``show FLOW_ID``: a flow's state, who runs it, its data, its family (SPEC 5.7:
-its parent, and each spawn's phase and counters with its children's keys, states and ids), then
-its history; ``--json`` carries the same. One read-only transaction (`_inspect_read.read_store`).
+its parent, and each spawn's phase and counters with its children's keys, states and ids), its
+events and its stream's last values (SPEC 5.10), then its history; ``--json`` carries the same.
+One read-only transaction (`_inspect_read.read_store`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ferry.projected import PostgresStore, SqliteStore
 from .._model import _values
 from .._model._types import Event, Json, State
 from .._model._values import ACTIVE, Flow, Mailbox
-from .._store import _lineage, _queue_view, _store
+from .._store import _lineage, _queue_view, _signals, _store
 from .._store._lineage import Family
 from .._store._queue_view import Waits
 from ._inspect_read import (
@@ -34,23 +35,24 @@ from ._inspect_read import (
     when,
 )
 
-__all__ = ["do_show", "family_json", "family_lines"]
+__all__ = ["do_show", "family_json", "family_lines", "signal_lines", "signals_json"]
 
 
 async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) -> None:
     now = time.time()
 
-    def read(tx: Any) -> tuple[Flow | None, Any, Any, Any, bool, Family | None, Waits | None]:
+    def read(tx: Any) -> tuple[Flow | None, Any, Any, Any, bool, Family | None, Any, Any]:
         f = _store.load(tx, args.flow_id)
         if f is None:
-            return None, None, None, None, False, None, None
+            return None, None, None, None, False, None, None, None
         events = _store.load_history(tx, args.flow_id) or []
         box = _store.load_mailbox(tx, args.flow_id)
         hold = _store.holder(tx, args.flow_id, _store.lease_clock(tx, now))  # docs/adr/0110
         waits = _queue_view.waiting(tx, f, now)
-        return f, events, box, hold, _store.leased(tx), _lineage.family_of(tx, f), waits
+        out = _signals.shown(tx, args.flow_id)
+        return f, events, box, hold, _store.leased(tx), _lineage.family_of(tx, f), waits, out
 
-    f, events, box, hold, leased, family, waits = await read_store(store, args.where, read)
+    f, events, box, hold, leased, family, waits, out = await read_store(store, args.where, read)
     if f is None:
         raise Problem(f"no flow has id {args.flow_id!r} in {args.where}")
     held = None
@@ -61,11 +63,10 @@ async def do_show(args: argparse.Namespace, store: SqliteStore | PostgresStore) 
     lines = _show_lines(f, events, box, held, leased, now)
     at = lines.index("")  # the history's table comes after the snapshot's lines
     queue = queue_lines(f, waits)
-    text = "\n".join([*lines[:at], *queue, *family_lines(f, family), *lines[at:]])
+    said = [*lines[:at], *queue, *signal_lines(*out), *family_lines(f, family), *lines[at:]]
     queued = {"not_before": f.not_before, "waits_for": None if waits is None else waits.json()}
-    output(
-        args, text, {**_show_json(f, events, box, held), **queued, "family": family_json(family)}
-    )
+    shown = {**_show_json(f, events, box, held), **queued, "family": family_json(family)}
+    output(args, "\n".join(said), {**shown, **signals_json(*out)})
 
 
 def queue_lines(f: Flow, waits: Waits | None) -> list[str]:
@@ -77,6 +78,29 @@ def queue_lines(f: Flow, waits: Waits | None) -> list[str]:
     if f.not_before is not None:
         lines.append(f"starts at {when(f.not_before)} (delayed start)")
     return lines
+
+
+def signal_lines(events: dict[str, str], length: int, last: list[tuple[int, str]]) -> list[str]:
+    """The lines of ``show`` that say the flow's events (SPEC 5.10) and its stream's last
+    values; nothing for a flow that set and emitted nothing."""
+    lines = []
+    if events:
+        text = ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in events.items())
+        lines.append(f"events    {safe(cut('{' + text + '}', 200))}")
+    if length:
+        values = " | ".join(f"{n} {cut(v, 60)}" for n, v in last)
+        lines.append(f"stream    {length} values; the last {len(last)}: {safe(values)}")
+    return lines
+
+
+def signals_json(
+    events: dict[str, str], length: int, last: list[tuple[int, str]]
+) -> dict[str, Json]:
+    """What ``show --json`` says of the flow's events and stream (`signal_lines`, as data)."""
+    return {
+        "events": {k: json.loads(v) for k, v in events.items()},
+        "stream": {"length": length, "last": [[n, json.loads(v)] for n, v in last]},
+    }
 
 
 def _show_json(

@@ -42,7 +42,7 @@ COUNTERS = (
 class Live:
     """A flow that is running or compensating in this engine (or waiting for a runner slot)."""
 
-    __slots__ = ("began", "epoch", "flow", "scope")
+    __slots__ = ("began", "emitted", "epoch", "flow", "scope")
 
     def __init__(self, flow: Flow, epoch: int) -> None:
         self.flow = flow  # the latest committed row this engine knows
@@ -56,6 +56,9 @@ class Live:
         # The fleet: the write path's `epoch` when the write or read that gave `flow` began. A
         # copy from an older epoch is not trusted until it is read again (see `_lease`).
         self.epoch = epoch
+        # The length of the flow's stream as this engine wrote it: (the revision it is true
+        # at, the count), or None: not known yet (`_emits`).
+        self.emitted: tuple[int, int] | None = None
 
 
 class Tally:

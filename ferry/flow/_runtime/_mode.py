@@ -53,11 +53,13 @@ class Mode(Protocol):
     the engine that runs it. `guard`: how long one of this engine's transactions may sit idle
     holding its locks (`_store.guard_locks`), or None. `epoch`: the trust epoch (only grows;
     a copy of a flow made in an older one is read again before a body runs on it). `listen`:
-    makes the waits' listener, or None where there is none."""
+    makes the waits' listener, or None where there is none; `listen_signals`: the readers' of
+    events and streams (`_feeds`), which hears their flows' writes too (docs/adr/0177)."""
 
     shared: bool
     guard: float | None
     listen: Listen | None
+    listen_signals: Listen | None
 
     @property
     def epoch(self) -> int: ...
@@ -133,6 +135,7 @@ class OneFile:
     shared = False
     guard: float | None = None
     listen: Listen | None = None
+    listen_signals: Listen | None = None
     epoch = 0
 
     def __init__(self, store: Store, load_timers: Callable[[Iterable[Entry]], None]) -> None:

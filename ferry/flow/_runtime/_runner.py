@@ -33,10 +33,11 @@ import trio
 from .._model import _checks, _ops, _values
 from .._model._children import ChildResult, Spawn
 from .._model._plan import StepDef
+from .._model._signals import Signals
 from .._model._types import Context, MisusedOutcome, Park, State
 from .._model._values import Flow, Shape
 from .._store import _op
-from . import _observe, _retry, _spawns
+from . import _emits, _observe, _retry, _spawns
 from ._clock import Clock
 from ._config import Config
 from ._live import Live, Tally, about, named
@@ -59,7 +60,8 @@ def step_backoff(failures: int) -> float:
 class _Void(Exception):
     """The runner's cancel scope was cancelled while a body ran in it (the attempt is void):
     raised by `Runner._attempt` before any other checkpoint, caught by `Runner._run`, which goes
-    on in a fresh scope (a cancelled scope stays cancelled)."""
+    on in a fresh scope (a cancelled scope stays cancelled). Also raised by `_left_over` when
+    the flow moved on while its stream's length was read (that attempt is void too)."""
 
 
 def _not_only_cancelled(exc: BaseException) -> None:
@@ -420,18 +422,18 @@ class Runner:
         attempt = live.flow.attempt
         now = self._clock.now()
         if error is None and not isinstance(outcome, str):
-            data, problem = _data_text(ctx, self._max_data, f"step {step.name!r}")
+            data, signals, problem = await _left_over(self, live, ctx, f"step {step.name!r}")
             if problem is None and isinstance(outcome, Spawn):
                 shapes, most = self._versions.shapes, self._max_data
                 problem = await _spawns.spawned(
                     self._writes, live, shape, outcome, data, now, shapes, most, _read_again,
-                    self._tracing,
+                    self._tracing, signals,
                 )  # fmt: skip
                 if problem is None:
                     return
             if problem is None:
-                done = _ops.StepDone(shape, outcome, data, now)
-                await self._advance(live, done, first_queued=isinstance(outcome, Park))
+                done, park = _ops.StepDone(shape, outcome, data, now), isinstance(outcome, Park)
+                await self._advance(live, done, first_queued=park, out=signals)
                 return
         else:
             problem = _step_problem(step, attempt, error, failures, outcome)
@@ -448,9 +450,9 @@ class Runner:
         ctx, _result, error, failures = ran
         now = self._clock.now()
         if error is None:
-            data, message = _data_text(ctx, self._max_data, "it")
+            data, signals, message = await _left_over(self, live, ctx, "it")
             if message is None:
-                await self._advance(live, _ops.Compensated(shape, data, now))
+                await self._advance(live, _ops.Compensated(shape, data, now), out=signals)
                 return
         else:
             message = (
@@ -467,6 +469,7 @@ class Runner:
         *,
         first_queued: bool = False,
         fallback: str | None = None,
+        out: Signals | None = None,
     ) -> bool:
         """Write a transition of the flow this runner drives, as a compare-and-set on its copy;
         True if it was accepted.
@@ -480,7 +483,9 @@ class Runner:
         writes = self._writes
         flow = live.flow
         holder = writes.holders.rule(outside=False)
-        op = _op.Change(flow.flow_id, move, flow=flow, first_queued=first_queued, holder=holder)
+        op = _op.Change(
+            flow.flow_id, move, flow=flow, first_queued=first_queued, holder=holder, signals=out
+        )
         try:  # the first try without `_retry.retrying`'s objects: the common case
             result = await writes.write_answered(op)
         except Exception as exc:
@@ -493,25 +498,44 @@ class Runner:
                 failed=exc,
             )
         if isinstance(result, _op.Changed):
+            _emits.noted(live, flow.revision, out)  # the stream's length after it
             return True
         if isinstance(result, _op.Rejected):
             if fallback is not None:  # even the write that fails the flow was refused
                 problem = f"{fallback}; and refused that too: {_checks.describe(result.error)}"
                 writes.left_as_it_is(flow, problem, result.error)
                 return False
-            await self._fail_refused(live, result)
+            await _fail_refused(self, live, result)
             return False
         if live.flow.revision <= flow.revision:
             await _read_again(writes, live, flow)
         return False
 
-    async def _fail_refused(self, live: Live, rejected: _op.Rejected) -> None:
-        """The database refused a write of the flow this runner drives (its row alone, ADR
-        0063): fail the flow with that error (`_refusal`), its problem alone."""
-        flow = live.flow
-        shape = self._versions.shapes.get((flow.plan, flow.version))
-        move, problem = _refusal(flow, shape, rejected, self._clock.now())
-        await self._advance(live, move, fallback=problem)
+
+async def _fail_refused(runner: Runner, live: Live, rejected: _op.Rejected) -> None:
+    """The database refused a write of the flow `runner` drives (its row alone, ADR 0063):
+    fail the flow with that error (`_refusal`), its problem alone."""
+    flow = live.flow
+    shape = runner._versions.shapes.get((flow.plan, flow.version))
+    move, problem = _refusal(flow, shape, rejected, runner._clock.now())
+    await runner._advance(live, move, fallback=problem)
+
+
+async def _left_over(
+    runner: Runner, live: Live, ctx: Context, what: str
+) -> tuple[str, Signals | None, str | None]:
+    """What a body that returned left: the JSON text of its data, the record of its events
+    and stream values (`_emits.left`), or the problem with them (the flow fails). Raises
+    `_Void` if someone else moved the flow while the stream's length was read."""
+    data, problem = _data_text(ctx, runner._max_data, what)
+    if problem is not None:
+        return data, None, problem
+    signals, problem = await _emits.left(
+        runner._writes, runner._mode, live, ctx, what, runner._max_data
+    )
+    if problem is _emits.MOVED:
+        raise _Void
+    return data, signals, problem
 
 
 def _refusal(

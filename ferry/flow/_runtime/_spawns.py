@@ -18,6 +18,7 @@ import trio
 
 from .._model import _family, _holders
 from .._model._children import KEYED_CHILD, ChildResult, Spawn
+from .._model._signals import Signals
 from .._model._values import Flow, Shape
 from .._store import _batch, _kin, _op
 from .._store import _family as sf
@@ -39,6 +40,7 @@ async def spawned(
     max_data: int,
     read_again: Callable[[Writes, Live, Flow], Awaitable[None]],
     tracing: _tracing.Tracing | None = None,
+    signals: Signals | None = None,
 ) -> str | None:
     """The runner's spawn: why the flow's step fails (`problem`, a child id taken), or None
     once the spawn is written, or once the flow moved on meanwhile (then `read_again`). With
@@ -48,7 +50,9 @@ async def spawned(
     if why is not None:
         return why
     with _tracing.spawning(tracing, flow, len(outcome.children)) as trace:
-        written = await write(writes, flow, shape, outcome, data, now, shapes, trace=trace)
+        written = await write(
+            writes, flow, shape, outcome, data, now, shapes, trace=trace, signals=signals
+        )
     if written is False and live.flow.revision <= flow.revision:
         await read_again(writes, live, flow)
     return written if isinstance(written, str) else None
@@ -90,6 +94,7 @@ async def write(
     shapes: Mapping[tuple[str, int], Shape],
     *,
     trace: str | None = None,
+    signals: Signals | None = None,
 ) -> str | bool:
     """Write the spawn `outcome` of the flow's current step (its data now `data`): True if it
     was written; False if the flow moved on meanwhile (nothing written: the runner reads it
@@ -113,7 +118,7 @@ async def write(
     assert move.parent is not None
     parent = _holders.assign_holder(move.parent, flow, writer, keep_runner=False)
     move = attrs.evolve(move, parent=parent)
-    ops: list[_op.Op] = [_op.Change(flow.flow_id, _kin.Fixed(parent), flow=flow)]
+    ops: list[_op.Op] = [_op.Change(flow.flow_id, _kin.Fixed(parent), flow=flow, signals=signals)]
     ops += [_op.Create(c) for c in move.children]
     fn = partial(_kin.write_spawn, before=flow, move=move)
     keys = tuple(c.key for c in outcome.children)

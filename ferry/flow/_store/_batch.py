@@ -23,9 +23,9 @@ from collections.abc import Sequence
 from ferry.projected import Tx
 
 from .._model._ops import Unseen
-from . import _dialect, _kin, _notify, _queue, _sql
+from . import _dialect, _kin, _notify, _queue, _signals, _sql
 from ._arrays import Arrays
-from ._op import Changed, Created, Existing, Op, Refused, Result, op_flow_id
+from ._op import Change, Changed, Created, Existing, Op, Refused, Result, op_flow_id
 from ._row_by_row import RowByRow
 
 
@@ -74,6 +74,8 @@ def write_batch(
     sql = _sql.statements(tx.dialect)
     writer = Arrays(tx, sql) if sql.d.arrays else RowByRow(tx, sql)
     results = writer.write(ops, order)
+    if any(isinstance(op, Change) and op.signals is not None for op in ops):
+        _signals.record(tx, ops, results)  # a step's events and stream values, with its row
     _kin.after(tx, ops, results, _nested)  # a child's end, recorded for its parent
     # A wait in another engine hears of the flows this batch settles (PostgreSQL only).
     _notify.announce(tx, [r.transition for r in results if isinstance(r, Changed | Created)])

@@ -99,6 +99,10 @@ class Dialect:
     #: for longer than `seconds` (`_store.end_frozen_holders`, docs/adr/0158). None: one
     #: engine per file, no session of another process holds a row.
     end_frozen: str | None
+    #: Appended to a ``CREATE TABLE`` whose primary key is its only index, to store its rows
+    #: in that key's B-tree (SQLite's ``WITHOUT ROWID``: no second copy of the key; a
+    #: PostgreSQL table is a heap with its index either way).
+    keyed_table: str = ""
 
     def in_list(self, column: str, n: int) -> str:
         """SQL: `column` is one of a list of `n` values, given as `list_params` makes them."""
@@ -148,6 +152,7 @@ SQLITE: Final = Dialect(
     full_scan="SCAN {}",
     sorts="USE TEMP B-TREE",
     end_frozen=None,
+    keyed_table=" WITHOUT ROWID",
 )
 POSTGRES: Final = Dialect(
     name="postgres",

@@ -52,7 +52,7 @@ from .._model._values import (
     Shape,
     Transition,
 )
-from . import _apply, _sql, _store
+from . import _apply, _signals, _sql, _store
 from . import _family as sf
 from ._op import Change, Changed, Create, Created, Op, Result
 
@@ -206,8 +206,8 @@ def before(tx: Tx, ops: Sequence[Op], again: WriteBatch) -> tuple[list[Op], list
             new = _rewrite(tx, op, brood, reg)
             if new is None:
                 left.append(op)
-            else:
-                (done[i],) = again(tx, [new])
+            else:  # a step's events and stream values go with its rewritten write
+                (done[i],) = again(tx, [attrs.evolve(new, signals=op.signals)])
     return left, done
 
 
@@ -466,9 +466,12 @@ def write_spawn(
 ) -> list[Result]:
     """`_family.write_spawn` as a batch's write function (`ops`, the runtime's copy of the
     ops it writes, for memory: the parent's change, then the children's starts; `owner`: who
-    holds the queued children it admits)."""
-    del ops
-    return sf.write_spawn(tx, before, move, guard=guard, owner=owner)
+    holds the queued children it admits); the step's events and stream values go with it
+    (`_signals.record`)."""
+    results = sf.write_spawn(tx, before, move, guard=guard, owner=owner)
+    if ops and isinstance(ops[0], Change) and ops[0].signals is not None:
+        _signals.record(tx, ops[:1], results[:1])
+    return results
 
 
 def results_of(tx: Tx, parent: str, step_index: int) -> dict[str, ChildResult]:

@@ -51,6 +51,26 @@ CHANNEL_SQL = (
 )
 
 
+#: The channel of the flows whose events or stream a batch wrote (SPEC 5.10, docs/adr/0177):
+#: apart from `CHANNEL_SQL`, so that a wait never hears of them (nor does an older engine).
+SIGNALS_CHANNEL_SQL = (
+    "'ferry_flow_s_' || left(encode(sha256(convert_to(current_schema() || '.flow', 'UTF8')),"
+    " 'hex'), 24)"
+)
+
+
+def announce_signals(tx: Tx, written: Iterable[tuple[str, int]]) -> None:
+    """In the batch's transaction, on PostgreSQL: notify `SIGNALS_CHANNEL_SQL` of the flows
+    (and revisions) whose events or stream values it wrote. One statement, and only if there
+    is any; nothing on SQLite."""
+    pairs = list(written)
+    if pairs and _dialect.of(tx).notifies:
+        tx.execute(
+            f"SELECT pg_notify({SIGNALS_CHANNEL_SQL}, p) FROM unnest(?::text[]) AS p",
+            (payloads(pairs),),
+        )
+
+
 def announce(tx: Tx, transitions: Iterable[Transition]) -> None:
     """In the batch's transaction, on PostgreSQL: notify the store's channel of the flows that
     these (committed-with-the-batch) transitions left settled. One statement, and only if

@@ -13,6 +13,7 @@ from typing import TypeAlias
 import attrs
 
 from .._model._ops import HolderRule, Move, Unseen
+from .._model._signals import Signals
 from .._model._values import Flow, Mailbox, Transition
 
 
@@ -46,7 +47,8 @@ class Change:
       renewal of its engine lease as much as to another writer.
 
     The transition's row is written iff it changed (`Transition.written`), as a compare-and-set
-    on the revision it started from; its mailbox writes are applied either way.
+    on the revision it started from; its mailbox writes are applied either way. `signals`: a
+    step's events and stream values, written with its row (`_signals.record`), or None.
     """
 
     flow_id: str
@@ -57,6 +59,7 @@ class Change:
     first_queued: bool = False
     lapsed_at: float | None = None
     holder: HolderRule | None = None
+    signals: Signals | None = None
 
     def __repr__(self) -> str:
         at = "" if self.flow is None else f", rev={self.flow.revision}"

@@ -18,7 +18,7 @@ import attrs
 
 from ferry.projected import Tx
 
-from . import _batch, _dialect, _schema, _sql
+from . import _batch, _dialect, _schema, _signals, _sql
 
 FINISHED_STATES: Final = ("COMPLETED", "FAILED")
 #: Flows deleted per transaction, at most.
@@ -127,11 +127,11 @@ def purge_batch(
 
 
 def _rows_of(tx: Tx, ids: list[str]) -> None:
-    """Delete the history and mailbox rows of the flows `ids` (deleted)."""
+    """Delete the history, mailbox, event and stream rows of the flows `ids` (deleted)."""
     d = _dialect.of(tx)
     some = d.in_list("flow_id", len(ids))
-    tx.execute(f"DELETE FROM {_sql.HISTORY} WHERE {some}", d.list_params(ids))
-    tx.execute(f"DELETE FROM {_sql.MAILBOX} WHERE {some}", d.list_params(ids))
+    for table in (_sql.HISTORY, _sql.MAILBOX, _signals.EVENTS, _signals.STREAM):
+        tx.execute(f"DELETE FROM {table} WHERE {some}", d.list_params(ids))
 
 
 def _trees(tx: Tx, parents: list[str]) -> None:

@@ -28,6 +28,8 @@ Tables:
   (``queue_key, priority, turn, seq, not_before, due``) and their partial indexes.
 - ``flow_plans(plan, version, shape, registered_at)``: the shape of every plan version an engine
   registered, for processes without the plans (an operator's engine, docs/adr/0044).
+- ``flow_events``, ``flow_stream``: the events and streams out of running flows (`_signals`,
+  SPEC 5.10).
 - ``flow_schedules``: one row per schedule (`_schedules`, docs/adr/0144), a partial index on
   the next tick of those not paused.
 """
@@ -40,7 +42,7 @@ from typing import Final
 
 from ferry.projected import Tx
 
-from . import _admission, _dialect, _inbox
+from . import _admission, _dialect, _inbox, _signals
 from ._sql import ENGINES, FLOWS, HISTORY, IN_ACTIVE, IN_FINISHED, MAILBOX, PLANS
 
 SPAWNS = "flow_spawns"
@@ -106,8 +108,7 @@ def ddl(dialect: str) -> list[str]:
             lease_until DOUBLE PRECISION NOT NULL,
             started_at DOUBLE PRECISION NOT NULL,
             incarnation TEXT,
-            host TEXT,
-            pid BIGINT,
+            host TEXT, pid BIGINT,
             plans TEXT)""",
         f"""CREATE TABLE IF NOT EXISTS {PLANS} (
             plan TEXT NOT NULL,
@@ -135,13 +136,14 @@ def ddl(dialect: str) -> list[str]:
             UNIQUE (flow_id, message_id))""",
         f"CREATE INDEX IF NOT EXISTS {MAILBOX}_queued ON {MAILBOX} (flow_id, seq)"
         " WHERE status = 'QUEUED'",
-        *_later_tables(),
+        *_later_tables(d),
     ]
 
 
-def _later_tables() -> list[str]:
-    """The tables of the parts added since: the inbox, schedules, child flows, flow control."""
-    return [*_inbox.DDL, *schedules_ddl(), *family_ddl(), *_admission.ddl()]
+def _later_tables(d: _dialect.Dialect) -> list[str]:
+    """The tables of the parts added since: the inbox, schedules, child flows, flow control,
+    events and streams."""
+    return [*_inbox.DDL, *schedules_ddl(), *family_ddl(), *_admission.ddl(), *_signals.ddl(d)]
 
 
 SCHEDULES: Final = "flow_schedules"

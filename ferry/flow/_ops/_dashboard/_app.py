@@ -60,7 +60,7 @@ from ferry.projected import Store
 from ..._model._checks import shown_number
 from ..._store import _query
 from .. import _trace_url
-from . import _acts, _on_many, _pages, _schedules_page, _session
+from . import _acts, _live, _on_many, _pages, _schedules_page, _session
 from ._guard import MAX_BODY, Bounded, Headers
 from ._guard import loopback_hosts as loopback_hosts
 from ._reads import COUNT_CAP, Reader, Unavailable
@@ -158,6 +158,7 @@ class Dashboard:
             Route("/", partial(_pages.overview, self)),
             Route("/flows", partial(_pages.flows, self)),
             Route("/flow", partial(_pages.flow, self)),
+            Route("/flow/stream", partial(_live.stream_page, self)),
             Route("/flow/{action:str}", partial(_acts.act, self), methods=["POST"]),
             Route("/flows/bulk", partial(_on_many.confirm, self), methods=["GET"]),
             Route("/flows/bulk", partial(_on_many.act, self), methods=["POST"]),

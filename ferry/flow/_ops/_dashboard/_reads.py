@@ -33,7 +33,17 @@ from ferry.projected import PostgresStore, Tx
 from ..._model import _values
 from ..._model._types import Event, State
 from ..._model._values import ACTIVE, Flow
-from ..._store import _dialect, _inbox, _lineage, _query, _queue_view, _schema, _sql, _store
+from ..._store import (
+    _dialect,
+    _inbox,
+    _lineage,
+    _query,
+    _queue_view,
+    _schema,
+    _signals,
+    _sql,
+    _store,
+)
 from ..._store._sqlite_file import ReadOnlyTx
 
 T = TypeVar("T")
@@ -297,6 +307,10 @@ class FlowPage:
     events: int  # in its whole history (`history` holds the last `HISTORY` of them)
     family: _lineage.Family | None = None  # its parent, its spawns and their children
     waits: _queue_view.Waits | None = None  # a queued flow's reason to wait (SPEC 5.8)
+    # Its events (key, pretty JSON), its stream's length and last values (SPEC 5.10).
+    signals: list[tuple[str, str]] = attrs.field(factory=list)
+    stream_length: int = 0
+    stream_last: list[tuple[int, str]] = attrs.field(factory=list)
 
 
 #: The most history events a flow's page shows (the latest).
@@ -337,6 +351,7 @@ def page_flow(tx: Tx, flow_id: str) -> FlowPage | None:
         now = _store.lease_clock(tx, time.time())  # the database's: docs/adr/0110
         held = (f.owner, until, until is None or until < now)
     snap = _values.snapshot(f)
+    signals, length, last = _signals.shown(tx, flow_id)
     return FlowPage(
         flow=f,
         data=json.dumps(snap.data, indent=2, ensure_ascii=False, sort_keys=True),
@@ -348,6 +363,9 @@ def page_flow(tx: Tx, flow_id: str) -> FlowPage | None:
         events=events,
         family=_lineage.family_of(tx, f),
         waits=_queue_view.waiting(tx, f, time.time()),
+        signals=[(k, pretty(v)) for k, v in signals.items()],
+        stream_length=length,
+        stream_last=last,  # as stored: compact JSON text, one line a value
     )
 
 
