@@ -39,8 +39,13 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check stm ferry tests examples
 	$(BIN)/mypy stm ferry examples tests
 
+# The suite runs on as many pytest-xdist workers as there are cores, at most 2 (CI's 2 cores; each
+# worker starts its own throwaway PostgreSQL, and the process tests measure under that load: ADR
+# 0172). `make pytest WORKERS=0` runs it serially; one file is `python -m pytest tests/....py`.
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 2 ] && n=2; echo $$n)
+
 pytest: $(STAMP) postgres-binaries browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal
 
 postgres-binaries:
 	@command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections.abc import Iterator
 
@@ -73,3 +74,27 @@ def pg_server() -> Iterator[pg.PgServer]:
         yield server
     finally:
         pg.release()
+
+
+# Every test starts with Python's own SIGINT handler, which `trio.run` replaces with its own only
+# if it finds it there, and must leave it so (ADR 0172). A run started in the background by a
+# shell without job control (`pytest ... &` in a script, a loaded CI step) inherits SIGINT
+# ignored, and so do its xdist workers: the Ctrl-C tests then failed (stm's `trio_owns_sigint`,
+# ferry's test_interrupt, the inspector's Ctrl-C) wherever they landed. A test that leaves another
+# handler, or a signal wakeup fd, fails here, named, and the next one starts clean.
+@pytest.fixture(autouse=True)
+def _sigint_handler_left_as_found() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        # Say, a run started in the background, which inherits SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    left = signal.getsignal(signal.SIGINT)
+    if left is not signal.default_int_handler:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        pytest.fail(f"the test left SIGINT's handler {left!r} installed, not Python's default")
+    fd = signal.set_wakeup_fd(-1)
+    if fd != -1:
+        pytest.fail(f"the test left a signal wakeup fd ({fd}) set")

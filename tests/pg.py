@@ -192,9 +192,34 @@ def start(bindir: str, settings: Sequence[str] = ()) -> PgServer:
         "-E",
         "UTF8",
     )
-    options = " ".join(
+    # The port was free when picked, but another process (an xdist worker starting its own
+    # server, any client's ephemeral port) may take it before the server binds it: then a new port.
+    for attempt in itertools.count(1):
+        server.options = _options(server.port, root, settings)
+        try:
+            server.resume()
+        except RuntimeError as e:
+            log = ""
+            if os.path.exists(server.log):
+                with open(server.log) as f:
+                    log = f.read()
+                os.remove(server.log)
+            if attempt < _PORT_ATTEMPTS and "could not bind" in log:
+                server.port = _free_port()
+                continue
+            shutil.rmtree(root, ignore_errors=True)
+            raise RuntimeError(f"{e}\n{log}") from e
+        return server
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 5
+
+
+def _options(port: int, root: str, settings: Sequence[str]) -> str:
+    return " ".join(
         [
-            f"-p {server.port}",
+            f"-p {port}",
             "-c listen_addresses=127.0.0.1",
             f"-c unix_socket_directories={root}",
             "-c fsync=off",
@@ -205,21 +230,6 @@ def start(bindir: str, settings: Sequence[str] = ()) -> PgServer:
             *(f"-c {setting}" for setting in settings),
         ]
     )
-    server.options = options
-    run(
-        os.path.join(bindir, "pg_ctl"),
-        "start",
-        "-D",
-        server.data,
-        "-w",
-        "-t",
-        "60",
-        "-l",
-        os.path.join(root, "log"),
-        "-o",
-        options,
-    )
-    return server
 
 
 _lock = threading.Lock()

@@ -10,6 +10,7 @@ name or attribute on either side.
 from __future__ import annotations
 
 import ast
+import functools
 
 from tests.test_layers import sources
 
@@ -23,7 +24,10 @@ def _names_a_dialect(node: ast.expr) -> bool:
     )
 
 
-def comparisons(path: str, text: str) -> list[str]:
+# Cached: the planted checks parse the same unchanged files again and again (only the planted
+# file's text is new).
+@functools.cache
+def comparisons(path: str, text: str) -> tuple[str, ...]:
     """``path:line`` of each comparison of a dialect in `text`."""
     found = []
     for node in ast.walk(ast.parse(text, path)):
@@ -31,7 +35,7 @@ def comparisons(path: str, text: str) -> list[str]:
             _names_a_dialect(side) for side in (node.left, *node.comparators)
         ):
             found.append(f"{path}:{node.lineno}")
-    return found
+    return tuple(found)
 
 
 def _outside(files: dict[str, str]) -> list[str]:
