@@ -69,7 +69,7 @@ class Rounds:
         self.interval = config.scan_interval
         self._arm = arm
         self._strays: dict[str, int] = {}
-        self._engines: frozenset[str] | None = None  # whose lease ran at the last scan
+        self._scanned_at: float | None = None  # the last scan's lease clock (engines that left)
 
     def bind(self, writes: Writes) -> None:
         """The write path whose flows the rounds take over and check."""
@@ -145,10 +145,9 @@ class Rounds:
         tally = self._tally
         tally.parked, tally.blocked, tally.queued = await store.transact(_store.count_waiting)
         if _queues.plan_limits(self._versions):  # flow control: an engine that left
-            known = self._engines
-            self._engines = await _queues.when_engines_leave(
-                writes, self._clock, self._versions, known
-            )
+            since = self._scanned_at
+            at = await _queues.when_engines_leave(writes, self._clock, self._versions, since)
+            self._scanned_at = at if since is None else max(since, at)
 
     async def scan_loop(self) -> None:
         """`scan` every `interval`, and now and then forget engines long gone."""

@@ -150,17 +150,17 @@ def started(writes: Writes, result: _op.Created, epoch: int) -> None:
 
 
 async def when_engines_leave(
-    writes: Writes, clock: Clock, versions: Versions, known: frozenset[str] | None
-) -> frozenset[str]:
-    """A fleet engine's scan (if it has limited plans): the engines whose lease runs now. If one
-    that ran at the last scan (`known`) no longer does (it closed, or it lapsed: killed or
-    frozen), each limited plan is admitted and its timer read again (`fire`): the room a killed
-    transaction of it left (a queued head it held, passed over by another's admission) and the
-    delayed starts and rate windows whose timer was its own (docs/adr/0170). One read per scan."""
-    now = clock.now()
-    read = partial(_store.live_engines_on_clock, now=now)
-    alive = frozenset(await writes._store.transact(read))
-    if known is not None and known - alive:
+    writes: Writes, clock: Clock, versions: Versions, since: float | None
+) -> float:
+    """A fleet engine's scan (if it has limited plans): if an engine's lease ended since the
+    last scan (`since`, by the lease clock: it closed, or it lapsed: killed or frozen), each
+    limited plan is admitted and its timer read again (`fire`): the room a killed transaction
+    of it left (a queued head it held, passed over by another's admission) and the delayed
+    starts and rate windows whose timer was its own (docs/adr/0170). An engine that lived
+    between two scans counts too. One read per scan; the lease clock's time, for the next."""
+    read = partial(_store.engines_left_on_clock, now=clock.now(), since=since)
+    at, left = await writes._store.transact(read)
+    if left:
         for name in plan_limits(versions):
-            await fire(writes, name, now)
-    return alive
+            await fire(writes, name, clock.now())
+    return at

@@ -538,10 +538,15 @@ def load_engines(tx: Tx) -> list[tuple[str, float, float, int]]:
     return [(r[0], r[1], r[2], r[3]) for r in tx.execute(_statements(tx).select_engines)]
 
 
-def live_engines_on_clock(tx: Tx, now: float) -> list[str]:
-    """The engines whose lease runs now by the lease clock (`lease_clock`): a fleet's scan
-    compares them with the last scan's to see an engine leave (`_queues.when_engines_leave`)."""
+def engines_left_on_clock(tx: Tx, now: float, since: float | None) -> tuple[float, bool]:
+    """The lease clock's time (`lease_clock`), and whether an engine's lease ended at or after
+    `since` (the last scan's time; None: the first scan) and before it: closed (its lease ended
+    at its close) or lapsed (killed, frozen). An engine that opened and closed between two scans
+    is seen too (`_queues.when_engines_leave`). One read of the engines' table (a row an engine)."""
     at = lease_clock(tx, now)
-    return [
-        str(r[0]) for r in tx.execute(f"SELECT owner FROM {ENGINES} WHERE lease_until >= ?", (at,))
-    ]
+    if since is None:
+        return at, False
+    rows = tx.execute(
+        f"SELECT 1 FROM {ENGINES} WHERE lease_until >= ? AND lease_until < ? LIMIT 1", (since, at)
+    )
+    return at, bool(rows)
