@@ -100,7 +100,8 @@ def test_the_flow_control_bench_runs_its_rows_at_a_tiny_size(
 def test_the_streams_bench_runs_its_rows_at_a_tiny_size(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pg_server: pg.PgServer
 ) -> None:
-    """bench_flow_streams' rows (a stream against the same bytes in ctx.data on SQLite; many
+    """bench_flow_streams' rows (a stream against the same values kept in ctx.data, and
+    against ctx.data replaced each step, on SQLite; many
     readers of one stream on PostgreSQL) run end to end at a tiny size: positive CPU times,
     and each value read once from the database."""
     from tests.bench import bench_flow_streams as bench
@@ -110,7 +111,10 @@ def test_the_streams_bench_runs_its_rows_at_a_tiny_size(
     for name, value in [("READERS", 20), ("READ_VALUES", 20), ("READ_STEPS", 4)]:
         monkeypatch.setattr(bench, name, value)
     count = iter(range(100))
-    row = bench.stream_against_data(str(tmp_path / f"s{next(count)}.db") for _ in range(3))
-    assert row.target == 1.2 and row.value > 0 and row.baseline > 0, row
+    kept, replaced = bench.stream_against_data(
+        str(tmp_path / f"s{next(count)}.db") for _ in range(4)
+    )
+    assert kept.target == 1.2 and kept.value > 0 and kept.baseline > 0, kept
+    assert replaced.value > 0 and replaced.baseline > 0, replaced
     readers = bench.readers_row(pg_server.fresh_schema_dsn())
     assert readers.value == 1.0, readers

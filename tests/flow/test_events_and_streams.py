@@ -145,6 +145,47 @@ async def test_bad_arguments_are_refused_at_the_call_and_nothing_is_recorded(
         assert await engine.get_events(fid) == {}
 
 
+async def test_values_of_every_kind_keep_their_order_and_their_text(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """ASCII strs are kept as given until the step ends (docs/adr/0181), the others as JSON text
+    at the call: mixed, they come back in the order emitted, each as it was (escapes too)."""
+    plan = flow.Plan("kinds")
+    given: list[Any] = [
+        "plain",
+        'quote " and \\ backslash',
+        "line\nbreak\ttab\x01",
+        {"n": 1, "l": [1, 2.5, None, True]},
+        "after a dict",
+        "é and 日本",
+        7,
+        "last",
+    ]
+
+    @plan.step
+    async def work(ctx: flow.Context) -> None:
+        mutable = {"k": "before"}
+        ctx.emit(given[0])
+        ctx.emit(given[1])
+        ctx.emit(given[2])
+        ctx.emit(mutable)
+        mutable["k"] = "changed after the emit"
+        for value in given[4:]:
+            ctx.emit(value)
+
+    @plan.step
+    async def only_ascii(ctx: flow.Context) -> None:
+        for n in range(3):
+            ctx.emit(f'n="{n}"\n')
+
+    given[3] = {"k": "before"}
+    async with flow.open_engine(tmp_path / "f.db", plans=[plan]) as engine:
+        fid = await engine.start(plan)
+        assert (await engine.wait(fid)).state is flow.State.COMPLETED
+        got = await _all(engine, fid)
+    assert got == list(enumerate([*given, *(f'n="{n}"\n' for n in range(3))], 1))
+
+
 async def test_a_value_too_large_or_a_stream_too_long_fails_the_flow_not_retried(
     tmp_path: Path, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

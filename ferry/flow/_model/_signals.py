@@ -90,6 +90,8 @@ def problem(
                 f"{what} set event {key!r} to {size} bytes of JSON, more than the engine's"
                 f" max_data_bytes={max_bytes} (not retried)"
             )
+    if not values or max(map(len, values)) * 4 <= max_bytes:  # UTF-8: at most 4 bytes a char
+        return None
     for n, text in enumerate(values):
         size = _size(text)
         if size > max_bytes:

@@ -162,9 +162,12 @@ class Context:
     error: str | None = attrs.field(on_setattr=_FROZEN)
     idempotency_key: str = attrs.field(on_setattr=_FROZEN)
     children: Mapping[str, ChildResult] = attrs.field(factory=dict, on_setattr=_FROZEN)
-    # What `set_event` and `emit` left, as JSON text (`_signals`): read by the runner.
+    # What `set_event` and `emit` left (`_signals`), read by the runner: the events as JSON
+    # text; the values as JSON text, or while `_raw` holds, as they were given (every one an
+    # ASCII str, encoded at once when the step ends: `emitted`).
     _events: dict[str, str] = attrs.field(init=False, factory=dict, repr=False, eq=False)
     _values: list[str] = attrs.field(init=False, factory=list, repr=False, eq=False)
+    _raw: bool = attrs.field(init=False, default=True, repr=False, eq=False)
 
     def set_event(self, key: str, value: Json) -> None:
         """Set the flow's event `key` (a str) to `value` (JSON), saved with the step's outcome:
@@ -191,26 +194,29 @@ class Context:
         recorded for this call; a value larger than the engine's `max_data_bytes`, or a
         stream longer than 100,000 values, fails the flow with the outcome. Not a
         checkpoint."""
-        if type(value) is str:  # the common case, without the walk: its text as JSON's
-            text = _encode_str(value)
-            if text.isascii() or _utf8(text):
-                self._values.append(text)
-                return
-        self._values.append(_value_text(value, "ctx.emit's value"))
+        if type(value) is str and value.isascii():  # the common case: kept as it is
+            if self._raw:
+                self._values.append(value)
+            else:
+                self._values.append(_encode_str(value))
+            return
+        text = _value_text(value, "ctx.emit's value")  # raises: nothing recorded
+        if self._raw:
+            self._values[:] = map(_encode_str, self._values)
+            self._raw = False
+        self._values.append(text)
+
+    def _emitted(self) -> list[str]:
+        """The JSON texts of the values emitted, in order (the runner's, once the body
+        returned)."""
+        if self._raw:
+            return list(map(_encode_str, self._values))
+        return self._values
 
 
 #: A str's JSON text, as `ferry._text.canonical_json` makes it (its encoder's ``ensure_ascii``
 #: is off), without the encoder's dispatch.
 _encode_str: Final = json.encoder.encode_basestring
-
-
-def _utf8(text: str) -> bool:
-    """Can UTF-8 hold `text` (no lone surrogate)?"""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _value_text(value: Json, what: str) -> str:

@@ -37,7 +37,7 @@ async def left(
     """The record of what the body that ran with `ctx` left (None: nothing), or why it cannot
     be stored (the flow fails: not retried), or `MOVED`. A checkpoint only when it reads the
     stream's length."""
-    events, values = ctx._events, ctx._values
+    events, values = ctx._events, ctx._emitted()
     if not events and not values:
         return None, None
     flow = live.flow

@@ -1,9 +1,10 @@
 """The tables of events and streams out of running flows (SPEC 5.10), their writes in a batch's
 transaction and their reads.
 
-Tables (`ddl`; on SQLite ``WITHOUT ROWID``, `_dialect.Dialect.keyed_table`):
+Tables (`ddl`):
 
-- ``flow_events(flow_id, name, value, revision)``: each key (``name``) a flow set, with its
+- ``flow_events(flow_id, name, value, revision)`` (on SQLite ``WITHOUT ROWID``,
+  `_dialect.Dialect.keyed_table`): each key (``name``) a flow set, with its
   latest value (JSON text) and the revision of the flow's write that set it; primary key
   ``(flow_id, name)``.
 - ``flow_stream(flow_id, last, first, value, revision)``: a flow's stream in chunks, one row
@@ -12,7 +13,10 @@ Tables (`ddl`; on SQLite ``WITHOUT ROWID``, `_dialect.Dialect.keyed_table`):
   is escaped in a string), so a step's values cost one row, as the same bytes in ``ctx.data``
   do (docs/adr/0179); primary key ``(flow_id, last)``. The runner gives the offsets
   (`_model._signals`); `record` checks that they follow the stream's last, so a stream is
-  never written with a gap or twice.
+  never written with a gap or twice. On SQLite a rowid table, its key a second B-tree: a row
+  of a step's values is large, appended at the table's end, where in the key's own B-tree
+  (``WITHOUT ROWID``) it would split pages in the middle of it, one more page a commit
+  (docs/adr/0181). Stores an earlier engine made keep the key's B-tree; either serves.
 
 `record` runs in `_batch.write_batch`'s transaction after the writer: the rows of every op
 whose transition was written (a compare-and-set that lost writes none), so a step's events and
@@ -56,8 +60,18 @@ def ddl(d: _dialect.Dialect) -> list[str]:
             first BIGINT NOT NULL,
             value TEXT NOT NULL,
             revision BIGINT NOT NULL,
-            PRIMARY KEY (flow_id, last)){d.keyed_table}""",
+            PRIMARY KEY (flow_id, last))""",
     ]
+
+
+_COLUMNS: Final = "(flow_id, last, first, value, revision)"
+#: A step's first chunk, inserted only if the stream's last offset is the one it follows.
+_FOLLOWING: Final = (
+    f"INSERT INTO {STREAM} {_COLUMNS}"
+    " SELECT ?, CAST(? AS BIGINT), CAST(? AS BIGINT), ?, CAST(? AS BIGINT)"
+    f" WHERE (SELECT COALESCE(MAX(last), 0) FROM {STREAM} WHERE flow_id = ?) = ?"
+    " RETURNING last"
+)
 
 
 def _rows(n: int) -> str:
@@ -70,7 +84,8 @@ def record(tx: Tx, ops: Sequence[Op], results: Sequence[Result]) -> None:
     `_notify.announce_signals`). Raises `StreamGap` (the batch fails and is split, and the op
     is refused alone, ADR 0063) for values whose first offset does not follow the stream's
     last. Cost: nothing for a batch without any; else one statement per 200 events, per step
-    one index lookup and one row per `CHUNK_VALUES` values, and one notification statement."""
+    one statement per `CHUNK_VALUES` values (the first also checks that its offsets follow),
+    and one notification statement."""
     events: dict[tuple[str, str], tuple[str, int]] = {}
     chunks: list[tuple[str, int, tuple[str, ...], int]] = []
     written: list[tuple[str, int]] = []
@@ -98,19 +113,20 @@ def record(tx: Tx, ops: Sequence[Op], results: Sequence[Result]) -> None:
                 [v for row in chunk for v in row],
             )
     for fid, first, texts, revision in chunks:
-        if length(tx, fid) != first - 1:  # the runner's offsets must go on from the stream's
-            raise StreamGap(
-                f"flow {fid!r}: a step's values at offsets {first}.. do not follow its stream"
-                f" of {length(tx, fid)}"
-            )
         for i in range(0, len(texts), CHUNK_VALUES):
             part = texts[i : i + CHUNK_VALUES]
             at = first + i
-            tx.execute(
-                f"INSERT INTO {STREAM} (flow_id, last, first, value, revision)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (fid, at + len(part) - 1, at, "\n".join(part), revision),
-            )
+            row = (fid, at + len(part) - 1, at, "\n".join(part), revision)
+            if i:  # follows the chunk this statement's first inserted
+                tx.execute(f"INSERT INTO {STREAM} {_COLUMNS} VALUES (?, ?, ?, ?, ?)", row)
+                continue
+            # Inserted only if it follows the stream's last (the runner's offsets must go on
+            # from the stream's): the check and the row in one statement.
+            if not tx.execute(_FOLLOWING, (*row, fid, first - 1)):
+                raise StreamGap(
+                    f"flow {fid!r}: a step's values at offsets {first}.. do not follow its"
+                    f" stream of {length(tx, fid)}"
+                )
     _notify.announce_signals(tx, written)
 
 
