@@ -505,6 +505,41 @@ def _bulk_queue(tx: Tx, plan: str, limits: Limits, n: int, keys: int) -> None:
     )
 
 
+def test_a_start_goes_straight_in_only_when_nothing_stands_before_it(db: Db) -> None:
+    """A due start of an empty key is admitted as it is queued (docs/adr/0182) unless another
+    key holds an open head (one passed over while another transaction held its row): then
+    the rule's order holds, that head first. (Made to fail by dropping the probe of the open
+    keys from `_straight_in`: the start alone is admitted and the older head waits.)"""
+    limits = Limits(concurrency=5, key=_key, per_key=1)
+    db.transaction(partial(sa.register, plan="p", limits=limits))
+    db.transaction(partial(_bulk_queue, plan="p", limits=limits, n=1, keys=1))  # k0: open head
+    got = db.transaction(
+        partial(
+            start_one, plan="p", limits=limits, fid="new", o=StartOptions(0, None, "k9"), now=T0
+        )
+    )
+    assert [a.flow_id for a in got] == ["p-0", "new"]
+    got = db.transaction(
+        partial(
+            start_one, plan="p", limits=limits, fid="alone", o=StartOptions(0, None, "k8"), now=T0
+        )
+    )
+    assert [(a.flow_id, a.state) for a in got] == [("alone", "RUNNING")]
+    assert states(db.tx, "p") == {"p-0": "RUNNING", "new": "RUNNING", "alone": "RUNNING"}
+    history = db.transaction(
+        lambda tx: tx.execute(
+            f"SELECT flow_id, revision, kind FROM {HISTORY} ORDER BY flow_id", ()
+        )
+    )
+    assert [tuple(r) for r in history] == [
+        ("alone", 1, "admitted"),
+        ("new", 1, "admitted"),
+        ("p-0", 1, "admitted"),
+    ]
+    used, queued = db.transaction(partial(sa.usage, plan="p"))
+    assert (used.active, queued) == (3, 0)
+
+
 def _analyze(tx: Tx) -> None:
     """The planner's statistics of these tables (the server is shared by the suite's tests)."""
     tx.execute(f"ANALYZE {FLOWS}, {sa.KEYS}, {sa.ADMISSIONS}")
@@ -547,9 +582,10 @@ def test_an_admission_is_index_probes_whatever_the_queue(db: Db) -> None:
     }
     # the budget's lock and write, and 6 per admitted flow (the open key, its head, the flow's
     # write and history row, the key's next head and its row); an end adds its claim, the
-    # budget's lock, its key's counts and row (2); a start the lock, its key's last turn, its
-    # queue columns, its key's counts and row (2), the budget's write
-    assert [len(large[k]) for k in ("admit", "release", "enqueue")] == [1 + 6 * 5 + 1, 12, 7]
+    # budget's lock, its key's counts and row (2), and no budget write (it admitted one: its
+    # counters are as they were); a start the lock, its key's last turn, its key's counts, its
+    # queue columns, its key's row (2), the budget's write
+    assert [len(large[k]) for k in ("admit", "release", "enqueue")] == [1 + 6 * 5 + 1, 11, 7]
 
     def plans(tx: Tx) -> list[str]:
         d = _dialect.of(tx)

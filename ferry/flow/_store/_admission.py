@@ -35,7 +35,10 @@ row's write, and (with a rate) a probe for the window's last time and its insert
 lock and write once per transaction. An end adds its claim, its key's counts and row; a start
 its key's last turn, its queue columns, its key's counts and row. Each is an index probe or a
 one-row write whatever the queue's length (the tests compare them, and their plans, at 1,000
-and 100,000 queued). Plans without limits never call here.
+and 100,000 queued). A due start that nothing stands before is admitted as it is queued
+(`_straight_in`: its key's counts, the open keys' probe, one update of its row, its history row,
+its key's row), and a batch locks and writes each plan's budget once (`Budgets`; docs/adr/0182).
+Plans without limits never call here.
 
 No trio, no clock: `now` is the caller's (on a fleet, the lease clock, `Dialect.clock`).
 """
@@ -188,6 +191,47 @@ def registered(tx: Tx) -> dict[str, Limits]:
     return {str(p): _limits.from_stored(json.loads(t)) for p, t in rows}
 
 
+@final
+class Budgets:
+    """One transaction's budget rows: each locked and read once (at its first use, in the lock
+    order of `_lock`), changed in memory by every call given it, written once by `write`
+    (`_queue.settle`: a batch's calls for one plan cost one lock and one write, not one of
+    each per call; docs/adr/0182)."""
+
+    __slots__ = ("_now", "_read")
+
+    def __init__(self) -> None:
+        self._read: dict[str, _Budget] = {}
+        self._now: dict[str, _Budget] = {}
+
+    def get(self, tx: Tx, d: _dialect.Dialect, plan: str) -> _Budget:
+        b = self._now.get(plan)
+        if b is None:
+            b = self._read[plan] = self._now[plan] = _lock(tx, d, plan)
+        return b
+
+    def put(self, plan: str, b: _Budget) -> None:
+        self._now[plan] = b
+
+    def write(self, tx: Tx) -> None:
+        """Write each budget row that changed since it was read (or last written)."""
+        for plan, b in self._now.items():
+            if b != self._read[plan]:
+                _write_budget(tx, plan, b)
+                self._read[plan] = b
+
+
+def _get(tx: Tx, d: _dialect.Dialect, plan: str, budgets: Budgets | None) -> _Budget:
+    return _lock(tx, d, plan) if budgets is None else budgets.get(tx, d, plan)
+
+
+def _put(tx: Tx, plan: str, before: _Budget, b: _Budget, budgets: Budgets | None) -> None:
+    if budgets is not None:
+        budgets.put(plan, b)
+    elif b != before:
+        _write_budget(tx, plan, b)
+
+
 def _lock(tx: Tx, d: _dialect.Dialect, plan: str) -> _Budget:
     rows = tx.execute(
         f"SELECT active, seq, turn, in_window FROM {BUDGETS} WHERE plan = ?{d.for_update}", (plan,)
@@ -327,19 +371,28 @@ def _admit(
     return taken, b
 
 
-def admit(tx: Tx, plan: str, limits: Limits, now: float, owner: str) -> list[Admitted]:
+def admit(
+    tx: Tx, plan: str, limits: Limits, now: float, owner: str, budgets: Budgets | None = None
+) -> list[Admitted]:
     """Admit what the plan has room for now (at open, on a notification, after a lapse): the
-    admitted flows, in order, held by `owner` ('' for none: an operator's engine)."""
+    admitted flows, in order, held by `owner` ('' for none: an operator's engine). With
+    `budgets`, the budget row is its (and written by its `write`), here and below."""
     d = _dialect.of(tx)
-    b = _lock(tx, d, plan)
+    b = _get(tx, d, plan, budgets)
     taken, after = _admit(tx, d, limits, plan, b, now, owner)
-    if after != b:
-        _write_budget(tx, plan, after)
+    _put(tx, plan, b, after, budgets)
     return taken
 
 
 def enqueue(
-    tx: Tx, plan: str, limits: Limits, flow_id: str, options: StartOptions, now: float, owner: str
+    tx: Tx,
+    plan: str,
+    limits: Limits,
+    flow_id: str,
+    options: StartOptions,
+    now: float,
+    owner: str,
+    budgets: Budgets | None = None,
 ) -> list[Admitted]:
     """Queue the flow `flow_id`, whose row the caller has just written in state ``QUEUED``
     (a start, or a resume: a resumed flow keeps its ``blocked_from``), with its checked start
@@ -351,12 +404,21 @@ def enqueue(
             f" function is {'set' if limits.key else 'not set'}"
         )
     d = _dialect.of(tx)
-    b = _lock(tx, d, plan)
+    read = _get(tx, d, plan, budgets)
     key = NO_KEY if options.key is None else options.key
     last = None if limits.key is None else _last_turn(tx, plan, key)
-    turn = b.turn if last is None else max(b.turn, last + 1)
+    turn = read.turn if last is None else max(read.turn, last + 1)
     due = options.not_before is None or options.not_before <= now
-    b = attrs.evolve(b, seq=b.seq + 1)
+    b = attrs.evolve(read, seq=read.seq + 1)
+    counts = _key_counts(tx, plan, key) or (0, 0)
+    if due and limits.rate is None:
+        straight = _straight_in(
+            tx, limits, plan, key, counts, b, flow_id, options, turn, now, owner
+        )
+        if straight is not None:
+            b = attrs.evolve(b, active=b.active + 1, turn=max(b.turn, turn))
+            _put(tx, plan, read, b, budgets)
+            return [straight]
     written = tx.execute(
         f"UPDATE {FLOWS} SET queue_key = ?, priority = ?, turn = ?, seq = ?, not_before = ?,"
         f" due = ? WHERE flow_id = ? AND plan = ? AND state = '{QUEUED}' AND seq IS NULL"
@@ -365,11 +427,56 @@ def enqueue(
     )
     if not written:
         raise ValueError(f"flow {flow_id!r} is not a flow of plan {plan!r} written QUEUED")
-    active, queued = _key_counts(tx, plan, key) or (0, 0)
+    active, queued = counts
     _write_key(tx, limits, plan, key, active, queued + 1)
     taken, b = _admit(tx, d, limits, plan, b, now, owner)
-    _write_budget(tx, plan, b)
+    _put(tx, plan, read, b, budgets)
     return taken
+
+
+def _straight_in(
+    tx: Tx,
+    limits: Limits,
+    plan: str,
+    key: str,
+    counts: tuple[int, int],
+    b: _Budget,
+    flow_id: str,
+    options: StartOptions,
+    turn: int,
+    now: float,
+    owner: str,
+) -> Admitted | None:
+    """A due start that nothing stands before, admitted as it is queued: its key has nobody
+    queued and room under ``per_key``, the plan room under ``concurrency`` (no rate: its window
+    is `_admit`'s) and no open key (a head another transaction holds). What `enqueue` then
+    `_admit` would write (its queue columns, ``RUNNING`` at the next revision, the
+    ``admitted`` history row, the key's counts), in fewer statements; None (nothing written)
+    if anything stands before it or its row is not a fresh queued start."""
+    active, queued = counts
+    if queued or (limits.per_key is not None and active >= limits.per_key):
+        return None
+    if not _room(limits, b):
+        return None
+    if tx.execute(f"SELECT 1 FROM {KEYS} WHERE plan = ? AND open = 1 LIMIT 1", (plan,)):
+        return None
+    rows = tx.execute(
+        f"UPDATE {FLOWS} SET queue_key = ?, priority = ?, turn = ?, seq = ?, not_before = ?,"
+        " due = 1, state = 'RUNNING', owner = ?, lease_until = NULL, revision = revision + 1,"
+        f" updated_at = ? WHERE flow_id = ? AND plan = ? AND state = '{QUEUED}'"
+        " AND seq IS NULL AND blocked_from IS NULL RETURNING revision",
+        (key, options.priority, turn, b.seq, options.not_before, owner or None, now, flow_id, plan),
+    )
+    if not rows:
+        return None
+    revision = int(rows[0][0])
+    tx.execute(
+        f"INSERT INTO {HISTORY} (flow_id, revision, n, at, kind, step, attempt, detail)"
+        " VALUES (?, ?, 0, ?, 'admitted', NULL, NULL, ?)",
+        (flow_id, revision, now, json.dumps({"engine": owner or None, "state": "RUNNING"})),
+    )
+    _write_key(tx, limits, plan, key, active + 1, 0)
+    return Admitted(flow_id, _key_of(limits, key), "RUNNING", revision)
 
 
 def _leave(tx: Tx, plan: str, flow_id: str) -> tuple[str, str]:
@@ -385,7 +492,13 @@ def _leave(tx: Tx, plan: str, flow_id: str) -> tuple[str, str]:
 
 
 def release(
-    tx: Tx, plan: str, limits: Limits, flow_id: str, now: float, owner: str
+    tx: Tx,
+    plan: str,
+    limits: Limits,
+    flow_id: str,
+    now: float,
+    owner: str,
+    budgets: Budgets | None = None,
 ) -> list[Admitted]:
     """Give back the slot of `flow_id`, which the caller has just written out of its slot
     state (ended, blocked), and admit the next queued flows in this transaction (held by
@@ -394,18 +507,24 @@ def release(
     key, state = _leave(tx, plan, flow_id)
     if _holds(state) or state == QUEUED:
         raise BudgetError(f"flow {flow_id!r} is {state}: it gives back no slot")
-    b = _lock(tx, d, plan)
+    read = _get(tx, d, plan, budgets)
     counts = _key_counts(tx, plan, key)
-    if counts is None or counts[0] < 1 or b.active < 1:
+    if counts is None or counts[0] < 1 or read.active < 1:
         raise BudgetError(f"flow {flow_id!r} of plan {plan!r}: a slot released while none is held")
     _write_key(tx, limits, plan, key, counts[0] - 1, counts[1])
-    taken, b = _admit(tx, d, limits, plan, attrs.evolve(b, active=b.active - 1), now, owner)
-    _write_budget(tx, plan, b)
+    taken, b = _admit(tx, d, limits, plan, attrs.evolve(read, active=read.active - 1), now, owner)
+    _put(tx, plan, read, b, budgets)
     return taken
 
 
 def unqueue(
-    tx: Tx, plan: str, limits: Limits, flow_id: str, now: float, owner: str
+    tx: Tx,
+    plan: str,
+    limits: Limits,
+    flow_id: str,
+    now: float,
+    owner: str,
+    budgets: Budgets | None = None,
 ) -> list[Admitted]:
     """Take `flow_id` out of the queue: the caller has just written it out of ``QUEUED``
     without admitting it (a cancel: it ends ``FAILED``); admit what its leaving lets go (a head
@@ -414,14 +533,13 @@ def unqueue(
     key, state = _leave(tx, plan, flow_id)
     if _holds(state) or state == QUEUED:
         raise BudgetError(f"flow {flow_id!r} is {state}: unqueue it once it has left the queue")
-    b = _lock(tx, d, plan)
+    b = _get(tx, d, plan, budgets)
     counts = _key_counts(tx, plan, key)
     if counts is None or counts[1] < 1:
         raise BudgetError(f"flow {flow_id!r} of plan {plan!r}: unqueued while none is queued")
     _write_key(tx, limits, plan, key, counts[0], counts[1] - 1)
     taken, after = _admit(tx, d, limits, plan, b, now, owner)
-    if after != b:
-        _write_budget(tx, plan, after)
+    _put(tx, plan, b, after, budgets)
     return taken
 
 

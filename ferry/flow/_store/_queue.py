@@ -143,6 +143,8 @@ def settle(tx: Tx, ops: Sequence[Op], results: list[Result], owner: str | None) 
     calls.sort(key=lambda c: (c[0], c[1]))
     limits: dict[str, Limits] = {}
     timed: dict[str, tuple[tuple[int, ...], float]] = {}  # plans whose timer may move
+    budgets = _admission.Budgets()  # each plan's row locked and written once (ADR 0182)
+    admitted: list[tuple[tuple[int, ...], list[str]]] = []
     for plan, fid, what, path in calls:
         if plan not in limits:
             read = _admission.limits_or_time if what == "enqueue" else _admission.limits_of
@@ -153,19 +155,23 @@ def settle(tx: Tx, ops: Sequence[Op], results: list[Result], owner: str | None) 
         if what in ("enqueue", "requeue"):
             f = _flow_at(results, path)
             taken = _admission.enqueue(
-                tx, plan, lim, fid, _options(tx, op, f, lim), now, owner or ""
+                tx, plan, lim, fid, _options(tx, op, f, lim), now, owner or "", budgets
             )
         elif what == "unqueue":
-            taken = _admission.unqueue(tx, plan, lim, fid, now, owner or "")
+            taken = _admission.unqueue(tx, plan, lim, fid, now, owner or "", budgets)
         elif what == "admit":
-            taken = _admission.admit(tx, plan, lim, _op_time(op, now), owner or "")
+            taken = _admission.admit(tx, plan, lim, _op_time(op, now), owner or "", budgets)
         else:
-            taken = _admission.release(tx, plan, lim, fid, now, owner or "")
+            taken = _admission.release(tx, plan, lim, fid, now, owner or "", budgets)
         if taken:
-            _with(results, path, read_admitted(tx, [a.flow_id for a in taken]))
+            admitted.append((path, [a.flow_id for a in taken]))
         delayed = isinstance(op, Create) and op.not_before is not None
         if lim.rate is not None or delayed or plan in timed:
             timed[plan] = (path, now)
+    budgets.write(tx)
+    rows = {f.flow_id: f for f in read_admitted(tx, [i for _p, ids in admitted for i in ids])}
+    for path, ids in admitted:
+        _with(results, path, tuple(rows[i] for i in ids if i in rows))
     for plan, (path, now) in timed.items():
         wake = _admission.next_wake(tx, plan, limits[plan], now)
         if wake is not None:
