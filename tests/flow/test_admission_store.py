@@ -527,9 +527,7 @@ def test_a_start_goes_straight_in_only_when_nothing_stands_before_it(db: Db) -> 
     assert [(a.flow_id, a.state) for a in got] == [("alone", "RUNNING")]
     assert states(db.tx, "p") == {"p-0": "RUNNING", "new": "RUNNING", "alone": "RUNNING"}
     history = db.transaction(
-        lambda tx: tx.execute(
-            f"SELECT flow_id, revision, kind FROM {HISTORY} ORDER BY flow_id", ()
-        )
+        lambda tx: tx.execute(f"SELECT flow_id, revision, kind FROM {HISTORY} ORDER BY flow_id", ())
     )
     assert [tuple(r) for r in history] == [
         ("alone", 1, "admitted"),
