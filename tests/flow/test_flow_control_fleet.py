@@ -7,7 +7,7 @@ closed starts at its time on the engine left, which saw the other leave at its s
 
 Seen to fail with `_queue._asks`' ``admit`` taken out (a1 stayed QUEUED with the slot free), and
 with `_queues.when_engines_leave` not firing (the delayed flow waited past its time:
-`TooSlowError`).
+`TooSlowError`), and, for a plan without limits, with its scan firing only limited plans.
 """
 
 from __future__ import annotations
@@ -124,11 +124,25 @@ def test_a_wake_that_held_a_passed_over_queued_head_admits_it_at_its_commit(
     assert db.transaction(partial(held, fid="a1")) == ("RUNNING", "e2")
 
 
+def reminder() -> flow.Plan:
+    """`mail`'s step on a plan without limits: its delayed starts alone give it a queue."""
+    plan = flow.Plan("reminder")
+
+    @plan.step
+    async def send(ctx: flow.Context) -> flow.Outcome:
+        return flow.park() if ctx.wake is None else flow.COMPLETE
+
+    return plan
+
+
+@pytest.mark.parametrize("make", [mail, reminder], ids=["limited", "without-limits"])
 async def test_a_delayed_start_whose_engine_closed_starts_on_the_engine_left(
-    pg_server: pg.PgServer,
+    pg_server: pg.PgServer, make: Callable[[], flow.Plan]
 ) -> None:
+    """Without limits too (docs/adr/0180): the engine left was open before the plan had a
+    queue, so only its scan can see that the plan has one to fire."""
     dsn = pg_server.fresh_schema_dsn("fcleft")
-    plan = mail()
+    plan = make()
     async with (
         PostgresStore(dsn) as sa_,
         switches.open_engine(sa_, [plan], owner="a", lease=30.0, scan_interval=0.2) as a,

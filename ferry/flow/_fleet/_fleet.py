@@ -144,7 +144,7 @@ class Rounds:
         # an operator leaves the gauge within one scan: docs/adr/0128).
         tally = self._tally
         tally.parked, tally.blocked, tally.queued = await store.transact(_store.count_waiting)
-        if _queues.plan_limits(self._versions):  # flow control: an engine that left
+        if shapes:  # flow control and delayed starts: an engine that left
             since = self._scanned_at
             at = await _queues.when_engines_leave(writes, self._clock, self._versions, since)
             self._scanned_at = at if since is None else max(since, at)

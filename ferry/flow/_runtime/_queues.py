@@ -108,13 +108,18 @@ async def fire(writes: Writes, plan: str, deadline: float) -> None:
         arm(writes, plan, wake)
 
 
-async def at_open(writes: Writes, clock: Clock, versions: Versions) -> None:
-    """A serving engine's first admission of each of its plans that has a queue (`fire` at
-    now): its limited plans, and those without limits that delayed starts gave a queue
-    (docs/adr/0180)."""
+async def with_queues(writes: Writes, versions: Versions) -> list[str]:
+    """This engine's plans that have a queue: its limited plans, and those without limits
+    that delayed starts gave one (docs/adr/0180; one read of the store's budget rows)."""
     ours = {name for name, _version in versions.shapes}
     queued = await writes._store.transact(_admission.budget_plans)
-    for name in sorted(set(plan_limits(versions)) | (ours & set(queued))):
+    return sorted(set(plan_limits(versions)) | (ours & set(queued)))
+
+
+async def at_open(writes: Writes, clock: Clock, versions: Versions) -> None:
+    """A serving engine's first admission of each of its plans that has a queue (`fire` at
+    now)."""
+    for name in await with_queues(writes, versions):
         await fire(writes, name, clock.now())
 
 
@@ -152,15 +157,17 @@ def started(writes: Writes, result: _op.Created, epoch: int) -> None:
 async def when_engines_leave(
     writes: Writes, clock: Clock, versions: Versions, since: float | None
 ) -> float:
-    """A fleet engine's scan (if it has limited plans): if an engine's lease ended since the
-    last scan (`since`, by the lease clock: it closed, or it lapsed: killed or frozen), each
-    limited plan is admitted and its timer read again (`fire`): the room a killed transaction
-    of it left (a queued head it held, passed over by another's admission) and the delayed
-    starts and rate windows whose timer was its own (docs/adr/0170). An engine that lived
-    between two scans counts too. One read per scan; the lease clock's time, for the next."""
+    """A fleet engine's scan: if an engine's lease ended since the last scan (`since`, by the
+    lease clock: it closed, or it lapsed: killed or frozen), each of this engine's plans that
+    has a queue (`with_queues`: a plan without limits has one once a delayed start gave it
+    one, perhaps after this engine opened) is admitted and its timer read again (`fire`): the
+    room a killed transaction of it left (a queued head it held, passed over by another's
+    admission) and the delayed starts and rate windows whose timer was its own (docs/adr/0170,
+    0180). An engine that lived between two scans counts too. One read per scan (and one more
+    when an engine left); the lease clock's time, for the next."""
     read = partial(_store.engines_left_on_clock, now=clock.now(), since=since)
     at, left = await writes._store.transact(read)
     if left:
-        for name in plan_limits(versions):
+        for name in await with_queues(writes, versions):
             await fire(writes, name, clock.now())
     return at
