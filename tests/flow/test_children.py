@@ -15,33 +15,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
-import pytest
 import trio
 import trio.lowlevel
 
 from ferry import flow
-from ferry.projected import PostgresStore, Store
-from tests import pg
 
 Log = list[tuple[str, ...]]
 Opener = Callable[..., Any]
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def where(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
-    """What an engine opens: an SQLite file's path, or one open PostgreSQL store."""
-    if request.param == "sqlite":
-        yield str(tmp_path / "flows.db")
-        return
-    server: pg.PgServer = request.getfixturevalue("pg_server")
-    store: Store = PostgresStore(server.fresh_schema_dsn(), connections=3)
-    try:
-        yield store
-    finally:
-        await store.aclose()
 
 
 def plans(log: Log, *, gate: dict[str, trio.Event] | None = None) -> tuple[flow.Plan, flow.Plan]:

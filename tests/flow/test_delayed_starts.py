@@ -12,30 +12,14 @@ while closed stayed `QUEUED` after the reopen: `TooSlowError`).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import trio
 import trio.testing
 
 from ferry import flow
-from ferry.projected import PostgresStore, Store
-from tests import pg, switches
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def where(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
-    if request.param == "sqlite":
-        yield str(tmp_path / "flows.db")
-        return
-    server: pg.PgServer = request.getfixturevalue("pg_server")
-    store: Store = PostgresStore(server.fresh_schema_dsn(), connections=3)
-    try:
-        yield store
-    finally:
-        await store.aclose()
+from tests import switches
 
 
 def reminder(ran: list[str], version: int = 1, limits: flow.Limits | None = None) -> flow.Plan:

@@ -13,7 +13,7 @@ with the kept ends in the order they came (the kept mapping differs from the one
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,24 +25,9 @@ from ferry import flow
 from ferry.flow._model._children import ChildResult
 from ferry.flow._model._values import COMPLETED, FAILED, PARKED, RUNNING, Flow
 from ferry.flow._runtime._gathered import Gathered
-from ferry.projected import PostgresStore, SqliteStore, Store, Tx
-from tests import pg
+from ferry.projected import SqliteStore, Tx
 
 Seen = list[tuple[type, list[tuple[str, ChildResult]], str]]
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def where(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
-    """What an engine opens: an SQLite file's path, or one open PostgreSQL store."""
-    if request.param == "sqlite":
-        yield str(tmp_path / "flows.db")
-        return
-    server: pg.PgServer = request.getfixturevalue("pg_server")
-    store: Store = PostgresStore(server.fresh_schema_dsn(), connections=3)
-    try:
-        yield store
-    finally:
-        await store.aclose()
 
 
 def plans(seen: Seen, gate: list[trio.Event]) -> tuple[flow.Plan, flow.Plan]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import AsyncIterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,21 +26,7 @@ import trio.testing
 
 from ferry import flow
 from ferry.flow._store import _admission
-from ferry.projected import PostgresStore, Store, Tx
-from tests import pg
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-async def where(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Any]:
-    if request.param == "sqlite":
-        yield str(tmp_path / "flows.db")
-        return
-    server: pg.PgServer = request.getfixturevalue("pg_server")
-    store: Store = PostgresStore(server.fresh_schema_dsn(), connections=3)
-    try:
-        yield store
-    finally:
-        await store.aclose()
+from ferry.projected import Tx
 
 
 def time_now() -> float:
