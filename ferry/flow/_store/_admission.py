@@ -57,9 +57,10 @@ from .._model import _admission, _limits
 from .._model._admission import BudgetError, Usage, Waiting
 from .._model._limits import Limits, StartOptions
 from . import _dialect
+from ._budgets import BUDGETS as BUDGETS  # one of its tables, named with the others
+from ._budgets import Budget, Budgets, get, lock, put, write_one
 from ._sql import FLOWS, HISTORY, STATES
 
-BUDGETS: Final = "flow_budgets"
 KEYS: Final = "flow_keys"
 ADMISSIONS: Final = "flow_admissions"
 QUEUED: Final = "QUEUED"  # `State.QUEUED` as the rows hold it
@@ -135,14 +136,6 @@ class Admitted:
     revision: int
 
 
-@attrs.frozen
-class _Budget:
-    active: int
-    seq: int
-    turn: int
-    in_window: int
-
-
 def register(tx: Tx, plan: str, limits: Limits) -> None:
     """The plan's budget row, made if missing (counts 0), with `limits` as stored
     (`Limits.stored`: what an operator reads; every call is given the limits it admits by)."""
@@ -189,63 +182,6 @@ def registered(tx: Tx) -> dict[str, Limits]:
     """Every limited plan of the store and the limits its budget row holds, by plan."""
     rows = tx.execute(f"SELECT plan, limits FROM {BUDGETS} ORDER BY plan")
     return {str(p): _limits.from_stored(json.loads(t)) for p, t in rows}
-
-
-@final
-class Budgets:
-    """One transaction's budget rows: each locked and read once (at its first use, in the lock
-    order of `_lock`), changed in memory by every call given it, written once by `write`
-    (`_queue.settle`: a batch's calls for one plan cost one lock and one write, not one of
-    each per call; docs/adr/0182)."""
-
-    __slots__ = ("_now", "_read")
-
-    def __init__(self) -> None:
-        self._read: dict[str, _Budget] = {}
-        self._now: dict[str, _Budget] = {}
-
-    def get(self, tx: Tx, d: _dialect.Dialect, plan: str) -> _Budget:
-        b = self._now.get(plan)
-        if b is None:
-            b = self._read[plan] = self._now[plan] = _lock(tx, d, plan)
-        return b
-
-    def put(self, plan: str, b: _Budget) -> None:
-        self._now[plan] = b
-
-    def write(self, tx: Tx) -> None:
-        """Write each budget row that changed since it was read (or last written)."""
-        for plan, b in self._now.items():
-            if b != self._read[plan]:
-                _write_budget(tx, plan, b)
-                self._read[plan] = b
-
-
-def _get(tx: Tx, d: _dialect.Dialect, plan: str, budgets: Budgets | None) -> _Budget:
-    return _lock(tx, d, plan) if budgets is None else budgets.get(tx, d, plan)
-
-
-def _put(tx: Tx, plan: str, before: _Budget, b: _Budget, budgets: Budgets | None) -> None:
-    if budgets is not None:
-        budgets.put(plan, b)
-    elif b != before:
-        _write_budget(tx, plan, b)
-
-
-def _lock(tx: Tx, d: _dialect.Dialect, plan: str) -> _Budget:
-    rows = tx.execute(
-        f"SELECT active, seq, turn, in_window FROM {BUDGETS} WHERE plan = ?{d.for_update}", (plan,)
-    )
-    if not rows:
-        raise ValueError(f"plan {plan!r} has no budget row: register it with its limits first")
-    return _Budget(*(int(v) for v in rows[0]))
-
-
-def _write_budget(tx: Tx, plan: str, b: _Budget) -> None:
-    tx.execute(
-        f"UPDATE {BUDGETS} SET active = ?, seq = ?, turn = ?, in_window = ? WHERE plan = ?",
-        (b.active, b.seq, b.turn, b.in_window, plan),
-    )
 
 
 def _key_of(limits: Limits, key: str) -> str | None:
@@ -298,14 +234,14 @@ def _write_key(tx: Tx, limits: Limits, plan: str, key: str, active: int, queued:
     )
 
 
-def _room(limits: Limits, b: _Budget) -> bool:
+def _room(limits: Limits, b: Budget) -> bool:
     """Room under the plan's own limits (`_admission.first_by_heads`'s first two checks)."""
     if limits.concurrency is not None and b.active >= limits.concurrency:
         return False
     return limits.rate is None or b.in_window < limits.rate.count
 
 
-def _prune(tx: Tx, limits: Limits, plan: str, b: _Budget, now: float) -> _Budget:
+def _prune(tx: Tx, limits: Limits, plan: str, b: Budget, now: float) -> Budget:
     """`b` with the admissions that left the window by `now` deleted (`_admission.prune`:
     kept are those at ``t > now - per``); each is deleted once, so amortised O(1)."""
     if limits.rate is None or b.in_window == 0:
@@ -318,8 +254,8 @@ def _prune(tx: Tx, limits: Limits, plan: str, b: _Budget, now: float) -> _Budget
 
 
 def _admit(
-    tx: Tx, d: _dialect.Dialect, limits: Limits, plan: str, b: _Budget, now: float, owner: str
-) -> tuple[list[Admitted], _Budget]:
+    tx: Tx, d: _dialect.Dialect, limits: Limits, plan: str, b: Budget, now: float, owner: str
+) -> tuple[list[Admitted], Budget]:
     """While the plan has room: the first open key's head, unless another transaction holds
     its row (then that key is passed over in this call), written active."""
     b = _prune(tx, limits, plan, b, now)
@@ -366,7 +302,7 @@ def _admit(
             at = now if last[0][0] is None else max(now, float(last[0][0]))
             tx.execute(f"INSERT INTO {ADMISSIONS} (plan, at) VALUES (?, ?)", (plan, at))
             window += 1
-        b = _Budget(b.active + 1, b.seq, max(b.turn, int(turn)), window)
+        b = Budget(b.active + 1, b.seq, max(b.turn, int(turn)), window)
         taken.append(Admitted(flow_id, _key_of(limits, key), state, revision))
     return taken, b
 
@@ -378,9 +314,9 @@ def admit(
     admitted flows, in order, held by `owner` ('' for none: an operator's engine). With
     `budgets`, the budget row is its (and written by its `write`), here and below."""
     d = _dialect.of(tx)
-    b = _get(tx, d, plan, budgets)
+    b = get(tx, d, plan, budgets)
     taken, after = _admit(tx, d, limits, plan, b, now, owner)
-    _put(tx, plan, b, after, budgets)
+    put(tx, plan, b, after, budgets)
     return taken
 
 
@@ -404,7 +340,7 @@ def enqueue(
             f" function is {'set' if limits.key else 'not set'}"
         )
     d = _dialect.of(tx)
-    read = _get(tx, d, plan, budgets)
+    read = get(tx, d, plan, budgets)
     key = NO_KEY if options.key is None else options.key
     last = None if limits.key is None else _last_turn(tx, plan, key)
     turn = read.turn if last is None else max(read.turn, last + 1)
@@ -417,7 +353,7 @@ def enqueue(
         )
         if straight is not None:
             b = attrs.evolve(b, active=b.active + 1, turn=max(b.turn, turn))
-            _put(tx, plan, read, b, budgets)
+            put(tx, plan, read, b, budgets)
             return [straight]
     written = tx.execute(
         f"UPDATE {FLOWS} SET queue_key = ?, priority = ?, turn = ?, seq = ?, not_before = ?,"
@@ -430,7 +366,7 @@ def enqueue(
     active, queued = counts
     _write_key(tx, limits, plan, key, active, queued + 1)
     taken, b = _admit(tx, d, limits, plan, b, now, owner)
-    _put(tx, plan, read, b, budgets)
+    put(tx, plan, read, b, budgets)
     return taken
 
 
@@ -440,19 +376,16 @@ def _straight_in(
     plan: str,
     key: str,
     counts: tuple[int, int],
-    b: _Budget,
+    b: Budget,
     flow_id: str,
     options: StartOptions,
     turn: int,
     now: float,
     owner: str,
 ) -> Admitted | None:
-    """A due start that nothing stands before, admitted as it is queued: its key has nobody
-    queued and room under ``per_key``, the plan room under ``concurrency`` (no rate: its window
-    is `_admit`'s) and no open key (a head another transaction holds). What `enqueue` then
-    `_admit` would write (its queue columns, ``RUNNING`` at the next revision, the
-    ``admitted`` history row, the key's counts), in fewer statements; None (nothing written)
-    if anything stands before it or its row is not a fresh queued start."""
+    """A due start admitted as it is queued, if nothing stands before it (its key has nobody
+    queued and room, the plan room and no open key; no rate): what `enqueue` then `_admit`
+    would write, in fewer statements. None (nothing written) if anything stands before it."""
     active, queued = counts
     if queued or (limits.per_key is not None and active >= limits.per_key):
         return None
@@ -507,13 +440,13 @@ def release(
     key, state = _leave(tx, plan, flow_id)
     if _holds(state) or state == QUEUED:
         raise BudgetError(f"flow {flow_id!r} is {state}: it gives back no slot")
-    read = _get(tx, d, plan, budgets)
+    read = get(tx, d, plan, budgets)
     counts = _key_counts(tx, plan, key)
     if counts is None or counts[0] < 1 or read.active < 1:
         raise BudgetError(f"flow {flow_id!r} of plan {plan!r}: a slot released while none is held")
     _write_key(tx, limits, plan, key, counts[0] - 1, counts[1])
     taken, b = _admit(tx, d, limits, plan, attrs.evolve(read, active=read.active - 1), now, owner)
-    _put(tx, plan, read, b, budgets)
+    put(tx, plan, read, b, budgets)
     return taken
 
 
@@ -533,13 +466,13 @@ def unqueue(
     key, state = _leave(tx, plan, flow_id)
     if _holds(state) or state == QUEUED:
         raise BudgetError(f"flow {flow_id!r} is {state}: unqueue it once it has left the queue")
-    b = _get(tx, d, plan, budgets)
+    b = get(tx, d, plan, budgets)
     counts = _key_counts(tx, plan, key)
     if counts is None or counts[1] < 1:
         raise BudgetError(f"flow {flow_id!r} of plan {plan!r}: unqueued while none is queued")
     _write_key(tx, limits, plan, key, counts[0], counts[1] - 1)
     taken, after = _admit(tx, d, limits, plan, b, now, owner)
-    _put(tx, plan, b, after, budgets)
+    put(tx, plan, b, after, budgets)
     return taken
 
 
@@ -553,7 +486,7 @@ def came_due(tx: Tx, plan: str, limits: Limits, now: float, owner: str) -> list[
         f" AND due = 0 AND not_before <= ? ORDER BY flow_id{d.for_update}",
         (plan, now),
     )
-    b = _lock(tx, d, plan)
+    b = lock(tx, d, plan)
     ids = [r[0] for r in rows]
     for lo in range(0, len(ids), 500):
         part = ids[lo : lo + 500]
@@ -568,7 +501,7 @@ def came_due(tx: Tx, plan: str, limits: Limits, now: float, owner: str) -> list[
         _write_key(tx, limits, plan, key, *counts)
     taken, after = _admit(tx, d, limits, plan, b, now, owner)
     if after != b:
-        _write_budget(tx, plan, after)
+        write_one(tx, plan, after)
     return taken
 
 

@@ -39,7 +39,7 @@ from .._model import _admission as adm
 from .._model._limits import Limits, StartOptions
 from .._model._types import State
 from .._model._values import Flow
-from . import _admission, _dialect
+from . import _admission, _budgets, _dialect
 from ._op import Changed, Create, Created, Op, Result
 from ._sql import COLUMNS, FLOWS, to_flow
 
@@ -143,7 +143,7 @@ def settle(tx: Tx, ops: Sequence[Op], results: list[Result], owner: str | None) 
     calls.sort(key=lambda c: (c[0], c[1]))
     limits: dict[str, Limits] = {}
     timed: dict[str, tuple[tuple[int, ...], float]] = {}  # plans whose timer may move
-    budgets = _admission.Budgets()  # each plan's row locked and written once (ADR 0182)
+    budgets = _budgets.Budgets()  # each plan's row locked and written once (ADR 0182)
     admitted: list[tuple[tuple[int, ...], list[str]]] = []
     for plan, fid, what, path in calls:
         if plan not in limits:
