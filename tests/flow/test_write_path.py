@@ -261,12 +261,14 @@ ELSEWHERE = frozenset(
 async def test_a_wake_runs_no_closure_and_few_frames(tmp_path: Path) -> None:
     """Before: 23 frames deep (14 on the trio side, 9 on the store's thread) in 12 modules,
     about 139 functions, 5 closures of the write path; after: 21 (13, 8) in 12 to 13, 134 to
-    147 functions (the store in files by job has a few more), none."""
+    147 functions (the store in files by job has a few more), none. Since the queues, schedules
+    and streams joined the batch: 157 to 164 functions, by whether the trio side waits for the
+    store's thread's answer or finds it there (7 of trio's own), and 62 to 66 on that thread."""
     figures = await _wake_path(tmp_path)
     print("\n" + figures.line("one wake"))
     assert set(figures.closures) <= ELSEWHERE, figures
     assert figures.frames <= 21, figures
-    assert figures.functions <= 160, figures
+    assert figures.functions <= 168, figures
 
 
 async def test_a_step_outcome_runs_no_closure_and_few_frames(tmp_path: Path) -> None:
