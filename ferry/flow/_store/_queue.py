@@ -40,6 +40,7 @@ from .._model._limits import Limits, StartOptions
 from .._model._types import State
 from .._model._values import Flow
 from . import _admission, _budgets, _dialect
+from . import _admission_batch as many
 from ._op import Changed, Create, Created, Op, Result
 from ._sql import COLUMNS, FLOWS, to_flow
 
@@ -145,29 +146,53 @@ def settle(tx: Tx, ops: Sequence[Op], results: list[Result], owner: str | None) 
     timed: dict[str, tuple[tuple[int, ...], float]] = {}  # plans whose timer may move
     budgets = _budgets.Budgets()  # each plan's row locked and written once (ADR 0182)
     admitted: list[tuple[tuple[int, ...], list[str]]] = []
-    for plan, fid, what, path in calls:
-        if plan not in limits:
-            read = _admission.limits_or_time if what == "enqueue" else _admission.limits_of
-            limits[plan] = read(tx, plan)
-        lim = limits[plan]
-        op = _at(ops, results, path)
-        now = _time(results, path)
-        if what in ("enqueue", "requeue"):
-            f = _flow_at(results, path)
-            taken = _admission.enqueue(
-                tx, plan, lim, fid, _options(tx, op, f, lim), now, owner or "", budgets
-            )
-        elif what == "unqueue":
-            taken = _admission.unqueue(tx, plan, lim, fid, now, owner or "", budgets)
-        elif what == "admit":
-            taken = _admission.admit(tx, plan, lim, _op_time(op, now), owner or "", budgets)
-        else:
-            taken = _admission.release(tx, plan, lim, fid, now, owner or "", budgets)
-        if taken:
-            admitted.append((path, [a.flow_id for a in taken]))
-        delayed = isinstance(op, Create) and op.not_before is not None
-        if lim.rate is not None or delayed or plan in timed:
-            timed[plan] = (path, now)
+    by_plan: dict[str, list[_Call]] = {}
+    for call in calls:
+        by_plan.setdefault(call[0], []).append(call)
+    for plan, mine in by_plan.items():
+        what0 = mine[0][2]
+        read = _admission.limits_or_time if what0 == "enqueue" else _admission.limits_of
+        lim = limits[plan] = read(tx, plan)
+        # A plan's ends first (the room they give back goes to its queue before new starts),
+        # then its due fresh starts, each kind together when it is more than one (ADR 0182);
+        # the rest one by one, in flow id order.
+        ends = [c for c in mine if c[2] == "release"]
+        fresh = [c for c in mine if c[2] == "enqueue" and _fresh(ops, results, c[3])]
+        rest = [c for c in mine if c[2] != "release" and c not in fresh]
+        if len(ends) > 1:
+            path = ends[-1][3]
+            now = max(_time(results, c[3]) for c in ends)
+            ids = [c[1] for c in ends]
+            taken = many.release_many(tx, plan, lim, ids, now, owner or "", budgets)
+            if taken:
+                admitted.append((path, [a.flow_id for a in taken]))
+            ends = []
+        if len(fresh) > 1:
+            got = _starts(tx, ops, results, plan, lim, fresh, owner or "", budgets)
+            if got is not None:
+                admitted += got
+                fresh = []
+        for _plan, fid, what, path in [*ends, *fresh, *rest]:
+            op = _at(ops, results, path)
+            now = _time(results, path)
+            if what in ("enqueue", "requeue"):
+                f = _flow_at(results, path)
+                taken = _admission.enqueue(
+                    tx, plan, lim, fid, _options(tx, op, f, lim), now, owner or "", budgets
+                )
+            elif what == "unqueue":
+                taken = _admission.unqueue(tx, plan, lim, fid, now, owner or "", budgets)
+            elif what == "admit":
+                taken = _admission.admit(tx, plan, lim, _op_time(op, now), owner or "", budgets)
+            else:
+                taken = _admission.release(tx, plan, lim, fid, now, owner or "", budgets)
+            if taken:
+                admitted.append((path, [a.flow_id for a in taken]))
+        for _plan, _fid, _what, path in mine:
+            op = _at(ops, results, path)
+            delayed = isinstance(op, Create) and op.not_before is not None
+            if lim.rate is not None or delayed or plan in timed:
+                timed[plan] = (path, _time(results, path))
     budgets.write(tx)
     rows = {f.flow_id: f for f in read_admitted(tx, [i for _p, ids in admitted for i in ids])}
     for path, ids in admitted:
@@ -176,6 +201,37 @@ def settle(tx: Tx, ops: Sequence[Op], results: list[Result], owner: str | None) 
         wake = _admission.next_wake(tx, plan, limits[plan], now)
         if wake is not None:
             _with(results, path, wakes=((plan, wake),))
+
+
+def _fresh(ops: Sequence[Op | None], results: Sequence[Result], path: tuple[int, ...]) -> bool:
+    """Is the call at `path` a new start that is due (no time to wait for)?"""
+    op = _at(ops, results, path)
+    if not isinstance(op, Create):
+        return False
+    return op.not_before is None or op.not_before <= _time(results, path)
+
+
+def _starts(
+    tx: Tx,
+    ops: Sequence[Op | None],
+    results: Sequence[Result],
+    plan: str,
+    limits: Limits,
+    fresh: Sequence[_Call],
+    owner: str,
+    budgets: _budgets.Budgets,
+) -> list[tuple[tuple[int, ...], list[str]]] | None:
+    """`many.start_many` for the due fresh starts `fresh` of `plan`: each admitted flow with
+    the path of its own start; None if they cannot all go straight in (nothing written)."""
+    starts = []
+    for _plan, fid, _what, path in fresh:
+        f = _flow_at(results, path)
+        starts.append((fid, _options(tx, _at(ops, results, path), f, limits), f.revision))
+    now = max(_time(results, c[3]) for c in fresh)
+    taken = many.start_many(tx, plan, limits, starts, now, owner, budgets)
+    if taken is None:
+        return None
+    return [(c[3], [a.flow_id]) for c, a in zip(fresh, taken, strict=True)]
 
 
 def _op_time(op: Op | None, row_time: float) -> float:
