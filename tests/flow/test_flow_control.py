@@ -153,6 +153,90 @@ async def test_a_per_key_limit_serialises_a_key_and_lets_another_run(where: Any)
         assert await budget(where, "mail") == (1, 0)
 
 
+async def test_starts_and_ends_written_together_are_settled_together(
+    where: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Starts and ends that one batch writes are settled together (docs/adr/0182): 8 starts
+    over two keys at once (2 a key and 4 in all may run), then the 4 running woken at once:
+    their ends admit the 4 queued; then 4 more at once with room for all (admitted as they are
+    queued). At the end every counter is back to 0, no key row is left and each flow was
+    admitted once. (Made to fail by a group's release leaving its key's count as it was: the
+    queued flows of that key never ran; and by a group of starts counting one key's slots
+    twice: the last wave queued.)"""
+    from ferry.flow._store import _admission_batch as many
+
+    grouped: list[str] = []
+    for name in ("release_many", "start_many"):
+        real = getattr(many, name)
+
+        def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            got = _real(*args, **kwargs)
+            grouped.append(_name if got is not None else f"{_name}: one by one")
+            return got
+
+        monkeypatch.setattr(many, name, spy)
+    log: list[str] = []
+    plan = mail(flow.Limits(concurrency=4, key=lambda d: str(d["user"]), per_key=2), log)
+    ids = [f"{u}{i}" for u in "ab" for i in range(4)]
+    async with flow.open_engine(where, plans=[plan]) as engine:
+        async with trio.open_nursery() as nursery:
+            for fid in ids:
+                nursery.start_soon(partial(engine.start, plan, flow_id=fid, data={"user": fid[0]}))
+        first = [f"{u}{i}" for u in "ab" for i in range(2)]
+        for fid in first:
+            await state(engine, fid, flow.State.PARKED)
+        assert await budget(where, "mail") == (4, 4)
+        for wave in (first, [f for f in ids if f not in first]):
+            async with trio.open_nursery() as nursery:
+                for fid in wave:
+                    nursery.start_soon(engine.wake, fid, "ok")
+            for fid in wave:
+                assert (await engine.wait(fid, timeout=30)).state is flow.State.COMPLETED
+            if wave is first:
+                for fid in ids:
+                    if fid not in first:
+                        await state(engine, fid, flow.State.PARKED)
+                assert await budget(where, "mail") == (4, 0)
+        assert await budget(where, "mail") == (0, 0)
+        # 4 more at once, room for all: admitted as they are queued, together.
+        more = [f"{u}{i}" for u in "ab" for i in range(4, 6)]
+        async with trio.open_nursery() as nursery:
+            for fid in more:
+                nursery.start_soon(partial(engine.start, plan, flow_id=fid, data={"user": fid[0]}))
+        for fid in more:
+            await state(engine, fid, flow.State.PARKED)
+        assert await budget(where, "mail") == (4, 0)
+        async with trio.open_nursery() as nursery:
+            for fid in more:
+                nursery.start_soon(engine.wake, fid, "ok")
+        for fid in more:
+            assert (await engine.wait(fid, timeout=30)).state is flow.State.COMPLETED
+        assert await budget(where, "mail") == (0, 0)
+        ids += more
+
+    keys_sql = "SELECT COUNT(*) FROM flow_keys WHERE plan = 'mail'"
+    admitted_sql = (
+        "SELECT flow_id, COUNT(*) FROM flow_history WHERE kind = 'admitted'"
+        " GROUP BY flow_id ORDER BY flow_id"
+    )
+    if isinstance(where, str):
+        db = sqlite3.connect(where)
+        try:
+            keys = db.execute(keys_sql).fetchone()[0]
+            admitted = [tuple(r) for r in db.execute(admitted_sql)]
+        finally:
+            db.close()
+    else:
+
+        def left(tx: Tx) -> tuple[int, list[tuple[Any, ...]]]:
+            return int(tx.execute(keys_sql)[0][0]), [tuple(r) for r in tx.execute(admitted_sql)]
+
+        keys, admitted = await where.transact(left)
+    assert keys == 0
+    assert admitted == [(fid, 1) for fid in sorted(ids)]
+    assert "release_many" in grouped and "start_many" in grouped, grouped
+
+
 async def test_a_reopen_keeps_the_slots_in_flight_and_admits_what_an_end_frees(
     tmp_path: Path,
 ) -> None:
