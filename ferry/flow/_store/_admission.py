@@ -36,8 +36,8 @@ lock and write once per transaction. An end adds its claim, its key's counts and
 its key's last turn, its queue columns, its key's counts and row. Each is an index probe or a
 one-row write whatever the queue's length (the tests compare them, and their plans, at 1,000
 and 100,000 queued). A due start that nothing stands before is admitted as it is queued
-(`_straight_in`: its key's counts, the open keys' probe, one update of its row, its history row,
-its key's row), and a batch locks and writes each plan's budget once (`Budgets`; docs/adr/0182).
+(`_straight_in`), a batch locks and writes each plan's budget once (`Budgets`), and settles
+its ends and due fresh starts of a plan together (`_admission_batch`; docs/adr/0182).
 Plans without limits never call here.
 
 No trio, no clock: `now` is the caller's (on a fleet, the lease clock, `Dialect.clock`).

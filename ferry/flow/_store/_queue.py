@@ -18,8 +18,10 @@ before and after alone (`_admission.slot_change`), whichever path wrote it:
 
 Each of them admits what its change lets go, in itself; the admitted flows are read back and
 set on the op's result (`Created.admitted`, `Changed.admitted`) for the engine to run. The
-calls go in plan order, then flow id order (one budget row after another in plan order: ADR
-0141's lock order), after every flow row of the batch is written. The limits a budget enforces
+calls go in plan order (one budget row after another in plan order: ADR 0141's lock order),
+after every flow row of the batch is written; within a plan its ends first, then its due fresh
+starts, each kind settled together when it is more than one (`_admission_batch`), then the
+rest in flow id order, each plan's budget row written once (ADR 0182). The limits a budget enforces
 are the ones its row holds (`_admission.limits_of`: what the engines registered at open), so
 an operator's process without the plan keeps the same budget.
 
