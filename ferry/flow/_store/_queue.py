@@ -158,9 +158,16 @@ def settle(tx: Tx, ops: Sequence[Op], results: list[Result], owner: str | None) 
         # A plan's ends first (the room they give back goes to its queue before new starts),
         # then its due fresh starts, each kind together when it is more than one (ADR 0182);
         # the rest one by one, in flow id order.
-        ends = [c for c in mine if c[2] == "release"]
-        fresh = [c for c in mine if c[2] == "enqueue" and _fresh(ops, results, c[3])]
-        rest = [c for c in mine if c[2] != "release" and c not in fresh]
+        ends: list[_Call] = []
+        fresh: list[_Call] = []
+        rest: list[_Call] = []
+        for c in mine:
+            if c[2] == "release":
+                ends.append(c)
+            elif c[2] == "enqueue" and _fresh(ops, results, c[3]):
+                fresh.append(c)
+            else:
+                rest.append(c)
         if len(ends) > 1:
             path = ends[-1][3]
             now = max(_time(results, c[3]) for c in ends)
