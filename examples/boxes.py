@@ -46,6 +46,9 @@ from typing import Any
 
 import trio
 
+if not __package__:  # run as a script: make `ferry` and `examples` importable from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from examples import _cli
 from ferry import flow
 
