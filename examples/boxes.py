@@ -21,7 +21,11 @@ Every order is a flow of the plan ``order``:
 A box is a flow of the plan ``box``: ``pack`` (compensation: unpack) and ``send`` (it gets a
 tracking number; compensation: recall the parcel). When an order compensates past
 ``ship_all``, its completed boxes are compensated first, the last one shipped first, each
-once, then ``ship_all``'s own compensation, then ``reserve``'s: the summary checks it.
+once, then ``ship_all``'s own compensation, then ``reserve``'s: the summary checks it. A box
+whose ``send`` ran while a sibling's failure stopped the spawn is cancelled with that step
+running: its outcome is discarded and its own ``recall`` never runs (SPEC: a cancelled step's
+changes are discarded), so ``ship_all``'s compensation recalls, by the carrier's record,
+whatever the order still has out, before calling the shipment off.
 
 At the end, a summary and an audit: every completed order has all its boxes shipped and none
 recalled; every failed order has every box it shipped recalled, exactly once, in the reverse
@@ -100,7 +104,18 @@ def plans(shop: Shop) -> tuple[flow.Plan, flow.Plan]:
         shop.log.append(("release", ctx.flow_id, ""))
 
     async def call_off(ctx: flow.Context) -> None:
-        shop.log.append(("call_off", ctx.flow_id, ""))
+        # A box whose `send` ran while a sibling's failure stopped the spawn was cancelled with
+        # that step running: its outcome is discarded and `recall` does not run for it (SPEC:
+        # a cancelled step's changes are discarded). So the order's own compensation recalls
+        # what the carrier still has out for it, by the carrier's record, before calling off.
+        order = ctx.flow_id
+        out = [b for what, o, b in shop.log if what == "sent" and o == order]
+        for what, o, b in shop.log:
+            if what in ("recall", "recall_late") and o == order and b in out:
+                out.remove(b)
+        for b in out:
+            shop.log.append(("recall_late", order, b))
+        shop.log.append(("call_off", order, ""))
 
     @order.step(compensate=release)
     async def reserve(ctx: flow.Context) -> None:
@@ -138,9 +153,14 @@ def audit(shop: Shop, ends: dict[str, flow.Snapshot], max_running: int) -> list[
             if recalled or len(sent) != len(snap.data["billed"]):
                 problems.append(f"{order}: completed with {sent} sent, {recalled} recalled")
             continue
-        if recalled != sent[::-1]:
-            problems.append(f"{order}: sent {sent} but recalled {recalled}")
-        kinds = [what for what, o, _b in shop.log if o == order]
+        late = [b for what, o, b in shop.log if what == "recall_late" and o == order]
+        if recalled != [b for b in sent[::-1] if b not in late] or sorted(
+            recalled + late
+        ) != sorted(sent):
+            problems.append(f"{order}: sent {sent} but recalled {recalled} (late: {late})")
+        kinds = [
+            "recall" if what == "recall_late" else what for what, o, _b in shop.log if o == order
+        ]
         if "call_off" in kinds and "recall" in kinds:
             last_recall = len(kinds) - 1 - kinds[::-1].index("recall")
             if kinds.index("call_off") < last_recall:
@@ -161,12 +181,20 @@ async def run_orders(path: str, args: Any) -> dict[str, Any]:
         for fid in ids:
             ends[fid] = await engine.wait(fid, timeout=60)
         stats = engine.statistics()
-    problems = audit(shop, ends, args.max_running)
+        # A parcel recalled late must be one whose `send` never completed durably (else its
+        # own compensation should have recalled it): the box's history says which.
+        unsent = []
+        for what, order_id, name in shop.log:
+            if what == "recall_late":
+                events = await engine.history(f"{order_id}/1/{name}")
+                if any(e.kind == "step" and e.step == "send" for e in events):
+                    unsent.append(f"{order_id}/1/{name}: send completed, yet recalled late")
+    problems = audit(shop, ends, args.max_running) + unsent
     states = [s.state.name for s in ends.values()]
     return {
         "orders": {"started": len(ends), **{s: states.count(s) for s in sorted(set(states))}},
         "boxes_sent": sum(1 for e in shop.log if e[0] == "sent"),
-        "boxes_recalled": sum(1 for e in shop.log if e[0] == "recall"),
+        "boxes_recalled": sum(1 for e in shop.log if e[0] in ("recall", "recall_late")),
         "most_boxes_at_once": max(shop.most.values(), default=0),
         "steps_run": stats.steps_run,
         "audit": {"ok": not problems, "problems": problems},
