@@ -35,10 +35,8 @@ row's write, and (with a rate) a probe for the window's last time and its insert
 lock and write once per transaction. An end adds its claim, its key's counts and row; a start
 its key's last turn, its queue columns, its key's counts and row. Each is an index probe or a
 one-row write whatever the queue's length (the tests compare them, and their plans, at 1,000
-and 100,000 queued). A due start that nothing stands before is admitted as it is queued
-(`_straight_in`), a batch locks and writes each plan's budget once (`Budgets`), and settles
-its ends and due fresh starts of a plan together (`_admission_batch`; docs/adr/0182).
-Plans without limits never call here.
+and 100,000 queued). A batch's forms (`Budgets`, `_straight_in`, `_admission_batch`): ADR
+0182 (their shared statements: `_rows`). Plans without limits never call here.
 
 No trio, no clock: `now` is the caller's (on a fleet, the lease clock, `Dialect.clock`).
 """
@@ -59,11 +57,12 @@ from .._model._limits import Limits, StartOptions
 from . import _dialect
 from ._budgets import BUDGETS as BUDGETS  # one of its tables, named with the others
 from ._budgets import Budget, Budgets, get, lock, put, write_one
-from ._sql import FLOWS, HISTORY, STATES
+from ._rows import ADMITTED, STRAIGHT_IN, admitted_detail, any_open
+from ._rows import KEYS as KEYS  # its tables and states, named with the others
+from ._rows import QUEUED as QUEUED
+from ._sql import FLOWS, STATES
 
-KEYS: Final = "flow_keys"
 ADMISSIONS: Final = "flow_admissions"
-QUEUED: Final = "QUEUED"  # `State.QUEUED` as the rows hold it
 
 #: The flows table's queue columns (in `_schema.ddl`, and added to an older store).
 FLOW_COLUMNS: Final = (
@@ -289,11 +288,7 @@ def _admit(
             " revision = ?, updated_at = ? WHERE flow_id = ?",
             (state, owner or None, revision, now, flow_id),
         )
-        tx.execute(
-            f"INSERT INTO {HISTORY} (flow_id, revision, n, at, kind, step, attempt, detail)"
-            " VALUES (?, ?, 0, ?, 'admitted', NULL, NULL, ?)",
-            (flow_id, revision, now, json.dumps({"engine": owner or None, "state": state})),
-        )
+        tx.execute(ADMITTED, (flow_id, revision, now, admitted_detail(owner, state)))
         _write_key(tx, limits, plan, key, int(active) + 1, int(queued) - 1)
         window = b.in_window
         if limits.rate is not None:
@@ -347,14 +342,12 @@ def enqueue(
     due = options.not_before is None or options.not_before <= now
     b = attrs.evolve(read, seq=read.seq + 1)
     counts = _key_counts(tx, plan, key) or (0, 0)
-    if due and limits.rate is None:
-        straight = _straight_in(
-            tx, limits, plan, key, counts, b, flow_id, options, turn, now, owner
-        )
-        if straight is not None:
-            b = attrs.evolve(b, active=b.active + 1, turn=max(b.turn, turn))
-            put(tx, plan, read, b, budgets)
-            return [straight]
+    straight = due and _straight_in(
+        tx, limits, plan, key, counts, b, flow_id, options, turn, now, owner
+    )
+    if isinstance(straight, Admitted):
+        put(tx, plan, read, attrs.evolve(b, active=b.active + 1, turn=max(b.turn, turn)), budgets)
+        return [straight]
     written = tx.execute(
         f"UPDATE {FLOWS} SET queue_key = ?, priority = ?, turn = ?, seq = ?, not_before = ?,"
         f" due = ? WHERE flow_id = ? AND plan = ? AND state = '{QUEUED}' AND seq IS NULL"
@@ -387,27 +380,22 @@ def _straight_in(
     queued and room, the plan room and no open key; no rate): what `enqueue` then `_admit`
     would write, in fewer statements. None (nothing written) if anything stands before it."""
     active, queued = counts
-    if queued or (limits.per_key is not None and active >= limits.per_key):
+    if (
+        queued
+        or limits.rate is not None
+        or (limits.per_key is not None and active >= limits.per_key)
+    ):
         return None
-    if not _room(limits, b):
-        return None
-    if tx.execute(f"SELECT 1 FROM {KEYS} WHERE plan = ? AND open = 1 LIMIT 1", (plan,)):
+    if not _room(limits, b) or any_open(tx, plan):
         return None
     rows = tx.execute(
-        f"UPDATE {FLOWS} SET queue_key = ?, priority = ?, turn = ?, seq = ?, not_before = ?,"
-        " due = 1, state = 'RUNNING', owner = ?, lease_until = NULL, revision = revision + 1,"
-        f" updated_at = ? WHERE flow_id = ? AND plan = ? AND state = '{QUEUED}'"
-        " AND seq IS NULL AND blocked_from IS NULL RETURNING revision",
+        STRAIGHT_IN + " RETURNING revision",
         (key, options.priority, turn, b.seq, options.not_before, owner or None, now, flow_id, plan),
     )
     if not rows:
         return None
     revision = int(rows[0][0])
-    tx.execute(
-        f"INSERT INTO {HISTORY} (flow_id, revision, n, at, kind, step, attempt, detail)"
-        " VALUES (?, ?, 0, ?, 'admitted', NULL, NULL, ?)",
-        (flow_id, revision, now, json.dumps({"engine": owner or None, "state": "RUNNING"})),
-    )
+    tx.execute(ADMITTED, (flow_id, revision, now, admitted_detail(owner, "RUNNING")))
     _write_key(tx, limits, plan, key, active + 1, 0)
     return Admitted(flow_id, _key_of(limits, key), "RUNNING", revision)
 

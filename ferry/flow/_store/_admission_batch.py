@@ -17,7 +17,6 @@ Synchronous, inside the batch's transaction: no trio, no clock.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from collections.abc import Sequence
 
@@ -29,9 +28,7 @@ from .._model._admission import BudgetError
 from .._model._limits import Limits, StartOptions
 from . import _dialect
 from ._admission import (
-    KEYS,
     NO_KEY,
-    QUEUED,
     Admitted,
     _admit,
     _holds,
@@ -40,7 +37,8 @@ from ._admission import (
     _write_key,
 )
 from ._budgets import Budgets, get, put
-from ._sql import FLOWS, HISTORY
+from ._rows import ADMITTED, QUEUED, STRAIGHT_IN, admitted_detail, any_open
+from ._sql import FLOWS
 
 #: Flow ids a statement names, at most.
 _PART = 500
@@ -116,7 +114,7 @@ def start_many(
         if queued or (limits.per_key is not None and active + keys[key] > limits.per_key):
             return None
         counts[key] = active
-    if tx.execute(f"SELECT 1 FROM {KEYS} WHERE plan = ? AND open = 1 LIMIT 1", (plan,)):
+    if any_open(tx, plan):
         return None
     # Nobody queued in their keys: each start's turn is the budget's (`enqueue`'s), its seq
     # the next; the admission keeps the budget's turn.
@@ -127,13 +125,7 @@ def start_many(
         key = NO_KEY if o.key is None else o.key
         rows.append((key, o.priority, read.turn, read.seq + i, o.not_before, who, now, fid, plan))
         taken.append(Admitted(fid, _key_of(limits, key), "RUNNING", revision + 1))
-    tx.executemany(
-        f"UPDATE {FLOWS} SET queue_key = ?, priority = ?, turn = ?, seq = ?, not_before = ?,"
-        " due = 1, state = 'RUNNING', owner = ?, lease_until = NULL, revision = revision + 1,"
-        f" updated_at = ? WHERE flow_id = ? AND plan = ? AND state = '{QUEUED}'"
-        " AND seq IS NULL AND blocked_from IS NULL",
-        rows,
-    )
+    tx.executemany(STRAIGHT_IN, rows)
     ids = [a.flow_id for a in taken]
     moved = 0
     for lo in range(0, len(ids), _PART):
@@ -147,12 +139,8 @@ def start_many(
         )
     if moved != len(ids):  # a row that was not a fresh queued start: the batch is refused
         raise BudgetError(f"plan {plan!r}: {len(ids) - moved} of {len(ids)} starts not queued")
-    detail = json.dumps({"engine": who, "state": "RUNNING"})
-    tx.executemany(
-        f"INSERT INTO {HISTORY} (flow_id, revision, n, at, kind, step, attempt, detail)"
-        " VALUES (?, ?, 0, ?, 'admitted', NULL, NULL, ?)",
-        [(a.flow_id, a.revision, now, detail) for a in taken],
-    )
+    detail = admitted_detail(owner, "RUNNING")
+    tx.executemany(ADMITTED, [(a.flow_id, a.revision, now, detail) for a in taken])
     for key in sorted(keys):
         _write_key(tx, limits, plan, key, counts[key] + keys[key], 0)
     n = len(starts)

@@ -158,32 +158,33 @@ def settle(tx: Tx, ops: Sequence[Op], results: list[Result], owner: str | None) 
         # A plan's ends first (the room they give back goes to its queue before new starts),
         # then its due fresh starts, each kind together when it is more than one (ADR 0182);
         # the rest one by one, in flow id order.
+        seen = {c[3]: (_at(ops, results, c[3]), _time(results, c[3])) for c in mine}  # op, now
         ends: list[_Call] = []
         fresh: list[_Call] = []
         rest: list[_Call] = []
         for c in mine:
+            op, now = seen[c[3]]
             if c[2] == "release":
                 ends.append(c)
-            elif c[2] == "enqueue" and _fresh(ops, results, c[3]):
+            elif c[2] == "enqueue" and isinstance(op, Create) and _due(op, now):
                 fresh.append(c)
             else:
                 rest.append(c)
         if len(ends) > 1:
             path = ends[-1][3]
-            now = max(_time(results, c[3]) for c in ends)
+            now = max(seen[c[3]][1] for c in ends)
             ids = [c[1] for c in ends]
             taken = many.release_many(tx, plan, lim, ids, now, owner or "", budgets)
             if taken:
                 admitted.append((path, [a.flow_id for a in taken]))
             ends = []
         if len(fresh) > 1:
-            got = _starts(tx, ops, results, plan, lim, fresh, owner or "", budgets)
+            got = _starts(tx, results, seen, plan, lim, fresh, owner or "", budgets)
             if got is not None:
                 admitted += got
                 fresh = []
         for _plan, fid, what, path in [*ends, *fresh, *rest]:
-            op = _at(ops, results, path)
-            now = _time(results, path)
+            op, now = seen[path]
             if what in ("enqueue", "requeue"):
                 f = _flow_at(results, path)
                 taken = _admission.enqueue(
@@ -198,10 +199,10 @@ def settle(tx: Tx, ops: Sequence[Op], results: list[Result], owner: str | None) 
             if taken:
                 admitted.append((path, [a.flow_id for a in taken]))
         for _plan, _fid, _what, path in mine:
-            op = _at(ops, results, path)
+            op, now = seen[path]
             delayed = isinstance(op, Create) and op.not_before is not None
             if lim.rate is not None or delayed or plan in timed:
-                timed[plan] = (path, _time(results, path))
+                timed[plan] = (path, now)
     budgets.write(tx)
     rows = {f.flow_id: f for f in read_admitted(tx, [i for _p, ids in admitted for i in ids])}
     for path, ids in admitted:
@@ -212,18 +213,15 @@ def settle(tx: Tx, ops: Sequence[Op], results: list[Result], owner: str | None) 
             _with(results, path, wakes=((plan, wake),))
 
 
-def _fresh(ops: Sequence[Op | None], results: Sequence[Result], path: tuple[int, ...]) -> bool:
-    """Is the call at `path` a new start that is due (no time to wait for)?"""
-    op = _at(ops, results, path)
-    if not isinstance(op, Create):
-        return False
-    return op.not_before is None or op.not_before <= _time(results, path)
+def _due(op: Create, now: float) -> bool:
+    """Is the start `op` due at `now` (no time to wait for)?"""
+    return op.not_before is None or op.not_before <= now
 
 
 def _starts(
     tx: Tx,
-    ops: Sequence[Op | None],
     results: Sequence[Result],
+    seen: dict[tuple[int, ...], tuple[Op | None, float]],
     plan: str,
     limits: Limits,
     fresh: Sequence[_Call],
@@ -235,8 +233,8 @@ def _starts(
     starts = []
     for _plan, fid, _what, path in fresh:
         f = _flow_at(results, path)
-        starts.append((fid, _options(tx, _at(ops, results, path), f, limits), f.revision))
-    now = max(_time(results, c[3]) for c in fresh)
+        starts.append((fid, _options(tx, seen[path][0], f, limits), f.revision))
+    now = max(seen[c[3]][1] for c in fresh)
     taken = many.start_many(tx, plan, limits, starts, now, owner, budgets)
     if taken is None:
         return None
