@@ -274,9 +274,11 @@ async def test_a_wake_runs_no_closure_and_few_frames(tmp_path: Path) -> None:
 async def test_a_step_outcome_runs_no_closure_and_few_frames(tmp_path: Path) -> None:
     """Before: 20 frames deep (12, 8) in 11 modules, 123 to 129 functions, 1 closure of the write
     path (and a `_Held` object called on the store's thread); after: 19 (12, 7) in 11 to 12, 118
-    to 131, none."""
+    to 131, none. Since the queues, schedules and streams joined the batch: 138 to 149, the
+    trio side 91 to 101 by whether it waits for the store's thread's answer or finds it there
+    (as the wake's, above)."""
     figures = await _outcome_path(tmp_path)
     print("\n" + figures.line("one step outcome"))
     assert set(figures.closures) <= ELSEWHERE, figures
     assert figures.frames <= 19, figures
-    assert figures.functions <= 145, figures
+    assert figures.functions <= 152, figures
